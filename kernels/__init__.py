@@ -1,0 +1,1 @@
+"""Triton bitfield attention kernels (installed as ``lightning_mm.kernels``)."""
