@@ -137,8 +137,8 @@ def test_dag_vision2_audio1_llm2_m4_exact_order():
     )
     # audio.0: depth 2, a source stage
     assert compact(s["audio.0"]) == (
-        f"F0 sf0>{LM0} F1 sf1>{LM0} rb0<{LM0} B0 F2 sf2>{LM0} rb1<{LM0} B1 "
-        f"F3 sf3>{LM0} rb2<{LM0} B2 rb3<{LM0} B3"
+        f"F0 sf0>{LM0} F1 sf1>{LM0} F2 sf2>{LM0} rb0<{LM0} B0 "
+        f"F3 sf3>{LM0} rb1<{LM0} B1 rb2<{LM0} B2 rb3<{LM0} B3"
     )
     # language_model.0: receives from both encoders (graph order) and sends gradients to both
     fwd = lambda m: f"rf{m}<vision.1 rf{m}<audio.0 F{m} sf{m}>{LM1}"  # noqa: E731
