@@ -1,0 +1,402 @@
+"""How each supported HF model family splits into embedding / layers / final parts.
+
+Every adapter exposes the same three steps, so a pipeline stage can run any contiguous slice of layers:
+``embed`` (inputs -> hidden + a context of tensors the layers need), ``run_layer`` and ``final``. Running them
+back to back reproduces the family's own HF forward (tested against it). Each adapter also builds a tiny
+config for tests, since nothing here may download weights.
+
+Encoder outputs are flattened to ``[total_tokens, dim]`` (all items of the batch in order), the form in which
+they are scattered into the LLM sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# ----------------------------------------------------------------------------------------------------------
+# Language models
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """A decoder-only causal LM with ``model.{embed_tokens, layers, norm, rotary_emb}`` and ``lm_head``."""
+
+    name: str
+    model_type: str
+    class_name: str
+    config_name: str
+
+    def embed_tokens(self, lm):
+        return lm.model.embed_tokens
+
+    def layers(self, lm) -> nn.ModuleList:
+        return lm.model.layers
+
+    def hidden_size(self, lm) -> int:
+        return lm.config.hidden_size
+
+    def vocab_size(self, lm) -> int:
+        return lm.config.vocab_size
+
+    def position_embeddings(self, lm, hidden, position_ids):
+        return lm.model.rotary_emb(hidden, position_ids)
+
+    def run_layer(self, layer, hidden, position_embeddings, position_ids, attn_kwargs):
+        return layer(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=position_ids,
+                     **attn_kwargs)
+
+    def final_modules(self, lm) -> dict[str, nn.Module]:
+        return {"norm": lm.model.norm, "lm_head": lm.lm_head}
+
+    def logits(self, lm, hidden):
+        logits = lm.lm_head(lm.model.norm(hidden))
+        cap = getattr(lm.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def tiny_config(self, **overrides):
+        import transformers
+
+        kw = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+        if self.model_type == "gemma2":
+            kw.update(head_dim=8, attn_logit_softcapping=None, final_logit_softcapping=30.0, sliding_window=4096,
+                      query_pre_attn_scalar=8)
+        if self.model_type == "qwen3":
+            kw.update(head_dim=8)
+        if self.model_type in ("mistral", "qwen2", "qwen3", "phi3"):
+            kw.update(sliding_window=None)
+        if self.model_type == "phi3":
+            kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        kw.update(overrides)
+        return getattr(transformers, self.config_name)(**kw)
+
+    def tiny(self, **overrides):
+        import transformers
+
+        return getattr(transformers, self.class_name)(self.tiny_config(**overrides))
+
+
+LANGUAGE_FAMILIES = {f.model_type: f for f in (
+    DecoderFamily("Llama", "llama", "LlamaForCausalLM", "LlamaConfig"),
+    DecoderFamily("Qwen2", "qwen2", "Qwen2ForCausalLM", "Qwen2Config"),
+    DecoderFamily("Qwen3", "qwen3", "Qwen3ForCausalLM", "Qwen3Config"),
+    DecoderFamily("Mistral", "mistral", "MistralForCausalLM", "MistralConfig"),
+    DecoderFamily("Gemma2", "gemma2", "Gemma2ForCausalLM", "Gemma2Config"),
+    DecoderFamily("Phi3", "phi3", "Phi3ForCausalLM", "Phi3Config"),
+)}
+
+
+def language_family(lm: nn.Module) -> DecoderFamily:
+    """The adapter of a HF causal LM, or a clear error naming the supported families."""
+    model_type = getattr(getattr(lm, "config", None), "model_type", None)
+    fam = LANGUAGE_FAMILIES.get(model_type)
+    if fam is None or not hasattr(lm, "lm_head"):
+        supported = ", ".join(f.class_name for f in LANGUAGE_FAMILIES.values())
+        raise ValueError(f"unsupported language model {type(lm).__name__} (model_type={model_type!r}); supported "
+                         f"families: {supported}. Pass the *ForCausalLM class of one of them")
+    return fam
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Encoders
+# ----------------------------------------------------------------------------------------------------------
+
+
+class EncoderFamily:
+    """Base of the encoder adapters. ``inputs`` is the modality's dict of tensors (HF processor names)."""
+
+    name = ""
+    class_names: tuple[str, ...] = ()
+    input_key = "pixel_values"
+
+    def layers(self, enc) -> nn.ModuleList:
+        return enc.encoder.layers
+
+    def output_dim(self, enc) -> int:
+        return enc.config.hidden_size
+
+    def num_items(self, inputs) -> int:
+        return inputs[self.input_key].shape[0]
+
+    def num_tokens(self, config, inputs) -> list[int]:
+        raise NotImplementedError
+
+    def embed(self, enc, inputs) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError
+
+    def run_layer(self, enc, layer, hidden, ctx):
+        return layer(hidden, None)
+
+    def final(self, enc, hidden, ctx) -> torch.Tensor:
+        return hidden.reshape(-1, hidden.shape[-1])
+
+    def select_items(self, inputs, items: torch.Tensor) -> dict:
+        """The inputs of a subset of items (for microbatching): every tensor indexed on its first dim."""
+        n = self.num_items(inputs)
+        return {k: (v[items] if torch.is_tensor(v) and v.dim() and v.shape[0] == n else v) for k, v in inputs.items()}
+
+    def reference(self, enc, inputs) -> torch.Tensor:
+        """The family's own HF forward, flattened like ``final`` (the test oracle for the split)."""
+        return enc(**{k: v for k, v in inputs.items() if k != "item_counts"}).last_hidden_state.flatten(0, 1)
+
+    def tiny(self, **overrides):
+        import transformers
+
+        cfg_name, cls_name, kw = self.tiny_spec()
+        kw.update(overrides)
+        return getattr(transformers, cls_name)(getattr(transformers, cfg_name)(**kw))
+
+    def tiny_spec(self):
+        raise NotImplementedError
+
+    def random_inputs(self, config, num_items, generator=None, **size) -> dict:
+        raise NotImplementedError
+
+
+class _ViTFamily(EncoderFamily):
+    """Square-patch ViTs (CLIP, SigLIP, Dinov2): tokens = (H/p)(W/p) (+1 class token)."""
+
+    class_token = 0
+
+    def num_tokens(self, config, inputs):
+        pv = inputs["pixel_values"]
+        per = (pv.shape[-2] // config.patch_size) * (pv.shape[-1] // config.patch_size) + self.class_token
+        return [per] * pv.shape[0]
+
+    def random_inputs(self, config, num_items, generator=None, image_size=None, **_):
+        s = image_size or config.image_size
+        return {"pixel_values": torch.randn(num_items, config.num_channels, s, s, generator=generator)}
+
+
+class ClipFamily(_ViTFamily):
+    name, class_names, class_token = "CLIP", ("CLIPVisionModel",), 1
+
+    def embed(self, enc, inputs):
+        pv = inputs["pixel_values"]
+        interp = pv.shape[-1] != enc.config.image_size
+        return enc.pre_layrnorm(enc.embeddings(pv, interpolate_pos_encoding=interp)), {}
+
+    def reference(self, enc, inputs):
+        interp = inputs["pixel_values"].shape[-1] != enc.config.image_size
+        return enc(pixel_values=inputs["pixel_values"], interpolate_pos_encoding=interp).last_hidden_state.flatten(0, 1)
+
+    def tiny_spec(self):
+        return "CLIPVisionConfig", "CLIPVisionModel", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                                           num_attention_heads=4, image_size=32, patch_size=8)
+
+
+class SiglipFamily(_ViTFamily):
+    name, class_names = "SigLIP", ("SiglipVisionModel",)
+
+    def embed(self, enc, inputs):
+        pv = inputs["pixel_values"]
+        return enc.embeddings(pv, interpolate_pos_encoding=pv.shape[-1] != enc.config.image_size), {}
+
+    def final(self, enc, hidden, ctx):
+        return enc.post_layernorm(hidden).flatten(0, 1)
+
+    def reference(self, enc, inputs):
+        interp = inputs["pixel_values"].shape[-1] != enc.config.image_size
+        return enc(pixel_values=inputs["pixel_values"], interpolate_pos_encoding=interp).last_hidden_state.flatten(0, 1)
+
+    def tiny_spec(self):
+        return "SiglipVisionConfig", "SiglipVisionModel", dict(hidden_size=32, intermediate_size=64,
+                                                               num_hidden_layers=4, num_attention_heads=4,
+                                                               image_size=32, patch_size=8)
+
+
+class Dinov2Family(_ViTFamily):
+    name, class_names, class_token = "Dinov2", ("Dinov2Model",), 1
+
+    def layers(self, enc):
+        return enc.encoder.layer
+
+    def embed(self, enc, inputs):
+        return enc.embeddings(inputs["pixel_values"]), {}
+
+    def final(self, enc, hidden, ctx):
+        return enc.layernorm(hidden).flatten(0, 1)
+
+    def tiny_spec(self):
+        return "Dinov2Config", "Dinov2Model", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                                   num_attention_heads=4, image_size=32, patch_size=8)
+
+
+class Qwen2VisionFamily(EncoderFamily):
+    """Qwen2-VL's vision tower: variable resolution, all images in one sequence separated by cu_seqlens.
+
+    ``inputs = {"pixel_values": [total_patches, C*T*p*p], "image_grid_thw": [N, 3]}``; an image emits
+    t*h*w / merge^2 tokens of the merger's width (the tower's ``hidden_size``).
+    """
+
+    name, class_names, input_key = "Qwen2-VL vision", ("Qwen2VisionTransformerPretrainedModel",), "image_grid_thw"
+
+    def layers(self, enc):
+        return enc.blocks
+
+    def num_tokens(self, config, inputs):
+        m = config.spatial_merge_size ** 2
+        return [int(t * h * w) // m for t, h, w in inputs["image_grid_thw"].tolist()]
+
+    def embed(self, enc, inputs):
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import get_vision_attention_seqlens, get_vision_position_ids
+
+        grid = inputs["image_grid_thw"]
+        position_ids = get_vision_position_ids(grid, enc.spatial_merge_size)
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, enc.config)
+        hidden = enc.patch_embed(inputs["pixel_values"])
+        cos, sin = enc.rotary_pos_emb(hidden, position_ids)
+        return hidden, {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "cos": cos, "sin": sin}
+
+    def run_layer(self, enc, layer, hidden, ctx):
+        return layer(hidden, cu_seqlens=ctx["cu_seqlens"], max_seqlen=ctx["max_seqlen"],
+                     position_embeddings=(ctx["cos"], ctx["sin"]))
+
+    def final(self, enc, hidden, ctx):
+        return enc.merger(hidden)
+
+    def select_items(self, inputs, items):
+        grid = inputs["image_grid_thw"]
+        sizes = grid.prod(-1)
+        starts = torch.cumsum(sizes, 0) - sizes
+        rows = torch.cat([torch.arange(int(starts[i]), int(starts[i] + sizes[i])) for i in items.tolist()]) \
+            if len(items) else torch.zeros(0, dtype=torch.long)
+        return {**inputs, "pixel_values": inputs["pixel_values"][rows], "image_grid_thw": grid[items]}
+
+    def reference(self, enc, inputs):
+        return enc(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
+
+    def tiny(self, **overrides):
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        kw = dict(depth=4, embed_dim=32, hidden_size=48, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+        kw.update(overrides)
+        return Qwen2VisionTransformerPretrainedModel(Qwen2VLVisionConfig(**kw))
+
+    def output_dim(self, enc):
+        return enc.config.hidden_size
+
+    def random_inputs(self, config, num_items, generator=None, grids=None, **_):
+        """Random patches; ``grids`` (list of (t, h, w) in patches) defaults to 1x4x4 per image."""
+        grids = grids or [(1, 4, 4)] * num_items
+        dim = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+        total = sum(t * h * w for t, h, w in grids)
+        return {"pixel_values": torch.randn(total, dim, generator=generator),
+                "image_grid_thw": torch.tensor(grids, dtype=torch.long).view(-1, 3)}
+
+
+class _WhisperLikeFamily(EncoderFamily):
+    """Whisper-style audio encoders: log-mel ``input_features [N, mel, 2 * max_source_positions]``."""
+
+    input_key = "input_features"
+
+    def output_dim(self, enc):
+        return enc.config.d_model
+
+    def layers(self, enc):
+        return enc.layers
+
+    def _expected_frames(self, config):
+        return config.max_source_positions * 2
+
+    def _check_frames(self, enc, feats):
+        if feats.shape[-1] != self._expected_frames(enc.config):
+            raise ValueError(f"{self.name} expects input_features with {self._expected_frames(enc.config)} frames "
+                             f"(2 x max_source_positions), got {feats.shape[-1]}; pad or trim the mel features")
+
+    def _conv(self, enc, feats):
+        self._check_frames(enc, feats)
+        feats = feats.to(enc.conv1.weight.dtype)
+        x = nn.functional.gelu(enc.conv1(feats))
+        return nn.functional.gelu(enc.conv2(x)).permute(0, 2, 1)
+
+    def random_inputs(self, config, num_items, generator=None, **_):
+        return {"input_features": torch.randn(num_items, config.num_mel_bins, self._expected_frames(config),
+                                              generator=generator)}
+
+
+class WhisperFamily(_WhisperLikeFamily):
+    name, class_names = "Whisper encoder", ("WhisperEncoder",)
+
+    def num_tokens(self, config, inputs):
+        return [config.max_source_positions] * inputs["input_features"].shape[0]
+
+    def embed(self, enc, inputs):
+        x = self._conv(enc, inputs["input_features"])
+        return x + enc.embed_positions.weight[: x.shape[1]], {}
+
+    def final(self, enc, hidden, ctx):
+        return enc.layer_norm(hidden).flatten(0, 1)
+
+    def tiny(self, **overrides):
+        from transformers import WhisperConfig
+        from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+        kw = dict(d_model=32, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=16,
+                  max_source_positions=8, decoder_layers=1, decoder_attention_heads=4, vocab_size=64,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+        kw.update(overrides)
+        return WhisperEncoder(WhisperConfig(**kw))
+
+
+class Qwen2AudioFamily(_WhisperLikeFamily):
+    name, class_names = "Qwen2-Audio encoder", ("Qwen2AudioEncoder",)
+
+    def num_tokens(self, config, inputs):
+        return [config.max_source_positions // 2] * inputs["input_features"].shape[0]
+
+    def embed(self, enc, inputs):
+        x = self._conv(enc, inputs["input_features"])
+        return x + enc.embed_positions.weight, {}
+
+    def final(self, enc, hidden, ctx):
+        pooled = enc.avg_pooler(hidden.permute(0, 2, 1)).permute(0, 2, 1)
+        return enc.layer_norm(pooled).flatten(0, 1)
+
+    def tiny(self, **overrides):
+        from transformers import Qwen2AudioEncoder, Qwen2AudioEncoderConfig
+
+        kw = dict(d_model=32, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=64, num_mel_bins=16,
+                  max_source_positions=8)
+        kw.update(overrides)
+        return Qwen2AudioEncoder(Qwen2AudioEncoderConfig(**kw))
+
+
+ENCODER_FAMILIES: dict[str, EncoderFamily] = {f.class_names[0]: f for f in (
+    ClipFamily(), SiglipFamily(), Dinov2Family(), Qwen2VisionFamily(), WhisperFamily(), Qwen2AudioFamily())}
+TINY_ENCODERS = {"clip": "CLIPVisionModel", "siglip": "SiglipVisionModel", "dinov2": "Dinov2Model",
+                 "qwen2_vl": "Qwen2VisionTransformerPretrainedModel", "whisper": "WhisperEncoder",
+                 "qwen2_audio": "Qwen2AudioEncoder"}
+
+
+def encoder_family(enc: nn.Module) -> EncoderFamily:
+    """The adapter of a HF encoder, or a clear error naming the supported ones."""
+    for cls in type(enc).__mro__:
+        if cls.__name__ in ENCODER_FAMILIES:
+            return ENCODER_FAMILIES[cls.__name__]
+    raise ValueError(f"unsupported encoder {type(enc).__name__}; supported: {', '.join(ENCODER_FAMILIES)}. "
+                     "Pass the bare vision/audio tower (e.g. SiglipVisionModel, WhisperEncoder)")
+
+
+def tiny_encoder(kind: str, **overrides) -> nn.Module:
+    """A tiny randomly initialised encoder of a family (``clip``, ``siglip``, ``dinov2``, ``qwen2_vl``, ``whisper``,
+    ``qwen2_audio``), for tests and examples."""
+    if kind not in TINY_ENCODERS:
+        raise ValueError(f"unknown encoder kind {kind!r}; choose one of {sorted(TINY_ENCODERS)}")
+    return ENCODER_FAMILIES[TINY_ENCODERS[kind]].tiny(**overrides)
+
+
+def tiny_language_model(kind: str = "llama", **overrides) -> nn.Module:
+    """A tiny randomly initialised causal LM of a family (``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``gemma2``,
+    ``phi3``)."""
+    if kind not in LANGUAGE_FAMILIES:
+        raise ValueError(f"unknown language model kind {kind!r}; choose one of {sorted(LANGUAGE_FAMILIES)}")
+    return LANGUAGE_FAMILIES[kind].tiny(**overrides)

@@ -1,0 +1,194 @@
+"""MultimodalModel: modality encoders + projectors + a HF causal LM, merged at placeholder tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from lightning_mm import loss as losses
+from lightning_mm import masks
+from lightning_mm.attention import ATTENTION_NAME
+from lightning_mm.model.encoder import ModalityEncoder
+from lightning_mm.model.families import language_family
+
+SEQUENCE_KEYS = ("input_ids", "labels", "bam", "segment_ids", "position_ids", "attention_mask")
+
+
+@dataclass
+class MultimodalOutput:
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+    loss_sum: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionContext:
+    """What every LLM layer needs besides the hidden states (travels with them between pipeline stages)."""
+
+    position_ids: torch.Tensor
+    bam: torch.Tensor
+    segment_ids: torch.Tensor | None = None
+    token_index: torch.Tensor | None = None  # global token indices of the local tokens (context parallelism)
+    cp_group: object = None
+
+    def attn_kwargs(self) -> dict:
+        kw = {"bam": self.bam, "segment_ids": self.segment_ids, "token_index": self.token_index}
+        if self.cp_group is not None:
+            kw["cp_group"] = self.cp_group
+        return kw
+
+
+def scatter_features(embeds: torch.Tensor, input_ids: torch.Tensor, placeholder_id: int,
+                     features: torch.Tensor) -> torch.Tensor:
+    """Put ``features [N, H]`` at the positions of ``placeholder_id`` in row-major order (EE; EP if first)."""
+    where = (input_ids == placeholder_id).unsqueeze(-1).expand_as(embeds)
+    return embeds.masked_scatter(where, features.to(embeds.dtype))
+
+
+class MultimodalModel(nn.Module):
+    """Encoders feeding a causal LM (the seeds' MultimodalModule).
+
+    ``input_ids`` hold, for every item of modality ``name``, as many ``placeholder_ids[name]`` tokens as its
+    encoder emits (``ModalityEncoder.num_tokens``); placeholders default to ids at and above the LLM vocabulary so
+    they never collide with text. ``merge(embeds, input_ids, features: dict) -> embeds`` replaces the default
+    placement. Bit k of the attention mask belongs to the k-th encoder of ``encoders``.
+    """
+
+    def __init__(self, encoders: dict[str, ModalityEncoder], language_model: nn.Module,
+                 merge: Callable | None = None, placeholder_ids: dict[str, int] | None = None):
+        super().__init__()
+        masks.check_num_encoders(len(encoders))
+        self.lm_family = language_family(language_model)
+        for name, enc in encoders.items():
+            if not isinstance(enc, ModalityEncoder):
+                raise TypeError(f"encoder {name!r} is a {type(enc).__name__}; wrap it: lmm.ModalityEncoder(model, "
+                                "projector='mlp')")
+            if name in SEQUENCE_KEYS:
+                raise ValueError(f"encoder name {name!r} clashes with a batch key; rename it")
+            enc.attach(self.lm_family.hidden_size(language_model))
+        self.encoders = nn.ModuleDict(encoders)
+        self.language_model = language_model
+        language_model.set_attn_implementation(ATTENTION_NAME)
+        vocab = self.lm_family.vocab_size(language_model)
+        ids = {name: vocab + i for i, name in enumerate(encoders)}
+        ids.update({n: e.placeholder_id for n, e in encoders.items() if e.placeholder_id is not None})
+        ids.update(placeholder_ids or {})
+        unknown = set(ids) - set(encoders)
+        if unknown:
+            raise ValueError(f"placeholder_ids name unknown modalities {sorted(unknown)}; encoders: {list(encoders)}")
+        if len(set(ids.values())) != len(ids):
+            raise ValueError(f"placeholder ids must differ between modalities, got {ids}")
+        self.placeholder_ids = ids
+        self.merge = merge
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def modality_index(self) -> dict[str, int]:
+        """Mask bit of each encoder (1-based, in ``encoders`` order)."""
+        return {name: i + 1 for i, name in enumerate(self.encoders)}
+
+    @property
+    def llm_layers(self) -> nn.ModuleList:
+        return self.lm_family.layers(self.language_model)
+
+    def freeze(self, encoders: bool | None = None, projectors: bool | None = None,
+               language_model: bool | None = None, **by_name: bool) -> "MultimodalModel":
+        """Set ``requires_grad`` per part; ``None`` leaves a part as it is. ``vision=True`` freezes that encoder
+        (not its projector); ``vision_projector=False`` unfreezes that projector."""
+        def set_(module, frozen):
+            if frozen is not None:
+                module.requires_grad_(not frozen)
+
+        for enc in self.encoders.values():
+            set_(enc.module, encoders)
+            set_(enc.projector, projectors)
+        set_(self.language_model, language_model)
+        for key, frozen in by_name.items():
+            name, part = (key[: -len("_projector")], "projector") if key.endswith("_projector") else (key, "module")
+            if name not in self.encoders:
+                raise ValueError(f"freeze({key}=...): no encoder named {name!r}; encoders: {list(self.encoders)}")
+            set_(getattr(self.encoders[name], part), frozen)
+        return self
+
+    # ------------------------------------------------------------------ data checks and masks
+    def modality_of_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Per token: -1 padding, 0 text, k for a placeholder of the k-th encoder."""
+        mods = torch.zeros_like(input_ids)
+        for name, k in self.modality_index.items():
+            mods = torch.where(input_ids == self.placeholder_ids[name], k, mods)
+        if attention_mask is not None:
+            mods = torch.where(attention_mask.bool(), mods, -1)
+        return mods
+
+    def build_bam(self, input_ids, attention_mask=None, causal_modalities: bool | set[int] = False) -> torch.Tensor:
+        """Default words: text causal over everything, each modality bidirectional among its own tokens."""
+        return masks.words_from_modalities(self.modality_of_tokens(input_ids, attention_mask), len(self.encoders),
+                                           causal_modalities)
+
+    def check_placeholders(self, input_ids: torch.Tensor, modality_inputs: dict[str, dict]) -> None:
+        """Raise if a modality's placeholder count differs from what its encoder will emit (before it runs)."""
+        for name, enc in self.encoders.items():
+            found = int((input_ids == self.placeholder_ids[name]).sum())
+            expected = sum(enc.num_tokens(modality_inputs[name])) if name in modality_inputs else 0
+            if found != expected:
+                raise ValueError(f"modality {name!r}: input_ids hold {found} placeholder tokens (id "
+                                 f"{self.placeholder_ids[name]}) but its encoder emits {expected} features for the "
+                                 f"given inputs; expand each item's placeholder to its encoder's token count "
+                                 "(ModalityEncoder.num_tokens)")
+        unknown = set(modality_inputs) - set(self.encoders)
+        if unknown:
+            raise ValueError(f"batch has inputs for unknown modalities {sorted(unknown)}; encoders: "
+                             f"{list(self.encoders)}")
+
+    # ------------------------------------------------------------------ the steps pipeline stages compose
+    def embed(self, input_ids: torch.Tensor, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Text embeddings with each modality's features placed at its placeholders."""
+        is_placeholder = torch.zeros_like(input_ids, dtype=torch.bool)
+        for pid in self.placeholder_ids.values():
+            is_placeholder |= input_ids == pid
+        embeds = self.lm_family.embed_tokens(self.language_model)(input_ids.masked_fill(is_placeholder, 0))
+        if self.merge is not None:
+            return self.merge(embeds, input_ids, features)
+        for name, feats in features.items():
+            embeds = scatter_features(embeds, input_ids, self.placeholder_ids[name], feats)
+        return embeds
+
+    def run_llm_layers(self, hidden: torch.Tensor, ctx: AttentionContext, start: int = 0,
+                       end: int | None = None) -> torch.Tensor:
+        fam, lm = self.lm_family, self.language_model
+        pos_emb = fam.position_embeddings(lm, hidden, ctx.position_ids)
+        for layer in list(self.llm_layers)[start:end]:
+            hidden = fam.run_layer(layer, hidden, pos_emb, ctx.position_ids, ctx.attn_kwargs())
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_family.logits(self.language_model, hidden)
+
+    def attention_context(self, input_ids, bam=None, segment_ids=None, position_ids=None,
+                          attention_mask=None) -> AttentionContext:
+        if bam is None:
+            bam = self.build_bam(input_ids, attention_mask)
+        masks.validate(bam, segment_ids)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return AttentionContext(position_ids=position_ids, bam=bam, segment_ids=segment_ids)
+
+    # ------------------------------------------------------------------ the whole model
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, bam: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, num_label_tokens: int | torch.Tensor | None = None,
+                **modality_inputs: dict) -> MultimodalOutput:
+        """Loss (token cross-entropy / label tokens; ``num_label_tokens`` overrides the divisor) and logits."""
+        self.check_placeholders(input_ids, modality_inputs)
+        features = {name: self.encoders[name](inputs) for name, inputs in modality_inputs.items()}
+        ctx = self.attention_context(input_ids, bam, segment_ids, position_ids, attention_mask)
+        hidden = self.run_llm_layers(self.embed(input_ids, features), ctx)
+        logits = self.logits(hidden)
+        if labels is None:
+            return MultimodalOutput(None, logits)
+        loss_sum = losses.token_loss_sum(logits, losses.shift_labels(labels))
+        count = losses.count_label_tokens(labels) if num_label_tokens is None else num_label_tokens
+        return MultimodalOutput(losses.normalise(loss_sum, count), logits, loss_sum)
