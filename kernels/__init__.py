@@ -1,1 +1,12 @@
-"""Triton bitfield attention kernels (installed as ``lightning_mm.kernels``)."""
+"""Triton bitfield attention kernels (installed as ``lightning_mm.kernels``).
+
+``bitfield_attention`` is the ``backend="triton"`` of :func:`lightning_mm.attention.bitfield_attention`:
+FlashAttention-2 style forward and backward over tiles classified skip / full / partial from the mask words,
+with split-KV pieces and a merge kernel for heavy query tiles. See ``docs/kernels.md``.
+"""
+
+from lightning_mm.kernels.attention import bitfield_attention
+from lightning_mm.kernels.config import KernelConfig, default_config
+from lightning_mm.kernels.tiles import FULL, PARTIAL, SKIP, tile_classes
+
+__all__ = ["bitfield_attention", "KernelConfig", "default_config", "tile_classes", "SKIP", "FULL", "PARTIAL"]

@@ -1,0 +1,194 @@
+"""The differentiable Triton bitfield attention: validation, tile maps, launches and the autograd Function."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from lightning_mm import masks
+from lightning_mm.kernels import split, tiles
+from lightning_mm.kernels.backward import dkdv_kernel, dq_kernel
+from lightning_mm.kernels.config import KernelConfig, default_config, interpreting, num_sms
+from lightning_mm.kernels.forward import forward_kernel, merge_kernel
+
+LOG2E = 1.4426950408889634
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def _check_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions):
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: the Triton kernels take one of {DTYPES} "
+                        "for all three; cast them to the same dtype")
+    if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need q [B,Hq,Sq,D], k and v "
+                         "[B,Hkv,Sk,D] with Hq a multiple of Hkv")
+    d = q.shape[3]
+    if not 16 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} is not supported by the Triton kernels (16..{MAX_HEAD_DIM}); "
+                         "use backend='reference'")
+    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    for name, t, s in (("q_bam", q_bam, sq), ("k_bam", k_bam, sk), ("q_positions", q_positions, sq),
+                       ("k_positions", k_positions, sk)):
+        if t is None or tuple(t.shape) != (b, s):
+            raise ValueError(f"{name} must be a [B, S] = ({b}, {s}) tensor, got "
+                             f"{None if t is None else tuple(t.shape)}")
+    masks.validate(q_bam, q_segments)
+    masks.validate(k_bam, k_segments)
+    if (q_segments is None) != (k_segments is None):
+        raise ValueError("give segment ids for both queries and keys, or for neither")
+    devices = {t.device for t in (q, k, v, q_bam, k_bam, q_positions, k_positions) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    if not q.is_cuda and not interpreting():
+        raise RuntimeError("the Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
+                           "imported to run them on the CPU interpreter; otherwise use backend='reference'")
+
+
+def _int64(t):
+    return None if t is None else t.to(torch.int64).contiguous()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """Last dim contiguous (the kernels index it with stride 1)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _dot_precision(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _grid_launch(kernel, grid, *args, **meta):
+    kernel[grid](*args, **meta)
+
+
+class TileMaps:
+    """The per-launch tile tables: forward/dq lists over key tiles and dk/dv lists over query tiles."""
+
+    def __init__(self, words, cfg: KernelConfig):
+        qw, kw, qp, kp, qs, ks = words
+        fwd = tiles.tile_classes(qw, kw, qp, kp, qs, ks, cfg.fwd_m, cfg.fwd_n)
+        self.fwd = tiles.tile_lists(fwd)
+        dq = fwd if (cfg.dq_m, cfg.dq_n) == (cfg.fwd_m, cfg.fwd_n) else \
+            tiles.tile_classes(qw, kw, qp, kp, qs, ks, cfg.dq_m, cfg.dq_n)
+        self.dq = self.fwd if dq is fwd else tiles.tile_lists(dq)
+        kv = dq if (cfg.dkdv_m, cfg.dkdv_n) == (cfg.dq_m, cfg.dq_n) else \
+            tiles.tile_classes(qw, kw, qp, kp, qs, ks, cfg.dkdv_m, cfg.dkdv_n)
+        self.dkdv = tiles.tile_lists(kv.transpose(1, 2).contiguous())
+
+
+def attention_forward(q, k, v, words, maps: TileMaps, scale: float, cfg: KernelConfig, kv_split: int | None):
+    """Output [B,Hq,Sq,D] (q's dtype) and base-2 lse [B,Hq,Sq] fp32."""
+    qw, kw, qp, kp, qs, ks = words
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    counts, kv_idx, kv_cls = maps.fwd
+    nqt, nkt = kv_idx.shape[1], kv_idx.shape[2]
+    chunk = split.auto_chunk(counts, hq, num_sms(q.device), cfg.min_split_tiles) if kv_split is None else kv_split
+    items, merges, n_slots = split.forward_items(counts, chunk)
+    items, merges = items.to(q.device), merges.to(q.device)
+    block_d = max(16, triton.next_power_of_2(d))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    part_o = torch.empty((max(n_slots, 1), hq, cfg.fwd_m, block_d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((max(n_slots, 1), hq, cfg.fwd_m), dtype=torch.float32, device=q.device)
+    has_seg = qs is not None
+    forward_kernel[(items.shape[0], hq)](
+        q, k, v, qw, kw, qp, kp, qs if has_seg else qw, ks if has_seg else kw, out, lse, part_o, part_lse,
+        items, kv_idx, kv_cls,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        hq, hq // hkv, sq, sk, d, nqt, nkt, scale * LOG2E,
+        HAS_SEG=has_seg, DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, BLOCK_D=block_d, num_warps=cfg.fwd_warps, num_stages=cfg.stages)
+    if merges.shape[0]:
+        merge_kernel[(merges.shape[0], hq)](
+            out, lse, part_o, part_lse, merges, out.stride(0), out.stride(1), out.stride(2), hq, sq, d,
+            BLOCK_M=cfg.fwd_m, BLOCK_D=block_d, num_warps=4)
+    return out, lse
+
+
+def attention_backward(q, k, v, out, lse, dout, words, maps: TileMaps, scale: float, cfg: KernelConfig):
+    """dq, dk, dv in the dtypes of q, k, v."""
+    qw, kw, qp, kp, qs, ks = words
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    dout = _rows(dout)
+    delta = (out.float() * dout.float()).sum(-1).contiguous()
+    block_d = max(16, triton.next_power_of_2(d))
+    has_seg = qs is not None
+    seg_q, seg_k = (qs, ks) if has_seg else (qw, kw)
+    common = dict(HAS_SEG=has_seg, DOT_PRECISION=_dot_precision(q.dtype), BLOCK_D=block_d,
+                  num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    counts, q_idx, q_cls = maps.dkdv
+    items = split.list_items(counts).to(q.device)
+    dkdv_kernel[(items.shape[0], hkv)](
+        q, k, v, dout, dk, dv, lse, delta, qw, kw, qp, kp, seg_q, seg_k, items, q_idx, q_cls,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        hq, hq // hkv, sq, sk, d, q_idx.shape[2], q_idx.shape[1], scale, scale * LOG2E,
+        BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, **common)
+
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    counts, kv_idx, kv_cls = maps.dq
+    items = split.list_items(counts).to(q.device)
+    dq_kernel[(items.shape[0], hq)](
+        q, k, v, dout, dq, lse, delta, qw, kw, qp, kp, seg_q, seg_k, items, kv_idx, kv_cls,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        hq, hq // hkv, sq, sk, d, kv_idx.shape[1], kv_idx.shape[2], scale, scale * LOG2E,
+        BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, **common)
+    return dq, dk, dv
+
+
+class _BitfieldAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, qw, kw, qp, kp, qs, ks, scale, cfg, kv_split):
+        words = (qw, kw, qp, kp, qs, ks)
+        maps = TileMaps(words, cfg)
+        out, lse = attention_forward(q, k, v, words, maps, scale, cfg, kv_split)
+        ctx.save_for_backward(q, k, v, out, lse, qw, kw, qp, kp, qs, ks)
+        ctx.maps, ctx.scale, ctx.cfg = maps, scale, cfg
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, qw, kw, qp, kp, qs, ks = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, out, lse, dout, (qw, kw, qp, kp, qs, ks), ctx.maps, ctx.scale,
+                                        ctx.cfg)
+        return (dq, dk, dv) + (None,) * 9
+
+
+def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=None, q_positions=None,
+                       k_positions=None, scale=None, kv_split: int | None = None,
+                       config: KernelConfig | None = None) -> torch.Tensor:
+    """Bitfield attention with the Triton kernels: q [B,Hq,Sq,D], k/v [B,Hkv,Sk,D] -> [B,Hq,Sq,D].
+
+    Same semantics as :func:`lightning_mm.attention.bitfield_attention` (the mask rule of
+    :func:`lightning_mm.masks.allowed`; rows with no allowed key give zeros and zero gradients).
+    ``kv_split``: key tiles per split-KV piece, ``None`` = chosen from the block workload, ``0`` = never split.
+    ``config``: tile sizes (default from the device and head dim).
+    """
+    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    if q_positions is None:
+        q_positions = torch.arange(sq, device=q.device).expand(b, sq)
+    if k_positions is None:
+        k_positions = torch.arange(sk, device=q.device).expand(b, sk)
+    _check_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions)
+    if kv_split is not None and kv_split < 0:
+        raise ValueError(f"kv_split={kv_split}: give None (automatic), 0 (off) or a positive number of key tiles")
+    cfg = config or default_config(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return _BitfieldAttention.apply(_rows(q), _rows(k), _rows(v), _int64(q_bam), _int64(k_bam),
+                                    _int64(q_positions), _int64(k_positions), _int64(q_segments),
+                                    _int64(k_segments), scale, cfg, kv_split)

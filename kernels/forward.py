@@ -1,0 +1,137 @@
+"""Forward kernels: FlashAttention-2 style tiles over a sparse list of key tiles, split-KV pieces, and the merge.
+
+One program = one work item (batch row, query tile, a range of its key-tile list) x one query head. It keeps
+the online softmax in base 2 (``exp2`` with the scale folded into ``log2(e) * scale``) and writes either the
+final output and log-sum-exp, or, for a piece of a split query tile, a normalised fp32 partial output and its
+log-sum-exp for :func:`merge_kernel`. Full tiles skip the mask; partial tiles evaluate the rule in registers.
+Rows with no allowed key end with ``l = 0``: output 0 and lse ``-inf``.
+"""
+
+import triton
+import triton.language as tl
+
+from lightning_mm.kernels.rule import allowed_tile
+
+PARTIAL_TILE: tl.constexpr = 2
+
+
+@triton.jit
+def forward_kernel(
+    Q, K, V, QW, KW, QP, KP, QS, KS, Out, Lse, PartO, PartLse,
+    Items, KvIdx, KvCls,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+    Hq, GROUPS, Sq, Sk, D, NQT, NKT, scale_log2,
+    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    item = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(Items + item * 5 + 0).to(tl.int64)
+    qt = tl.load(Items + item * 5 + 1)
+    start = tl.load(Items + item * 5 + 2)
+    end = tl.load(Items + item * 5 + 3)
+    slot = tl.load(Items + item * 5 + 4)
+    hk = h // GROUPS
+
+    offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Sq
+    d_ok = offs_d < D
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qw = tl.load(QW + b * Sq + offs_m, mask=row_ok, other=0)
+    qp = tl.load(QP + b * Sq + offs_m, mask=row_ok, other=0)
+    if HAS_SEG:
+        qs = tl.load(QS + b * Sq + offs_m, mask=row_ok, other=0)
+    else:
+        qs = qw
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    list_base = (b * NQT + qt) * NKT
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for it in range(start, end):
+        kt = tl.load(KvIdx + list_base + it)
+        cls = tl.load(KvCls + list_base + it)
+        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < Sk
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if cls == PARTIAL_TILE:
+            kw = tl.load(KW + b * Sk + offs_n, mask=col_ok, other=0)
+            kp = tl.load(KP + b * Sk + offs_n, mask=col_ok, other=0)
+            if HAS_SEG:
+                ks = tl.load(KS + b * Sk + offs_n, mask=col_ok, other=0)
+            else:
+                ks = kw
+            ok = allowed_tile(qw[:, None], qp[:, None], qs[:, None], kw[None, :], kp[None, :], ks[None, :], HAS_SEG)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    live = l_i > 0
+    o = acc / tl.where(live, l_i, 1.0)[:, None]
+    lse = tl.where(live, m_i + tl.math.log2(tl.where(live, l_i, 1.0)), float("-inf"))
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if slot < 0:
+        tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+                 o.to(Out.dtype.element_ty), mask=o_mask)
+        tl.store(Lse + (b * Hq + h) * Sq + offs_m, lse, mask=row_ok)
+    else:
+        piece = (slot.to(tl.int64) * Hq + h) * BLOCK_M
+        rows = tl.arange(0, BLOCK_M)
+        tl.store(PartO + (piece + rows[:, None]) * BLOCK_D + offs_d[None, :], o, mask=o_mask)
+        tl.store(PartLse + piece + rows, lse)
+
+
+@triton.jit
+def merge_kernel(
+    Out, Lse, PartO, PartLse, Merges,
+    stride_ob, stride_oh, stride_os, Hq, Sq, D,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Combine the split pieces of one query tile: ``lse = log2 sum 2^lse_p``, ``o = sum 2^(lse_p - lse) o_p``."""
+    idx = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.load(Merges + idx * 4 + 0).to(tl.int64)
+    qt = tl.load(Merges + idx * 4 + 1)
+    first = tl.load(Merges + idx * 4 + 2)
+    count = tl.load(Merges + idx * 4 + 3)
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_m = qt * BLOCK_M + rows
+    row_ok = offs_m < Sq
+    d_ok = offs_d < D
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    first64 = first.to(tl.int64)
+    for j in range(0, count):
+        piece = ((first64 + j) * Hq + h) * BLOCK_M
+        lse_p = tl.load(PartLse + piece + rows)
+        o_p = tl.load(PartO + (piece + rows[:, None]) * BLOCK_D + offs_d[None, :],
+                      mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m_i, lse_p)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        w = tl.math.exp2(lse_p - m_safe)
+        l_i = l_i * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o_p
+        m_i = m_new
+    live = l_i > 0
+    o = acc / tl.where(live, l_i, 1.0)[:, None]
+    lse = tl.where(live, m_i + tl.math.log2(tl.where(live, l_i, 1.0)), float("-inf"))
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+             o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(Lse + (b * Hq + h) * Sq + offs_m, lse, mask=row_ok)
