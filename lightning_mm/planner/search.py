@@ -1,0 +1,289 @@
+"""Auto-parallel search (001 Algorithm 1, loosely coupled) over pipeline stage counts and encoder placement.
+
+For every data-parallel degree and every LLM stage count, the LLM is partitioned and its slowest stage sets
+the target; each encoder gets the fewest stages whose slowest stage fits under it (encoder-parallel), or all
+encoders share one stage count fused stage by stage (encoder-colocated). Neighbouring encoder stage counts
+are tried too. Every candidate is timed by simulating the strategy's own 1F1B action lists with the true
+(frozen-aware) costs, and rejected if a stage exceeds the per-device memory limit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_mm.parallel.schedule import COLOCATED_ENCODERS, LANGUAGE_MODEL, StageGraph, build_stage_graph, stage_name
+from lightning_mm.planner.costs import LayerCost
+from lightning_mm.planner.partition import partition, partition_module, stage_sums
+from lightning_mm.planner.simulator import SimulationResult, simulate_1f1b
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """Planner input for one module: frozen-aware layer costs (projector last for an encoder), model-state
+    bytes per layer (weights, plus grads and optimizer state where trainable) and activation bytes per layer
+    held for each in-flight microbatch."""
+
+    costs: Sequence[LayerCost]
+    param_bytes: Sequence[float] | float = 0.0
+    activation_bytes: Sequence[float] | float = 0.0
+
+    def per_layer(self, value) -> list[float]:
+        return [float(value)] * len(self.costs) if isinstance(value, (int, float)) else [float(v) for v in value]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One evaluated layout: layers per stage per module, placement, DP degree and its simulation."""
+
+    placement: str
+    layers: dict[str, list[int]]
+    dp: int
+    microbatches_per_replica: int
+    forward: dict[str, float]
+    backward: dict[str, float]
+    memory: dict[str, float]
+    result: SimulationResult
+    fits_memory: bool = True
+
+    @property
+    def iteration_time(self) -> float:
+        return self.result.iteration_time
+
+    @property
+    def stages_per_replica(self) -> int:
+        return len(self.forward)
+
+    @property
+    def devices(self) -> int:
+        return self.stages_per_replica * self.dp
+
+    def pp(self) -> dict[str, int]:
+        return {m: len(sizes) for m, sizes in self.layers.items()}
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Plan
+    candidates: list[Plan] = field(default_factory=list)
+
+
+def _check_modules(modules: dict[str, ModuleSpec]) -> None:
+    if LANGUAGE_MODEL not in modules:
+        raise ValueError(f"modules needs a {LANGUAGE_MODEL!r} entry (the LLM); got {list(modules)}")
+    for name, spec in modules.items():
+        if not spec.costs:
+            raise ValueError(f"module {name!r} has no layers; give its per-layer costs")
+
+
+def _encoders(modules: dict[str, ModuleSpec]) -> list[str]:
+    return [m for m in modules if m != LANGUAGE_MODEL]
+
+
+def _stage_table(modules, layers, placement) -> dict[str, tuple[float, float, float, float, bool]]:
+    """Per graph stage: (forward, backward, param bytes, activation bytes, holds a trainable parameter)."""
+    table = {}
+
+    def stages_of(module):
+        spec, start = modules[module], 0
+        fwd, bwd = [c.forward for c in spec.costs], [c.backward for c in spec.costs]
+        pb, ab = spec.per_layer(spec.param_bytes), spec.per_layer(spec.activation_bytes)
+        for size in layers[module]:
+            sl = slice(start, start + size)
+            start += size
+            yield (sum(fwd[sl]), sum(bwd[sl]), sum(pb[sl]), sum(ab[sl]), any(c.trainable for c in spec.costs[sl]))
+
+    def add(a, b):
+        return tuple(x + y for x, y in zip(a[:4], b[:4])) + (a[4] or b[4],)
+
+    encoders = _encoders(modules)
+    if placement == "parallel":
+        for enc in encoders:
+            for i, row in enumerate(stages_of(enc)):
+                table[stage_name(enc, i)] = row
+    elif placement == "colocated":
+        for enc in encoders:
+            for i, row in enumerate(stages_of(enc)):
+                key = stage_name(COLOCATED_ENCODERS, i)
+                table[key] = add(table[key], row) if key in table else row
+    llm_rows = list(stages_of(LANGUAGE_MODEL))
+    if placement == "replicated":
+        for enc in encoders:
+            for row in stages_of(enc):
+                llm_rows[0] = add(llm_rows[0], row)
+    for i, row in enumerate(llm_rows):
+        table[stage_name(LANGUAGE_MODEL, i)] = row
+    return table
+
+
+def plan_graph(modules: dict[str, ModuleSpec], layers: dict[str, list[int]], placement: str) -> StageGraph:
+    """The stage graph of a layout; which stages are trainable comes from the layer costs."""
+    table = _stage_table(modules, layers, placement)
+    enc_stages = {e: len(layers[e]) for e in _encoders(modules)}
+    return build_stage_graph(enc_stages, len(layers[LANGUAGE_MODEL]), placement, {s: r[4] for s, r in table.items()})
+
+
+def evaluate_plan(
+    modules: dict[str, ModuleSpec],
+    layers: dict[str, list[int]],
+    placement: str,
+    num_microbatches: int,
+    dp: int = 1,
+    p2p_latency: float = 0.0,
+    memory_limit: float = math.inf,
+) -> Plan:
+    """Simulate one layout on one DP replica (num_microbatches / dp microbatches) with the true costs."""
+    _check_modules(modules)
+    if num_microbatches % dp:
+        raise ValueError(f"num_microbatches={num_microbatches} is not divisible by dp={dp}; pick dp dividing it")
+    if placement == "colocated" and len({len(layers[e]) for e in _encoders(modules)}) > 1:
+        raise ValueError(f"colocated placement needs equal encoder stage counts, got { {e: len(layers[e]) for e in _encoders(modules)} }")
+    for module, sizes in layers.items():
+        if sum(sizes) != len(modules[module].costs) or min(sizes) < 1:
+            raise ValueError(f"{module}: stage sizes {sizes} must be >= 1 and cover its {len(modules[module].costs)} layers")
+    table = _stage_table(modules, layers, placement)
+    graph = plan_graph(modules, layers, placement)
+    per_replica = num_microbatches // dp
+    fwd = {s: r[0] for s, r in table.items()}
+    bwd = {s: r[1] for s, r in table.items()}
+    result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency)
+    memory = {s: r[2] + r[3] * result.peak_inflight[s] for s, r in table.items()}
+    return Plan(placement, {m: list(v) for m, v in layers.items()}, dp, per_replica, fwd, bwd, memory, result,
+                all(v <= memory_limit for v in memory.values()))
+
+
+def forward_only_modules(modules: dict[str, ModuleSpec]) -> dict[str, ModuleSpec]:
+    """What the frozen-unaware baseline believes: every layer does backward and backward = 2 x forward."""
+    return {
+        name: ModuleSpec([LayerCost(c.forward, 2.0 * c.forward, True, True) for c in spec.costs],
+                         spec.param_bytes, spec.activation_bytes)
+        for name, spec in modules.items()
+    }
+
+
+def _planning_weights(spec: ModuleSpec) -> list[float]:
+    return [c.total for c in spec.costs]
+
+
+def _bottleneck(weights: list[float], sizes: list[int]) -> float:
+    return max(stage_sums(weights, sizes))
+
+
+def _matched_count(modules: dict[str, ModuleSpec], names: list[str], target: float) -> int:
+    """Fewest common stage count whose fused slowest stage (stage i of every named encoder on one device)
+    is <= target, in planning weights; the most possible if none is."""
+    limit = min(len(modules[e].costs) for e in names)
+    for count in range(1, limit + 1):
+        fused = [0.0] * count
+        for e in names:
+            sizes = partition_module(modules[e].costs, count)
+            for i, value in enumerate(stage_sums(_planning_weights(modules[e]), sizes)):
+                fused[i] += value
+        if max(fused) <= target:
+            return count
+    return limit
+
+
+def _neighbours(count: int, limit: int) -> list[int]:
+    return [c for c in (count - 1, count, count + 1) if 1 <= c <= limit]
+
+
+def candidate_layouts(modules: dict[str, ModuleSpec], budget: int, placements: Sequence[str]):
+    """Yield (placement, layers per stage per module) for one replica's device budget (001 Algorithm 1)."""
+    encoders = _encoders(modules)
+    weights = {m: _planning_weights(modules[m]) for m in modules}
+    llm = modules[LANGUAGE_MODEL].costs
+    for llm_pp in range(1, min(len(llm), budget) + 1):
+        llm_sizes = partition_module(llm, llm_pp)
+        target = _bottleneck(weights[LANGUAGE_MODEL], llm_sizes)
+        if "replicated" in placements:
+            lead = sum(sum(weights[e]) for e in encoders)
+            llm_w = [weights[LANGUAGE_MODEL][0] + lead] + weights[LANGUAGE_MODEL][1:]
+            yield "replicated", {**{e: [len(modules[e].costs)] for e in encoders}, LANGUAGE_MODEL: partition(llm_w, llm_pp)}
+        if not encoders:
+            if "replicated" not in placements:
+                yield "parallel", {LANGUAGE_MODEL: llm_sizes}
+            continue
+        if "parallel" in placements:
+            options = []
+            for e in encoders:
+                matched = _matched_count(modules, [e], target)
+                options.append(_neighbours(matched, len(modules[e].costs)))
+            for counts in itertools.product(*options):
+                if llm_pp + sum(counts) <= budget:
+                    yield "parallel", {**{e: partition_module(modules[e].costs, c) for e, c in zip(encoders, counts)},
+                                       LANGUAGE_MODEL: llm_sizes}
+        if "colocated" in placements:
+            limit = min(len(modules[e].costs) for e in encoders)
+            matched = _matched_count(modules, encoders, target)
+            for count in _neighbours(matched, limit):
+                if llm_pp + count <= budget:
+                    yield "colocated", {**{e: partition_module(modules[e].costs, count) for e in encoders},
+                                        LANGUAGE_MODEL: llm_sizes}
+
+
+def search(
+    modules: dict[str, ModuleSpec],
+    num_devices: int,
+    num_microbatches: int,
+    memory_limit: float = math.inf,
+    p2p_latency: float = 0.0,
+    placements: Sequence[str] = ("parallel", "colocated"),
+    mode: str = "frozen-aware",
+    data_parallel: bool = True,
+) -> SearchResult:
+    """Pick DP degree, stage counts, boundaries and placement minimising the simulated time of one global
+    batch of `num_microbatches`. `mode="forward-only"` is the frozen-unaware baseline: it partitions and
+    ranks candidates believing backward = 2 x forward everywhere; its chosen layout is then re-timed with
+    the true costs (`best`), while `candidates` keep the believed times."""
+    _check_modules(modules)
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    if mode not in ("frozen-aware", "forward-only"):
+        raise ValueError(f"unknown search mode {mode!r}; use 'frozen-aware' or 'forward-only'")
+    planning = modules if mode == "frozen-aware" else forward_only_modules(modules)
+    dps = [d for d in range(1, num_devices + 1) if num_microbatches % d == 0] if data_parallel else [1]
+    candidates = []
+    for dp in dps:
+        for placement, layers in candidate_layouts(planning, num_devices // dp, placements):
+            candidates.append(evaluate_plan(planning, layers, placement, num_microbatches, dp, p2p_latency, memory_limit))
+    feasible = [p for p in candidates if p.fits_memory]
+    if not feasible:
+        need = min((max(p.memory.values()) for p in candidates), default=math.nan)
+        raise ValueError(
+            f"no layout fits {memory_limit:.3g} bytes per device (the smallest needs {need:.3g}); "
+            "add devices, raise memory_limit, or enable activation recomputation"
+        )
+    best = min(feasible, key=lambda p: (p.iteration_time, p.devices))
+    if planning is not modules:
+        best = evaluate_plan(modules, best.layers, best.placement, num_microbatches, best.dp, p2p_latency, memory_limit)
+    return SearchResult(best, candidates)
+
+
+def plan_summary(plan: Plan, title: str | None = None) -> str:
+    """A printable table: per stage its layers, forward + backward, busy, bubble and peak memory, then the
+    predicted iteration time (what `lightning-mm plan` prints)."""
+    r = plan.result
+    lines = [title or f"placement={plan.placement}  dp={plan.dp}  microbatches/replica={plan.microbatches_per_replica}"]
+    layer_ranges = {}
+    for module, sizes in plan.layers.items():
+        start = 0
+        for i, size in enumerate(sizes):
+            layer_ranges[(module, i)] = f"{module}[{start}:{start + size}]"
+            start += size
+    header = f"{'stage':<20} {'layers':<34} {'forward':>10} {'backward':>10} {'busy':>10} {'bubble':>7} {'inflight':>8} {'memory':>10}"
+    lines += [header, "-" * len(header)]
+    for stage in r.stages:
+        module, index = stage.rsplit(".", 1)
+        held = [layer_ranges[(m, int(index))] for m in plan.layers if (m == module or module == COLOCATED_ENCODERS
+                and m != LANGUAGE_MODEL) and (m, int(index)) in layer_ranges]
+        if plan.placement == "replicated" and stage == stage_name(LANGUAGE_MODEL, 0):
+            held = [layer_ranges[(m, 0)] for m in plan.layers]
+        lines.append(
+            f"{stage:<20} {'+'.join(held):<34} {plan.forward[stage]:>10.4g} {plan.backward[stage]:>10.4g} "
+            f"{r.busy[stage]:>10.4g} {r.bubble_fraction[stage]:>7.1%} {r.peak_inflight[stage]:>8d} {plan.memory[stage]:>10.3g}"
+        )
+    lines.append(f"predicted iteration time {plan.iteration_time:.4g} on {plan.devices} devices ({'fits' if plan.fits_memory else 'EXCEEDS'} memory)")
+    return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""Discrete-event simulation of the pipeline's own action lists (`parallel.schedule`), plus timeline output.
+
+Each stage is one device executing its action list in order: compute takes the stage's forward/backward
+cost, sends are non-blocking and arrive `p2p_latency` later, receives block until the message arrived.
+Every stage starts at time 0; the iteration ends when the last stage finishes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_mm.parallel.schedule import Action, ScheduleError, StageGraph, one_f_one_b
+
+Cost = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One compute interval on one stage."""
+
+    stage: str
+    kind: str  # "forward" | "backward"
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    iteration_time: float
+    stages: tuple[str, ...]
+    events: tuple[Event, ...]
+    busy: dict[str, float]
+    idle: dict[str, float]
+    bubble_fraction: dict[str, float]
+    peak_inflight: dict[str, int]  # microbatches whose activations a stage holds at once (0: runs under no_grad)
+
+    def summary_rows(self) -> list[tuple[str, float, float, int]]:
+        """(stage, busy, bubble fraction, peak in-flight) per stage, in graph order."""
+        return [(s, self.busy[s], self.bubble_fraction[s], self.peak_inflight[s]) for s in self.stages]
+
+
+def _cost_of(costs: dict[str, Cost], stage: str, mb: int, what: str) -> float:
+    if stage not in costs:
+        raise ValueError(f"no {what} cost for stage {stage!r}; give one per stage ({what}_cost[{stage!r}] = seconds)")
+    value = costs[stage]
+    if isinstance(value, (int, float)):
+        return float(value)
+    if mb >= len(value):
+        raise ValueError(f"{what} cost of stage {stage!r} has {len(value)} microbatch entries, needs > {mb}")
+    return float(value[mb])
+
+
+def simulate(
+    graph: StageGraph,
+    actions: dict[str, list[Action]],
+    forward_cost: dict[str, Cost],
+    backward_cost: dict[str, Cost],
+    p2p_latency: float = 0.0,
+) -> SimulationResult:
+    """Time the action lists. Costs are per stage: one number, or one per microbatch."""
+    clock = {s: 0.0 for s in actions}
+    cursor = {s: 0 for s in actions}
+    channels: dict[tuple[str, str, str], deque] = {}
+    events, inflight = [], {s: 0 for s in actions}
+    peak = {s: 0 for s in actions}
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage, acts in actions.items():
+            while cursor[stage] < len(acts):
+                a = acts[cursor[stage]]
+                if a.kind.startswith("recv"):
+                    queue = channels.get((a.peer, stage, a.kind[-3:]))
+                    if not queue:
+                        break
+                    mb, arrival = queue.popleft()
+                    if mb != a.microbatch:
+                        raise ScheduleError(f"stage {stage!r} {a}: next message is microbatch {mb}")
+                    clock[stage] = max(clock[stage], arrival)
+                elif a.kind.startswith("send"):
+                    channels.setdefault((stage, a.peer, a.kind[-3:]), deque()).append((a.microbatch, clock[stage] + p2p_latency))
+                else:
+                    costs = forward_cost if a.kind == "forward" else backward_cost
+                    start = clock[stage]
+                    clock[stage] += _cost_of(costs, stage, a.microbatch, a.kind)
+                    events.append(Event(stage, a.kind, a.microbatch, start, clock[stage]))
+                    if graph.node(stage).needs_backward:
+                        inflight[stage] += 1 if a.kind == "forward" else -1
+                        peak[stage] = max(peak[stage], inflight[stage])
+                cursor[stage] += 1
+                progressed = True
+    blocked = [f"{s!r} at {actions[s][cursor[s]]}" for s in actions if cursor[s] < len(actions[s])]
+    if blocked:
+        raise ScheduleError("simulation deadlocked: " + "; ".join(blocked))
+    total = max(clock.values(), default=0.0)
+    busy = {s: sum(e.end - e.start for e in events if e.stage == s) for s in actions}
+    idle = {s: total - busy[s] for s in actions}
+    bubble = {s: (idle[s] / total if total > 0 else 0.0) for s in actions}
+    return SimulationResult(total, tuple(graph.names), tuple(events), busy, idle, bubble, peak)
+
+
+def simulate_1f1b(
+    graph: StageGraph,
+    num_microbatches: int,
+    forward_cost: dict[str, Cost],
+    backward_cost: dict[str, Cost],
+    p2p_latency: float = 0.0,
+) -> SimulationResult:
+    """Simulate the strategy's own 1F1B schedule for this graph."""
+    return simulate(graph, one_f_one_b(graph, num_microbatches), forward_cost, backward_cost, p2p_latency)
+
+
+def chrome_trace(result: SimulationResult, path: str | Path, time_scale: float = 1e6) -> None:
+    """Write a Chrome-trace JSON (open it in Perfetto or chrome://tracing); one thread per stage.
+    `time_scale` converts the simulation's time unit to microseconds (1e6 for seconds)."""
+    tid = {s: i for i, s in enumerate(result.stages)}
+    trace = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid[s], "args": {"name": s}} for s in result.stages
+    ]
+    for e in result.events:
+        trace.append({
+            "name": f"{'F' if e.kind == 'forward' else 'B'}{e.microbatch}",
+            "cat": e.kind,
+            "ph": "X",
+            "pid": 0,
+            "tid": tid[e.stage],
+            "ts": e.start * time_scale,
+            "dur": (e.end - e.start) * time_scale,
+            "args": {"microbatch": e.microbatch},
+        })
+    Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+
+
+def timeline_png(result: SimulationResult, path: str | Path, title: str | None = None) -> None:
+    """Draw the schedule as a Gantt chart (forward blue, backward orange, microbatch numbers inside)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("timeline_png needs matplotlib: pip install 'lightning-mm[plots]'") from err
+    rows = {s: i for i, s in enumerate(result.stages)}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(result.events) ** 0.5 * 4), 0.6 * len(rows) + 1.2))
+    for e in result.events:
+        y = len(rows) - 1 - rows[e.stage]
+        color = "#4C72B0" if e.kind == "forward" else "#DD8452"
+        ax.broken_barh([(e.start, e.end - e.start)], (y - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.5)
+        ax.text((e.start + e.end) / 2, y, str(e.microbatch), ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{s} ({result.bubble_fraction[s]:.0%} idle)" for s in reversed(result.stages)])
+    ax.set_xlim(0, result.iteration_time)
+    ax.set_xlabel("time")
+    ax.set_title(title or f"1F1B iteration {result.iteration_time:.4g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,292 @@
+"""The frozen-aware planner: costs, partitioner, profiler, simulator and search against hand/brute-force references."""
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from lightning_mm.parallel.schedule import build_stage_graph
+from lightning_mm.planner import (
+    CostModel,
+    LayerProfile,
+    ModuleSpec,
+    ModuleTimes,
+    chrome_trace,
+    evaluate_plan,
+    fit_cost_model,
+    forward_only_costs,
+    layer_costs,
+    load_profile,
+    mllm_layer_costs,
+    partition,
+    partition_module,
+    plan_summary,
+    profile_layers,
+    save_profile,
+    search,
+    simulate_1f1b,
+    stage_sums,
+    timeline_png,
+    uniform_partition,
+)
+
+LM = "language_model"
+
+# ---------------------------------------------------------------- partition
+
+
+def brute_force_bottleneck(costs, stages):
+    n, best = len(costs), math.inf
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def test_partition_equals_brute_force():
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        costs = [rng.choice([0.0, rng.uniform(0, 10), float(rng.randint(1, 4))]) for _ in range(n)]
+        s = rng.randint(1, n)
+        sizes = partition(costs, s)
+        assert len(sizes) == s and sum(sizes) == n and min(sizes) >= 1
+        assert max(stage_sums(costs, sizes)) == pytest.approx(brute_force_bottleneck(costs, s))
+
+
+def test_partition_hand_cases_and_errors():
+    assert partition([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    assert partition([1, 1, 1, 1, 8], 2) == [4, 1]
+    assert partition([1] * 7, 3) == [2, 2, 3]  # ties: lighter early stages
+    assert uniform_partition(7, 3) == [2, 2, 3]
+    with pytest.raises(ValueError, match=r"cannot split 3 layers into 4 stages.*use pp <= 3"):
+        partition([1, 1, 1], 4)
+    with pytest.raises(ValueError, match="num_stages"):
+        partition([1, 1], 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        partition([1, -1], 1)
+
+
+# ---------------------------------------------------------------- frozen-aware costs
+
+
+def as_fb(costs):
+    return [(c.forward, c.backward) for c in costs]
+
+
+def test_frozen_encoder_trainable_projector_frozen_llm():
+    # encoder: 3 frozen layers + trainable projector; LLM: 2 frozen layers
+    enc = ModuleTimes([1, 1, 1, 0.5], [1, 1, 1, 0.5], [2, 2, 2, 0.25], [True, True, True, False])
+    llm = ModuleTimes([2, 2], [3, 3], [4, 4], True)
+    out = mllm_layer_costs({"vision": enc}, llm)
+    # Eq. 3.2 by hand: frozen encoder layers have nothing upstream -> B = 0; projector B_w + B_d = 0.75;
+    # frozen LLM layers with a trainable projector upstream -> B_d only = 3
+    assert as_fb(out["vision"]) == [(1, 0), (1, 0), (1, 0), (0.5, 0.75)]
+    assert as_fb(out[LM]) == [(2, 3), (2, 3)]
+    assert [c.in_backward for c in out["vision"]] == [False, False, False, True]
+    # the frozen-unaware baseline charges 3F everywhere
+    assert forward_only_costs([1, 1, 1, 0.5]) == [3, 3, 3, 1.5]
+
+
+def test_trainable_encoder_layer_propagates_into_llm_across_modalities():
+    vision = ModuleTimes([1, 1, 1], [1, 1, 1], [2, 2, 2], [True, False, True])
+    audio = ModuleTimes([4, 4], [5, 5], [6, 6], True)  # fully frozen, no projector trained
+    llm = ModuleTimes([2, 2], [3, 3], [4, 4], True)
+    out = mllm_layer_costs({"vision": vision, "audio": audio}, llm)
+    assert as_fb(out["vision"]) == [(1, 0), (1, 3), (1, 1)]  # B_w+B_d at the trainable layer, B_d after it
+    assert as_fb(out["audio"]) == [(4, 0), (4, 0)]  # nothing trainable upstream of audio
+    assert as_fb(out[LM]) == [(2, 3), (2, 3)]
+    fully_frozen = mllm_layer_costs({"audio": audio}, llm)
+    assert as_fb(fully_frozen[LM]) == [(2, 0), (2, 0)]
+
+
+def test_lora_like_partial_training_and_recompute():
+    # LLM frozen except small adapters in the top two layers (B_w of the adapters only)
+    costs = layer_costs([2, 2, 2, 2], [3, 3, 3, 3], [0.1, 0.1, 0.1, 0.1], [True, True, False, False])
+    assert [c.backward for c in costs] == pytest.approx([0, 0, 3.1, 3.1])
+    assert [c.trainable for c in costs] == [False, False, True, True]
+    recomputed = layer_costs([2, 2, 2, 2], [3, 3, 3, 3], [0.1] * 4, [True, True, False, False], recompute=True)
+    assert [c.backward for c in recomputed] == pytest.approx([0, 0, 5.1, 5.1])  # + F where backward runs
+    upstream = layer_costs([2, 2], 3, 0.1, True, upstream_trainable=True, recompute=True)
+    assert [c.backward for c in upstream] == pytest.approx([5, 5])
+    with pytest.raises(ValueError, match="input_grad has 3 entries"):
+        layer_costs([1, 1], [1, 1, 1], 0, True)
+
+
+def test_partition_module_modes_differ_when_frozen():
+    # frozen encoder-like first half, LLM-like second half needing B_d
+    costs = layer_costs([1] * 4, [1] * 4, [1] * 4, [True] * 4, upstream_trainable=False) + \
+        layer_costs([1] * 4, [1] * 4, [1] * 4, True, upstream_trainable=True)
+    assert partition_module(costs, 2, "frozen-aware") == [5, 3]  # F=1 vs F+B_d=2 per layer: 4+2 vs 6
+    assert partition_module(costs, 2, "forward-only") == [4, 4]
+    assert partition_module(costs, 2, "uniform") == [4, 4]
+    with pytest.raises(ValueError, match="unknown partition mode"):
+        partition_module(costs, 2, "balanced")
+
+
+# ---------------------------------------------------------------- cost model and profile files
+
+
+def test_fit_cost_model_recovers_quadratic_and_roundtrips(tmp_path):
+    xs = [64, 256, 1024, 4096]
+    model = fit_cost_model(xs, [3e-9 * x * x + 2e-6 * x + 1e-4 for x in xs])
+    assert (model.a, model.b, model.c) == pytest.approx((3e-9, 2e-6, 1e-4), rel=1e-6)
+    assert fit_cost_model([10, 20], [1, 2])(30) == pytest.approx(3)  # two counts: linear
+    assert fit_cost_model([10, 10], [1, 3])(99) == pytest.approx(2)  # one count: mean
+    with pytest.raises(ValueError, match="equal-length"):
+        fit_cost_model([1, 2], [1])
+    profile = {"vision": [LayerProfile(model, CostModel(0, 1e-6, 0), CostModel(0, 0, 0), {64: [1.0, 2.0, 0.0]})]}
+    path = tmp_path / "costs.json"
+    save_profile(profile, path, meta={"device": "cpu"})
+    assert load_profile(path) == profile
+
+
+def test_profiler_measures_every_layer_on_cpu():
+    torch.manual_seed(0)
+    layers = {"enc": [torch.nn.Linear(16, 16), torch.nn.GELU()], LM: [torch.nn.Linear(16, 16)]}
+    layers[LM][0].requires_grad_(False)  # frozen: still profiled, then restored
+
+    def make_input(module, index, tokens):
+        return torch.randn(tokens, 16)
+
+    profile = profile_layers(layers, make_input, token_counts=[8, 32, 64], warmup=1, repeats=3)
+    assert [len(profile[m]) for m in ("enc", LM)] == [2, 1]
+    for layers_profile in profile.values():
+        for layer in layers_profile:
+            assert sorted(layer.samples) == [8, 32, 64]
+            assert all(f > 0 and d > 0 and w >= 0 for f, d, w in layer.samples.values())
+    assert all(sample[2] == 0.0 for sample in profile["enc"][1].samples.values())  # GELU has no weights
+    assert all(sample[2] > 0.0 for sample in profile[LM][0].samples.values())
+    assert not any(p.requires_grad for p in layers[LM][0].parameters())
+    with pytest.raises(ValueError, match="token_counts is empty"):
+        profile_layers(layers, make_input, token_counts=[])
+
+
+# ---------------------------------------------------------------- simulator
+
+
+def chain(p, trainable=True):
+    return build_stage_graph({}, p, "parallel", {f"{LM}.{i}": trainable for i in range(p)})
+
+
+@pytest.mark.parametrize("p, m, f, b", [(1, 5, 1, 1), (2, 2, 1, 2), (3, 4, 1, 2), (4, 8, 1.5, 2.5), (4, 2, 1, 3), (3, 12, 2, 2)])
+def test_linear_chain_matches_closed_form(p, m, f, b):
+    g = chain(p)
+    r = simulate_1f1b(g, m, {s: f for s in g.names}, {s: b for s in g.names})
+    assert r.iteration_time == pytest.approx((m + p - 1) * (f + b))
+    assert r.bubble_fraction[g.names[0]] == pytest.approx((p - 1) / (m + p - 1))
+    assert [r.peak_inflight[s] for s in g.names] == [min(p - i, m) for i in range(p)]
+
+
+def test_linear_chain_with_p2p_latency_hand_computed():
+    # P=2, M=2, F=1, B=2, latency L: stage 1 starts at 1+L; the last gradient arrives at 7+2L -> 9+2L
+    g = chain(2)
+    r = simulate_1f1b(g, 2, {s: 1 for s in g.names}, {s: 2 for s in g.names}, p2p_latency=0.5)
+    assert r.iteration_time == pytest.approx(10.0)
+
+
+def test_dag_frozen_encoders_hand_computed():
+    # vision 2 stages (F=1 each), audio 1 stage (F=1.5), all frozen -> forward only; LLM 2 stages F=2 B=4.
+    # LLM.0 gets mb 0 at max(2, 1.5) = 2, later inputs are always early, so the LLM runs a 2-stage
+    # 1F1B shifted by 2: 2 + (M + 1)(F + B) = 2 + 5 * 6 = 32.
+    t = {"vision.0": False, "vision.1": False, "audio.0": False, f"{LM}.0": True, f"{LM}.1": True}
+    g = build_stage_graph({"vision": 2, "audio": 1}, 2, "parallel", t)
+    fwd = {"vision.0": 1, "vision.1": 1, "audio.0": 1.5, f"{LM}.0": 2, f"{LM}.1": 2}
+    bwd = {"vision.0": 0, "vision.1": 0, "audio.0": 0, f"{LM}.0": 4, f"{LM}.1": 4}
+    r = simulate_1f1b(g, 4, fwd, bwd)
+    assert r.iteration_time == pytest.approx(32)
+    assert r.busy["audio.0"] == pytest.approx(6) and r.bubble_fraction["audio.0"] == pytest.approx(26 / 32)
+    assert r.peak_inflight["vision.0"] == 0 and r.peak_inflight[f"{LM}.0"] == 2
+    lm0 = [(e.kind[0], e.microbatch, e.start) for e in r.events if e.stage == f"{LM}.0"]
+    assert lm0 == [("f", 0, 2), ("f", 1, 4), ("b", 0, 10), ("f", 2, 14), ("b", 1, 16), ("f", 3, 20), ("b", 2, 22), ("b", 3, 28)]
+
+
+def test_dag_trainable_projectors_hand_computed():
+    # vision.0 frozen (F=1), vision.1 projector (F=1,B=1), audio.0 with projector (F=2,B=1), LLM one
+    # stage (F=1,B=2), M=2. Hand trace: LLM f0 [2,3] b0 [3,5] f1 [5,6] (audio mb1 ready at 4) b1 [6,8];
+    # both encoders' last stages: b0 [5,6], b1 [8,9] -> iteration 9.
+    t = {"vision.0": False, "vision.1": True, "audio.0": True, f"{LM}.0": False}
+    g = build_stage_graph({"vision": 2, "audio": 1}, 1, "parallel", t)
+    fwd = {"vision.0": 1, "vision.1": 1, "audio.0": 2, f"{LM}.0": 1}
+    bwd = {"vision.0": 0, "vision.1": 1, "audio.0": 1, f"{LM}.0": 2}
+    r = simulate_1f1b(g, 2, fwd, bwd)
+    assert r.iteration_time == pytest.approx(9)
+    assert r.busy == pytest.approx({"vision.0": 2, "vision.1": 4, "audio.0": 6, f"{LM}.0": 6})
+    assert r.peak_inflight == {"vision.0": 0, "vision.1": 2, "audio.0": 2, f"{LM}.0": 1}
+
+
+def test_timeline_outputs(tmp_path):
+    g = chain(2)
+    r = simulate_1f1b(g, 3, {s: 1e-3 for s in g.names}, {s: 2e-3 for s in g.names})
+    chrome_trace(r, tmp_path / "trace.json")
+    doc = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 12 and spans[0]["dur"] == pytest.approx(1000)
+    timeline_png(r, tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- search
+
+
+def small_mllm():
+    vision = layer_costs([1.0] * 6 + [0.2], [1.0] * 6 + [0.2], [1.0] * 6 + [0.1], [True] * 6 + [False])
+    audio = layer_costs([0.5] * 4 + [0.1], [0.5] * 4 + [0.1], [0.5] * 4 + [0.05], [True] * 4 + [False])
+    llm = layer_costs([2.0] * 8, [2.5] * 8, [2.0] * 8, True, upstream_trainable=True)
+    return {"vision": ModuleSpec(vision, 1.0, 0.5), "audio": ModuleSpec(audio, 1.0, 0.5), LM: ModuleSpec(llm, 2.0, 1.0)}
+
+
+def test_search_never_worse_than_enumerated_plans():
+    modules = small_mllm()
+    result = search(modules, num_devices=6, num_microbatches=4, p2p_latency=0.05)
+    assert all(result.best.iteration_time <= p.iteration_time + 1e-12 for p in result.candidates if p.fits_memory)
+    assert result.best.devices <= 6
+    # hand plans: every stage count per module (frozen-aware boundaries), parallel placement, dp 1
+    hand = []
+    for lp, vp, ap in itertools.product(range(1, 5), range(1, 4), range(1, 3)):
+        if lp + vp + ap <= 6:
+            layers = {"vision": partition_module(modules["vision"].costs, vp), "audio": partition_module(modules["audio"].costs, ap),
+                      LM: partition_module(modules[LM].costs, lp)}
+            hand.append(evaluate_plan(modules, layers, "parallel", 4, 1, 0.05))
+    best_hand = min(p.iteration_time for p in hand)
+    assert result.best.iteration_time <= best_hand + 1e-12
+
+
+def test_search_respects_memory_limit():
+    modules = small_mllm()
+    free = search(modules, num_devices=6, num_microbatches=4)
+    limit = 0.75 * max(free.best.memory.values())
+    tight = search(modules, num_devices=6, num_microbatches=4, memory_limit=limit)
+    assert max(tight.best.memory.values()) <= limit
+    assert tight.best.iteration_time >= free.best.iteration_time
+    with pytest.raises(ValueError, match="no layout fits"):
+        search(modules, num_devices=6, num_microbatches=4, memory_limit=1.0)
+
+
+def test_forward_only_plans_are_slower_when_encoders_are_frozen():
+    # a heavy frozen encoder: the unaware planner believes it costs 3F and over-provisions it
+    vision = layer_costs([2.0] * 8 + [0.1], [2.0] * 8 + [0.1], [2.0] * 8 + [0.1], [True] * 8 + [False])
+    llm = layer_costs([1.0] * 8, [1.0] * 8, [1.0] * 8, True, upstream_trainable=True)
+    modules = {"vision": ModuleSpec(vision), LM: ModuleSpec(llm)}
+    aware = search(modules, num_devices=6, num_microbatches=4, data_parallel=False)
+    unaware = search(modules, num_devices=6, num_microbatches=4, data_parallel=False, mode="forward-only")
+    assert aware.best.pp() == {"vision": 3, LM: 3} and unaware.best.pp() == {"vision": 4, LM: 2}
+    assert aware.best.iteration_time < unaware.best.iteration_time
+
+
+def test_plan_summary_and_colocated_replicated_evaluation():
+    modules = small_mllm()
+    layers = {"vision": [4, 3], "audio": [3, 2], LM: [4, 4]}
+    colocated = evaluate_plan(modules, layers, "colocated", 4)
+    assert colocated.forward["encoders.0"] == pytest.approx(4 * 1.0 + 3 * 0.5)
+    assert colocated.backward["encoders.1"] == pytest.approx(0.2 + 0.1 + 0.1 + 0.05)
+    replicated = evaluate_plan(modules, {"vision": [7], "audio": [5], LM: [4, 4]}, "replicated", 4)
+    assert replicated.result.stages == (f"{LM}.0", f"{LM}.1")
+    assert replicated.forward[f"{LM}.0"] == pytest.approx(6.2 + 2.1 + 8.0)
+    text = plan_summary(colocated)
+    assert "encoders.1" in text and "vision[4:7]+audio[3:5]" in text and "predicted iteration time" in text
+    with pytest.raises(ValueError, match="equal encoder stage counts"):
+        evaluate_plan(modules, {"vision": [4, 3], "audio": [5], LM: [8]}, "colocated", 4)
