@@ -1,0 +1,236 @@
+"""Context parallelism (CP) planning and sharding: which token blocks each CP rank holds, and moving tensors.
+
+A *plan* is a list with one ascending ``LongTensor`` of block indices per CP rank, together a partition of
+the ``ceil(S / block_size)`` blocks of the sequence. Every sequence tensor of a microbatch (embeddings,
+globally shifted labels, global positions, mask words, segment ids) is sharded by the same plan, so a rank
+holds the tokens of its blocks in ascending order; ``token_index`` gives their global indices, which the
+attention uses as positions so that the causal rule stays exact.
+
+Distributions: ``"lpt"`` balances the block workload of ``masks.block_workload`` (the seeds' Algorithm 1),
+``"zigzag"`` is the causal-LLM scheme (2*cp chunks, rank i gets chunks i and 2cp-1-i), ``"contiguous"``
+cuts cp chunks, ``"random"`` deals a seeded permutation round-robin.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from lightning_mm import masks
+from lightning_mm.attention.context_parallel import context_parallel_attention
+
+METHODS = ("lpt", "random", "zigzag", "contiguous")
+IGNORE_INDEX = -100
+
+__all__ = ["METHODS", "IGNORE_INDEX", "distribute", "lpt_assign", "zigzag_plan", "contiguous_plan", "random_plan",
+           "plan_workload", "validate_plan", "token_index", "shard", "unshard", "shift_labels", "shard_batch",
+           "gather_sequence", "context_parallel_attention"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Planning
+# ----------------------------------------------------------------------------------------------------------
+
+def _check_cp(num_blocks: int, cp_size: int, block_size: int | None = None) -> None:
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    if num_blocks < cp_size:
+        size = "" if block_size is None else f" of {block_size} tokens"
+        raise ValueError(f"sequence shorter than cp_size blocks: {num_blocks} block(s){size} cannot give each of "
+                         f"the {cp_size} CP ranks one; use a longer sequence (pad it), a smaller block_size or a "
+                         "smaller cp")
+
+
+def lpt_assign(work: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
+    """Longest-processing-time-first: blocks by work descending (ties: lower block first), each to the least
+    loaded rank (ties: the rank with fewer blocks, then the lower rank). Makespan <= sum/cp + max (Graham).
+
+    The tie rule on block counts spreads zero-work blocks (padding) evenly, so every rank gets a block when
+    there are at least ``cp_size`` of them. One heap operation per block on packed integer keys
+    ``((load * (n+1) + count) * cp + rank)``, which keeps 8k blocks at about a millisecond.
+    """
+    work = torch.as_tensor(work).reshape(-1).to(torch.int64).cpu()
+    n = work.numel()
+    _check_cp(n, cp_size)
+    if n and int(work.min()) < 0:
+        raise ValueError("block work must be non-negative")
+    order = torch.sort(work, descending=True, stable=True).indices
+    increments = ((work[order] * (n + 1) + 1) * cp_size).tolist()
+    heap, keys = list(range(cp_size)), []
+    push, take = heapq.heapreplace, keys.append
+    for inc in increments:
+        key = heap[0]
+        take(key)
+        push(heap, key + inc)
+    owner = torch.tensor(keys, dtype=torch.int64) % cp_size
+    return _plan_from_owner(order, owner, cp_size)
+
+
+def _plan_from_owner(blocks: torch.Tensor, owner: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
+    """Blocks grouped by owner rank, each group ascending."""
+    by_owner = torch.sort(owner * (blocks.numel() + 1) + blocks).values
+    counts = torch.bincount(owner, minlength=cp_size).tolist()
+    return [part % (blocks.numel() + 1) for part in torch.split(by_owner, counts)]
+
+
+def zigzag_plan(num_blocks: int, cp_size: int) -> list[torch.Tensor]:
+    """2*cp chunks of consecutive blocks (sizes differ by at most one), rank i gets chunks i and 2cp-1-i."""
+    _check_cp(num_blocks, cp_size)
+    chunks = torch.tensor_split(torch.arange(num_blocks), 2 * cp_size)
+    return [torch.cat([chunks[i], chunks[2 * cp_size - 1 - i]]) for i in range(cp_size)]
+
+
+def contiguous_plan(num_blocks: int, cp_size: int) -> list[torch.Tensor]:
+    """cp chunks of consecutive blocks (sizes differ by at most one), rank i gets chunk i."""
+    _check_cp(num_blocks, cp_size)
+    return list(torch.tensor_split(torch.arange(num_blocks), cp_size))
+
+
+def random_plan(num_blocks: int, cp_size: int, seed: int = 0) -> list[torch.Tensor]:
+    """A seeded random permutation of the blocks dealt round-robin (block counts differ by at most one)."""
+    _check_cp(num_blocks, cp_size)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    return [torch.sort(perm[r::cp_size]).values for r in range(cp_size)]
+
+
+def distribute(bam: torch.Tensor, cp_size: int, method: str = "lpt", block_size: int = 128,
+               segment_ids: torch.Tensor | None = None, seed: int = 0) -> list[torch.Tensor]:
+    """Each CP rank's block indices (ascending; together a partition of all blocks) for one microbatch.
+
+    ``bam`` is ``[B,S]`` (one plan for the microbatch: block work summed over its rows) or ``[S]``. Only
+    ``"lpt"`` looks at the mask; ``seed`` drives ``"random"``.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown CP distribution method {method!r}; choose one of {METHODS}")
+    if not isinstance(bam, torch.Tensor) or bam.dim() not in (1, 2):
+        raise ValueError(f"bam must be a [S] or [B,S] int64 tensor, got {getattr(bam, 'shape', type(bam))}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    num_blocks = -(-bam.shape[-1] // block_size)
+    _check_cp(num_blocks, cp_size, block_size)
+    if method == "lpt":
+        work = masks.block_workload(bam, block_size, segment_ids)
+        return lpt_assign(work.reshape(-1, num_blocks).sum(0), cp_size)
+    if method == "zigzag":
+        return zigzag_plan(num_blocks, cp_size)
+    if method == "contiguous":
+        return contiguous_plan(num_blocks, cp_size)
+    return random_plan(num_blocks, cp_size, seed)
+
+
+def plan_workload(plan: list[torch.Tensor], work: torch.Tensor) -> torch.Tensor:
+    """Total block work of each rank ``[cp]`` (``work`` is ``[nb]`` or ``[B,nb]``, summed over rows)."""
+    work = torch.as_tensor(work).reshape(-1, work.shape[-1]).sum(0)
+    return torch.stack([work[p].sum() for p in plan])
+
+
+def validate_plan(plan, num_blocks: int, cp_size: int) -> None:
+    """Raise unless ``plan`` has one ascending integer tensor per rank that together partition the blocks."""
+    if not isinstance(plan, (list, tuple)) or len(plan) != cp_size:
+        got = len(plan) if isinstance(plan, (list, tuple)) else type(plan).__name__
+        raise ValueError(f"a CP plan needs one block list per rank: expected {cp_size}, got {got}; "
+                         "build it with lightning_mm.parallel.context.distribute")
+    for r, p in enumerate(plan):
+        if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.dtype.is_floating_point or p.dtype == torch.bool:
+            raise ValueError(f"plan[{r}] must be a 1-D integer tensor of block indices, got "
+                             f"{getattr(p, 'dtype', type(p))} {tuple(getattr(p, 'shape', ()))}")
+        if p.numel() > 1 and not bool((p[1:] > p[:-1]).all()):
+            raise ValueError(f"plan[{r}] must be strictly ascending (sort it; no repeated blocks)")
+    flat = torch.cat([p.reshape(-1).to(torch.int64).cpu() for p in plan])
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_blocks):
+        raise ValueError(f"the plan names blocks outside 0..{num_blocks - 1}; it was made for another sequence "
+                         "length or block size")
+    counts = torch.bincount(flat, minlength=num_blocks)
+    if bool((counts != 1).any()):
+        missing = torch.nonzero(counts == 0).flatten()[:5].tolist()
+        twice = torch.nonzero(counts > 1).flatten()[:5].tolist()
+        raise ValueError(f"the plan is not a partition of the {num_blocks} blocks: missing {missing}, held by "
+                         f"several ranks {twice} (first five shown); every block must belong to exactly one rank")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sharding
+# ----------------------------------------------------------------------------------------------------------
+
+def token_index(plan_rank: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+    """Global indices ``[S_local]`` of the tokens of one rank's blocks, ascending (the last block may be short)."""
+    blocks = torch.as_tensor(plan_rank, dtype=torch.int64)
+    if blocks.numel() and int(blocks.max()) * block_size >= seq_len:
+        raise ValueError(f"block {int(blocks.max())} starts past the sequence end ({seq_len} tokens at block_size "
+                         f"{block_size}); the plan was made for another sequence")
+    idx = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).reshape(-1)
+    return idx[idx < seq_len]
+
+
+def shard(tensor: torch.Tensor, plan_rank: torch.Tensor, block_size: int, dim: int = 1) -> torch.Tensor:
+    """The tokens of one rank's blocks along ``dim`` (ascending), for any sequence tensor."""
+    idx = token_index(plan_rank, block_size, tensor.shape[dim]).to(tensor.device)
+    return tensor.index_select(dim, idx)
+
+
+def unshard(shards: list[torch.Tensor], plan: list[torch.Tensor], block_size: int, seq_len: int,
+            dim: int = 1) -> torch.Tensor:
+    """Inverse of ``shard`` over all ranks: put every rank's tokens back at their global indices."""
+    if len(shards) != len(plan):
+        raise ValueError(f"{len(shards)} shards for a plan of {len(plan)} ranks")
+    idx = torch.cat([token_index(p, block_size, seq_len) for p in plan]).to(shards[0].device)
+    if idx.numel() != seq_len:
+        raise ValueError(f"the plan covers {idx.numel()} tokens, not seq_len={seq_len}; it is not a partition")
+    cat = torch.cat(list(shards), dim)
+    if cat.shape[dim] != seq_len:
+        raise ValueError(f"the shards hold {cat.shape[dim]} tokens along dim {dim}, the plan {seq_len}")
+    out = torch.empty_like(cat)
+    return out.index_copy_(dim, idx, cat)
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Next-token targets ``[B,S]``: target of token t = ``labels[:, t+1]``, ``ignore_index`` at the end.
+
+    ``labels`` follow the HF convention (aligned with ``input_ids``; the model shifts). Under CP a rank does
+    not hold token t+1 next to t, so the shift happens once on the full sequence before sharding and the
+    model must not shift again (HF losses accept the result as ``shift_labels=``).
+    """
+    if labels.dim() != 2:
+        raise ValueError(f"labels must be [B,S], got shape {tuple(labels.shape)}")
+    pad = torch.full_like(labels[:, :1], ignore_index)
+    return torch.cat([labels[:, 1:], pad], 1)
+
+
+def shard_batch(batch: dict, plan: list[torch.Tensor], rank: int, block_size: int = 128,
+                seq_keys: tuple[str, ...] = ("input_ids", "inputs_embeds", "bam", "segment_ids", "position_ids",
+                                             "attention_mask")) -> dict:
+    """One CP rank's view of an LLM batch (a dict of ``[B,S,...]`` tensors).
+
+    The listed sequence keys are sharded; ``labels`` become globally shifted ``shift_labels`` (then sharded,
+    ``labels`` is dropped so nothing shifts twice); ``token_index`` ``[B,S_local]`` holds the global token
+    indices; ``position_ids`` default to them (RoPE needs global positions). Other keys pass through.
+    """
+    seq_len = batch["bam"].shape[1]
+    validate_plan(plan, -(-seq_len // block_size), len(plan))
+    out = {k: v for k, v in batch.items() if k not in seq_keys and k != "labels"}
+    for key in seq_keys:
+        if batch.get(key) is not None:
+            out[key] = shard(batch[key], plan[rank], block_size, 1)
+    if batch.get("labels") is not None:
+        out["shift_labels"] = shard(shift_labels(batch["labels"]), plan[rank], block_size, 1)
+    idx = token_index(plan[rank], block_size, seq_len).to(batch["bam"].device)
+    out["token_index"] = idx.expand(batch["bam"].shape[0], -1)
+    if out.get("position_ids") is None:
+        out["position_ids"] = out["token_index"]
+    return out
+
+
+def gather_sequence(local: torch.Tensor, plan: list[torch.Tensor], block_size: int, seq_len: int, group=None,
+                    dim: int = 1) -> torch.Tensor:
+    """All-gather every rank's shard of a sequence tensor and unshard it (no autograd), on every rank."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world != len(plan):
+        raise ValueError(f"the CP group has {world} ranks but the plan {len(plan)}")
+    sizes = [token_index(p, block_size, seq_len).numel() for p in plan]
+    padded = torch.nn.functional.pad(local.movedim(dim, -1), (0, max(sizes) - local.shape[dim])).movedim(-1, dim)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return unshard([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], plan, block_size, seq_len, dim)
