@@ -40,11 +40,17 @@ def interpreting() -> bool:
 
 def default_config(q: torch.Tensor) -> KernelConfig:
     """Small tiles under the interpreter (tests), FlashAttention-2 style tiles on the GPU."""
-    if not q.is_cuda:
+    return config_for(q.dtype, q.shape[-1], q.is_cuda)
+
+
+def config_for(dtype: torch.dtype, d: int, cuda: bool = True) -> KernelConfig:
+    """The tile shapes for a dtype and head dim (the interpreter config when not on CUDA)."""
+    if not cuda:
         return INTERPRETER_CONFIG
-    d = q.shape[-1]
-    if d > 128:  # register pressure: halve the tiles for head dim 256
+    if d > 128:  # register and shared-memory pressure: smaller tiles for head dim 256
         return KernelConfig(64, 32, 16, 64, 64, 16, 4, 4, 2)
+    if dtype == torch.float32:  # 4-byte tiles: the fp16 shapes would need ~225 KiB of shared memory
+        return KernelConfig(64, 32, 32, 64, 64, 32, 4, 4, 2)
     return KernelConfig(fwd_warps=8 if d > 64 else 4)
 
 

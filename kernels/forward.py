@@ -12,7 +12,7 @@ import triton.language as tl
 
 from lightning_mm.kernels.rule import allowed_tile
 
-PARTIAL_TILE: tl.constexpr = 2
+PARTIAL_TILE = tl.constexpr(2)
 
 
 @triton.jit

@@ -7,8 +7,8 @@ the transposed shapes give the [N, M] tile the dk/dv kernel needs.
 import triton
 import triton.language as tl
 
-CAUSAL_BIT: tl.constexpr = 1 << 62
-MODALITY_MASK: tl.constexpr = (1 << 62) - 1
+CAUSAL_BIT = tl.constexpr(1 << 62)
+MODALITY_MASK = tl.constexpr((1 << 62) - 1)
 
 
 @triton.jit
