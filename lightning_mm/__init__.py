@@ -2,4 +2,9 @@
 
 from lightning_mm import attention, masks  # noqa: F401  (registers the "bitfield" attention with transformers)
 
+from lightning_mm.model import ModalityEncoder, MultimodalModel  # noqa: E402
+from lightning_mm.module import MultimodalLightningModule  # noqa: E402
+from lightning_mm import data  # noqa: E402,F401
+
 __version__ = "0.1.0"
+__all__ = ["ModalityEncoder", "MultimodalModel", "MultimodalLightningModule", "masks", "attention", "data"]

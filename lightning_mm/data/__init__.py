@@ -1,1 +1,6 @@
-"""."""
+"""Data: synthetic multimodal data (the embedded default), the collator, and the processor for real inputs."""
+
+from lightning_mm.data.collator import MultimodalCollator
+from lightning_mm.data.synthetic import SyntheticMultimodalDataModule, SyntheticMultimodalDataset
+
+__all__ = ["MultimodalCollator", "SyntheticMultimodalDataModule", "SyntheticMultimodalDataset"]

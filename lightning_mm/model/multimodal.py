@@ -14,7 +14,7 @@ from lightning_mm.attention import ATTENTION_NAME
 from lightning_mm.model.encoder import ModalityEncoder
 from lightning_mm.model.families import language_family
 
-SEQUENCE_KEYS = ("input_ids", "labels", "bam", "segment_ids", "position_ids", "attention_mask")
+SEQUENCE_KEYS = ("input_ids", "labels", "bam", "segment_ids", "position_ids", "attention_mask", "item_counts")
 
 
 @dataclass
@@ -180,8 +180,10 @@ class MultimodalModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, bam: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, num_label_tokens: int | torch.Tensor | None = None,
-                **modality_inputs: dict) -> MultimodalOutput:
-        """Loss (token cross-entropy / label tokens; ``num_label_tokens`` overrides the divisor) and logits."""
+                item_counts: dict | None = None, **modality_inputs: dict) -> MultimodalOutput:
+        """Loss (token cross-entropy / label tokens; ``num_label_tokens`` overrides the divisor) and logits.
+
+        ``item_counts`` (items per row, from the collator) only matters for cutting microbatches."""
         self.check_placeholders(input_ids, modality_inputs)
         features = {name: self.encoders[name](inputs) for name, inputs in modality_inputs.items()}
         ctx = self.attention_context(input_ids, bam, segment_ids, position_ids, attention_mask)

@@ -1,0 +1,22 @@
+"""``lightning-mm``: LightningCLI for MultimodalLightningModule (fit/validate/...), every argument YAML-settable."""
+
+from __future__ import annotations
+
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_mm  # noqa: F401  (registers the attention and the strategy)
+from lightning_mm.data.synthetic import SyntheticMultimodalDataModule
+from lightning_mm.module import MultimodalLightningModule
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point: ``lightning-mm fit --config examples/tiny_vlm.yaml``."""
+    args = sys.argv[1:] if args is None else args
+    LightningCLI(MultimodalLightningModule, SyntheticMultimodalDataModule, subclass_mode_data=True,
+                 args=args, save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The bitfield mask rule against an independent pair-by-pair evaluation."""
+
+import random
+
+import pytest
+import torch
+
+from lightning_mm import masks
+
+
+def rule(wi, wj, i, j, si, sj):
+    """DESIGN.md's rule, written out literally for one pair."""
+    if wi == 0 or wj == 0 or si != sj:
+        return False
+    mod = (1 << 62) - 1
+    if wi & (1 << 62):
+        return j <= i and (wi & wj & mod) != 0
+    return (wi & mod) == (wj & mod)
+
+
+def random_words(gen: random.Random, n, num_encoders=3):
+    choices = [0, masks.text_word(num_encoders)] + [masks.modality_word(k, num_encoders) for k in
+                                                     range(1, num_encoders + 1)]
+    words = []
+    for _ in range(n):
+        if gen.random() < 0.3:  # arbitrary words, causal or not
+            words.append(gen.getrandbits(num_encoders + 1) | (gen.random() < 0.5) << 62)
+        else:
+            words.append(gen.choice(choices))
+    return words
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_to_dense_matches_pairwise_rule(seed):
+    gen = random.Random(seed)
+    b, s = 2, 23
+    words = [random_words(gen, s) for _ in range(b)]
+    segs = [[gen.randrange(3) for _ in range(s)] for _ in range(b)]
+    dense = masks.to_dense(torch.tensor(words), torch.tensor(segs))
+    expected = torch.tensor([[[rule(words[r][i], words[r][j], i, j, segs[r][i], segs[r][j]) for j in range(s)]
+                              for i in range(s)] for r in range(b)])
+    assert torch.equal(dense, expected)
+    nosegs = masks.to_dense(torch.tensor(words))
+    expected = torch.tensor([[[rule(words[r][i], words[r][j], i, j, 0, 0) for j in range(s)] for i in range(s)]
+                             for r in range(b)])
+    assert torch.equal(nosegs, expected)
+
+
+@pytest.mark.parametrize("layout", masks.LAYOUTS)
+@pytest.mark.parametrize("block", [4, 7, 16])
+def test_block_workload_counts_key_blocks_with_an_allowed_pair(layout, block):
+    bam, seg = masks.random_bam(layout, 61, num_encoders=3, batch=2, seed=block)
+    dense = masks.to_dense(bam, seg)
+    nb = -(-61 // block)
+    padded = torch.nn.functional.pad(dense, (0, nb * block - 61, 0, nb * block - 61))
+    expected = padded.view(2, nb, block, nb, block).any(4).any(2).sum(-1)
+    assert torch.equal(masks.block_workload(bam, block, seg), expected)
+
+
+def test_default_words_and_layouts():
+    n = 2
+    text, vis, aud = masks.text_word(n), masks.modality_word(1, n), masks.modality_word(2, n)
+    assert text == masks.CAUSAL | 0b111 and vis == 0b10 and aud == 0b100
+    assert masks.modality_word(1, n, causal=True) == text
+    mods = masks.layout_ep([(1, 2), (2, 1)], 3)
+    assert mods.tolist() == [1, 1, 2, 0, 0, 0]
+    dense = masks.to_dense(masks.words_from_modalities(mods[None], n))[0]
+    assert dense[0].tolist() == [True, True, False, False, False, False]  # image tokens see their image only
+    assert dense[5].tolist() == [True] * 6  # text sees everything before it
+    assert dense[3].tolist() == [True, True, True, True, False, False]
+    mods, segs = masks.layout_mp([torch.tensor([1, 0]), torch.tensor([0, 0])], 6)
+    dense = masks.to_dense(masks.words_from_modalities(mods[None], n), segs[None])[0]
+    assert dense[2].tolist() == [False, False, True, False, False, False]  # new segment starts fresh
+    assert not dense[4:].any()  # padding rows and columns are empty
+
+
+def test_validation_errors():
+    with pytest.raises(ValueError, match="bit 63"):
+        masks.validate(torch.tensor([[-(1 << 63) | 1]]))
+    with pytest.raises(ValueError, match="62 encoders do not fit"):
+        masks.text_word(62)
+    with pytest.raises(ValueError, match="segment_ids has shape"):
+        masks.to_dense(torch.ones(1, 4, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(TypeError, match="int64"):
+        masks.validate(torch.ones(1, 4, dtype=torch.int32))
