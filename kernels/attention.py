@@ -57,8 +57,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _dot_precision(dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _dot_flags(q) -> dict:
+    """fp32 products in full precision (no tf32); bf16 upcast only under the interpreter (see matmul.py)."""
+    return dict(DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                UPCAST_DOT=bool(not q.is_cuda and q.dtype == torch.bfloat16))
 
 
 def _grid_launch(kernel, grid, *args, **meta):
@@ -102,7 +104,7 @@ def attention_forward(q, k, v, words, maps: TileMaps, scale: float, cfg: KernelC
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         hq, hq // hkv, sq, sk, d, nqt, nkt, scale * LOG2E,
-        HAS_SEG=has_seg, DOT_PRECISION=_dot_precision(q.dtype),
+        HAS_SEG=has_seg, **_dot_flags(q),
         BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, BLOCK_D=block_d, num_warps=cfg.fwd_warps, num_stages=cfg.stages)
     if merges.shape[0]:
         merge_kernel[(merges.shape[0], hq)](
@@ -121,7 +123,7 @@ def attention_backward(q, k, v, out, lse, dout, words, maps: TileMaps, scale: fl
     block_d = max(16, triton.next_power_of_2(d))
     has_seg = qs is not None
     seg_q, seg_k = (qs, ks) if has_seg else (qw, kw)
-    common = dict(HAS_SEG=has_seg, DOT_PRECISION=_dot_precision(q.dtype), BLOCK_D=block_d,
+    common = dict(HAS_SEG=has_seg, **_dot_flags(q), BLOCK_D=block_d,
                   num_warps=cfg.bwd_warps, num_stages=cfg.stages)
 
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)

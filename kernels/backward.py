@@ -10,6 +10,7 @@ Work items are ``(batch row, tile, list length)`` triples, heaviest first.
 import triton
 import triton.language as tl
 
+from lightning_mm.kernels.matmul import tile_dot
 from lightning_mm.kernels.rule import allowed_tile
 
 PARTIAL_TILE = tl.constexpr(2)
@@ -23,7 +24,7 @@ def dkdv_kernel(
     stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
     stride_dkb, stride_dkh, stride_dks,
     Hq, GROUPS, Sq, Sk, D, NQT, NKT, scale, scale_log2,
-    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -65,7 +66,7 @@ def dkdv_kernel(
             lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=0.0)
             lse = tl.where(lse == float("-inf"), float("inf"), lse)
             delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2  # [N, M]
+            s_t = tile_dot(k, tl.trans(q), DOT_PRECISION, UPCAST_DOT) * scale_log2  # [N, M]
             p_t = tl.math.exp2(s_t - lse[None, :])
             if cls == PARTIAL_TILE:
                 qw = tl.load(QW + b * Sq + offs_m, mask=row_ok, other=0)
@@ -77,10 +78,10 @@ def dkdv_kernel(
                 ok_t = allowed_tile(qw[None, :], qp[None, :], qs[None, :], kw[:, None], kp[:, None], ks[:, None],
                                     HAS_SEG)
                 p_t = tl.where(ok_t, p_t, 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            dv += tile_dot(p_t.to(do.dtype), do, DOT_PRECISION, UPCAST_DOT)
+            dp_t = tile_dot(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+            dk += tile_dot(ds_t.to(q.dtype), q, DOT_PRECISION, UPCAST_DOT)
     out_off = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
     tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -94,7 +95,7 @@ def dq_kernel(
     stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
     stride_dqb, stride_dqh, stride_dqs,
     Hq, GROUPS, Sq, Sk, D, NQT, NKT, scale, scale_log2,
-    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -134,7 +135,7 @@ def dq_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tile_dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2
         p = tl.math.exp2(s - lse[:, None])
         if cls == PARTIAL_TILE:
             kw = tl.load(KW + b * Sk + offs_n, mask=col_ok, other=0)
@@ -145,8 +146,8 @@ def dq_kernel(
                 ks = kw
             ok = allowed_tile(qw[:, None], qp[:, None], qs[:, None], kw[None, :], kp[None, :], ks[None, :], HAS_SEG)
             p = tl.where(ok, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        dp = tile_dot(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+        dq += tile_dot(ds.to(k.dtype), k, DOT_PRECISION, UPCAST_DOT)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)

@@ -10,6 +10,7 @@ Rows with no allowed key end with ``l = 0``: output 0 and lse ``-inf``.
 import triton
 import triton.language as tl
 
+from lightning_mm.kernels.matmul import tile_dot
 from lightning_mm.kernels.rule import allowed_tile
 
 PARTIAL_TILE = tl.constexpr(2)
@@ -22,7 +23,7 @@ def forward_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
     Hq, GROUPS, Sq, Sk, D, NQT, NKT, scale_log2,
-    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -61,7 +62,7 @@ def forward_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tile_dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2
         if cls == PARTIAL_TILE:
             kw = tl.load(KW + b * Sk + offs_n, mask=col_ok, other=0)
             kp = tl.load(KP + b * Sk + offs_n, mask=col_ok, other=0)
@@ -76,7 +77,7 @@ def forward_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
     live = l_i > 0

@@ -1,0 +1,271 @@
+"""Triton bitfield attention kernels against the reference backend.
+
+On a machine without CUDA the kernels run under Triton's CPU interpreter: ``TRITON_INTERPRET=1`` must be set
+before the kernels are decorated, so it is set here before anything imports ``lightning_mm.kernels`` (and the
+kernel modules are reloaded if another test imported them first). On CUDA the same tests run natively.
+"""
+
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+
+def _load_kernels():
+    """Import the kernels so that they are interpreted on CPU even if another test imported them natively."""
+    import lightning_mm.kernels as kernels_pkg
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from lightning_mm.kernels import forward
+
+    if not ON_GPU and not isinstance(forward.forward_kernel, InterpretedFunction):
+        for name in ("rule", "matmul", "forward", "backward", "config", "split", "tiles", "attention"):
+            importlib.reload(importlib.import_module(f"lightning_mm.kernels.{name}"))
+        importlib.reload(kernels_pkg)
+    return kernels_pkg
+
+
+kernels = _load_kernels()
+from lightning_mm import masks  # noqa: E402
+from lightning_mm.attention import bitfield_attention  # noqa: E402
+from lightning_mm.kernels import split, tiles  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
+# (forward atol, gradient error relative to the gradient's max magnitude)
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 1e-2), torch.bfloat16: (3e-2, 4e-2)}
+
+
+def _inputs(b, hq, hkv, sq, sk, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, generator=g).to(DEVICE, dtype)
+               for h, s in ((hq, sq), (hkv, sk), (hkv, sk)))
+    dout = torch.randn(b, hq, sq, d, generator=g).to(DEVICE, dtype)
+    return q, k, v, dout
+
+
+def _run(backend, q, k, v, dout, words, **kw):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = bitfield_attention(q, k, v, *words["bam"], backend=backend, **words["extra"], **kw) if backend == "reference" \
+        else kernels.bitfield_attention(q, k, v, *words["bam"], **words["extra"], **kw)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _compare(q, k, v, dout, words, kv_split=None):
+    ref = _run("reference", q, k, v, dout, words)
+    got = _run("triton", q, k, v, dout, words, kv_split=kv_split)
+    atol, gtol = TOL[q.dtype]
+    for name, r, t in zip(("out", "dq", "dk", "dv"), ref, got):
+        assert t.dtype == r.dtype and t.shape == r.shape, name
+        assert torch.isfinite(t).all(), f"{name} has NaN/inf"
+        err = (t.float() - r.float()).abs().max().item()
+        bound = atol if name == "out" else gtol * max(1.0, r.float().abs().max().item())
+        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+    return ref, got
+
+
+def _words(bam, seg=None, q_index=None):
+    """Query/key words of a full sequence, or of the query subset ``q_index`` (context parallel) with positions."""
+    b, s = bam.shape
+    pos = torch.arange(s).expand(b, s)
+    qi = torch.arange(s) if q_index is None else q_index
+    extra = dict(q_positions=pos[:, qi].to(DEVICE), k_positions=pos.to(DEVICE))
+    if seg is not None:
+        extra.update(q_segments=seg[:, qi].to(DEVICE), k_segments=seg.to(DEVICE))
+    return dict(bam=(bam[:, qi].to(DEVICE), bam.to(DEVICE)), extra=extra)
+
+
+# ------------------------------------------------------------------------------------------------ tile classes
+
+def _dense_classes(qw, kw, qp, kp, qs, ks, tq, tk):
+    ok = masks.allowed(qw, kw, qp, kp, qs, ks)
+    b, sq, sk = ok.shape
+    nq, nk = -(-sq // tq), -(-sk // tk)
+    pad = torch.zeros(b, nq * tq, nk * tk, dtype=torch.bool)
+    pad[:, :sq, :sk] = ok
+    t = pad.view(b, nq, tq, nk, tk)
+    some, every = t.any(4).any(2), t.all(4).all(2)
+    return torch.where(every, tiles.FULL, torch.where(some, tiles.PARTIAL, tiles.SKIP)).to(torch.int8)
+
+
+@pytest.mark.parametrize("layout", masks.LAYOUTS)
+@pytest.mark.parametrize("tq,tk", [(16, 16), (16, 32), (32, 16)])
+def test_tile_classes_match_brute_force(layout, tq, tk):
+    bam, seg = masks.random_bam(layout, 203, num_encoders=3, batch=2, seed=7, mean_item_tokens=24)
+    bam[1, 150:] = 0
+    pos = torch.arange(203).expand(2, 203)
+    qi = torch.cat([torch.arange(32, 64), torch.arange(160, 203)])  # a CP-like query subset
+    seen = set()
+    for q_index in (torch.arange(203), qi):
+        args = (bam[:, q_index], bam, pos[:, q_index], pos,
+                None if seg is None else seg[:, q_index], seg)
+        got = tiles.tile_classes(*args, tq, tk)
+        assert torch.equal(got, _dense_classes(*args, tq, tk))
+        seen |= set(got.unique().tolist())
+    assert seen == {tiles.SKIP, tiles.FULL, tiles.PARTIAL}
+
+
+def test_tile_lists_walk_non_skipped_tiles_in_order():
+    classes = torch.tensor([[[0, 2, 1, 0], [0, 0, 0, 0], [1, 1, 2, 2]]], dtype=torch.int8)
+    count, idx, cls = tiles.tile_lists(classes)
+    assert count.tolist() == [[2, 0, 4]]
+    assert idx[0, 0, :2].tolist() == [1, 2] and cls[0, 0, :2].tolist() == [2, 1]
+    assert idx[0, 2].tolist() == [0, 1, 2, 3] and cls[0, 2].tolist() == [1, 1, 2, 2]
+
+
+# ------------------------------------------------------------------------------------------------ split-KV plan
+
+def test_forward_items_cover_every_list_once():
+    counts = torch.tensor([[0, 3, 10], [7, 1, 4]])
+    items, merges, n_slots = split.forward_items(counts, chunk=3)
+    covered = {}
+    for b, qt, start, end, slot in items.tolist():
+        covered.setdefault((b, qt), []).append((start, end, slot))
+    for b in range(2):
+        for qt in range(3):
+            ranges = sorted(covered[(b, qt)])
+            assert ranges[0][0] == 0 and ranges[-1][1] == counts[b, qt]
+            assert all(r0[1] == r1[0] for r0, r1 in zip(ranges, ranges[1:]))
+            assert all(e - s <= 3 for s, e, _ in ranges)
+            assert (len(ranges) > 1) == all(sl >= 0 for *_, sl in ranges)
+    assert n_slots == sum(p for *_, p in merges.tolist()) == 4 + 3 + 2  # 10 -> 4 pieces, 7 -> 3, 4 -> 2
+    lengths = (items[:, 3] - items[:, 2]).tolist()
+    assert lengths == sorted(lengths, reverse=True)  # heaviest first
+    for b, qt, first, pieces in merges.tolist():
+        slots = sorted(sl for *_, sl in covered[(b, qt)])
+        assert slots == list(range(first, first + pieces))
+
+
+def test_auto_chunk_splits_only_heavy_tiles():
+    heavy = torch.tensor([[1, 1, 1, 64]])
+    assert split.auto_chunk(heavy, num_heads=1, num_sms=4, min_tiles=2) == 5  # ceil(67 / 16)
+    assert split.auto_chunk(heavy, num_heads=64, num_sms=4, min_tiles=2) == 0  # enough parallel work already
+    assert split.auto_chunk(torch.tensor([[3, 3, 3]]), num_heads=1, num_sms=4, min_tiles=8) == 0
+
+
+# ------------------------------------------------------------------------------------------------ fwd + bwd
+
+@pytest.mark.parametrize("layout,kv_split", [("ep", 0), ("ee", 1), ("mp", None), ("mp", 2)])
+def test_matches_reference_on_layouts(layout, kv_split):
+    b, s = 2, 61
+    bam, seg = masks.random_bam(layout, s, num_encoders=2, batch=b, seed=3, mean_item_tokens=9)
+    bam[0, -5:] = 0  # padding at the end of one row
+    q, k, v, dout = _inputs(b, 4, 2, s, s, 32, torch.float32, seed=1)
+    _compare(q, k, v, dout, _words(bam, seg), kv_split=kv_split)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_matches_reference(dtype):
+    bam, seg = masks.random_bam("mp", 47, num_encoders=2, batch=1, seed=11, mean_item_tokens=7)
+    q, k, v, dout = _inputs(1, 2, 1, 47, 47, 64, dtype, seed=2)
+    _compare(q, k, v, dout, _words(bam, seg), kv_split=1)
+
+
+def test_head_dim_not_a_power_of_two_and_no_gqa():
+    bam, _ = masks.random_bam("ee", 40, num_encoders=1, batch=1, seed=5, mean_item_tokens=6)
+    q, k, v, dout = _inputs(1, 2, 2, 40, 40, 48, torch.float32, seed=3)
+    _compare(q, k, v, dout, _words(bam))
+
+
+def test_context_parallel_query_subset_with_positions():
+    """Sq != Sk: the queries are two blocks of the sequence (zigzag-like), keys the whole sequence."""
+    s = 64
+    bam, seg = masks.random_bam("mp", s, num_encoders=2, batch=1, seed=13, mean_item_tokens=8)
+    q_index = torch.cat([torch.arange(8, 24), torch.arange(45, 57)])
+    q, k, v, dout = _inputs(1, 4, 1, len(q_index), s, 32, torch.float32, seed=4)
+    for kv_split in (0, 1):
+        _compare(q, k, v, dout, _words(bam, seg, q_index), kv_split=kv_split)
+
+
+def test_fully_masked_rows_give_zeros_and_zero_gradients():
+    s = 35
+    bam = masks.words_from_modalities(torch.tensor([[0] * 10 + [1] * 8 + [0] * 10 + [-1] * 7]), 1)
+    bam[0, 3] = masks.CAUSAL  # non-zero word without modality bits: no key is allowed
+    dead = [3] + list(range(28, 35))
+    q, k, v, dout = _inputs(1, 2, 1, s, s, 32, torch.float32, seed=5)
+    _, (out, dq, dk, dv) = _compare(q, k, v, dout, _words(bam), kv_split=1)
+    assert out[:, :, dead].abs().max() == 0 and dq[:, :, dead].abs().max() == 0
+    assert dk[:, :, dead[1:]].abs().max() == 0 and dv[:, :, dead[1:]].abs().max() == 0
+
+
+def test_everything_masked_is_zero_not_nan():
+    bam = torch.zeros(1, 20, dtype=torch.int64)
+    q, k, v, dout = _inputs(1, 1, 1, 20, 20, 16, torch.float32, seed=6)
+    _, got = _compare(q, k, v, dout, _words(bam))
+    assert all(t.abs().max() == 0 for t in got)
+
+
+def test_dispatcher_uses_the_kernels():
+    bam, seg = masks.random_bam("ee", 30, num_encoders=1, batch=1, seed=9, mean_item_tokens=5)
+    q, k, v, _ = _inputs(1, 2, 1, 30, 30, 32, torch.float32, seed=7)
+    ref = bitfield_attention(q, k, v, bam.to(DEVICE), bam.to(DEVICE), backend="reference")
+    got = bitfield_attention(q, k, v, bam.to(DEVICE), bam.to(DEVICE), backend="triton")
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+def test_bad_inputs_raise_clear_errors():
+    bam = torch.full((1, 8), 1, dtype=torch.int64).to(DEVICE)
+    q = torch.randn(1, 2, 8, 32, device=DEVICE)
+    with pytest.raises(TypeError, match="dtypes"):
+        kernels.bitfield_attention(q.double(), q.double(), q.double(), bam, bam)
+    with pytest.raises(ValueError, match="head dim"):
+        big = torch.randn(1, 1, 8, 512, device=DEVICE)
+        kernels.bitfield_attention(big, big, big, bam, bam)
+    with pytest.raises(ValueError, match="q_bam"):
+        kernels.bitfield_attention(q, q, q, bam[:, :5], bam)
+    with pytest.raises(ValueError, match="kv_split"):
+        kernels.bitfield_attention(q, q, q, bam, bam, kv_split=-1)
+    negative = bam.clone()
+    negative[0, 0] = -5  # bit 63 set
+    with pytest.raises(ValueError, match="bit 63"):
+        kernels.bitfield_attention(q, q, q, negative, bam)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU-without-interpreter error only exists on CPU")
+def test_cpu_without_interpreter_says_how_to_fix(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(1, 1, 8, 16)
+    bam = torch.ones(1, 8, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels.bitfield_attention(x, x, x, bam, bam)
+
+
+# ------------------------------------------------------------------------------------------------ GPU build, benchmark
+
+def _clean_env():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    return env
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter is lenient; the real compiler (down to a cubin) must accept the kernels too."""
+    pytest.importorskip("triton.backends.nvidia")
+    r = subprocess.run([sys.executable, "-m", "lightning_mm.kernels.compile_check", "--dtypes", "bf16",
+                        "--head-dims", "128", "--arch", "90"], capture_output=True, text=True, env=_clean_env(),
+                       cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count(" ok") == 4, r.stdout
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the no-GPU path of the benchmark")
+def test_benchmark_without_gpu_reports_and_exits_zero():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--quick"], capture_output=True,
+                       text=True, env=_clean_env(), cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "no GPU" in r.stdout
