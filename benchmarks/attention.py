@@ -1,0 +1,288 @@
+"""Attention benchmark: our Triton bitfield kernels vs FlexAttention vs SDPA (dense mask) vs SDPA causal flash.
+
+For each sequence length and mask layout (EP/EE/MP from ``masks.random_bam``, seeded) it measures forward and
+forward+backward time, effective TFLOP/s counted over the allowed (query, key) pairs only (4*D flops per pair
+forward, 3.5x that for forward+backward, the FlashAttention convention) and peak memory. The causal flash row
+counts causal pairs: it is the ceiling for a kernel that skips nothing it need not compute.
+
+    python benchmarks/attention.py            # S = 16k, 32k, 64k
+    python benchmarks/attention.py --quick    # S = 16k, fewer repetitions
+
+Writes ``benchmarks/results/attention_<device>.json`` and prints a table. Each case runs in its own
+try/except, so an OOM (SDPA's dense mask at 64k) is recorded and the rest still runs. Without a GPU it says
+so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+IMPLS = ("ours", "flex", "sdpa_dense", "sdpa_causal")
+FWD_BWD_FACTOR = 3.5  # forward + backward = 2 + 5 matmuls of the forward's 2
+
+
+def count_allowed_pairs(bam, seg, chunk=2048) -> int:
+    """Allowed (query, key) pairs of a [B, S] mask, in query chunks (never an [S, S] tensor at once)."""
+    from lightning_mm import masks
+
+    b, s = bam.shape
+    pos = torch.arange(s, device=bam.device).expand(b, s)
+    total = 0
+    for a in range(0, s, chunk):
+        sl = slice(a, a + chunk)
+        ok = masks.allowed(bam[:, sl], bam, pos[:, sl], pos, None if seg is None else seg[:, sl], seg)
+        total += int(ok.sum())
+    return total
+
+
+def dense_mask(bam, seg, chunk=2048):
+    """Bool [B, 1, S, S] for SDPA, filled in query chunks."""
+    from lightning_mm import masks
+
+    b, s = bam.shape
+    pos = torch.arange(s, device=bam.device).expand(b, s)
+    out = torch.empty(b, 1, s, s, dtype=torch.bool, device=bam.device)
+    for a in range(0, s, chunk):
+        sl = slice(a, a + chunk)
+        out[:, 0, sl] = masks.allowed(bam[:, sl], bam, pos[:, sl], pos, None if seg is None else seg[:, sl], seg)
+    return out
+
+
+def flex_mask_mod(bam, seg):
+    """The bitfield rule as a FlexAttention mask_mod (same rule as ``masks.allowed``)."""
+    from lightning_mm import masks
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qw, kw = bam[b, q_idx], bam[b, kv_idx]
+        q_mod, k_mod = qw & masks.MODALITY_BITS, kw & masks.MODALITY_BITS
+        causal = (qw & masks.CAUSAL) != 0
+        ok = torch.where(causal, (kv_idx <= q_idx) & ((q_mod & k_mod) != 0), q_mod == k_mod)
+        ok = ok & (qw != 0) & (kw != 0)
+        if seg is not None:
+            ok = ok & (seg[b, q_idx] == seg[b, kv_idx])
+        return ok
+
+    return mask_mod
+
+
+def build_impls(names, bam, seg, hq, hkv):
+    """Callables ``f(q, k, v) -> out`` for each implementation, plus setup time (ms) of each (mask building)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lightning_mm.kernels import bitfield_attention
+
+    b, s = bam.shape
+    fns, setup = {}, {}
+    groups = hq // hkv
+
+    def expand(x):
+        return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            if name == "ours":
+                fns[name] = lambda q, k, v: bitfield_attention(q, k, v, bam, bam, q_segments=seg, k_segments=seg)
+            elif name == "flex":
+                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+                block_mask = create_block_mask(flex_mask_mod(bam, seg), b, None, s, s, device=bam.device)
+                flex = torch.compile(flex_attention, dynamic=False)
+                fns[name] = lambda q, k, v, bm=block_mask: flex(q, k, v, block_mask=bm, enable_gqa=True)
+            elif name == "sdpa_dense":
+                mask = dense_mask(bam, seg)
+
+                def sdpa_dense(q, k, v, mask=mask):
+                    return torch.nn.functional.scaled_dot_product_attention(q, expand(k), expand(v), attn_mask=mask)
+                fns[name] = sdpa_dense
+            elif name == "sdpa_causal":
+                def sdpa_causal(q, k, v):
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        return torch.nn.functional.scaled_dot_product_attention(q, expand(k), expand(v),
+                                                                                is_causal=True)
+                fns[name] = sdpa_causal
+            torch.cuda.synchronize()
+            setup[name] = (time.perf_counter() - t0) * 1e3
+        except torch.cuda.OutOfMemoryError:
+            setup[name] = "OOM"
+        except Exception as e:  # recorded, the other implementations still run
+            setup[name] = f"error: {type(e).__name__}: {e}"[:300]
+    return fns, setup
+
+
+def measure(fn, q, k, v, dout, reps_ms):
+    """(fwd ms, fwd+bwd ms, peak MiB of one fwd+bwd above the inputs) with triton.testing.do_bench."""
+    from triton.testing import do_bench
+
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    fwd_ms = do_bench(lambda: fn(q, k, v), warmup=25, rep=reps_ms)
+
+    def step():
+        fn(q, k, v).backward(dout)
+    both_ms = do_bench(step, warmup=25, rep=reps_ms, grad_to_none=[q, k, v])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return fwd_ms, both_ms, peak
+
+
+def run_case(s, layout, args, device):
+    from lightning_mm import masks
+    from lightning_mm.kernels import FULL, PARTIAL, SKIP, default_config, tile_classes
+
+    bam, seg = masks.random_bam(layout, s, num_encoders=args.encoders, batch=args.batch, seed=args.seed)
+    bam = bam.to(device)
+    seg = None if seg is None else seg.to(device)
+    pairs = count_allowed_pairs(bam, seg)
+    causal_pairs = args.batch * s * (s + 1) // 2
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    shape_q, shape_kv = (args.batch, args.heads, s, args.head_dim), (args.batch, args.kv_heads, s, args.head_dim)
+    q = torch.randn(shape_q, generator=g, device=device, dtype=torch.bfloat16)
+    k = torch.randn(shape_kv, generator=g, device=device, dtype=torch.bfloat16)
+    v = torch.randn(shape_kv, generator=g, device=device, dtype=torch.bfloat16)
+    dout = torch.randn(shape_q, generator=g, device=device, dtype=torch.bfloat16)
+
+    cfg = default_config(q)
+    pos = torch.arange(s, device=device).expand(args.batch, s)
+    classes = tile_classes(bam, bam, pos, pos, seg, seg, cfg.fwd_m, cfg.fwd_n)
+    n = classes.numel()
+    case = dict(seq_len=s, layout=layout, allowed_pairs=pairs, density=pairs / (args.batch * s * s),
+                tiles=dict(skip=int((classes == SKIP).sum()) / n, full=int((classes == FULL).sum()) / n,
+                           partial=int((classes == PARTIAL).sum()) / n), results={})
+    del classes
+    fns, setup = build_impls(args.impls, bam, seg, args.heads, args.kv_heads)
+    flops_fwd = 4 * args.heads * args.head_dim
+    ref_out = None
+    for name in args.impls:
+        row = dict(setup_ms=setup.get(name))
+        if name not in fns:
+            row["status"] = setup.get(name)
+            case["results"][name] = row
+            continue
+        try:
+            with torch.no_grad():
+                out = fns[name](q, k, v)
+            if name in ("ours", "flex"):
+                if ref_out is None:
+                    ref_out = out
+                else:
+                    row["max_abs_diff_vs_" + ("ours" if name == "flex" else "flex")] = \
+                        float((out.float() - ref_out.float()).abs().max())
+            del out
+            fwd_ms, both_ms, peak = measure(fns[name], q, k, v, dout, args.rep_ms)
+            used_pairs = causal_pairs if name == "sdpa_causal" else pairs
+            row.update(status="ok", fwd_ms=fwd_ms, fwd_bwd_ms=both_ms, peak_mib=peak,
+                       fwd_tflops=flops_fwd * used_pairs / fwd_ms / 1e9,
+                       fwd_bwd_tflops=FWD_BWD_FACTOR * flops_fwd * used_pairs / both_ms / 1e9)
+        except torch.cuda.OutOfMemoryError:
+            row["status"] = "OOM"
+        except Exception as e:
+            row["status"] = f"error: {type(e).__name__}: {e}"[:300]
+            row["traceback"] = traceback.format_exc()[-2000:]
+        case["results"][name] = row
+        torch.cuda.empty_cache()
+    fns.clear()
+    torch.cuda.empty_cache()
+    return case
+
+
+def summarise(case):
+    """Speed-up of ours over FlexAttention (fwd+bwd) and our share of causal flash's effective TFLOP/s."""
+    r = case["results"]
+    ok = {k: v for k, v in r.items() if v.get("status") == "ok"}
+    out = {}
+    if "ours" in ok and "flex" in ok:
+        out["fwd_bwd_speedup_vs_flex"] = ok["flex"]["fwd_bwd_ms"] / ok["ours"]["fwd_bwd_ms"]
+        out["fwd_speedup_vs_flex"] = ok["flex"]["fwd_ms"] / ok["ours"]["fwd_ms"]
+    if "ours" in ok and "sdpa_causal" in ok:
+        out["fwd_bwd_tflops_vs_causal_flash"] = ok["ours"]["fwd_bwd_tflops"] / ok["sdpa_causal"]["fwd_bwd_tflops"]
+        out["fwd_tflops_vs_causal_flash"] = ok["ours"]["fwd_tflops"] / ok["sdpa_causal"]["fwd_tflops"]
+    return out
+
+
+def print_table(cases):
+    head = f"{'S':>6} {'layout':6} {'impl':12} {'fwd ms':>9} {'f+b ms':>9} {'fwd TF/s':>9} {'f+b TF/s':>9} {'peak MiB':>9}"
+    print(head)
+    print("-" * len(head))
+    for c in cases:
+        for name, r in c["results"].items():
+            if r.get("status") == "ok":
+                print(f"{c['seq_len']:>6} {c['layout']:6} {name:12} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:9.2f} "
+                      f"{r['fwd_tflops']:9.1f} {r['fwd_bwd_tflops']:9.1f} {r['peak_mib']:9.0f}")
+            else:
+                print(f"{c['seq_len']:>6} {c['layout']:6} {name:12} {str(r.get('status'))[:60]}")
+        s = c.get("summary", {})
+        if s:
+            print("       " + "  ".join(f"{k}={v:.2f}" for k, v in s.items()))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Bitfield attention kernels vs FlexAttention vs SDPA")
+    p.add_argument("--quick", action="store_true", help="S=16k only, shorter timing")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="default 16384 32768 65536")
+    p.add_argument("--layouts", nargs="+", default=["ep", "ee", "mp"], choices=["ep", "ee", "mp"])
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--encoders", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rep-ms", type=int, default=None, help="timing budget per measurement (do_bench rep)")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default results/attention_<device>.json)")
+    args = p.parse_args(argv)
+    args.seq_lens = args.seq_lens or ([16384] if args.quick else [16384, 32768, 65536])
+    args.rep_ms = args.rep_ms or (50 if args.quick else 200)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no GPU present: the attention benchmark needs CUDA; nothing was measured "
+              "(the kernels are tested under TRITON_INTERPRET=1 in tests/test_kernels.py)")
+        return 0
+    import triton
+
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    cases = []
+    for s in args.seq_lens:
+        for layout in args.layouts:
+            try:
+                case = run_case(s, layout, args, device)
+            except torch.cuda.OutOfMemoryError:
+                case = dict(seq_len=s, layout=layout, results={}, status="OOM while building inputs")
+            except Exception as e:
+                case = dict(seq_len=s, layout=layout, results={}, status=f"error: {type(e).__name__}: {e}"[:300])
+            case["summary"] = summarise(case)
+            cases.append(case)
+            print(f"done S={s} {layout}", flush=True)
+    report = dict(benchmark="attention", device=name, torch=torch.__version__, triton=triton.__version__,
+                  python=platform.python_version(), dtype="bfloat16", batch=args.batch, heads=args.heads,
+                  kv_heads=args.kv_heads, head_dim=args.head_dim, encoders=args.encoders, seed=args.seed,
+                  flops="allowed pairs x 4 x D x heads (fwd), x3.5 (fwd+bwd); causal flash counts causal pairs",
+                  cases=cases)
+    out = args.out or RESULTS / f"attention_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print_table(cases)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
