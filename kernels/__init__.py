@@ -5,8 +5,13 @@ FlashAttention-2 style forward and backward over tiles classified skip / full / 
 with split-KV pieces and a merge kernel for heavy query tiles. See ``docs/kernels.md``.
 """
 
-from lightning_mm.kernels.attention import bitfield_attention
-from lightning_mm.kernels.config import KernelConfig, default_config
-from lightning_mm.kernels.tiles import FULL, PARTIAL, SKIP, tile_classes
+if __name__ == "kernels":
+    # Imported as a top-level package because the checkout's root is on sys.path (``python -m``/``-c`` there).
+    # transformers probes for the unrelated HF ``kernels`` package by importing it: look absent to it.
+    del __file__
+else:
+    from lightning_mm.kernels.attention import bitfield_attention
+    from lightning_mm.kernels.config import KernelConfig, default_config
+    from lightning_mm.kernels.tiles import FULL, PARTIAL, SKIP, tile_classes
 
 __all__ = ["bitfield_attention", "KernelConfig", "default_config", "tile_classes", "SKIP", "FULL", "PARTIAL"]

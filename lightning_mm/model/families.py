@@ -114,6 +114,7 @@ class EncoderFamily:
     name = ""
     class_names: tuple[str, ...] = ()
     input_key = "pixel_values"
+    embed_modules: tuple[str, ...] = ("embeddings",)  # run by ``embed``; every other non-layer part by ``final``
 
     def layers(self, enc) -> nn.ModuleList:
         return enc.encoder.layers
@@ -129,6 +130,10 @@ class EncoderFamily:
 
     def embed(self, enc, inputs) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
+
+    def context(self, enc, inputs) -> dict:
+        """What the layers need besides hidden states, computed from the inputs alone (any stage can)."""
+        return {}
 
     def run_layer(self, enc, layer, hidden, ctx):
         return layer(hidden, None)
@@ -176,6 +181,7 @@ class _ViTFamily(EncoderFamily):
 
 class ClipFamily(_ViTFamily):
     name, class_names, class_token = "CLIP", ("CLIPVisionModel",), 1
+    embed_modules = ("embeddings", "pre_layrnorm")
 
     def embed(self, enc, inputs):
         pv = inputs["pixel_values"]
@@ -236,6 +242,7 @@ class Qwen2VisionFamily(EncoderFamily):
     """
 
     name, class_names, input_key = "Qwen2-VL vision", ("Qwen2VisionTransformerPretrainedModel",), "image_grid_thw"
+    embed_modules = ("patch_embed",)
 
     def layers(self, enc):
         return enc.blocks
@@ -244,15 +251,18 @@ class Qwen2VisionFamily(EncoderFamily):
         m = config.spatial_merge_size ** 2
         return [int(t * h * w) // m for t, h, w in inputs["image_grid_thw"].tolist()]
 
-    def embed(self, enc, inputs):
+    def context(self, enc, inputs):
         from transformers.models.qwen2_vl.modeling_qwen2_vl import get_vision_attention_seqlens, get_vision_position_ids
 
         grid = inputs["image_grid_thw"]
         position_ids = get_vision_position_ids(grid, enc.spatial_merge_size)
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, enc.config)
-        hidden = enc.patch_embed(inputs["pixel_values"])
-        cos, sin = enc.rotary_pos_emb(hidden, position_ids)
-        return hidden, {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "cos": cos, "sin": sin}
+        dtype = next(p.dtype for p in enc.parameters())
+        cos, sin = enc.rotary_pos_emb(torch.empty(0, dtype=dtype), position_ids)
+        return {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "cos": cos, "sin": sin}
+
+    def embed(self, enc, inputs):
+        return enc.patch_embed(inputs["pixel_values"]), self.context(enc, inputs)
 
     def run_layer(self, enc, layer, hidden, ctx):
         return layer(hidden, cu_seqlens=ctx["cu_seqlens"], max_seqlen=ctx["max_seqlen"],
@@ -297,6 +307,7 @@ class _WhisperLikeFamily(EncoderFamily):
     """Whisper-style audio encoders: log-mel ``input_features [N, mel, 2 * max_source_positions]``."""
 
     input_key = "input_features"
+    embed_modules = ("conv1", "conv2", "embed_positions")
 
     def output_dim(self, enc):
         return enc.config.d_model
