@@ -266,15 +266,30 @@ def test_search_respects_memory_limit():
         search(modules, num_devices=6, num_microbatches=4, memory_limit=1.0)
 
 
-def test_forward_only_plans_are_slower_when_encoders_are_frozen():
-    # a heavy frozen encoder: the unaware planner believes it costs 3F and over-provisions it
+def test_forward_only_search_ranks_by_its_belief_and_is_not_faster():
+    # a heavy frozen encoder: the unaware planner believes it costs 3F (it costs F) and ranks layouts so
     vision = layer_costs([2.0] * 8 + [0.1], [2.0] * 8 + [0.1], [2.0] * 8 + [0.1], [True] * 8 + [False])
     llm = layer_costs([1.0] * 8, [1.0] * 8, [1.0] * 8, True, upstream_trainable=True)
     modules = {"vision": ModuleSpec(vision), LM: ModuleSpec(llm)}
-    aware = search(modules, num_devices=6, num_microbatches=4, data_parallel=False)
-    unaware = search(modules, num_devices=6, num_microbatches=4, data_parallel=False, mode="forward-only")
-    assert aware.best.pp() == {"vision": 3, LM: 3} and unaware.best.pp() == {"vision": 4, LM: 2}
-    assert aware.best.iteration_time < unaware.best.iteration_time
+    for devices in (3, 4, 5, 6):
+        aware = search(modules, num_devices=devices, num_microbatches=4, data_parallel=False)
+        unaware = search(modules, num_devices=devices, num_microbatches=4, data_parallel=False, mode="forward-only")
+        believed_best = min(unaware.candidates, key=lambda p: (p.iteration_time, p.devices))
+        assert unaware.best.layers == believed_best.layers
+        # the believed timing charges 2F of backward to the frozen encoder stages
+        assert believed_best.backward["vision.0"] == pytest.approx(2 * believed_best.forward["vision.0"])
+        assert unaware.best.backward["vision.0"] == 0.0  # re-timed with the true costs
+        assert aware.best.iteration_time <= unaware.best.iteration_time + 1e-9
+    # same stage count, boundaries only: 4 frozen layers (T=1), a trainable one (T=3), 3 frozen after it (T=2)
+    costs = layer_costs([1] * 8, 1, 1, [True] * 4 + [False] + [True] * 3)
+    chain_only = {LM: ModuleSpec(costs)}
+    fast = evaluate_plan(chain_only, {LM: partition_module(costs, 2, "frozen-aware")}, "parallel", 4)
+    slow = evaluate_plan(chain_only, {LM: partition_module(costs, 2, "forward-only")}, "parallel", 4)
+    assert fast.layers[LM] == [5, 3] and slow.layers[LM] == [4, 4]
+    assert fast.forward == {f"{LM}.0": 5, f"{LM}.1": 3} and fast.backward == {f"{LM}.0": 2, f"{LM}.1": 3}
+    # hand: forward-only boundaries leave stage 0 forward-only (4/mb) and stage 1 at F4+B5 -> 4 + 4 * 9 = 40
+    assert slow.iteration_time == pytest.approx(40)
+    assert fast.iteration_time < slow.iteration_time
 
 
 def test_plan_summary_and_colocated_replicated_evaluation():

@@ -24,7 +24,7 @@ from lightning_mm.planner.simulator import SimulationResult, simulate_1f1b
 class ModuleSpec:
     """Planner input for one module: frozen-aware layer costs (projector last for an encoder), model-state
     bytes per layer (weights, plus grads and optimizer state where trainable) and activation bytes per layer
-    held for each in-flight microbatch."""
+    held for each in-flight microbatch (counted only for layers that take part in backward)."""
 
     costs: Sequence[LayerCost]
     param_bytes: Sequence[float] | float = 0.0
@@ -93,7 +93,8 @@ def _stage_table(modules, layers, placement) -> dict[str, tuple[float, float, fl
         for size in layers[module]:
             sl = slice(start, start + size)
             start += size
-            yield (sum(fwd[sl]), sum(bwd[sl]), sum(pb[sl]), sum(ab[sl]), any(c.trainable for c in spec.costs[sl]))
+            kept = sum(a for a, c in zip(ab[sl], spec.costs[sl]) if c.in_backward)  # no_grad layers keep none
+            yield (sum(fwd[sl]), sum(bwd[sl]), sum(pb[sl]), kept, any(c.trainable for c in spec.costs[sl]))
 
     def add(a, b):
         return tuple(x + y for x, y in zip(a[:4], b[:4])) + (a[4] or b[4],)
@@ -155,35 +156,67 @@ def evaluate_plan(
 
 
 def forward_only_modules(modules: dict[str, ModuleSpec]) -> dict[str, ModuleSpec]:
-    """What the frozen-unaware baseline believes: every layer does backward and backward = 2 x forward."""
-    return {
-        name: ModuleSpec([LayerCost(c.forward, 2.0 * c.forward, True, True) for c in spec.costs],
-                         spec.param_bytes, spec.activation_bytes)
-        for name, spec in modules.items()
-    }
+    """What the frozen-unaware baseline believes about time: every layer does backward and backward =
+    2 x forward. It still knows which layers keep activations, so memory is not mis-estimated."""
+    out = {}
+    for name, spec in modules.items():
+        kept = [a if c.in_backward else 0.0 for a, c in zip(spec.per_layer(spec.activation_bytes), spec.costs)]
+        believed = [LayerCost(c.forward, 2.0 * c.forward, True, True) for c in spec.costs]
+        out[name] = ModuleSpec(believed, spec.param_bytes, kept)
+    return out
 
 
 def _planning_weights(spec: ModuleSpec) -> list[float]:
     return [c.total for c in spec.costs]
 
 
-def _bottleneck(weights: list[float], sizes: list[int]) -> float:
-    return max(stage_sums(weights, sizes))
+class _Partitions:
+    """Frozen-aware partitions and their planning-weight bottlenecks, cached per (module, stage count)."""
 
+    def __init__(self, modules: dict[str, ModuleSpec]):
+        self.modules = modules
+        self.weights = {m: _planning_weights(spec) for m, spec in modules.items()}
+        self._sizes: dict[tuple[str, int], list[int]] = {}
 
-def _matched_count(modules: dict[str, ModuleSpec], names: list[str], target: float) -> int:
-    """Fewest common stage count whose fused slowest stage (stage i of every named encoder on one device)
-    is <= target, in planning weights; the most possible if none is."""
-    limit = min(len(modules[e].costs) for e in names)
-    for count in range(1, limit + 1):
-        fused = [0.0] * count
-        for e in names:
-            sizes = partition_module(modules[e].costs, count)
-            for i, value in enumerate(stage_sums(_planning_weights(modules[e]), sizes)):
-                fused[i] += value
-        if max(fused) <= target:
-            return count
-    return limit
+    def sizes(self, module: str, count: int) -> list[int]:
+        key = (module, count)
+        if key not in self._sizes:
+            self._sizes[key] = partition_module(self.modules[module].costs, count)
+        return self._sizes[key]
+
+    def stage_weights(self, module: str, count: int) -> list[float]:
+        return stage_sums(self.weights[module], self.sizes(module, count))
+
+    def fewest_stages_under(self, module: str, target: float) -> int:
+        """Greedy packing: the exact minimum number of contiguous stages each <= target (capped at layers)."""
+        count, load = 1, 0.0
+        for w in self.weights[module]:
+            if load + w > target and load > 0:
+                count, load = count + 1, 0.0
+            load += w
+        return min(count, len(self.weights[module]))
+
+    def fused_count_under(self, names: list[str], target: float) -> int:
+        """Fewest common stage count whose fused stage (stage i of every encoder on one device) is <= target."""
+        limit = min(len(self.weights[e]) for e in names)
+        for count in range(max(self.fewest_stages_under(e, target) for e in names), limit + 1):
+            fused = [sum(v) for v in zip(*(self.stage_weights(e, count) for e in names))]
+            if max(fused) <= target:
+                return count
+        return limit
+
+    def water_fill(self, names: list[str], devices: int) -> list[int] | None:
+        """Share `devices` stages among encoders, one at a time to the current slowest (None if too few)."""
+        if devices < len(names):
+            return None
+        counts = {e: 1 for e in names}
+        for _ in range(devices - len(names)):
+            growable = [e for e in names if counts[e] < len(self.weights[e])]
+            if not growable:
+                break
+            slowest = max(growable, key=lambda e: max(self.stage_weights(e, counts[e])))
+            counts[slowest] += 1
+        return [counts[e] for e in names]
 
 
 def _neighbours(count: int, limit: int) -> list[int]:
@@ -191,37 +224,40 @@ def _neighbours(count: int, limit: int) -> list[int]:
 
 
 def candidate_layouts(modules: dict[str, ModuleSpec], budget: int, placements: Sequence[str]):
-    """Yield (placement, layers per stage per module) for one replica's device budget (001 Algorithm 1)."""
+    """Yield (placement, layers per stage per module) for one replica's device budget (001 Algorithm 1):
+    per LLM stage count, encoder stage counts matched to the LLM's slowest stage (and their neighbours),
+    plus the best share of the remaining devices when the matched counts do not fit."""
     encoders = _encoders(modules)
-    weights = {m: _planning_weights(modules[m]) for m in modules}
-    llm = modules[LANGUAGE_MODEL].costs
-    for llm_pp in range(1, min(len(llm), budget) + 1):
-        llm_sizes = partition_module(llm, llm_pp)
-        target = _bottleneck(weights[LANGUAGE_MODEL], llm_sizes)
+    parts = _Partitions(modules)
+    llm_layers = len(modules[LANGUAGE_MODEL].costs)
+    for llm_pp in range(1, min(llm_layers, budget) + 1):
+        llm_sizes = parts.sizes(LANGUAGE_MODEL, llm_pp)
+        target = max(parts.stage_weights(LANGUAGE_MODEL, llm_pp))
         if "replicated" in placements:
-            lead = sum(sum(weights[e]) for e in encoders)
-            llm_w = [weights[LANGUAGE_MODEL][0] + lead] + weights[LANGUAGE_MODEL][1:]
+            lead = sum(sum(parts.weights[e]) for e in encoders)
+            llm_w = [parts.weights[LANGUAGE_MODEL][0] + lead] + parts.weights[LANGUAGE_MODEL][1:]
             yield "replicated", {**{e: [len(modules[e].costs)] for e in encoders}, LANGUAGE_MODEL: partition(llm_w, llm_pp)}
         if not encoders:
             if "replicated" not in placements:
                 yield "parallel", {LANGUAGE_MODEL: llm_sizes}
             continue
+        spare = budget - llm_pp
         if "parallel" in placements:
-            options = []
-            for e in encoders:
-                matched = _matched_count(modules, [e], target)
-                options.append(_neighbours(matched, len(modules[e].costs)))
-            for counts in itertools.product(*options):
-                if llm_pp + sum(counts) <= budget:
-                    yield "parallel", {**{e: partition_module(modules[e].costs, c) for e, c in zip(encoders, counts)},
-                                       LANGUAGE_MODEL: llm_sizes}
+            options = [_neighbours(parts.fewest_stages_under(e, target), len(modules[e].costs)) for e in encoders]
+            choices = [c for c in itertools.product(*options) if sum(c) <= spare]
+            filled = parts.water_fill(encoders, spare)
+            if filled is not None:
+                choices.append(tuple(filled))
+            for counts in dict.fromkeys(choices):
+                yield "parallel", {**{e: parts.sizes(e, c) for e, c in zip(encoders, counts)}, LANGUAGE_MODEL: llm_sizes}
         if "colocated" in placements:
             limit = min(len(modules[e].costs) for e in encoders)
-            matched = _matched_count(modules, encoders, target)
-            for count in _neighbours(matched, limit):
-                if llm_pp + count <= budget:
-                    yield "colocated", {**{e: partition_module(modules[e].costs, count) for e in encoders},
-                                        LANGUAGE_MODEL: llm_sizes}
+            matched = parts.fused_count_under(encoders, target)
+            counts = [c for c in _neighbours(matched, limit) if c <= spare]
+            if matched > spare and spare >= 1:
+                counts.append(spare)
+            for count in dict.fromkeys(counts):
+                yield "colocated", {**{e: parts.sizes(e, count) for e in encoders}, LANGUAGE_MODEL: llm_sizes}
 
 
 def search(
