@@ -234,7 +234,9 @@ def _full_problem(layout, seed, s=38, heads=4, kv_heads=2, dim=8):
     return bam, seg, q, k, v, dout
 
 
-def _cp_worker(rank, world, init_file, head_groups_list):
+def _cp_worker(rank, world, init_file, configs):
+    from lightning_mm.attention import context_parallel
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -249,12 +251,13 @@ def _cp_worker(rank, world, init_file, head_groups_list):
             mine = plan[rank]
             sh = lambda t, d=2: cp.shard(t, mine, block, d)  # noqa: E731
             idx = cp.token_index(mine, block, s).expand(2, -1)
-            for head_groups in head_groups_list:
+            for head_groups, fallback in configs:  # fallback: all_reduce + slice instead of reduce_scatter
+                context_parallel._REDUCE_SCATTER_OK["gloo"] = not fallback
                 lq, lk, lv = (sh(t).detach().requires_grad_() for t in (q, k, v))
                 out = cp.context_parallel_attention(lq, lk, lv, sh(bam, 1), None if seg is None else sh(seg, 1),
                                                     idx, None, head_groups=head_groups)
                 out.backward(sh(dout))
-                ctx = f"rank {rank}/{world} {layout} {method} head_groups={head_groups}"
+                ctx = f"rank {rank}/{world} {layout} {method} head_groups={head_groups} fallback={fallback}"
                 torch.testing.assert_close(out, sh(ref.detach()), rtol=1e-9, atol=1e-10, msg=ctx)
                 for name, got, full in (("dq", lq, leaves[0]), ("dk", lk, leaves[1]), ("dv", lv, leaves[2])):
                     torch.testing.assert_close(got.grad, sh(full.grad), rtol=1e-9, atol=1e-10,
@@ -265,10 +268,10 @@ def _cp_worker(rank, world, init_file, head_groups_list):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,head_groups", [(2, [1, 2]), (4, [1])])
-def test_cp_attention_matches_single_process(world, head_groups):
+@pytest.mark.parametrize("world,configs", [(2, [(1, False), (2, False), (2, True)]), (4, [(1, False)])])
+def test_cp_attention_matches_single_process(world, configs):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_cp_worker, args=(world, os.path.join(tmp, "store"), head_groups), nprocs=world, join=True)
+        mp.spawn(_cp_worker, args=(world, os.path.join(tmp, "store"), configs), nprocs=world, join=True)
 
 
 def test_cp_attention_input_errors():

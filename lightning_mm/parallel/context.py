@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
 import torch
 
 from lightning_mm import masks
@@ -47,31 +48,28 @@ def lpt_assign(work: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
     loaded rank (ties: the rank with fewer blocks, then the lower rank). Makespan <= sum/cp + max (Graham).
 
     The tie rule on block counts spreads zero-work blocks (padding) evenly, so every rank gets a block when
-    there are at least ``cp_size`` of them. One heap operation per block on packed integer keys
-    ``((load * (n+1) + count) * cp + rank)``, which keeps 8k blocks at about a millisecond.
+    there are at least ``cp_size`` of them. One C-level heap operation per block on packed integer keys
+    ``(load * (n+1) + count) * cp + rank``: 8k blocks take about a millisecond.
     """
-    work = torch.as_tensor(work).reshape(-1).to(torch.int64).cpu()
-    n = work.numel()
+    work = torch.as_tensor(work).reshape(-1).to(torch.int64).cpu().numpy()
+    n = work.size
     _check_cp(n, cp_size)
-    if n and int(work.min()) < 0:
+    if n and work.min() < 0:
         raise ValueError("block work must be non-negative")
-    order = torch.sort(work, descending=True, stable=True).indices
+    order = np.argsort(-work, kind="stable")
     increments = ((work[order] * (n + 1) + 1) * cp_size).tolist()
-    heap, keys = list(range(cp_size)), []
-    push, take = heapq.heapreplace, keys.append
-    for inc in increments:
-        key = heap[0]
-        take(key)
-        push(heap, key + inc)
-    owner = torch.tensor(keys, dtype=torch.int64) % cp_size
-    return _plan_from_owner(order, owner, cp_size)
+    heap, replace = list(range(cp_size)), heapq.heapreplace
+    keys = [replace(heap, heap[0] + inc) for inc in increments]  # heapreplace returns the popped (least) key
+    owner = np.empty(n, dtype=np.int64)
+    owner[order] = np.array(keys, dtype=np.int64) % cp_size
+    return _plan_from_owner(owner, cp_size)
 
 
-def _plan_from_owner(blocks: torch.Tensor, owner: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
-    """Blocks grouped by owner rank, each group ascending."""
-    by_owner = torch.sort(owner * (blocks.numel() + 1) + blocks).values
-    counts = torch.bincount(owner, minlength=cp_size).tolist()
-    return [part % (blocks.numel() + 1) for part in torch.split(by_owner, counts)]
+def _plan_from_owner(owner: np.ndarray, cp_size: int) -> list[torch.Tensor]:
+    """Block indices grouped by owner rank, each group ascending (a stable sort keeps block order)."""
+    blocks = np.argsort(owner, kind="stable")
+    counts = np.bincount(owner, minlength=cp_size)
+    return [torch.from_numpy(part) for part in np.split(blocks, np.cumsum(counts)[:-1])]
 
 
 def zigzag_plan(num_blocks: int, cp_size: int) -> list[torch.Tensor]:
