@@ -24,16 +24,27 @@ pytest.importorskip("triton")
 
 
 def _load_kernels():
-    """Import the kernels so that they are interpreted on CPU even if another test imported them natively."""
-    import lightning_mm.kernels as kernels_pkg
+    """Import the kernels so that they run interpreted on CPU even if triton was imported before this module.
+
+    ``triton.jit`` picks interpreter or compiler when a function is decorated, and triton's own library
+    functions (``tl.zeros``, ``tl.sum``) are decorated when triton is imported, which ``import lightning_mm``
+    already does. So when an earlier test module imported triton natively, its Python modules (not the C
+    extension) and the kernel modules are imported again, now with ``TRITON_INTERPRET=1``.
+    """
+    import triton.language.standard as standard
     from triton.runtime.interpreter import InterpretedFunction
 
-    from lightning_mm.kernels import forward
+    if not ON_GPU and not isinstance(standard.zeros, InterpretedFunction):
+        for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+            if not name.startswith("triton._C"):
+                del sys.modules[name]
+        for name in [m for m in sys.modules if m.startswith("lightning_mm.kernels")]:
+            del sys.modules[name]
+        import triton.language.standard as standard  # noqa: F811
+        from triton.runtime.interpreter import InterpretedFunction  # noqa: F811
+        assert isinstance(standard.zeros, InterpretedFunction), "TRITON_INTERPRET=1 did not take effect"
+    import lightning_mm.kernels as kernels_pkg
 
-    if not ON_GPU and not isinstance(forward.forward_kernel, InterpretedFunction):
-        for name in ("rule", "matmul", "forward", "backward", "config", "split", "tiles", "attention"):
-            importlib.reload(importlib.import_module(f"lightning_mm.kernels.{name}"))
-        importlib.reload(kernels_pkg)
     return kernels_pkg
 
 
