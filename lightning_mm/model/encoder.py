@@ -37,6 +37,7 @@ class ModalityEncoder(nn.Module):
         super().__init__()
         self.family = encoder_family(encoder)
         self.module = encoder
+        self.config = encoder.config  # kept when a pipeline stage drops the module itself
         self.projector_kind = projector if isinstance(projector, str) else None
         if isinstance(projector, str) and projector not in PROJECTORS:
             raise ValueError(f"unknown projector {projector!r}; choose one of {PROJECTORS} or pass an nn.Module")
@@ -64,7 +65,7 @@ class ModalityEncoder(nn.Module):
         inputs = self.preprocess(inputs) if self.preprocess else inputs
         if self._num_tokens is not None:
             return list(self._num_tokens(inputs))
-        return self.family.num_tokens(self.module.config, inputs)
+        return self.family.num_tokens(self.config, inputs)
 
     # The three steps a pipeline stage composes; ``forward`` runs them all.
     def embed(self, inputs: dict) -> tuple[torch.Tensor, dict]:

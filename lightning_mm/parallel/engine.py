@@ -1,0 +1,221 @@
+"""The pipeline runtime: executes this rank's action list of the multimodal 1F1B schedule.
+
+Every rank of a replica sees the same batch (the sampler runs over replicas), so anything derivable from the
+batch (encoder contexts, mask words, positions, labels) is recomputed where it is needed and only hidden
+states and features travel between stages. Frozen-aware: a stage with nothing trainable in or upstream of it
+runs forward under ``no_grad`` and takes no part in backward; a frozen stage with trainable parameters upstream
+computes input gradients only (autograd builds no weight-gradient graph for frozen parameters).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from lightning_mm import loss as losses
+from lightning_mm.data.microbatch import split_microbatches
+from lightning_mm.parallel import p2p
+from lightning_mm.parallel.layout import RankLayout
+from lightning_mm.parallel.schedule import LANGUAGE_MODEL, build_stage_graph, check_schedule, one_f_one_b
+from lightning_mm.parallel.stages import (StagePlan, check_untied, owned_parameters, prune, resolve_partition,
+                                          stage_plans)
+
+
+class ProcessGroups:
+    """The groups a rank needs, created in the same order on every rank (as ``new_group`` requires)."""
+
+    def __init__(self, layout: RankLayout, rank: int):
+        coord = layout.coordinate(rank)
+        self.grad = None
+        for stage in layout.stages:
+            ranks = layout.grad_group_ranks(stage)
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if stage == coord.stage:
+                self.grad, self.grad_size = group, len(ranks)
+        self.dp = None
+        for stage in layout.stages:
+            for c in range(layout.widths[stage]):
+                ranks = layout.dp_group_ranks(stage, c)
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if (stage, c) == (coord.stage, coord.cp):
+                    self.dp = group
+
+
+class PipelineEngine:
+    """One rank's stage of ``model`` (pruned to it) and the schedule that drives it."""
+
+    def __init__(self, model, layout: RankLayout, rank: int, num_microbatches: int, partition="uniform"):
+        self.model, self.layout, self.rank, self.num_microbatches = model, layout, rank, num_microbatches
+        self.coord = layout.coordinate(rank)
+        encoder_names = list(model.encoders)
+        layer_counts = resolve_partition(model, layout.module_stages, partition)
+        check_untied(model, layout.module_stages[LANGUAGE_MODEL])
+        self.plans: dict[str, StagePlan] = stage_plans(layer_counts, layout.placement, encoder_names)
+        params = dict(model.named_parameters())
+        owned = {s: owned_parameters(model, p) for s, p in self.plans.items()}
+        trainable = {s: any(params[n].requires_grad for n in names) for s, names in owned.items()}
+        if not any(trainable.values()):
+            raise ValueError("the model has no trainable parameter: unfreeze something (model.freeze(projectors=False))")
+        self.graph = build_stage_graph({e: layout.module_stages[e] for e in encoder_names},
+                                       layout.module_stages[LANGUAGE_MODEL], layout.placement, trainable)
+        self.train_actions = one_f_one_b(self.graph, num_microbatches)
+        check_schedule(self.graph, self.train_actions, num_microbatches)
+        frozen = build_stage_graph({e: layout.module_stages[e] for e in encoder_names},
+                                   layout.module_stages[LANGUAGE_MODEL], layout.placement,
+                                   {s: False for s in trainable})
+        self.eval_actions = one_f_one_b(frozen, num_microbatches)
+        self.stage = self.coord.stage
+        self.plan = self.plans[self.stage]
+        self.node = self.graph.node(self.stage)
+        self.llm_hidden = model.lm_family.hidden_size(model.language_model)
+        self.owned = owned[self.stage]
+        prune(model, self.owned)
+        self.groups = ProcessGroups(layout, rank)
+        self.timings: list[tuple[str, int, float, float]] = []  # (kind, microbatch, start, end) of the last step
+
+    # ------------------------------------------------------------------ helpers
+    def peer_rank(self, stage: str) -> int:
+        width = self.layout.widths[stage]
+        return self.layout.rank(stage, self.coord.dp, self.coord.cp if width > 1 else 0)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for n, p in self.model.named_parameters() if n in self.owned and p.requires_grad]
+
+    # ------------------------------------------------------------------ stage compute
+    def _encoder_part(self, name, sl, mb, received):
+        enc = self.model.encoders[name]
+        if name not in mb:  # no item of this modality in the microbatch
+            return torch.zeros(0, self.llm_hidden if sl.head else 0)
+        inputs = enc.preprocess(mb[name]) if enc.preprocess and not sl.embed else mb[name]
+        if sl.embed:
+            hidden, ctx = enc.embed(mb[name])
+        else:
+            hidden, ctx = received[name], enc.family.context(enc.module, inputs)
+        hidden = enc.run_layers(hidden, ctx, sl.start, sl.end)
+        return enc.head(hidden, ctx, mb[name]) if sl.head else hidden
+
+    def _language_part(self, mb, received, num_label_tokens):
+        sl, model = self.plan.language_model, self.model
+        ctx = model.attention_context(mb["input_ids"], mb.get("bam"), mb.get("segment_ids"), mb.get("position_ids"),
+                                      mb.get("attention_mask"))
+        if sl.embed:
+            features = {k: v for msg in received.values() for k, v in msg.items()}
+            features.update({e: self._encoder_part(e, s, mb, {}) for e, s in self.plan.encoders.items()})
+            hidden = model.embed(mb["input_ids"], {k: v for k, v in features.items() if v.numel()})
+        else:
+            hidden = received[self.graph.predecessors(self.stage)[0]]["hidden"]
+        hidden = model.run_llm_layers(hidden, ctx, sl.start, sl.end)
+        if not sl.head:
+            return {"hidden": hidden}
+        loss_sum = losses.token_loss_sum(model.logits(hidden), losses.shift_labels(mb["labels"]))
+        return {"loss_sum": loss_sum, "loss": losses.normalise(loss_sum, num_label_tokens)}
+
+    def forward_stage(self, mb, received, num_label_tokens):
+        if self.plan.language_model is not None:
+            return self._language_part(mb, received, num_label_tokens)
+        pred = self.graph.predecessors(self.stage)
+        msg = received[pred[0]] if pred else {}
+        return {e: self._encoder_part(e, sl, mb, msg) for e, sl in self.plan.encoders.items()}
+
+    # ------------------------------------------------------------------ the schedule
+    def run(self, batch: dict, train: bool = True) -> torch.Tensor:
+        """Forward (and backward when ``train``) of every microbatch; returns the global normalised loss."""
+        self.model.check_placeholders(batch["input_ids"], {e: batch[e] for e in self.model.encoders if e in batch})
+        mbs = split_microbatches(batch, self.num_microbatches, self.model)
+        count = losses.count_label_tokens(batch["labels"]).reshape(1).float()
+        if self.groups.dp is not None:
+            dist.all_reduce(count, group=self.groups.dp)
+        actions = (self.train_actions if train else self.eval_actions)[self.stage]
+        needs_grad = train and self.node.needs_backward
+        received, outputs, input_grads, out_grads = {}, {}, {}, {}
+        pending, loss_sum = [], torch.zeros(())
+        self.timings = []
+        for act in actions:
+            m = act.microbatch
+            t0 = time.perf_counter()
+            if act.kind == "recv_fwd":
+                msg = p2p.recv(self.plans[act.peer].output_keys, self.peer_rank(act.peer))
+                if needs_grad and self.graph.node(act.peer).needs_backward:
+                    for t in msg.values():
+                        if t.is_floating_point():
+                            t.requires_grad_(True)
+                received.setdefault(m, {})[act.peer] = msg
+            elif act.kind == "forward":
+                with torch.set_grad_enabled(needs_grad):
+                    out = self.forward_stage(mbs[m], received.get(m, {}), count)
+                if "loss_sum" in out:
+                    loss_sum = loss_sum + out["loss_sum"].detach()
+                outputs[m] = out
+                if not needs_grad:
+                    received.pop(m, None)
+            elif act.kind == "send_fwd":
+                pending += p2p.send(outputs[m], self.plan.output_keys, self.peer_rank(act.peer))
+                if not needs_grad:
+                    outputs.pop(m)
+            elif act.kind == "recv_bwd":
+                out_grads[m] = p2p.recv(self.plan.output_keys, self.peer_rank(act.peer))
+            elif act.kind == "backward":
+                self._backward(outputs.pop(m), out_grads.pop(m, None))
+                inputs = received.pop(m, {})
+                input_grads[m] = {p: {k: (t.grad if t.grad is not None else torch.zeros_like(t))
+                                      for k, t in msg.items()} for p, msg in inputs.items()}
+            elif act.kind == "send_bwd":
+                pending += p2p.send(input_grads[m].pop(act.peer), self.plans[act.peer].output_keys,
+                                    self.peer_rank(act.peer))
+            self.timings.append((act.kind, m, t0, time.perf_counter()))
+        for work, _ in pending:
+            work.wait()
+        dist.all_reduce(loss_sum)
+        return losses.normalise(loss_sum, count[0])
+
+    @staticmethod
+    def _backward(out: dict, grads: dict | None) -> None:
+        if "loss" in out:
+            if out["loss"].requires_grad:
+                torch.autograd.backward(out["loss"])
+            return
+        pairs = [(t, grads[k]) for k, t in out.items() if t.requires_grad]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+    # ------------------------------------------------------------------ gradients
+    def sync_gradients(self) -> None:
+        """Sum gradients over every rank holding the same parameters (data-parallel replicas, CP ranks).
+
+        Sums, not averages: each replica's loss is already divided by the global label count. A parameter
+        unused on every replica keeps ``grad=None`` (as in one process), so optimisers skip it alike.
+        """
+        params = self.trainable_parameters()
+        if self.groups.grad is None or not params:
+            return
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.groups.grad)
+        live = [p for p, u in zip(params, used.tolist()) if u]
+        for p in live:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if live:
+            flat = torch.cat([p.grad.reshape(-1) for p in live])
+            dist.all_reduce(flat, group=self.groups.grad)
+            at = 0
+            for p in live:
+                p.grad.copy_(flat[at:at + p.numel()].view_as(p))
+                at += p.numel()
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """L2 norm of all trainable gradients of the whole model (every stage, counted once)."""
+        sq = sum((p.grad.float() ** 2).sum() for p in self.trainable_parameters() if p.grad is not None)
+        sq = torch.as_tensor(sq, dtype=torch.float64) / self.groups.grad_size
+        dist.all_reduce(sq)
+        return sq.sqrt()
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        norm = self.global_grad_norm()
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1:
+            for p in self.trainable_parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm

@@ -1,0 +1,72 @@
+"""Every pipeline layout trains exactly like the unparallelised model in one process (gloo, CPU, fp32, SGD)."""
+
+import pytest
+import torch
+from helpers.distributed import run_distributed
+from helpers.pipeline_case import run_rank, run_reference
+
+from lightning_mm.parallel.layout import ParallelSpec, build_layout
+
+# (modalities, freeze, encoder pp, llm pp, placement, dp, microbatches)
+CASES = [
+    (("vision",), "projectors", (1,), 1, "parallel", 1, 2),
+    (("vision",), "llm", (2,), 2, "parallel", 1, 4),
+    (("vision", "audio"), "encoder", (2, 1), 2, "parallel", 1, 2),
+    (("vision", "audio"), "projectors", (1, 1), 3, "parallel", 1, 4),
+    (("vision", "audio"), "llm", (1, 2), 1, "parallel", 2, 2),
+    (("vision", "audio"), "encoder", (2, 2), 1, "colocated", 1, 2),
+    (("vision", "audio"), "llm", (1, 1), 2, "replicated", 2, 2),
+    (("vision", "image2"), "encoder", (1, 1), 2, "replicated", 1, 4),
+]
+
+
+def world_of(case):
+    mods, _, enc_pp, llm_pp, placement, dp, _ = case
+    specs = {m: ParallelSpec(pp=p) for m, p in zip(mods, enc_pp)}
+    return build_layout(specs, ParallelSpec(pp=llm_pp), 720720, placement).ranks_per_replica * dp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{'+'.join(c[0])}-{c[1]}-enc{c[2]}-llm{c[3]}-{c[4]}-dp{c[5]}")
+def test_layout_trains_like_one_process(case):
+    mods, freeze, enc_pp, llm_pp, placement, dp, microbatches = case
+    steps, rows = 3, 4 * dp
+    ref_losses, ref_params = run_reference(mods, freeze, steps, rows)
+    results = run_distributed(run_rank, world_of(case), mods, freeze, enc_pp, llm_pp, placement, microbatches,
+                              steps, rows)
+    merged = {}
+    for losses, params in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name, p in params.items():
+            if name in merged:  # replicas of one stage agree
+                torch.testing.assert_close(p, merged[name], rtol=0, atol=0)
+            merged[name] = p
+    assert set(merged) == set(ref_params)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
+    assert ref_losses[0] != ref_losses[2]  # the steps changed the model
+
+
+def test_bad_specs_fail_before_any_process_group():
+    import torch.distributed as dist
+
+    vis = {"vision": ParallelSpec()}
+    with pytest.raises(ValueError, match="cannot hold whole replicas of 3 ranks.*multiple of 3"):
+        build_layout(vis, ParallelSpec(pp=2), 4)
+    with pytest.raises(ValueError, match="modality 'audio' has no ParallelSpec"):
+        build_layout(vis, ParallelSpec(), 2, model_encoders=["vision", "audio"])
+    with pytest.raises(ValueError, match="unknown modules"):
+        build_layout({"video": ParallelSpec()}, ParallelSpec(), 2, model_encoders=["vision"])
+    with pytest.raises(ValueError, match="tensor parallelism is not yet supported"):
+        ParallelSpec(tp=2)
+    with pytest.raises(ValueError, match="same pp"):
+        build_layout({"a": ParallelSpec(pp=1), "b": ParallelSpec(pp=2)}, ParallelSpec(), 4, "colocated")
+    from helpers.pipeline_case import build_model
+
+    from lightning_mm.parallel.stages import resolve_partition
+    model = build_model(("vision",), "llm")
+    with pytest.raises(ValueError, match="'language_model' has 4 layers but pp=5 stages"):
+        resolve_partition(model, {"vision": 1, "language_model": 5}, "uniform")
+    with pytest.raises(ValueError, match=r"partition\['vision'\] = \[3, 2\]"):
+        resolve_partition(model, {"vision": 2, "language_model": 1}, {"vision": [3, 2]})
+    assert not dist.is_initialized()
