@@ -34,11 +34,20 @@ class MultimodalLightningModule(pl.LightningModule):
         self.train_seconds = SumMetric()
         self._step_start = None
 
+    @property
+    def pipeline(self):
+        """The MultimodalParallelStrategy running this module, or None in a single process / other strategies."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return strategy if hasattr(strategy, "run_pipeline") else None
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
     def configure_optimizers(self):
         params = self.trainable_parameters()
+        if not params and self.pipeline is not None:
+            # a stage with nothing trainable still steps with the others; an empty parameter keeps loops aligned
+            params = [torch.nn.Parameter(torch.zeros(0))]
         if not params:
             raise ValueError("the model has no trainable parameter: unfreeze something (model.freeze(projectors=False))")
         opt = (self.optimizer_factory or (lambda p: torch.optim.AdamW(p, lr=self.lr)))(params)
@@ -52,8 +61,23 @@ class MultimodalLightningModule(pl.LightningModule):
     def on_train_batch_start(self, batch, batch_idx):
         self._step_start = time.perf_counter()
 
+    def compute_loss(self, batch: dict, train: bool = True) -> torch.Tensor:
+        """The pipeline schedule under MultimodalParallelStrategy (backward included), else the plain forward."""
+        if self.pipeline is not None:
+            return self.pipeline.run_pipeline(batch, train=train)
+        return self(batch).loss
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.pipeline is not None and gradient_clip_val:
+            if gradient_clip_algorithm not in (None, "norm"):
+                raise ValueError("MultimodalParallelStrategy clips by the global norm only: use "
+                                 "gradient_clip_algorithm='norm'")
+            self.pipeline.clip_gradients_by_norm(gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def training_step(self, batch: dict, batch_idx: int):
-        loss = self(batch).loss
+        loss = self.compute_loss(batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 
@@ -65,6 +89,6 @@ class MultimodalLightningModule(pl.LightningModule):
             self.log("train/tokens_per_s", self.train_tokens.compute() / seconds, prog_bar=True)
 
     def validation_step(self, batch: dict, batch_idx: int):
-        loss = self(batch).loss
+        loss = self.compute_loss(batch, train=False)
         self.log("val/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0], sync_dist=True)
         return loss

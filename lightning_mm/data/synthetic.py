@@ -29,13 +29,13 @@ class SyntheticMultimodalDataset(Dataset):
         self.model, self.num_samples, self.text_tokens = model, num_samples, text_tokens
         self.items_per_sample, self.layout, self.seed, self.variable_size = (
             items_per_sample, layout, seed, variable_size)
-        self.vocab = model.lm_family.vocab_size(model.language_model)
+        self.vocab = model.vocab_size
 
     def __len__(self) -> int:
         return self.num_samples
 
     def _items(self, enc, n: int, g: torch.Generator) -> dict:
-        fam, cfg = enc.family, enc.module.config
+        fam, cfg = enc.family, enc.config
         if fam.input_key == "image_grid_thw" and self.variable_size:
             m = cfg.spatial_merge_size
             grids = [(1, m * int(torch.randint(1, 3, (1,), generator=g)), m * int(torch.randint(1, 3, (1,), generator=g)))

@@ -71,9 +71,11 @@ class MultimodalModel(nn.Module):
             enc.attach(self.lm_family.hidden_size(language_model))
         self.encoders = nn.ModuleDict(encoders)
         self.language_model = language_model
+        # kept as plain numbers: a pipeline stage may drop the language model itself
+        self.vocab_size = self.lm_family.vocab_size(language_model)
+        self.hidden_size = self.lm_family.hidden_size(language_model)
         language_model.set_attn_implementation(ATTENTION_NAME)
-        vocab = self.lm_family.vocab_size(language_model)
-        ids = {name: vocab + i for i, name in enumerate(encoders)}
+        ids = {name: self.vocab_size + i for i, name in enumerate(encoders)}
         ids.update({n: e.placeholder_id for n, e in encoders.items() if e.placeholder_id is not None})
         ids.update(placeholder_ids or {})
         unknown = set(ids) - set(encoders)

@@ -69,7 +69,7 @@ class PipelineEngine:
         self.stage = self.coord.stage
         self.plan = self.plans[self.stage]
         self.node = self.graph.node(self.stage)
-        self.llm_hidden = model.lm_family.hidden_size(model.language_model)
+        self.llm_hidden = model.hidden_size
         self.owned = owned[self.stage]
         prune(model, self.owned)
         self.groups = ProcessGroups(layout, rank)
