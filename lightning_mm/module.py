@@ -76,6 +76,12 @@ class MultimodalLightningModule(pl.LightningModule):
             return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        # Lightning zeroes between training_step and backward; the pipeline's backward runs inside
+        # training_step, so under the strategy gradients are zeroed after each optimiser step instead.
+        if self.pipeline is None:
+            optimizer.zero_grad()
+
     def training_step(self, batch: dict, batch_idx: int):
         loss = self.compute_loss(batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])

@@ -87,6 +87,11 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.engine.sync_gradients()
         return closure_loss
 
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        optimizer.zero_grad()  # see MultimodalLightningModule.optimizer_zero_grad
+        return out
+
     def clip_gradients_by_norm(self, max_norm: float) -> torch.Tensor:
         """Clip by the global norm over every stage and replica."""
         return self.engine.clip_gradients(max_norm)

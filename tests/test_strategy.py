@@ -1,0 +1,46 @@
+"""MultimodalParallelStrategy inside a real Lightning Trainer equals single-process Lightning training."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lightning_mm as lmm
+from lightning_mm.checkpoint import consolidate
+
+CASE = os.path.join(os.path.dirname(__file__), "helpers", "lightning_case.py")
+
+
+def run(mode, tmp_path):
+    out, ckpt = tmp_path / f"{mode}.json", tmp_path / f"{mode}.ckpt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, CASE, mode, str(out), str(ckpt)], capture_output=True, text=True,
+                          timeout=400, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text()), ckpt
+
+
+@pytest.mark.slow
+def test_strategy_trains_like_single_process_and_checkpoint_consolidates(tmp_path):
+    single_losses, single_ckpt = run("single", tmp_path)
+    pipe_losses, pipe_ckpt = run("pipeline", tmp_path)
+    assert len(pipe_losses) == 3 and single_losses[0] != single_losses[-1]
+    torch.testing.assert_close(torch.tensor(pipe_losses), torch.tensor(single_losses), rtol=1e-5, atol=1e-6)
+    expected = torch.load(single_ckpt, weights_only=True)
+    merged = consolidate(str(pipe_ckpt))
+    assert set(merged) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(merged[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_strategy_registered_and_bad_spec_named():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert "multimodal" in StrategyRegistry
+    strategy = StrategyRegistry.get("multimodal")
+    assert isinstance(strategy, lmm.MultimodalParallelStrategy)
+    with pytest.raises(ValueError, match="num_microbatches must be >= 1"):
+        lmm.MultimodalParallelStrategy(num_microbatches=0)
