@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 
-@pytest.mark.parametrize("config", ["examples/tiny_vlm.yaml", "examples/tiny_valm.yaml"])
+@pytest.mark.parametrize("config", ["examples/tiny_vlm.yaml", "examples/tiny_valm.yaml", "examples/tiny_valm_pp.yaml"])
 def test_cli_example_trains(config, tmp_path):
     exe = shutil.which("lightning-mm")
     assert exe, "the console script is not installed: pip install -e ."
