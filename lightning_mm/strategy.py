@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_mm.parallel.engine import PipelineEngine
+from lightning_mm.parallel.engine import CP_NOT_WIRED, PipelineEngine
 from lightning_mm.parallel.layout import ParallelSpec, RankLayout, build_layout
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -44,6 +44,8 @@ class MultimodalParallelStrategy(DDPStrategy):
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.encoder_specs = encoders
         self.language_model_spec = language_model or ParallelSpec()
+        if self.language_model_spec.cp > 1:
+            raise ValueError(CP_NOT_WIRED)
         self.num_microbatches, self.partition, self.encoder_placement = num_microbatches, partition, encoder_placement
         self.layout: RankLayout | None = None
         self.engine: PipelineEngine | None = None

@@ -23,6 +23,10 @@ from lightning_mm.parallel.stages import (StagePlan, check_untied, owned_paramet
                                           stage_plans)
 
 
+CP_NOT_WIRED = ("ParallelSpec(cp>1): context parallelism is not yet supported by the pipeline runtime (its "
+                "attention and planning live in lightning_mm.parallel.context); use cp=1")
+
+
 class ProcessGroups:
     """The groups a rank needs, created in the same order on every rank (as ``new_group`` requires)."""
 
@@ -47,6 +51,8 @@ class PipelineEngine:
     """One rank's stage of ``model`` (pruned to it) and the schedule that drives it."""
 
     def __init__(self, model, layout: RankLayout, rank: int, num_microbatches: int, partition="uniform"):
+        if any(w > 1 for w in layout.widths.values()):
+            raise ValueError(CP_NOT_WIRED)
         self.model, self.layout, self.rank, self.num_microbatches = model, layout, rank, num_microbatches
         self.coord = layout.coordinate(rank)
         encoder_names = list(model.encoders)
