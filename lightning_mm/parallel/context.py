@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from lightning_mm import masks
+from lightning_mm.loss import IGNORE_INDEX, shift_labels  # the one shift, done globally before sharding
 from lightning_mm.attention.context_parallel import context_parallel_attention
 
 METHODS = ("lpt", "random", "zigzag", "contiguous")
-IGNORE_INDEX = -100
 
 __all__ = ["METHODS", "IGNORE_INDEX", "distribute", "lpt_assign", "zigzag_plan", "contiguous_plan", "random_plan",
            "plan_workload", "validate_plan", "token_index", "shard", "unshard", "shift_labels", "shard_batch",
@@ -180,19 +180,6 @@ def unshard(shards: list[torch.Tensor], plan: list[torch.Tensor], block_size: in
         raise ValueError(f"the shards hold {cat.shape[dim]} tokens along dim {dim}, the plan {seq_len}")
     out = torch.empty_like(cat)
     return out.index_copy_(dim, idx, cat)
-
-
-def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Next-token targets ``[B,S]``: target of token t = ``labels[:, t+1]``, ``ignore_index`` at the end.
-
-    ``labels`` follow the HF convention (aligned with ``input_ids``; the model shifts). Under CP a rank does
-    not hold token t+1 next to t, so the shift happens once on the full sequence before sharding and the
-    model must not shift again (HF losses accept the result as ``shift_labels=``).
-    """
-    if labels.dim() != 2:
-        raise ValueError(f"labels must be [B,S], got shape {tuple(labels.shape)}")
-    pad = torch.full_like(labels[:, :1], ignore_index)
-    return torch.cat([labels[:, 1:], pad], 1)
 
 
 def shard_batch(batch: dict, plan: list[torch.Tensor], rank: int, block_size: int = 128,
