@@ -1,0 +1,55 @@
+"""Real inputs -> samples: a tokenizer plus one HF processor per modality (image processor, feature extractor).
+
+``MultimodalProcessor(model, tokenizer, processors={"vision": image_processor}, markers={"vision": "<image>"})``
+turns ``text`` with one marker per item and the raw items (``vision=[img, ...]``) into the sample form the
+``MultimodalCollator`` expands (one placeholder token per item, labels, encoder inputs), so placeholders,
+labels, words and packing come from the same code for real and synthetic data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MultimodalProcessor:
+    def __init__(self, model, tokenizer, processors: dict, markers: dict[str, str] | None = None,
+                 processor_kwargs: dict[str, dict] | None = None):
+        unknown = set(processors) - set(model.encoders)
+        if unknown:
+            raise ValueError(f"processors for unknown modalities {sorted(unknown)}; encoders: {list(model.encoders)}")
+        self.model, self.tokenizer, self.processors = model, tokenizer, processors
+        self.markers = markers or {name: f"<{name}>" for name in processors}
+        self.kwargs = processor_kwargs or {}
+
+    def _encode(self, name: str, items: list) -> dict:
+        proc = self.processors[name]
+        kw = {"return_tensors": "pt", **self.kwargs.get(name, {})}
+        out = proc(images=items, **kw) if hasattr(proc, "image_mean") else proc(items, **kw)
+        keep = {"pixel_values", "image_grid_thw", "input_features"}
+        return {k: v for k, v in out.items() if k in keep}
+
+    def __call__(self, text: str, train_on_prompt: bool = True, **items: list) -> dict:
+        """One sample: ``text`` holds one marker per item of each modality, in order."""
+        sample, ids = {}, []
+        pattern = sorted(self.markers.items(), key=lambda kv: -len(kv[1]))
+        rest, counts = text, {name: 0 for name in self.markers}
+        while rest:
+            hits = [(rest.find(m), name, m) for name, m in pattern if m in rest]
+            if not hits:
+                ids += self.tokenizer(rest, add_special_tokens=False)["input_ids"]
+                break
+            at, name, marker = min(hits)
+            if at:
+                ids += self.tokenizer(rest[:at], add_special_tokens=False)["input_ids"]
+            ids.append(self.model.placeholder_ids[name])
+            counts[name] += 1
+            rest = rest[at + len(marker):]
+        for name, n in counts.items():
+            given = len(items.get(name, []))
+            if n != given:
+                raise ValueError(f"modality {name!r}: the text has {n} {self.markers[name]!r} markers but {given} "
+                                 "items were given; put one marker per image/clip")
+            if n:
+                sample[name] = self._encode(name, list(items[name]))
+        sample["input_ids"] = torch.tensor(ids, dtype=torch.long)
+        return sample
