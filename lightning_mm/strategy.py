@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_mm.parallel.engine import CP_NOT_WIRED, PipelineEngine
+from lightning_mm.parallel.engine import PipelineEngine
 from lightning_mm.parallel.layout import ParallelSpec, RankLayout, build_layout
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -29,14 +29,17 @@ class MultimodalParallelStrategy(DDPStrategy):
     model); ``language_model`` is the LLM's. The data-parallel size is ``devices / ranks per replica``.
     ``partition``: "uniform" or explicit ``{module: [layers per stage]}``. ``encoder_placement``: "parallel"
     (modality parallelism), "colocated" (Megatron-style fused encoder stages) or "replicated" (encoders whole in
-    the LLM's first stage). Each rank's batch is cut into ``num_microbatches``.
+    the LLM's first stage). Each rank's batch is cut into ``num_microbatches``. ``language_model=ParallelSpec(cp=N)``
+    shards every LLM sequence over N ranks in blocks of ``cp_block_size`` tokens distributed by ``cp_distribution``
+    ("lpt", "zigzag", "random", "contiguous"); sequences must span at least N blocks.
     """
 
     strategy_name = "multimodal"
 
     def __init__(self, encoders: dict[str, ParallelSpec] | None = None, language_model: ParallelSpec | None = None,
                  num_microbatches: int = 1, partition: str | dict[str, list[int]] = "uniform",
-                 encoder_placement: str = "parallel", process_group_backend: str | None = None,
+                 encoder_placement: str = "parallel", cp_distribution: str = "lpt", cp_block_size: int = 128,
+                 process_group_backend: str | None = None,
                  timeout: timedelta | None = DEFAULT_TIMEOUT, start_method: str = "popen", **kwargs):
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **kwargs)
@@ -44,9 +47,8 @@ class MultimodalParallelStrategy(DDPStrategy):
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.encoder_specs = encoders
         self.language_model_spec = language_model or ParallelSpec()
-        if self.language_model_spec.cp > 1:
-            raise ValueError(CP_NOT_WIRED)
         self.num_microbatches, self.partition, self.encoder_placement = num_microbatches, partition, encoder_placement
+        self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
         self.layout: RankLayout | None = None
         self.engine: PipelineEngine | None = None
 
@@ -71,7 +73,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.engine = PipelineEngine(self.lightning_module.model, self.layout, self.global_rank,
-                                     self.num_microbatches, self.partition)
+                                     self.num_microbatches, self.partition, self.cp_distribution, self.cp_block_size)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -70,3 +70,36 @@ def test_bad_specs_fail_before_any_process_group():
     with pytest.raises(ValueError, match=r"partition\['vision'\] = \[3, 2\]"):
         resolve_partition(model, {"vision": 2, "language_model": 1}, {"vision": [3, 2]})
     assert not dist.is_initialized()
+
+
+# (modalities, freeze, encoder pp, llm pp, llm cp, placement, dp, microbatches, layout, cp distribution)
+CP_CASES = [
+    (("vision",), "llm", (1,), 1, 2, "parallel", 1, 2, "ee", "lpt"),
+    (("vision",), "encoder", (1,), 2, 2, "parallel", 1, 2, "ep", "zigzag"),
+    (("vision", "audio"), "llm", (1, 1), 1, 2, "replicated", 2, 2, "ee", "random"),
+    (("vision",), "llm", (1,), 1, 4, "replicated", 1, 1, "mp", "lpt"),
+    (("vision",), "projectors", (1,), 1, 2, "parallel", 1, 1, "mp", "contiguous"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CP_CASES, ids=lambda c: f"{'+'.join(c[0])}-{c[1]}-llm{c[3]}-cp{c[4]}-{c[5]}-dp{c[6]}"
+                                                        f"-{c[8]}-{c[9]}")
+def test_context_parallel_layout_trains_like_one_process(case):
+    mods, freeze, enc_pp, llm_pp, cp, placement, dp, microbatches, layout, method = case
+    steps, rows = 2, 4 * dp
+    ref_losses, ref_params = run_reference(mods, freeze, steps, rows, layout)
+    specs = {m: ParallelSpec(pp=p) for m, p in zip(mods, enc_pp)}
+    world = build_layout(specs, ParallelSpec(pp=llm_pp, cp=cp), 720720, placement).ranks_per_replica * dp
+    results = run_distributed(run_rank, world, mods, freeze, enc_pp, llm_pp, placement, microbatches, steps, rows,
+                              layout, 0.5, cp, method, 8)
+    merged = {}
+    for losses, params in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name, p in params.items():
+            if name in merged:
+                torch.testing.assert_close(p, merged[name], rtol=0, atol=0)
+            merged[name] = p
+    assert set(merged) == set(ref_params)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)

@@ -42,7 +42,5 @@ def test_strategy_registered_and_bad_spec_named():
     assert "multimodal" in StrategyRegistry
     strategy = StrategyRegistry.get("multimodal")
     assert isinstance(strategy, lmm.MultimodalParallelStrategy)
-    with pytest.raises(ValueError, match="context parallelism is not yet supported by the pipeline runtime"):
-        lmm.MultimodalParallelStrategy(language_model=lmm.ParallelSpec(cp=2))
     with pytest.raises(ValueError, match="num_microbatches must be >= 1"):
         lmm.MultimodalParallelStrategy(num_microbatches=0)

@@ -23,10 +23,6 @@ from lightning_mm.parallel.stages import (StagePlan, check_untied, owned_paramet
                                           stage_plans)
 
 
-CP_NOT_WIRED = ("ParallelSpec(cp>1): context parallelism is not yet supported by the pipeline runtime (its "
-                "attention and planning live in lightning_mm.parallel.context); use cp=1")
-
-
 class ProcessGroups:
     """The groups a rank needs, created in the same order on every rank (as ``new_group`` requires)."""
 
@@ -45,15 +41,22 @@ class ProcessGroups:
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 if (stage, c) == (coord.stage, coord.cp):
                     self.dp = group
+        self.cp = None
+        for stage in layout.stages:
+            if layout.widths[stage] > 1:
+                for d in range(layout.dp):
+                    group = dist.new_group(layout.stage_ranks(stage, d))
+                    if (stage, d) == (coord.stage, coord.dp):
+                        self.cp = group
 
 
 class PipelineEngine:
     """One rank's stage of ``model`` (pruned to it) and the schedule that drives it."""
 
-    def __init__(self, model, layout: RankLayout, rank: int, num_microbatches: int, partition="uniform"):
-        if any(w > 1 for w in layout.widths.values()):
-            raise ValueError(CP_NOT_WIRED)
+    def __init__(self, model, layout: RankLayout, rank: int, num_microbatches: int, partition="uniform",
+                 cp_distribution: str = "lpt", cp_block_size: int = 128):
         self.model, self.layout, self.rank, self.num_microbatches = model, layout, rank, num_microbatches
+        self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
         self.coord = layout.coordinate(rank)
         encoder_names = list(model.encoders)
         layer_counts = resolve_partition(model, layout.module_stages, partition)
@@ -78,13 +81,27 @@ class PipelineEngine:
         self.llm_hidden = model.hidden_size
         self.owned = owned[self.stage]
         prune(model, self.owned)
+        self.cp_size = layout.widths[self.stage]
         self.groups = ProcessGroups(layout, rank)
         self.timings: list[tuple[str, int, float, float]] = []  # (kind, microbatch, start, end) of the last step
 
     # ------------------------------------------------------------------ helpers
-    def peer_rank(self, stage: str) -> int:
-        width = self.layout.widths[stage]
-        return self.layout.rank(stage, self.coord.dp, self.coord.cp if width > 1 else 0)
+    def peer_ranks(self, stage: str) -> list[int]:
+        """Ranks of a neighbouring stage this rank exchanges with: the same CP rank between LLM stages, every
+        CP rank of the LLM's first stage for an encoder, the encoder's one rank for a CP rank."""
+        width, own = self.layout.widths[stage], self.cp_size
+        if width == own:
+            return [self.layout.rank(stage, self.coord.dp, self.coord.cp)]
+        return self.layout.stage_ranks(stage, self.coord.dp) if own == 1 else [self.layout.rank(stage, self.coord.dp)]
+
+    def cp_plans(self, mbs: list[dict]) -> list[list[torch.Tensor]] | None:
+        """Each microbatch's CP distribution (computed identically on every rank from the batch)."""
+        from lightning_mm.parallel.context import distribute
+
+        if self.cp_size == 1:
+            return None
+        return [distribute(mb["bam"], self.cp_size, self.cp_distribution, self.cp_block_size, mb.get("segment_ids"))
+                for mb in mbs]
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for n, p in self.model.named_parameters() if n in self.owned and p.requires_grad]
@@ -102,25 +119,38 @@ class PipelineEngine:
         hidden = enc.run_layers(hidden, ctx, sl.start, sl.end)
         return enc.head(hidden, ctx, mb[name]) if sl.head else hidden
 
-    def _language_part(self, mb, received, num_label_tokens):
+    def _language_part(self, mb, received, num_label_tokens, plan):
         sl, model = self.plan.language_model, self.model
         ctx = model.attention_context(mb["input_ids"], mb.get("bam"), mb.get("segment_ids"), mb.get("position_ids"),
                                       mb.get("attention_mask"))
+        targets = losses.shift_labels(mb["labels"])  # shifted on the whole sequence, before any sharding
+        local = (lambda t: t) if plan is None else self._sharder(plan[self.coord.cp], mb["input_ids"].shape[1])
+        if plan is not None:
+            ctx = type(ctx)(position_ids=local(ctx.position_ids), bam=local(ctx.bam),
+                            segment_ids=None if ctx.segment_ids is None else local(ctx.segment_ids),
+                            token_index=local(torch.arange(mb["input_ids"].shape[1]).expand_as(mb["input_ids"])),
+                            cp_group=self.groups.cp)
         if sl.embed:
             features = {k: v for msg in received.values() for k, v in msg.items()}
             features.update({e: self._encoder_part(e, s, mb, {}) for e, s in self.plan.encoders.items()})
-            hidden = model.embed(mb["input_ids"], {k: v for k, v in features.items() if v.numel()})
+            hidden = local(model.embed(mb["input_ids"], {k: v for k, v in features.items() if v.numel()}))
         else:
             hidden = received[self.graph.predecessors(self.stage)[0]]["hidden"]
         hidden = model.run_llm_layers(hidden, ctx, sl.start, sl.end)
         if not sl.head:
             return {"hidden": hidden}
-        loss_sum = losses.token_loss_sum(model.logits(hidden), losses.shift_labels(mb["labels"]))
+        loss_sum = losses.token_loss_sum(model.logits(hidden), local(targets))
         return {"loss_sum": loss_sum, "loss": losses.normalise(loss_sum, num_label_tokens)}
 
-    def forward_stage(self, mb, received, num_label_tokens):
+    def _sharder(self, blocks: torch.Tensor, seq_len: int):
+        from lightning_mm.parallel.context import token_index
+
+        idx = token_index(blocks, self.cp_block_size, seq_len)
+        return lambda t: t.index_select(1, idx.to(t.device))
+
+    def forward_stage(self, mb, received, num_label_tokens, plan=None):
         if self.plan.language_model is not None:
-            return self._language_part(mb, received, num_label_tokens)
+            return self._language_part(mb, received, num_label_tokens, plan)
         pred = self.graph.predecessors(self.stage)
         msg = received[pred[0]] if pred else {}
         return {e: self._encoder_part(e, sl, mb, msg) for e, sl in self.plan.encoders.items()}
@@ -130,6 +160,7 @@ class PipelineEngine:
         """Forward (and backward when ``train``) of every microbatch; returns the global normalised loss."""
         self.model.check_placeholders(batch["input_ids"], {e: batch[e] for e in self.model.encoders if e in batch})
         mbs = split_microbatches(batch, self.num_microbatches, self.model)
+        plans = self.cp_plans(mbs) if self.plan.language_model is not None else None
         count = losses.count_label_tokens(batch["labels"]).reshape(1).float()
         if self.groups.dp is not None:
             dist.all_reduce(count, group=self.groups.dp)
@@ -142,7 +173,7 @@ class PipelineEngine:
             m = act.microbatch
             t0 = time.perf_counter()
             if act.kind == "recv_fwd":
-                msg = p2p.recv(self.plans[act.peer].output_keys, self.peer_rank(act.peer))
+                msg = p2p.recv(self.plans[act.peer].output_keys, self.peer_ranks(act.peer)[0])
                 if needs_grad and self.graph.node(act.peer).needs_backward:
                     for t in msg.values():
                         if t.is_floating_point():
@@ -150,18 +181,20 @@ class PipelineEngine:
                 received.setdefault(m, {})[act.peer] = msg
             elif act.kind == "forward":
                 with torch.set_grad_enabled(needs_grad):
-                    out = self.forward_stage(mbs[m], received.get(m, {}), count)
+                    out = self.forward_stage(mbs[m], received.get(m, {}), count, plans and plans[m])
                 if "loss_sum" in out:
                     loss_sum = loss_sum + out["loss_sum"].detach()
                 outputs[m] = out
                 if not needs_grad:
                     received.pop(m, None)
             elif act.kind == "send_fwd":
-                pending += p2p.send(outputs[m], self.plan.output_keys, self.peer_rank(act.peer))
+                for dst in self.peer_ranks(act.peer):
+                    pending += p2p.send(outputs[m], self.plan.output_keys, dst)
                 if not needs_grad:
                     outputs.pop(m)
             elif act.kind == "recv_bwd":
-                out_grads[m] = p2p.recv(self.plan.output_keys, self.peer_rank(act.peer))
+                parts = [p2p.recv(self.plan.output_keys, src) for src in self.peer_ranks(act.peer)]
+                out_grads[m] = {k: sum(part[k] for part in parts) for k in self.plan.output_keys}
             elif act.kind == "backward":
                 self._backward(outputs.pop(m), out_grads.pop(m, None))
                 inputs = received.pop(m, {})
@@ -169,7 +202,7 @@ class PipelineEngine:
                                       for k, t in msg.items()} for p, msg in inputs.items()}
             elif act.kind == "send_bwd":
                 pending += p2p.send(input_grads[m].pop(act.peer), self.plans[act.peer].output_keys,
-                                    self.peer_rank(act.peer))
+                                    self.peer_ranks(act.peer)[0])
             self.timings.append((act.kind, m, t0, time.perf_counter()))
         for work, _ in pending:
             work.wait()

@@ -25,7 +25,7 @@ def build_model(modalities: tuple[str, ...], freeze: str, llm: str = "llama"):
 def global_batches(model, steps: int, rows: int, layout: str = "ee", seed: int = 0):
     data = lmm.data.SyntheticMultimodalDataset(model, num_samples=steps * rows, seed=seed,
                                                layout="ee" if layout == "mp" else layout)
-    collate = lmm.data.MultimodalCollator(model, seq_len=160, pack=layout == "mp")
+    collate = lmm.data.MultimodalCollator(model, seq_len=160 if layout == "mp" else None, pack=layout == "mp")
     return [collate([data[s * rows + r] for r in range(rows)]) for s in range(steps)]
 
 
@@ -52,13 +52,13 @@ def run_reference(modalities, freeze, steps, rows, layout="ee", lr=0.5):
 
 
 def run_rank(rank, world, modalities, freeze, encoder_pp, llm_pp, placement, microbatches, steps, rows,
-             layout="ee", lr=0.5):
+             layout="ee", lr=0.5, llm_cp=1, cp_method="lpt", cp_block=8):
     model = build_model(modalities, freeze)
     batches = global_batches(model, steps, rows, layout)
     _MODEL_FOR_SPLIT[0] = model
     specs = {m: ParallelSpec(pp=encoder_pp[i]) for i, m in enumerate(modalities)}
-    plan = build_layout(specs, ParallelSpec(pp=llm_pp), world, placement, list(modalities))
-    engine = PipelineEngine(model, plan, rank, microbatches)
+    plan = build_layout(specs, ParallelSpec(pp=llm_pp, cp=llm_cp), world, placement, list(modalities))
+    engine = PipelineEngine(model, plan, rank, microbatches, cp_distribution=cp_method, cp_block_size=cp_block)
     params = engine.trainable_parameters()
     opt = torch.optim.SGD(params, lr=lr) if params else None  # a fully frozen stage has nothing to step
     d = engine.coord.dp
