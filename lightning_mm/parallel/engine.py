@@ -94,14 +94,27 @@ class PipelineEngine:
             return [self.layout.rank(stage, self.coord.dp, self.coord.cp)]
         return self.layout.stage_ranks(stage, self.coord.dp) if own == 1 else [self.layout.rank(stage, self.coord.dp)]
 
-    def cp_plans(self, mbs: list[dict]) -> list[list[torch.Tensor]] | None:
-        """Each microbatch's CP distribution (computed identically on every rank from the batch)."""
+    def cp_owners(self, mbs: list[dict]) -> list[torch.Tensor] | None:
+        """Each microbatch's CP distribution as the owning rank of every block, made once at the LLM's first stage;
+        it travels down the LLM pipeline with the hidden states (``"cp_owner"``)."""
         from lightning_mm.parallel.context import distribute
 
-        if self.cp_size == 1:
+        if self.cp_size == 1 or not self.plan.language_model.embed:
             return None
-        return [distribute(mb["bam"], self.cp_size, self.cp_distribution, self.cp_block_size, mb.get("segment_ids"))
-                for mb in mbs]
+        owners = []
+        for mb in mbs:
+            plan = distribute(mb["bam"], self.cp_size, self.cp_distribution, self.cp_block_size, mb.get("segment_ids"))
+            owner = torch.empty(sum(len(p) for p in plan), dtype=torch.long)
+            for r, blocks in enumerate(plan):
+                owner[blocks] = r
+            owners.append(owner)
+        return owners
+
+    def forward_keys(self, stage: str) -> list[str]:
+        """Keys of the activation message a stage sends (gradients come back for ``plans[stage].output_keys``)."""
+        plan = self.plans[stage]
+        cp = plan.language_model is not None and self.layout.widths[stage] > 1
+        return plan.output_keys + (["cp_owner"] if cp else [])
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for n, p in self.model.named_parameters() if n in self.owned and p.requires_grad]
@@ -119,13 +132,15 @@ class PipelineEngine:
         hidden = enc.run_layers(hidden, ctx, sl.start, sl.end)
         return enc.head(hidden, ctx, mb[name]) if sl.head else hidden
 
-    def _language_part(self, mb, received, num_label_tokens, plan):
+    def _language_part(self, mb, received, num_label_tokens, owner):
         sl, model = self.plan.language_model, self.model
+        if not sl.embed and self.cp_size > 1:
+            owner = received[self.graph.predecessors(self.stage)[0]]["cp_owner"]
         ctx = model.attention_context(mb["input_ids"], mb.get("bam"), mb.get("segment_ids"), mb.get("position_ids"),
                                       mb.get("attention_mask"))
         targets = losses.shift_labels(mb["labels"])  # shifted on the whole sequence, before any sharding
-        local = (lambda t: t) if plan is None else self._sharder(plan[self.coord.cp], mb["input_ids"].shape[1])
-        if plan is not None:
+        local = (lambda t: t) if owner is None else self._sharder(owner, mb["input_ids"].shape[1])
+        if owner is not None:
             ctx = type(ctx)(position_ids=local(ctx.position_ids), bam=local(ctx.bam),
                             segment_ids=None if ctx.segment_ids is None else local(ctx.segment_ids),
                             token_index=local(torch.arange(mb["input_ids"].shape[1]).expand_as(mb["input_ids"])),
@@ -138,19 +153,20 @@ class PipelineEngine:
             hidden = received[self.graph.predecessors(self.stage)[0]]["hidden"]
         hidden = model.run_llm_layers(hidden, ctx, sl.start, sl.end)
         if not sl.head:
-            return {"hidden": hidden}
+            return {"hidden": hidden} if owner is None else {"hidden": hidden, "cp_owner": owner}
         loss_sum = losses.token_loss_sum(model.logits(hidden), local(targets))
         return {"loss_sum": loss_sum, "loss": losses.normalise(loss_sum, num_label_tokens)}
 
-    def _sharder(self, blocks: torch.Tensor, seq_len: int):
+    def _sharder(self, owner: torch.Tensor, seq_len: int):
         from lightning_mm.parallel.context import token_index
 
+        blocks = torch.nonzero(owner == self.coord.cp).flatten()
         idx = token_index(blocks, self.cp_block_size, seq_len)
         return lambda t: t.index_select(1, idx.to(t.device))
 
-    def forward_stage(self, mb, received, num_label_tokens, plan=None):
+    def forward_stage(self, mb, received, num_label_tokens, owner=None):
         if self.plan.language_model is not None:
-            return self._language_part(mb, received, num_label_tokens, plan)
+            return self._language_part(mb, received, num_label_tokens, owner)
         pred = self.graph.predecessors(self.stage)
         msg = received[pred[0]] if pred else {}
         return {e: self._encoder_part(e, sl, mb, msg) for e, sl in self.plan.encoders.items()}
@@ -160,7 +176,7 @@ class PipelineEngine:
         """Forward (and backward when ``train``) of every microbatch; returns the global normalised loss."""
         self.model.check_placeholders(batch["input_ids"], {e: batch[e] for e in self.model.encoders if e in batch})
         mbs = split_microbatches(batch, self.num_microbatches, self.model)
-        plans = self.cp_plans(mbs) if self.plan.language_model is not None else None
+        owners = self.cp_owners(mbs) if self.plan.language_model is not None else None
         count = losses.count_label_tokens(batch["labels"]).reshape(1).float()
         if self.groups.dp is not None:
             dist.all_reduce(count, group=self.groups.dp)
@@ -173,7 +189,7 @@ class PipelineEngine:
             m = act.microbatch
             t0 = time.perf_counter()
             if act.kind == "recv_fwd":
-                msg = p2p.recv(self.plans[act.peer].output_keys, self.peer_ranks(act.peer)[0])
+                msg = p2p.recv(self.forward_keys(act.peer), self.peer_ranks(act.peer)[0])
                 if needs_grad and self.graph.node(act.peer).needs_backward:
                     for t in msg.values():
                         if t.is_floating_point():
@@ -181,7 +197,7 @@ class PipelineEngine:
                 received.setdefault(m, {})[act.peer] = msg
             elif act.kind == "forward":
                 with torch.set_grad_enabled(needs_grad):
-                    out = self.forward_stage(mbs[m], received.get(m, {}), count, plans and plans[m])
+                    out = self.forward_stage(mbs[m], received.get(m, {}), count, owners and owners[m])
                 if "loss_sum" in out:
                     loss_sum = loss_sum + out["loss_sum"].detach()
                 outputs[m] = out
@@ -189,7 +205,7 @@ class PipelineEngine:
                     received.pop(m, None)
             elif act.kind == "send_fwd":
                 for dst in self.peer_ranks(act.peer):
-                    pending += p2p.send(outputs[m], self.plan.output_keys, dst)
+                    pending += p2p.send(outputs[m], self.forward_keys(self.stage), dst)
                 if not needs_grad:
                     outputs.pop(m)
             elif act.kind == "recv_bwd":
@@ -199,7 +215,8 @@ class PipelineEngine:
                 self._backward(outputs.pop(m), out_grads.pop(m, None))
                 inputs = received.pop(m, {})
                 input_grads[m] = {p: {k: (t.grad if t.grad is not None else torch.zeros_like(t))
-                                      for k, t in msg.items()} for p, msg in inputs.items()}
+                                      for k, t in msg.items() if t.is_floating_point()}
+                                  for p, msg in inputs.items()}
             elif act.kind == "send_bwd":
                 pending += p2p.send(input_grads[m].pop(act.peer), self.plans[act.peer].output_keys,
                                     self.peer_ranks(act.peer)[0])
