@@ -14,21 +14,24 @@ from lightning_mm.checkpoint import consolidate
 CASE = os.path.join(os.path.dirname(__file__), "helpers", "lightning_case.py")
 
 
-def run(mode, tmp_path):
-    out, ckpt = tmp_path / f"{mode}.json", tmp_path / f"{mode}.ckpt"
+def run(mode, tmp_path, accumulate=1):
+    out, ckpt = tmp_path / f"{mode}{accumulate}.json", tmp_path / f"{mode}{accumulate}.ckpt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, CASE, mode, str(out), str(ckpt)], capture_output=True, text=True,
-                          timeout=400, env=env, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, CASE, mode, str(out), str(ckpt), str(accumulate)], capture_output=True,
+                          text=True, timeout=400, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text()), ckpt
 
 
 @pytest.mark.slow
-def test_strategy_trains_like_single_process_and_checkpoint_consolidates(tmp_path):
-    single_losses, single_ckpt = run("single", tmp_path)
-    pipe_losses, pipe_ckpt = run("pipeline", tmp_path)
-    assert len(pipe_losses) == 3 and single_losses[0] != single_losses[-1]
-    torch.testing.assert_close(torch.tensor(pipe_losses), torch.tensor(single_losses), rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_strategy_trains_like_single_process_and_checkpoint_consolidates(tmp_path, accumulate):
+    """Per-step losses, validation loss (after step 2), global-norm clipping, gradient accumulation."""
+    single, single_ckpt = run("single", tmp_path, accumulate)
+    pipe, pipe_ckpt = run("pipeline", tmp_path, accumulate)
+    assert len(pipe["train"]) == 3 * accumulate and single["train"][0] != single["train"][-1]
+    torch.testing.assert_close(torch.tensor(pipe["train"]), torch.tensor(single["train"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pipe["val"], single["val"], rtol=1e-5, atol=1e-6)
     expected = torch.load(single_ckpt, weights_only=True)
     merged = consolidate(str(pipe_ckpt))
     assert set(merged) == set(expected)

@@ -172,8 +172,10 @@ class PipelineEngine:
         return {e: self._encoder_part(e, sl, mb, msg) for e, sl in self.plan.encoders.items()}
 
     # ------------------------------------------------------------------ the schedule
-    def run(self, batch: dict, train: bool = True) -> torch.Tensor:
-        """Forward (and backward when ``train``) of every microbatch; returns the global normalised loss."""
+    def run(self, batch: dict, train: bool = True, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward (and backward when ``train``) of every microbatch; returns the global normalised loss.
+
+        Gradients are those of ``loss_scale * loss`` (Lightning divides by the gradient-accumulation steps)."""
         self.model.check_placeholders(batch["input_ids"], {e: batch[e] for e in self.model.encoders if e in batch})
         mbs = split_microbatches(batch, self.num_microbatches, self.model)
         owners = self.cp_owners(mbs) if self.plan.language_model is not None else None
@@ -212,7 +214,7 @@ class PipelineEngine:
                 parts = [p2p.recv(self.plan.output_keys, src) for src in self.peer_ranks(act.peer)]
                 out_grads[m] = {k: sum(part[k] for part in parts) for k in self.plan.output_keys}
             elif act.kind == "backward":
-                self._backward(outputs.pop(m), out_grads.pop(m, None))
+                self._backward(outputs.pop(m), out_grads.pop(m, None), loss_scale)
                 inputs = received.pop(m, {})
                 input_grads[m] = {p: {k: (t.grad if t.grad is not None else torch.zeros_like(t))
                                       for k, t in msg.items() if t.is_floating_point()}
@@ -227,10 +229,10 @@ class PipelineEngine:
         return losses.normalise(loss_sum, count[0])
 
     @staticmethod
-    def _backward(out: dict, grads: dict | None) -> None:
+    def _backward(out: dict, grads: dict | None, loss_scale: float) -> None:
         if "loss" in out:
             if out["loss"].requires_grad:
-                torch.autograd.backward(out["loss"])
+                torch.autograd.backward(out["loss"] * loss_scale)
             return
         pairs = [(t, grads[k]) for k, t in out.items() if t.requires_grad]
         if pairs:

@@ -18,16 +18,17 @@ class Record(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def main(mode: str, out: str, ckpt: str):
+def main(mode: str, out: str, ckpt: str, accumulate: str = "1"):
     torch.manual_seed(0)
     model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip")),
                                  "audio": lmm.ModalityEncoder(tiny_encoder("whisper"), projector="linear")},
                                 tiny_language_model("llama"))
     model.freeze(encoders=True, projectors=False, language_model=False)
     module = lmm.MultimodalLightningModule(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
-    data = lmm.data.SyntheticMultimodalDataModule(num_samples=16, batch_size=4)
+    data = lmm.data.SyntheticMultimodalDataModule(num_samples=24, batch_size=4, val_samples=8)
     kw = dict(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False, gradient_clip_val=0.5, use_distributed_sampler=False)
+              enable_model_summary=False, gradient_clip_val=0.5, use_distributed_sampler=False,
+              accumulate_grad_batches=int(accumulate), limit_val_batches=2, val_check_interval=2)
     record = Record()
     if mode == "single":
         trainer = L.Trainer(devices=1, callbacks=[record], **kw)
@@ -43,8 +44,8 @@ def main(mode: str, out: str, ckpt: str):
         trainer.save_checkpoint(ckpt)
     if trainer.global_rank == 0:
         with open(out, "w") as f:
-            json.dump(record.losses, f)
+            json.dump({"train": record.losses, "val": float(trainer.callback_metrics["val/loss"])}, f)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])
