@@ -25,9 +25,10 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
         raise ValueError(f"{type(module).__name__} uses attention logit softcapping, which bitfield attention does "
                          "not implement; set attn_logit_softcapping=None in the model config")
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    if window is not None and window < query.shape[2] * (1 if cp_group is None else 1):
+    seq_len = query.shape[2] if token_index is None else int(token_index.max()) + 1
+    if window is not None and window < seq_len:
         raise ValueError(f"{type(module).__name__} uses a sliding window of {window} tokens, shorter than the "
-                         f"sequence ({query.shape[2]}); bitfield attention attends the whole allowed context. "
+                         f"sequence ({seq_len}); bitfield attention attends the whole allowed context. "
                          "Set sliding_window=None (or >= the sequence length) in the model config")
     if dropout and module.training:
         raise ValueError("bitfield attention has no attention dropout; set attention_dropout=0 in the model config")
