@@ -46,13 +46,27 @@ def module_sizes(model) -> dict[str, int]:
 
 
 def resolve_partition(model, module_stages: dict[str, int], partition) -> dict[str, list[int]]:
-    """Layers per stage for every module: "uniform", or explicit ``{module: [layers per stage]}``."""
+    """Layers per stage for every module: "uniform", explicit ``{module: [layers per stage]}``, or a planner mode.
+
+    "frozen-aware" balances F + B of Eq. 3.1-3.3 (frozen flags from ``requires_grad``), "forward-only" balances
+    3F (the seeds' baseline), "auto" = "frozen-aware" (stage counts are fixed by the ParallelSpecs here; the
+    stage-count search is ``lightning-mm plan``). Planner costs are FLOP counts of the real layers on a fixed
+    synthetic sample, or a JSON profile (``PlannedPartition(mode, profile=path)``), so every rank computes the
+    same partition.
+    """
+    from lightning_mm.planner.model_costs import PLANNER_MODES, PlannedPartition, planned_partition
+
     sizes = module_sizes(model)
+    for module, stages in module_stages.items():
+        if stages > sizes[module]:
+            raise ValueError(f"{module!r} has {sizes[module]} layers but pp={stages} stages; use pp <= {sizes[module]}")
+    if isinstance(partition, str) and partition in PLANNER_MODES:
+        partition = PlannedPartition(partition)
+    if isinstance(partition, PlannedPartition):
+        return planned_partition(model, module_stages, partition.mode, partition.profile)
     out = {}
     for module, stages in module_stages.items():
         n = sizes[module]
-        if stages > n:
-            raise ValueError(f"{module!r} has {n} layers but pp={stages} stages; use pp <= {n}")
         given = partition.get(module) if isinstance(partition, dict) else None
         if given is not None:
             given = list(given)
@@ -63,7 +77,8 @@ def resolve_partition(model, module_stages: dict[str, int], partition) -> dict[s
         elif isinstance(partition, dict) or partition == "uniform":
             out[module] = uniform_partition(n, stages)
         else:
-            raise ValueError(f"unknown partition {partition!r}: use 'uniform' or {{module: [layers per stage]}}")
+            raise ValueError(f"unknown partition {partition!r}: use 'uniform', one of {PLANNER_MODES} or "
+                             "{module: [layers per stage]}")
     return out
 
 

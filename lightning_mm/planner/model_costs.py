@@ -1,0 +1,319 @@
+"""Planner inputs from a real MultimodalModel: per-part costs, frozen flags, and the strategy's partition modes.
+
+A module is split into *parts*: ``[embed, layer_0, ..., layer_{N-1}, head]`` (encoder head = final norm +
+projector; LLM head = norm + lm_head + loss). Eq. 3.1-3.3 run over the parts (so a trainable projector behind
+frozen layers, or a trainable LLM head, is costed right, and the upstream flag crosses from encoders into the
+LLM); then the embed part is folded into layer 0 and the head into the last layer, because a stage always runs
+them with those layers. The result has one `LayerCost` per layer, which is what the partitioner and the
+search cut.
+
+Costs are deterministic so that every rank computes the same partition: either FLOP counts of one forward on a
+fixed synthetic sample (`flop_times`, torch's FlopCounterMode over the real layers) or a JSON profile written
+by `profile_model` / `save_profile` (seconds measured on some machine, evaluated at the sample's token counts).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from lightning_mm.planner.costs import LayerCost, LayerProfile, ModuleTimes, fit_cost_model, load_profile, \
+    mllm_layer_costs, module_times
+from lightning_mm.planner.partition import partition_module
+
+LANGUAGE_MODEL = "language_model"
+PLANNER_MODES = ("frozen-aware", "forward-only", "auto")
+
+
+@dataclass(frozen=True)
+class PlannedPartition:
+    """A planner partition request: ``mode`` ("frozen-aware" | "forward-only" | "auto") and an optional JSON
+    profile path (`save_profile` format, parts per module as in this file's docstring)."""
+
+    mode: str = "frozen-aware"
+    profile: str | None = None
+
+
+def planner_request(partition, profile: str | None) -> PlannedPartition:
+    """The strategy's ``partition`` + ``profile=`` arguments as one request; checked before any process group."""
+    if not (isinstance(partition, str) and partition in PLANNER_MODES):
+        raise ValueError(f"profile={profile!r} only applies to a planner partition {PLANNER_MODES}, got "
+                         f"partition={partition!r}; set partition='frozen-aware' or drop profile")
+    load_profile(profile)  # fail now on a missing or outdated file, not inside the launched processes
+    return PlannedPartition(partition, str(profile))
+
+
+# ------------------------------------------------------------------------------------------ the model's parts
+def sample_batch(model, rows: int = 2, text_tokens: int = 64, seed: int = 0) -> dict:
+    """A fixed synthetic batch (the same on every rank) to count or time each part on."""
+    from lightning_mm.data import MultimodalCollator, SyntheticMultimodalDataset
+
+    with torch.random.fork_rng(devices=[]):
+        data = SyntheticMultimodalDataset(model, num_samples=rows, text_tokens=(text_tokens, text_tokens), seed=seed,
+                                          items_per_sample=(1, 1), variable_size=False)
+        return MultimodalCollator(model)([data[i] for i in range(rows)])
+
+
+def _tokens(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.dim() else 1
+
+
+def part_runners(model, batch: dict) -> dict[str, list[tuple[Callable, object, list[torch.nn.Parameter], int]]]:
+    """Per module, its parts in order as (run(x) -> y, input x, parameters, input tokens). The inputs are
+    produced by running the parts in order on ``batch`` (no_grad), as the pipeline's stages do."""
+    from lightning_mm import loss as losses
+
+    out, features = {}, {}
+    with torch.no_grad():
+        for name, enc in model.encoders.items():
+            inputs = batch[name]
+            mod = enc.module
+            embed_params = [p for m in enc.family.embed_modules if hasattr(mod, m) for p in getattr(mod, m).parameters()]
+            hidden, ctx = enc.embed(inputs)
+            parts = [(lambda x, enc=enc: enc.embed(x)[0], inputs, embed_params, 0)]
+            layer_ids = set()
+            for layer in enc.layers:
+                layer_ids |= {id(p) for p in layer.parameters()}
+                parts.append((lambda h, enc=enc, layer=layer, ctx=ctx: enc.family.run_layer(enc.module, layer, h, ctx),
+                              hidden, list(layer.parameters()), _tokens(hidden)))
+                hidden = enc.family.run_layer(mod, layer, hidden, ctx)
+            skip = layer_ids | {id(p) for p in embed_params}
+            head_params = [p for p in mod.parameters() if id(p) not in skip] + list(enc.projector.parameters())
+            parts.append((lambda h, enc=enc, ctx=ctx, inputs=inputs: enc.head(h, ctx, inputs), hidden, head_params,
+                          _tokens(hidden)))
+            features[name] = enc.head(hidden, ctx, inputs)
+            out[name] = parts
+        ids = batch["input_ids"]
+        ctx = model.attention_context(ids, batch.get("bam"), batch.get("segment_ids"), batch.get("position_ids"),
+                                      batch.get("attention_mask"))
+        lm = model.language_model
+        embed = model.lm_family.embed_tokens(lm)
+        hidden = model.embed(ids, features)
+        parts = [(lambda f: model.embed(ids, f), features, list(embed.parameters()), _tokens(ids.unsqueeze(-1)))]
+        layer_ids = {id(p) for p in embed.parameters()}
+        for i, layer in enumerate(model.llm_layers):
+            layer_ids |= {id(p) for p in layer.parameters()}
+            parts.append((lambda h, i=i: model.run_llm_layers(h, ctx, i, i + 1), hidden, list(layer.parameters()),
+                          _tokens(hidden)))
+            hidden = model.run_llm_layers(hidden, ctx, i, i + 1)
+        targets = losses.shift_labels(batch["labels"])
+        parts.append((lambda h: losses.token_loss_sum(model.logits(h), targets), hidden,
+                      [p for p in lm.parameters() if id(p) not in layer_ids], _tokens(hidden)))
+        out[LANGUAGE_MODEL] = parts
+    return out
+
+
+def _frozen(params: list[torch.nn.Parameter]) -> bool:
+    return not any(p.requires_grad for p in params)
+
+
+def _cpu_sdpa_forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+# torch counts the CUDA SDPA kernels but not the CPU one (HF encoders use it on CPU)
+_CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_forward,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward}
+
+
+def _flops(fn: Callable[[], object]) -> float:
+    with FlopCounterMode(display=False, custom_mapping=_CPU_SDPA) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def part_flops(run: Callable, x, params: list[torch.nn.Parameter]) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) FLOPs of one part, counted by torch's FlopCounterMode on the
+    real ops: B_d = the gradient w.r.t. the part's floating inputs only; B_w = what computing the trainable
+    parameters' gradients as well adds (0 for a frozen part, as Eq. 3.3 wants; a partly trainable part counts
+    its trainable share)."""
+    leaf = _leaf(x)
+    box = {}
+    with torch.enable_grad():
+        forward = _flops(lambda: box.setdefault("y", run(leaf)))
+    y, ins, train = box["y"], _grad_inputs(leaf), [p for p in params if p.requires_grad]
+    if not y.requires_grad:
+        return forward, 0.0, 0.0
+    ones = torch.ones_like(y)
+    bd = _flops(lambda: torch.autograd.grad(y, ins, ones, retain_graph=True, allow_unused=True)) if ins else 0.0
+    if not train:
+        return forward, bd, 0.0
+    both = _flops(lambda: torch.autograd.grad(y, ins + train, ones, allow_unused=True))
+    return forward, bd, both - bd  # B_d + B_w = one backward computing both (shared internal input grads once)
+
+
+def flop_times(model, batch: dict | None = None) -> dict[str, ModuleTimes]:
+    """Per module and part: forward, input-gradient and weight-gradient FLOPs counted on the real layers
+    (`part_flops`) and frozen flags from ``requires_grad``. Deterministic for a given model and batch."""
+    batch = sample_batch(model) if batch is None else batch
+    out = {}
+    for module, parts in part_runners(model, batch).items():
+        counted = [part_flops(run, x, params) for run, x, params, _ in parts]
+        out[module] = ModuleTimes([c[0] for c in counted], [c[1] for c in counted], [c[2] for c in counted],
+                                  [_frozen(params) for _, _, params, _ in parts])
+    return out
+
+
+def part_tokens(model, batch: dict | None = None) -> dict[str, int]:
+    """Tokens entering each module's layers in ``batch`` (what a profile is evaluated at)."""
+    batch = sample_batch(model) if batch is None else batch
+    return {m: parts[1][3] for m, parts in part_runners(model, batch).items()}
+
+
+def frozen_parts(model) -> dict[str, list[bool]]:
+    """Frozen flag of every part (no parameter requires grad), from ``requires_grad``."""
+    out = {}
+    for name, enc in model.encoders.items():
+        mod = enc.module
+        embed = [p for m in enc.family.embed_modules if hasattr(mod, m) for p in getattr(mod, m).parameters()]
+        layer_ids = {id(p) for layer in enc.layers for p in layer.parameters()} | {id(p) for p in embed}
+        head = [p for p in mod.parameters() if id(p) not in layer_ids] + list(enc.projector.parameters())
+        out[name] = [_frozen(embed)] + [_frozen(list(l.parameters())) for l in enc.layers] + [_frozen(head)]
+    lm = model.language_model
+    embed = list(model.lm_family.embed_tokens(lm).parameters())
+    layer_ids = {id(p) for layer in model.llm_layers for p in layer.parameters()} | {id(p) for p in embed}
+    head = [p for p in lm.parameters() if id(p) not in layer_ids]
+    out[LANGUAGE_MODEL] = [_frozen(embed)] + [_frozen(list(l.parameters())) for l in model.llm_layers] + [_frozen(head)]
+    return out
+
+
+def profile_times(model, profile: dict[str, list[LayerProfile]], batch: dict | None = None) -> dict[str, ModuleTimes]:
+    """Module times from a loaded profile, evaluated at ``batch``'s token counts, frozen flags from the model."""
+    frozen = frozen_parts(model)
+    tokens = part_tokens(model, batch)
+    out = {}
+    for module, flags in frozen.items():
+        if module not in profile:
+            raise ValueError(f"the profile has no module {module!r} (it has {sorted(profile)}); profile this model "
+                             "with `lightning-mm plan --config ... --write-profile costs.json`")
+        if len(profile[module]) != len(flags):
+            raise ValueError(f"profile module {module!r} has {len(profile[module])} parts but the model has "
+                             f"{len(flags)} (embed + {len(flags) - 2} layers + head); re-profile this model")
+        out[module] = module_times(profile[module], tokens[module], flags)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ measured profile
+def _timed(fn: Callable[[], object]) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def _grad_inputs(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _grad_inputs(v)]
+    return []
+
+
+def _leaf(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(True) if x.is_floating_point() else x
+    if isinstance(x, dict):
+        return {k: _leaf(v) for k, v in x.items()}
+    return x
+
+
+def _measure_part(run: Callable, x, params: list[torch.nn.Parameter], warmup: int, repeats: int):
+    """Medians of (forward, input-grad, weight-grad) seconds; frozen weights require grad while measured."""
+    saved = [p.requires_grad for p in params]
+
+    def once():
+        leaf = _leaf(x)
+        box = {}
+        forward = _timed(lambda: box.setdefault("y", run(leaf)))
+        y, ins = box["y"], _grad_inputs(leaf)
+        if not y.requires_grad:
+            return forward, 0.0, 0.0
+        ones = torch.ones_like(y)
+        bd = _timed(lambda: torch.autograd.grad(y, ins, ones, retain_graph=True, allow_unused=True)) if ins else 0.0
+        bw = _timed(lambda: torch.autograd.grad(y, params, ones, allow_unused=True)) if params else 0.0
+        return forward, bd, bw
+
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        for _ in range(warmup):
+            once()
+        runs = [once() for _ in range(repeats)]
+    finally:
+        for p, flag in zip(params, saved):
+            p.requires_grad_(flag)
+    return [statistics.median(r[k] for r in runs) for k in range(3)]
+
+
+def profile_model(model, rows: tuple[int, ...] = (1, 2, 4), warmup: int = 2, repeats: int = 5,
+                  text_tokens: int = 64) -> dict[str, list[LayerProfile]]:
+    """Measure every part of every module on this device at the token counts of synthetic batches of ``rows``
+    samples, and fit a x^2 + b x + c per part (Entrain's model). Save it with `save_profile`."""
+    samples: dict[str, list[dict[int, list[float]]]] = {}
+    for r in rows:
+        batch = sample_batch(model, rows=r, text_tokens=text_tokens)
+        for module, parts in part_runners(model, batch).items():
+            slots = samples.setdefault(module, [{} for _ in parts])
+            tokens = parts[1][3]
+            for slot, (run, x, params, _) in zip(slots, parts):
+                slot[tokens] = _measure_part(run, x, params, warmup, repeats)
+    out = {}
+    for module, slots in samples.items():
+        out[module] = []
+        for slot in slots:
+            xs = sorted(slot)
+            models = [fit_cost_model(xs, [slot[t][k] for t in xs]) for k in range(3)]
+            out[module].append(LayerProfile(*models, samples={t: slot[t] for t in xs}))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ per-layer costs
+def _merge(a: LayerCost, b: LayerCost) -> LayerCost:
+    return LayerCost(a.forward + b.forward, a.backward + b.backward, a.trainable or b.trainable,
+                     a.in_backward or b.in_backward)
+
+
+def fold_parts(costs: list[LayerCost]) -> list[LayerCost]:
+    """[embed, layers..., head] -> one cost per layer (embed into the first layer, head into the last)."""
+    if len(costs) < 3:
+        raise ValueError(f"need embed + at least one layer + head, got {len(costs)} parts")
+    layers = list(costs[1:-1])
+    layers[0] = _merge(costs[0], layers[0])
+    layers[-1] = _merge(layers[-1], costs[-1])
+    return layers
+
+
+def model_layer_costs(model, profile: str | dict | None = None, batch: dict | None = None,
+                      recompute: bool = False) -> dict[str, list[LayerCost]]:
+    """Frozen-aware costs per layer of every module (Eq. 3.1-3.3 over parts, then folded): FLOPs by default,
+    seconds from a profile (a path or a loaded `load_profile` dict)."""
+    if profile is None:
+        times = flop_times(model, batch)
+    else:
+        loaded = load_profile(profile) if isinstance(profile, str) else profile
+        times = profile_times(model, loaded, batch)
+    encoders = {m: t for m, t in times.items() if m != LANGUAGE_MODEL}
+    costs = mllm_layer_costs(encoders, times[LANGUAGE_MODEL], recompute)
+    return {m: fold_parts(c) for m, c in costs.items()}
+
+
+def planned_partition(model, module_stages: dict[str, int], mode: str = "frozen-aware",
+                      profile: str | dict | None = None) -> dict[str, list[int]]:
+    """Layers per stage of every module chosen by the planner. "auto" is "frozen-aware" here: within a fixed
+    device layout the stage counts are given by the ParallelSpecs (the stage-count search is `lightning-mm plan`)."""
+    if mode not in PLANNER_MODES:
+        raise ValueError(f"unknown planner partition mode {mode!r}; use one of {PLANNER_MODES}")
+    costs = model_layer_costs(model, profile)
+    part_mode = "frozen-aware" if mode == "auto" else mode
+    return {m: partition_module(costs[m], s, part_mode) for m, s in module_stages.items()}

@@ -1,0 +1,99 @@
+"""The strategy's planner partitions: frozen-aware boundaries from the real layers' FLOPs (or a JSON profile),
+and a pipeline cut that way still trains exactly like one process."""
+
+import pytest
+import torch
+from helpers.distributed import run_distributed
+from helpers.partition_case import build_model, run_rank, run_reference
+
+from lightning_mm.parallel.stages import resolve_partition
+from lightning_mm.planner import CostModel, LayerProfile, save_profile
+from lightning_mm.planner.model_costs import PlannedPartition, flop_times, model_layer_costs, sample_batch
+
+STAGES = {"vision": 2, "language_model": 2}
+
+
+def test_projector_flops_match_hand_count():
+    """The planner's FLOPs of the real parts equal a hand count: SigLIP layer dense 2t(4*32*32 + 2*32*64),
+    projector 2t(2*32*192), where t = image tokens of the sample batch."""
+    model = build_model()
+    batch = sample_batch(model)
+    t = sum(model.encoders["vision"].num_tokens(batch["vision"]))
+    times = flop_times(model, batch)["vision"]
+    assert times.weight_grad[-1] == pytest.approx(2 * t * 2 * 32 * 192)   # projector trainable: B_w = dense
+    assert times.forward[-1] >= 2 * t * 2 * 32 * 192                     # + post-layernorm, GELU
+    assert times.forward[1] > 2 * t * 8192 and times.forward[1] < 1.2 * 2 * t * 8192  # dense + small attention
+    assert times.weight_grad[1] == 0 and times.frozen == [True] * 5 + [False]
+
+
+def test_frozen_aware_differs_from_uniform_and_forward_only():
+    """Frozen layers cost F only, the trainable projector F + B_d + B_w (about 4.5 layers): the last vision stage
+    gets one layer. Forward-only (3F everywhere) sees a 1.5-layer projector and stays uniform."""
+    model = build_model()
+    assert resolve_partition(model, STAGES, "uniform")["vision"] == [2, 2]
+    assert resolve_partition(model, STAGES, "forward-only")["vision"] == [2, 2]
+    assert resolve_partition(model, STAGES, "frozen-aware")["vision"] == [3, 1]
+    assert resolve_partition(model, STAGES, "auto") == resolve_partition(model, STAGES, "frozen-aware")
+
+
+def test_upstream_trainable_crosses_into_the_llm():
+    """Only the LLM's last layer trainable: layers 0-2 run no backward, the last one does -> [3, 1]. A trainable
+    projector upstream makes every LLM layer compute input gradients -> balanced [2, 2]."""
+    model = build_model()
+    model.freeze(projectors=True)
+    model.language_model.model.layers[3].requires_grad_(True)
+    costs = model_layer_costs(model)["language_model"]
+    assert [c.in_backward for c in costs] == [False, False, False, True]
+    assert resolve_partition(model, STAGES, "frozen-aware")["language_model"] == [3, 1]
+    model.freeze(projectors=False)
+    assert all(c.in_backward for c in model_layer_costs(model)["language_model"])
+    assert resolve_partition(model, STAGES, "frozen-aware")["language_model"] == [2, 2]
+
+
+def _constant_profile(values):
+    const = lambda v: CostModel(0.0, 0.0, v)  # noqa: E731
+    return [LayerProfile(const(f), const(f), const(f)) for f in values]
+
+
+def test_profile_json_drives_the_partition(tmp_path):
+    """A measured profile (seconds per part) replaces FLOPs: an expensive first vision layer -> [1, 3]."""
+    model = build_model()
+    path = tmp_path / "costs.json"
+    save_profile({"vision": _constant_profile([0.0, 9.0, 1.0, 1.0, 1.0, 0.1]),
+                  "language_model": _constant_profile([0.0, 1, 1, 1, 1, 0.0])}, path)
+    got = resolve_partition(model, STAGES, PlannedPartition("frozen-aware", str(path)))
+    assert got == {"vision": [1, 3], "language_model": [2, 2]}
+    save_profile({"vision": _constant_profile([1.0] * 3), "language_model": _constant_profile([1.0] * 6)}, path)
+    with pytest.raises(ValueError, match="'vision' has 3 parts but the model has 6"):
+        resolve_partition(model, STAGES, PlannedPartition("frozen-aware", str(path)))
+
+
+def test_bad_requests_name_the_fix(tmp_path):
+    import lightning_mm as lmm
+
+    with pytest.raises(ValueError, match="unknown partition 'balanced'.*frozen-aware"):
+        resolve_partition(build_model(), STAGES, "balanced")
+    with pytest.raises(ValueError, match="only applies to a planner partition"):
+        lmm.MultimodalParallelStrategy(partition="uniform", profile=str(tmp_path / "x.json"))
+    path = tmp_path / "costs.json"
+    save_profile({"language_model": _constant_profile([1.0] * 6)}, path)
+    strategy = lmm.MultimodalParallelStrategy(partition="frozen-aware", profile=str(path))
+    assert strategy.partition == PlannedPartition("frozen-aware", str(path))
+    with pytest.raises(ValueError, match="no module 'vision'"):
+        resolve_partition(build_model(), STAGES, strategy.partition)
+
+
+@pytest.mark.slow
+def test_frozen_aware_pipeline_trains_like_one_process():
+    """vision pp=2 cut [3, 1] by the planner + LLM pp=1 (3 processes, 2 microbatches, 3 SGD steps)."""
+    steps, rows = 3, 4
+    ref_losses, ref_params = run_reference(steps, rows)
+    results = run_distributed(run_rank, 3, "frozen-aware", 2, 1, 2, steps, rows)
+    merged = {}
+    for losses, params, sizes in results:
+        assert sizes == {"vision.0": 3, "vision.1": 1}
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        merged.update(params)
+    assert set(merged) == set(ref_params)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-6)
