@@ -15,11 +15,16 @@ from datetime import timedelta
 import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_mm import checkpoint as ckpt
+from lightning_mm.data.resumable import resumable
+from lightning_mm.faults import FaultWatchdog
 from lightning_mm.parallel.engine import PipelineEngine
 from lightning_mm.parallel.layout import ParallelSpec, RankLayout, build_layout
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+DEFAULT_FAULT_TIMEOUT = 60.0  # seconds: a dead rank ends the others well before DEFAULT_TIMEOUT
 
 
 class MultimodalParallelStrategy(DDPStrategy):
@@ -27,7 +32,8 @@ class MultimodalParallelStrategy(DDPStrategy):
 
     ``encoders`` maps each encoder name to its ParallelSpec (default ``ParallelSpec()`` for every encoder of the
     model); ``language_model`` is the LLM's. The data-parallel size is ``devices / ranks per replica``.
-    ``partition``: "uniform" or explicit ``{module: [layers per stage]}``. ``encoder_placement``: "parallel"
+    ``partition``: "uniform", explicit ``{module: [layers per stage]}``, or the planner's "frozen-aware" /
+    "forward-only" / "auto" (costs: FLOPs of the real layers, or the JSON ``profile``). ``encoder_placement``: "parallel"
     (modality parallelism), "colocated" (Megatron-style fused encoder stages) or "replicated" (encoders whole in
     the LLM's first stage). Each rank's batch is cut into ``num_microbatches``. ``language_model=ParallelSpec(cp=N)``
     shards every LLM sequence over N ranks in blocks of ``cp_block_size`` tokens distributed by ``cp_distribution``
@@ -39,8 +45,10 @@ class MultimodalParallelStrategy(DDPStrategy):
     def __init__(self, encoders: dict[str, ParallelSpec] | None = None, language_model: ParallelSpec | None = None,
                  num_microbatches: int = 1, partition: str | dict[str, list[int]] = "uniform",
                  encoder_placement: str = "parallel", cp_distribution: str = "lpt", cp_block_size: int = 128,
-                 process_group_backend: str | None = None,
-                 timeout: timedelta | None = DEFAULT_TIMEOUT, start_method: str = "popen", **kwargs):
+                 profile: str | None = None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = DEFAULT_TIMEOUT, start_method: str = "popen",
+                 save_frozen_parameters: bool = False, fault_timeout: float | None = DEFAULT_FAULT_TIMEOUT,
+                 **kwargs):
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **kwargs)
         if num_microbatches < 1:
@@ -48,9 +56,22 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.encoder_specs = encoders
         self.language_model_spec = language_model or ParallelSpec()
         self.num_microbatches, self.partition, self.encoder_placement = num_microbatches, partition, encoder_placement
+        if profile is not None:
+            from lightning_mm.planner.model_costs import planner_request
+
+            self.partition = planner_request(partition, profile)
         self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
         self.layout: RankLayout | None = None
         self.engine: PipelineEngine | None = None
+        if fault_timeout is not None and fault_timeout <= 0:
+            raise ValueError(f"fault_timeout must be > 0 seconds (or None to disable), got {fault_timeout}")
+        if fault_timeout is not None and timeout is not None and fault_timeout >= timeout.total_seconds():
+            raise ValueError(f"fault_timeout={fault_timeout} s must be shorter than the process-group timeout "
+                             f"({timeout.total_seconds():g} s), or faults are only noticed when collectives time out")
+        self.save_frozen_parameters, self.fault_timeout = save_frozen_parameters, fault_timeout
+        self.watchdog: FaultWatchdog | None = None
+        self.model_fingerprint: dict[str, list[int]] = {}
+        self.trainable_names: list[str] = []
 
     # ------------------------------------------------------------------ layout, before any process group
     def plan_layout(self) -> RankLayout:
@@ -62,6 +83,8 @@ class MultimodalParallelStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         self.layout = self.plan_layout()
         super().setup_environment()
+        if self.fault_timeout is not None and self.world_size > 1:
+            self.watchdog = FaultWatchdog(self.global_rank, self.world_size, self.fault_timeout).start()
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
@@ -72,6 +95,8 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self.model_fingerprint = ckpt.model_fingerprint(self.lightning_module.model)  # before pruning
+        self.trainable_names = [n for n, p in self.lightning_module.model.named_parameters() if p.requires_grad]
         self.engine = PipelineEngine(self.lightning_module.model, self.layout, self.global_rank,
                                      self.num_microbatches, self.partition, self.cp_distribution, self.cp_block_size)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -84,7 +109,7 @@ class MultimodalParallelStrategy(DDPStrategy):
     # ------------------------------------------------------------------ the step
     def run_pipeline(self, batch: dict, train: bool = True) -> torch.Tensor:
         """The schedule over the batch's microbatches (forward and backward); the global normalised loss."""
-        return self.engine.run(batch, train=train)
+        return self.engine.run(batch, train=train, loss_scale=1.0 / self.lightning_module.trainer.accumulate_grad_batches)
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         """The schedule already ran backward: only sum gradients over replicas (and CP ranks)."""
@@ -100,23 +125,102 @@ class MultimodalParallelStrategy(DDPStrategy):
         """Clip by the global norm over every stage and replica."""
         return self.engine.clip_gradients(max_norm)
 
+    # ------------------------------------------------------------------ data order (exact resume)
+    def process_dataloader(self, dataloader):
+        """Batches resume where a checkpoint left off (Lightning saves and restores the loader's state)."""
+        return resumable(super().process_dataloader(dataloader))
+
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # a checkpoint loads into this rank's stage and optimiser, which exist after setup
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores optimisers by parameter name
+
+    def parameter_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.lightning_module.model.named_parameters()}
+
+    def lightning_module_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's trainable parameters (and frozen ones if ``save_frozen_parameters``), full names."""
+        return {f"model.{n}": p.detach() for n, p in self.lightning_module.model.named_parameters()
+                if n in self.engine.owned and (p.requires_grad or self.save_frozen_parameters)}
+
+    def optimizer_state(self, optimizer) -> dict:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        return ckpt.optimizer_state_by_name(optimizer, self.parameter_names())
+
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        """A folder with one file per stage (written by its first replica), keyed by the unparallelised names."""
-        coord = self.layout.coordinate(self.global_rank)
-        os.makedirs(filepath, exist_ok=True)
-        if coord.dp == 0 and coord.cp == 0:
-            owned = {f"model.{n}" for n in self.engine.owned}
-            trainable = [f"model.{n}" for n, p in self.lightning_module.model.named_parameters()
-                         if n in self.engine.owned and p.requires_grad]
-            shard = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-            shard["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in owned}
-            shard["trainable"] = trainable
-            torch.save(shard, os.path.join(filepath, f"stage-{coord.stage}.pt"))
-        if self.global_rank == 0:
-            with open(os.path.join(filepath, "layout.json"), "w") as f:
-                json.dump({"stages": self.layout.stages, "dp": self.layout.dp, "placement": self.layout.placement,
-                           "module_stages": self.layout.module_stages}, f)
+        """Collective: a DCP folder keyed by the unparallelised names, written atomically (see checkpoint.py)."""
+        if storage_options is not None:
+            raise TypeError("MultimodalParallelStrategy writes DCP folders itself: storage_options is not supported")
+        path = os.path.abspath(self.broadcast(str(filepath)))
+        tensors = {f"model/{k.removeprefix('model.')}": v for k, v in checkpoint.pop("state_dict").items()}
+        groups = []
+        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors.update(ckpt.optimizer_tensors(i, state))
+            groups.append(state["param_groups"])
+        tensors.update(ckpt.rng_tensors(self.global_rank))
+        meta = ckpt.plain({**checkpoint, "optimizer_param_groups": groups})
+        layout = {"stages": self.layout.stages, "dp": self.layout.dp, "placement": self.layout.placement,
+                  "module_stages": self.layout.module_stages, "world_size": self.world_size,
+                  "parameters": self.model_fingerprint, "trainable": self.trainable_names,
+                  "frozen_saved": self.save_frozen_parameters}
+        ckpt.save_sharded(path, tensors, meta, layout, self.global_rank)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        """Collective: this rank's parameters, optimiser state (by name) and RNG; returns Lightning's state.
+
+        Every check (folder, format, sizes, model identity, checksums of the files this rank reads) runs on
+        every rank before the collective DCP read, so a bad checkpoint raises everywhere instead of hanging."""
+        path = os.path.abspath(self.broadcast(str(checkpoint_path)))
+        layout = ckpt.read_layout(path)
+        ckpt.check_same_model(layout["parameters"], self.model_fingerprint, path)
+        md = ckpt.read_dcp_metadata(path)
+        model, names = self.lightning_module.model, self.parameter_names()
+        target, missing = {}, []
+        for n, p in model.named_parameters():
+            if n not in self.engine.owned:
+                continue
+            if f"model/{n}" in md.state_dict_metadata:
+                target[f"model/{n}"] = p.detach()
+            elif p.requires_grad:
+                missing.append(n)
+        if missing:
+            rank_zero_warn(f"{len(missing)} trainable parameters (e.g. {missing[0]}) are not in {path}; they keep "
+                           "the values the model was built with")
+        optim_keys: dict[tuple[int, str], list[str]] = {}
+        for key in md.state_dict_metadata:
+            if key.startswith("optim/"):
+                i, rest = key[len("optim/"):].split("/", 1)
+                optim_keys.setdefault((int(i), rest.rsplit("/", 1)[0]), []).append(key)
+        for i, opt in enumerate(self.optimizers):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    for key in optim_keys.get((i, names.get(id(p))), []):
+                        target[key] = ckpt.empty_like_entry(md, key)
+        same_ranks = layout["world_size"] == self.world_size and layout["stages"] == self.layout.stages
+        rng = {k: ckpt.empty_like_entry(md, k) for k in md.state_dict_metadata
+               if same_ranks and k.startswith(f"rng/{self.global_rank}/")}
+        if not same_ranks:
+            rank_zero_warn(f"{path} was written by another rank layout: random states are not restored")
+        target.update(rng)
+        ckpt.verify_files(path, layout, ckpt.files_for_keys(md, set(target)))
+        meta = ckpt.load_meta(path)
+        ckpt.load_tensors(path, target)
+        groups = meta.pop("optimizer_param_groups", [])
+        for i, opt in enumerate(self.optimizers):
+            ckpt.load_optimizer_by_name(opt, i, names, target, groups[i] if i < len(groups) else None)
+        if rng:
+            ckpt.set_rng_tensors(self.global_rank, rng)
+        return meta
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # load_checkpoint already loaded this stage's parameters
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # load_checkpoint already loaded the optimisers by parameter name
 
     def remove_checkpoint(self, filepath) -> None:
         if self.global_rank == 0:
@@ -124,6 +228,17 @@ class MultimodalParallelStrategy(DDPStrategy):
 
             shutil.rmtree(filepath, ignore_errors=True)
 
+    # ------------------------------------------------------------------ faults
+    def on_exception(self, exception: BaseException) -> None:
+        if self.watchdog is not None:
+            self.watchdog.report_failure(exception)
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.finish()
+            self.watchdog = None
+        super().teardown()
 
 StrategyRegistry.register("multimodal", MultimodalParallelStrategy,
                           description="modality-parallel pipelines with data parallelism (lightning-mm)")
