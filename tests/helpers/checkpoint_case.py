@@ -1,0 +1,82 @@
+"""A Lightning run of MultimodalParallelStrategy that checkpoints, resumes, reshards or loses a rank.
+
+``python checkpoint_case.py '<json>'`` with keys: layout ("pp2": vision 1 stage + LLM 2 stages on 3 ranks, dp 1;
+"dp2": vision + LLM 1 stage each, dp 2 on 4 ranks; "single": one process), steps, out (losses JSON, rank 0),
+ckpt_dir, save_every (steps), resume (a checkpoint folder), kill ({"rank": r, "step": s}: SIGKILL that rank
+after step s), raise ({"rank": r, "step": s}), fault_timeout, pids (folder for one pid file per rank).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import lightning as L
+import torch
+
+import lightning_mm as lmm
+from lightning_mm.model import tiny_encoder, tiny_language_model
+
+GLOBAL_BATCH = 4
+LAYOUTS = {"pp2": dict(devices=3, llm_pp=2, microbatches=2), "dp2": dict(devices=4, llm_pp=1, microbatches=1),
+           "single": dict(devices=1, llm_pp=None, microbatches=1)}
+
+
+def build_module():
+    torch.manual_seed(0)
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model("llama"))
+    model.freeze(encoders=True, projectors=False, language_model=False)
+    return lmm.MultimodalLightningModule(
+        model, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5))
+
+
+class Events(L.Callback):
+    def __init__(self, cfg):
+        self.cfg, self.losses = cfg, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        step, rank = trainer.global_step, trainer.global_rank
+        for kind in ("kill", "raise"):
+            event = self.cfg.get(kind)
+            if event and event["rank"] == rank and event["step"] == step:
+                if kind == "raise":
+                    raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+                with open(os.path.join(self.cfg["pids"], "killed_at"), "w") as f:
+                    f.write(str(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(cfg: dict):
+    layout = LAYOUTS[cfg["layout"]]
+    callbacks = [Events(cfg)]
+    if cfg.get("save_every"):
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"], filename="{step}",
+                                                             every_n_train_steps=cfg["save_every"], save_top_k=-1))
+    kw = dict(accelerator="cpu", max_steps=cfg["steps"], logger=False, enable_progress_bar=False,
+              enable_model_summary=False, gradient_clip_val=0.5, callbacks=callbacks,
+              enable_checkpointing=bool(cfg.get("save_every")))
+    if layout["llm_pp"] is None:
+        trainer = L.Trainer(devices=1, **kw)
+        per_rank = GLOBAL_BATCH
+    else:
+        strategy = lmm.MultimodalParallelStrategy(
+            encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec(pp=layout["llm_pp"]),
+            num_microbatches=layout["microbatches"], fault_timeout=cfg.get("fault_timeout", 60.0))
+        trainer = L.Trainer(devices=layout["devices"], strategy=strategy, **kw)
+        per_rank = GLOBAL_BATCH // (layout["devices"] // (1 + layout["llm_pp"]))
+    if cfg.get("pids"):
+        with open(os.path.join(cfg["pids"], f"{trainer.global_rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    data = lmm.data.SyntheticMultimodalDataModule(num_samples=16, batch_size=per_rank)
+    trainer.fit(build_module(), data, ckpt_path=cfg.get("resume"))
+    if trainer.global_rank == 0:
+        with open(cfg["out"], "w") as f:
+            json.dump(callbacks[0].losses, f)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(json.loads(sys.argv[1]))
