@@ -97,3 +97,16 @@ def test_frozen_aware_pipeline_trains_like_one_process():
     assert set(merged) == set(ref_params)
     for name, p in ref_params.items():
         torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-6)
+
+
+def test_plan_command_prints_stages_and_writes_timelines(tmp_path, capsys):
+    """`lightning-mm plan` on the main-job YAML: one row per configured stage, the search, and the files."""
+    from lightning_mm.cli import main
+
+    main(["plan", "--config", "examples/tiny_valm_pp.yaml", "--devices", "8", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    for row in ("vision.0             vision[0:4]", "audio.0              audio[0:4]",
+                "language_model.0     language_model[0:2]", "language_model.1     language_model[2:4]"):
+        assert row in out
+    assert "auto search on 8 devices" in out and out.count("predicted iteration time") == 2
+    assert {p.name for p in tmp_path.iterdir()} >= {"configured.trace.json", "auto.trace.json"}
