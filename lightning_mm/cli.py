@@ -12,8 +12,12 @@ from lightning_mm.module import MultimodalLightningModule
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point: ``lightning-mm fit --config examples/tiny_vlm.yaml``."""
+    """Entry point: ``lightning-mm fit --config examples/tiny_vlm.yaml``; ``lightning-mm plan --config ...``."""
     args = sys.argv[1:] if args is None else args
+    if args[:1] == ["plan"]:  # the planner's report, not a Trainer run (lightning_mm/planner/plan_cli.py)
+        from lightning_mm.planner.plan_cli import main as plan
+
+        return plan(args[1:])
     LightningCLI(MultimodalLightningModule, SyntheticMultimodalDataModule, subclass_mode_data=True,
                  args=args, save_config_kwargs={"overwrite": True})
 
