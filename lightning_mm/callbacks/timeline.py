@@ -1,0 +1,151 @@
+"""PipelineTimeline: the real per-stage timeline of chosen training steps, beside the simulator's prediction.
+
+At a recorded step every rank passes a barrier (so all start together, as the simulator assumes; times are
+taken relative to it, so nodes need no common clock), runs the step, and sends its engine's ``timings`` [(kind, microbatch, start, end)] to every rank with
+``all_gather_object``. Rank 0 then writes the measured timeline (PNG + Chrome trace, the simulator's own
+drawing code) and the simulated one with per-stage costs measured in the same step, and every rank logs
+per-rank bubble fractions, the measured and the predicted iteration time through the Lightning logger.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+
+from lightning_mm.planner.simulator import Event, SimulationResult, chrome_trace, simulate_1f1b, timeline_png
+
+COMPUTE = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class RankTimings:
+    """One rank's recorded step: its stage, replica, and the engine's actions with times relative to the
+    common start (seconds)."""
+
+    rank: int
+    stage: str
+    dp: int
+    actions: tuple[tuple[str, int, float, float], ...]
+
+
+def rank_label(t: RankTimings, dp: int) -> str:
+    return t.stage if dp == 1 else f"{t.stage}/dp{t.dp}"
+
+
+def measured_result(records: list[RankTimings], stage_order: list[str], needs_backward: dict[str, bool]) -> SimulationResult:
+    """The recorded step as a SimulationResult (one row per rank): iteration time from the first action of any
+    rank to the last, busy = forward + backward time, bubble = idle / iteration."""
+    dp = 1 + max(r.dp for r in records)
+    ordered = sorted(records, key=lambda r: (stage_order.index(r.stage), r.dp))
+    origin = min(a[2] for r in records for a in r.actions)
+    events, peak = [], {}
+    for r in ordered:
+        label, inflight = rank_label(r, dp), 0
+        peak[label] = 0
+        for kind, mb, start, end in r.actions:
+            if kind in COMPUTE:
+                events.append(Event(label, kind, mb, start - origin, end - origin))
+                if needs_backward[r.stage]:
+                    inflight += 1 if kind == "forward" else -1
+                    peak[label] = max(peak[label], inflight)
+    labels = [rank_label(r, dp) for r in ordered]
+    total = max(a[3] for r in records for a in r.actions) - origin
+    busy = {s: sum(e.end - e.start for e in events if e.stage == s) for s in labels}
+    idle = {s: total - busy[s] for s in labels}
+    bubble = {s: idle[s] / total if total > 0 else 0.0 for s in labels}
+    return SimulationResult(total, tuple(labels), tuple(events), busy, idle, bubble, peak)
+
+
+def stage_costs(records: list[RankTimings], include_sends: bool = True) -> tuple[dict[str, float], dict[str, float]]:
+    """Median forward and backward seconds per stage over microbatches and replicas. With ``include_sends``
+    the time a stage spends issuing the send that follows a compute step is charged to that step (the
+    simulator's sends are free)."""
+    fwd: dict[str, list[float]] = {}
+    bwd: dict[str, list[float]] = {}
+    for r in records:
+        acts = r.actions
+        for i, (kind, _, start, end) in enumerate(acts):
+            if kind not in COMPUTE:
+                continue
+            extra, j = 0.0, i + 1
+            while include_sends and j < len(acts) and acts[j][0] == ("send_fwd" if kind == "forward" else "send_bwd"):
+                extra += acts[j][3] - acts[j][2]
+                j += 1
+            (fwd if kind == "forward" else bwd).setdefault(r.stage, []).append(end - start + extra)
+    med = lambda d: {s: statistics.median(v) for s, v in d.items()}  # noqa: E731
+    f, b = med(fwd), med(bwd)
+    return f, {s: b.get(s, 0.0) for s in f}
+
+
+def predicted_result(engine, records: list[RankTimings]) -> SimulationResult:
+    """The simulator on the engine's own graph and microbatch count, with costs measured in the same step."""
+    fwd, bwd = stage_costs(records)
+    return simulate_1f1b(engine.graph, engine.num_microbatches, fwd, bwd)
+
+
+class PipelineTimeline(pl.Callback):
+    """Record the pipeline's real timeline at ``steps`` (global steps, default the 4th) or every
+    ``every_n_steps``; write ``timeline-step{N}.{png,trace.json}`` and ``predicted-step{N}.*`` to ``dirpath``
+    (default ``<trainer.log_dir or default_root_dir>/timeline``); log ``pipeline/bubble/<stage>``,
+    ``pipeline/iteration_s`` and ``pipeline/predicted_s``. ``results[step] = (measured, predicted)``."""
+
+    def __init__(self, steps: list[int] | tuple[int, ...] = (3,), every_n_steps: int | None = None,
+                 dirpath: str | None = None, png: bool = True):
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.steps, self.every_n_steps, self.dirpath, self.png = set(steps), every_n_steps, dirpath, png
+        self.results: dict[int, tuple[SimulationResult, SimulationResult]] = {}
+        self._recording: int | None = None
+
+    def _wanted(self, step: int) -> bool:
+        return step in self.steps or (self.every_n_steps is not None and step % self.every_n_steps == 0)
+
+    @staticmethod
+    def _engine(trainer):
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None:
+            raise RuntimeError("PipelineTimeline records the pipeline engine: use "
+                               "strategy=lightning_mm.MultimodalParallelStrategy(...)")
+        return engine
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        step = trainer.global_step
+        self._recording = None
+        if self._wanted(step) and step not in self.results:
+            self._engine(trainer)
+            dist.barrier()
+            self._recording, self._t0 = step, time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self._recording is None:
+            return
+        step, engine = self._recording, self._engine(trainer)
+        rel = tuple((k, m, a - self._t0, b - self._t0) for k, m, a, b in engine.timings)  # clocks differ per node
+        mine = RankTimings(trainer.global_rank, engine.stage, engine.coord.dp, rel)
+        records: list = [None] * dist.get_world_size()
+        dist.all_gather_object(records, mine)
+        needs_backward = {s: engine.graph.node(s).needs_backward for s in engine.graph.names}
+        measured = measured_result(records, list(engine.graph.names), needs_backward)
+        predicted = predicted_result(engine, records)
+        self.results[step] = (measured, predicted)
+        metrics = {f"pipeline/bubble/{s}": v for s, v in measured.bubble_fraction.items()}
+        metrics.update({"pipeline/iteration_s": measured.iteration_time, "pipeline/predicted_s": predicted.iteration_time})
+        pl_module.log_dict(metrics, rank_zero_only=True)
+        if trainer.global_rank == 0:
+            self._write(trainer, step, measured, predicted)
+
+    def _write(self, trainer, step: int, measured: SimulationResult, predicted: SimulationResult) -> None:
+        out = Path(self.dirpath or Path(trainer.log_dir or trainer.default_root_dir) / "timeline")
+        out.mkdir(parents=True, exist_ok=True)
+        for name, result in ((f"timeline-step{step}", measured), (f"predicted-step{step}", predicted)):
+            chrome_trace(result, out / f"{name}.trace.json")
+            if self.png:
+                try:
+                    timeline_png(result, out / f"{name}.png", title=f"{name}: {result.iteration_time * 1e3:.1f} ms")
+                except ImportError:
+                    self.png = False
