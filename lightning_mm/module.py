@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics.aggregation import SumMetric
 
+from lightning_mm.data.validate import validate_batch
+from lightning_mm.faults import check_finite_loss
 from lightning_mm.loss import count_label_tokens
 from lightning_mm.model.multimodal import MultimodalModel
 
@@ -21,18 +23,24 @@ class MultimodalLightningModule(pl.LightningModule):
 
     ``optimizer`` maps parameters to an optimiser (LightningCLI's ``OptimizerCallable``); default AdamW(``lr``).
     ``lr_scheduler`` maps the optimiser to a scheduler, stepped every optimiser step. ``freeze`` is passed to
-    ``model.freeze`` (so a YAML can say ``freeze: {encoders: true, language_model: true}``).
+    ``model.freeze`` (so a YAML can say ``freeze: {encoders: true, language_model: true}``). Every batch is
+    validated first (``lightning_mm.data.validate``); ``nan_guard``: None, "skip" (drop a step whose loss is not
+    finite) or "stop" (raise).
     """
 
     def __init__(self, model: MultimodalModel, optimizer: OptimizerFactory | None = None,
                  lr_scheduler: SchedulerFactory | None = None, lr: float = 1e-3,
-                 freeze: dict[str, bool] | None = None):
+                 freeze: dict[str, bool] | None = None, nan_guard: str | None = None):
         super().__init__()
+        check_finite_loss(torch.zeros(()), 0, nan_guard)  # rejects an unknown mode at construction
         self.model = model.freeze(**freeze) if freeze else model
         self.optimizer_factory, self.scheduler_factory, self.lr = optimizer, lr_scheduler, lr
         self.train_tokens = SumMetric()
         self.train_seconds = SumMetric()
         self._step_start = None
+        self.nan_guard = nan_guard
+        # kept as a number: a pipeline stage may drop the language model (validation runs on every rank alike)
+        self.max_positions = getattr(model.language_model.config, "max_position_embeddings", None)
 
     @property
     def pipeline(self):
@@ -62,7 +70,11 @@ class MultimodalLightningModule(pl.LightningModule):
         self._step_start = time.perf_counter()
 
     def compute_loss(self, batch: dict, train: bool = True) -> torch.Tensor:
-        """The pipeline schedule under MultimodalParallelStrategy (backward included), else the plain forward."""
+        """The pipeline schedule under MultimodalParallelStrategy (backward included), else the plain forward.
+
+        The batch is validated first, on every rank alike, before any collective."""
+        validate_batch(batch, self.model, self.pipeline.num_microbatches if self.pipeline is not None else 1,
+                       self.max_positions)
         if self.pipeline is not None:
             return self.pipeline.run_pipeline(batch, train=train)
         return self(batch).loss
@@ -84,6 +96,12 @@ class MultimodalLightningModule(pl.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int):
         loss = self.compute_loss(batch)
+        if not check_finite_loss(loss.detach(), self.global_step, self.nan_guard):
+            # the loss is global under the pipeline, so every rank skips alike; drop this step's gradients
+            for opt in self.trainer.optimizers:
+                opt.zero_grad()
+            self.print(f"skipping step {self.global_step}: the loss is {float(loss)} (nan_guard='skip')")
+            return None
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 

@@ -3,7 +3,8 @@
 ``python checkpoint_case.py '<json>'`` with keys: layout ("pp2": vision 1 stage + LLM 2 stages on 3 ranks, dp 1;
 "dp2": vision + LLM 1 stage each, dp 2 on 4 ranks; "single": one process), steps, out (losses JSON, rank 0),
 ckpt_dir, save_every (steps), resume (a checkpoint folder), kill ({"rank": r, "step": s}: SIGKILL that rank
-after step s), raise ({"rank": r, "step": s}), fault_timeout, pids (folder for one pid file per rank).
+after step s), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
+exception), fault_timeout, pids (folder for one pid file per rank).
 """
 
 import json
@@ -39,14 +40,14 @@ class Events(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
         step, rank = trainer.global_step, trainer.global_rank
-        for kind in ("kill", "raise"):
+        for kind in ("kill", "hang", "raise"):
             event = self.cfg.get(kind)
             if event and event["rank"] == rank and event["step"] == step:
                 if kind == "raise":
                     raise RuntimeError(f"injected failure on rank {rank} at step {step}")
                 with open(os.path.join(self.cfg["pids"], "killed_at"), "w") as f:
                     f.write(str(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
 def main(cfg: dict):

@@ -1,0 +1,89 @@
+"""Check a batch against the model before anything runs, so bad input raises a message naming the problem and
+the fix on every rank identically, before any collective (a rank stuck in a collective would hang its peers).
+
+Catalogue: missing or misplaced keys, wrong shapes or dtypes, an empty batch, placeholder tokens that do not
+match the features the encoders will emit, sequences longer than the language model's positions, mask words
+with bit 63, segment ids of the wrong shape, and rows that do not divide into the microbatches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_mm import masks
+from lightning_mm.model.multimodal import SEQUENCE_KEYS
+
+REQUIRED_KEYS = ("input_ids", "labels")
+TOKEN_KEYS = ("labels", "bam", "segment_ids", "position_ids", "attention_mask")
+
+
+def check_keys(batch: dict, model) -> None:
+    if not isinstance(batch, dict):
+        raise TypeError(f"a batch must be a dict (input_ids, labels, bam, one dict per modality), got "
+                        f"{type(batch).__name__}; collate samples with lightning_mm.data.MultimodalCollator")
+    missing = [k for k in REQUIRED_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"the batch has no {missing[0]!r} (keys: {sorted(batch)}); batches need input_ids and "
+                         "labels [B, S] (MultimodalCollator builds both)")
+    allowed = set(SEQUENCE_KEYS) | set(model.encoders)
+    unknown = sorted(set(batch) - allowed)
+    if unknown:
+        raise ValueError(f"the batch has unknown keys {unknown}: encoder inputs go under their modality "
+                         f"(batch[{next(iter(model.encoders), 'vision')!r}]['pixel_values']); known keys: "
+                         f"{sorted(allowed)}")
+    for name in model.encoders:
+        if name in batch and not isinstance(batch[name], dict):
+            raise ValueError(f"batch[{name!r}] must be a dict of encoder inputs (e.g. {{'pixel_values': ...}}), "
+                             f"got {type(batch[name]).__name__}")
+
+
+def check_shapes(batch: dict) -> None:
+    ids = batch["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, sequence] tensor, got "
+                         f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+    if ids.numel() == 0:
+        raise ValueError(f"the batch is empty (input_ids shape {tuple(ids.shape)}); drop empty batches "
+                         "(DataLoader(drop_last=True)) or check the sampler / packing")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must hold integer token ids, got {ids.dtype}")
+    for key in TOKEN_KEYS:
+        t = batch.get(key)
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != ids.shape):
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{key} has shape {shape} but input_ids has {tuple(ids.shape)}; give one {key} entry "
+                             "per token")
+
+
+def check_positions(batch: dict, limit: int | None) -> None:
+    if limit is None:
+        return
+    pos = batch.get("position_ids")
+    longest = int(pos.max()) + 1 if pos is not None else batch["input_ids"].shape[1]
+    if longest > limit:
+        raise ValueError(f"a sequence needs position {longest - 1} but the language model has "
+                         f"max_position_embeddings={limit}; shorten or pack sequences (collator seq_len <= {limit}) "
+                         "or use a model with more positions")
+
+
+def check_microbatches(batch: dict, num_microbatches: int) -> None:
+    rows = batch["input_ids"].shape[0]
+    if rows % num_microbatches:
+        raise ValueError(f"a batch of {rows} rows cannot be cut into num_microbatches={num_microbatches} equal "
+                         "microbatches; make the per-rank batch size a multiple of num_microbatches")
+
+
+def validate_batch(batch: dict, model, num_microbatches: int = 1, max_positions: int | None = None) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the first problem of ``batch`` for ``model``; pure and local.
+
+    ``max_positions``: the language model's ``max_position_embeddings`` (read from its config when None and the
+    model still holds it)."""
+    if max_positions is None:
+        max_positions = getattr(getattr(model.language_model, "config", None), "max_position_embeddings", None)
+    check_keys(batch, model)
+    check_shapes(batch)
+    check_microbatches(batch, num_microbatches)
+    check_positions(batch, max_positions)
+    if batch.get("bam") is not None:
+        masks.validate(batch["bam"], batch.get("segment_ids"))
+    model.check_placeholders(batch["input_ids"], {e: batch[e] for e in model.encoders if e in batch})
