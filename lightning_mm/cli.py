@@ -12,12 +12,17 @@ from lightning_mm.module import MultimodalLightningModule
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point: ``lightning-mm fit --config examples/tiny_vlm.yaml``; ``lightning-mm plan --config ...``."""
+    """Entry point: ``lightning-mm fit --config examples/tiny_vlm.yaml``; ``lightning-mm plan --config ...``;
+    ``lightning-mm export --config ... --ckpt_path ... --out_dir ...``."""
     args = sys.argv[1:] if args is None else args
     if args[:1] == ["plan"]:  # the planner's report, not a Trainer run (lightning_mm/planner/plan_cli.py)
         from lightning_mm.planner.plan_cli import main as plan
 
         return plan(args[1:])
+    if args[:1] == ["export"]:  # a checkpoint as HF folders (lightning_mm/checkpoint.py)
+        from lightning_mm.checkpoint import export_main
+
+        return export_main(args[1:])
     LightningCLI(MultimodalLightningModule, SyntheticMultimodalDataModule, subclass_mode_data=True,
                  args=args, save_config_kwargs={"overwrite": True})
 
