@@ -1,0 +1,263 @@
+"""Pipeline strategy throughput: modality-parallel vs colocated vs replicated encoders vs Lightning's FSDP.
+
+One run trains the same model on the same number of processes with each layout, through a real
+``lightning.Trainer``, and reports samples/s (after warm-up steps), peak memory per rank during training
+(CPU: the resident-set high-water mark, reset at train start; GPU: torch's peak allocated), and the bubble
+fraction per rank from the engine's recorded timings (``PipelineTimeline``). The baseline is Lightning's
+``FSDPStrategy``; Lightning refuses FSDP on CPU ("requires a GPU accelerator"), so on CPU the baseline is
+Lightning's ``DDPStrategy`` and the table says so.
+
+Layouts for P processes (VLM = SigLIP + Llama below 4 processes, VALM = SigLIP + Whisper + Llama from 4):
+  parallel    every encoder pp=1 on its own ranks, LLM pp = R - #encoders   (R ranks per replica)
+  colocated   encoders fused in one stage,           LLM pp = R - 1          (= parallel with one encoder)
+  replicated  encoders inside LLM stage 0,           LLM pp = R
+R = P for P <= 4, else 4 (dp = P / 4). Encoders frozen; projectors and LLM trainable; partition="frozen-aware".
+On CPU use no more processes than cores; the model is sized so that compute dominates P2P.
+
+    python benchmarks/pipeline.py [--procs 2] [--steps 5] [--warmup 2] [--accelerator cpu] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------------------------- the layouts
+def layouts(procs: int, accelerator: str) -> list[dict]:
+    """One config per compared layout, all on ``procs`` processes."""
+    if procs < 2:
+        raise SystemExit("--procs must be >= 2 (a pipeline needs two stages)")
+    valm = procs >= 4
+    encoders = ["vision", "audio"] if valm else ["vision"]
+    per_replica = procs if procs <= 4 else 4
+    if procs % per_replica:
+        raise SystemExit(f"--procs {procs}: use 2, 3, 4 or a multiple of 4")
+    base = "fsdp" if accelerator == "gpu" else "ddp"
+    out = [{"name": base, "strategy": base, "encoders": encoders}]
+    if per_replica - len(encoders) >= 1:
+        out.append({"name": "parallel", "strategy": "multimodal", "encoders": encoders, "placement": "parallel",
+                    "encoder_pp": 1, "llm_pp": per_replica - len(encoders)})
+    out.append({"name": "colocated", "strategy": "multimodal", "encoders": encoders, "placement": "colocated",
+                "encoder_pp": 1, "llm_pp": per_replica - 1})
+    out.append({"name": "replicated", "strategy": "multimodal", "encoders": encoders, "placement": "replicated",
+                "encoder_pp": 1, "llm_pp": per_replica})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- one worker
+def build_module(cfg: dict, args):
+    import torch
+
+    import lightning_mm as lmm
+    from lightning_mm.model import tiny_encoder, tiny_language_model
+
+    torch.manual_seed(0)
+    encoders = {}
+    if "vision" in cfg["encoders"]:
+        encoders["vision"] = lmm.ModalityEncoder(
+            tiny_encoder("siglip", hidden_size=128, intermediate_size=256, num_hidden_layers=4, image_size=64,
+                         patch_size=8), projector="mlp")
+    if "audio" in cfg["encoders"]:
+        encoders["audio"] = lmm.ModalityEncoder(
+            tiny_encoder("whisper", d_model=128, encoder_ffn_dim=256, encoder_layers=4, max_source_positions=32),
+            projector="linear")
+    llm = tiny_language_model("llama", vocab_size=512, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                              num_hidden_layers=args.llm_layers, num_attention_heads=8, num_key_value_heads=4)
+    model = lmm.MultimodalModel(encoders, llm).freeze(encoders=True, projectors=False, language_model=False)
+    return lmm.MultimodalLightningModule(model, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
+
+
+def _rss_reset() -> bool:
+    """Reset this process's peak-RSS mark (Linux clear_refs 5); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def worker(cfg: dict, args, result: str) -> None:
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    import lightning_mm as lmm
+    from lightning_mm.callbacks import PipelineTimeline
+
+    torch.set_num_threads(args.threads)
+    module = build_module(cfg, args)
+    data = lmm.data.SyntheticMultimodalDataModule(num_samples=args.batch * 64, batch_size=args.batch,
+                                                  text_tokens=(args.text_tokens - 8, args.text_tokens))
+    gpu = args.accelerator == "gpu"
+    callbacks = []
+    if cfg["strategy"] == "multimodal":
+        strategy = lmm.MultimodalParallelStrategy(
+            encoders={e: lmm.ParallelSpec(pp=cfg["encoder_pp"]) for e in cfg["encoders"]},
+            language_model=lmm.ParallelSpec(pp=cfg["llm_pp"]), num_microbatches=args.microbatches,
+            encoder_placement=cfg["placement"], partition="frozen-aware")
+        timeline = PipelineTimeline(steps=(args.warmup,), dirpath=str(Path(args.out) / f"pipeline_p{args.procs}_{args.accelerator}_{cfg['name']}"))
+        callbacks.append(timeline)
+    elif cfg["strategy"] == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        strategy, timeline = FSDPStrategy(use_orig_params=True), None
+    else:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy, timeline = DDPStrategy(process_group_backend="gloo", start_method="popen"), None
+    state = {}
+
+    class Meter(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            state["reset"] = _rss_reset()
+            state["rss_start_kb"] = _status_kb("VmRSS")
+            if gpu:
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == args.warmup:
+                dist.barrier()
+                state["t0"] = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == args.warmup + args.steps:
+                dist.barrier()
+                state["t1"] = time.perf_counter()
+
+    callbacks.append(Meter())
+    trainer = L.Trainer(accelerator=args.accelerator, devices=args.procs, strategy=strategy,
+                        max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module, data)
+    mine = {"rank": trainer.global_rank,
+            "stage": getattr(getattr(trainer.strategy, "engine", None), "stage", "whole model"),
+            "peak_mb": (torch.cuda.max_memory_allocated() / 2**20 if gpu else _status_kb("VmHWM") / 1024),
+            "rss_start_mb": state["rss_start_kb"] / 1024, "peak_since": "train start" if state["reset"] else "process start"}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if trainer.global_rank != 0:
+        return
+    dp = trainer.strategy.layout.dp if cfg["strategy"] == "multimodal" else args.procs
+    seconds = state["t1"] - state["t0"]
+    doc = {**cfg, "dp": dp, "global_batch": args.batch * dp, "seconds": seconds,
+           "samples_per_s": args.batch * dp * args.steps / seconds, "ranks": ranks}
+    if timeline is not None and timeline.results:
+        measured, predicted = timeline.results[args.warmup]
+        doc["bubble"] = measured.bubble_fraction
+        doc["iteration_s"], doc["predicted_iteration_s"] = measured.iteration_time, predicted.iteration_time
+        doc["partition"] = {m: [sl for sl in sizes] for m, sizes in _partition(trainer.strategy.engine).items()}
+    Path(result).write_text(json.dumps(doc))
+
+
+def _partition(engine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for plan in engine.plans.values():
+        for e, sl in plan.encoders.items():
+            out.setdefault(e, []).append(sl.end - sl.start)
+        if plan.language_model is not None:
+            out.setdefault("language_model", []).append(plan.language_model.end - plan.language_model.start)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- the driver
+def run_config(cfg: dict, argv: list[str], timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", json.dumps(cfg), "--result", result]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        if proc.returncode != 0 or not os.path.exists(result):
+            raise RuntimeError(f"{cfg['name']} failed:\n{proc.stderr[-4000:]}")
+        return json.loads(Path(result).read_text())
+
+
+def _short(stage: str) -> str:
+    return stage.replace("language_model", "llm").replace("encoders", "enc")
+
+
+def table(rows: list[dict], accelerator: str) -> str:
+    base = rows[0]
+    lines = [f"baseline: {base['name']}" + (" (Lightning's FSDPStrategy refuses CPU, so DDPStrategy)"
+                                             if base["name"] == "ddp" else ""),
+             f"{'layout':<11} {'stages (dp)':<38} {'samples/s':>9} {'vs base':>7} {'peak MB/rank':<28} "
+             f"{'bubble per rank':<40} {'meas/pred':>9}"]
+    lines.append("-" * len(lines[-1]))
+    for r in rows:
+        stages = "whole model" if r["strategy"] != "multimodal" else " ".join(
+            f"{_short(m)}{v}" for m, v in r.get("partition", {}).items())
+        mem = " ".join(f"{x['peak_mb']:.0f}(+{x['peak_mb'] - x['rss_start_mb']:.0f})" for x in r["ranks"])
+        bubble = " ".join(f"{_short(s)}={v:.0%}" for s, v in r.get("bubble", {}).items())
+        ratio = r.get("iteration_s", 0) / r["predicted_iteration_s"] if r.get("predicted_iteration_s") else None
+        stages = f"{stages} ({r['dp']})"
+        lines.append(f"{r['name']:<11} {stages:<38} {r['samples_per_s']:>9.2f} "
+                     f"{r['samples_per_s'] / base['samples_per_s']:>6.2f}x {mem:<28} {bubble:<40} "
+                     f"{'' if ratio is None else format(ratio, '.2f'):>9}")
+    unit = "peak allocated" if accelerator == "gpu" else f"peak RSS since {rows[0]['ranks'][0]['peak_since']}"
+    lines.append(f"memory: {unit} per rank (+ growth above the RSS at train start); bubble: idle / iteration of "
+                 "one recorded step per rank; meas/pred: measured / simulated iteration with that step's stage costs")
+    return "\n".join(lines)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
+    p.add_argument("--steps", type=int, default=5, help="timed steps after warm-up")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8, help="samples per replica (per rank for DDP/FSDP)")
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--llm-layers", type=int, default=6)
+    p.add_argument("--text-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (cores / procs)")
+    p.add_argument("--only", default=None, help="comma-separated layout names to run")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    if args.worker:
+        return worker(json.loads(args.worker), args, args.result)
+    configs = layouts(args.procs, args.accelerator)
+    if args.only:
+        keep = set(args.only.split(","))
+        configs = [configs[0]] + [c for c in configs[1:] if c["name"] in keep]
+    rows = []
+    for cfg in configs:
+        start = time.time()
+        rows.append(run_config(cfg, argv, args.timeout))
+        print(f"{cfg['name']}: {rows[-1]['samples_per_s']:.2f} samples/s ({time.time() - start:.0f} s with launch)",
+              flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None},
+           "baseline": rows[0]["name"], "rows": rows}
+    (out / f"pipeline_p{args.procs}_{args.accelerator}.json").write_text(json.dumps(doc, indent=1))
+    print(table(rows, args.accelerator))
+
+
+if __name__ == "__main__":
+    main()
