@@ -1,8 +1,8 @@
 """PipelineTimeline: the real per-stage timeline of chosen training steps, beside the simulator's prediction.
 
 At a recorded step every rank passes a barrier (so all start together, as the simulator assumes; times are
-taken relative to it, so nodes need no common clock), runs the step, and sends its engine's ``timings`` [(kind, microbatch, start, end)] to every rank with
-``all_gather_object``. Rank 0 then writes the measured timeline (PNG + Chrome trace, the simulator's own
+taken relative to it, so nodes need no common clock), runs the step, and sends its engine's ``timings``
+[(kind, microbatch, start, end)] to every rank with ``all_gather_object``. Rank 0 then writes the measured timeline (PNG + Chrome trace, the simulator's own
 drawing code) and the simulated one with per-stage costs measured in the same step, and every rank logs
 per-rank bubble fractions, the measured and the predicted iteration time through the Lightning logger.
 """
@@ -37,7 +37,8 @@ def rank_label(t: RankTimings, dp: int) -> str:
     return t.stage if dp == 1 else f"{t.stage}/dp{t.dp}"
 
 
-def measured_result(records: list[RankTimings], stage_order: list[str], needs_backward: dict[str, bool]) -> SimulationResult:
+def measured_result(records: list[RankTimings], stage_order: list[str],
+                    needs_backward: dict[str, bool]) -> SimulationResult:
     """The recorded step as a SimulationResult (one row per rank): iteration time from the first action of any
     rank to the last, busy = forward + backward time, bubble = idle / iteration."""
     dp = 1 + max(r.dp for r in records)
@@ -134,7 +135,8 @@ class PipelineTimeline(pl.Callback):
         predicted = predicted_result(engine, records)
         self.results[step] = (measured, predicted)
         metrics = {f"pipeline/bubble/{s}": v for s, v in measured.bubble_fraction.items()}
-        metrics.update({"pipeline/iteration_s": measured.iteration_time, "pipeline/predicted_s": predicted.iteration_time})
+        metrics["pipeline/iteration_s"] = measured.iteration_time
+        metrics["pipeline/predicted_s"] = predicted.iteration_time
         pl_module.log_dict(metrics, rank_zero_only=True)
         if trainer.global_rank == 0:
             self._write(trainer, step, measured, predicted)

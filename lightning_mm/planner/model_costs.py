@@ -63,48 +63,54 @@ def _tokens(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.dim() else 1
 
 
+def _split(embed: list, layers, rest) -> list[list[torch.nn.Parameter]]:
+    taken = {id(p) for p in embed} | {id(p) for layer in layers for p in layer.parameters()}
+    return [embed] + [list(layer.parameters()) for layer in layers] + [[p for p in rest if id(p) not in taken]]
+
+
+def part_parameters(model) -> dict[str, list[list[torch.nn.Parameter]]]:
+    """Per module, the parameters of each part: [embed, layer_0 .. layer_{N-1}, head]."""
+    out = {}
+    for name, enc in model.encoders.items():
+        mod = enc.module
+        embed = [p for m in enc.family.embed_modules if hasattr(mod, m) for p in getattr(mod, m).parameters()]
+        out[name] = _split(embed, enc.layers, [*mod.parameters(), *enc.projector.parameters()])
+    lm = model.language_model
+    out[LANGUAGE_MODEL] = _split(list(model.lm_family.embed_tokens(lm).parameters()), model.llm_layers,
+                                 list(lm.parameters()))
+    return out
+
+
 def part_runners(model, batch: dict) -> dict[str, list[tuple[Callable, object, list[torch.nn.Parameter], int]]]:
     """Per module, its parts in order as (run(x) -> y, input x, parameters, input tokens). The inputs are
     produced by running the parts in order on ``batch`` (no_grad), as the pipeline's stages do."""
     from lightning_mm import loss as losses
 
+    params = part_parameters(model)
     out, features = {}, {}
     with torch.no_grad():
         for name, enc in model.encoders.items():
             inputs = batch[name]
-            mod = enc.module
-            embed_params = [p for m in enc.family.embed_modules if hasattr(mod, m) for p in getattr(mod, m).parameters()]
             hidden, ctx = enc.embed(inputs)
-            parts = [(lambda x, enc=enc: enc.embed(x)[0], inputs, embed_params, 0)]
-            layer_ids = set()
+            runs = [(lambda x, enc=enc: enc.embed(x)[0], inputs, 0)]
             for layer in enc.layers:
-                layer_ids |= {id(p) for p in layer.parameters()}
-                parts.append((lambda h, enc=enc, layer=layer, ctx=ctx: enc.family.run_layer(enc.module, layer, h, ctx),
-                              hidden, list(layer.parameters()), _tokens(hidden)))
-                hidden = enc.family.run_layer(mod, layer, hidden, ctx)
-            skip = layer_ids | {id(p) for p in embed_params}
-            head_params = [p for p in mod.parameters() if id(p) not in skip] + list(enc.projector.parameters())
-            parts.append((lambda h, enc=enc, ctx=ctx, inputs=inputs: enc.head(h, ctx, inputs), hidden, head_params,
-                          _tokens(hidden)))
+                runs.append((lambda h, enc=enc, layer=layer, ctx=ctx: enc.family.run_layer(enc.module, layer, h, ctx),
+                             hidden, _tokens(hidden)))
+                hidden = enc.family.run_layer(enc.module, layer, hidden, ctx)
+            runs.append((lambda h, enc=enc, ctx=ctx, inputs=inputs: enc.head(h, ctx, inputs), hidden, _tokens(hidden)))
             features[name] = enc.head(hidden, ctx, inputs)
-            out[name] = parts
+            out[name] = [(run, x, ps, t) for (run, x, t), ps in zip(runs, params[name])]
         ids = batch["input_ids"]
         ctx = model.attention_context(ids, batch.get("bam"), batch.get("segment_ids"), batch.get("position_ids"),
                                       batch.get("attention_mask"))
-        lm = model.language_model
-        embed = model.lm_family.embed_tokens(lm)
         hidden = model.embed(ids, features)
-        parts = [(lambda f: model.embed(ids, f), features, list(embed.parameters()), _tokens(ids.unsqueeze(-1)))]
-        layer_ids = {id(p) for p in embed.parameters()}
-        for i, layer in enumerate(model.llm_layers):
-            layer_ids |= {id(p) for p in layer.parameters()}
-            parts.append((lambda h, i=i: model.run_llm_layers(h, ctx, i, i + 1), hidden, list(layer.parameters()),
-                          _tokens(hidden)))
+        runs = [(lambda f: model.embed(ids, f), features, ids.numel())]
+        for i in range(len(model.llm_layers)):
+            runs.append((lambda h, i=i: model.run_llm_layers(h, ctx, i, i + 1), hidden, _tokens(hidden)))
             hidden = model.run_llm_layers(hidden, ctx, i, i + 1)
         targets = losses.shift_labels(batch["labels"])
-        parts.append((lambda h: losses.token_loss_sum(model.logits(h), targets), hidden,
-                      [p for p in lm.parameters() if id(p) not in layer_ids], _tokens(hidden)))
-        out[LANGUAGE_MODEL] = parts
+        runs.append((lambda h: losses.token_loss_sum(model.logits(h), targets), hidden, _tokens(hidden)))
+        out[LANGUAGE_MODEL] = [(run, x, ps, t) for (run, x, t), ps in zip(runs, params[LANGUAGE_MODEL])]
     return out
 
 
@@ -171,19 +177,7 @@ def part_tokens(model, batch: dict | None = None) -> dict[str, int]:
 
 def frozen_parts(model) -> dict[str, list[bool]]:
     """Frozen flag of every part (no parameter requires grad), from ``requires_grad``."""
-    out = {}
-    for name, enc in model.encoders.items():
-        mod = enc.module
-        embed = [p for m in enc.family.embed_modules if hasattr(mod, m) for p in getattr(mod, m).parameters()]
-        layer_ids = {id(p) for layer in enc.layers for p in layer.parameters()} | {id(p) for p in embed}
-        head = [p for p in mod.parameters() if id(p) not in layer_ids] + list(enc.projector.parameters())
-        out[name] = [_frozen(embed)] + [_frozen(list(l.parameters())) for l in enc.layers] + [_frozen(head)]
-    lm = model.language_model
-    embed = list(model.lm_family.embed_tokens(lm).parameters())
-    layer_ids = {id(p) for layer in model.llm_layers for p in layer.parameters()} | {id(p) for p in embed}
-    head = [p for p in lm.parameters() if id(p) not in layer_ids]
-    out[LANGUAGE_MODEL] = [_frozen(embed)] + [_frozen(list(l.parameters())) for l in model.llm_layers] + [_frozen(head)]
-    return out
+    return {m: [_frozen(ps) for ps in parts] for m, parts in part_parameters(model).items()}
 
 
 def profile_times(model, profile: dict[str, list[LayerProfile]], batch: dict | None = None) -> dict[str, ModuleTimes]:

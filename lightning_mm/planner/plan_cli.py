@@ -125,7 +125,8 @@ def main(argv: list[str]) -> None:
     specs = module_specs(model, costs, scale)
     devices = trainer.num_devices * trainer.num_nodes
     out = Path(args.out)
-    print(f"costs per microbatch in {unit} ({'profile ' + str(profile) if profile else 'FLOPs counted on the real layers'})\n")
+    source = f"profile {profile}" if profile else "FLOPs counted on the real layers"
+    print(f"costs per microbatch in {unit} ({source})\n")
     mine = configured_plan(model, strategy, specs, devices)
     files = _write(mine, out, "configured", unit)
     print(plan_summary(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
