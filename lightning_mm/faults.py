@@ -9,6 +9,9 @@ own connection to the rendezvous TCPStore (``MASTER_ADDR:MASTER_PORT``, served b
 - a rank that raises publishes ``failed`` (see :meth:`report_failure`), so its peers stop at the next beat;
 - a store that cannot be reached means rank 0 (its host) died.
 
+A collective that fails because a peer vanished (gloo sees the closed socket of a killed process at once) first
+waits up to ``timeout`` for the watchdog to name the lost rank (:meth:`blame`), so the error says who died.
+
 On any of these it prints ``lightning-mm fault: ...`` naming the rank and ends the process with
 ``FAULT_EXIT_CODE`` (the main thread may be blocked inside a collective, so it cannot be interrupted politely).
 Checkpoints are written atomically (``lightning_mm.checkpoint``), so the last completed one stays loadable.
@@ -84,6 +87,14 @@ class FaultWatchdog:
         except Exception:  # noqa: BLE001  (the store host may be the one that died)
             pass
 
+    def blame(self, seconds: float) -> bool:
+        """After a communication error: give the heartbeat thread up to ``seconds`` to name the lost rank (its
+        ``on_fault`` ends the process). True if it did."""
+        deadline = time.monotonic() + seconds
+        while not self._fired and not self._stop.is_set() and time.monotonic() < deadline:
+            time.sleep(self.interval / 4)
+        return self._fired
+
     def finish(self) -> None:
         """Normal end: wait (bounded by the fault checks) until every rank has finished, then stop."""
         if self._thread is None or self._stop.is_set():
@@ -133,6 +144,16 @@ class FaultWatchdog:
                     self._fault(f"rank {r} stopped sending heartbeats {now - last_change[r]:.1f} s ago (killed, out "
                                 f"of memory, or hung; fault_timeout={self.timeout:g} s)")
                     return
+
+
+PEER_LOSS_SIGNS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "gloo", "NCCL",
+                   "Socket Timeout", "DistNetworkError")
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """Whether an exception looks like a collective that broke because another rank went away."""
+    text = f"{type(exc).__name__}: {exc}"
+    return isinstance(exc, getattr(dist, "DistError", ())) or any(s in text for s in PEER_LOSS_SIGNS)
 
 
 def check_finite_loss(loss, step: int, mode: str | None) -> bool:

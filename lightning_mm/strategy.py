@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.data.resumable import resumable
-from lightning_mm.faults import FaultWatchdog
+from lightning_mm.faults import FaultWatchdog, is_peer_loss
 from lightning_mm.parallel.engine import PipelineEngine
 from lightning_mm.parallel.layout import ParallelSpec, RankLayout, build_layout
 
@@ -231,6 +231,8 @@ class MultimodalParallelStrategy(DDPStrategy):
     # ------------------------------------------------------------------ faults
     def on_exception(self, exception: BaseException) -> None:
         if self.watchdog is not None:
+            if is_peer_loss(exception):  # let the watchdog name the rank that went away (it ends this process)
+                self.watchdog.blame(self.fault_timeout + 2 * self.watchdog.interval)
             self.watchdog.report_failure(exception)
         super().on_exception(exception)
 

@@ -3,7 +3,7 @@
 ``python checkpoint_case.py '<json>'`` with keys: layout ("pp2": vision 1 stage + LLM 2 stages on 3 ranks, dp 1;
 "dp2": vision + LLM 1 stage each, dp 2 on 4 ranks; "single": one process), steps, out (losses JSON, rank 0),
 ckpt_dir, save_every (steps), resume (a checkpoint folder), kill ({"rank": r, "step": s}: SIGKILL that rank
-after step s), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
+after step s), weights (single: file for the trained parameters), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
 exception), fault_timeout, pids (folder for one pid file per rank).
 """
 
@@ -15,6 +15,7 @@ import time
 
 import lightning as L
 import torch
+from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_mm as lmm
 from lightning_mm.model import tiny_encoder, tiny_language_model
@@ -72,7 +73,14 @@ def main(cfg: dict):
         with open(os.path.join(cfg["pids"], f"{trainer.global_rank}.pid"), "w") as f:
             f.write(str(os.getpid()))
     data = lmm.data.SyntheticMultimodalDataModule(num_samples=16, batch_size=per_rank)
-    trainer.fit(build_module(), data, ckpt_path=cfg.get("resume"))
+    if layout["llm_pp"] is None:  # the same data order as Lightning's DistributedSampler under the strategy
+        data.train_dataloader = lambda: DataLoader(
+            data._dataset(16, 0), batch_size=GLOBAL_BATCH, collate_fn=data.collator(), drop_last=True,
+            sampler=DistributedSampler(data._dataset(16, 0), num_replicas=1, rank=0, shuffle=True, seed=0))
+    module = build_module()
+    trainer.fit(module, data, ckpt_path=cfg.get("resume"))
+    if cfg.get("weights") and trainer.global_rank == 0:  # the single-process reference's trained parameters
+        torch.save({n: p.detach() for n, p in module.model.named_parameters() if p.requires_grad}, cfg["weights"])
     if trainer.global_rank == 0:
         with open(cfg["out"], "w") as f:
             json.dump(callbacks[0].losses, f)

@@ -1,0 +1,34 @@
+"""Runs of tests/helpers/checkpoint_case.py shared by the checkpoint and fault tests (each run once per session)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CASE = os.path.join(os.path.dirname(__file__), "checkpoint_case.py")
+STEPS = 6
+
+
+def run_case(cfg: dict, timeout: float = 300) -> list[float]:
+    """Run one case to completion; returns rank 0's per-step losses."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, CASE, json.dumps(cfg)], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=os.path.dirname(cfg["out"]))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(cfg["out"]) as f:
+        return json.load(f)
+
+
+@functools.cache
+def reference() -> dict:
+    """An uninterrupted pipeline run (pp2, dp1, checkpoints at steps 3 and 6) and one-process Lightning run."""
+    d = tempfile.mkdtemp(prefix="lmm-ckpt-")
+    single = run_case({"layout": "single", "steps": STEPS, "out": f"{d}/single.json", "weights": f"{d}/single.pt"})
+    pipe = run_case({"layout": "pp2", "steps": STEPS, "out": f"{d}/pp2.json", "ckpt_dir": f"{d}/pp2",
+                     "save_every": 3})
+    return {"dir": d, "single": single, "single_weights": f"{d}/single.pt", "pp2": pipe,
+            "ckpt3": f"{d}/pp2/step=3.ckpt", "ckpt6": f"{d}/pp2/step=6.ckpt"}

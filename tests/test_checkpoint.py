@@ -1,0 +1,121 @@
+"""Sharded DCP checkpoints: exact resume, resharding between layouts, consolidation, HF export, atomic writes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_mm import checkpoint as ckpt
+from lightning_mm.data.resumable import resumable
+from tests.helpers.checkpoint_runs import reference, run_case
+
+
+@pytest.mark.slow
+def test_pipeline_run_matches_one_process_and_consolidates():
+    ref = reference()
+    assert len(ref["pp2"]) == 6 and ref["single"][0] != ref["single"][-1]
+    torch.testing.assert_close(torch.tensor(ref["pp2"]), torch.tensor(ref["single"]), rtol=1e-5, atol=1e-6)
+    expected = torch.load(ref["single_weights"], weights_only=True)
+    merged = ckpt.consolidate(ref["ckpt6"])
+    assert set(merged) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(merged[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact():
+    ref = reference()
+    out = os.path.join(ref["dir"], "resume.json")
+    resumed = run_case({"layout": "pp2", "steps": 6, "out": out, "resume": ref["ckpt3"]})
+    assert resumed == ref["pp2"][3:], "losses after resuming differ from the uninterrupted run"
+
+
+@pytest.mark.slow
+def test_reshard_pp2dp1_to_pp1dp2_and_back():
+    ref = reference()
+    d = ref["dir"]
+    there = run_case({"layout": "dp2", "steps": 6, "out": f"{d}/dp2.json", "resume": ref["ckpt3"],
+                      "ckpt_dir": f"{d}/dp2", "save_every": 5})
+    torch.testing.assert_close(torch.tensor(there), torch.tensor(ref["pp2"][3:]), rtol=1e-5, atol=1e-6)
+    back = run_case({"layout": "pp2", "steps": 6, "out": f"{d}/back.json", "resume": f"{d}/dp2/step=5.ckpt"})
+    torch.testing.assert_close(torch.tensor(back), torch.tensor(ref["pp2"][5:]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_export_hf_folders_load_with_from_pretrained(tmp_path):
+    from transformers import LlamaForCausalLM, SiglipVisionModel
+
+    from tests.helpers.checkpoint_case import build_module
+    from tests.helpers.pipeline_case import global_batches
+
+    ref = reference()
+    model = build_module().model
+    ckpt.export_hf(ref["ckpt6"], model, str(tmp_path / "hf"))
+    merged = ckpt.consolidate(ref["ckpt6"])
+    llm = LlamaForCausalLM.from_pretrained(tmp_path / "hf" / "language_model")
+    vision = SiglipVisionModel.from_pretrained(tmp_path / "hf" / "encoders" / "vision")
+    for name, p in llm.named_parameters():
+        torch.testing.assert_close(p, merged.get(f"language_model.{name}", p), rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(next(vision.parameters()), next(model.encoders["vision"].module.parameters()))
+    again = ckpt.load_hf(str(tmp_path / "hf"))
+    batch = global_batches(model, 1, 2)[0]
+    torch.testing.assert_close(again(**batch).loss, model(**batch).loss, rtol=0, atol=0)
+    for name, value in merged.items():
+        torch.testing.assert_close(dict(again.named_parameters())[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    path = str(tmp_path / "last")
+    first = {"model/w": torch.arange(6.0).reshape(2, 3)}
+    layout = {"parameters": {"w": [2, 3]}, "trainable": ["w"], "world_size": 1, "stages": []}
+    ckpt.save_sharded(path, first, {"global_step": 1}, layout, rank=0)
+
+    def crash(self, *args, **kwargs):
+        open(os.path.join(self.path, "__0_0.distcp"), "wb").write(b"partial")
+        raise RuntimeError("killed mid-save")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", crash)
+    with pytest.raises(BaseException, match="killed mid-save|CheckpointException"):  # DCP's is a BaseException
+        ckpt.save_sharded(path, {"model/w": torch.zeros(2, 3)}, {"global_step": 2}, layout, rank=0)
+    assert os.path.isdir(path + ".tmp")
+    assert torch.equal(ckpt.consolidate(path)["w"], first["model/w"])
+    assert ckpt.load_meta(path)["global_step"] == 1
+
+
+def test_optimizer_state_moves_by_parameter_name():
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2, 2))
+    opt = torch.optim.AdamW([a, b], lr=0.1)
+    (a.sum() + (b ** 2).sum()).backward()
+    opt.step()
+    saved = ckpt.optimizer_tensors(0, ckpt.optimizer_state_by_name(opt, {id(a): "a", id(b): "b"}))
+    # another layout: only b on this rank, at index 0 of a differently built optimiser
+    b2 = torch.nn.Parameter(b.detach().clone())
+    opt2 = torch.optim.AdamW([b2], lr=0.5)
+    ckpt.load_optimizer_by_name(opt2, 0, {id(b2): "b"}, saved, [{"lr": 0.1}])
+    assert opt2.param_groups[0]["lr"] == 0.1
+    for key, value in opt.state[b].items():
+        assert torch.equal(opt2.state[b2][key], value), key
+
+
+def test_resumable_loader_continues_mid_epoch():
+    def loader():
+        g = torch.Generator().manual_seed(3)
+        return resumable(DataLoader(list(range(20)), batch_size=4, shuffle=True, generator=g))
+
+    first = loader()
+    it = iter(first)
+    seen = [next(it).tolist() for _ in range(2)]
+    state = first.state_dict()
+    assert state == {"batches": 2}
+    again = loader()
+    again.load_state_dict(state)
+    rest = [b.tolist() for b in again]
+    full = [b.tolist() for b in loader()]
+    assert seen + rest == full
+    assert len([b for b in again]) == len(full)  # the next epoch starts at its beginning

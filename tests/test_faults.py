@@ -1,0 +1,138 @@
+"""Faults: a lost rank ends every other rank with an error naming it in bounded time; checkpoints survive."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_mm.faults import FaultWatchdog, check_finite_loss
+from tests.helpers.checkpoint_runs import CASE, reference, run_case
+
+FAULT_TIMEOUT = 3.0
+SLACK = 12.0  # startup of the error path, interpreter exit, a loaded 2-core machine
+
+
+# ------------------------------------------------------------------------------------------------ the watchdog
+def _pair(store, timeout=0.6):
+    faults = {0: [], 1: []}
+    dogs = [FaultWatchdog(r, 2, timeout, interval=0.05, store=store, on_fault=faults[r].append) for r in (0, 1)]
+    return dogs, faults
+
+
+def _wait(cond, seconds=5.0):
+    end = time.monotonic() + seconds
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_watchdog_names_a_rank_that_stops_beating():
+    dogs, faults = _pair(dist.HashStore())
+    for d in dogs:
+        d.start()
+    time.sleep(0.3)
+    assert faults == {0: [], 1: []}
+    dogs[1].stop()  # rank 1 goes silent (killed or frozen)
+    t0 = time.monotonic()
+    assert _wait(lambda: faults[0]), "rank 0 never noticed"
+    assert 0.5 < time.monotonic() - t0 < 3.0
+    assert "rank 1 stopped sending heartbeats" in faults[0][0]
+    dogs[0].stop()
+
+
+def test_watchdog_names_a_rank_that_raised_and_normal_end_is_quiet():
+    dogs, faults = _pair(dist.HashStore())
+    for d in dogs:
+        d.start()
+    dogs[1].report_failure(RuntimeError("boom"))
+    assert _wait(lambda: faults[0])
+    assert "rank 1 raised RuntimeError: boom" in faults[0][0] and faults[1] == []
+    dogs, faults = _pair(dist.HashStore())
+    for d in dogs:
+        d.start()
+    threads = [threading.Thread(target=d.finish) for d in dogs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    time.sleep(0.8)
+    assert faults == {0: [], 1: []}
+
+
+def test_nan_guard():
+    assert check_finite_loss(torch.tensor(1.0), 3, "stop")
+    assert not check_finite_loss(torch.tensor(float("nan")), 3, "skip")
+    with pytest.raises(FloatingPointError, match="the loss is inf at step 7"):
+        check_finite_loss(torch.tensor(float("inf")), 7, "stop")
+    with pytest.raises(ValueError, match="nan_guard must be None, 'skip' or 'stop'"):
+        check_finite_loss(torch.tensor(1.0), 0, "ignore")
+
+
+# ------------------------------------------------------------------------------------------------ real runs
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _run_with_fault(d: str, kind: str, rank: int):
+    """A 4-process dp2 run that checkpoints at step 2 and loses ``rank`` after step 3; returns (seconds from the
+    fault to every other process gone, combined output, main exit code)."""
+    os.makedirs(f"{d}/pids", exist_ok=True)
+    cfg = {"layout": "dp2", "steps": 6, "out": f"{d}/out.json", "ckpt_dir": f"{d}/ckpts", "save_every": 2,
+           kind: {"rank": rank, "step": 3}, "fault_timeout": FAULT_TIMEOUT, "pids": f"{d}/pids"}
+    proc = subprocess.Popen([sys.executable, CASE, json.dumps(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    output = []
+    reader = threading.Thread(target=lambda: output.append(proc.communicate()[0]))
+    reader.start()
+    marker = f"{d}/pids/killed_at"
+    deadline = time.time() + 300
+    while not os.path.exists(marker) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert os.path.exists(marker), "the fault was never injected"
+    time.sleep(0.2)
+    faulted_at = float(open(marker).read())
+    pids = {r: int(open(f"{d}/pids/{r}.pid").read()) for r in range(4)}
+    deadline = time.time() + FAULT_TIMEOUT + 60
+    while any(_alive(pids[r]) for r in pids if r != rank) and time.time() < deadline:
+        time.sleep(0.05)
+    gone_after = time.time() - faulted_at
+    for r, pid in pids.items():  # never leave a process behind, even when the test fails
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    reader.join(30)
+    return gone_after, output[0] if output else "", proc.returncode
+
+
+@pytest.mark.slow
+def test_frozen_rank_ends_every_other_rank_and_last_checkpoint_resumes(tmp_path):
+    """SIGSTOP keeps the rank's sockets open (like a lost node or a hung GPU): only the watchdog can notice."""
+    gone_after, output, code = _run_with_fault(str(tmp_path), "hang", 1)
+    assert gone_after < FAULT_TIMEOUT + SLACK, f"survivors took {gone_after:.1f} s\n{output[-3000:]}"
+    assert "lightning-mm fault: rank 1 stopped sending heartbeats" in output, output[-3000:]
+    assert code != 0
+    assert sorted(os.listdir(tmp_path / "ckpts")) == ["step=2.ckpt"]
+    ref = reference()
+    resumed = run_case({"layout": "pp2", "steps": 6, "out": str(tmp_path / "resumed.json"),
+                        "resume": str(tmp_path / "ckpts" / "step=2.ckpt")})
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(ref["pp2"][2:]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_every_process_with_an_error(tmp_path):
+    gone_after, output, code = _run_with_fault(str(tmp_path), "kill", 0)
+    assert gone_after < FAULT_TIMEOUT + SLACK, f"survivors took {gone_after:.1f} s\n{output[-3000:]}"
+    assert code == -signal.SIGKILL
+    assert "lightning-mm fault: cannot reach the rendezvous store hosted by rank 0" in output, output[-3000:]
