@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 
 
-def build(hidden: int, layers: int):
+def build(hidden: int, layers: int, fsdp: bool = False):
     import torch
 
     import lightning_mm as lmm
@@ -41,7 +41,33 @@ def build(hidden: int, layers: int):
                               vocab_size=4096)
     model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, llm)
     model.freeze(encoders=True, projectors=False, language_model=False)
-    return lmm.MultimodalLightningModule(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    cls = FSDPModule if fsdp else lmm.MultimodalLightningModule
+    return cls(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+
+
+def _fsdp_module():
+    import lightning_mm as lmm
+
+    class FSDPModule(lmm.MultimodalLightningModule):
+        """The same module, each LLM layer and then the whole model wrapped by FSDP2 ``fully_shard``."""
+
+        def configure_model(self):
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.llm_layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    return FSDPModule
+
+
+class _Lazy:
+    def __call__(self, *a, **k):
+        return _fsdp_module()(*a, **k)
+
+
+FSDPModule = _Lazy()
 
 
 def dir_bytes(path: str) -> int:
@@ -64,13 +90,15 @@ def worker_checkpoint(args) -> None:
                                                   language_model=lmm.ParallelSpec(), num_microbatches=1)
         per_rank = 2
     else:
-        from lightning.pytorch.strategies import FSDPStrategy
+        from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = FSDPStrategy(state_dict_type="sharded", use_orig_params=True)
+        # Lightning's FSDPStrategy (FSDP1) refuses CPU; its ModelParallelStrategy runs torch's FSDP2 (fully_shard)
+        # on a CPU mesh and checkpoints through DCP, the same machinery as ours.
+        strategy = ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)
         per_rank = 1
     trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    module = build(args.hidden, args.layers)
+    module = build(args.hidden, args.layers, fsdp=args.mode == "fsdp")
     data = lmm.data.SyntheticMultimodalDataModule(num_samples=16, batch_size=per_rank)
     trainer.fit(module, data)
     saves, loads = [], []
