@@ -7,7 +7,7 @@ import math
 import torch
 import triton
 
-from lightning_mm import masks
+from lightning_mm.attention.checks import check_attention_inputs
 from lightning_mm.kernels import split, tiles
 from lightning_mm.kernels.backward import dkdv_kernel, dq_kernel
 from lightning_mm.kernels.config import KernelConfig, default_config, interpreting, num_sms
@@ -22,24 +22,14 @@ def _check_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: the Triton kernels take one of {DTYPES} "
                         "for all three; cast them to the same dtype")
-    if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] \
-            or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need q [B,Hq,Sq,D], k and v "
-                         "[B,Hkv,Sk,D] with Hq a multiple of Hkv")
+    check_attention_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions)
+    if q_positions is None or k_positions is None:
+        raise ValueError("the Triton kernels need q_positions and k_positions (global token indices [B, S]); "
+                         "call lightning_mm.attention.bitfield_attention, which defaults them")
     d = q.shape[3]
     if not 16 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {d} is not supported by the Triton kernels (16..{MAX_HEAD_DIM}); "
                          "use backend='reference'")
-    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
-    for name, t, s in (("q_bam", q_bam, sq), ("k_bam", k_bam, sk), ("q_positions", q_positions, sq),
-                       ("k_positions", k_positions, sk)):
-        if t is None or tuple(t.shape) != (b, s):
-            raise ValueError(f"{name} must be a [B, S] = ({b}, {s}) tensor, got "
-                             f"{None if t is None else tuple(t.shape)}")
-    masks.validate(q_bam, q_segments)
-    masks.validate(k_bam, k_segments)
-    if (q_segments is None) != (k_segments is None):
-        raise ValueError("give segment ids for both queries and keys, or for neither")
     devices = {t.device for t in (q, k, v, q_bam, k_bam, q_positions, k_positions) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")

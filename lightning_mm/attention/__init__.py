@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_mm import masks
+from lightning_mm.attention.checks import check_attention_inputs
 from lightning_mm.attention.reference import reference_attention
 
 BACKENDS = ("auto", "reference", "triton")
@@ -32,18 +32,8 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-    b, hq, sq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d or hq % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need k == v in shape, the same "
-                         "batch and head dim, and query heads a multiple of key/value heads")
-    sk = k.shape[2]
-    if q_bam.shape != (b, sq) or k_bam.shape != (b, sk):
-        raise ValueError(f"q_bam {tuple(q_bam.shape)} / k_bam {tuple(k_bam.shape)} must be [B,Sq]=({b},{sq}) / "
-                         f"[B,Sk]=({b},{sk})")
-    masks.validate(q_bam, q_segments)
-    masks.validate(k_bam, k_segments)
-    if (q_segments is None) != (k_segments is None):
-        raise ValueError("give segment ids for both queries and keys, or for neither")
+    check_attention_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions)
+    b, sq, sk, d = q.shape[0], q.shape[2], k.shape[2], q.shape[3]
     if q_positions is None:
         q_positions = torch.arange(sq, device=q.device).expand(b, sq)
     if k_positions is None:

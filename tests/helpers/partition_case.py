@@ -10,7 +10,7 @@ import lightning_mm as lmm
 from lightning_mm.model import tiny_encoder, tiny_language_model
 from lightning_mm.parallel.engine import PipelineEngine
 from lightning_mm.parallel.layout import ParallelSpec, build_layout
-from helpers.pipeline_case import global_batches
+from helpers.pipeline_case import global_batches, train_engine, train_reference
 
 
 def build_model() -> lmm.MultimodalModel:
@@ -23,15 +23,7 @@ def build_model() -> lmm.MultimodalModel:
 
 def run_reference(steps: int, rows: int, lr: float = 0.5):
     model = build_model()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for batch in global_batches(model, steps, rows):
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return train_reference(model, global_batches(model, steps, rows), lr)
 
 
 def run_rank(rank, world, partition, vision_pp, llm_pp, microbatches, steps, rows, lr=0.5):
@@ -40,15 +32,6 @@ def run_rank(rank, world, partition, vision_pp, llm_pp, microbatches, steps, row
     layout = build_layout({"vision": ParallelSpec(pp=vision_pp)}, ParallelSpec(pp=llm_pp), world, "parallel",
                           ["vision"])
     engine = PipelineEngine(model, layout, rank, microbatches, partition)
-    params = engine.trainable_parameters()
-    opt = torch.optim.SGD(params, lr=lr) if params else None
-    losses = []
-    for batch in batches:
-        losses.append(float(engine.run(batch)))
-        engine.sync_gradients()
-        if opt:
-            opt.step()
-            opt.zero_grad()
-    owned = {n: p.detach().clone() for n, p in model.named_parameters() if n in engine.owned and p.requires_grad}
+    losses, owned = train_engine(engine, model, batches, lr)
     return losses, owned, {s: (p.encoders["vision"].end - p.encoders["vision"].start) for s, p in engine.plans.items()
                            if "vision" in p.encoders}

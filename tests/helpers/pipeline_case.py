@@ -29,20 +29,18 @@ def global_batches(model, steps: int, rows: int, layout: str = "ee", seed: int =
     return [collate([data[s * rows + r] for r in range(rows)]) for s in range(steps)]
 
 
-def replica_batch(batch: dict, dp: int, d: int) -> dict:
+def replica_batch(batch: dict, model, dp: int, d: int) -> dict:
+    """Replica ``d``'s share of a global batch (what the distributed sampler would give it)."""
     from lightning_mm.data.microbatch import split_microbatches
 
-    return split_microbatches(batch, dp, _MODEL_FOR_SPLIT[0])[d]
+    return split_microbatches(batch, dp, model)[d]
 
 
-_MODEL_FOR_SPLIT = [None]
-
-
-def run_reference(modalities, freeze, steps, rows, layout="ee", lr=0.5):
-    model = build_model(modalities, freeze)
+def train_reference(model, batches, lr=0.5):
+    """SGD on the unparallelised model, one global batch per step: (losses, trainable parameters)."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
-    for batch in global_batches(model, steps, rows, layout):
+    for batch in batches:
         loss = model(**batch).loss
         loss.backward()
         opt.step()
@@ -51,24 +49,31 @@ def run_reference(modalities, freeze, steps, rows, layout="ee", lr=0.5):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def run_rank(rank, world, modalities, freeze, encoder_pp, llm_pp, placement, microbatches, steps, rows,
-             layout="ee", lr=0.5, llm_cp=1, cp_method="lpt", cp_block=8):
-    model = build_model(modalities, freeze)
-    batches = global_batches(model, steps, rows, layout)
-    _MODEL_FOR_SPLIT[0] = model
-    specs = {m: ParallelSpec(pp=encoder_pp[i]) for i, m in enumerate(modalities)}
-    plan = build_layout(specs, ParallelSpec(pp=llm_pp, cp=llm_cp), world, placement, list(modalities))
-    engine = PipelineEngine(model, plan, rank, microbatches, cp_distribution=cp_method, cp_block_size=cp_block)
+def train_engine(engine, model, batches, lr=0.5):
+    """The same SGD through a PipelineEngine on this rank's replica share: (losses, owned trainable parameters)."""
     params = engine.trainable_parameters()
     opt = torch.optim.SGD(params, lr=lr) if params else None  # a fully frozen stage has nothing to step
-    d = engine.coord.dp
     losses = []
     for batch in batches:
-        local = replica_batch(batch, plan.dp, d)
-        losses.append(float(engine.run(local)))
+        losses.append(float(engine.run(replica_batch(batch, model, engine.layout.dp, engine.coord.dp))))
         engine.sync_gradients()
         if opt:
             opt.step()
             opt.zero_grad()
-    params = {n: p.detach().clone() for n, p in model.named_parameters() if n in engine.owned and p.requires_grad}
-    return losses, params
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()
+                    if n in engine.owned and p.requires_grad}
+
+
+def run_reference(modalities, freeze, steps, rows, layout="ee", lr=0.5):
+    model = build_model(modalities, freeze)
+    return train_reference(model, global_batches(model, steps, rows, layout), lr)
+
+
+def run_rank(rank, world, modalities, freeze, encoder_pp, llm_pp, placement, microbatches, steps, rows,
+             layout="ee", lr=0.5, llm_cp=1, cp_method="lpt", cp_block=8):
+    model = build_model(modalities, freeze)
+    batches = global_batches(model, steps, rows, layout)
+    specs = {m: ParallelSpec(pp=encoder_pp[i]) for i, m in enumerate(modalities)}
+    plan = build_layout(specs, ParallelSpec(pp=llm_pp, cp=llm_cp), world, placement, list(modalities))
+    engine = PipelineEngine(model, plan, rank, microbatches, cp_distribution=cp_method, cp_block_size=cp_block)
+    return train_engine(engine, model, batches, lr)
