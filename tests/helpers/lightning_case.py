@@ -44,7 +44,8 @@ def main(mode: str, out: str, ckpt: str, accumulate: str = "1"):
         trainer.save_checkpoint(ckpt)
     if trainer.global_rank == 0:
         with open(out, "w") as f:
-            json.dump({"train": record.losses, "val": float(trainer.callback_metrics["val/loss"])}, f)
+            json.dump({"train": record.losses, "val": float(trainer.callback_metrics["val/loss"]),
+                       "environment": type(getattr(trainer.strategy, "cluster_environment", None)).__name__}, f)
 
 
 if __name__ == "__main__":
