@@ -305,3 +305,45 @@ def test_plan_summary_and_colocated_replicated_evaluation():
     assert "encoders.1" in text and "vision[4:7]+audio[3:5]" in text and "predicted iteration time" in text
     with pytest.raises(ValueError, match="equal encoder stage counts"):
         evaluate_plan(modules, {"vision": [4, 3], "audio": [5], LM: [8]}, "colocated", 4)
+
+
+def test_search_with_fixed_stage_count_enumerates_every_split():
+    # the seeds' Table 3.2 setting: the same total stage count for both modes; each chooses the split
+    modules = small_mllm()
+    for placement in ("parallel", "colocated"):
+        result = search(modules, num_devices=6, num_microbatches=4, placements=(placement,), data_parallel=False, stages=5)
+        assert all(p.stages_per_replica == 5 and p.dp == 1 and p.placement == placement for p in result.candidates)
+        splits = {tuple(p.pp().values()) for p in result.candidates}
+        if placement == "parallel":  # vision, audio, LLM stage counts summing to 5, each >= 1
+            expected = {(v, a, 5 - v - a) for v in range(1, 4) for a in range(1, 4) if 5 - v - a >= 1}
+        else:  # colocated: both encoders share the count
+            expected = {(e, e, 5 - e) for e in range(1, 5)}
+        assert splits == expected
+        hand = [evaluate_plan(modules, {m: partition_module(modules[m].costs, n) for m, n in zip(modules, split)},
+                              placement, 4) for split in expected]
+        assert result.best.iteration_time == pytest.approx(min(p.iteration_time for p in hand))
+    # the frozen-unaware mode keeps the stage count but may split it differently; never faster
+    aware = search(modules, 5, 4, placements=("colocated",), data_parallel=False, stages=5)
+    unaware = search(modules, 5, 4, placements=("colocated",), data_parallel=False, stages=5, mode="forward-only")
+    assert unaware.best.stages_per_replica == 5
+    assert aware.best.iteration_time <= unaware.best.iteration_time + 1e-12
+    # dp is limited to dp * stages <= devices
+    assert {p.dp for p in search(modules, 8, 4, data_parallel=True, stages=4).candidates} == {1, 2}
+    with pytest.raises(ValueError, match="stages must be"):
+        search(modules, 4, 4, stages=5)
+    with pytest.raises(ValueError, match="no layout with stages"):
+        search(modules, 30, 4, placements=("colocated",), stages=20)
+
+
+def test_frozen_aware_search_never_slower_than_forward_only():
+    # equal-bottleneck partitions differ in 1F1B time by where the heavier stages sit; the aware search also
+    # times the forward-only proposals, so it can never lose to them (free search and fixed stage count)
+    vision = layer_costs([0.3] * 10 + [0.05], [0.3] * 10 + [0.05], [0.3] * 10 + [0.05], [True] * 10 + [False])
+    llm = layer_costs([1.0] * 11, [1.0] * 11, [1.0] * 11, True, upstream_trainable=True)
+    modules = {"vision": ModuleSpec(vision), LM: ModuleSpec(llm)}
+    for kwargs in ({}, {"stages": 5, "data_parallel": False}, {"stages": 6, "placements": ("colocated",)}):
+        aware = search(modules, 6, 6, p2p_latency=0.01, **kwargs)
+        unaware = search(modules, 6, 6, p2p_latency=0.01, mode="forward-only", **kwargs)
+        assert aware.best.iteration_time <= unaware.best.iteration_time + 1e-12
+        layouts = {(p.placement, tuple(map(tuple, p.layers.values())), p.dp) for p in aware.candidates}
+        assert (unaware.best.placement, tuple(map(tuple, unaware.best.layers.values())), unaware.best.dp) in layouts

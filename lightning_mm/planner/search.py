@@ -260,6 +260,47 @@ def candidate_layouts(modules: dict[str, ModuleSpec], budget: int, placements: S
                 yield "colocated", {**{e: parts.sizes(e, count) for e in encoders}, LANGUAGE_MODEL: llm_sizes}
 
 
+def _compositions(total: int, limits: Sequence[int]):
+    """Every tuple of len(limits) counts, each in [1, limit], summing to `total`."""
+    if not limits:
+        if total == 0:
+            yield ()
+        return
+    rest = len(limits) - 1
+    for first in range(1, min(limits[0], total - rest) + 1):
+        for tail in _compositions(total - first, limits[1:]):
+            yield (first, *tail)
+
+
+def fixed_stage_layouts(modules: dict[str, ModuleSpec], stages: int, placements: Sequence[str]):
+    """Yield (placement, layers per stage per module) for EVERY split of exactly `stages` stages between the
+    modules (the seeds' fixed-layout setting: the device count and the total stage count are given, the
+    planner chooses how many stages each module gets and where the boundaries go). Boundaries per module by
+    the Eq. 3.5 DP on the given costs."""
+    encoders = _encoders(modules)
+    parts = _Partitions(modules)
+    llm_layers = len(modules[LANGUAGE_MODEL].costs)
+    enc_layers = [len(modules[e].costs) for e in encoders]
+    if "replicated" in placements or not encoders:
+        if stages <= llm_layers:
+            if encoders:
+                lead = sum(sum(parts.weights[e]) for e in encoders)
+                llm_w = [parts.weights[LANGUAGE_MODEL][0] + lead] + parts.weights[LANGUAGE_MODEL][1:]
+                yield "replicated", {**{e: [n] for e, n in zip(encoders, enc_layers)}, LANGUAGE_MODEL: partition(llm_w, stages)}
+            else:
+                yield "parallel", {LANGUAGE_MODEL: parts.sizes(LANGUAGE_MODEL, stages)}
+    if not encoders:
+        return
+    for llm_pp in range(1, min(llm_layers, stages - 1) + 1):
+        spare = stages - llm_pp
+        llm_sizes = parts.sizes(LANGUAGE_MODEL, llm_pp)
+        if "parallel" in placements:
+            for counts in _compositions(spare, enc_layers):
+                yield "parallel", {**{e: parts.sizes(e, c) for e, c in zip(encoders, counts)}, LANGUAGE_MODEL: llm_sizes}
+        if "colocated" in placements and spare <= min(enc_layers):
+            yield "colocated", {**{e: parts.sizes(e, spare) for e in encoders}, LANGUAGE_MODEL: llm_sizes}
+
+
 def search(
     modules: dict[str, ModuleSpec],
     num_devices: int,
@@ -269,22 +310,45 @@ def search(
     placements: Sequence[str] = ("parallel", "colocated"),
     mode: str = "frozen-aware",
     data_parallel: bool = True,
+    stages: int | None = None,
 ) -> SearchResult:
     """Pick DP degree, stage counts, boundaries and placement minimising the simulated time of one global
     batch of `num_microbatches`. `mode="forward-only"` is the frozen-unaware baseline: it partitions and
     ranks candidates believing backward = 2 x forward everywhere; its chosen layout is then re-timed with
-    the true costs (`best`), while `candidates` keep the believed times."""
+    the true costs (`best`), while `candidates` keep the believed times.
+
+    `stages=S` fixes the number of pipeline stages per replica (the seeds' Table 3.2 setting: same devices
+    and stage count for both modes): every split of S stages between the modules is enumerated (001
+    Algorithm 1's matched counts are not used), and only dp with dp * S <= num_devices is tried."""
     _check_modules(modules)
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if mode not in ("frozen-aware", "forward-only"):
         raise ValueError(f"unknown search mode {mode!r}; use 'frozen-aware' or 'forward-only'")
+    if stages is not None and not (isinstance(stages, int) and 1 <= stages <= num_devices):
+        raise ValueError(f"stages must be an int in [1, num_devices={num_devices}], got {stages!r}")
     planning = modules if mode == "frozen-aware" else forward_only_modules(modules)
     dps = [d for d in range(1, num_devices + 1) if num_microbatches % d == 0] if data_parallel else [1]
+    if stages is not None:
+        dps = [d for d in dps if d * stages <= num_devices]
+    # The frozen-aware search also times the layouts the forward-only belief would propose (true costs): the DP
+    # minimises the slowest stage, and among equal bottlenecks where the heavier stages sit changes the 1F1B
+    # time a little, so without them the aware search could lose to the unaware one by a fraction of a percent.
+    proposers = [planning] if mode == "forward-only" else [modules, forward_only_modules(modules)]
     candidates = []
     for dp in dps:
-        for placement, layers in candidate_layouts(planning, num_devices // dp, placements):
-            candidates.append(evaluate_plan(planning, layers, placement, num_microbatches, dp, p2p_latency, memory_limit))
+        seen = set()
+        for proposer in proposers:
+            layouts = (candidate_layouts(proposer, num_devices // dp, placements) if stages is None
+                       else fixed_stage_layouts(proposer, stages, placements))
+            for placement, layers in layouts:
+                key = (placement, tuple((m, tuple(v)) for m, v in layers.items()))
+                if key not in seen:
+                    seen.add(key)
+                    candidates.append(evaluate_plan(planning, layers, placement, num_microbatches, dp, p2p_latency, memory_limit))
+    if not candidates:
+        raise ValueError(f"no layout with stages={stages} and placements={tuple(placements)} exists for these modules "
+                         "(every module needs at least one stage, and no more stages than layers)")
     feasible = [p for p in candidates if p.fits_memory]
     if not feasible:
         need = min((max(p.memory.values()) for p in candidates), default=math.nan)
