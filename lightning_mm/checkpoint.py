@@ -406,8 +406,26 @@ def load_hf(out_dir: str):
     return model
 
 
+def _configured_seed(configs: list[str]):
+    """``seed_everything`` as the fit config(s) set it (the last one wins); None when absent."""
+    import yaml
+
+    seed = None
+    for cfg in configs:
+        with open(cfg) as f:
+            data = yaml.safe_load(f) or {}
+        if isinstance(data, dict) and "seed_everything" in data:
+            seed = data["seed_everything"]
+    return seed
+
+
 def export_main(args: list[str]) -> None:
-    """``lightning-mm export --config cfg.yaml --ckpt_path CKPT --out_dir DIR``: the model from the fit config."""
+    """``lightning-mm export --config cfg.yaml [--config more.yaml] --ckpt_path CKPT --out_dir DIR``.
+
+    The model is built from the fit config(s) (as ``lightning-mm fit`` built it), the checkpoint's parameters are
+    copied in, and every part is written as an HF folder (see ``export_hf``). Parameters the checkpoint does not
+    hold (frozen ones, unless trained with ``save_frozen_parameters=True``) keep the values the config builds,
+    which are the trained run's only under the same fixed ``seed_everything``: without one the export refuses."""
     import argparse
 
     from lightning.pytorch.cli import LightningCLI
@@ -417,11 +435,35 @@ def export_main(args: list[str]) -> None:
 
     parser = argparse.ArgumentParser(prog="lightning-mm export",
                                      description="write a checkpoint as HF folders (encoders, projectors, LLM)")
-    parser.add_argument("--config", required=True, help="the fit config that built the model")
+    parser.add_argument("--config", required=True, action="append",
+                        help="the fit config that built the model (repeat it as for fit: later ones override)")
     parser.add_argument("--ckpt_path", required=True, help="a lightning-mm checkpoint folder")
     parser.add_argument("--out_dir", required=True)
     ns = parser.parse_args(args)
+    layout = read_layout(ns.ckpt_path)  # a bad checkpoint fails before the model is built
+    cli_args = [a for cfg in ns.config for a in ("--config", cfg)] + ["--trainer.logger=false"]
     cli = LightningCLI(MultimodalLightningModule, SyntheticMultimodalDataModule, subclass_mode_data=True, run=False,
-                       args=["--config", ns.config, "--trainer.logger=false"], save_config_callback=None)
-    manifest = export_hf(ns.ckpt_path, cli.model.model, ns.out_dir)
-    print(f"exported {', '.join(manifest['encoders'])} and the language model to {ns.out_dir}")
+                       args=cli_args, save_config_callback=None)
+    model = cli.model.model
+    check_same_model(layout["parameters"], model_fingerprint(model), ns.ckpt_path)
+    stored = {n for n in layout["parameters"] if n in layout["trainable"] or layout.get("frozen_saved")}
+    rebuilt = [n for n, _ in model.named_parameters() if n not in stored]
+    seed = _configured_seed(ns.config)
+    if rebuilt and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise CheckpointError(
+            f"{ns.ckpt_path} holds only the trainable parameters; the other {len(rebuilt)} (e.g. {rebuilt[0]}) come "
+            f"from the model as the config builds it, and the config sets seed_everything={seed!r} (a random seed), "
+            "so they would not be the ones the run trained with. Set seed_everything to the run's seed (in the "
+            "config.yaml LightningCLI saved beside its logs, or its 'Seed set to N' line), or train with "
+            "MultimodalParallelStrategy(save_frozen_parameters=True)")
+    built = {n: p.detach().clone() for n, p in model.named_parameters() if n not in layout["trainable"]}
+    manifest = export_hf(ns.ckpt_path, model, ns.out_dir)
+    now = dict(model.named_parameters())
+    differ = [n for n, v in built.items() if not torch.equal(v, now[n])]
+    if differ:
+        import sys
+
+        print(f"note: {len(differ)} frozen parameters in {ns.ckpt_path} (e.g. {differ[0]}) differ from the ones the "
+              "config builds (another seed or base weights); the export has the checkpoint's", file=sys.stderr)
+    print(f"exported {', '.join(manifest['encoders'])} (encoders and projectors) and the language model "
+          f"({manifest['language_model']['class']}) to {ns.out_dir}")

@@ -163,7 +163,8 @@ class MultimodalParallelStrategy(DDPStrategy):
             groups.append(state["param_groups"])
         tensors.update(ckpt.rng_tensors(self.global_rank))
         meta = ckpt.plain({**checkpoint, "optimizer_param_groups": groups})
-        layout = {"stages": self.layout.stages, "dp": self.layout.dp, "placement": self.layout.placement,
+        layout = {"stages": self.layout.stages, "widths": self.layout.widths, "dp": self.layout.dp,
+                  "placement": self.layout.placement,
                   "module_stages": self.layout.module_stages, "world_size": self.world_size,
                   "parameters": self.model_fingerprint, "trainable": self.trainable_names,
                   "frozen_saved": self.save_frozen_parameters}
@@ -200,7 +201,8 @@ class MultimodalParallelStrategy(DDPStrategy):
                 for p in group["params"]:
                     for key in optim_keys.get((i, names.get(id(p))), []):
                         target[key] = ckpt.empty_like_entry(md, key)
-        same_ranks = layout["world_size"] == self.world_size and layout["stages"] == self.layout.stages
+        same_ranks = (layout["world_size"] == self.world_size and layout["stages"] == self.layout.stages
+                      and layout.get("widths", self.layout.widths) == self.layout.widths)  # cp ranks per stage
         rng = {k: ckpt.empty_like_entry(md, k) for k in md.state_dict_metadata
                if same_ranks and k.startswith(f"rng/{self.global_rank}/")}
         if not same_ranks:

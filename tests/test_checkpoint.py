@@ -45,6 +45,21 @@ def test_reshard_pp2dp1_to_pp1dp2_and_back():
 
 
 @pytest.mark.slow
+def test_reshard_to_context_parallel_and_back():
+    """The pp2 dp1 step-3 checkpoint continued with the LLM over 2 CP ranks (vision + LLM cp2, 3 ranks), and that
+    run's step-5 checkpoint continued without CP: both match the uninterrupted run."""
+    ref = reference()
+    d = ref["dir"]
+    there = run_case({"layout": "cp2", "steps": 6, "out": f"{d}/cp2.json", "resume": ref["ckpt3"],
+                      "ckpt_dir": f"{d}/cp2", "save_every": 5})
+    torch.testing.assert_close(torch.tensor(there), torch.tensor(ref["pp2"][3:]), rtol=1e-5, atol=1e-6)
+    written = ckpt.read_layout(f"{d}/cp2/step=5.ckpt")
+    assert written["widths"] == {"vision.0": 1, "language_model.0": 2}, written["widths"]
+    back = run_case({"layout": "pp2", "steps": 6, "out": f"{d}/cp2_back.json", "resume": f"{d}/cp2/step=5.ckpt"})
+    torch.testing.assert_close(torch.tensor(back), torch.tensor(ref["pp2"][5:]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_export_hf_folders_load_with_from_pretrained(tmp_path):
     from transformers import LlamaForCausalLM, SiglipVisionModel
 

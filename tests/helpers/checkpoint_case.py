@@ -1,7 +1,8 @@
 """A Lightning run of MultimodalParallelStrategy that checkpoints, resumes, reshards or loses a rank.
 
 ``python checkpoint_case.py '<json>'`` with keys: layout ("pp2": vision 1 stage + LLM 2 stages on 3 ranks, dp 1;
-"dp2": vision + LLM 1 stage each, dp 2 on 4 ranks; "single": one process), steps, out (losses JSON, rank 0),
+"dp2": vision + LLM 1 stage each, dp 2 on 4 ranks; "cp2": vision 1 stage + LLM 1 stage of 2 context-parallel
+ranks (blocks of 8 tokens) on 3 ranks, dp 1; "single": one process), steps, out (losses JSON, rank 0),
 ckpt_dir, save_every (steps), resume (a checkpoint folder), kill ({"rank": r, "step": s}: SIGKILL that rank
 after step s), weights (single: file for the trained parameters), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
 exception), fault_timeout, pids (folder for one pid file per rank).
@@ -22,6 +23,7 @@ from lightning_mm.model import tiny_encoder, tiny_language_model
 
 GLOBAL_BATCH = 4
 LAYOUTS = {"pp2": dict(devices=3, llm_pp=2, microbatches=2), "dp2": dict(devices=4, llm_pp=1, microbatches=1),
+           "cp2": dict(devices=3, llm_pp=1, llm_cp=2, microbatches=2),
            "single": dict(devices=1, llm_pp=None, microbatches=1)}
 
 
@@ -64,11 +66,12 @@ def main(cfg: dict):
         trainer = L.Trainer(devices=1, **kw)
         per_rank = GLOBAL_BATCH
     else:
+        cp = layout.get("llm_cp", 1)
         strategy = lmm.MultimodalParallelStrategy(
-            encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec(pp=layout["llm_pp"]),
-            num_microbatches=layout["microbatches"], fault_timeout=cfg.get("fault_timeout", 60.0))
+            encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec(pp=layout["llm_pp"], cp=cp),
+            num_microbatches=layout["microbatches"], cp_block_size=8, fault_timeout=cfg.get("fault_timeout", 60.0))
         trainer = L.Trainer(devices=layout["devices"], strategy=strategy, **kw)
-        per_rank = GLOBAL_BATCH // (layout["devices"] // (1 + layout["llm_pp"]))
+        per_rank = GLOBAL_BATCH // (layout["devices"] // (1 + layout["llm_pp"] * cp))
     if cfg.get("pids"):
         with open(os.path.join(cfg["pids"], f"{trainer.global_rank}.pid"), "w") as f:
             f.write(str(os.getpid()))

@@ -10,14 +10,21 @@ import sys
 import tempfile
 
 CASE = os.path.join(os.path.dirname(__file__), "checkpoint_case.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 6
+
+
+def case_env() -> dict:
+    """Environment of a test's subprocess: one thread, and THIS tree's lightning_mm first on the path (an editable
+    install may point at another checkout; PYTHONPATH wins over its import finder)."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
 
 
 def run_case(cfg: dict, timeout: float = 300) -> list[float]:
     """Run one case to completion; returns rank 0's per-step losses."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, CASE, json.dumps(cfg)], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=os.path.dirname(cfg["out"]))
+                          env=case_env(), cwd=os.path.dirname(cfg["out"]))
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(cfg["out"]) as f:
         return json.load(f)
