@@ -39,8 +39,6 @@ class MultimodalLightningModule(pl.LightningModule):
         self.train_seconds = SumMetric()
         self._step_start = None
         self.nan_guard = nan_guard
-        # kept as a number: a pipeline stage may drop the language model (validation runs on every rank alike)
-        self.max_positions = getattr(model.language_model.config, "max_position_embeddings", None)
 
     @property
     def pipeline(self):
@@ -73,8 +71,7 @@ class MultimodalLightningModule(pl.LightningModule):
         """The pipeline schedule under MultimodalParallelStrategy (backward included), else the plain forward.
 
         The batch is validated first, on every rank alike, before any collective."""
-        validate_batch(batch, self.model, self.pipeline.num_microbatches if self.pipeline is not None else 1,
-                       self.max_positions)
+        validate_batch(batch, self.model, self.pipeline.num_microbatches if self.pipeline is not None else 1)
         if self.pipeline is not None:
             return self.pipeline.run_pipeline(batch, train=train)
         return self(batch).loss

@@ -73,17 +73,12 @@ def check_microbatches(batch: dict, num_microbatches: int) -> None:
                          "microbatches; make the per-rank batch size a multiple of num_microbatches")
 
 
-def validate_batch(batch: dict, model, num_microbatches: int = 1, max_positions: int | None = None) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the first problem of ``batch`` for ``model``; pure and local.
-
-    ``max_positions``: the language model's ``max_position_embeddings`` (read from its config when None and the
-    model still holds it)."""
-    if max_positions is None:
-        max_positions = getattr(getattr(model.language_model, "config", None), "max_position_embeddings", None)
+def validate_batch(batch: dict, model, num_microbatches: int = 1) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the first problem of ``batch`` for ``model``; pure and local."""
     check_keys(batch, model)
     check_shapes(batch)
     check_microbatches(batch, num_microbatches)
-    check_positions(batch, max_positions)
+    check_positions(batch, model.max_positions)
     if batch.get("bam") is not None:
         masks.validate(batch["bam"], batch.get("segment_ids"))
     model.check_placeholders(batch["input_ids"], {e: batch[e] for e in model.encoders if e in batch})

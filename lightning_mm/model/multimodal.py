@@ -74,6 +74,7 @@ class MultimodalModel(nn.Module):
         # kept as plain numbers: a pipeline stage may drop the language model itself
         self.vocab_size = self.lm_family.vocab_size(language_model)
         self.hidden_size = self.lm_family.hidden_size(language_model)
+        self.max_positions = getattr(language_model.config, "max_position_embeddings", None)
         language_model.set_attn_implementation(ATTENTION_NAME)
         ids = {name: self.vocab_size + i for i, name in enumerate(encoders)}
         ids.update({n: e.placeholder_id for n, e in encoders.items() if e.placeholder_id is not None})
