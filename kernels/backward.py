@@ -11,9 +11,16 @@ import triton
 import triton.language as tl
 
 from lightning_mm.kernels.matmul import tile_dot
-from lightning_mm.kernels.rule import allowed_tile
+from lightning_mm.kernels.rule import allowed_tile, finish_softmax, load_rows, load_tokens
 
 PARTIAL_TILE = tl.constexpr(2)
+
+
+@triton.jit
+def load_lse_delta(Lse, Delta, offs, ok):
+    """Saved log-sum-exp (``-inf`` -> ``+inf`` so empty rows give p = 0) and ``rowsum(dO * O)`` of some rows."""
+    lse = tl.load(Lse + offs, mask=ok, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse), tl.load(Delta + offs, mask=ok, other=0.0)
 
 
 @triton.jit
@@ -37,16 +44,9 @@ def dkdv_kernel(
     col_ok = offs_n < Sk
     d_ok = offs_d < D
     kv_mask = col_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    kw = tl.load(KW + b * Sk + offs_n, mask=col_ok, other=0)
-    kp = tl.load(KP + b * Sk + offs_n, mask=col_ok, other=0)
-    if HAS_SEG:
-        ks = tl.load(KS + b * Sk + offs_n, mask=col_ok, other=0)
-    else:
-        ks = kw
+    k = load_rows(K + b * stride_kb + hk * stride_kh, offs_n, stride_ks, offs_d, kv_mask)
+    v = load_rows(V + b * stride_vb + hk * stride_vh, offs_n, stride_vs, offs_d, kv_mask)
+    kw, kp, ks = load_tokens(KW + b * Sk, KP + b * Sk, KS + b * Sk, offs_n, col_ok, HAS_SEG)
     list_base = (b * NKT + kt) * NQT
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -61,20 +61,13 @@ def dkdv_kernel(
             offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
             row_ok = offs_m < Sq
             q_mask = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
-            lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=0.0)
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)
-            delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+            q = load_rows(q_base, offs_m, stride_qs, offs_d, q_mask)
+            do = load_rows(do_base, offs_m, stride_dos, offs_d, q_mask)
+            lse, delta = load_lse_delta(Lse, Delta, row_base + offs_m, row_ok)
             s_t = tile_dot(k, tl.trans(q), DOT_PRECISION, UPCAST_DOT) * scale_log2  # [N, M]
             p_t = tl.math.exp2(s_t - lse[None, :])
             if cls == PARTIAL_TILE:
-                qw = tl.load(QW + b * Sq + offs_m, mask=row_ok, other=0)
-                qp = tl.load(QP + b * Sq + offs_m, mask=row_ok, other=0)
-                if HAS_SEG:
-                    qs = tl.load(QS + b * Sq + offs_m, mask=row_ok, other=0)
-                else:
-                    qs = qw
+                qw, qp, qs = load_tokens(QW + b * Sq, QP + b * Sq, QS + b * Sq, offs_m, row_ok, HAS_SEG)
                 ok_t = allowed_tile(qw[None, :], qp[None, :], qs[None, :], kw[:, None], kp[:, None], ks[:, None],
                                     HAS_SEG)
                 p_t = tl.where(ok_t, p_t, 0.0)
@@ -109,20 +102,11 @@ def dq_kernel(
     row_ok = offs_m < Sq
     d_ok = offs_d < D
     q_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-                 mask=q_mask, other=0.0)
+    q = load_rows(Q + b * stride_qb + h * stride_qh, offs_m, stride_qs, offs_d, q_mask)
+    do = load_rows(DO + b * stride_dob + h * stride_doh, offs_m, stride_dos, offs_d, q_mask)
     row_base = (b * Hq + h) * Sq
-    lse = tl.load(Lse + row_base + offs_m, mask=row_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
-    qw = tl.load(QW + b * Sq + offs_m, mask=row_ok, other=0)
-    qp = tl.load(QP + b * Sq + offs_m, mask=row_ok, other=0)
-    if HAS_SEG:
-        qs = tl.load(QS + b * Sq + offs_m, mask=row_ok, other=0)
-    else:
-        qs = qw
+    lse, delta = load_lse_delta(Lse, Delta, row_base + offs_m, row_ok)
+    qw, qp, qs = load_tokens(QW + b * Sq, QP + b * Sq, QS + b * Sq, offs_m, row_ok, HAS_SEG)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     list_base = (b * NQT + qt) * NKT
@@ -133,17 +117,12 @@ def dq_kernel(
         offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < Sk
         kv_mask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = load_rows(k_base, offs_n, stride_ks, offs_d, kv_mask)
+        v = load_rows(v_base, offs_n, stride_vs, offs_d, kv_mask)
         s = tile_dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2
         p = tl.math.exp2(s - lse[:, None])
         if cls == PARTIAL_TILE:
-            kw = tl.load(KW + b * Sk + offs_n, mask=col_ok, other=0)
-            kp = tl.load(KP + b * Sk + offs_n, mask=col_ok, other=0)
-            if HAS_SEG:
-                ks = tl.load(KS + b * Sk + offs_n, mask=col_ok, other=0)
-            else:
-                ks = kw
+            kw, kp, ks = load_tokens(KW + b * Sk, KP + b * Sk, KS + b * Sk, offs_n, col_ok, HAS_SEG)
             ok = allowed_tile(qw[:, None], qp[:, None], qs[:, None], kw[None, :], kp[None, :], ks[None, :], HAS_SEG)
             p = tl.where(ok, p, 0.0)
         dp = tile_dot(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)

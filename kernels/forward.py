@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from lightning_mm.kernels.matmul import tile_dot
-from lightning_mm.kernels.rule import allowed_tile
+from lightning_mm.kernels.rule import allowed_tile, finish_softmax, load_rows, load_tokens
 
 PARTIAL_TILE = tl.constexpr(2)
 
@@ -39,14 +39,8 @@ def forward_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Sq
     d_ok = offs_d < D
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    qw = tl.load(QW + b * Sq + offs_m, mask=row_ok, other=0)
-    qp = tl.load(QP + b * Sq + offs_m, mask=row_ok, other=0)
-    if HAS_SEG:
-        qs = tl.load(QS + b * Sq + offs_m, mask=row_ok, other=0)
-    else:
-        qs = qw
+    q = load_rows(Q + b * stride_qb + h * stride_qh, offs_m, stride_qs, offs_d, row_ok[:, None] & d_ok[None, :])
+    qw, qp, qs = load_tokens(QW + b * Sq, QP + b * Sq, QS + b * Sq, offs_m, row_ok, HAS_SEG)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     list_base = (b * NQT + qt) * NKT
@@ -60,16 +54,11 @@ def forward_kernel(
         offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = offs_n < Sk
         kv_mask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = load_rows(k_base, offs_n, stride_ks, offs_d, kv_mask)
+        v = load_rows(v_base, offs_n, stride_vs, offs_d, kv_mask)
         s = tile_dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2
         if cls == PARTIAL_TILE:
-            kw = tl.load(KW + b * Sk + offs_n, mask=col_ok, other=0)
-            kp = tl.load(KP + b * Sk + offs_n, mask=col_ok, other=0)
-            if HAS_SEG:
-                ks = tl.load(KS + b * Sk + offs_n, mask=col_ok, other=0)
-            else:
-                ks = kw
+            kw, kp, ks = load_tokens(KW + b * Sk, KP + b * Sk, KS + b * Sk, offs_n, col_ok, HAS_SEG)
             ok = allowed_tile(qw[:, None], qp[:, None], qs[:, None], kw[None, :], kp[None, :], ks[None, :], HAS_SEG)
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -80,9 +69,7 @@ def forward_kernel(
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
-    live = l_i > 0
-    o = acc / tl.where(live, l_i, 1.0)[:, None]
-    lse = tl.where(live, m_i + tl.math.log2(tl.where(live, l_i, 1.0)), float("-inf"))
+    o, lse = finish_softmax(acc, l_i, m_i)
     o_mask = row_ok[:, None] & d_ok[None, :]
     if slot < 0:
         tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
@@ -130,9 +117,7 @@ def merge_kernel(
         l_i = l_i * alpha + w
         acc = acc * alpha[:, None] + w[:, None] * o_p
         m_i = m_new
-    live = l_i > 0
-    o = acc / tl.where(live, l_i, 1.0)[:, None]
-    lse = tl.where(live, m_i + tl.math.log2(tl.where(live, l_i, 1.0)), float("-inf"))
+    o, lse = finish_softmax(acc, l_i, m_i)
     tl.store(Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
              o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(Lse + (b * Hq + h) * Sq + offs_m, lse, mask=row_ok)

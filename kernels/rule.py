@@ -23,3 +23,31 @@ def allowed_tile(qw, qp, qs, kw, kp, ks, HAS_SEG: tl.constexpr):
     if HAS_SEG:
         ok = ok & (qs == ks)
     return ok
+
+
+@triton.jit
+def load_tokens(W, P, S, offs, ok, HAS_SEG: tl.constexpr):
+    """Words, positions and segments of the tokens ``offs`` of one row (``W/P/S`` point at the row's start);
+    without segments the words stand in for them (the rule then ignores them)."""
+    w = tl.load(W + offs, mask=ok, other=0)
+    p = tl.load(P + offs, mask=ok, other=0)
+    if HAS_SEG:
+        s = tl.load(S + offs, mask=ok, other=0)
+    else:
+        s = w
+    return w, p, s
+
+
+@triton.jit
+def load_rows(base, offs, stride, offs_d, mask):
+    """A ``[len(offs), BLOCK_D]`` tile of a ``[..., S, D]`` tensor whose head starts at ``base``."""
+    return tl.load(base + offs[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def finish_softmax(acc, l_i, m_i):
+    """Output and base-2 log-sum-exp of an online softmax; rows that saw no allowed key give 0 and -inf."""
+    live = l_i > 0
+    o = acc / tl.where(live, l_i, 1.0)[:, None]
+    lse = tl.where(live, m_i + tl.math.log2(tl.where(live, l_i, 1.0)), float("-inf"))
+    return o, lse
