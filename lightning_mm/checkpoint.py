@@ -295,6 +295,19 @@ def load_meta(path: str) -> dict:
                               f"({type(e).__name__}: {e}); load an earlier checkpoint") from None
 
 
+def optimizer_targets(metadata, optimizers, names: dict[int, str]) -> dict[str, torch.Tensor]:
+    """Empty tensors for the saved optimiser entries of the parameters these optimisers hold, matched by name
+    (``optim/<optimizer index>/<parameter name>/<state key>``), so a stage loads only its own state."""
+    by_param: dict[tuple[int, str], list[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if key.startswith("optim/"):
+            i, rest = key[len("optim/"):].split("/", 1)
+            by_param.setdefault((int(i), rest.rsplit("/", 1)[0]), []).append(key)
+    return {key: empty_like_entry(metadata, key)
+            for i, opt in enumerate(optimizers) for group in opt.param_groups for p in group["params"]
+            for key in by_param.get((i, names.get(id(p))), [])}
+
+
 def load_optimizer_by_name(optimizer, index: int, names: dict[int, str], loaded: dict[str, torch.Tensor],
                            groups: list[dict] | None) -> None:
     """Load optimiser ``index``'s state from name-keyed entries into this rank's (differently indexed) optimiser."""

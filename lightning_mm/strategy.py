@@ -191,16 +191,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         if missing:
             rank_zero_warn(f"{len(missing)} trainable parameters (e.g. {missing[0]}) are not in {path}; they keep "
                            "the values the model was built with")
-        optim_keys: dict[tuple[int, str], list[str]] = {}
-        for key in md.state_dict_metadata:
-            if key.startswith("optim/"):
-                i, rest = key[len("optim/"):].split("/", 1)
-                optim_keys.setdefault((int(i), rest.rsplit("/", 1)[0]), []).append(key)
-        for i, opt in enumerate(self.optimizers):
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    for key in optim_keys.get((i, names.get(id(p))), []):
-                        target[key] = ckpt.empty_like_entry(md, key)
+        target.update(ckpt.optimizer_targets(md, self.optimizers, names))
         same_ranks = (layout["world_size"] == self.world_size and layout["stages"] == self.layout.stages
                       and layout.get("widths", self.layout.widths) == self.layout.widths)  # cp ranks per stage
         rng = {k: ckpt.empty_like_entry(md, k) for k in md.state_dict_metadata
