@@ -347,3 +347,28 @@ def test_frozen_aware_search_never_slower_than_forward_only():
         assert aware.best.iteration_time <= unaware.best.iteration_time + 1e-12
         layouts = {(p.placement, tuple(map(tuple, p.layers.values())), p.dp) for p in aware.candidates}
         assert (unaware.best.placement, tuple(map(tuple, unaware.best.layers.values())), unaware.best.dp) in layouts
+
+
+def test_forward_variance_baseline_picks_the_most_even_forward_split():
+    # the seeds' unaware baseline minimises the variance of forward time across stages, which can differ from
+    # minimising the slowest stage: here 5 encoder stages of 1.0 + 1 LLM stage of 1.5 (variance 0.035) beat
+    # 4 encoder stages of 1.25 + 2 LLM stages of 0.75 (slowest stage lower, variance 0.063)
+    vision = layer_costs([0.25] * 20, 0.25, 0.25, True)
+    projector = layer_costs([1e-6], 1e-6, 1e-6, False)
+    llm = layer_costs([0.375] * 4, 0.375, 0.375, True, upstream_trainable=True, recompute=True)
+    modules = {"vision": ModuleSpec(vision + projector), LM: ModuleSpec(llm)}
+    kwargs = dict(placements=("parallel",), data_parallel=False, stages=6)
+    variance = search(modules, 6, 8, mode="forward-variance", **kwargs)
+    minmax = search(modules, 6, 8, mode="forward-only", **kwargs)
+    aware = search(modules, 6, 8, **kwargs)
+    assert variance.best.pp() == {"vision": 5, LM: 1}
+    assert minmax.best.pp() == {"vision": 4, LM: 2}
+    # brute force: the variance rule over every candidate's forward times
+    by_variance = min(variance.candidates, key=lambda p: (sum((f - sum(p.forward.values()) / 6) ** 2 for f in p.forward.values()),))
+    assert by_variance.layers == variance.best.layers
+    # timed with the true costs (frozen LLM backward = input grad + recompute = 2F, encoder backward only the
+    # projector), the aware plan is never slower than either baseline
+    assert aware.best.iteration_time <= min(variance.best.iteration_time, minmax.best.iteration_time) + 1e-12
+    assert variance.best.iteration_time > minmax.best.iteration_time
+    with pytest.raises(ValueError, match="unknown search mode"):
+        search(modules, 6, 8, mode="variance")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +19,9 @@ from lightning_mm.parallel.schedule import COLOCATED_ENCODERS, LANGUAGE_MODEL, S
 from lightning_mm.planner.costs import LayerCost
 from lightning_mm.planner.partition import partition, partition_module, stage_sums
 from lightning_mm.planner.simulator import SimulationResult, simulate_1f1b
+
+
+SEARCH_MODES = ("frozen-aware", "forward-only", "forward-variance")
 
 
 @dataclass(frozen=True)
@@ -313,9 +317,12 @@ def search(
     stages: int | None = None,
 ) -> SearchResult:
     """Pick DP degree, stage counts, boundaries and placement minimising the simulated time of one global
-    batch of `num_microbatches`. `mode="forward-only"` is the frozen-unaware baseline: it partitions and
-    ranks candidates believing backward = 2 x forward everywhere; its chosen layout is then re-timed with
-    the true costs (`best`), while `candidates` keep the believed times.
+    batch of `num_microbatches`. Two frozen-unaware baselines believe backward = 2 x forward everywhere and
+    partition by that belief; their chosen layout is then re-timed with the true costs (`best`), while
+    `candidates` keep the believed times:
+    - `mode="forward-only"` ranks candidates by the believed simulated time (the strongest unaware planner);
+    - `mode="forward-variance"` ranks them by the variance of forward time across stages, the seeds' own
+      baseline ("tries to minimize variance of forward time across pipeline stages", 003 sec. 3.5.3).
 
     `stages=S` fixes the number of pipeline stages per replica (the seeds' Table 3.2 setting: same devices
     and stage count for both modes): every split of S stages between the modules is enumerated (001
@@ -323,8 +330,8 @@ def search(
     _check_modules(modules)
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
-    if mode not in ("frozen-aware", "forward-only"):
-        raise ValueError(f"unknown search mode {mode!r}; use 'frozen-aware' or 'forward-only'")
+    if mode not in SEARCH_MODES:
+        raise ValueError(f"unknown search mode {mode!r}; use one of {SEARCH_MODES}")
     if stages is not None and not (isinstance(stages, int) and 1 <= stages <= num_devices):
         raise ValueError(f"stages must be an int in [1, num_devices={num_devices}], got {stages!r}")
     planning = modules if mode == "frozen-aware" else forward_only_modules(modules)
@@ -334,7 +341,7 @@ def search(
     # The frozen-aware search also times the layouts the forward-only belief would propose (true costs): the DP
     # minimises the slowest stage, and among equal bottlenecks where the heavier stages sit changes the 1F1B
     # time a little, so without them the aware search could lose to the unaware one by a fraction of a percent.
-    proposers = [planning] if mode == "forward-only" else [modules, forward_only_modules(modules)]
+    proposers = [planning] if planning is not modules else [modules, forward_only_modules(modules)]
     candidates = []
     for dp in dps:
         seen = set()
@@ -356,7 +363,10 @@ def search(
             f"no layout fits {memory_limit:.3g} bytes per device (the smallest needs {need:.3g}); "
             "add devices, raise memory_limit, or enable activation recomputation"
         )
-    best = min(feasible, key=lambda p: (p.iteration_time, p.devices))
+    if mode == "forward-variance":
+        best = min(feasible, key=lambda p: (statistics.pvariance(p.forward.values()), p.iteration_time, p.devices))
+    else:
+        best = min(feasible, key=lambda p: (p.iteration_time, p.devices))
     if planning is not modules:
         best = evaluate_plan(modules, best.layers, best.placement, num_microbatches, best.dp, p2p_latency, memory_limit)
     return SearchResult(best, candidates)
