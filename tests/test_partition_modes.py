@@ -8,7 +8,7 @@ from helpers.partition_case import build_model, run_rank, run_reference
 
 from lightning_mm.parallel.stages import resolve_partition
 from lightning_mm.planner import CostModel, LayerProfile, save_profile
-from lightning_mm.planner.model_costs import PlannedPartition, flop_times, model_layer_costs, sample_batch
+from lightning_mm.planner.model_costs import PlannedPartition, flop_times, model_layer_costs, model_memory, sample_batch
 
 STAGES = {"vision": 2, "language_model": 2}
 
@@ -48,6 +48,29 @@ def test_upstream_trainable_crosses_into_the_llm():
     model.freeze(projectors=False)
     assert all(c.in_backward for c in model_layer_costs(model)["language_model"])
     assert resolve_partition(model, STAGES, "frozen-aware")["language_model"] == [2, 2]
+
+
+def test_model_memory_counts_state_and_what_backward_keeps():
+    """State bytes = 4 per frozen weight, 16 per trainable one (weight, grad, two Adam moments), embed and head
+    folded into the first and last layer; activation bytes = the storages autograd saves in each part. The
+    trainable projector keeps at least its input and the GELU's input and output (fp32); a trainable LLM layer
+    keeps more than a frozen one, which keeps only what its input gradient needs."""
+    model = build_model()
+    batch = sample_batch(model)
+    memory = model_memory(model, batch)
+    enc = model.encoders["vision"]
+    for module, params in (("vision", [*enc.module.parameters(), *enc.projector.parameters()]),
+                           ("language_model", list(model.language_model.parameters()))):
+        states, acts = memory[module]
+        assert len(states) == len(acts) == len(model_layer_costs(model)[module])
+        assert sum(states) == sum(p.numel() * (16 if p.requires_grad else 4) for p in params)
+    t = sum(enc.num_tokens(batch["vision"]))
+    assert memory["vision"][1][-1] >= 4 * t * (32 + 2 * 192)
+    frozen_llm = memory["language_model"][1]
+    assert all(a > 0 for a in frozen_llm)
+    model.freeze(language_model=False)
+    trainable_llm = model_memory(model, batch)["language_model"][1]
+    assert all(b > a for a, b in zip(frozen_llm[1:-1], trainable_llm[1:-1]))
 
 
 def _constant_profile(values):

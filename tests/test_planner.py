@@ -372,3 +372,19 @@ def test_forward_variance_baseline_picks_the_most_even_forward_split():
     assert variance.best.iteration_time > minmax.best.iteration_time
     with pytest.raises(ValueError, match="unknown search mode"):
         search(modules, 6, 8, mode="variance")
+
+
+def test_activation_bytes_are_the_saved_tensors():
+    """Linear-GELU-Linear on B x d (fp32): trainable, it keeps x for W1's gradient, GELU's input, and GELU's
+    output for W2's gradient; frozen, only GELU's input (the weights carry the input gradient); with no
+    gradient path at all, nothing. Parameters are never counted."""
+    from lightning_mm.planner.model_costs import part_activation_bytes
+
+    b, d, h = 3, 4, 8
+    net = torch.nn.Sequential(torch.nn.Linear(d, h), torch.nn.GELU(), torch.nn.Linear(h, d))
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    x = torch.randn(b, d)
+    assert part_activation_bytes(net, x, params) == 4 * (b * d + 2 * b * h)
+    net.requires_grad_(False)
+    assert part_activation_bytes(net, x, params) == 4 * b * h
+    assert part_activation_bytes(net, x, params, input_grad=False) == 0

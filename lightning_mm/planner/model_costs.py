@@ -214,11 +214,11 @@ def _grad_inputs(x):
     return []
 
 
-def _leaf(x):
+def _leaf(x, requires_grad: bool = True):
     if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(True) if x.is_floating_point() else x
+        return x.detach().requires_grad_(requires_grad) if x.is_floating_point() else x
     if isinstance(x, dict):
-        return {k: _leaf(v) for k, v in x.items()}
+        return {k: _leaf(v, requires_grad) for k, v in x.items()}
     return x
 
 
@@ -269,6 +269,51 @@ def profile_model(model, rows: tuple[int, ...] = (1, 2, 4), warmup: int = 2, rep
             xs = sorted(slot)
             models = [fit_cost_model(xs, [slot[t][k] for t in xs]) for k in range(3)]
             out[module].append(LayerProfile(*models, samples={t: slot[t] for t in xs}))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ memory per part
+def part_activation_bytes(run: Callable, x, exclude: set[int], input_grad: bool = True) -> float:
+    """Bytes one part keeps for its backward, measured on one forward: the storages of autograd's saved
+    tensors, each counted once, without the parameters' (`exclude`: storage pointers). This is what a stage
+    holds per in-flight microbatch; a frozen layer saves only what its input gradient needs, and a part with
+    no gradient path saves nothing. `input_grad`: whether the part's input carries a gradient."""
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run(_leaf(x, input_grad))
+    return float(sum(kept.values()))
+
+
+def _state_bytes(params: list[torch.nn.Parameter]) -> float:
+    """Weights, plus gradient and two Adam moments where trainable (fp32)."""
+    return float(sum(p.numel() * (16 if p.requires_grad else 4) for p in params))
+
+
+def _fold_numbers(values: list[float]) -> list[float]:
+    layers = list(values[1:-1])
+    layers[0] += values[0]
+    layers[-1] += values[-1]
+    return layers
+
+
+def model_memory(model, batch: dict | None = None) -> dict[str, tuple[list[float], list[float]]]:
+    """Per module and layer (parts folded as the costs are): (model-state bytes, activation bytes kept per
+    in-flight microbatch of ``batch``). The search multiplies the second by each stage's peak in-flight count."""
+    batch = sample_batch(model) if batch is None else batch
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    out = {}
+    for module, parts in part_runners(model, batch).items():
+        acts = [part_activation_bytes(run, x, params, input_grad=module == LANGUAGE_MODEL or i > 0)
+                for i, (run, x, _, _) in enumerate(parts)]
+        states = [_state_bytes(ps) for _, _, ps, _ in parts]
+        out[module] = (_fold_numbers(states), _fold_numbers(acts))
     return out
 
 

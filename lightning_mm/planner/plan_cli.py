@@ -15,9 +15,8 @@ import math
 import warnings
 from pathlib import Path
 
-from lightning_mm.parallel.schedule import LANGUAGE_MODEL
 from lightning_mm.planner.costs import save_profile
-from lightning_mm.planner.model_costs import model_layer_costs, profile_model
+from lightning_mm.planner.model_costs import model_layer_costs, model_memory, profile_model
 from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan, plan_summary, search
 from lightning_mm.planner.simulator import chrome_trace, timeline_png
 
@@ -60,24 +59,21 @@ def first_microbatch(module, datamodule, trainer, num_microbatches: int) -> dict
     return split_microbatches(batch, num_microbatches, module.model)[0]
 
 
-def _bytes(params) -> float:
-    """Weights, plus gradient and two Adam moments where trainable (fp32)."""
-    return float(sum(p.numel() * (16 if p.requires_grad else 4) for p in params))
-
-
-def module_specs(model, costs: dict, scale: float) -> dict[str, ModuleSpec]:
-    """Planner input per module: layer costs (scaled to the display unit) and model-state bytes per layer."""
+def module_specs(model, costs: dict, scale: float, batch: dict) -> dict[str, ModuleSpec]:
+    """Planner input per module: layer costs (scaled to the display unit), model-state bytes and activation
+    bytes per in-flight microbatch per layer, measured on ``batch``."""
     from lightning_mm.planner.costs import LayerCost
 
+    memory = model_memory(model, batch)
     specs = {}
     for module, layer_costs in costs.items():
-        layers = model.llm_layers if module == LANGUAGE_MODEL else model.encoders[module].layers
         scaled = [LayerCost(c.forward * scale, c.backward * scale, c.trainable, c.in_backward) for c in layer_costs]
-        specs[module] = ModuleSpec(scaled, [_bytes(layer.parameters()) for layer in layers])
+        specs[module] = ModuleSpec(scaled, *memory[module])
     return specs
 
 
-def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int) -> Plan:
+def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
+                    memory_limit: float = math.inf) -> Plan:
     """The strategy's own layout and partition, simulated."""
     from lightning_mm.parallel.layout import ParallelSpec, build_layout
     from lightning_mm.parallel.stages import resolve_partition
@@ -87,7 +83,8 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int)
     layout = build_layout(enc_specs, strategy.language_model_spec, devices, strategy.encoder_placement,
                           list(model.encoders))
     layers = resolve_partition(model, layout.module_stages, strategy.partition)
-    return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * layout.dp, layout.dp)
+    return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * layout.dp, layout.dp,
+                         memory_limit=memory_limit)
 
 
 def _write(plan: Plan, out: Path, name: str, unit: str) -> list[Path]:
@@ -122,12 +119,12 @@ def main(argv: list[str]) -> None:
         unit, scale = "s", 1.0 / args.device_flops
     else:
         unit, scale = "GFLOP", 1e-9
-    specs = module_specs(model, costs, scale)
+    specs = module_specs(model, costs, scale, mb)
     devices = trainer.num_devices * trainer.num_nodes
     out = Path(args.out)
     source = f"profile {profile}" if profile else "FLOPs counted on the real layers"
     print(f"costs per microbatch in {unit} ({source})\n")
-    mine = configured_plan(model, strategy, specs, devices)
+    mine = configured_plan(model, strategy, specs, devices, args.memory_limit)
     files = _write(mine, out, "configured", unit)
     print(plan_summary(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
                              f"partition={strategy.partition!r}"))
