@@ -38,6 +38,8 @@ class MultimodalParallelStrategy(DDPStrategy):
     the LLM's first stage). Each rank's batch is cut into ``num_microbatches``. ``language_model=ParallelSpec(cp=N)``
     shards every LLM sequence over N ranks in blocks of ``cp_block_size`` tokens distributed by ``cp_distribution``
     ("lpt", "zigzag", "random", "contiguous"); sequences must span at least N blocks.
+    ``activation_checkpointing=True`` keeps only each encoder/LLM layer's input and recomputes its forward in
+    backward (less activation memory, about one more forward of compute); the planner partitions accordingly.
     """
 
     strategy_name = "multimodal"
@@ -48,7 +50,7 @@ class MultimodalParallelStrategy(DDPStrategy):
                  profile: str | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = DEFAULT_TIMEOUT, start_method: str = "popen",
                  save_frozen_parameters: bool = False, fault_timeout: float | None = DEFAULT_FAULT_TIMEOUT,
-                 **kwargs):
+                 activation_checkpointing: bool = False, **kwargs):
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
                          **kwargs)
         if num_microbatches < 1:
@@ -61,6 +63,7 @@ class MultimodalParallelStrategy(DDPStrategy):
 
             self.partition = planner_request(partition, profile)
         self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
+        self.activation_checkpointing = bool(activation_checkpointing)
         self.layout: RankLayout | None = None
         self.engine: PipelineEngine | None = None
         if fault_timeout is not None and fault_timeout <= 0:
@@ -98,7 +101,8 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.model_fingerprint = ckpt.model_fingerprint(self.lightning_module.model)  # before pruning
         self.trainable_names = [n for n, p in self.lightning_module.model.named_parameters() if p.requires_grad]
         self.engine = PipelineEngine(self.lightning_module.model, self.layout, self.global_rank,
-                                     self.num_microbatches, self.partition, self.cp_distribution, self.cp_block_size)
+                                     self.num_microbatches, self.partition, self.cp_distribution, self.cp_block_size,
+                                     self.activation_checkpointing)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

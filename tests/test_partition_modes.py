@@ -73,6 +73,27 @@ def test_model_memory_counts_state_and_what_backward_keeps():
     assert all(b > a for a, b in zip(frozen_llm[1:-1], trainable_llm[1:-1]))
 
 
+def test_activation_checkpointing_is_costed_per_layer():
+    """With recompute, a layer that takes part in backward costs one more forward of its own (not of the
+    embedding or head folded into it) and keeps only its input; layers outside backward are unchanged."""
+    model = build_model()
+    batch = sample_batch(model)
+    plain, again = model_layer_costs(model, batch=batch), model_layer_costs(model, batch=batch, recompute=True)
+    # frozen SigLIP layers with nothing trainable upstream: no backward, nothing to recompute (the last one is
+    # folded with the trainable projector, which is not checkpointed)
+    assert again["vision"] == plain["vision"]
+    # every LLM layer computes input gradients for the projector: one more forward of the layer alone
+    layer_forward = flop_times(model, batch)["language_model"].forward[1:-1]
+    for c, r, f in zip(plain["language_model"], again["language_model"], layer_forward):
+        assert c.in_backward and r.forward == c.forward
+        assert r.backward == pytest.approx(c.backward + f)
+    memory, kept = model_memory(model, batch), model_memory(model, batch, recompute=True)
+    hidden = model.embed(batch["input_ids"], {"vision": model.encoders["vision"](batch["vision"])})
+    for layer in range(1, len(kept["language_model"][1]) - 1):  # a middle layer keeps its input hidden state only
+        assert kept["language_model"][1][layer] == hidden.nbytes < memory["language_model"][1][layer]
+    assert kept["language_model"][0] == memory["language_model"][0]
+
+
 def _constant_profile(values):
     const = lambda v: CostModel(0.0, 0.0, v)  # noqa: E731
     return [LayerProfile(const(f), const(f), const(f)) for f in values]

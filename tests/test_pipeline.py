@@ -103,3 +103,37 @@ def test_context_parallel_layout_trains_like_one_process(case):
     assert set(merged) == set(ref_params)
     for name, p in ref_params.items():
         torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# (modalities, freeze, encoder pp, llm pp, llm cp, microbatches)
+CHECKPOINT_CASES = [
+    (("vision", "audio"), "encoder", (2, 1), 2, 1, 2),
+    (("vision",), "llm", (1,), 1, 2, 2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=lambda c: f"{'+'.join(c[0])}-{c[1]}-llm{c[3]}-cp{c[4]}")
+def test_activation_checkpointing_trains_like_one_process(case):
+    """Recomputing every layer in backward (CP collectives included) changes nothing numerically; layers that
+    take part in backward run forward twice per microbatch, layers under no_grad once."""
+    from helpers.pipeline_case import run_rank_checkpointed
+
+    mods, freeze, enc_pp, llm_pp, cp, microbatches = case
+    steps, rows = 2, 4
+    ref_losses, ref_params = run_reference(mods, freeze, steps, rows)
+    specs = {m: ParallelSpec(pp=p) for m, p in zip(mods, enc_pp)}
+    world = build_layout(specs, ParallelSpec(pp=llm_pp, cp=cp), 720720, "parallel").ranks_per_replica
+    results = run_distributed(run_rank_checkpointed, world, mods, freeze, enc_pp, llm_pp, microbatches, steps, rows, cp)
+    merged, calls = {}, {}
+    for losses, params, rank_calls in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        merged.update(params)
+        for name, n in rank_calls.items():
+            calls.setdefault(name, set()).add(n)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
+    runs = steps * microbatches
+    for name, counts in calls.items():
+        in_backward = freeze == "encoder" or name.startswith("language_model")
+        assert counts == {2 * runs if in_backward else runs}, (name, counts)

@@ -102,6 +102,10 @@ def _launch_grad_scatter(dk_all, dv_all, smax: int, group):
     return grads[rank], handle
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bam, segment_ids, token_index, group, scale, head_groups, backend):
@@ -121,7 +125,10 @@ class _ContextParallelAttention(torch.autograd.Function):
                 pending = _launch_kv_gather(k, v, slice((g + 1) * per, (g + 2) * per), smax, group)
             k_all, v_all = _assemble_kv(bufs)
             q_g = q[:, g * per * rep:(g + 1) * per * rep]
-            with torch.set_grad_enabled(track):
+            # The inner graph is differentiated by a nested autograd.grad in backward. Outer saved-tensor hooks
+            # (activation checkpointing) would make that nested call recompute the whole layer once more; the
+            # leaves are held by ctx anyway, so the inner graph keeps its tensors.
+            with torch.set_grad_enabled(track), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                 leaves = [t.detach().requires_grad_(track) for t in (q_g, k_all, v_all)]
                 out = bitfield_attention(*leaves, bam, k_bam, q_segments=segment_ids, k_segments=k_seg,
                                          q_positions=token_index, k_positions=k_pos, scale=scale, backend=backend)

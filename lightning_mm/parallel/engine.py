@@ -4,7 +4,9 @@ Every rank of a replica sees the same batch (the sampler runs over replicas), so
 batch (encoder contexts, mask words, positions, labels) is recomputed where it is needed and only hidden
 states and features travel between stages. Frozen-aware: a stage with nothing trainable in or upstream of it
 runs forward under ``no_grad`` and takes no part in backward; a frozen stage with trainable parameters upstream
-computes input gradients only (autograd builds no weight-gradient graph for frozen parameters).
+computes input gradients only (autograd builds no weight-gradient graph for frozen parameters). With
+``activation_checkpointing`` every encoder and LLM layer that records autograd keeps only its input and runs its
+forward again in backward (the planner costs this as B += F, memory as the layer inputs only).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from lightning_mm import loss as losses
 from lightning_mm.data.microbatch import split_microbatches
@@ -54,12 +57,13 @@ class PipelineEngine:
     """One rank's stage of ``model`` (pruned to it) and the schedule that drives it."""
 
     def __init__(self, model, layout: RankLayout, rank: int, num_microbatches: int, partition="uniform",
-                 cp_distribution: str = "lpt", cp_block_size: int = 128):
+                 cp_distribution: str = "lpt", cp_block_size: int = 128, activation_checkpointing: bool = False):
         self.model, self.layout, self.rank, self.num_microbatches = model, layout, rank, num_microbatches
         self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
+        self.activation_checkpointing = activation_checkpointing
         self.coord = layout.coordinate(rank)
         encoder_names = list(model.encoders)
-        layer_counts = resolve_partition(model, layout.module_stages, partition)
+        layer_counts = resolve_partition(model, layout.module_stages, partition, recompute=activation_checkpointing)
         check_untied(model, layout.module_stages[LANGUAGE_MODEL])
         self.plans: dict[str, StagePlan] = stage_plans(layer_counts, layout.placement, encoder_names)
         params = dict(model.named_parameters())
@@ -120,6 +124,15 @@ class PipelineEngine:
         return [p for n, p in self.model.named_parameters() if n in self.owned and p.requires_grad]
 
     # ------------------------------------------------------------------ stage compute
+    def _run_layers(self, run, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """``run(hidden, start, end)``, layer by layer under activation checkpointing when it is on and autograd
+        records (a no_grad stage has nothing to recompute)."""
+        if not (self.activation_checkpointing and torch.is_grad_enabled()):
+            return run(hidden, start, end)
+        for i in range(start, end):
+            hidden = checkpoint(run, hidden, i, i + 1, use_reentrant=False)
+        return hidden
+
     def _encoder_part(self, name, sl, mb, received):
         enc = self.model.encoders[name]
         if name not in mb:  # no item of this modality in the microbatch
@@ -129,7 +142,7 @@ class PipelineEngine:
             hidden, ctx = enc.embed(mb[name])
         else:
             hidden, ctx = received[name], enc.family.context(enc.module, inputs)
-        hidden = enc.run_layers(hidden, ctx, sl.start, sl.end)
+        hidden = self._run_layers(lambda h, a, b: enc.run_layers(h, ctx, a, b), hidden, sl.start, sl.end)
         return enc.head(hidden, ctx, mb[name]) if sl.head else hidden
 
     def _language_part(self, mb, received, num_label_tokens, owner):
@@ -151,7 +164,7 @@ class PipelineEngine:
             hidden = local(model.embed(mb["input_ids"], {k: v for k, v in features.items() if v.numel()}))
         else:
             hidden = received[self.graph.predecessors(self.stage)[0]]["hidden"]
-        hidden = model.run_llm_layers(hidden, ctx, sl.start, sl.end)
+        hidden = self._run_layers(lambda h, a, b: model.run_llm_layers(h, ctx, a, b), hidden, sl.start, sl.end)
         if not sl.head:
             return {"hidden": hidden} if owner is None else {"hidden": hidden, "cp_owner": owner}
         loss_sum = losses.token_loss_sum(model.logits(hidden), local(targets))

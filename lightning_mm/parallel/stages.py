@@ -45,14 +45,14 @@ def module_sizes(model) -> dict[str, int]:
     return sizes
 
 
-def resolve_partition(model, module_stages: dict[str, int], partition) -> dict[str, list[int]]:
+def resolve_partition(model, module_stages: dict[str, int], partition, recompute: bool = False) -> dict[str, list[int]]:
     """Layers per stage for every module: "uniform", explicit ``{module: [layers per stage]}``, or a planner mode.
 
     "frozen-aware" balances F + B of Eq. 3.1-3.3 (frozen flags from ``requires_grad``), "forward-only" balances
     3F (the seeds' baseline), "auto" = "frozen-aware" (stage counts are fixed by the ParallelSpecs here; the
     stage-count search is ``lightning-mm plan``). Planner costs are FLOP counts of the real layers on a fixed
     synthetic sample, or a JSON profile (``PlannedPartition(mode, profile=path)``), so every rank computes the
-    same partition.
+    same partition. ``recompute``: layers run under activation checkpointing (their backward includes a forward).
     """
     from lightning_mm.planner.model_costs import PLANNER_MODES, PlannedPartition, planned_partition
 
@@ -63,7 +63,7 @@ def resolve_partition(model, module_stages: dict[str, int], partition) -> dict[s
     if isinstance(partition, str) and partition in PLANNER_MODES:
         partition = PlannedPartition(partition)
     if isinstance(partition, PlannedPartition):
-        return planned_partition(model, module_stages, partition.mode, partition.profile)
+        return planned_partition(model, module_stages, partition.mode, partition.profile, recompute)
     out = {}
     for module, stages in module_stages.items():
         n = sizes[module]

@@ -47,24 +47,26 @@ def layer_costs(
     weight_grad: Sequence[float] | float,
     frozen: Sequence[bool] | bool,
     upstream_trainable: bool = False,
-    recompute: bool = False,
+    recompute: Sequence[bool] | bool = False,
 ) -> list[LayerCost]:
     """Frozen-aware costs of one module's layers, in order (Eq. 3.1-3.3).
 
     p(L_0) = upstream_trainable or not f(L_0); p(L_l) = p(L_{l-1}) or not f(L_l);
     B_l = (B_w,l if not f(L_l)) + (B_d,l if p(L_l)). With `recompute` (activation checkpointing) every layer
-    that takes part in backward runs its forward again in backward, so B_l += F_l for those layers.
+    that takes part in backward runs its forward again in backward, so B_l += F_l for those layers (per layer
+    when `recompute` is a sequence: a runtime checkpoints transformer layers, not embeddings or heads).
     """
     n = len(forward)
     bd, bw, fz = _as_list(input_grad, n, "input_grad"), _as_list(weight_grad, n, "weight_grad"), _as_list(frozen, n, "frozen")
+    rc = _as_list(recompute, n, "recompute")
     for name, values in (("forward", forward), ("input_grad", bd), ("weight_grad", bw)):
         if any(v < 0 for v in values):
             raise ValueError(f"{name} times must be >= 0, got {list(values)}")
     costs, upstream = [], bool(upstream_trainable)
-    for f, d, w, is_frozen in zip(forward, bd, bw, fz):
+    for f, d, w, is_frozen, again in zip(forward, bd, bw, fz, rc):
         upstream = upstream or not is_frozen
         backward = (0.0 if is_frozen else w) + (d if upstream else 0.0)
-        if recompute and upstream:
+        if again and upstream:
             backward += f
         costs.append(LayerCost(float(f), float(backward), not is_frozen, upstream))
     return costs
@@ -81,17 +83,23 @@ class ModuleTimes:
 
 
 def mllm_layer_costs(
-    encoders: dict[str, ModuleTimes], language_model: ModuleTimes, recompute: bool = False
+    encoders: dict[str, ModuleTimes], language_model: ModuleTimes,
+    recompute: bool | dict[str, Sequence[bool] | bool] = False,
 ) -> dict[str, list[LayerCost]]:
     """Frozen-aware costs of a whole MLLM: each encoder (its projector as its last layer) on its own, then the
     LLM with upstream_trainable set iff any encoder layer is trainable (the flag crosses modalities: a
-    trainable vision projector makes every LLM layer need B_d, also for the audio path's benefit)."""
+    trainable vision projector makes every LLM layer need B_d, also for the audio path's benefit).
+    `recompute`: for every module, or per module name (a flag or one per layer)."""
+    def again(name):
+        return recompute.get(name, False) if isinstance(recompute, dict) else recompute
+
     out = {}
     for name, times in encoders.items():
-        out[name] = layer_costs(times.forward, times.input_grad, times.weight_grad, times.frozen, False, recompute)
+        out[name] = layer_costs(times.forward, times.input_grad, times.weight_grad, times.frozen, False, again(name))
     upstream = any(c.trainable for costs in out.values() for c in costs)
     lm = language_model
-    out["language_model"] = layer_costs(lm.forward, lm.input_grad, lm.weight_grad, lm.frozen, upstream, recompute)
+    out["language_model"] = layer_costs(lm.forward, lm.input_grad, lm.weight_grad, lm.frozen, upstream,
+                                        again("language_model"))
     return out
 
 

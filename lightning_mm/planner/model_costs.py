@@ -303,14 +303,16 @@ def _fold_numbers(values: list[float]) -> list[float]:
     return layers
 
 
-def model_memory(model, batch: dict | None = None) -> dict[str, tuple[list[float], list[float]]]:
+def model_memory(model, batch: dict | None = None, recompute: bool = False) -> dict[str, tuple[list[float], list[float]]]:
     """Per module and layer (parts folded as the costs are): (model-state bytes, activation bytes kept per
-    in-flight microbatch of ``batch``). The search multiplies the second by each stage's peak in-flight count."""
+    in-flight microbatch of ``batch``). The search multiplies the second by each stage's peak in-flight count.
+    ``recompute``: under activation checkpointing a layer keeps only its input."""
     batch = sample_batch(model) if batch is None else batch
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     out = {}
     for module, parts in part_runners(model, batch).items():
-        acts = [part_activation_bytes(run, x, params, input_grad=module == LANGUAGE_MODEL or i > 0)
+        acts = [float(sum(t.nbytes for t in _grad_inputs(x))) if recompute and 0 < i < len(parts) - 1
+                else part_activation_bytes(run, x, params, input_grad=module == LANGUAGE_MODEL or i > 0)
                 for i, (run, x, _, _) in enumerate(parts)]
         states = [_state_bytes(ps) for _, _, ps, _ in parts]
         out[module] = (_fold_numbers(states), _fold_numbers(acts))
@@ -336,23 +338,26 @@ def fold_parts(costs: list[LayerCost]) -> list[LayerCost]:
 def model_layer_costs(model, profile: str | dict | None = None, batch: dict | None = None,
                       recompute: bool = False) -> dict[str, list[LayerCost]]:
     """Frozen-aware costs per layer of every module (Eq. 3.1-3.3 over parts, then folded): FLOPs by default,
-    seconds from a profile (a path or a loaded `load_profile` dict)."""
+    seconds from a profile (a path or a loaded `load_profile` dict). ``recompute``: the layers run under
+    activation checkpointing, so each layer that takes part in backward runs its forward twice."""
     if profile is None:
         times = flop_times(model, batch)
     else:
         loaded = load_profile(profile) if isinstance(profile, str) else profile
         times = profile_times(model, loaded, batch)
     encoders = {m: t for m, t in times.items() if m != LANGUAGE_MODEL}
-    costs = mllm_layer_costs(encoders, times[LANGUAGE_MODEL], recompute)
+    # the runtime checkpoints the layers, not the embed and head parts
+    again = {m: [False] + [recompute] * (len(t.forward) - 2) + [False] for m, t in times.items()}
+    costs = mllm_layer_costs(encoders, times[LANGUAGE_MODEL], again)
     return {m: fold_parts(c) for m, c in costs.items()}
 
 
 def planned_partition(model, module_stages: dict[str, int], mode: str = "frozen-aware",
-                      profile: str | dict | None = None) -> dict[str, list[int]]:
+                      profile: str | dict | None = None, recompute: bool = False) -> dict[str, list[int]]:
     """Layers per stage of every module chosen by the planner. "auto" is "frozen-aware" here: within a fixed
     device layout the stage counts are given by the ParallelSpecs (the stage-count search is `lightning-mm plan`)."""
     if mode not in PLANNER_MODES:
         raise ValueError(f"unknown planner partition mode {mode!r}; use one of {PLANNER_MODES}")
-    costs = model_layer_costs(model, profile)
+    costs = model_layer_costs(model, profile, recompute=recompute)
     part_mode = "frozen-aware" if mode == "auto" else mode
     return {m: partition_module(costs[m], s, part_mode) for m, s in module_stages.items()}

@@ -59,12 +59,12 @@ def first_microbatch(module, datamodule, trainer, num_microbatches: int) -> dict
     return split_microbatches(batch, num_microbatches, module.model)[0]
 
 
-def module_specs(model, costs: dict, scale: float, batch: dict) -> dict[str, ModuleSpec]:
+def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool = False) -> dict[str, ModuleSpec]:
     """Planner input per module: layer costs (scaled to the display unit), model-state bytes and activation
     bytes per in-flight microbatch per layer, measured on ``batch``."""
     from lightning_mm.planner.costs import LayerCost
 
-    memory = model_memory(model, batch)
+    memory = model_memory(model, batch, recompute)
     specs = {}
     for module, layer_costs in costs.items():
         scaled = [LayerCost(c.forward * scale, c.backward * scale, c.trainable, c.in_backward) for c in layer_costs]
@@ -82,7 +82,7 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
         e: ParallelSpec() for e in model.encoders}
     layout = build_layout(enc_specs, strategy.language_model_spec, devices, strategy.encoder_placement,
                           list(model.encoders))
-    layers = resolve_partition(model, layout.module_stages, strategy.partition)
+    layers = resolve_partition(model, layout.module_stages, strategy.partition, strategy.activation_checkpointing)
     return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * layout.dp, layout.dp,
                          memory_limit=memory_limit)
 
@@ -112,14 +112,15 @@ def main(argv: list[str]) -> None:
     profile = args.profile or args.write_profile
     if profile is None and getattr(strategy.partition, "profile", None):
         profile = strategy.partition.profile
-    costs = model_layer_costs(model, profile, batch=mb)
+    recompute = strategy.activation_checkpointing
+    costs = model_layer_costs(model, profile, batch=mb, recompute=recompute)
     if profile:
         unit, scale = "s", 1.0
     elif args.device_flops:
         unit, scale = "s", 1.0 / args.device_flops
     else:
         unit, scale = "GFLOP", 1e-9
-    specs = module_specs(model, costs, scale, mb)
+    specs = module_specs(model, costs, scale, mb, recompute)
     devices = trainer.num_devices * trainer.num_nodes
     out = Path(args.out)
     source = f"profile {profile}" if profile else "FLOPs counted on the real layers"

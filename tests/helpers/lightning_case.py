@@ -35,7 +35,9 @@ def main(mode: str, out: str, ckpt: str, accumulate: str = "1"):
     else:
         strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=2),
                                                             "audio": lmm.ParallelSpec()},
-                                                  language_model=lmm.ParallelSpec(pp=2), num_microbatches=2)
+                                                  language_model=lmm.ParallelSpec(pp=2), num_microbatches=2,
+                                                  # the accumulation run also recomputes activations: same numbers
+                                                  activation_checkpointing=accumulate == "2")
         trainer = L.Trainer(devices=5, strategy=strategy, callbacks=[record], **kw)
     trainer.fit(module, data)
     if mode == "single":

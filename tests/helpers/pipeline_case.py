@@ -77,3 +77,23 @@ def run_rank(rank, world, modalities, freeze, encoder_pp, llm_pp, placement, mic
     plan = build_layout(specs, ParallelSpec(pp=llm_pp, cp=llm_cp), world, placement, list(modalities))
     engine = PipelineEngine(model, plan, rank, microbatches, cp_distribution=cp_method, cp_block_size=cp_block)
     return train_engine(engine, model, batches, lr)
+
+
+def run_rank_checkpointed(rank, world, modalities, freeze, encoder_pp, llm_pp, microbatches, steps, rows,
+                          llm_cp=1, layout="ee"):
+    """`run_rank` with activation checkpointing on, also returning how often each owned layer started a forward
+    (a pre-hook: a recomputation stops once it has rebuilt what backward needs, before the layer returns)."""
+    model = build_model(modalities, freeze)
+    batches = global_batches(model, steps, rows, layout)
+    specs = {m: ParallelSpec(pp=encoder_pp[i]) for i, m in enumerate(modalities)}
+    plan = build_layout(specs, ParallelSpec(pp=llm_pp, cp=llm_cp), world, "parallel", list(modalities))
+    layers = {f"language_model.{i}": layer for i, layer in enumerate(model.llm_layers)}
+    layers.update({f"{m}.{i}": layer for m in modalities for i, layer in enumerate(model.encoders[m].layers)})
+    engine = PipelineEngine(model, plan, rank, microbatches, cp_block_size=8, activation_checkpointing=True)
+    kept = {id(m) for m in model.modules()}  # the engine pruned the other stages' layers
+    calls: dict[str, int] = {}
+    for name, layer in layers.items():
+        if id(layer) in kept:
+            layer.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    losses, params = train_engine(engine, model, batches, lr=0.5)
+    return losses, params, calls
