@@ -81,6 +81,7 @@ AUDIO_TOKENS = 1500  # Phi-4 audio: 120 s at 80 ms per token
 SAMPLES_PER_MICROBATCH = 4
 EFFECTIVE_FLOPS = 0.45 * 149.7e12  # A40 bf16 dense peak at 45% MFU
 LINK_BYTES_PER_S = 25e9  # 200 Gb/s InfiniBand
+ALLREDUCE = {"allreduce_bandwidth": LINK_BYTES_PER_S}  # data-parallel gradient all-reduce, timed by the search
 MEMORY_LIMIT = 48e9
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # Korthikanti et al., flash attention, bf16
 CHECKPOINT_BYTES_PER_TOKEN_HIDDEN = 2  # with activation recomputation a layer keeps only its bf16 input
@@ -121,7 +122,8 @@ def _bytes_per_token_hidden() -> int:
 
 def encoder_module(table, size: str, enc_tokens: int, llm_tokens: int, in_features_factor: int, llm_hidden: int,
                    gpus: int = 1, scale: float = 1.0):
-    """A frozen encoder of `table[size]` plus a trainable 2-layer MLP projector as its last layer; times x `scale`."""
+    """A frozen encoder of `table[size]` plus a trainable 2-layer MLP projector as its last layer; times x `scale`.
+    Returns its times and, per layer, model-state, activation and gradient bytes."""
     layers, hidden, params = table[size]
     f, d, w = (scale * t for t in transformer_layer_times(enc_tokens, hidden, params / layers, causal=False, gpus=gpus))
     proj_params = in_features_factor * hidden * llm_hidden + llm_hidden * llm_hidden
@@ -130,7 +132,8 @@ def encoder_module(table, size: str, enc_tokens: int, llm_tokens: int, in_featur
     param_bytes = [2.0 * params / layers] * layers + [16.0 * proj_params]
     act = SAMPLES_PER_MICROBATCH * _bytes_per_token_hidden()
     activations = [act * enc_tokens * hidden] * layers + [act * llm_tokens * llm_hidden]
-    return times, param_bytes, activations
+    grads = [0.0] * layers + [4.0 * proj_params]  # fp32 gradients of the trainable projector
+    return times, param_bytes, activations, grads
 
 
 def mllm_modules(vision: str | None, audio: str | None, llm: str, gpus: int = 1,
@@ -154,7 +157,7 @@ def mllm_modules(vision: str | None, audio: str | None, llm: str, gpus: int = 1,
         d = f * (profile.llm_backward_ratio[llm] - (1.0 if RECOMPUTE else 0.0))
     llm_times = ModuleTimes([f] * layers, [d] * layers, [w] * layers, True)
     costs = mllm_layer_costs({name: r[0] for name, r in raw.items()}, llm_times, recompute=RECOMPUTE)
-    modules = {name: ModuleSpec(costs[name], r[1], r[2]) for name, r in raw.items()}
+    modules = {name: ModuleSpec(costs[name], *r[1:]) for name, r in raw.items()}
     llm_act = SAMPLES_PER_MICROBATCH * _bytes_per_token_hidden() * llm_tokens * hidden
     modules[LM] = ModuleSpec(costs[LM], 2.0 * params / layers, llm_act)
     latency = SAMPLES_PER_MICROBATCH * llm_tokens * hidden * 2 / LINK_BYTES_PER_S
@@ -245,11 +248,11 @@ def seed_setting_plans(key: str, profile: MeasuredProfile | None, stages: int):
     modules, latency = mllm_modules(key[0], key[1], key[2], gpus=STAGE_GPUS, profile=profile)
     kwargs = dict(placements=("colocated",), data_parallel=False, stages=stages)
     memory = STAGE_GPUS * MEMORY_LIMIT
-    plans = {mode: search(modules, stages, MICROBATCHES, memory, latency, mode=mode, **kwargs).best
+    plans = {mode: search(modules, stages, MICROBATCHES, memory, latency, mode=mode, **kwargs, **ALLREDUCE).best
              for mode in ("frozen-aware", *BASELINES)}
     # auto (the free search: dp, stage counts <= `stages`, parallel or colocated) vs every hand split of `stages`
-    auto = search(modules, stages, MICROBATCHES, memory, latency).best
-    hands = [p for p in search(modules, stages, MICROBATCHES, memory, latency, data_parallel=False, stages=stages,
+    auto = search(modules, stages, MICROBATCHES, memory, latency, **ALLREDUCE).best
+    hands = [p for p in search(modules, stages, MICROBATCHES, memory, latency, data_parallel=False, stages=stages, **ALLREDUCE,
                                placements=("colocated", "parallel")).candidates if p.fits_memory]
     best_hand = min(hands, key=lambda p: p.iteration_time)
     return modules, latency, plans, auto, best_hand
@@ -362,7 +365,7 @@ def hand_plans(modules, devices: int, microbatches: int, latency: float):
                     continue
                 layers = {e: partition_module(modules[e].costs, c) for e, c in zip(encoders, counts)}
                 layers[LM] = partition_module(modules[LM].costs, lp)
-                plans.append(evaluate_plan(modules, layers, placement, microbatches, dp, latency, MEMORY_LIMIT))
+                plans.append(evaluate_plan(modules, layers, placement, microbatches, dp, latency, MEMORY_LIMIT, **ALLREDUCE))
     return [p for p in plans if p.fits_memory]
 
 
@@ -374,8 +377,8 @@ def describe(plan) -> str:
 def run_config(name: str, vision, audio, llm, devices: int, microbatches: int, out: Path | None):
     modules, latency = mllm_modules(vision, audio, llm)
     started = time.perf_counter()
-    aware = search(modules, devices, microbatches, MEMORY_LIMIT, latency)
-    unaware = search(modules, devices, microbatches, MEMORY_LIMIT, latency, mode="forward-only")
+    aware = search(modules, devices, microbatches, MEMORY_LIMIT, latency, **ALLREDUCE)
+    unaware = search(modules, devices, microbatches, MEMORY_LIMIT, latency, mode="forward-only", **ALLREDUCE)
     search_s = time.perf_counter() - started
     # pipeline only (no DP), the setting of the seeds' partitioning ablation
     pp_aware = search(modules, devices, microbatches, MEMORY_LIMIT, latency, data_parallel=False)
@@ -383,7 +386,8 @@ def run_config(name: str, vision, audio, llm, devices: int, microbatches: int, o
     # same stage counts and placement as the aware plan, only the boundaries forward-only
     b = aware.best
     same_layers = {m: partition_module(modules[m].costs, n, "forward-only") for m, n in b.pp().items()}
-    boundaries_only = evaluate_plan(modules, same_layers, b.placement, microbatches, b.dp, latency, MEMORY_LIMIT)
+    boundaries_only = evaluate_plan(modules, same_layers, b.placement, microbatches, b.dp, latency, MEMORY_LIMIT,
+                                    **ALLREDUCE)
     hands = hand_plans(modules, devices, microbatches, latency)
     best_hand = min(hands, key=lambda p: p.iteration_time) if hands else None
     if out is not None and name in ("MMM", "VALM-MMM"):

@@ -388,3 +388,24 @@ def test_activation_bytes_are_the_saved_tensors():
     net.requires_grad_(False)
     assert part_activation_bytes(net, x, params) == 4 * b * h
     assert part_activation_bytes(net, x, params, input_grad=False) == 0
+
+
+def test_gradient_allreduce_is_timed_and_can_favour_pipelining():
+    """4 trainable LLM layers (F 1, B 2 each), 2 microbatches, 2 devices. dp 2 x pp 1: each replica runs one
+    microbatch (4 + 8 = 12), then a ring all-reduce of the 40 gradient bytes: 2 (2-1)/2 x 40 / bandwidth.
+    dp 1 x pp 2 (F 2, B 4 per stage): 1F1B over 2 microbatches = 18 by hand (stage 0: F0 0-2, F1 2-4,
+    B0 8-12, B1 14-18), no all-reduce. Free all-reduce -> dp wins; at 5 bytes/s (8 s) -> pp wins."""
+    from lightning_mm.planner.search import allreduce_seconds
+
+    llm = layer_costs([1.0] * 4, 1.0, 1.0, False)
+    modules = {LM: ModuleSpec(llm, grad_bytes=10.0)}
+    dp2 = evaluate_plan(modules, {LM: [4]}, "parallel", 2, dp=2, allreduce_bandwidth=5.0)
+    assert allreduce_seconds(40.0, 2, 5.0) == 8.0
+    assert dp2.iteration_time == pytest.approx(12 + 8)
+    assert [(e.kind, e.start, e.end) for e in dp2.result.events if e.kind == "sync"] == [("sync", 12.0, 20.0)]
+    assert dp2.result.busy[f"{LM}.0"] == pytest.approx(12)
+    pp2 = evaluate_plan(modules, {LM: [2, 2]}, "parallel", 2, dp=1, allreduce_bandwidth=5.0)
+    assert pp2.iteration_time == pytest.approx(18)
+    assert search(modules, 2, 2).best.pp() == {LM: 1} and search(modules, 2, 2).best.dp == 2
+    slow = search(modules, 2, 2, allreduce_bandwidth=5.0).best
+    assert (slow.dp, slow.pp()) == (1, {LM: 2})

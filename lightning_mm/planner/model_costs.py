@@ -303,9 +303,11 @@ def _fold_numbers(values: list[float]) -> list[float]:
     return layers
 
 
-def model_memory(model, batch: dict | None = None, recompute: bool = False) -> dict[str, tuple[list[float], list[float]]]:
+def model_memory(model, batch: dict | None = None, recompute: bool = False
+                 ) -> dict[str, tuple[list[float], list[float], list[float]]]:
     """Per module and layer (parts folded as the costs are): (model-state bytes, activation bytes kept per
-    in-flight microbatch of ``batch``). The search multiplies the second by each stage's peak in-flight count.
+    in-flight microbatch of ``batch``, gradient bytes), the `ModuleSpec` memory fields. The search multiplies
+    the second by each stage's peak in-flight count and all-reduces the third over data-parallel replicas.
     ``recompute``: under activation checkpointing a layer keeps only its input."""
     batch = sample_batch(model) if batch is None else batch
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -315,7 +317,8 @@ def model_memory(model, batch: dict | None = None, recompute: bool = False) -> d
                 else part_activation_bytes(run, x, params, input_grad=module == LANGUAGE_MODEL or i > 0)
                 for i, (run, x, _, _) in enumerate(parts)]
         states = [_state_bytes(ps) for _, _, ps, _ in parts]
-        out[module] = (_fold_numbers(states), _fold_numbers(acts))
+        grads = [float(sum(p.numel() * p.element_size() for p in ps if p.requires_grad)) for _, _, ps, _ in parts]
+        out[module] = (_fold_numbers(states), _fold_numbers(acts), _fold_numbers(grads))
     return out
 
 

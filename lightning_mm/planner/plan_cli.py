@@ -29,6 +29,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--write-profile", default=None, help="profile this model's parts on this machine to this JSON")
     p.add_argument("--device-flops", type=float, default=None, help="FLOP/s per device: show FLOP costs in seconds")
     p.add_argument("--memory-limit", type=float, default=math.inf, help="bytes per device for the search")
+    p.add_argument("--allreduce-bandwidth", type=float, default=math.inf,
+                   help="bytes/s per device for the data-parallel gradient all-reduce (default: free)")
     p.add_argument("--out", default="plan", help="folder for the timeline PNGs and Chrome traces")
     return p.parse_args(argv)
 
@@ -60,8 +62,8 @@ def first_microbatch(module, datamodule, trainer, num_microbatches: int) -> dict
 
 
 def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool = False) -> dict[str, ModuleSpec]:
-    """Planner input per module: layer costs (scaled to the display unit), model-state bytes and activation
-    bytes per in-flight microbatch per layer, measured on ``batch``."""
+    """Planner input per module: layer costs (scaled to the display unit), model-state bytes, activation
+    bytes per in-flight microbatch and gradient bytes per layer, measured on ``batch``."""
     from lightning_mm.planner.costs import LayerCost
 
     memory = model_memory(model, batch, recompute)
@@ -73,7 +75,7 @@ def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool 
 
 
 def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
-                    memory_limit: float = math.inf) -> Plan:
+                    memory_limit: float = math.inf, allreduce_bandwidth: float = math.inf) -> Plan:
     """The strategy's own layout and partition, simulated."""
     from lightning_mm.parallel.layout import ParallelSpec, build_layout
     from lightning_mm.parallel.stages import resolve_partition
@@ -84,7 +86,7 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
                           list(model.encoders))
     layers = resolve_partition(model, layout.module_stages, strategy.partition, strategy.activation_checkpointing)
     return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * layout.dp, layout.dp,
-                         memory_limit=memory_limit)
+                         memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth)
 
 
 def _write(plan: Plan, out: Path, name: str, unit: str) -> list[Path]:
@@ -105,6 +107,9 @@ def main(argv: list[str]) -> None:
     strategy, model = trainer.strategy, module.model
     if not hasattr(strategy, "encoder_placement"):
         raise SystemExit("the YAML's trainer.strategy is not lightning_mm.MultimodalParallelStrategy; plan needs it")
+    if math.isfinite(args.allreduce_bandwidth) and not (args.profile or args.write_profile or args.device_flops):
+        raise SystemExit("--allreduce-bandwidth needs costs in seconds: add --device-flops (FLOP/s per device) "
+                         "or --profile / --write-profile")
     mb = first_microbatch(module, datamodule, trainer, strategy.num_microbatches)
     if args.write_profile:
         save_profile(profile_model(model), args.write_profile, meta={"config": args.config})
@@ -125,12 +130,13 @@ def main(argv: list[str]) -> None:
     out = Path(args.out)
     source = f"profile {profile}" if profile else "FLOPs counted on the real layers"
     print(f"costs per microbatch in {unit} ({source})\n")
-    mine = configured_plan(model, strategy, specs, devices, args.memory_limit)
+    mine = configured_plan(model, strategy, specs, devices, args.memory_limit, args.allreduce_bandwidth)
     files = _write(mine, out, "configured", unit)
     print(plan_summary(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
                              f"partition={strategy.partition!r}"))
     budget = args.devices or devices
-    best = search(specs, budget, mine.microbatches_per_replica * mine.dp, args.memory_limit).best
+    best = search(specs, budget, mine.microbatches_per_replica * mine.dp, args.memory_limit,
+                  allreduce_bandwidth=args.allreduce_bandwidth).best
     files += _write(best, out, "auto", unit)
     print()
     print(plan_summary(best, f"auto search on {budget} devices: placement={best.placement}, dp={best.dp}, "

@@ -27,12 +27,14 @@ SEARCH_MODES = ("frozen-aware", "forward-only", "forward-variance")
 @dataclass(frozen=True)
 class ModuleSpec:
     """Planner input for one module: frozen-aware layer costs (projector last for an encoder), model-state
-    bytes per layer (weights, plus grads and optimizer state where trainable) and activation bytes per layer
-    held for each in-flight microbatch (counted only for layers that take part in backward)."""
+    bytes per layer (weights, plus grads and optimizer state where trainable), activation bytes per layer
+    held for each in-flight microbatch (counted only for layers that take part in backward) and gradient
+    bytes per layer (what data parallelism all-reduces every step)."""
 
     costs: Sequence[LayerCost]
     param_bytes: Sequence[float] | float = 0.0
     activation_bytes: Sequence[float] | float = 0.0
+    grad_bytes: Sequence[float] | float = 0.0
 
     def per_layer(self, value) -> list[float]:
         return [float(value)] * len(self.costs) if isinstance(value, (int, float)) else [float(v) for v in value]
@@ -86,22 +88,23 @@ def _encoders(modules: dict[str, ModuleSpec]) -> list[str]:
     return [m for m in modules if m != LANGUAGE_MODEL]
 
 
-def _stage_table(modules, layers, placement) -> dict[str, tuple[float, float, float, float, bool]]:
-    """Per graph stage: (forward, backward, param bytes, activation bytes, holds a trainable parameter)."""
+def _stage_table(modules, layers, placement) -> dict[str, tuple[float, float, float, float, float, bool]]:
+    """Per graph stage: (forward, backward, param bytes, activation bytes, gradient bytes, holds a trainable
+    parameter)."""
     table = {}
 
     def stages_of(module):
         spec, start = modules[module], 0
         fwd, bwd = [c.forward for c in spec.costs], [c.backward for c in spec.costs]
-        pb, ab = spec.per_layer(spec.param_bytes), spec.per_layer(spec.activation_bytes)
+        pb, ab, gb = (spec.per_layer(v) for v in (spec.param_bytes, spec.activation_bytes, spec.grad_bytes))
         for size in layers[module]:
             sl = slice(start, start + size)
             start += size
             kept = sum(a for a, c in zip(ab[sl], spec.costs[sl]) if c.in_backward)  # no_grad layers keep none
-            yield (sum(fwd[sl]), sum(bwd[sl]), sum(pb[sl]), kept, any(c.trainable for c in spec.costs[sl]))
+            yield (sum(fwd[sl]), sum(bwd[sl]), sum(pb[sl]), kept, sum(gb[sl]), any(c.trainable for c in spec.costs[sl]))
 
     def add(a, b):
-        return tuple(x + y for x, y in zip(a[:4], b[:4])) + (a[4] or b[4],)
+        return tuple(x + y for x, y in zip(a[:5], b[:5])) + (a[5] or b[5],)
 
     encoders = _encoders(modules)
     if placement == "parallel":
@@ -127,7 +130,13 @@ def plan_graph(modules: dict[str, ModuleSpec], layers: dict[str, list[int]], pla
     """The stage graph of a layout; which stages are trainable comes from the layer costs."""
     table = _stage_table(modules, layers, placement)
     enc_stages = {e: len(layers[e]) for e in _encoders(modules)}
-    return build_stage_graph(enc_stages, len(layers[LANGUAGE_MODEL]), placement, {s: r[4] for s, r in table.items()})
+    return build_stage_graph(enc_stages, len(layers[LANGUAGE_MODEL]), placement, {s: r[5] for s, r in table.items()})
+
+
+def allreduce_seconds(num_bytes: float, dp: int, bandwidth: float) -> float:
+    """Ring all-reduce of ``num_bytes`` over ``dp`` devices: 2 (dp-1)/dp x bytes / bandwidth (DistTrain's
+    "DP comm = volume / bandwidth", 004)."""
+    return 0.0 if dp <= 1 or num_bytes <= 0 else 2.0 * (dp - 1) / dp * num_bytes / bandwidth
 
 
 def evaluate_plan(
@@ -138,8 +147,11 @@ def evaluate_plan(
     dp: int = 1,
     p2p_latency: float = 0.0,
     memory_limit: float = math.inf,
+    allreduce_bandwidth: float = math.inf,
 ) -> Plan:
-    """Simulate one layout on one DP replica (num_microbatches / dp microbatches) with the true costs."""
+    """Simulate one layout on one DP replica (num_microbatches / dp microbatches) with the true costs. With
+    dp > 1 each stage then all-reduces its gradients over its dp replicas: a ring moves 2 (dp-1)/dp of the
+    bytes through each device's link of ``allreduce_bandwidth`` bytes/s."""
     _check_modules(modules)
     if num_microbatches % dp:
         raise ValueError(f"num_microbatches={num_microbatches} is not divisible by dp={dp}; pick dp dividing it")
@@ -153,7 +165,8 @@ def evaluate_plan(
     per_replica = num_microbatches // dp
     fwd = {s: r[0] for s, r in table.items()}
     bwd = {s: r[1] for s, r in table.items()}
-    result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency)
+    sync = {s: allreduce_seconds(r[4], dp, allreduce_bandwidth) for s, r in table.items()}
+    result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency, sync)
     memory = {s: r[2] + r[3] * result.peak_inflight[s] for s, r in table.items()}
     return Plan(placement, {m: list(v) for m, v in layers.items()}, dp, per_replica, fwd, bwd, memory, result,
                 all(v <= memory_limit for v in memory.values()))
@@ -166,7 +179,7 @@ def forward_only_modules(modules: dict[str, ModuleSpec]) -> dict[str, ModuleSpec
     for name, spec in modules.items():
         kept = [a if c.in_backward else 0.0 for a, c in zip(spec.per_layer(spec.activation_bytes), spec.costs)]
         believed = [LayerCost(c.forward, 2.0 * c.forward, True, True) for c in spec.costs]
-        out[name] = ModuleSpec(believed, spec.param_bytes, kept)
+        out[name] = ModuleSpec(believed, spec.param_bytes, kept, spec.grad_bytes)
     return out
 
 
@@ -315,6 +328,7 @@ def search(
     mode: str = "frozen-aware",
     data_parallel: bool = True,
     stages: int | None = None,
+    allreduce_bandwidth: float = math.inf,
 ) -> SearchResult:
     """Pick DP degree, stage counts, boundaries and placement minimising the simulated time of one global
     batch of `num_microbatches`. Two frozen-unaware baselines believe backward = 2 x forward everywhere and
@@ -326,7 +340,9 @@ def search(
 
     `stages=S` fixes the number of pipeline stages per replica (the seeds' Table 3.2 setting: same devices
     and stage count for both modes): every split of S stages between the modules is enumerated (001
-    Algorithm 1's matched counts are not used), and only dp with dp * S <= num_devices is tried."""
+    Algorithm 1's matched counts are not used), and only dp with dp * S <= num_devices is tried.
+    `allreduce_bandwidth` (bytes/s per device) times each stage's gradient all-reduce when dp > 1 (default:
+    free, which favours data parallelism)."""
     _check_modules(modules)
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
@@ -352,7 +368,8 @@ def search(
                 key = (placement, tuple((m, tuple(v)) for m, v in layers.items()))
                 if key not in seen:
                     seen.add(key)
-                    candidates.append(evaluate_plan(planning, layers, placement, num_microbatches, dp, p2p_latency, memory_limit))
+                    candidates.append(evaluate_plan(planning, layers, placement, num_microbatches, dp, p2p_latency,
+                                                    memory_limit, allreduce_bandwidth))
     if not candidates:
         raise ValueError(f"no layout with stages={stages} and placements={tuple(placements)} exists for these modules "
                          "(every module needs at least one stage, and no more stages than layers)")
@@ -368,7 +385,8 @@ def search(
     else:
         best = min(feasible, key=lambda p: (p.iteration_time, p.devices))
     if planning is not modules:
-        best = evaluate_plan(modules, best.layers, best.placement, num_microbatches, best.dp, p2p_latency, memory_limit)
+        best = evaluate_plan(modules, best.layers, best.placement, num_microbatches, best.dp, p2p_latency, memory_limit,
+                             allreduce_bandwidth)
     return SearchResult(best, candidates)
 
 

@@ -23,7 +23,7 @@ class Event:
     """One compute interval on one stage."""
 
     stage: str
-    kind: str  # "forward" | "backward"
+    kind: str  # "forward" | "backward" | "sync" (gradient all-reduce, microbatch -1)
     microbatch: int
     start: float
     end: float
@@ -61,8 +61,11 @@ def simulate(
     forward_cost: dict[str, Cost],
     backward_cost: dict[str, Cost],
     p2p_latency: float = 0.0,
+    sync_cost: dict[str, float] | None = None,
 ) -> SimulationResult:
-    """Time the action lists. Costs are per stage: one number, or one per microbatch."""
+    """Time the action lists. Costs are per stage: one number, or one per microbatch. ``sync_cost``: seconds of
+    each stage's gradient all-reduce over its replicas, run after its last action (an event of kind "sync",
+    microbatch -1); it lengthens the iteration but is not busy compute."""
     clock = {s: 0.0 for s in actions}
     cursor = {s: 0 for s in actions}
     channels: dict[tuple[str, str, str], deque] = {}
@@ -97,8 +100,12 @@ def simulate(
     blocked = [f"{s!r} at {actions[s][cursor[s]]}" for s in actions if cursor[s] < len(actions[s])]
     if blocked:
         raise ScheduleError("simulation deadlocked: " + "; ".join(blocked))
+    for stage, cost in (sync_cost or {}).items():
+        if cost > 0:
+            events.append(Event(stage, "sync", -1, clock[stage], clock[stage] + cost))
+            clock[stage] += cost
     total = max(clock.values(), default=0.0)
-    busy = {s: sum(e.end - e.start for e in events if e.stage == s) for s in actions}
+    busy = {s: sum(e.end - e.start for e in events if e.stage == s and e.kind != "sync") for s in actions}
     idle = {s: total - busy[s] for s in actions}
     bubble = {s: (idle[s] / total if total > 0 else 0.0) for s in actions}
     return SimulationResult(total, tuple(graph.names), tuple(events), busy, idle, bubble, peak)
@@ -110,9 +117,14 @@ def simulate_1f1b(
     forward_cost: dict[str, Cost],
     backward_cost: dict[str, Cost],
     p2p_latency: float = 0.0,
+    sync_cost: dict[str, float] | None = None,
 ) -> SimulationResult:
     """Simulate the strategy's own 1F1B schedule for this graph."""
-    return simulate(graph, one_f_one_b(graph, num_microbatches), forward_cost, backward_cost, p2p_latency)
+    return simulate(graph, one_f_one_b(graph, num_microbatches), forward_cost, backward_cost, p2p_latency, sync_cost)
+
+
+def _label(e: Event) -> str:
+    return "allreduce" if e.kind == "sync" else f"{'F' if e.kind == 'forward' else 'B'}{e.microbatch}"
 
 
 def chrome_trace(result: SimulationResult, path: str | Path, time_scale: float = 1e6) -> None:
@@ -124,7 +136,7 @@ def chrome_trace(result: SimulationResult, path: str | Path, time_scale: float =
     ]
     for e in result.events:
         trace.append({
-            "name": f"{'F' if e.kind == 'forward' else 'B'}{e.microbatch}",
+            "name": _label(e),
             "cat": e.kind,
             "ph": "X",
             "pid": 0,
@@ -137,7 +149,8 @@ def chrome_trace(result: SimulationResult, path: str | Path, time_scale: float =
 
 
 def timeline_png(result: SimulationResult, path: str | Path, title: str | None = None) -> None:
-    """Draw the schedule as a Gantt chart (forward blue, backward orange, microbatch numbers inside)."""
+    """Draw the schedule as a Gantt chart (forward blue, backward orange, microbatch numbers inside; gradient
+    all-reduce grey)."""
     try:
         import matplotlib
 
@@ -149,9 +162,10 @@ def timeline_png(result: SimulationResult, path: str | Path, title: str | None =
     fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(result.events) ** 0.5 * 4), 0.6 * len(rows) + 1.2))
     for e in result.events:
         y = len(rows) - 1 - rows[e.stage]
-        color = "#4C72B0" if e.kind == "forward" else "#DD8452"
+        color = {"forward": "#4C72B0", "backward": "#DD8452"}.get(e.kind, "#8C8C8C")
         ax.broken_barh([(e.start, e.end - e.start)], (y - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.5)
-        ax.text((e.start + e.end) / 2, y, str(e.microbatch), ha="center", va="center", fontsize=7, color="white")
+        text = "AR" if e.kind == "sync" else str(e.microbatch)
+        ax.text((e.start + e.end) / 2, y, text, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{s} ({result.bubble_fraction[s]:.0%} idle)" for s in reversed(result.stages)])
     ax.set_xlim(0, result.iteration_time)
