@@ -154,3 +154,19 @@ def test_plan_command_prints_stages_and_writes_timelines(tmp_path, capsys):
         assert row in out
     assert "auto search on 8 devices" in out and out.count("predicted iteration time ") == 2
     assert {p.name for p in tmp_path.iterdir()} >= {"configured.trace.json", "auto.trace.json"}
+    # the printed YAML builds the planned layout: its specs on its device count, its boundaries
+    import yaml
+
+    from lightning_mm import MultimodalParallelStrategy
+    from lightning_mm.parallel.layout import ParallelSpec, build_layout
+
+    snippet = yaml.safe_load(out.split("same global batch; dp = ")[1].split("\n", 2)[2].split("\nwrote ")[0])
+    args = snippet["trainer"]["strategy"]["init_args"]
+    specs = {m: ParallelSpec(**e["init_args"]) for m, e in args["encoders"].items()}
+    llm = ParallelSpec(**args["language_model"]["init_args"])
+    layout = build_layout(specs, llm, snippet["trainer"]["devices"], args["encoder_placement"], ["vision", "audio"])
+    dp = int(out.split("same global batch; dp = ")[1].split(")")[0])
+    assert layout.dp == dp and snippet["trainer"]["devices"] <= 8
+    assert {m: sum(v) for m, v in args["partition"].items()} == {"vision": 4, "audio": 4, "language_model": 4}
+    strategy = MultimodalParallelStrategy(**{**args, "encoders": specs, "language_model": llm})
+    assert strategy.partition == args["partition"] and strategy.encoder_placement == args["encoder_placement"]

@@ -15,6 +15,7 @@ import math
 import warnings
 from pathlib import Path
 
+from lightning_mm.parallel.schedule import LANGUAGE_MODEL
 from lightning_mm.planner.costs import save_profile
 from lightning_mm.planner.model_costs import model_layer_costs, model_memory, profile_model
 from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan, plan_summary, search
@@ -89,6 +90,21 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
                          memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth)
 
 
+def strategy_yaml(plan: Plan) -> str:
+    """The fit-YAML lines that run ``plan``: trainer devices and the strategy's specs, placement, microbatches
+    per replica and the planned boundaries (the search already timed them)."""
+    import yaml
+
+    spec = lambda pp: {"class_path": "lightning_mm.ParallelSpec", "init_args": {"pp": pp}}  # noqa: E731
+    pp = plan.pp()
+    args = {"encoders": {m: spec(n) for m, n in pp.items() if m != LANGUAGE_MODEL},
+            "language_model": spec(pp[LANGUAGE_MODEL]), "encoder_placement": plan.placement,
+            "num_microbatches": plan.microbatches_per_replica, "partition": {m: list(v) for m, v in plan.layers.items()}}
+    doc = {"trainer": {"devices": plan.devices,
+                       "strategy": {"class_path": "lightning_mm.MultimodalParallelStrategy", "init_args": args}}}
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)
+
+
 def _write(plan: Plan, out: Path, name: str, unit: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     png, trace = out / f"{name}.png", out / f"{name}.trace.json"
@@ -142,4 +158,7 @@ def main(argv: list[str]) -> None:
     print(plan_summary(best, f"auto search on {budget} devices: placement={best.placement}, dp={best.dp}, "
                              f"pp={best.pp()}"))
     print(f"\nconfigured / auto predicted iteration time: {mine.iteration_time / best.iteration_time:.3f}x")
+    print(f"\nto run the auto plan, put this in the fit YAML (the data module's batch_size is per replica: keep "
+          f"batch_size x dp the same for the same global batch; dp = {best.dp}):\n")
+    print(strategy_yaml(best))
     print("wrote " + ", ".join(str(f) for f in files))
