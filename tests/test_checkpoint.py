@@ -60,6 +60,21 @@ def test_reshard_to_context_parallel_and_back():
 
 
 @pytest.mark.slow
+def test_reshard_context_parallel_with_pipeline_and_data_parallel():
+    """The pp2 step-3 checkpoint continued on LLM pp2 x cp2 (5 ranks), whose step-5 checkpoint (two CP-sharded LLM
+    stages) is continued on LLM cp2 x dp2 (6 ranks): every step matches the uninterrupted run."""
+    ref = reference()
+    d = ref["dir"]
+    there = run_case({"layout": "pp2cp2", "steps": 6, "out": f"{d}/pp2cp2.json", "resume": ref["ckpt3"],
+                      "ckpt_dir": f"{d}/pp2cp2", "save_every": 5})
+    torch.testing.assert_close(torch.tensor(there), torch.tensor(ref["pp2"][3:]), rtol=1e-5, atol=1e-6)
+    written = ckpt.read_layout(f"{d}/pp2cp2/step=5.ckpt")
+    assert written["widths"] == {"vision.0": 1, "language_model.0": 2, "language_model.1": 2}, written["widths"]
+    on = run_case({"layout": "cp2dp2", "steps": 6, "out": f"{d}/cp2dp2.json", "resume": f"{d}/pp2cp2/step=5.ckpt"})
+    torch.testing.assert_close(torch.tensor(on), torch.tensor(ref["pp2"][5:]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_export_hf_folders_load_with_from_pretrained(tmp_path):
     from transformers import LlamaForCausalLM, SiglipVisionModel
 

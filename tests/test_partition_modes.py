@@ -144,7 +144,8 @@ def test_frozen_aware_pipeline_trains_like_one_process():
 
 
 def test_plan_command_prints_stages_and_writes_timelines(tmp_path, capsys):
-    """`lightning-mm plan` on the main-job YAML: one row per configured stage, the search, and the files."""
+    """`lightning-mm plan` on the main-job YAML: one row per configured stage, the search, the files, and a YAML
+    block that runs the auto plan."""
     from lightning_mm.cli import main
 
     main(["plan", "--config", "examples/tiny_valm_pp.yaml", "--devices", "8", "--out", str(tmp_path)])

@@ -2,7 +2,8 @@
 
 ``python checkpoint_case.py '<json>'`` with keys: layout ("pp2": vision 1 stage + LLM 2 stages on 3 ranks, dp 1;
 "dp2": vision + LLM 1 stage each, dp 2 on 4 ranks; "cp2": vision 1 stage + LLM 1 stage of 2 context-parallel
-ranks (blocks of 8 tokens) on 3 ranks, dp 1; "single": one process), steps, out (losses JSON, rank 0),
+ranks (blocks of 8 tokens) on 3 ranks, dp 1; "pp2cp2": vision + LLM 2 stages of 2 CP ranks each on 5 ranks;
+"cp2dp2": "cp2" replicated twice on 6 ranks; "single": one process), steps, out (losses JSON, rank 0),
 ckpt_dir, save_every (steps), resume (a checkpoint folder), kill ({"rank": r, "step": s}: SIGKILL that rank
 after step s), weights (single: file for the trained parameters), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
 exception), fault_timeout, pids (folder for one pid file per rank).
@@ -24,6 +25,8 @@ from lightning_mm.model import tiny_encoder, tiny_language_model
 GLOBAL_BATCH = 4
 LAYOUTS = {"pp2": dict(devices=3, llm_pp=2, microbatches=2), "dp2": dict(devices=4, llm_pp=1, microbatches=1),
            "cp2": dict(devices=3, llm_pp=1, llm_cp=2, microbatches=2),
+           "pp2cp2": dict(devices=5, llm_pp=2, llm_cp=2, microbatches=2),
+           "cp2dp2": dict(devices=6, llm_pp=1, llm_cp=2, microbatches=1),
            "single": dict(devices=1, llm_pp=None, microbatches=1)}
 
 
