@@ -52,7 +52,7 @@ def test_upstream_trainable_crosses_into_the_llm():
 
 def test_model_memory_counts_state_and_what_backward_keeps():
     """State bytes = 4 per frozen weight, 16 per trainable one (weight, grad, two Adam moments), embed and head
-    folded into the first and last layer; activation bytes = the storages autograd saves in each part. The
+    folded into the first and last layer; gradient bytes = the trainable weights'; activation bytes = the storages autograd saves in each part. The
     trainable projector keeps at least its input and the GELU's input and output (fp32); a trainable LLM layer
     keeps more than a frozen one, which keeps only what its input gradient needs."""
     model = build_model()
@@ -61,9 +61,10 @@ def test_model_memory_counts_state_and_what_backward_keeps():
     enc = model.encoders["vision"]
     for module, params in (("vision", [*enc.module.parameters(), *enc.projector.parameters()]),
                            ("language_model", list(model.language_model.parameters()))):
-        states, acts = memory[module]
-        assert len(states) == len(acts) == len(model_layer_costs(model)[module])
+        states, acts, grads = memory[module]
+        assert len(states) == len(acts) == len(grads) == len(model_layer_costs(model)[module])
         assert sum(states) == sum(p.numel() * (16 if p.requires_grad else 4) for p in params)
+        assert sum(grads) == sum(p.numel() * 4 for p in params if p.requires_grad)  # fp32 gradients
     t = sum(enc.num_tokens(batch["vision"]))
     assert memory["vision"][1][-1] >= 4 * t * (32 + 2 * 192)
     frozen_llm = memory["language_model"][1]

@@ -123,16 +123,14 @@ def main(argv: list[str]) -> None:
     strategy, model = trainer.strategy, module.model
     if not hasattr(strategy, "encoder_placement"):
         raise SystemExit("the YAML's trainer.strategy is not lightning_mm.MultimodalParallelStrategy; plan needs it")
-    if math.isfinite(args.allreduce_bandwidth) and not (args.profile or args.write_profile or args.device_flops):
+    profile = args.profile or args.write_profile or getattr(strategy.partition, "profile", None)
+    if math.isfinite(args.allreduce_bandwidth) and not (profile or args.device_flops):
         raise SystemExit("--allreduce-bandwidth needs costs in seconds: add --device-flops (FLOP/s per device) "
                          "or --profile / --write-profile")
     mb = first_microbatch(module, datamodule, trainer, strategy.num_microbatches)
     if args.write_profile:
         save_profile(profile_model(model), args.write_profile, meta={"config": args.config})
         print(f"wrote {args.write_profile}")
-    profile = args.profile or args.write_profile
-    if profile is None and getattr(strategy.partition, "profile", None):
-        profile = strategy.partition.profile
     recompute = strategy.activation_checkpointing
     costs = model_layer_costs(model, profile, batch=mb, recompute=recompute)
     if profile:

@@ -378,7 +378,8 @@ def search(
         need = min((max(p.memory.values()) for p in candidates), default=math.nan)
         raise ValueError(
             f"no layout fits {memory_limit:.3g} bytes per device (the smallest needs {need:.3g}); "
-            "add devices, raise memory_limit, or enable activation recomputation"
+            "add devices, raise memory_limit, or recompute activations (MultimodalParallelStrategy("
+            "activation_checkpointing=True); costs and memory with recompute=True)"
         )
     if mode == "forward-variance":
         best = min(feasible, key=lambda p: (statistics.pvariance(p.forward.values()), p.iteration_time, p.devices))
