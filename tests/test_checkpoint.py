@@ -33,45 +33,36 @@ def test_resume_is_bit_exact():
     assert resumed == ref["pp2"][3:], "losses after resuming differ from the uninterrupted run"
 
 
+def _continue_elsewhere(ref: dict, there: str, then: str, widths: dict | None = None) -> None:
+    """The pp2 step-3 checkpoint continued on layout ``there`` (saving at step 5), whose step-5 checkpoint is
+    continued on layout ``then``: every step equals the uninterrupted pp2 run."""
+    d = ref["dir"]
+    losses = run_case({"layout": there, "steps": 6, "out": f"{d}/{there}.json", "resume": ref["ckpt3"],
+                       "ckpt_dir": f"{d}/{there}", "save_every": 5})
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["pp2"][3:]), rtol=1e-5, atol=1e-6)
+    if widths is not None:
+        written = ckpt.read_layout(f"{d}/{there}/step=5.ckpt")
+        assert written["widths"] == widths, written["widths"]
+    losses = run_case({"layout": then, "steps": 6, "out": f"{d}/{there}_then_{then}.json",
+                       "resume": f"{d}/{there}/step=5.ckpt"})
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["pp2"][5:]), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_reshard_pp2dp1_to_pp1dp2_and_back():
-    ref = reference()
-    d = ref["dir"]
-    there = run_case({"layout": "dp2", "steps": 6, "out": f"{d}/dp2.json", "resume": ref["ckpt3"],
-                      "ckpt_dir": f"{d}/dp2", "save_every": 5})
-    torch.testing.assert_close(torch.tensor(there), torch.tensor(ref["pp2"][3:]), rtol=1e-5, atol=1e-6)
-    back = run_case({"layout": "pp2", "steps": 6, "out": f"{d}/back.json", "resume": f"{d}/dp2/step=5.ckpt"})
-    torch.testing.assert_close(torch.tensor(back), torch.tensor(ref["pp2"][5:]), rtol=1e-5, atol=1e-6)
+    _continue_elsewhere(reference(), "dp2", "pp2")
 
 
 @pytest.mark.slow
 def test_reshard_to_context_parallel_and_back():
-    """The pp2 dp1 step-3 checkpoint continued with the LLM over 2 CP ranks (vision + LLM cp2, 3 ranks), and that
-    run's step-5 checkpoint continued without CP: both match the uninterrupted run."""
-    ref = reference()
-    d = ref["dir"]
-    there = run_case({"layout": "cp2", "steps": 6, "out": f"{d}/cp2.json", "resume": ref["ckpt3"],
-                      "ckpt_dir": f"{d}/cp2", "save_every": 5})
-    torch.testing.assert_close(torch.tensor(there), torch.tensor(ref["pp2"][3:]), rtol=1e-5, atol=1e-6)
-    written = ckpt.read_layout(f"{d}/cp2/step=5.ckpt")
-    assert written["widths"] == {"vision.0": 1, "language_model.0": 2}, written["widths"]
-    back = run_case({"layout": "pp2", "steps": 6, "out": f"{d}/cp2_back.json", "resume": f"{d}/cp2/step=5.ckpt"})
-    torch.testing.assert_close(torch.tensor(back), torch.tensor(ref["pp2"][5:]), rtol=1e-5, atol=1e-6)
+    """pp2 -> vision + LLM cp2 (3 ranks) -> pp2."""
+    _continue_elsewhere(reference(), "cp2", "pp2", {"vision.0": 1, "language_model.0": 2})
 
 
 @pytest.mark.slow
 def test_reshard_context_parallel_with_pipeline_and_data_parallel():
-    """The pp2 step-3 checkpoint continued on LLM pp2 x cp2 (5 ranks), whose step-5 checkpoint (two CP-sharded LLM
-    stages) is continued on LLM cp2 x dp2 (6 ranks): every step matches the uninterrupted run."""
-    ref = reference()
-    d = ref["dir"]
-    there = run_case({"layout": "pp2cp2", "steps": 6, "out": f"{d}/pp2cp2.json", "resume": ref["ckpt3"],
-                      "ckpt_dir": f"{d}/pp2cp2", "save_every": 5})
-    torch.testing.assert_close(torch.tensor(there), torch.tensor(ref["pp2"][3:]), rtol=1e-5, atol=1e-6)
-    written = ckpt.read_layout(f"{d}/pp2cp2/step=5.ckpt")
-    assert written["widths"] == {"vision.0": 1, "language_model.0": 2, "language_model.1": 2}, written["widths"]
-    on = run_case({"layout": "cp2dp2", "steps": 6, "out": f"{d}/cp2dp2.json", "resume": f"{d}/pp2cp2/step=5.ckpt"})
-    torch.testing.assert_close(torch.tensor(on), torch.tensor(ref["pp2"][5:]), rtol=1e-5, atol=1e-6)
+    """pp2 -> LLM pp2 x cp2 (5 ranks, two CP-sharded LLM stages) -> LLM cp2 x dp2 (6 ranks)."""
+    _continue_elsewhere(reference(), "pp2cp2", "cp2dp2", {"vision.0": 1, "language_model.0": 2, "language_model.1": 2})
 
 
 @pytest.mark.slow
