@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from operator import add
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -296,13 +297,6 @@ def _state_bytes(params: list[torch.nn.Parameter]) -> float:
     return float(sum(p.numel() * (16 if p.requires_grad else 4) for p in params))
 
 
-def _fold_numbers(values: list[float]) -> list[float]:
-    layers = list(values[1:-1])
-    layers[0] += values[0]
-    layers[-1] += values[-1]
-    return layers
-
-
 def model_memory(model, batch: dict | None = None, recompute: bool = False
                  ) -> dict[str, tuple[list[float], list[float], list[float]]]:
     """Per module and layer (parts folded as the costs are): (model-state bytes, activation bytes kept per
@@ -318,7 +312,7 @@ def model_memory(model, batch: dict | None = None, recompute: bool = False
                 for i, (run, x, _, _) in enumerate(parts)]
         states = [_state_bytes(ps) for _, _, ps, _ in parts]
         grads = [float(sum(p.numel() * p.element_size() for p in ps if p.requires_grad)) for _, _, ps, _ in parts]
-        out[module] = (_fold_numbers(states), _fold_numbers(acts), _fold_numbers(grads))
+        out[module] = (fold_parts(states, add), fold_parts(acts, add), fold_parts(grads, add))
     return out
 
 
@@ -328,13 +322,14 @@ def _merge(a: LayerCost, b: LayerCost) -> LayerCost:
                      a.in_backward or b.in_backward)
 
 
-def fold_parts(costs: list[LayerCost]) -> list[LayerCost]:
-    """[embed, layers..., head] -> one cost per layer (embed into the first layer, head into the last)."""
-    if len(costs) < 3:
-        raise ValueError(f"need embed + at least one layer + head, got {len(costs)} parts")
-    layers = list(costs[1:-1])
-    layers[0] = _merge(costs[0], layers[0])
-    layers[-1] = _merge(layers[-1], costs[-1])
+def fold_parts(parts: list, merge: Callable = _merge) -> list:
+    """[embed, layers..., head] -> one entry per layer (embed into the first layer, head into the last), for
+    costs (`_merge`) or byte counts (`operator.add`)."""
+    if len(parts) < 3:
+        raise ValueError(f"need embed + at least one layer + head, got {len(parts)} parts")
+    layers = list(parts[1:-1])
+    layers[0] = merge(parts[0], layers[0])
+    layers[-1] = merge(layers[-1], parts[-1])
     return layers
 
 
