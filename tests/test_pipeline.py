@@ -117,7 +117,7 @@ CHECKPOINT_CASES = [
 def test_activation_checkpointing_trains_like_one_process(case):
     """Recomputing every layer in backward (CP collectives included) changes nothing numerically; layers that
     take part in backward run forward twice per microbatch, layers under no_grad once."""
-    from helpers.pipeline_case import run_rank_checkpointed
+    from helpers.pipeline_case import build_model, run_rank_checkpointed
 
     mods, freeze, enc_pp, llm_pp, cp, microbatches = case
     steps, rows = 2, 4
@@ -131,8 +131,13 @@ def test_activation_checkpointing_trains_like_one_process(case):
         merged.update(params)
         for name, n in rank_calls.items():
             calls.setdefault(name, set()).add(n)
+    assert set(merged) == set(ref_params)
     for name, p in ref_params.items():
         torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
+    model = build_model(mods, freeze)
+    layers = {f"language_model.{i}" for i in range(len(model.llm_layers))}
+    layers |= {f"{m}.{i}" for m in mods for i in range(len(model.encoders[m].layers))}
+    assert set(calls) == layers  # every layer ran on some rank
     runs = steps * microbatches
     for name, counts in calls.items():
         in_backward = freeze == "encoder" or name.startswith("language_model")
