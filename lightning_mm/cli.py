@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import sys
 
+import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_mm  # noqa: F401  (registers the attention and the strategy)
-from lightning_mm.data.synthetic import SyntheticMultimodalDataModule
-from lightning_mm.module import MultimodalLightningModule
+
+
+class MultimodalCLI(LightningCLI):
+    """LightningCLI in subclass mode: ``model`` and ``data`` take any LightningModule / LightningDataModule as
+    ``class_path`` + ``init_args``; a ``model`` section without ``class_path`` means MultimodalLightningModule,
+    a missing ``data`` section the synthetic data."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(pl.LightningModule, pl.LightningDataModule, *args, subclass_mode_model=True,
+                         subclass_mode_data=True, **kwargs)
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.set_defaults({"model": {"class_path": "lightning_mm.module.MultimodalLightningModule"},
+                             "data": {"class_path": "lightning_mm.data.synthetic.SyntheticMultimodalDataModule"}})
 
 
 def main(args: list[str] | None = None) -> None:
@@ -23,8 +36,7 @@ def main(args: list[str] | None = None) -> None:
         from lightning_mm.checkpoint import export_main
 
         return export_main(args[1:])
-    LightningCLI(MultimodalLightningModule, SyntheticMultimodalDataModule, subclass_mode_data=True,
-                 args=args, save_config_kwargs={"overwrite": True})
+    MultimodalCLI(args=args, save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":

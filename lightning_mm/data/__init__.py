@@ -1,7 +1,10 @@
-"""Data: synthetic multimodal data (the embedded default), the collator, and the processor for real inputs."""
+"""Data: synthetic multimodal data (the embedded default), conversation data, the collator, and the processor."""
 
 from lightning_mm.data.collator import MultimodalCollator
+from lightning_mm.data.conversation import (BadRecordError, ConversationDataModule, ConversationDataset,
+                                            load_processor)
 from lightning_mm.data.processor import MultimodalProcessor
 from lightning_mm.data.synthetic import SyntheticMultimodalDataModule, SyntheticMultimodalDataset
 
-__all__ = ["MultimodalCollator", "MultimodalProcessor", "SyntheticMultimodalDataModule", "SyntheticMultimodalDataset"]
+__all__ = ["BadRecordError", "ConversationDataModule", "ConversationDataset", "MultimodalCollator",
+           "MultimodalProcessor", "SyntheticMultimodalDataModule", "SyntheticMultimodalDataset", "load_processor"]

@@ -21,16 +21,17 @@ class MultimodalProcessor:
         self.markers = markers or {name: f"<{name}>" for name in processors}
         self.kwargs = processor_kwargs or {}
 
-    def _encode(self, name: str, items: list) -> dict:
+    def encode_items(self, name: str, items: list) -> dict:
+        """The encoder inputs of modality ``name`` for raw ``items`` (PIL images / arrays, 1-D waveforms)."""
         proc = self.processors[name]
         kw = {"return_tensors": "pt", **self.kwargs.get(name, {})}
         out = proc(images=items, **kw) if hasattr(proc, "image_mean") else proc(items, **kw)
         keep = {"pixel_values", "image_grid_thw", "input_features"}
         return {k: v for k, v in out.items() if k in keep}
 
-    def __call__(self, text: str, train_on_prompt: bool = True, **items: list) -> dict:
-        """One sample: ``text`` holds one marker per item of each modality, in order."""
-        sample, ids = {}, []
+    def tokenize(self, text: str) -> tuple[list[int], dict[str, int]]:
+        """Token ids of ``text`` with one placeholder id per marker, and the number of markers per modality."""
+        ids = []
         pattern = sorted(self.markers.items(), key=lambda kv: -len(kv[1]))
         rest, counts = text, {name: 0 for name in self.markers}
         while rest:
@@ -44,12 +45,18 @@ class MultimodalProcessor:
             ids.append(self.model.placeholder_ids[name])
             counts[name] += 1
             rest = rest[at + len(marker):]
+        return ids, counts
+
+    def __call__(self, text: str, train_on_prompt: bool = True, **items: list) -> dict:
+        """One sample: ``text`` holds one marker per item of each modality, in order."""
+        sample = {}
+        ids, counts = self.tokenize(text)
         for name, n in counts.items():
             given = len(items.get(name, []))
             if n != given:
                 raise ValueError(f"modality {name!r}: the text has {n} {self.markers[name]!r} markers but {given} "
                                  "items were given; put one marker per image/clip")
             if n:
-                sample[name] = self._encode(name, list(items[name]))
+                sample[name] = self.encode_items(name, list(items[name]))
         sample["input_ids"] = torch.tensor(ids, dtype=torch.long)
         return sample

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 
 class SkippingBatchSampler:
@@ -64,3 +64,37 @@ def resumable(loader):
     if loader.num_workers:
         kw["prefetch_factor"] = loader.prefetch_factor
     return ResumableDataLoader(loader.dataset, batch_sampler=SkippingBatchSampler(loader.batch_sampler), **kw)
+
+
+class SkippingDistributedSampler(DistributedSampler):
+    """A DistributedSampler whose next iteration starts ``skip`` samples in (then skips none).
+
+    Being a DistributedSampler, Lightning leaves it in place (no sampler is injected), so a data module can
+    build its data-parallel shard itself from ``trainer.distributed_sampler_kwargs``.
+    """
+
+    skip = 0
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
+
+
+class ShardedResumableDataLoader(DataLoader):
+    """``DataLoader(dataset, sampler=SkippingDistributedSampler(...), batch_size=..., drop_last=...)`` with the
+    same ``state_dict`` as ResumableDataLoader (``{"batches": n}``); resuming skips ``n * batch_size`` indices."""
+
+    def __iter__(self):
+        self.batches_done = self.sampler.skip // self.batch_size
+        for batch in super().__iter__():
+            self.batches_done += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"batches": int(getattr(self, "batches_done", 0))}
+
+    def load_state_dict(self, state: dict) -> None:
+        n = int(state.get("batches", 0))
+        n = n if 0 < n < len(self) else 0  # a finished epoch restarts at 0
+        self.sampler.skip = n * self.batch_size
+        self.batches_done = n
