@@ -441,10 +441,7 @@ def export_main(args: list[str]) -> None:
     which are the trained run's only under the same fixed ``seed_everything``: without one the export refuses."""
     import argparse
 
-    from lightning.pytorch.cli import LightningCLI
-
-    from lightning_mm.data.synthetic import SyntheticMultimodalDataModule
-    from lightning_mm.module import MultimodalLightningModule
+    from lightning_mm.cli import MultimodalCLI
 
     parser = argparse.ArgumentParser(prog="lightning-mm export",
                                      description="write a checkpoint as HF folders (encoders, projectors, LLM)")
@@ -455,8 +452,7 @@ def export_main(args: list[str]) -> None:
     ns = parser.parse_args(args)
     layout = read_layout(ns.ckpt_path)  # a bad checkpoint fails before the model is built
     cli_args = [a for cfg in ns.config for a in ("--config", cfg)] + ["--trainer.logger=false"]
-    cli = LightningCLI(MultimodalLightningModule, SyntheticMultimodalDataModule, subclass_mode_data=True, run=False,
-                       args=cli_args, save_config_callback=None)
+    cli = MultimodalCLI(run=False, args=cli_args, save_config_callback=None)
     model = cli.model.model
     check_same_model(layout["parameters"], model_fingerprint(model), ns.ckpt_path)
     stored = {n for n in layout["parameters"] if n in layout["trainable"] or layout.get("frozen_saved")}
