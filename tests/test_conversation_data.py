@@ -16,7 +16,8 @@ import soundfile
 import torch
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, SiglipImageProcessor, WhisperFeatureExtractor
+from transformers import (PreTrainedTokenizerFast, Qwen2VLImageProcessor, SiglipImageProcessor,
+                          WhisperFeatureExtractor)
 
 import lightning_mm as lmm
 from lightning_mm.data import BadRecordError, ConversationDataModule
@@ -244,6 +245,26 @@ def test_bad_records_skipped_and_counted(tmp_path, proc_dir):
     assert ds.bad_records[-1][0] == 4 and "cannot read image file" in ds.bad_records[-1][1]
     with pytest.raises(BadRecordError, match=r"record 1 of .*train.json: cannot read image file .*broken.png"):
         datamodule(tmp_path, [BASIC[0], broken], proc_dir, on_bad_record="raise", scan=False).train_dataset[1]
+
+
+def test_variable_resolution_images_from_a_processor_subfolder(tmp_path):
+    proc = make_processor(tmp_path / "proc")
+    Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
+                          max_pixels=32 * 32).save_pretrained(tmp_path / "proc" / "vision")  # the subfolder wins
+    torch.manual_seed(0)
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("qwen2_vl"))},
+                                tiny_language_model("llama", vocab_size=64))
+    dm = datamodule(tmp_path, BASIC, proc, model=model)
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["vision"]["image_grid_thw"].tolist() == [[1, 8, 6]] * 3  # 40x48 pixels in 4x4 patches
+    assert (batch["input_ids"] == model.placeholder_ids["vision"]).sum(1).tolist() == [12, 24, 0]  # 8*6/2^2 each
+    assert torch.isfinite(model(**batch).loss)
+
+
+def test_media_for_a_modality_the_model_lacks_is_a_bad_record(tmp_path, proc_dir):
+    records = [BASIC[2], {"audio": "tone.wav", "conversations": conv("<audio>", "a sound")}]
+    with pytest.raises(BadRecordError, match=r"record 1 of .*: it has audio files but the model has no encoder"):
+        datamodule(tmp_path, records, proc_dir)
 
 
 def test_missing_marker_prepends_images_llava_style(tmp_path, proc_dir):

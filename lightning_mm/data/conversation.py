@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 BAD_RECORD_MODES = ("raise", "skip")
+MEDIA_KEYS = ("image", "audio")  # record keys of the LLaVA format
 KEEP_REASONS = 100  # reasons kept for the first bad records (all are counted)
 
 
@@ -236,6 +237,10 @@ class ConversationDataset(Dataset):
             raise self._bad(index, "empty conversation (no assistant turn with text)")
         if self.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
+        for key in MEDIA_KEYS:
+            if key not in self.record_keys.values() and _as_list(record.get(key)):
+                raise self._bad(index, f"it has {key} files but the model has no encoder reading {key!r} records "
+                                       f"(encoders: {self.record_keys})")
         media = {}
         for name, key in self.record_keys.items():
             files = _as_list(record.get(key))
@@ -260,7 +265,8 @@ class ConversationDataset(Dataset):
 
     def scan(self) -> list[int]:
         """Indices of the records whose structure and files are good (raises on the first bad one in raise mode)."""
-        cols = [c for c in ("conversations", *self.record_keys.values()) if c in self.records.column_names]
+        wanted = ("conversations", *self.record_keys.values(), *MEDIA_KEYS)
+        cols = [c for c in dict.fromkeys(wanted) if c in self.records.column_names]
         good = []
         at = 0
         for rows in self.records.select_columns(cols).iter(batch_size=1024):
