@@ -32,6 +32,7 @@ import os
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -148,7 +149,6 @@ def _load_image(file: Path):
 
 
 def _load_audio(file: Path, sampling_rate: int):
-    import numpy as np
     import soundfile
 
     wave, rate = soundfile.read(str(file), dtype="float32", always_2d=True)
@@ -199,9 +199,7 @@ class ConversationDataset(Dataset):
         self.system_prompt = system_prompt
         self.record_keys = record_keys or {name: m.strip("<>") for name, m in processor.markers.items()}
         self.num_bad_records, self.bad_records = 0, []
-        self.indices = list(range(len(self.records)))
-        if scan:
-            self.indices = self.scan()
+        self.indices = np.array(self.scan() if scan else range(len(self.records)), dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -381,7 +379,7 @@ class ConversationDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         for attempt in range(len(self.indices)):
-            index = self.indices[(i + attempt) % len(self.indices)]
+            index = int(self.indices[(i + attempt) % len(self.indices)])
             try:
                 return self.encode(index)
             except BadRecordError as err:
