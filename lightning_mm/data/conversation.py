@@ -404,8 +404,9 @@ class ConversationDataModule(pl.LightningDataModule):
     with ``seed``; the train loader resumes mid-epoch from a checkpoint.
     """
 
-    def __init__(self, data_path: str, media_root: str | None = None, processor: str | MultimodalProcessor | None = None,
-                 batch_size: int = 8, max_length: int | None = None, train_on_prompt: bool = False,
+    def __init__(self, data_path: str, media_root: str | None = None,
+                 processor: str | MultimodalProcessor | None = None, batch_size: int = 8,
+                 max_length: int | None = None, train_on_prompt: bool = False,
                  pack: bool = False, pad_to_multiple_of: int = 1, on_bad_record: str = "raise",
                  val_data_path: str | None = None, shuffle: bool = True, seed: int = 0, num_workers: int = 0,
                  system_prompt: str | None = None, modalities: dict[str, str] | None = None,
@@ -462,8 +463,9 @@ class ConversationDataModule(pl.LightningDataModule):
     def collator(self) -> MultimodalCollator:
         h = self.hparams
         pad = getattr(self.processor.tokenizer, "pad_token_id", None)
-        return MultimodalCollator(self.model, seq_len=h.max_length, pack=h.pack, pad_to_multiple_of=h.pad_to_multiple_of,
-                                  pad_token_id=pad if pad is not None else 0, causal_modalities=h.causal_modalities)
+        return MultimodalCollator(self.model, seq_len=h.max_length, pack=h.pack,
+                                  pad_to_multiple_of=h.pad_to_multiple_of, pad_token_id=pad if pad is not None else 0,
+                                  causal_modalities=h.causal_modalities)
 
     def replica(self) -> dict:
         """``{"num_replicas": dp, "rank": dp_rank}`` of this process (1 and 0 without a distributed trainer)."""
