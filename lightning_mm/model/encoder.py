@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -29,12 +30,21 @@ class ModalityEncoder(nn.Module):
     the batch in order). A string projector is built when the encoder joins a ``MultimodalModel`` (which knows the
     LLM's width); until then ``projector`` is None. Callbacks that change the number of tokens must come with a
     ``num_tokens`` override, since the LLM sequence is laid out before the encoder runs.
+
+    ``encoder`` may be a local folder written by ``save_pretrained`` (the tower itself or the whole CLIP / SigLIP /
+    Whisper / Qwen2-VL / Qwen2-Audio model it belongs to): see ``lightning_mm.model.loading.load_encoder``; under
+    the meta device only its shapes are built and ``materialise`` reads the weights later.
     """
 
-    def __init__(self, encoder: nn.Module, projector: str | nn.Module = "mlp", preprocess: Callable | None = None,
-                 postprocess_encoder: Callable | None = None, postprocess_projector: Callable | None = None,
-                 placeholder_id: int | None = None, num_tokens: Callable | None = None):
+    def __init__(self, encoder: nn.Module | str, projector: str | nn.Module = "mlp",
+                 preprocess: Callable | None = None, postprocess_encoder: Callable | None = None,
+                 postprocess_projector: Callable | None = None, placeholder_id: int | None = None,
+                 num_tokens: Callable | None = None):
         super().__init__()
+        if isinstance(encoder, (str, os.PathLike)):
+            from lightning_mm.model.loading import load_encoder
+
+            encoder = load_encoder(encoder)
         self.family = encoder_family(encoder)
         self.module = encoder
         self.config = encoder.config  # kept when a pipeline stage drops the module itself
@@ -51,10 +61,14 @@ class ModalityEncoder(nn.Module):
     def output_dim(self) -> int:
         return self.family.output_dim(self.module)
 
-    def attach(self, llm_hidden_size: int) -> None:
-        """Build a string projector for the LLM's width (called by MultimodalModel)."""
+    def attach(self, llm_hidden_size: int) -> bool:
+        """Build a string projector for the LLM's width (called by MultimodalModel); True if it was built now.
+
+        Its values come from ``MultimodalModel``, which knows its full name (``init_parameters``)."""
         if self.projector is None:
             self.projector = build_projector(self.projector_kind, self.output_dim, llm_hidden_size)
+            return True
+        return False
 
     @property
     def layers(self) -> nn.ModuleList:

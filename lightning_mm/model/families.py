@@ -30,6 +30,11 @@ class DecoderFamily:
     class_name: str
     config_name: str
 
+    def hf_class(self):
+        import transformers
+
+        return getattr(transformers, self.class_name)
+
     def embed_tokens(self, lm):
         return lm.model.embed_tokens
 
@@ -113,8 +118,17 @@ class EncoderFamily:
 
     name = ""
     class_names: tuple[str, ...] = ()
+    hf_module = "transformers"  # where the class named class_names[0] lives
+    # config ``model_type`` of a saved folder -> the attribute of that config holding the encoder's own config
+    # (None: the config is the encoder's), e.g. a whole CLIPModel folder -> ``vision_config``
+    folder_model_types: dict[str, str | None] = {}
     input_key = "pixel_values"
     embed_modules: tuple[str, ...] = ("embeddings",)  # run by ``embed``; every other non-layer part by ``final``
+
+    def hf_class(self):
+        import importlib
+
+        return getattr(importlib.import_module(self.hf_module), self.class_names[0])
 
     def layers(self, enc) -> nn.ModuleList:
         return enc.encoder.layers
@@ -181,6 +195,7 @@ class _ViTFamily(EncoderFamily):
 
 class ClipFamily(_ViTFamily):
     name, class_names, class_token = "CLIP", ("CLIPVisionModel",), 1
+    folder_model_types = {"clip_vision_model": None, "clip": "vision_config"}
     embed_modules = ("embeddings", "pre_layrnorm")
 
     def embed(self, enc, inputs):
@@ -199,6 +214,7 @@ class ClipFamily(_ViTFamily):
 
 class SiglipFamily(_ViTFamily):
     name, class_names = "SigLIP", ("SiglipVisionModel",)
+    folder_model_types = {"siglip_vision_model": None, "siglip": "vision_config"}
 
     def embed(self, enc, inputs):
         pv = inputs["pixel_values"]
@@ -219,6 +235,7 @@ class SiglipFamily(_ViTFamily):
 
 class Dinov2Family(_ViTFamily):
     name, class_names, class_token = "Dinov2", ("Dinov2Model",), 1
+    folder_model_types = {"dinov2": None}
 
     def layers(self, enc):
         return enc.encoder.layer
@@ -242,6 +259,8 @@ class Qwen2VisionFamily(EncoderFamily):
     """
 
     name, class_names, input_key = "Qwen2-VL vision", ("Qwen2VisionTransformerPretrainedModel",), "image_grid_thw"
+    hf_module = "transformers.models.qwen2_vl.modeling_qwen2_vl"
+    folder_model_types = {"qwen2_vl_vision": None, "qwen2_vl": "vision_config"}
     embed_modules = ("patch_embed",)
 
     def layers(self, enc):
@@ -336,6 +355,8 @@ class _WhisperLikeFamily(EncoderFamily):
 
 class WhisperFamily(_WhisperLikeFamily):
     name, class_names = "Whisper encoder", ("WhisperEncoder",)
+    hf_module = "transformers.models.whisper.modeling_whisper"
+    folder_model_types = {"whisper": None}
 
     def num_tokens(self, config, inputs):
         return [config.max_source_positions] * inputs["input_features"].shape[0]
@@ -360,6 +381,7 @@ class WhisperFamily(_WhisperLikeFamily):
 
 class Qwen2AudioFamily(_WhisperLikeFamily):
     name, class_names = "Qwen2-Audio encoder", ("Qwen2AudioEncoder",)
+    folder_model_types = {"qwen2_audio_encoder": None, "qwen2_audio": "audio_config"}
 
     def num_tokens(self, config, inputs):
         return [config.max_source_positions // 2] * inputs["input_features"].shape[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,6 +14,7 @@ from lightning_mm import masks
 from lightning_mm.attention import ATTENTION_NAME
 from lightning_mm.model.encoder import ModalityEncoder
 from lightning_mm.model.families import language_family
+from lightning_mm.model.loading import init_parameters, is_meta, load_language_model
 
 SEQUENCE_KEYS = ("input_ids", "labels", "bam", "segment_ids", "position_ids", "attention_mask", "item_counts")
 
@@ -55,12 +57,20 @@ class MultimodalModel(nn.Module):
     encoder emits (``ModalityEncoder.num_tokens``); placeholders default to ids at and above the LLM vocabulary so
     they never collide with text. ``merge(embeds, input_ids, features: dict) -> embeds`` replaces the default
     placement. Bit k of the attention mask belongs to the k-th encoder of ``encoders``.
+
+    ``language_model`` may be a local folder written by ``save_pretrained`` (``load_language_model``). The whole
+    model can be built under ``torch.device("meta")`` (or Lightning's ``init_module(empty_init=True)``) and filled by
+    ``lightning_mm.model.materialise``. Projectors built from a string are initialised from
+    ``torch.initial_seed()`` and their full names (``encoders.<name>.projector``), eagerly or when materialised, so
+    both give the same values.
     """
 
-    def __init__(self, encoders: dict[str, ModalityEncoder], language_model: nn.Module,
+    def __init__(self, encoders: dict[str, ModalityEncoder], language_model: nn.Module | str,
                  merge: Callable | None = None, placeholder_ids: dict[str, int] | None = None):
         super().__init__()
         masks.check_num_encoders(len(encoders))
+        if isinstance(language_model, (str, os.PathLike)):
+            language_model = load_language_model(language_model)
         self.lm_family = language_family(language_model)
         for name, enc in encoders.items():
             if not isinstance(enc, ModalityEncoder):
@@ -68,7 +78,8 @@ class MultimodalModel(nn.Module):
                                 "projector='mlp')")
             if name in SEQUENCE_KEYS:
                 raise ValueError(f"encoder name {name!r} clashes with a batch key; rename it")
-            enc.attach(self.lm_family.hidden_size(language_model))
+            if enc.attach(self.lm_family.hidden_size(language_model)) and not is_meta(enc.projector):
+                init_parameters(enc.projector, prefix=f"encoders.{name}.projector")
         self.encoders = nn.ModuleDict(encoders)
         self.language_model = language_model
         # kept as plain numbers: a pipeline stage may drop the language model itself
