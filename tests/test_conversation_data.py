@@ -269,6 +269,20 @@ def test_media_for_a_modality_the_model_lacks_is_a_bad_record(tmp_path, proc_dir
         datamodule(tmp_path, records, proc_dir)
 
 
+def test_chat_template_errors(tmp_path):
+    proc = make_processor(tmp_path / "proc")
+    tok = PreTrainedTokenizerFast.from_pretrained(proc)
+    tok.chat_template = "{% for m in messages | reverse %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    tok.save_pretrained(proc)  # earlier turns move when a turn is added: assistant turns cannot be located
+    with pytest.raises(ValueError, match="record 0 of .*: the chat template does not render a conversation's prefix"):
+        datamodule(tmp_path, BASIC[2:], proc).train_dataset[0]
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+                         "{% endif %}{{ m['content'] }} {% endfor %}")
+    tok.save_pretrained(proc)
+    with pytest.raises(BadRecordError, match="record 0 of .*: the chat template failed on it .*no system"):
+        datamodule(tmp_path, BASIC[2:], proc, system_prompt="be brief").train_dataset[0]
+
+
 def test_missing_marker_prepends_images_llava_style(tmp_path, proc_dir):
     rec = {"image": "red.png", "conversations": conv("what is this", "a red square")}
     s = datamodule(tmp_path, [rec], proc_dir).train_dataset[0]

@@ -294,26 +294,24 @@ class ConversationDataset(Dataset):
         tok = self.processor.tokenizer
 
         def render(msgs, gen):
-            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            try:
+                return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            except Exception as err:  # noqa: BLE001  (the template's own error on this record)
+                raise self._bad(index, f"the chat template failed on it ({type(err).__name__}: {err})") from err
 
         pieces, ends, done = [], [], ""
-        try:
-            for i, m in enumerate(messages):
-                if m["role"] != "assistant":
-                    continue
-                prompt, full = render(messages[:i], True), render(messages[: i + 1], False)
-                if not prompt.startswith(done) or not full.startswith(prompt):
-                    raise ValueError(
-                        f"record {index} of {self.data_path}: the chat template does not render a conversation's "
-                        f"prefix as a prefix of its rendering (turn {i}), so assistant turns cannot be located; use "
-                        "a template whose earlier turns do not change when a turn is added")
-                pieces += [(prompt[len(done):], self.train_on_prompt), (full[len(prompt):], True)]
-                ends.append(len(pieces))
-                done = full
-        except Exception as err:  # noqa: BLE001  (a template's own error on this record)
-            if isinstance(err, ValueError) and "chat template" in str(err):
-                raise
-            raise self._bad(index, f"the chat template failed on it ({type(err).__name__}: {err})") from err
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prompt, full = render(messages[:i], True), render(messages[: i + 1], False)
+            if not prompt.startswith(done) or not full.startswith(prompt):
+                raise ValueError(
+                    f"record {index} of {self.data_path}: the chat template does not render a conversation's prefix "
+                    f"as a prefix of its rendering (turn {i}), so assistant turns cannot be located; use a template "
+                    "whose earlier turns do not change when a turn is added")
+            pieces += [(prompt[len(done):], self.train_on_prompt), (full[len(prompt):], True)]
+            ends.append(len(pieces))
+            done = full
         return pieces, ends
 
     def _load_media(self, index: int, name: str, files: list[Path]) -> dict:
