@@ -10,6 +10,13 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_mm  # noqa: F401  (registers the attention and the strategy)
 
 
+EXTRA_COMMANDS = {
+    "plan": "Predict a fit YAML's iteration time, bubbles and memory per stage, and search the best layout for N "
+            "devices (lightning-mm plan --help).",
+    "export": "Write a checkpoint as HuggingFace folders loadable with from_pretrained (lightning-mm export --help).",
+}
+
+
 class MultimodalCLI(LightningCLI):
     """LightningCLI in subclass mode: ``model`` and ``data`` take any LightningModule / LightningDataModule as
     ``class_path`` + ``init_args``; a ``model`` section without ``class_path`` means MultimodalLightningModule,
@@ -19,6 +26,15 @@ class MultimodalCLI(LightningCLI):
         super().__init__(pl.LightningModule, pl.LightningDataModule, *args, subclass_mode_model=True,
                          subclass_mode_data=True, **kwargs)
 
+    def _add_subcommands(self, parser, **kwargs) -> None:
+        """Lightning's fit/validate/test/predict, plus a help line each for ``plan`` and ``export`` (``main``
+        routes those two before LightningCLI parses anything)."""
+        from jsonargparse import ArgumentParser
+
+        super()._add_subcommands(parser, **kwargs)
+        for name, text in EXTRA_COMMANDS.items():
+            parser._subcommands_action.add_subcommand(name, ArgumentParser(description=text), help=text)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults({"model": {"class_path": "lightning_mm.module.MultimodalLightningModule"},
                              "data": {"class_path": "lightning_mm.data.synthetic.SyntheticMultimodalDataModule"}})
@@ -27,6 +43,7 @@ class MultimodalCLI(LightningCLI):
 def main(args: list[str] | None = None) -> None:
     """Entry point: ``lightning-mm fit --config examples/tiny_vlm.yaml``; ``lightning-mm plan --config ...``;
     ``lightning-mm export --config ... --ckpt_path ... --out_dir ...``."""
+    from_argv = args is None
     args = sys.argv[1:] if args is None else args
     if args[:1] == ["plan"]:  # the planner's report, not a Trainer run (lightning_mm/planner/plan_cli.py)
         from lightning_mm.planner.plan_cli import main as plan
@@ -36,7 +53,11 @@ def main(args: list[str] | None = None) -> None:
         from lightning_mm.checkpoint import export_main
 
         return export_main(args[1:])
-    MultimodalCLI(args=args, save_config_kwargs={"overwrite": True})
+    from lightning_mm.callbacks import LossCurve
+
+    # args=None when they come from sys.argv: LightningCLI warns when given both
+    MultimodalCLI(args=None if from_argv else args, save_config_kwargs={"overwrite": True},
+                  trainer_defaults={"callbacks": [LossCurve()]})  # fit writes loss.png beside metrics.csv
 
 
 if __name__ == "__main__":

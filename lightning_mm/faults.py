@@ -17,14 +17,27 @@ On any of these it prints ``lightning-mm fault: ...`` naming the rank and ends t
 Checkpoints are written atomically (``lightning_mm.checkpoint``), so the last completed one stays loadable.
 A normal end goes through :meth:`finish`: every rank waits (bounded) for all others to finish, so rank 0 never
 takes the store down while a peer still watches it.
+
+A rank can also be alive (heartbeats keep coming) but stuck: in a long sleep, a user hook that waits forever, a
+collective that only some ranks entered. The runtime marks every blocking collective and P2P wait with
+:func:`waiting` (a context manager: the operation, the peer it waits on or the group it waits with); the
+watchdog publishes that record at each beat. When this rank has been inside one wait longer than ``timeout``,
+it follows "who waits on whom" through the published records to the rank that is alive but not waiting on
+anything, and ends every process with a message naming that rank, its pipeline stage and the wait that timed out;
+the stuck rank also prints where its main thread is. If every rank on the path waits (a collective entered by
+only some ranks, mismatched operations), the message lists each rank's wait instead.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -49,20 +62,125 @@ def exit_process(message: str) -> None:
     os._exit(FAULT_EXIT_CODE)
 
 
+# ------------------------------------------------------------------------------------------------ waits
+@dataclass(frozen=True)
+class Wait:
+    """One blocking wait of the training thread: ``operation`` (e.g. "recv", "all_reduce"), the ``peer`` rank a
+    P2P wait depends on, or the ``group`` a collective waits with (a process group, a list of global ranks, or
+    None for every rank), entered at ``since`` (``time.monotonic()``)."""
+
+    operation: str
+    peer: int | None
+    group: object
+    since: float
+
+    def ranks(self, world: int) -> list[int]:
+        """The global ranks this wait depends on."""
+        if self.peer is not None:
+            return [int(self.peer)]
+        if self.group is None:
+            return list(range(world))
+        if isinstance(self.group, (list, tuple, range)):
+            return [int(r) for r in self.group]
+        return list(dist.get_process_group_ranks(self.group))
+
+
+class WaitRecord:
+    """What the training thread is blocked in right now (``current``; None outside any wait)."""
+
+    def __init__(self):
+        self.current: Wait | None = None
+
+    @contextmanager
+    def waiting(self, operation: str, peer: int | None = None, group=None):
+        outer, self.current = self.current, Wait(operation, peer, group, time.monotonic())
+        try:
+            yield
+        finally:
+            self.current = outer
+
+
+WAITS = WaitRecord()  # the process's training thread (what the strategy's watchdog reads)
+
+
+def waiting(operation: str, peer: int | None = None, group=None):
+    """Mark a blocking collective or P2P wait for the stuck-rank watchdog::
+
+        with waiting("recv", peer=src):                       # P2P: waits on one global rank
+            dist.recv(t, src)
+        with waiting("all_reduce", group=pg):                 # collective: a process group, a rank list, None = all
+            dist.all_reduce(t, group=pg)
+
+    Costs one object per call; without a watchdog nothing reads it."""
+    return WAITS.waiting(operation, peer, group)
+
+
+C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
+
+
+def c10d_wait(frame) -> tuple[str, object, object] | None:
+    """If ``frame`` (a thread's innermost) is inside a ``torch.distributed`` call: (the call's name, the rank it
+    waits on or None, its group). This sees the synchronous collectives and P2P calls nobody marked with
+    :func:`waiting` (Lightning's barrier and broadcast, torchmetrics' syncs); asynchronous ``work.wait()`` needs
+    the mark."""
+    found = None
+    while frame is not None and frame.f_code.co_filename.endswith(C10D_FILES):
+        if frame.f_code.co_filename.endswith(C10D_FILES[0]):
+            found = frame
+        frame = frame.f_back
+    if found is None:
+        return None
+    local = found.f_locals
+    peer = local.get("src") if found.f_code.co_name in ("recv", "irecv") else None
+    name = found.f_code.co_name
+    if frame is not None:  # the caller outside torch.distributed
+        where = "/".join(frame.f_code.co_filename.split(os.sep)[-2:])
+        name += f" (called from {frame.f_code.co_name} at {where}:{frame.f_lineno})"
+    return name, peer if isinstance(peer, int) else None, local.get("group")
+
+
+def main_thread_stack(limit: int = 8) -> str:
+    """The innermost ``limit`` frames of the main thread (what a stuck rank is doing)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "(no main thread)"
+    return "".join(traceback.format_stack(frame)[-limit:]).rstrip()
+
+
+def rank_labels(layout) -> dict[int, str]:
+    """``{rank: "stage S"}`` (with dp / cp coordinates where those are > 1) from a RankLayout."""
+    out = {}
+    for r in range(layout.world_size):
+        c = layout.coordinate(r)
+        extra = ([f"dp {c.dp}"] if layout.dp > 1 else []) + ([f"cp {c.cp}"] if layout.widths[c.stage] > 1 else [])
+        out[r] = f"stage {c.stage}" + (f", {', '.join(extra)}" if extra else "")
+    return out
+
+
 class FaultWatchdog:
-    """Heartbeat monitor for ``world`` ranks; ``on_fault(message)`` runs once when a peer is lost."""
+    """Heartbeat and stuck-wait monitor for ``world`` ranks; ``on_fault(message)`` runs once when a peer is lost
+    or stuck. ``labels`` names each rank's place (``rank_labels(layout)``) in messages; ``waits`` is the record of
+    this rank's training thread (default: the process's, set by :func:`waiting`)."""
 
     def __init__(self, rank: int, world: int, timeout: float = 60.0, interval: float | None = None,
-                 store=None, on_fault=exit_process, run_id: str = "0"):
+                 store=None, on_fault=exit_process, run_id: str = "0", labels: dict[int, str] | None = None,
+                 waits: WaitRecord = WAITS):
         if timeout <= 0:
             raise ValueError(f"fault_timeout must be > 0 seconds (or None to disable), got {timeout}")
         self.rank, self.world, self.timeout = rank, world, float(timeout)
         self.interval = interval if interval is not None else min(1.0, self.timeout / 5)
         self.store = store if store is not None else default_store(self.timeout)
         self.on_fault, self.prefix = on_fault, f"{PREFIX}/{run_id}"
+        self.labels, self.waits = dict(labels or {}), waits
+        self._c10d: tuple | None = None  # (frame id, name, since) of an unmarked torch.distributed call seen
+        self._suspects: tuple | None = None  # (stuck ranks, their heartbeat counters) found by the last check
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fired = False
+        self._published: Wait | None | bool = False  # the wait last written to the store (False: nothing yet)
+
+    def label(self, rank: int) -> str:
+        return f"rank {rank}" + (f" ({self.labels[rank]})" if rank in self.labels else "")
 
     def key(self, what: str) -> str:
         return f"{self.prefix}/{what}"
@@ -85,7 +203,8 @@ class FaultWatchdog:
         try:
             self.store.set(self.key("failed"), f"rank {self.rank} raised {type(exc).__name__}: {exc}"[:2000])
         except Exception:  # noqa: BLE001  (the store host may be the one that died)
-            pass
+            return
+        self._seen_failure()
 
     def blame(self, seconds: float) -> bool:
         """After a communication error: give the heartbeat thread up to ``seconds`` to name the lost rank (its
@@ -116,6 +235,116 @@ class FaultWatchdog:
             self._stop.set()
             self.on_fault(f"{message}; stopping rank {self.rank} instead of waiting for the process-group timeout")
 
+    def _seen_failure(self) -> None:
+        """Count this rank as having read the job's failure; rank 0 (the store's host) then waits, bounded, until
+        every rank has, so none of them finds the store gone instead of reading why."""
+        try:
+            self.store.add(self.key("seen"), 1)
+            if self.rank == 0:
+                deadline = time.monotonic() + 5 * self.interval + 2
+                while int(self.store.add(self.key("seen"), 0)) < self.world and time.monotonic() < deadline:
+                    time.sleep(self.interval / 4)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _end_all(self, message: str, stuck: list[int]) -> None:
+        """Publish ``message`` as the job's failure (every peer ends at its next beat), then end this rank."""
+        try:
+            self.store.set(self.key("stuck"), json.dumps(stuck))
+            self.store.set(self.key("failed"), message[:4000])
+        except Exception:  # noqa: BLE001
+            pass
+        self._seen_failure()
+        self._fault(message)
+
+    def current_wait(self) -> Wait | None:
+        """The training thread's wait: the one marked with :func:`waiting`, else (for the process's own record)
+        a ``torch.distributed`` call its main thread is inside, timed from the first beat that saw it."""
+        wait = self.waits.current
+        if wait is not None or self.waits is not WAITS:
+            return wait
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        found = c10d_wait(frame) if frame is not None else None
+        if found is None:
+            self._c10d = None
+            return None
+        name, peer, group = found
+        key = (id(frame), name)
+        if self._c10d is None or self._c10d[0] != key:
+            self._c10d = (key, Wait(name, peer, group, time.monotonic()))
+        return self._c10d[1]
+
+    def _publish_wait(self) -> None:
+        """Write this rank's current wait to the store when it changed since the last beat."""
+        wait = self.current_wait()
+        if wait is self._published:
+            return
+        record = "" if wait is None else json.dumps({"op": wait.operation, "peer": wait.peer,
+                                                      "ranks": wait.ranks(self.world)})
+        self.store.set(self.key(f"wait/{self.rank}"), record)
+        self._published = wait
+
+    def _read_waits(self) -> dict[int, dict | None]:
+        out = {}
+        for r in range(self.world):
+            key = self.key(f"wait/{r}")
+            raw = self.store.get(key).decode() if self.store.check([key]) else ""
+            out[r] = json.loads(raw) if raw else None
+        return out
+
+    def describe_wait(self, record: dict) -> str:
+        if record["peer"] is not None:
+            return f"{record['op']} from {self.label(record['peer'])}"
+        ranks = record["ranks"]
+        who = "every rank" if len(ranks) == self.world else f"ranks {ranks}"
+        return f"{record['op']} with {who}"
+
+    def stuck_ranks(self, waits: dict[int, dict | None]) -> tuple[list[int], list[int]]:
+        """Follow "who waits on whom" from this rank: (ranks reached that wait on nothing, ranks reached that
+        wait), in the order found."""
+        stuck, waiting_ranks, queue, seen = [], [], [self.rank], {self.rank}
+        while queue:
+            r = queue.pop(0)
+            if waits.get(r) is None:
+                stuck.append(r)
+                continue
+            waiting_ranks.append(r)
+            for peer in waits[r]["ranks"]:
+                if peer not in seen:
+                    seen.add(peer)
+                    queue.append(peer)
+        return stuck, waiting_ranks
+
+    def _check_wait(self, now: float, last_value: dict[int, int]) -> bool:
+        """If this rank has waited longer than the timeout: find the stuck rank, end every process. True if it
+        fired. A rank is named stuck only when two checks in a row find it and its heartbeat moved in between
+        (a killed or frozen rank stops beating: the heartbeat check names that one)."""
+        wait = self.current_wait()
+        if wait is None or now - wait.since <= self.timeout:
+            self._suspects = None
+            return False
+        waits = self._read_waits()
+        waits[self.rank] = {"op": wait.operation, "peer": wait.peer, "ranks": wait.ranks(self.world)}
+        stuck, waiting_ranks = self.stuck_ranks(waits)
+        beats = {r: last_value.get(r, -1) for r in stuck}
+        previous, self._suspects = self._suspects, (tuple(stuck), beats)
+        if previous is None or previous[0] != tuple(stuck) or any(beats[r] == previous[1][r] for r in stuck
+                                                                  if r != self.rank):
+            return False
+        mine = f"{self.label(self.rank)} has waited {now - wait.since:.1f} s in {self.describe_wait(waits[self.rank])}"
+        others = [f"{self.label(r)} in {self.describe_wait(waits[r])}" for r in waiting_ranks if r != self.rank]
+        tail = (f"; also waiting: {'; '.join(others)}" if others else "") + f" (fault_timeout={self.timeout:g} s)"
+        if stuck:
+            names = ", ".join(self.label(r) for r in stuck)
+            verb = "is" if len(stuck) == 1 else "are"
+            message = (f"{names} {verb} stuck: alive (heartbeats) but not in any collective or P2P wait that "
+                       f"lightning-mm tracks, while {mine}{tail}")
+        else:
+            message = (f"ranks wait on each other (a collective or P2P operation that not every rank entered): "
+                       f"{mine}{tail}")
+        self._end_all(message, stuck)
+        return True
+
     def _run(self) -> None:
         peers = [r for r in range(self.world) if r != self.rank]
         last_value = {r: -1 for r in peers}
@@ -125,11 +354,17 @@ class FaultWatchdog:
                 self.store.add(self.key(f"beat/{self.rank}"), 1)
                 if self.store.check([self.key("failed")]):
                     failed = self.store.get(self.key("failed")).decode()
-                    self._fault(f"{failed}")
+                    has_stuck = self.store.check([self.key("stuck")])
+                    stuck = json.loads(self.store.get(self.key("stuck"))) if has_stuck else []
+                    if self.rank in stuck:
+                        failed += f"; {self.label(self.rank)}'s main thread is at:\n{main_thread_stack()}\n"
+                    self._seen_failure()
+                    self._fault(failed)
                     return
                 values = [int(self.store.add(self.key(f"beat/{r}"), 0)) for r in peers]
                 if int(self.store.add(self.key("done"), 0)) >= self.world:
                     continue
+                self._publish_wait()
             except Exception as e:  # noqa: BLE001
                 if self._stop.is_set():
                     return
@@ -144,6 +379,11 @@ class FaultWatchdog:
                     self._fault(f"rank {r} stopped sending heartbeats {now - last_change[r]:.1f} s ago (killed, out "
                                 f"of memory, or hung; fault_timeout={self.timeout:g} s)")
                     return
+            try:
+                if self._check_wait(now, last_value):
+                    return
+            except Exception:  # noqa: BLE001  (the store went away mid-check: the next beat reports it)
+                pass
 
 
 PEER_LOSS_SIGNS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "gloo", "NCCL",

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Iterable
 
 import lightning.pytorch as pl
 import torch
-from torchmetrics.aggregation import SumMetric
 
+from lightning_mm.callbacks.throughput import TrainingMetrics
 from lightning_mm.data.validate import validate_batch
 from lightning_mm.faults import check_finite_loss
-from lightning_mm.loss import count_label_tokens
 from lightning_mm.model.multimodal import MultimodalModel
+from lightning_mm.summary import use_whole_model_summary
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 class MultimodalLightningModule(pl.LightningModule):
-    """Optimises the trainable parameters of ``model`` only; logs loss and label tokens/s (torchmetrics).
+    """Optimises the trainable parameters of ``model`` only; logs the loss, ``train/tokens_per_s`` (label tokens per
+    second of the whole job, all replicas), ``train/mfu`` (with ``peak_flops`` FLOP/s per device, or on a GPU
+    Lightning knows) and ``pipeline/bubble/<stage>`` every ``bubble_every_n_steps`` (default: each logging step);
+    see ``lightning_mm/callbacks/throughput.py``.
 
     ``optimizer`` maps parameters to an optimiser (LightningCLI's ``OptimizerCallable``); default AdamW(``lr``).
     ``lr_scheduler`` maps the optimiser to a scheduler, stepped every optimiser step. ``freeze`` is passed to
@@ -30,14 +32,13 @@ class MultimodalLightningModule(pl.LightningModule):
 
     def __init__(self, model: MultimodalModel, optimizer: OptimizerFactory | None = None,
                  lr_scheduler: SchedulerFactory | None = None, lr: float = 1e-3,
-                 freeze: dict[str, bool] | None = None, nan_guard: str | None = None):
+                 freeze: dict[str, bool] | None = None, nan_guard: str | None = None,
+                 peak_flops: float | None = None, bubble_every_n_steps: int | None = None):
         super().__init__()
         check_finite_loss(torch.zeros(()), 0, nan_guard)  # rejects an unknown mode at construction
         self.model = model.freeze(**freeze) if freeze else model
         self.optimizer_factory, self.scheduler_factory, self.lr = optimizer, lr_scheduler, lr
-        self.train_tokens = SumMetric()
-        self.train_seconds = SumMetric()
-        self._step_start = None
+        self.train_metrics = TrainingMetrics(peak_flops, bubble_every_n_steps)
         self.nan_guard = nan_guard
 
     @property
@@ -64,8 +65,12 @@ class MultimodalLightningModule(pl.LightningModule):
     def forward(self, batch: dict):
         return self.model(**batch)
 
+    def setup(self, stage: str) -> None:
+        self.train_metrics.prepare(self, stage)  # before the strategy cuts the model into stages
+        use_whole_model_summary(self._trainer)  # the summary shows every stage, not rank 0's only
+
     def on_train_batch_start(self, batch, batch_idx):
-        self._step_start = time.perf_counter()
+        self.train_metrics.batch_start()
 
     def compute_loss(self, batch: dict, train: bool = True) -> torch.Tensor:
         """The pipeline schedule under MultimodalParallelStrategy (backward included), else the plain forward.
@@ -103,11 +108,7 @@ class MultimodalLightningModule(pl.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.train_tokens.update(count_label_tokens(batch["labels"]).float())
-        self.train_seconds.update(time.perf_counter() - self._step_start)
-        seconds = self.train_seconds.compute()
-        if seconds > 0:
-            self.log("train/tokens_per_s", self.train_tokens.compute() / seconds, prog_bar=True)
+        self.train_metrics.batch_end(self, batch)
 
     def validation_step(self, batch: dict, batch_idx: int):
         loss = self.compute_loss(batch, train=False)

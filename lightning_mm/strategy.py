@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.data.resumable import resumable
-from lightning_mm.faults import FaultWatchdog, is_peer_loss
+from lightning_mm.faults import FaultWatchdog, is_peer_loss, rank_labels
 from lightning_mm.parallel.engine import PipelineEngine
 from lightning_mm.parallel.layout import ParallelSpec, RankLayout, build_layout
 
@@ -87,7 +87,8 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.layout = self.plan_layout()
         super().setup_environment()
         if self.fault_timeout is not None and self.world_size > 1:
-            self.watchdog = FaultWatchdog(self.global_rank, self.world_size, self.fault_timeout).start()
+            self.watchdog = FaultWatchdog(self.global_rank, self.world_size, self.fault_timeout,
+                                          labels=rank_labels(self.layout)).start()
 
     @property
     def distributed_sampler_kwargs(self) -> dict:

@@ -14,3 +14,5 @@ def test_cli_example_trains(config, tmp_path):
                            f"--trainer.default_root_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "max_steps=6" in proc.stderr + proc.stdout
+    assert [p.parent.name for p in tmp_path.rglob("loss.png")] == ["version_0"]  # beside metrics.csv
+    assert (next(tmp_path.rglob("loss.png")).parent / "metrics.csv").exists()

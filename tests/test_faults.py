@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_mm.faults import FaultWatchdog, check_finite_loss
+from lightning_mm.faults import FaultWatchdog, WaitRecord, check_finite_loss
 from tests.helpers.checkpoint_runs import CASE, case_env, reference, run_case
 
 FAULT_TIMEOUT = 3.0
@@ -141,3 +141,107 @@ def test_killed_rank_ends_every_process_with_an_error(tmp_path):
     assert gone_after < FAULT_TIMEOUT + SLACK, f"survivors took {gone_after:.1f} s\n{output[-3000:]}"
     assert code == -signal.SIGKILL
     assert "lightning-mm fault: cannot reach the rendezvous store hosted by rank 0" in output, output[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------ stuck ranks
+def _three(store, timeout=UNIT_TIMEOUT):
+    faults = {r: [] for r in range(3)}
+    waits = {r: WaitRecord() for r in range(3)}
+    labels = {0: "stage vision.0", 1: "stage language_model.0", 2: "stage language_model.1"}
+    dogs = [FaultWatchdog(r, 3, timeout, interval=0.05, store=store, on_fault=faults[r].append, labels=labels,
+                          waits=waits[r]) for r in range(3)]
+    return dogs, faults, waits
+
+
+def test_watchdog_names_a_rank_that_is_alive_but_stuck():
+    """Rank 0 waits on rank 1 (P2P), rank 1 waits in a collective with everyone, rank 2 beats but waits on
+    nothing: rank 2 is named, with its stage and the operation the others wait in; rank 2 prints its stack."""
+    dogs, faults, waits = _three(dist.HashStore())
+    for d in dogs:
+        d.start()
+    with waits[0].waiting("recv hidden", peer=1), waits[1].waiting("all_reduce loss", group=None):
+        t0 = time.monotonic()
+        assert _wait(lambda: all(faults.values()))
+        took = time.monotonic() - t0
+    assert UNIT_TIMEOUT <= took < UNIT_TIMEOUT + 10
+    for r in range(3):
+        assert faults[r][0].startswith("rank 2 (stage language_model.1) is stuck: alive"), faults[r][0]
+        assert "waits" in faults[r][0] or "waited" in faults[r][0]
+    text = faults[0][0]
+    assert "recv hidden from rank 1 (stage language_model.0)" in text or "all_reduce loss with every rank" in text
+    assert "main thread is at" in faults[2][0] and "main thread is at" not in faults[0][0]
+
+
+def test_watchdog_names_waits_that_wait_on_each_other_and_lets_silence_be_a_heartbeat_fault():
+    dogs, faults, waits = _three(dist.HashStore())
+    for d in dogs:
+        d.start()
+    with waits[0].waiting("recv hidden", peer=1), waits[1].waiting("broadcast", group=[0, 1]):
+        assert _wait(lambda: faults[0] and faults[1])
+    assert "ranks wait on each other" in faults[0][0] and "broadcast with ranks [0, 1]" in faults[0][0], faults[0]
+    for d in dogs:
+        d.stop()
+    # a rank that waits on a silent one (killed or frozen): the heartbeat check names it, not "stuck"
+    dogs, faults, waits = _three(dist.HashStore())
+    for d in dogs:
+        d.start()
+    dogs[2].stop()
+    with waits[0].waiting("recv hidden", peer=2):
+        assert _wait(lambda: faults[0])
+    assert "rank 2 stopped sending heartbeats" in faults[0][0], faults[0]
+    for d in dogs:
+        d.stop()
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                out.append(int(entry))
+    return out
+
+
+STUCK_TIMEOUT = 5.0
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_inside_a_step_ends_every_process_naming_it(tmp_path):
+    """Rank 0 (it also hosts the rendezvous store) sleeps inside step 2: rank 1 waits on it beyond fault_timeout,
+    every process ends within fault_timeout + 30 s, and the message names rank 0, its stage and the wait."""
+    marker = tmp_path / "sleeping_since"
+    cfg = {"rank": 0, "step": 2, "fault_timeout": STUCK_TIMEOUT, "marker": str(marker)}
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(CASE), "stuck_case.py"), json.dumps(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=case_env(),
+                            start_new_session=True)
+    output = []
+    reader = threading.Thread(target=lambda: output.append(proc.communicate()[0]))
+    reader.start()
+    try:
+        deadline = time.time() + 240
+        while not marker.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), "no rank ever slept"
+        time.sleep(0.2)
+        since = float(marker.read_text())
+        deadline = since + STUCK_TIMEOUT + SLACK + 30
+        while _group_alive(proc.pid) and time.time() < deadline:
+            time.sleep(0.1)
+        gone_after = time.time() - since
+    finally:
+        for pid in _group_alive(proc.pid):  # never leave a process behind, even when the test fails
+            os.kill(pid, signal.SIGKILL)
+        reader.join(30)
+    text = output[0] if output else ""
+    print(f"every process gone {gone_after:.1f} s after rank 0 started sleeping (fault_timeout={STUCK_TIMEOUT:g} s)")
+    assert gone_after < STUCK_TIMEOUT + SLACK, f"took {gone_after:.1f} s\n{text[-3000:]}"
+    assert "lightning-mm fault: rank 0 (stage language_model.0) is stuck" in text, text[-3000:]
+    assert "while rank 1 (stage language_model.1) has waited" in text, text[-3000:]
+    assert "main thread is at" in text and "time.sleep(3600)" in text, text[-3000:]
+    assert proc.returncode != 0

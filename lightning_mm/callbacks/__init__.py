@@ -1,5 +1,6 @@
 """Lightning callbacks of lightning-mm."""
 
+from lightning_mm.callbacks.loss_curve import LossCurve
 from lightning_mm.callbacks.timeline import PipelineTimeline
 
-__all__ = ["PipelineTimeline"]
+__all__ = ["LossCurve", "PipelineTimeline"]

@@ -5,6 +5,9 @@ taken relative to it, so nodes need no common clock), runs the step, and sends i
 [(kind, microbatch, start, end)] to every rank with ``all_gather_object``. Rank 0 then writes the measured timeline (PNG + Chrome trace, the simulator's own
 drawing code) and the simulated one with per-stage costs measured in the same step, and every rank logs
 per-rank bubble fractions, the measured and the predicted iteration time through the Lightning logger.
+
+The output folder is resolved in ``setup`` on every rank alike (``trainer.log_dir`` is itself a collective
+under a multi-process strategy, so it must never be asked on rank 0 alone).
 """
 
 from __future__ import annotations
@@ -92,8 +95,8 @@ def predicted_result(engine, records: list[RankTimings]) -> SimulationResult:
 class PipelineTimeline(pl.Callback):
     """Record the pipeline's real timeline at ``steps`` (global steps, default the 4th) or every
     ``every_n_steps``; write ``timeline-step{N}.{png,trace.json}`` and ``predicted-step{N}.*`` to ``dirpath``
-    (default ``<trainer.log_dir or default_root_dir>/timeline``); log ``pipeline/bubble/<stage>``,
-    ``pipeline/iteration_s`` and ``pipeline/predicted_s``. ``results[step] = (measured, predicted)``."""
+    (default ``<trainer.log_dir or default_root_dir>/timeline``); log ``timeline/bubble/<rank label>``,
+    ``timeline/iteration_s`` and ``timeline/predicted_s``. ``results[step] = (measured, predicted)``."""
 
     def __init__(self, steps: list[int] | tuple[int, ...] = (3,), every_n_steps: int | None = None,
                  dirpath: str | None = None, png: bool = True):
@@ -102,6 +105,14 @@ class PipelineTimeline(pl.Callback):
         self.steps, self.every_n_steps, self.dirpath, self.png = set(steps), every_n_steps, dirpath, png
         self.results: dict[int, tuple[SimulationResult, SimulationResult]] = {}
         self._recording: int | None = None
+        self._out: Path | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Every rank resolves the folder (``trainer.log_dir`` broadcasts rank 0's)."""
+        self._out = self._folder(trainer.log_dir or trainer.default_root_dir)
+
+    def _folder(self, root) -> Path:
+        return Path(self.dirpath) if self.dirpath else Path(root) / "timeline"
 
     def _wanted(self, step: int) -> bool:
         return step in self.steps or (self.every_n_steps is not None and step % self.every_n_steps == 0)
@@ -134,20 +145,21 @@ class PipelineTimeline(pl.Callback):
         measured = measured_result(records, list(engine.graph.names), needs_backward)
         predicted = predicted_result(engine, records)
         self.results[step] = (measured, predicted)
-        metrics = {f"pipeline/bubble/{s}": v for s, v in measured.bubble_fraction.items()}
-        metrics["pipeline/iteration_s"] = measured.iteration_time
-        metrics["pipeline/predicted_s"] = predicted.iteration_time
+        metrics = {f"timeline/bubble/{s}": v for s, v in measured.bubble_fraction.items()}
+        metrics["timeline/iteration_s"] = measured.iteration_time
+        metrics["timeline/predicted_s"] = predicted.iteration_time
         pl_module.log_dict(metrics, rank_zero_only=True)
         if trainer.global_rank == 0:
             self._write(trainer, step, measured, predicted)
 
     def _write(self, trainer, step: int, measured: SimulationResult, predicted: SimulationResult) -> None:
-        out = Path(self.dirpath or Path(trainer.log_dir or trainer.default_root_dir) / "timeline")
+        out = self._out if self._out is not None else self._folder(trainer.default_root_dir)
         out.mkdir(parents=True, exist_ok=True)
         for name, result in ((f"timeline-step{step}", measured), (f"predicted-step{step}", predicted)):
             chrome_trace(result, out / f"{name}.trace.json")
             if self.png:
                 try:
-                    timeline_png(result, out / f"{name}.png", title=f"{name}: {result.iteration_time * 1e3:.1f} ms")
+                    timeline_png(result, out / f"{name}.png", title=f"{name}: {result.iteration_time * 1e3:.1f} ms",
+                                 scale=1e3, xlabel="time (ms)")
                 except ImportError:
                     self.png = False

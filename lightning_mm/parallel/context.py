@@ -26,7 +26,7 @@ METHODS = ("lpt", "random", "zigzag", "contiguous")
 
 __all__ = ["METHODS", "IGNORE_INDEX", "distribute", "lpt_assign", "zigzag_plan", "contiguous_plan", "random_plan",
            "plan_workload", "validate_plan", "token_index", "shard", "unshard", "shift_labels", "shard_batch",
-           "gather_sequence", "context_parallel_attention"]
+           "gather_sequence", "context_parallel_attention", "pad_for_context_parallel"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -145,6 +145,41 @@ def validate_plan(plan, num_blocks: int, cp_size: int) -> None:
         twice = torch.nonzero(counts > 1).flatten()[:5].tolist()
         raise ValueError(f"the plan is not a partition of the {num_blocks} blocks: missing {missing}, held by "
                          f"several ranks {twice} (first five shown); every block must belong to exactly one rank")
+
+
+def pad_for_context_parallel(mb: dict, cp_size: int, block_size: int) -> dict:
+    """A microbatch whose LLM sequence is too short to give each of ``cp_size`` ranks a block of ``block_size``
+    tokens (fewer than ``cp_size`` blocks), padded at the end to ``cp_size * block_size`` tokens; longer ones are
+    returned as they are (the last block may be short). The padding is what the collator pads with: mask word 0
+    (attends to nothing, seen by nothing), label ``IGNORE_INDEX``, ``attention_mask`` 0, token id 0; positions go on
+    counting and segment ids repeat the last, which no allowed pair reads. The loss, its label count and every
+    real token's output are unchanged. Every LLM rank of a replica pads the same microbatch alike.
+
+    Raises only for what padding cannot fix: a ``cp_size`` or ``block_size`` below 1, or no ``[B,S]`` sequence."""
+    if not isinstance(cp_size, int) or cp_size < 1 or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"context parallelism needs cp >= 1 and cp_block_size >= 1 tokens, got cp={cp_size!r}, "
+                         f"cp_block_size={block_size!r}")
+    ids = mb.get("input_ids")
+    if ids is None or ids.dim() != 2:
+        raise ValueError("a context-parallel microbatch needs input_ids [B,S] (the LLM sequence to shard)")
+    seq_len = ids.shape[1]
+    if -(-seq_len // block_size) >= cp_size:
+        return mb
+    extra = cp_size * block_size - seq_len
+    out = dict(mb)
+    fill = {"input_ids": 0, "labels": IGNORE_INDEX, "bam": 0, "attention_mask": 0}
+    for key in ("input_ids", "labels", "bam", "attention_mask", "segment_ids", "position_ids"):
+        t = mb.get(key)
+        if t is None:
+            continue
+        if key in fill:
+            tail = torch.full((t.shape[0], extra), fill[key], dtype=t.dtype, device=t.device)
+        elif key == "position_ids":
+            tail = t[:, -1:] + torch.arange(1, extra + 1, dtype=t.dtype, device=t.device)
+        else:
+            tail = t[:, -1:].expand(-1, extra)
+        out[key] = torch.cat([t, tail], dim=1)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_mm import loss as losses
 from lightning_mm.data.microbatch import split_microbatches
+from lightning_mm.parallel.context import pad_for_context_parallel
 from lightning_mm.parallel import p2p
 from lightning_mm.parallel.layout import RankLayout
 from lightning_mm.parallel.schedule import LANGUAGE_MODEL, build_stage_graph, check_schedule, one_f_one_b
@@ -191,6 +192,7 @@ class PipelineEngine:
         Gradients are those of ``loss_scale * loss`` (Lightning divides by the gradient-accumulation steps)."""
         self.model.check_placeholders(batch["input_ids"], {e: batch[e] for e in self.model.encoders if e in batch})
         mbs = split_microbatches(batch, self.num_microbatches, self.model)
+        mbs = [pad_for_context_parallel(mb, self.cp_size, self.cp_block_size) for mb in mbs]  # short CP sequences
         owners = self.cp_owners(mbs) if self.plan.language_model is not None else None
         count = losses.count_label_tokens(batch["labels"]).reshape(1).float()
         if self.groups.dp is not None:

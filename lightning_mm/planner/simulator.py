@@ -148,9 +148,11 @@ def chrome_trace(result: SimulationResult, path: str | Path, time_scale: float =
     Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
 
-def timeline_png(result: SimulationResult, path: str | Path, title: str | None = None) -> None:
+def timeline_png(result: SimulationResult, path: str | Path, title: str | None = None, scale: float = 1.0,
+                 xlabel: str = "time") -> None:
     """Draw the schedule as a Gantt chart (forward blue, backward orange, microbatch numbers inside; gradient
-    all-reduce grey)."""
+    all-reduce grey). The x axis shows the result's units times ``scale`` (e.g. 1e3 for seconds shown in ms),
+    labelled ``xlabel``."""
     try:
         import matplotlib
 
@@ -163,14 +165,15 @@ def timeline_png(result: SimulationResult, path: str | Path, title: str | None =
     for e in result.events:
         y = len(rows) - 1 - rows[e.stage]
         color = {"forward": "#4C72B0", "backward": "#DD8452"}.get(e.kind, "#8C8C8C")
-        ax.broken_barh([(e.start, e.end - e.start)], (y - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.5)
+        ax.broken_barh([(e.start * scale, (e.end - e.start) * scale)], (y - 0.4, 0.8), facecolors=color,
+                       edgecolor="white", linewidth=0.5)
         text = "AR" if e.kind == "sync" else str(e.microbatch)
-        ax.text((e.start + e.end) / 2, y, text, ha="center", va="center", fontsize=7, color="white")
+        ax.text((e.start + e.end) / 2 * scale, y, text, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{s} ({result.bubble_fraction[s]:.0%} idle)" for s in reversed(result.stages)])
-    ax.set_xlim(0, result.iteration_time)
-    ax.set_xlabel("time")
-    ax.set_title(title or f"1F1B iteration {result.iteration_time:.4g}")
+    ax.set_xlim(0, result.iteration_time * scale)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title or f"1F1B iteration {result.iteration_time * scale:.4g}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
