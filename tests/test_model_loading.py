@@ -550,3 +550,50 @@ def test_a_quarter_stage_of_a_large_model_costs_a_quarter_of_its_memory(tmp_path
     assert grown["folder"] < total / 2 and grown["random"] < total / 2
     # in fact the stage plus about one tensor (reading) or one layer's CPU copy (random init)
     assert grown["folder"] < 1.5 * 3 * layer and grown["random"] < 1.5 * 3 * layer
+
+
+# ---------------------------------------------------------------------------------------------- sharded (FSDP2)
+def _fsdp_rank(rank, world, path):
+    """Build on meta, shard with FSDP2 over every rank, then materialise: each rank holds (and reads) its shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for source in ("random", "folder"):
+        with torch.device("meta"):
+            lm = tiny_language_model("llama") if source == "random" else load_language_model(path)
+        for layer in lm.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(lm, mesh=mesh)
+        weight = lm.model.layers[0].mlp.up_proj.weight
+        assert isinstance(weight, DTensor) and weight.is_meta
+        read = _spy_reads(lambda: materialise(lm, "cpu", seed=5))
+        assert lm.model.layers[0].mlp.up_proj.weight is weight and not is_meta(lm)
+        assert weight.to_local().shape == (32, 32)  # [64, 32] split over 2 ranks
+        if source == "folder":  # every tensor once, each rank only its rows (get_slice)
+            assert read == {key for _, key in lm.pretrained_source.tensors.values()}
+        params = {n: p.full_tensor() for n, p in lm.named_parameters()}
+        ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+        out[source] = (params, lm(input_ids=ids).logits.detach())  # FSDP2 gathers the materialised shards
+    return out
+
+
+def test_materialise_after_fsdp2_sharding_gives_each_rank_its_shard(tmp_path):
+    from tests.helpers.distributed import run_distributed
+
+    torch.manual_seed(0)
+    path = _save(tiny_language_model("llama"), tmp_path / "llm")
+    results = run_distributed(_fsdp_rank, 2, path)
+    with torch.device("meta"):
+        whole = tiny_language_model("llama")
+    materialise(whole, "cpu", seed=5)
+    eager = load_language_model(path)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    for source, reference in (("random", whole), ("folder", eager)):
+        for rank_result in results:
+            params, logits = rank_result[source]
+            for n, p in reference.named_parameters():
+                assert torch.equal(params[n], p), (source, n)
+            torch.testing.assert_close(logits, reference(input_ids=ids).logits)

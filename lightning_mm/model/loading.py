@@ -143,6 +143,45 @@ def _swap_in(group: _Group, value: torch.Tensor) -> None:
         group.assign(new)
 
 
+# ---------------------------------------------------------------------------------------------- sharded tensors
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed support
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local_slices(t) -> tuple[slice, ...] | None:
+    """The region of the global tensor a DTensor holds on this rank, when it is one block (plain ``Shard`` and
+    ``Replicate`` placements: FSDP2 and TP); None for layouts that interleave (strided sharding)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(p) in (Shard, Replicate) for p in t.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _from_local(old, local: torch.Tensor):
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, old.device_mesh, old.placements, run_check=False, shape=old.shape,
+                              stride=old.stride())
+
+
+def _shard_like(old, full: torch.Tensor, device):
+    """``full`` (the global tensor, any device) as a DTensor laid out like the DTensor ``old``, on ``device``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    region = _local_slices(old)
+    if region is None:  # every rank holds the global tensor already: no communication needed
+        return distribute_tensor(full.to(device=device, dtype=old.dtype), old.device_mesh, old.placements,
+                                 src_data_rank=None)
+    return _from_local(old, full[region].to(device=device, dtype=old.dtype, copy=True).contiguous())
+
+
 # ---------------------------------------------------------------------------------------------- initialisation
 def _hf_pretrained_class():
     from transformers import PreTrainedModel
@@ -266,10 +305,17 @@ def _init_work(root: nn.Module, groups: dict[int, _Group], selected: list[int], 
         g = groups[gid]
         g.assign(g.tensor)
         with torch.no_grad():
-            if g.tensor.is_meta:
-                _swap_in(g, w.tensor.detach().to(device))
+            value = w.tensor.detach()
+            if _is_dtensor(g.tensor):
+                value = _shard_like(g.tensor, value, device if g.tensor.is_meta else g.tensor.device)
+                if g.tensor.is_meta:
+                    _swap_in(g, value)
+                else:
+                    g.tensor.to_local().copy_(value.to_local())
+            elif g.tensor.is_meta:
+                _swap_in(g, value.to(device))
             else:
-                g.tensor.copy_(w.tensor.detach())
+                g.tensor.copy_(value)
 
 
 def init_parameters(module: nn.Module, seed: int | None = None, prefix: str = "") -> None:
@@ -311,8 +357,15 @@ def _read_tensors(loads: list[tuple[_Group, PretrainedSource, str, str]], device
         for g, key in items:
             # one mapping per tensor, closed once it is copied to the target device: the pages it touched leave the
             # resident set with it, so the peak is the stage plus one tensor (not twice the stage)
+            region = _local_slices(g.tensor) if _is_dtensor(g.tensor) else None
             with safe_open(path, framework="pt", device="cpu") as f:
-                value = f.get_tensor(key).to(device=device, dtype=g.tensor.dtype, copy=True)
+                if region is not None:  # a sharded parameter: read only this rank's block
+                    local = f.get_slice(key)[region].to(device=device, dtype=g.tensor.dtype, copy=True)
+                    value = _from_local(g.tensor, local.contiguous())
+                else:
+                    value = f.get_tensor(key)
+                    value = _shard_like(g.tensor, value, device) if _is_dtensor(g.tensor) else \
+                        value.to(device=device, dtype=g.tensor.dtype, copy=True)
             with torch.no_grad():
                 _swap_in(g, value)
 
@@ -324,7 +377,9 @@ def materialise(model: nn.Module, device: torch.device | str, seed: int | None =
     safetensors file, memory-mapped, one tensor at a time; every other one gets the deterministic initialisation of
     ``init_parameters`` with ``seed`` (default ``torch.initial_seed()``), drawn on the CPU. Tensors already off
     meta are left alone, tied weights stay tied, and parameter objects (with their ``requires_grad``) are kept.
-    Works on a pipeline stage whose other modules ``prune`` replaced: only what is left is created and read."""
+    Works on a pipeline stage whose other modules ``prune`` replaced: only what is left is created and read. A
+    parameter already sharded as a DTensor (FSDP2 ``fully_shard``, TP) gets only this rank's block: read with
+    ``get_slice``, or cut from the CPU-drawn initial values, which therefore equal one process's."""
     seed = torch.initial_seed() if seed is None else seed
     device = torch.device(device)
     if device.type == "meta":
