@@ -5,7 +5,7 @@ from lightning_mm import attention, masks  # noqa: F401  (registers the "bitfiel
 from lightning_mm.model import ModalityEncoder, MultimodalModel  # noqa: E402
 from lightning_mm.module import MultimodalLightningModule  # noqa: E402
 from lightning_mm import data  # noqa: E402,F401
-from lightning_mm.parallel.layout import ParallelSpec  # noqa: E402
+from lightning_mm.plan.layout import ParallelSpec  # noqa: E402
 from lightning_mm.strategy import MultimodalParallelStrategy  # noqa: E402  (registers "multimodal")
 
 __version__ = "0.1.0"

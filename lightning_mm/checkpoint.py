@@ -278,12 +278,13 @@ def empty_like_entry(metadata, key: str) -> torch.Tensor:
     return torch.empty(tuple(md.size), dtype=md.properties.dtype)
 
 
-def load_tensors(path: str, target: dict[str, torch.Tensor]) -> None:
-    """Collective (or single-process without a process group): fill ``target``'s tensors in place."""
+def load_tensors(path: str, target: dict[str, torch.Tensor], collective: bool = True) -> None:
+    """Fill ``target``'s tensors in place: collectively when a process group exists and ``collective``, else in
+    this process alone (``consolidate`` on one rank while the others go on)."""
     from torch.distributed.checkpoint import load as dcp_load
 
     reader, planner = _safe_reader_and_planner(path)
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = collective and dist.is_available() and dist.is_initialized()
     dcp_load(target, storage_reader=reader, planner=planner, no_dist=not distributed)
 
 
@@ -346,7 +347,7 @@ def consolidate(path: str, trainable_only: bool = True) -> dict[str, torch.Tenso
         keys &= {f"model/{n}" for n in layout["trainable"]}
     verify_files(path, layout, files_for_keys(md, keys))
     target = {k: empty_like_entry(md, k) for k in keys}
-    load_tensors(path, target)
+    load_tensors(path, target, collective=False)  # one process: callable on rank 0 with the process group alive
     return {k.removeprefix("model/"): v for k, v in target.items()}
 
 

@@ -100,6 +100,8 @@ class MultimodalLightningModule(pl.LightningModule):
         loss = self.compute_loss(batch)
         if not check_finite_loss(loss.detach(), self.global_step, self.nan_guard):
             # the loss is global under the pipeline, so every rank skips alike; drop this step's gradients
+            if self.pipeline is not None:
+                self.pipeline.discard_gradients()
             for opt in self.trainer.optimizers:
                 opt.zero_grad()
             self.print(f"skipping step {self.global_step}: the loss is {float(loss)} (nan_guard='skip')")
@@ -114,3 +116,17 @@ class MultimodalLightningModule(pl.LightningModule):
         loss = self.compute_loss(batch, train=False)
         self.log("val/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0], sync_dist=True)
         return loss
+
+    def test_step(self, batch: dict, batch_idx: int):
+        loss = self.compute_loss(batch, train=False)
+        self.log("test/loss", loss, batch_size=batch["input_ids"].shape[0], sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
+        """``{"logits": [B, S, V], "predicted_ids": [B, S]}``: the greedy next token at every position. Under the
+        strategy every rank returns the ids; the logits only where the LLM head lives (else None)."""
+        validate_batch(batch, self.model, self.pipeline.num_microbatches if self.pipeline is not None else 1)
+        if self.pipeline is not None:
+            return self.pipeline.predict_pipeline(batch)
+        logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        return {"logits": logits, "predicted_ids": logits.argmax(-1)}

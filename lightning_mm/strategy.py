@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -20,11 +22,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.data.resumable import resumable
 from lightning_mm.faults import FaultWatchdog, is_peer_loss, rank_labels
-from lightning_mm.parallel.engine import PipelineEngine
-from lightning_mm.parallel.layout import ParallelSpec, RankLayout, build_layout
+from lightning_mm.model.loading import materialise
+from lightning_mm.model.multimodal import MultimodalModel
+from lightning_mm.parallel.engine import PipelineEngine, check_same_batch
+from lightning_mm.plan.layout import ParallelSpec, RankLayout, build_layout
+from lightning_mm.planner.model_costs import resolve_partition
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 DEFAULT_FAULT_TIMEOUT = 60.0  # seconds: a dead rank ends the others well before DEFAULT_TIMEOUT
+
+
+STRATEGY_ARGUMENTS = ("encoders", "language_model", "num_microbatches", "partition", "encoder_placement",
+                      "cp_distribution", "cp_block_size", "profile", "process_group_backend", "timeout",
+                      "start_method", "save_frozen_parameters", "fault_timeout", "activation_checkpointing",
+                      "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
 
 
 class MultimodalParallelStrategy(DDPStrategy):
@@ -50,9 +61,16 @@ class MultimodalParallelStrategy(DDPStrategy):
                  profile: str | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = DEFAULT_TIMEOUT, start_method: str = "popen",
                  save_frozen_parameters: bool = False, fault_timeout: float | None = DEFAULT_FAULT_TIMEOUT,
-                 activation_checkpointing: bool = False, **kwargs):
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
-                         **kwargs)
+                 activation_checkpointing: bool = False, accelerator=None, parallel_devices=None,
+                 cluster_environment=None, checkpoint_io=None, precision_plugin=None, **unknown):
+        if unknown:
+            raise TypeError(f"MultimodalParallelStrategy got unknown arguments {sorted(unknown)}; it takes "
+                            f"{sorted(STRATEGY_ARGUMENTS)} (DDP's own wrapper options do not apply: the model is "
+                            "pipelined, never wrapped in DistributedDataParallel)")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         self.encoder_specs = encoders
@@ -75,13 +93,31 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.watchdog: FaultWatchdog | None = None
         self.model_fingerprint: dict[str, list[int]] = {}
         self.trainable_names: list[str] = []
+        self._accumulating = False
 
     # ------------------------------------------------------------------ layout, before any process group
+    def multimodal_model(self) -> MultimodalModel:
+        """The module's ``model``, checked before any process group exists."""
+        module = self.lightning_module
+        model = getattr(module, "model", None)
+        if not isinstance(model, MultimodalModel):
+            raise TypeError(f"MultimodalParallelStrategy runs a LightningModule whose `model` attribute is a "
+                            f"lightning_mm.MultimodalModel and whose steps call `compute_loss` (use or subclass "
+                            f"lightning_mm.MultimodalLightningModule); got {type(module).__name__} with model "
+                            f"{type(model).__name__}")
+        return model
+
     def plan_layout(self) -> RankLayout:
-        model = self.lightning_module.model
+        model = self.multimodal_model()
         specs = self.encoder_specs if self.encoder_specs is not None else {e: ParallelSpec() for e in model.encoders}
-        return build_layout(specs, self.language_model_spec, self.num_nodes * self.num_processes,
-                            self.encoder_placement, list(model.encoders))
+        world = self.num_nodes * self.num_processes
+        if world == 1:  # debug mode: the whole model in this process, whatever the specs say
+            if any(s.size > 1 for s in [*specs.values(), self.language_model_spec]):
+                rank_zero_warn("MultimodalParallelStrategy on 1 device runs the whole model in one process; the "
+                               "ParallelSpecs apply from 2 devices on")
+            return build_layout({e: ParallelSpec() for e in specs}, ParallelSpec(), 1, "replicated",
+                                list(model.encoders))
+        return build_layout(specs, self.language_model_spec, world, self.encoder_placement, list(model.encoders))
 
     def setup_environment(self) -> None:
         self.layout = self.plan_layout()
@@ -94,32 +130,111 @@ class MultimodalParallelStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": self.layout.dp, "rank": self.layout.coordinate(self.global_rank).dp}
 
-    # ------------------------------------------------------------------ stage building
+    # ------------------------------------------------------------------ building
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None):
+        """``trainer.init_module()`` and ``configure_model`` build on the meta device (nothing allocated); each rank
+        materialises only its stage in ``setup``. ``empty_init=False`` builds eagerly on the CPU instead."""
+        if empty_init is False:
+            with torch.device("cpu"), self.precision_plugin.tensor_init_context():
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.model_fingerprint = ckpt.model_fingerprint(self.lightning_module.model)  # before pruning
-        self.trainable_names = [n for n, p in self.lightning_module.model.named_parameters() if p.requires_grad]
-        self.engine = PipelineEngine(self.lightning_module.model, self.layout, self.global_rank,
-                                     self.num_microbatches, self.partition, self.cp_distribution, self.cp_block_size,
-                                     self.activation_checkpointing)
+        module, model = self.lightning_module, self.multimodal_model()
+        self.precision_plugin.convert_module(module)
+        self.model_fingerprint = ckpt.model_fingerprint(model)  # before pruning
+        self.trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        layer_counts = resolve_partition(model, self.layout.module_stages, self.partition,
+                                         recompute=self.activation_checkpointing)
+        seed = int(self.broadcast(torch.initial_seed()))  # one init seed for every rank, seeded or not
+        self.engine = PipelineEngine(model, self.layout, self.global_rank, self.num_microbatches, layer_counts,
+                                     self.cp_distribution, self.cp_block_size, self.activation_checkpointing,
+                                     device=self.root_device, forward_context=self.precision_plugin.forward_context,
+                                     loss_backward=self.loss_backward,
+                                     materialise=lambda m: materialise(m, self.root_device, seed))
+        module.to(self.root_device)  # what is left: this stage, metrics, buffers
+        self.engine.sync_tied_weights()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self.use_sharded_grad_scaler()
+
+    def model_to_device(self) -> None:  # setup moves the pruned stage only
+        pass
+
+    def use_sharded_grad_scaler(self) -> None:
+        """16-mixed: every rank must skip a step whose gradients overflowed on any stage, so the scaler's
+        found-inf flags are all-reduced (FSDP's ShardedGradScaler does exactly that over the world group)."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+            self.precision_plugin.scaler = ShardedGradScaler(
+                self.root_device.type, init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0 ** 16,
+                growth_factor=scaler.get_growth_factor(), backoff_factor=scaler.get_backoff_factor(),
+                growth_interval=scaler.get_growth_interval(), enabled=scaler.is_enabled())
 
     def configure_ddp(self) -> None:  # the model is pipelined, never wrapped in DDP
         pass
 
-    # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ the steps
+    # The engine enters the precision plugin's forward context around each stage forward and scales the loss
+    # itself, so the steps are not wrapped in autocast as a whole (backward would run under it).
+    def training_step(self, *args, **kwargs):
+        return self.lightning_module.training_step(*args, **kwargs)
+
+    def validation_step(self, *args, **kwargs):
+        return self.lightning_module.validation_step(*args, **kwargs)
+
+    def test_step(self, *args, **kwargs):
+        return self.lightning_module.test_step(*args, **kwargs)
+
+    def predict_step(self, *args, **kwargs):
+        return self.lightning_module.predict_step(*args, **kwargs)
+
     def run_pipeline(self, batch: dict, train: bool = True) -> torch.Tensor:
         """The schedule over the batch's microbatches (forward and backward); the global normalised loss."""
-        return self.engine.run(batch, train=train, loss_scale=1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+        check_same_batch(batch, self.engine.groups.replica)
+        return self.engine.run(batch, train=train, sync=not self._accumulating,
+                               loss_scale=1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+
+    def predict_pipeline(self, batch: dict) -> dict:
+        """Forward only; ``logits`` [B, S, V] on the ranks holding the LLM head (None elsewhere) and the greedy
+        next-token ids [B, S] on every rank of the replica."""
+        check_same_batch(batch, self.engine.groups.replica)
+        return self.engine.predict(batch)
+
+    def loss_backward(self, loss: torch.Tensor) -> None:
+        """Backward of the last stage's loss, scaled by the precision plugin's grad scaler (16-mixed)."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    @contextmanager
+    def block_backward_sync(self):
+        """Lightning enters this on micro-steps that only accumulate: gradients are reduced once per optimiser
+        step, in the backward of the micro-step that steps."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
-        """The schedule already ran backward: only sum gradients over replicas (and CP ranks)."""
+        """The schedule already ran backward. Lightning's backward hooks run here on every rank, around the
+        gradient sum over replicas (and CP ranks), which happens once per optimiser step."""
+        module = self.lightning_module
+        self.precision_plugin.pre_backward(closure_loss, module)  # on_before_backward
+        if not self._accumulating:
+            self.engine.sync_gradients()
+        return self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward
+
+    def discard_gradients(self) -> None:
+        """Drop this step's gradients on every rank alike (``nan_guard="skip"``), finishing any reduction."""
         self.engine.sync_gradients()
-        return closure_loss
+        for opt in self.optimizers:
+            opt.zero_grad()
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)

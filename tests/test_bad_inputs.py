@@ -15,7 +15,7 @@ import lightning_mm as lmm
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.model import tiny_encoder, tiny_language_model
 from lightning_mm.parallel.engine import PipelineEngine
-from lightning_mm.parallel.layout import ParallelSpec, build_layout
+from lightning_mm.plan.layout import ParallelSpec, build_layout
 from tests.helpers.pipeline_case import build_model, global_batches
 
 COLLECTIVES = ("all_reduce", "broadcast", "barrier", "send", "recv", "isend", "irecv", "all_gather",

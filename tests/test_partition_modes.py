@@ -6,7 +6,7 @@ import torch
 from helpers.distributed import run_distributed
 from helpers.partition_case import build_model, run_rank, run_reference
 
-from lightning_mm.parallel.stages import resolve_partition
+from lightning_mm.planner.model_costs import resolve_partition
 from lightning_mm.planner import CostModel, LayerProfile, save_profile
 from lightning_mm.planner.model_costs import PlannedPartition, flop_times, model_layer_costs, model_memory, sample_batch
 
@@ -160,7 +160,7 @@ def test_plan_command_prints_stages_and_writes_timelines(tmp_path, capsys):
     import yaml
 
     from lightning_mm import MultimodalParallelStrategy
-    from lightning_mm.parallel.layout import ParallelSpec, build_layout
+    from lightning_mm.plan.layout import ParallelSpec, build_layout
 
     snippet = yaml.safe_load(out.split("same global batch; dp = ")[1].split("\n", 2)[2].split("\nwrote ")[0])
     args = snippet["trainer"]["strategy"]["init_args"]

@@ -5,7 +5,7 @@ import torch
 from helpers.distributed import run_distributed
 from helpers.pipeline_case import run_rank, run_reference
 
-from lightning_mm.parallel.layout import ParallelSpec, build_layout
+from lightning_mm.plan.layout import ParallelSpec, build_layout
 
 # (modalities, freeze, encoder pp, llm pp, placement, dp, microbatches)
 CASES = [
@@ -63,7 +63,7 @@ def test_bad_specs_fail_before_any_process_group():
         build_layout({"a": ParallelSpec(pp=1), "b": ParallelSpec(pp=2)}, ParallelSpec(), 4, "colocated")
     from helpers.pipeline_case import build_model
 
-    from lightning_mm.parallel.stages import resolve_partition
+    from lightning_mm.planner.model_costs import resolve_partition
     model = build_model(("vision",), "llm")
     with pytest.raises(ValueError, match="'language_model' has 4 layers but pp=5 stages"):
         resolve_partition(model, {"vision": 1, "language_model": 5}, "uniform")

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lightning_mm.parallel.schedule import build_stage_graph
+from lightning_mm.plan.schedule import build_stage_graph
 from lightning_mm.planner import (
     CostModel,
     LayerProfile,

@@ -4,13 +4,15 @@ import random
 
 import pytest
 
-from lightning_mm.parallel.schedule import (
+from lightning_mm.plan.schedule import (
     Action,
     ScheduleError,
     StageGraph,
     StageNode,
     build_stage_graph,
+    check_rendezvous,
     check_schedule,
+    communication_groups,
     one_f_one_b,
 )
 
@@ -188,6 +190,7 @@ def test_random_graphs_are_deadlock_free():
         s = one_f_one_b(g, m)
         executed = check_schedule(g, s, m)
         assert executed == sum(len(v) for v in s.values())
+        check_rendezvous(s)  # also when every send waits for its receive (NCCL), sends/receives grouped
         for node in g.nodes:  # every stage forwards each microbatch once, backward iff needed
             assert [a.microbatch for a in s[node.name] if a.kind == "forward"] == list(range(m))
             assert [a.microbatch for a in s[node.name] if a.kind == "backward"] == (list(range(m)) if node.needs_backward else [])
@@ -235,3 +238,20 @@ def test_checker_detects_wrong_peer_and_order():
     swapped[0], swapped[4] = swapped[4], swapped[0]  # receive mb 1 first
     with pytest.raises(ScheduleError, match="expected microbatch 1 but the next message is 0"):
         check_schedule(g, dict(s, **{LM1: swapped}), 2)
+
+
+def test_communication_groups_pair_send_forward_with_receive_backward():
+    g = build_stage_graph({}, 3, "parallel", all_trainable(True, LM0, LM1, LM2))
+    middle = [" ".join(compact([a]) for a in group) for group in communication_groups(one_f_one_b(g, 4)[LM1])]
+    assert middle[:6] == ["rf0<language_model.0", "F0", "sf0>language_model.2 rf1<language_model.0", "F1",
+                          "sf1>language_model.2 rb0<language_model.2", "B0"]
+    assert "sb0>language_model.0 rf2<language_model.0" in middle  # Megatron's send-backward-receive-forward
+
+
+def test_rendezvous_needs_the_grouping():
+    """With sends that wait for their receive (NCCL rendezvous), plain 1F1B deadlocks: stage 0 sends microbatch
+    1 while stage 1 sends the gradient of microbatch 0. Posting each run of sends/receives together fixes it."""
+    g, s = chain2()
+    with pytest.raises(ScheduleError, match="deadlock under rendezvous.*send_fwd"):
+        check_rendezvous(s, grouped=False)
+    check_rendezvous(s)

@@ -17,7 +17,7 @@ def item_counts(batch: dict, model) -> dict[str, torch.Tensor]:
             if n != rows:
                 raise ValueError(f"batch[{name!r}] has {n} items for {rows} rows and no item_counts; give "
                                  "batch['item_counts'][name] (items per row), as MultimodalCollator does")
-            counts[name] = torch.ones(rows, dtype=torch.long)
+            counts[name] = torch.ones(rows, dtype=torch.long, device=batch["input_ids"].device)
     return counts
 
 
@@ -36,7 +36,7 @@ def split_microbatches(batch: dict, num_microbatches: int, model) -> list[dict]:
         mb["item_counts"] = {}
         for name, c in counts.items():
             first = int(c[: rs.start].sum())
-            items = torch.arange(first, first + int(c[rs].sum()))
+            items = torch.arange(first, first + int(c[rs].sum()), device=c.device)
             mb["item_counts"][name] = c[rs]
             if len(items):
                 mb[name] = model.encoders[name].family.select_items(batch[name], items)

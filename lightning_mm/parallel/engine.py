@@ -7,11 +7,16 @@ runs forward under ``no_grad`` and takes no part in backward; a frozen stage wit
 computes input gradients only (autograd builds no weight-gradient graph for frozen parameters). With
 ``activation_checkpointing`` every encoder and LLM layer that records autograd keeps only its input and runs its
 forward again in backward (the planner costs this as B += F, memory as the layer inputs only).
+
+Communication (``comm.py``) is grouped per run of consecutive send/receive actions; gradient reduction over
+replicas (``grads.py``) overlaps the step's last backward. Every tensor the engine makes lives on ``device``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,19 +25,27 @@ from torch.utils.checkpoint import checkpoint
 from lightning_mm import loss as losses
 from lightning_mm.data.microbatch import split_microbatches
 from lightning_mm.parallel.context import pad_for_context_parallel
-from lightning_mm.parallel import p2p
-from lightning_mm.parallel.layout import RankLayout
-from lightning_mm.parallel.schedule import LANGUAGE_MODEL, build_stage_graph, check_schedule, one_f_one_b
-from lightning_mm.parallel.stages import (StagePlan, check_untied, owned_parameters, prune, resolve_partition,
-                                          stage_plans)
+from lightning_mm.parallel.comm import StageComm
+from lightning_mm.parallel.context import pad_for_context_parallel, token_index
+from lightning_mm.parallel.grads import GradientReducer, clip_, global_grad_norm
+from lightning_mm.parallel.stages import owned_parameters, prune, tied_embedding_stages
+from lightning_mm.plan.layout import RankLayout
+from lightning_mm.plan.schedule import (LANGUAGE_MODEL, build_stage_graph, check_rendezvous, check_schedule,
+                                        communication_groups, one_f_one_b)
+from lightning_mm.plan.stages import StagePlan, stage_plans, uniform_partition
 
 
 class ProcessGroups:
-    """The groups a rank needs, created in the same order on every rank (as ``new_group`` requires)."""
+    """The groups a rank needs, created in the same order on every rank (as ``new_group`` requires).
 
-    def __init__(self, layout: RankLayout, rank: int):
+    ``grad``: every rank holding this stage's parameters (replicas x CP ranks); ``dp``: this stage-rank's
+    replicas; ``cp``: this stage's CP ranks of this replica; ``replica``: every rank of this replica;
+    ``headers``: a gloo group over every rank for message headers; ``tie``: the LLM's first and last stage of
+    this replica when they share tied embeddings."""
+
+    def __init__(self, layout: RankLayout, rank: int, tie_stages: tuple[str, str] | None = None):
         coord = layout.coordinate(rank)
-        self.grad = None
+        self.grad, self.grad_size = None, 1
         for stage in layout.stages:
             ranks = layout.grad_group_ranks(stage)
             group = dist.new_group(ranks) if len(ranks) > 1 else None
@@ -52,42 +65,81 @@ class ProcessGroups:
                     group = dist.new_group(layout.stage_ranks(stage, d))
                     if (stage, d) == (coord.stage, coord.dp):
                         self.cp = group
+        self.headers = dist.new_group(backend="gloo")  # host-side message headers (comm.py)
+        self.replica = None
+        for d in range(layout.dp):
+            group = dist.new_group(layout.replica_ranks(d)) if layout.ranks_per_replica > 1 else None
+            if d == coord.dp:
+                self.replica = group
+        self.tie = None
+        if tie_stages is not None:
+            first, last = tie_stages
+            for d in range(layout.dp):
+                for c in range(layout.widths[first]):
+                    group = dist.new_group([layout.rank(first, d, c), layout.rank(last, d, c)])
+                    if coord.stage in tie_stages and (coord.dp, coord.cp) == (d, c):
+                        self.tie = group
 
 
 class PipelineEngine:
-    """One rank's stage of ``model`` (pruned to it) and the schedule that drives it."""
+    """One rank's stage of ``model`` (pruned to it) and the schedule that drives it.
 
-    def __init__(self, model, layout: RankLayout, rank: int, num_microbatches: int, partition="uniform",
-                 cp_distribution: str = "lpt", cp_block_size: int = 128, activation_checkpointing: bool = False):
+    ``partition``: layers per stage of every module (``{module: [counts]}``, resolved by the strategy), or None
+    for equal splits. ``device``: where the stage runs (default: where the model's parameters are).
+    ``forward_context``: a context manager factory entered around each stage forward (the precision plugin's
+    autocast). ``loss_backward(loss)``: runs backward of the last stage's loss (default ``loss.backward()``;
+    the strategy routes it through Lightning's precision plugin and hooks). ``materialise(model)`` runs right
+    after the model is pruned to this stage (a meta-built model gets real tensors for this stage only)."""
+
+    def __init__(self, model, layout: RankLayout, rank: int, num_microbatches: int,
+                 partition: dict[str, list[int]] | None = None, cp_distribution: str = "lpt",
+                 cp_block_size: int = 128, activation_checkpointing: bool = False, device=None,
+                 forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 loss_backward: Callable[[torch.Tensor], None] | None = None, bucket_mb: float = 25.0,
+                 materialise: Callable[[torch.nn.Module], None] | None = None):
         self.model, self.layout, self.rank, self.num_microbatches = model, layout, rank, num_microbatches
         self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
         self.activation_checkpointing = activation_checkpointing
+        self.forward_context = forward_context or contextlib.nullcontext
+        self.loss_backward = loss_backward or torch.autograd.backward
         self.coord = layout.coordinate(rank)
         encoder_names = list(model.encoders)
-        layer_counts = resolve_partition(model, layout.module_stages, partition, recompute=activation_checkpointing)
-        check_untied(model, layout.module_stages[LANGUAGE_MODEL])
+        sizes = {e: len(model.encoders[e].layers) for e in encoder_names}
+        sizes[LANGUAGE_MODEL] = len(model.llm_layers)
+        layer_counts = {m: list((partition or {}).get(m) or uniform_partition(sizes[m], s))
+                        for m, s in layout.module_stages.items()}
         self.plans: dict[str, StagePlan] = stage_plans(layer_counts, layout.placement, encoder_names)
         params = dict(model.named_parameters())
         owned = {s: owned_parameters(model, p) for s, p in self.plans.items()}
         trainable = {s: any(params[n].requires_grad for n in names) for s, names in owned.items()}
         if not any(trainable.values()):
             raise ValueError("the model has no trainable parameter: unfreeze something (model.freeze(projectors=False))")
-        self.graph = build_stage_graph({e: layout.module_stages[e] for e in encoder_names},
-                                       layout.module_stages[LANGUAGE_MODEL], layout.placement, trainable)
+        module_stages = {e: layout.module_stages[e] for e in encoder_names}
+        self.graph = build_stage_graph(module_stages, layout.module_stages[LANGUAGE_MODEL], layout.placement, trainable)
         self.train_actions = one_f_one_b(self.graph, num_microbatches)
         check_schedule(self.graph, self.train_actions, num_microbatches)
-        frozen = build_stage_graph({e: layout.module_stages[e] for e in encoder_names},
-                                   layout.module_stages[LANGUAGE_MODEL], layout.placement,
+        check_rendezvous(self.train_actions)
+        frozen = build_stage_graph(module_stages, layout.module_stages[LANGUAGE_MODEL], layout.placement,
                                    {s: False for s in trainable})
         self.eval_actions = one_f_one_b(frozen, num_microbatches)
         self.stage = self.coord.stage
         self.plan = self.plans[self.stage]
         self.node = self.graph.node(self.stage)
         self.llm_hidden = model.hidden_size
+        self.tie_stages = tied_embedding_stages(model, layout.module_stages[LANGUAGE_MODEL])
         self.owned = owned[self.stage]
+        if self.tie_stages and self.stage == self.tie_stages[1]:
+            self.owned |= tied_names(model)
         prune(model, self.owned)
+        if materialise is not None:
+            materialise(model)
+        self.device = torch.device(device) if device is not None else next(
+            (p.device for p in model.parameters()), torch.device("cpu"))
         self.cp_size = layout.widths[self.stage]
-        self.groups = ProcessGroups(layout, rank)
+        self.llm_cp = max(layout.widths.values())
+        self.groups = ProcessGroups(layout, rank, self.tie_stages)
+        self.comm = StageComm(self.device, self.groups.headers)
+        self.reducer = GradientReducer(self.trainable_parameters(), self.groups.grad, bucket_mb)
         self.timings: list[tuple[str, int, float, float]] = []  # (kind, microbatch, start, end) of the last step
 
     # ------------------------------------------------------------------ helpers
@@ -112,7 +164,7 @@ class PipelineEngine:
             owner = torch.empty(sum(len(p) for p in plan), dtype=torch.long)
             for r, blocks in enumerate(plan):
                 owner[blocks] = r
-            owners.append(owner)
+            owners.append(owner.to(self.device))
         return owners
 
     def forward_keys(self, stage: str) -> list[str]:
@@ -137,7 +189,7 @@ class PipelineEngine:
     def _encoder_part(self, name, sl, mb, received):
         enc = self.model.encoders[name]
         if name not in mb:  # no item of this modality in the microbatch
-            return torch.zeros(0, self.llm_hidden if sl.head else 0)
+            return torch.zeros(0, self.llm_hidden if sl.head else 0, device=self.device)
         inputs = enc.preprocess(mb[name]) if enc.preprocess and not sl.embed else mb[name]
         if sl.embed:
             hidden, ctx = enc.embed(mb[name])
@@ -153,12 +205,13 @@ class PipelineEngine:
         ctx = model.attention_context(mb["input_ids"], mb.get("bam"), mb.get("segment_ids"), mb.get("position_ids"),
                                       mb.get("attention_mask"))
         targets = losses.shift_labels(mb["labels"])  # shifted on the whole sequence, before any sharding
-        local = (lambda t: t) if owner is None else self._sharder(owner, mb["input_ids"].shape[1])
+        index = None if owner is None else self._token_index(owner, mb["input_ids"].shape[1])
+        local = (lambda t: t) if index is None else (lambda t: t.index_select(1, index))
         if owner is not None:
+            seq = torch.arange(mb["input_ids"].shape[1], device=mb["input_ids"].device).expand_as(mb["input_ids"])
             ctx = type(ctx)(position_ids=local(ctx.position_ids), bam=local(ctx.bam),
                             segment_ids=None if ctx.segment_ids is None else local(ctx.segment_ids),
-                            token_index=local(torch.arange(mb["input_ids"].shape[1]).expand_as(mb["input_ids"])),
-                            cp_group=self.groups.cp)
+                            token_index=local(seq), cp_group=self.groups.cp)
         if sl.embed:
             features = {k: v for msg in received.values() for k, v in msg.items()}
             features.update({e: self._encoder_part(e, s, mb, {}) for e, s in self.plan.encoders.items()})
@@ -168,86 +221,146 @@ class PipelineEngine:
         hidden = self._run_layers(lambda h, a, b: model.run_llm_layers(h, ctx, a, b), hidden, sl.start, sl.end)
         if not sl.head:
             return {"hidden": hidden} if owner is None else {"hidden": hidden, "cp_owner": owner}
-        loss_sum = losses.token_loss_sum(model.logits(hidden), local(targets))
-        return {"loss_sum": loss_sum, "loss": losses.normalise(loss_sum, num_label_tokens)}
+        logits = model.logits(hidden)
+        loss_sum = losses.token_loss_sum(logits, local(targets))
+        return {"loss_sum": loss_sum, "loss": losses.normalise(loss_sum, num_label_tokens), "logits": (logits, index)}
 
-    def _sharder(self, owner: torch.Tensor, seq_len: int):
-        from lightning_mm.parallel.context import token_index
-
+    def _token_index(self, owner: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Global indices of this CP rank's tokens."""
         blocks = torch.nonzero(owner == self.coord.cp).flatten()
-        idx = token_index(blocks, self.cp_block_size, seq_len)
-        return lambda t: t.index_select(1, idx.to(t.device))
+        return token_index(blocks, self.cp_block_size, seq_len).to(self.device)
 
     def forward_stage(self, mb, received, num_label_tokens, owner=None):
-        if self.plan.language_model is not None:
-            return self._language_part(mb, received, num_label_tokens, owner)
-        pred = self.graph.predecessors(self.stage)
-        msg = received[pred[0]] if pred else {}
-        return {e: self._encoder_part(e, sl, mb, msg) for e, sl in self.plan.encoders.items()}
+        with self.forward_context():
+            if self.plan.language_model is not None:
+                return self._language_part(mb, received, num_label_tokens, owner)
+            pred = self.graph.predecessors(self.stage)
+            msg = received[pred[0]] if pred else {}
+            return {e: self._encoder_part(e, sl, mb, msg) for e, sl in self.plan.encoders.items()}
 
     # ------------------------------------------------------------------ the schedule
-    def run(self, batch: dict, train: bool = True, loss_scale: float = 1.0) -> torch.Tensor:
+    def run(self, batch: dict, train: bool = True, loss_scale: float = 1.0, sync: bool = True,
+            keep_logits: bool = False) -> torch.Tensor:
         """Forward (and backward when ``train``) of every microbatch; returns the global normalised loss.
 
-        Gradients are those of ``loss_scale * loss`` (Lightning divides by the gradient-accumulation steps)."""
+        Gradients are those of ``loss_scale * loss`` (Lightning divides by the gradient-accumulation steps).
+        ``sync``: this step's gradients are reduced over replicas during its last backward (False while
+        Lightning accumulates). ``keep_logits``: the last stage keeps each microbatch's (logits, global token
+        indices or None) in ``self.logits`` (predict)."""
         self.model.check_placeholders(batch["input_ids"], {e: batch[e] for e in self.model.encoders if e in batch})
         mbs = split_microbatches(batch, self.num_microbatches, self.model)
         mbs = [pad_for_context_parallel(mb, self.cp_size, self.cp_block_size) for mb in mbs]  # short CP sequences
         owners = self.cp_owners(mbs) if self.plan.language_model is not None else None
-        count = losses.count_label_tokens(batch["labels"]).reshape(1).float()
+        count = losses.count_label_tokens(batch["labels"]).reshape(1).to(self.device, torch.float32)
         if self.groups.dp is not None:
             dist.all_reduce(count, group=self.groups.dp)
         actions = (self.train_actions if train else self.eval_actions)[self.stage]
         needs_grad = train and self.node.needs_backward
-        received, outputs, input_grads, out_grads = {}, {}, {}, {}
-        pending, loss_sum = [], torch.zeros(())
-        self.timings = []
-        for act in actions:
-            m = act.microbatch
+        last_backward = max((i for i, a in enumerate(actions) if a.kind == "backward"), default=None)
+        received, outputs, input_grads = {}, {}, {}
+        loss_sum = torch.zeros((), device=self.device)
+        self.timings, self.logits = [], []
+        at = 0
+        for group in communication_groups(actions):
             t0 = time.perf_counter()
-            if act.kind == "recv_fwd":
-                msg = p2p.recv(self.forward_keys(act.peer), self.peer_ranks(act.peer)[0])
-                if needs_grad and self.graph.node(act.peer).needs_backward:
-                    for t in msg.values():
-                        if t.is_floating_point():
-                            t.requires_grad_(True)
-                received.setdefault(m, {})[act.peer] = msg
-            elif act.kind == "forward":
+            act = group[0]
+            m = act.microbatch
+            if act.kind == "forward":
                 with torch.set_grad_enabled(needs_grad):
-                    out = self.forward_stage(mbs[m], received.get(m, {}), count, owners and owners[m])
+                    out = self.forward_stage(mbs[m], received.get(m, {}), count[0], owners and owners[m])
                 if "loss_sum" in out:
                     loss_sum = loss_sum + out["loss_sum"].detach()
+                    logits, index = out.pop("logits")
+                    if keep_logits:
+                        self.logits.append((logits.detach(), index))
                 outputs[m] = out
                 if not needs_grad:
                     received.pop(m, None)
-            elif act.kind == "send_fwd":
-                for dst in self.peer_ranks(act.peer):
-                    pending += p2p.send(outputs[m], self.forward_keys(self.stage), dst)
-                if not needs_grad:
-                    outputs.pop(m)
-            elif act.kind == "recv_bwd":
-                parts = [p2p.recv(self.plan.output_keys, src) for src in self.peer_ranks(act.peer)]
-                out_grads[m] = {k: sum(part[k] for part in parts) for k in self.plan.output_keys}
             elif act.kind == "backward":
-                self._backward(outputs.pop(m), out_grads.pop(m, None), loss_scale)
+                if sync and at == last_backward:
+                    self.reducer.arm()
+                self._backward(outputs.pop(m), input_grads.pop(("out", m), None), loss_scale)
                 inputs = received.pop(m, {})
-                input_grads[m] = {p: {k: (t.grad if t.grad is not None else torch.zeros_like(t))
-                                      for k, t in msg.items() if t.is_floating_point()}
-                                  for p, msg in inputs.items()}
-            elif act.kind == "send_bwd":
-                pending += p2p.send(input_grads[m].pop(act.peer), self.plans[act.peer].output_keys,
-                                    self.peer_ranks(act.peer)[0])
-            self.timings.append((act.kind, m, t0, time.perf_counter()))
-        for work, _ in pending:
-            work.wait()
+                for peer, msg in inputs.items():
+                    if self.graph.node(peer).needs_backward:
+                        input_grads[(peer, m)] = {k: (t.grad if t.grad is not None else torch.zeros_like(t))
+                                                  for k, t in msg.items() if t.is_floating_point()}
+            else:
+                self._communicate(group, outputs, received, input_grads, needs_grad)
+            t1 = time.perf_counter()
+            self.timings += [(a.kind, a.microbatch, t0, t1 if i == 0 else t0) for i, a in enumerate(group)]
+            at += len(group)
+        self.comm.wait_all()
         dist.all_reduce(loss_sum)
         return losses.normalise(loss_sum, count[0])
 
-    @staticmethod
-    def _backward(out: dict, grads: dict | None, loss_scale: float) -> None:
+    def predict(self, batch: dict) -> dict:
+        """Forward only. ``logits`` [B, S, V] on the ranks holding the LLM head without CP (None elsewhere) and
+        the greedy next-token ids [B, S] on every rank of the replica (broadcast from the head)."""
+        batch = dict(batch)
+        if "labels" not in batch:
+            batch["labels"] = torch.full_like(batch["input_ids"], losses.IGNORE_INDEX)
+        self.run(batch, train=False, keep_logits=True)
+        rows, seq = batch["input_ids"].shape
+        ids, logits = torch.zeros(rows, seq, dtype=torch.long, device=self.device), None
+        head = self.plan.language_model is not None and self.plan.language_model.head
+        if head:
+            parts = []
+            for mb_logits, index in self.logits:
+                local = mb_logits.argmax(-1)
+                if index is not None:  # each CP rank fills its tokens; the maximum over ranks is the whole row
+                    length = index.max().reshape(1) + 1 if index.numel() else index.new_zeros(1)
+                    dist.all_reduce(length, op=dist.ReduceOp.MAX, group=self.groups.cp)
+                    full = torch.full((local.shape[0], int(length)), -1, dtype=torch.long, device=self.device)
+                    full[:, index] = local
+                    dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.groups.cp)
+                    local = full
+                parts.append(local[:, :seq])
+            ids = torch.cat(parts)
+            if self.cp_size == 1:
+                logits = torch.cat([mb_logits for mb_logits, _ in self.logits])[:, :seq]
+        self.logits = []
+        if self.groups.replica is not None:
+            last = self.layout.stages[-1]
+            dist.broadcast(ids, self.layout.rank(last, self.coord.dp, 0), group=self.groups.replica)
+        return {"logits": logits, "predicted_ids": ids}
+
+    def _communicate(self, group, outputs, received, input_grads, needs_grad) -> None:
+        """Post one group of sends and receives together (``comm.StageComm.exchange``) and file the results."""
+        sends, recvs, targets = [], [], []
+        for a in group:
+            m = a.microbatch
+            if a.kind == "send_fwd":
+                sends += [(outputs[m], self.forward_keys(self.stage), dst) for dst in self.peer_ranks(a.peer)]
+                if not needs_grad:
+                    outputs.pop(m)
+            elif a.kind == "send_bwd":
+                sends.append((input_grads.pop((a.peer, m)), self.plans[a.peer].output_keys,
+                              self.peer_ranks(a.peer)[0]))
+            elif a.kind == "recv_fwd":
+                recvs.append((self.forward_keys(a.peer), self.peer_ranks(a.peer)[0]))
+                targets.append(a)
+            else:  # recv_bwd: one gradient per peer rank (every CP rank of the LLM's first stage), summed
+                peers = self.peer_ranks(a.peer)
+                recvs += [(self.plan.output_keys, src) for src in peers]
+                targets += [a] * len(peers)
+        got = self.comm.exchange(sends, recvs)
+        for a, msg in zip(targets, got):
+            m = a.microbatch
+            if a.kind == "recv_fwd":
+                if needs_grad and self.graph.node(a.peer).needs_backward:
+                    for t in msg.values():
+                        if t.is_floating_point():
+                            t.requires_grad_(True)
+                received.setdefault(m, {})[a.peer] = msg
+            else:
+                prev = input_grads.get(("out", m))
+                input_grads[("out", m)] = msg if prev is None else {k: prev[k] + msg[k] for k in msg}
+
+    def _backward(self, out: dict, grads: dict | None, loss_scale: float) -> None:
         if "loss" in out:
             if out["loss"].requires_grad:
-                torch.autograd.backward(out["loss"] * loss_scale)
+                self.loss_backward(out["loss"] * loss_scale)
             return
         pairs = [(t, grads[k]) for k, t in out.items() if t.requires_grad]
         if pairs:
@@ -255,40 +368,85 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ gradients
     def sync_gradients(self) -> None:
-        """Sum gradients over every rank holding the same parameters (data-parallel replicas, CP ranks).
+        """Finish summing gradients over every rank holding the same parameters (replicas, CP ranks) and, with
+        tied embeddings over LLM stages, over the first and last stage."""
+        self.reducer.finish()
+        if self.groups.tie is not None:
+            sync_tied_gradients(self.model, self.groups.tie)
 
-        Sums, not averages: each replica's loss is already divided by the global label count. A parameter
-        unused on every replica keeps ``grad=None`` (as in one process), so optimisers skip it alike.
-        """
-        params = self.trainable_parameters()
-        if self.groups.grad is None or not params:
-            return
-        used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
-        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.groups.grad)
-        live = [p for p, u in zip(params, used.tolist()) if u]
-        for p in live:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if live:
-            flat = torch.cat([p.grad.reshape(-1) for p in live])
-            dist.all_reduce(flat, group=self.groups.grad)
-            at = 0
-            for p in live:
-                p.grad.copy_(flat[at:at + p.numel()].view_as(p))
-                at += p.numel()
+    def sync_tied_weights(self) -> None:
+        """Give the last LLM stage's copy of a tied embedding the first stage's values (after materialising)."""
+        if self.groups.tie is not None:
+            lm = self.model.language_model
+            first = self.stage == self.tie_stages[0]
+            weight = self.model.lm_family.embed_tokens(lm).weight if first else lm.lm_head.weight
+            with torch.no_grad():
+                dist.broadcast(weight, self.layout.rank(self.tie_stages[0], self.coord.dp, self.coord.cp),
+                               group=self.groups.tie)
 
     def global_grad_norm(self) -> torch.Tensor:
         """L2 norm of all trainable gradients of the whole model (every stage, counted once)."""
-        sq = sum((p.grad.float() ** 2).sum() for p in self.trainable_parameters() if p.grad is not None)
-        sq = torch.as_tensor(sq, dtype=torch.float64) / self.groups.grad_size
-        dist.all_reduce(sq)
-        return sq.sqrt()
+        params = self.trainable_parameters()
+        if self.tie_stages and self.stage == self.tie_stages[1]:  # the tied weight counts at the first stage
+            tied = {id(p) for n, p in self.model.named_parameters() if n in tied_names(self.model)}
+            params = [p for p in params if id(p) not in tied]
+        return global_grad_norm(params, self.groups.grad_size, self.device)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         norm = self.global_grad_norm()
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1:
-            for p in self.trainable_parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        clip_(self.trainable_parameters(), max_norm, norm)
         return norm
+
+
+def batch_fingerprint(batch: dict) -> list[int]:
+    """Shapes and a few ids of a batch (host numbers only, no device read)."""
+    out = []
+    for key in sorted(batch):
+        value = batch[key]
+        if isinstance(value, torch.Tensor):
+            out += [len(value.shape), *value.shape]
+        elif isinstance(value, dict):
+            out += batch_fingerprint(value)
+    return out
+
+
+def check_same_batch(batch: dict, group) -> None:
+    """Every rank of a replica must see the same batch (one sampler per replica). Compares shapes and a
+    position-weighted sum of the token ids over the replica's ranks; raises the same error on every rank."""
+    if group is None:
+        return
+    ids = batch["input_ids"]
+    weights = torch.arange(1, ids.numel() + 1, device=ids.device, dtype=torch.float64).view_as(ids)
+    shape = batch_fingerprint(batch)
+    mine = torch.cat([torch.tensor([len(shape), *shape[:64]], dtype=torch.float64, device=ids.device),
+                      (ids.double() * weights).sum().reshape(1)])
+    both = torch.cat([mine, -mine])
+    sizes = torch.tensor([both.numel(), -both.numel()], dtype=torch.float64, device=ids.device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+    if int(sizes[0]) == both.numel() == -int(sizes[1]):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        same = bool(torch.equal(both[:mine.numel()], mine) and torch.equal(-both[mine.numel():], mine))
+    else:
+        same = False
+    if not same:
+        raise RuntimeError(f"the ranks of one data-parallel replica got different batches (ranks "
+                           f"{dist.get_process_group_ranks(group)}); every rank of a replica must see the same "
+                           "batch: use the strategy's distributed_sampler_kwargs (num_replicas=dp, rank=replica "
+                           "index), as Lightning's default sampler does, and the same seed on every rank")
+
+
+def tied_names(model) -> set[str]:
+    """Names of the tied input/output embedding parameter (the lm_head name kept by the last stage)."""
+    lm = model.language_model
+    return {"language_model.lm_head.weight"} if hasattr(lm, "lm_head") else set()
+
+
+def sync_tied_gradients(model, group) -> None:
+    """Sum the tied embedding's gradient between the LLM's first and last stage (Megatron's embedding group)."""
+    lm = model.language_model
+    weight = lm.lm_head.weight if not isinstance(lm.lm_head, torch.nn.Identity) else \
+        model.lm_family.embed_tokens(lm).weight
+    if weight.requires_grad:
+        grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        dist.all_reduce(grad, group=group)
+        weight.grad = grad

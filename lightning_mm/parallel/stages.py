@@ -1,113 +1,15 @@
-"""Pipeline stages: which layers each stage holds, which parameters it owns, and dropping the rest.
+"""Pipeline stages on a model: which parameters a stage owns, and dropping the rest.
 
-A stage keeps the unparallelised model's module tree and names; modules it does not own are replaced by
-``nn.Identity`` (their memory is freed), so a stage's state dict is a slice of the full model's, keyed by the
-same names. An encoder stage holds a contiguous slice of that encoder's layers; its first stage also the
-embedding modules, its last stage the final modules and the projector. The LLM's first stage holds the token
-embedding, its last stage the norm and head.
+Which layers each stage runs is planned in ``lightning_mm.plan.stages``. A stage keeps the unparallelised
+model's module tree and names; modules it does not own are replaced by ``nn.Identity`` (their memory is freed),
+so a stage's state dict is a slice of the full model's, keyed by the same names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from torch import nn
 
-from lightning_mm.parallel.schedule import COLOCATED_ENCODERS, LANGUAGE_MODEL
-from lightning_mm.planner.partition import uniform_partition
-
-
-@dataclass(frozen=True)
-class Slice:
-    """Layers [start, end) of one module, and whether the stage also runs its embedding / final part."""
-
-    start: int
-    end: int
-    embed: bool
-    head: bool
-
-
-@dataclass
-class StagePlan:
-    name: str
-    encoders: dict[str, Slice] = field(default_factory=dict)
-    language_model: Slice | None = None
-
-    @property
-    def output_keys(self) -> list[str]:
-        """Keys of the message this stage sends downstream (encoder names, or "hidden" for the LLM)."""
-        return ["hidden"] if self.language_model is not None else list(self.encoders)
-
-
-def module_sizes(model) -> dict[str, int]:
-    sizes = {name: len(enc.layers) for name, enc in model.encoders.items()}
-    sizes[LANGUAGE_MODEL] = len(model.llm_layers)
-    return sizes
-
-
-def resolve_partition(model, module_stages: dict[str, int], partition, recompute: bool = False) -> dict[str, list[int]]:
-    """Layers per stage for every module: "uniform", explicit ``{module: [layers per stage]}``, or a planner mode.
-
-    "frozen-aware" balances F + B of Eq. 3.1-3.3 (frozen flags from ``requires_grad``), "forward-only" balances
-    3F (the seeds' baseline), "auto" = "frozen-aware" (stage counts are fixed by the ParallelSpecs here; the
-    stage-count search is ``lightning-mm plan``). Planner costs are FLOP counts of the real layers on a fixed
-    synthetic sample, or a JSON profile (``PlannedPartition(mode, profile=path)``), so every rank computes the
-    same partition. ``recompute``: layers run under activation checkpointing (their backward includes a forward).
-    """
-    from lightning_mm.planner.model_costs import PLANNER_MODES, PlannedPartition, planned_partition
-
-    sizes = module_sizes(model)
-    for module, stages in module_stages.items():
-        if stages > sizes[module]:
-            raise ValueError(f"{module!r} has {sizes[module]} layers but pp={stages} stages; use pp <= {sizes[module]}")
-    if isinstance(partition, str) and partition in PLANNER_MODES:
-        partition = PlannedPartition(partition)
-    if isinstance(partition, PlannedPartition):
-        return planned_partition(model, module_stages, partition.mode, partition.profile, recompute)
-    out = {}
-    for module, stages in module_stages.items():
-        n = sizes[module]
-        given = partition.get(module) if isinstance(partition, dict) else None
-        if given is not None:
-            given = list(given)
-            if len(given) != stages or sum(given) != n or min(given) < 1:
-                raise ValueError(f"partition[{module!r}] = {given} must give {stages} positive layer counts summing "
-                                 f"to {n}")
-            out[module] = given
-        elif isinstance(partition, dict) or partition == "uniform":
-            out[module] = uniform_partition(n, stages)
-        else:
-            raise ValueError(f"unknown partition {partition!r}: use 'uniform', one of {PLANNER_MODES} or "
-                             "{module: [layers per stage]}")
-    return out
-
-
-def _slices(sizes: list[int]) -> list[Slice]:
-    out, at = [], 0
-    for i, n in enumerate(sizes):
-        out.append(Slice(at, at + n, i == 0, i == len(sizes) - 1))
-        at += n
-    return out
-
-
-def stage_plans(layer_counts: dict[str, list[int]], placement: str, encoder_names: list[str]) -> dict[str, StagePlan]:
-    """Every stage's plan, keyed by the stage names of ``schedule.build_stage_graph``."""
-    plans: dict[str, StagePlan] = {}
-    enc_slices = {e: _slices(layer_counts[e]) for e in encoder_names}
-    if placement == "parallel":
-        for e in encoder_names:
-            for i, s in enumerate(enc_slices[e]):
-                plans[f"{e}.{i}"] = StagePlan(f"{e}.{i}", {e: s})
-    elif placement == "colocated" and encoder_names:
-        for i in range(len(enc_slices[encoder_names[0]])):
-            name = f"{COLOCATED_ENCODERS}.{i}"
-            plans[name] = StagePlan(name, {e: enc_slices[e][i] for e in encoder_names})
-    for i, s in enumerate(_slices(layer_counts[LANGUAGE_MODEL])):
-        name = f"{LANGUAGE_MODEL}.{i}"
-        plans[name] = StagePlan(name, {}, s)
-    if placement == "replicated":
-        plans[f"{LANGUAGE_MODEL}.0"].encoders = {e: enc_slices[e][0] for e in encoder_names}
-    return plans
+from lightning_mm.plan.stages import Slice, StagePlan
 
 
 def _module_path(root: nn.Module, target: nn.Module) -> str:
@@ -152,12 +54,16 @@ def owned_parameters(model, plan: StagePlan) -> set[str]:
     return owned
 
 
-def check_untied(model, num_llm_stages: int) -> None:
+def tied_embedding_stages(model, num_llm_stages: int) -> tuple[str, str] | None:
+    """The LLM's first and last stage when they share a tied input/output embedding (HF ``tie_word_embeddings``)
+    across a pipeline; each then holds its own copy, kept equal by summing their gradients (as Megatron does)."""
+    from lightning_mm.plan.placement import LANGUAGE_MODEL, stage_name
+
     lm = model.language_model
-    if num_llm_stages > 1 and getattr(lm.config, "tie_word_embeddings", False) and lm.lm_head.weight is \
-            model.lm_family.embed_tokens(lm).weight:
-        raise ValueError("the language model ties its input and output embeddings, which would live on different "
-                         "pipeline stages; build it with tie_word_embeddings=False or use language_model pp=1")
+    head = getattr(lm, "lm_head", None)
+    if num_llm_stages > 1 and head is not None and head.weight is model.lm_family.embed_tokens(lm).weight:
+        return stage_name(LANGUAGE_MODEL, 0), stage_name(LANGUAGE_MODEL, num_llm_stages - 1)
+    return None
 
 
 def prune(root: nn.Module, owned: set[str]) -> None:

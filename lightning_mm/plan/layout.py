@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_mm.parallel.schedule import COLOCATED_ENCODERS, LANGUAGE_MODEL, PLACEMENTS, stage_name
+from lightning_mm.plan.placement import LANGUAGE_MODEL, PLACEMENTS, placement_table
 
 
 @dataclass(frozen=True)
@@ -107,23 +107,9 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
     for name, spec in encoders.items():
         if spec.cp > 1:
             raise ValueError(f"encoder {name!r}: context parallelism is for the language model only; use cp=1")
-    stages, widths = [], {}
-    if placement == "parallel":
-        for name, spec in encoders.items():
-            for i in range(spec.pp):
-                stages.append(stage_name(name, i))
-    elif placement == "colocated" and encoders:
-        pps = {spec.pp for spec in encoders.values()}
-        if len(pps) > 1:
-            raise ValueError(f"colocated placement fuses encoders stage by stage: give every encoder the same pp, "
-                             f"got { {n: s.pp for n, s in encoders.items()} }")
-        stages += [stage_name(COLOCATED_ENCODERS, i) for i in range(pps.pop())]
-    elif placement == "replicated" and any(s.pp > 1 for s in encoders.values()):
-        raise ValueError("replicated placement runs each encoder whole inside the first LLM stage: use pp=1")
-    widths.update({s: 1 for s in stages})
-    for i in range(language_model.pp):
-        stages.append(stage_name(LANGUAGE_MODEL, i))
-        widths[stages[-1]] = language_model.cp
+    table = placement_table({n: s.pp for n, s in encoders.items()}, language_model.pp, placement)
+    stages = list(table)
+    widths = {s: language_model.cp if table[s][0][0] == LANGUAGE_MODEL else 1 for s in stages}
     per_replica = sum(widths.values())
     if world_size % per_replica:
         raise ValueError(f"{world_size} devices cannot hold whole replicas of {per_replica} ranks "

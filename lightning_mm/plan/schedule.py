@@ -15,9 +15,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-LANGUAGE_MODEL = "language_model"
-COLOCATED_ENCODERS = "encoders"
-PLACEMENTS = ("parallel", "colocated", "replicated")
+from lightning_mm.plan.placement import COLOCATED_ENCODERS, LANGUAGE_MODEL, PLACEMENTS, placement_table, stage_name
+
 ACTION_KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd")
 
 
@@ -43,11 +42,6 @@ class Action:
     def __post_init__(self):
         if self.kind not in ACTION_KINDS:
             raise ValueError(f"unknown action kind {self.kind!r}; use one of {ACTION_KINDS}")
-
-
-def stage_name(module: str, index: int) -> str:
-    """The canonical stage name, e.g. stage_name("vision", 0) == "vision.0"."""
-    return f"{module}.{index}"
 
 
 @dataclass(frozen=True)
@@ -172,22 +166,11 @@ def _check_build_args(encoder_stages: dict[str, int], llm_stages: int, placement
 
 
 def _stage_sources(encoder_stages: dict[str, int], llm_stages: int, placement: str) -> dict[str, list[str]]:
-    """For each graph stage (in graph order), the names in `trainable` whose parameters it holds."""
-    sources = {}
-    if placement == "parallel":
-        for enc, count in encoder_stages.items():
-            for i in range(count):
-                sources[stage_name(enc, i)] = [stage_name(enc, i)]
-    elif placement == "colocated" and encoder_stages:
-        for i in range(next(iter(encoder_stages.values()))):
-            fused = stage_name(COLOCATED_ENCODERS, i)
-            sources[fused] = [fused] + [stage_name(enc, i) for enc in encoder_stages]
-    for i in range(llm_stages):
-        sources[stage_name(LANGUAGE_MODEL, i)] = [stage_name(LANGUAGE_MODEL, i)]
-    if placement == "replicated":
-        first = stage_name(LANGUAGE_MODEL, 0)
-        sources[first] += [stage_name(enc, i) for enc, count in encoder_stages.items() for i in range(count)]
-    return sources
+    """For each graph stage (in graph order), the names in `trainable` whose parameters it holds: its own name
+    and those of the module stages the placement table puts in it."""
+    table = placement_table(encoder_stages, llm_stages, placement)
+    return {stage: [stage] + [stage_name(m, i) for m, i in parts if stage_name(m, i) != stage]
+            for stage, parts in table.items()}
 
 
 def _resolve_trainable(sources: dict[str, list[str]], trainable: dict[str, bool]) -> dict[str, bool]:
@@ -396,3 +379,64 @@ def check_schedule(graph: StageGraph, actions: dict[str, list[Action]], num_micr
         if state.backwarded != expected:
             raise ScheduleError(f"stage {stage!r} runs backward for {sorted(state.backwarded)}, expected {sorted(expected)}")
     return executed
+
+
+def communication_groups(actions: list[Action]) -> list[list[Action]]:
+    """The stage's action list cut into steps: each compute action alone, each run of consecutive send/receive
+    actions as one group (the runtime posts a group together, as one ``batch_isend_irecv``)."""
+    steps: list[list[Action]] = []
+    for action in actions:
+        comm = action.kind not in ("forward", "backward")
+        if comm and steps and steps[-1][0].kind not in ("forward", "backward"):
+            steps[-1].append(action)
+        else:
+            steps.append([action])
+    return steps
+
+
+def check_rendezvous(actions: dict[str, list[Action]], grouped: bool = True) -> None:
+    """Raise ScheduleError unless the grouped action lists complete when a send completes only once its receive
+    is posted and vice versa (NCCL's rendezvous; stricter than ``check_schedule``'s buffered sends).
+
+    The k-th send on a channel (src, dst, direction) matches the k-th receive on it. A group completes once every
+    one of its operations is matched by an operation the peer has posted: in the peer's current group or done.
+    ``grouped=False`` posts every action alone (what plain blocking ``send``/``recv`` would do)."""
+    steps = {stage: communication_groups(acts) if grouped else [[a] for a in acts] for stage, acts in actions.items()}
+    ops: dict[str, list[list[tuple]]] = {}
+    for stage, groups in steps.items():
+        counters: dict[tuple, int] = {}
+        ops[stage] = []
+        for group in groups:
+            keyed = []
+            for a in group:
+                if a.kind in ("forward", "backward"):
+                    continue
+                direction = "fwd" if a.kind.endswith("fwd") else "bwd"
+                sending = a.kind.startswith("send")
+                channel = (stage, a.peer, direction) if sending else (a.peer, stage, direction)
+                n = counters.get((channel, sending), 0)
+                counters[(channel, sending)] = n + 1
+                keyed.append((channel, n, sending))
+            ops[stage].append(keyed)
+    cursor = {stage: 0 for stage in steps}
+    done: set[tuple] = set()
+
+    def posted(channel, n, sending):
+        peer = channel[1] if sending else channel[0]
+        mine = (channel, n, not sending)
+        return mine in done or (cursor[peer] < len(ops[peer]) and mine in ops[peer][cursor[peer]])
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage in steps:
+            while cursor[stage] < len(ops[stage]):
+                group = ops[stage][cursor[stage]]
+                if not all(posted(*op) for op in group):
+                    break
+                done.update(group)
+                cursor[stage] += 1
+                progressed = True
+    blocked = [f"{s!r} at {steps[s][cursor[s]]}" for s in steps if cursor[s] < len(steps[s])]
+    if blocked:
+        raise ScheduleError("deadlock under rendezvous sends: " + "; ".join(blocked))

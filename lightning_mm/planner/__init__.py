@@ -1,7 +1,7 @@
 """The frozen-aware planner: profiler, cost model, stage partitioner, auto-parallel search and simulator.
 
 Pure planning code (no process groups): the strategy calls `partition_module` / `search`, the CLI prints
-`plan_summary`, and the simulator times the schedule's own action lists (`lightning_mm.parallel.schedule`).
+`plan_summary`, and the simulator times the schedule's own action lists (`lightning_mm.plan.schedule`).
 """
 
 from lightning_mm.planner.costs import (

@@ -25,9 +25,10 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from lightning_mm.planner.costs import LayerCost, LayerProfile, ModuleTimes, fit_cost_model, load_profile, \
     mllm_layer_costs, module_times
+from lightning_mm.plan.placement import LANGUAGE_MODEL
+from lightning_mm.plan.stages import uniform_partition
 from lightning_mm.planner.partition import partition_module
 
-LANGUAGE_MODEL = "language_model"
 PLANNER_MODES = ("frozen-aware", "forward-only", "auto")
 
 
@@ -359,3 +360,44 @@ def planned_partition(model, module_stages: dict[str, int], mode: str = "frozen-
     costs = model_layer_costs(model, profile, recompute=recompute)
     part_mode = "frozen-aware" if mode == "auto" else mode
     return {m: partition_module(costs[m], s, part_mode) for m, s in module_stages.items()}
+
+
+def module_sizes(model) -> dict[str, int]:
+    sizes = {name: len(enc.layers) for name, enc in model.encoders.items()}
+    sizes[LANGUAGE_MODEL] = len(model.llm_layers)
+    return sizes
+
+
+def resolve_partition(model, module_stages: dict[str, int], partition, recompute: bool = False) -> dict[str, list[int]]:
+    """Layers per stage for every module: "uniform", explicit ``{module: [layers per stage]}``, or a planner mode.
+
+    "frozen-aware" balances F + B of Eq. 3.1-3.3 (frozen flags from ``requires_grad``), "forward-only" balances
+    3F (the seeds' baseline), "auto" = "frozen-aware" (stage counts are fixed by the ParallelSpecs here; the
+    stage-count search is ``lightning-mm plan``). Planner costs are FLOP counts of the real layers on a fixed
+    synthetic sample, or a JSON profile (``PlannedPartition(mode, profile=path)``), so every rank computes the
+    same partition. ``recompute``: layers run under activation checkpointing (their backward includes a forward).
+    """
+    sizes = module_sizes(model)
+    for module, stages in module_stages.items():
+        if stages > sizes[module]:
+            raise ValueError(f"{module!r} has {sizes[module]} layers but pp={stages} stages; use pp <= {sizes[module]}")
+    if isinstance(partition, str) and partition in PLANNER_MODES:
+        partition = PlannedPartition(partition)
+    if isinstance(partition, PlannedPartition):
+        return planned_partition(model, module_stages, partition.mode, partition.profile, recompute)
+    out = {}
+    for module, stages in module_stages.items():
+        n = sizes[module]
+        given = partition.get(module) if isinstance(partition, dict) else None
+        if given is not None:
+            given = list(given)
+            if len(given) != stages or sum(given) != n or min(given) < 1:
+                raise ValueError(f"partition[{module!r}] = {given} must give {stages} positive layer counts summing "
+                                 f"to {n}")
+            out[module] = given
+        elif isinstance(partition, dict) or partition == "uniform":
+            out[module] = uniform_partition(n, stages)
+        else:
+            raise ValueError(f"unknown partition {partition!r}: use 'uniform', one of {PLANNER_MODES} or "
+                             "{module: [layers per stage]}")
+    return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import accumulate
 
+from lightning_mm.plan.stages import uniform_partition
+
 
 def _check(costs: Sequence[float], num_stages: int) -> None:
     if not isinstance(num_stages, int) or num_stages < 1:
@@ -55,13 +57,6 @@ def stage_sums(values: Sequence[float], sizes: Sequence[int]) -> list[float]:
         out.append(float(sum(values[start : start + size])))
         start += size
     return out
-
-
-def uniform_partition(num_layers: int, num_stages: int) -> list[int]:
-    """Equal layer counts, earlier stages one layer lighter when it does not divide (the 'uniform' option)."""
-    _check([0.0] * num_layers, num_stages)
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if s >= num_stages - extra else 0) for s in range(num_stages)]
 
 
 PARTITION_MODES = ("frozen-aware", "forward-only", "uniform")

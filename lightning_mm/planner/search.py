@@ -15,7 +15,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_mm.parallel.schedule import COLOCATED_ENCODERS, LANGUAGE_MODEL, StageGraph, build_stage_graph, stage_name
+from lightning_mm.plan.placement import LANGUAGE_MODEL, placement_table
+from lightning_mm.plan.schedule import StageGraph, build_stage_graph
 from lightning_mm.planner.costs import LayerCost
 from lightning_mm.planner.partition import partition, partition_module, stage_sums
 from lightning_mm.planner.simulator import SimulationResult, simulate_1f1b
@@ -106,23 +107,11 @@ def _stage_table(modules, layers, placement) -> dict[str, tuple[float, float, fl
     def add(a, b):
         return tuple(x + y for x, y in zip(a[:5], b[:5])) + (a[5] or b[5],)
 
-    encoders = _encoders(modules)
-    if placement == "parallel":
-        for enc in encoders:
-            for i, row in enumerate(stages_of(enc)):
-                table[stage_name(enc, i)] = row
-    elif placement == "colocated":
-        for enc in encoders:
-            for i, row in enumerate(stages_of(enc)):
-                key = stage_name(COLOCATED_ENCODERS, i)
-                table[key] = add(table[key], row) if key in table else row
-    llm_rows = list(stages_of(LANGUAGE_MODEL))
-    if placement == "replicated":
-        for enc in encoders:
-            for row in stages_of(enc):
-                llm_rows[0] = add(llm_rows[0], row)
-    for i, row in enumerate(llm_rows):
-        table[stage_name(LANGUAGE_MODEL, i)] = row
+    rows = {m: list(stages_of(m)) for m in modules}
+    encoder_stages = {e: len(layers[e]) for e in _encoders(modules)}
+    for stage, parts in placement_table(encoder_stages, len(layers[LANGUAGE_MODEL]), placement).items():
+        for module, i in parts:
+            table[stage] = add(table[stage], rows[module][i]) if stage in table else rows[module][i]
     return table
 
 
@@ -404,12 +393,10 @@ def plan_summary(plan: Plan, title: str | None = None) -> str:
             start += size
     header = f"{'stage':<20} {'layers':<34} {'forward':>10} {'backward':>10} {'busy':>10} {'bubble':>7} {'inflight':>8} {'memory':>10}"
     lines += [header, "-" * len(header)]
+    table = placement_table({m: len(s) for m, s in plan.layers.items() if m != LANGUAGE_MODEL},
+                            len(plan.layers[LANGUAGE_MODEL]), plan.placement)
     for stage in r.stages:
-        module, index = stage.rsplit(".", 1)
-        held = [layer_ranges[(m, int(index))] for m in plan.layers if (m == module or module == COLOCATED_ENCODERS
-                and m != LANGUAGE_MODEL) and (m, int(index)) in layer_ranges]
-        if plan.placement == "replicated" and stage == stage_name(LANGUAGE_MODEL, 0):
-            held = [layer_ranges[(m, 0)] for m in plan.layers]
+        held = [layer_ranges[part] for part in table[stage]]
         lines.append(
             f"{stage:<20} {'+'.join(held):<34} {plan.forward[stage]:>10.4g} {plan.backward[stage]:>10.4g} "
             f"{r.busy[stage]:>10.4g} {r.bubble_fraction[stage]:>7.1%} {r.peak_inflight[stage]:>8d} {plan.memory[stage]:>10.3g}"

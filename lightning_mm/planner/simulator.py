@@ -1,4 +1,4 @@
-"""Discrete-event simulation of the pipeline's own action lists (`parallel.schedule`), plus timeline output.
+"""Discrete-event simulation of the pipeline's own action lists (`plan.schedule`), plus timeline output.
 
 Each stage is one device executing its action list in order: compute takes the stage's forward/backward
 cost, sends are non-blocking and arrive `p2p_latency` later, receives block until the message arrived.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_mm.parallel.schedule import Action, ScheduleError, StageGraph, one_f_one_b
+from lightning_mm.plan.schedule import Action, ScheduleError, StageGraph, one_f_one_b
 
 Cost = float | Sequence[float]
 

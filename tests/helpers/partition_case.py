@@ -9,7 +9,7 @@ from torch import nn
 import lightning_mm as lmm
 from lightning_mm.model import tiny_encoder, tiny_language_model
 from lightning_mm.parallel.engine import PipelineEngine
-from lightning_mm.parallel.layout import ParallelSpec, build_layout
+from lightning_mm.plan.layout import ParallelSpec, build_layout
 from helpers.pipeline_case import global_batches, train_engine, train_reference
 
 

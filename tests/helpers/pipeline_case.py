@@ -7,7 +7,7 @@ import torch
 import lightning_mm as lmm
 from lightning_mm.model import tiny_encoder, tiny_language_model
 from lightning_mm.parallel.engine import PipelineEngine
-from lightning_mm.parallel.layout import ParallelSpec, build_layout
+from lightning_mm.plan.layout import ParallelSpec, build_layout
 
 FREEZE = {"projectors": dict(encoders=True, projectors=False, language_model=True),
           "encoder": dict(encoders=False, projectors=False, language_model=True),

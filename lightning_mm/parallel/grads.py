@@ -1,0 +1,111 @@
+"""Gradient reduction over the ranks that hold the same parameters (data-parallel replicas and CP ranks).
+
+As DDP does: trainable parameters are cut into buckets of about ``bucket_mb`` in reverse registration order
+(roughly the order backward produces them); during the last backward of a step that synchronises, a hook on
+each parameter marks its gradient ready, and a bucket is flattened and all-reduced asynchronously as soon as it
+and every earlier bucket are ready, while backward goes on. ``finish`` launches what is left in the same order on
+every rank, waits, and copies the sums back. Sums, not averages: each replica's loss is already divided by the
+global label count. A parameter no rank used this step keeps ``grad=None`` (as in one process), decided by one
+small all-reduce of "used" flags. Every tensor lives on the parameters' device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lightning_mm.faults import waiting
+
+
+class GradientReducer:
+    def __init__(self, params: list[torch.nn.Parameter], group, bucket_mb: float = 25.0):
+        self.params, self.group = params, group
+        self.buckets: list[list[int]] = []
+        limit, size, bucket = bucket_mb * 2**20, 0, []
+        for i in reversed(range(len(params))):
+            bucket.append(i)
+            size += params[i].numel() * params[i].element_size()
+            if size >= limit:
+                self.buckets.append(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self.buckets.append(bucket)
+        self.bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self.armed = False
+        self._reset()
+        if group is not None:
+            for i, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready(i))
+
+    def _reset(self) -> None:
+        self.missing = [len(b) for b in self.buckets]
+        self.launched: list[tuple] = []  # (bucket index, flat buffer, work)
+
+    def arm(self) -> None:
+        """The next backward is this step's last: start reducing buckets as they fill."""
+        self._reset()
+        self.armed = self.group is not None
+
+    def _ready(self, i: int) -> None:
+        if not self.armed:
+            return
+        b = self.bucket_of[i]
+        self.missing[b] -= 1
+        while len(self.launched) < len(self.buckets) and self.missing[len(self.launched)] == 0:
+            self._launch(len(self.launched))
+
+    def _launch(self, b: int) -> None:
+        grads = [self.params[i].grad for i in self.buckets[b]]
+        ref = self.params[self.buckets[b][0]]
+        flat = torch.cat([(g if g is not None else torch.zeros_like(self.params[i])).reshape(-1)
+                          for g, i in zip(grads, self.buckets[b])]) if grads else ref.new_zeros(0)
+        self.launched.append((b, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+
+    def finish(self) -> None:
+        """Complete the reduction (launching what backward did not), in bucket order on every rank."""
+        if self.group is None or not self.params:
+            return
+        device = self.params[0].device
+        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32, device=device)
+        early = len(self.launched)
+        for b in range(early, len(self.buckets)):
+            self._launch(b)
+        with waiting("gradient all-reduce", group=self.group):
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
+            for _, _, work in self.launched:
+                work.wait()
+        for b, flat, work in self.launched:
+            at = 0
+            for i in self.buckets[b]:
+                p = self.params[i]
+                part = flat[at:at + p.numel()].view_as(p)
+                at += p.numel()
+                if p.grad is None:
+                    p.grad = part.clone()
+                else:
+                    p.grad.copy_(part)
+        for p, u in zip(self.params, used.tolist()):
+            if not u:
+                p.grad = None
+        self.armed = False
+        self._reset()
+
+
+def global_grad_norm(params: list[torch.nn.Parameter], copies: int, device) -> torch.Tensor:
+    """L2 norm of every trainable gradient of the whole model; ``copies`` ranks hold each of this rank's
+    parameters (replicas x CP ranks), so their squares are divided by it before the world all-reduce."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is not None:
+            sq += p.grad.detach().double().pow(2).sum()
+    sq /= copies
+    dist.all_reduce(sq)
+    return sq.sqrt()
+
+
+def clip_(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale gradients by ``min(1, max_norm / norm)`` without reading the norm on the host."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))

@@ -1,0 +1,130 @@
+"""One Lightning run, single process or under MultimodalParallelStrategy, described by a JSON argument.
+
+``python trainer_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0: per-step losses,
+validation/test loss, predicted ids) and ``<out_dir>/params_<rank>.pt`` (this rank's trainable parameters, full
+names), so a test can compare any layout with one process. Keys of the JSON (all optional):
+
+- ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp``, ``llm_pp``,
+  ``microbatches``, ``accumulate``, ``precision``, ``steps``, ``batch_size`` (per replica), ``freeze``
+- ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta, materialised per stage)
+- ``nan_at``: the step whose loss is made NaN (``nan_guard="skip"`` drops it)
+- ``validate`` / ``test`` / ``predict``: run ``trainer.validate/test/predict`` after fitting
+- ``consolidate``: save a checkpoint after fit and consolidate it on rank 0 while the group is alive
+"""
+
+import json
+import os
+import sys
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+import lightning_mm as lmm
+from lightning_mm.model import tiny_encoder, tiny_language_model
+
+FREEZE = {"projectors": dict(encoders=True, projectors=False, language_model=True),
+          "llm": dict(encoders=True, projectors=False, language_model=False),
+          "all": dict(encoders=False, projectors=False, language_model=False)}
+
+
+class Data(lmm.data.SyntheticMultimodalDataModule):
+    """Each replica reads its share of one seeded permutation (DistributedSampler), so dp replicas together see
+    exactly the global batch one process sees."""
+
+    def _loader(self, n, seed, shuffle):
+        strategy = self.trainer.strategy
+        kw = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        if not isinstance(strategy, lmm.MultimodalParallelStrategy):
+            kw = {"num_replicas": 1, "rank": 0}
+        data = self._dataset(n, seed)
+        sampler = DistributedSampler(data, shuffle=shuffle, seed=seed, **kw)
+        return DataLoader(data, batch_size=self.hparams.batch_size, sampler=sampler, collate_fn=self.collator(),
+                          drop_last=True)
+
+    def test_dataloader(self):
+        return self._loader(self.hparams.val_samples, self.hparams.seed + 2, shuffle=False)
+
+    def predict_dataloader(self):
+        return self._loader(self.hparams.val_samples, self.hparams.seed + 3, shuffle=False)
+
+
+class Module(lmm.MultimodalLightningModule):
+    def __init__(self, *args, nan_at=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nan_at, self.losses = nan_at, []
+
+    def compute_loss(self, batch, train=True):
+        loss = super().compute_loss(batch, train)
+        if train and self.nan_at is not None and self.global_step == self.nan_at:
+            loss = loss * float("nan")
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.losses.append(None if outputs is None else float(outputs["loss"]))
+
+
+def build(case):
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip")),
+                                 "audio": lmm.ModalityEncoder(tiny_encoder("whisper"), projector="linear")},
+                                tiny_language_model(case.get("llm", "llama"), num_hidden_layers=case.get("llm_layers", 4)))
+    return model.freeze(**FREEZE[case.get("freeze", "llm")])
+
+
+def main(spec: str, out: str):
+    case = json.loads(spec)
+    dp = case.get("dp", 1)
+    if case.get("devices", 1) == 1 and "llm_pp" not in case:
+        strategy, devices, dp_batch = "auto", 1, case.get("batch_size", 4) * dp
+    else:
+        enc = case.get("encoder_pp", [1, 1])
+        strategy = lmm.MultimodalParallelStrategy(
+            encoders={"vision": lmm.ParallelSpec(pp=enc[0]), "audio": lmm.ParallelSpec(pp=enc[1])},
+            language_model=lmm.ParallelSpec(pp=case.get("llm_pp", 1)), num_microbatches=case.get("microbatches", 1),
+            fault_timeout=60)
+        devices = case.get("devices") or (sum(enc) + case.get("llm_pp", 1)) * dp
+        dp_batch = case.get("batch_size", 4)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                        accumulate_grad_batches=case.get("accumulate", 1), precision=case.get("precision", "32-true"),
+                        limit_val_batches=2, limit_test_batches=2, limit_predict_batches=1,
+                        gradient_clip_val=case.get("clip"))
+    torch.manual_seed(0)
+    if case.get("lazy"):
+        with trainer.init_module(empty_init=True):
+            model = build(case)
+    else:
+        model = build(case)
+    module = Module(model, optimizer=lambda p: torch.optim.AdamW(p, lr=case.get("lr", 1e-2)),
+                    nan_guard="skip" if "nan_at" in case else None, nan_at=case.get("nan_at"))
+    data = Data(num_samples=64, batch_size=dp_batch, val_samples=2 * dp_batch)
+    trainer.fit(module, data)
+    result = {"train": module.losses}
+    if case.get("validate"):
+        result["val"] = trainer.validate(module, data)[0]["val/loss"]
+    if case.get("test"):
+        result["test"] = trainer.test(module, data)[0]["test/loss"]
+    if case.get("predict"):
+        preds = trainer.predict(module, data)
+        result["predicted_ids"] = preds[0]["predicted_ids"].tolist()
+        result["has_logits"] = preds[0]["logits"] is not None
+    rank = trainer.global_rank
+    owned = getattr(trainer.strategy, "engine", None)
+    torch.save({n: p.detach().cpu() for n, p in module.model.named_parameters()
+                if p.requires_grad and (owned is None or n in owned.owned)}, os.path.join(out, f"params_{rank}.pt"))
+    if case.get("consolidate"):
+        path = os.path.join(out, "ckpt")
+        trainer.save_checkpoint(path)
+        if rank == 0:
+            from lightning_mm.checkpoint import consolidate
+
+            result["consolidated"] = sorted(consolidate(path))
+    if rank == 0:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,115 @@
+"""Lightning's contracts under MultimodalParallelStrategy, each against plain single-process Lightning.
+
+Accumulation with data parallelism and pipelining, bf16-mixed, validate/test/predict, nan_guard="skip" on 3
+processes, consolidate on rank 0 right after fit, lazy (meta) builds materialised per stage under pp 1/2/3,
+``devices=1`` debug mode, and the errors for unknown arguments and modules the strategy cannot run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lightning_mm as lmm
+
+CASE = os.path.join(os.path.dirname(__file__), "helpers", "trainer_case.py")
+
+
+def run(case: dict, tmp_path, name: str):
+    out = tmp_path / name
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, CASE, json.dumps(case), str(out)], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    params = {}
+    for f in out.glob("params_*.pt"):
+        for n, p in torch.load(f, weights_only=True).items():
+            if n in params:  # replicas of one stage hold identical values
+                torch.testing.assert_close(p, params[n], rtol=0, atol=0, msg=n)
+            params[n] = p
+    return json.loads((out / "result.json").read_text()), params
+
+
+def assert_same_training(got, ref, rtol=1e-5, atol=1e-6, param_tol=(1e-4, 1e-5)):
+    (res, params), (ref_res, ref_params) = got, ref
+    torch.testing.assert_close(torch.tensor(res["train"], dtype=torch.float64),
+                               torch.tensor(ref_res["train"], dtype=torch.float64), rtol=rtol, atol=atol)
+    assert set(params) == set(ref_params)
+    for n, p in ref_params.items():
+        torch.testing.assert_close(params[n], p, rtol=param_tol[0], atol=param_tol[1], msg=n)
+
+
+@pytest.mark.slow
+def test_accumulation_pipeline_validate_test_predict_consolidate(tmp_path):
+    """pp 2 (4 processes), accumulate 2, AdamW, clipping: every micro-step loss and every trainable parameter as one
+    process; then validate, test and predict give one process's numbers; consolidate runs on rank 0 after fit."""
+    base = dict(accumulate=2, steps=2, clip=0.5, validate=True, test=True, predict=True)
+    ref = run(base, tmp_path, "single")
+    got = run({**base, "llm_pp": 2, "microbatches": 2, "consolidate": True}, tmp_path, "pp2")
+    assert_same_training(got, ref)
+    assert len(ref[0]["train"]) == 4
+    for key in ("val", "test"):
+        assert got[0][key] == pytest.approx(ref[0][key], rel=1e-5)
+    assert got[0]["predicted_ids"] == ref[0]["predicted_ids"]
+    assert got[0]["consolidated"] == sorted(ref[1])
+
+
+@pytest.mark.slow
+def test_accumulation_with_data_parallel_replicas(tmp_path):
+    """dp 2 x (vision, audio, LLM) = 6 processes, accumulate 2: gradients are reduced once per optimiser step."""
+    base = dict(accumulate=2, steps=2, dp=2, freeze="all")
+    assert_same_training(run({**base, "llm_pp": 1}, tmp_path, "dp2"), run(base, tmp_path, "single"))
+
+
+@pytest.mark.slow
+def test_bf16_mixed_matches_one_process_within_bf16_tolerance(tmp_path):
+    base = dict(precision="bf16-mixed", steps=2)
+    got, ref = run({**base, "llm_pp": 2, "microbatches": 2}, tmp_path, "pp2"), run(base, tmp_path, "single")
+    torch.testing.assert_close(torch.tensor(got[0]["train"]), torch.tensor(ref[0]["train"]), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow
+def test_nan_guard_skip_on_three_processes(tmp_path):
+    """The step whose loss is NaN is dropped on every rank alike; training goes on as in one process."""
+    base = dict(nan_at=1, steps=3)
+    got, ref = run({**base, "llm_pp": 1}, tmp_path, "pp1"), run(base, tmp_path, "single")
+    assert got[0]["train"][1] is None and ref[0]["train"][1] is None
+    got[0]["train"], ref[0]["train"] = [x for x in got[0]["train"] if x], [x for x in ref[0]["train"] if x]
+    assert_same_training(got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("llm_pp", [1, 3])
+def test_lazy_build_trains_like_debug_mode_on_one_device(tmp_path, llm_pp):
+    """Built under init_module(empty_init=True) (meta), each rank materialises its stage with the init derived
+    from the seed and each parameter's name: pp 1 (3 processes) and pp 3 (5) equal the whole model in one process
+    under the strategy (devices=1)."""
+    base = dict(lazy=True, steps=2, freeze="all", llm_layers=3)
+    ref = run({**base, "devices": 1, "llm_pp": 1}, tmp_path, "debug")
+    assert_same_training(run({**base, "llm_pp": llm_pp}, tmp_path, f"pp{llm_pp}"), ref)
+
+
+def test_unknown_argument_and_wrong_module_are_errors():
+    with pytest.raises(TypeError, match=r"unknown arguments \['sharding_strategy'\]"):
+        lmm.MultimodalParallelStrategy(sharding_strategy="FULL_SHARD")
+    import lightning as L
+
+    class Plain(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(strategy=lmm.MultimodalParallelStrategy(), accelerator="cpu", devices=1, max_steps=1,
+                        logger=False, enable_checkpointing=False)
+    with pytest.raises(Exception, match="lightning_mm.MultimodalModel"):
+        trainer.fit(Plain(), torch.utils.data.DataLoader([torch.zeros(2)]))
