@@ -97,6 +97,10 @@ def test_tied_language_model_stays_tied_and_reads_the_stored_embedding(tmp_path)
     materialise(lazy, "cpu")
     assert lazy.lm_head.weight is lazy.model.embed_tokens.weight
     _assert_same_tensors(lazy, type(lm).from_pretrained(path))
+    with torch.device("meta"):
+        random = tiny_language_model("llama", tie_word_embeddings=True)
+    materialise(random, "cpu", seed=1)
+    assert random.lm_head.weight is random.model.embed_tokens.weight and not is_meta(random)
 
 
 def _whole_models():

@@ -334,8 +334,8 @@ def _sources(model: nn.Module) -> dict[str, tuple[PretrainedSource, str, str]]:
     """Full tensor name -> (source, file, key) for every module of ``model`` built from a folder."""
     out = {}
     for prefix, mod in model.named_modules():
-        src = mod.__dict__.get("pretrained_source")
-        if isinstance(src, PretrainedSource):
+        src = source_of(mod)
+        if src is not None:
             for name, (file, key) in src.tensors.items():
                 out[_join(prefix, name)] = (src, file, key)
     return out
