@@ -1,4 +1,4 @@
-"""CP load balance of the token distributions, and planning time (issue 5).
+"""CP load balance of the token distributions, and planning time.
 
 For EP/EE/MP masks (random placement, seeded) at 16k..128k tokens and cp 2..16: imbalance = max over ranks of
 the summed block work (``masks.block_workload``, block 128) / the mean, for lpt, random, zigzag, contiguous

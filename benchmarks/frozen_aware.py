@@ -1,4 +1,4 @@
-"""Frozen-aware vs frozen-unaware planning on the seeds' MLLM configurations (003 Table 3.2).
+"""Frozen-aware vs frozen-unaware planning on the seeds' MLLM configurations (003 Table 3.2), simulated.
 
 Models: 003 Table 3.1 sizes (layers, hidden, params) on the seeds' data (1k text tokens + one 1280x720 image +
 one 2-minute audio clip per sample, microbatch 4, global batch 48 -> 12 microbatches). Encoders and LLM frozen,
@@ -6,22 +6,26 @@ projectors trainable, activation recomputation on.
 
 Headline (the seeds' Table 3.2 setting, 003 sec. 3.5.3): ONE pipeline of 6 stages (24 A40s, each stage a
 TP2 x CP2 group of 4), encoders colocated. Each planner chooses how many of the 6 stages go to the encoders
-and to the LLM and where the boundaries lie; every chosen layout is then timed by the simulator with the true
+and to the LLM and where the boundaries lie; every chosen layout is then timed by the simulator with the same
 costs (frozen layers skip their gradients, as in the seeds' baseline). Planners: ours (`frozen-aware`, Eq.
 3.1-3.3), the seeds' baseline (`forward-variance`: minimise the variance of forward time across stages) and
 the strongest frozen-unaware planner (`forward-only`: minimise the simulated time believing backward = 2F).
 
-Two cost sources:
-- FLOPs: dense 2*t*P, attention 4*t^2*h (2*t^2*h causal), on an A40 at 45% MFU. Our prediction from first
-  principles.
-- Measured (A40): the FLOP costs rescaled to the seeds' own measured per-stage times (Table 3.2), the only
-  GPU profile of these models we have (this task has no GPU): one encoder forward scale per configuration, one
-  LLM forward scale and the LLM's measured backward/forward ratio per LLM size (15 numbers fitted to the 54
-  per-stage times; the iteration times and speedups, which the benchmark predicts, are never fitted). The
-  seeds' layouts (how many of the 6 stages each row gave the encoders) are not published; they are inferred
-  with the scales, as the splits that make the measured per-stage forward times most consistent with the FLOP
-  proportions. A stricter column uses one encoder scale per encoder pair (what a per-layer profile would give:
-  the same encoders cost the same in every configuration), fitted leave-one-config-out on the other 8 rows.
+Nothing here ran on a GPU: every number is the simulator's, on one of three cost sources, printed side by side
+(the speedup is the seeds' baseline layout / our layout, and "meets" means at least the seeds' published
+speedup):
+- FLOP costs: dense 2*t*P, attention 4*t^2*h (2*t^2*h causal), on an A40 at 45% MFU. First principles only: no
+  number of the seeds' is used, so this is what the planner predicts before anyone profiles.
+- Leave-one-config-out (LOO): the FLOP costs rescaled to the seeds' published A40 per-stage times, with one
+  encoder scale per encoder pair (what a per-layer profile would give: the same encoders cost the same in every
+  configuration), fitted on the OTHER 8 configurations only. Out of sample: the row being judged never saw
+  its own times.
+- Seed-fitted profile: the same rescaling fitted on all 9 configurations (one encoder scale per configuration,
+  one LLM forward scale and the LLM's backward/forward ratio per LLM size: 15 numbers fitted to the 54
+  per-stage times). In sample: it shows what the planner does on costs shaped like the seeds' hardware, not an
+  independent prediction. The iteration times and speedups are never fitted, in any source. The seeds' layouts
+  (how many of the 6 stages each row gave the encoders) are not published; they are inferred with the scales,
+  as the splits that make the published per-stage forward times most consistent with the FLOP proportions.
 
 Second table: each mode searches its own dp / stage counts / placement on 24 single-GPU devices (FLOP costs),
 and the auto search is compared with a grid of hand plans.
@@ -87,14 +91,15 @@ ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34  # Korthikanti et al., flash attention, b
 CHECKPOINT_BYTES_PER_TOKEN_HIDDEN = 2  # with activation recomputation a layer keeps only its bf16 input
 RECOMPUTE = True  # the seeds train with activation checkpointing (003 Fig. 3.1)
 BASELINES = ("forward-variance", "forward-only")
-SOURCES = ("flops", "measured", "per_layer_loo")
+SOURCES = ("flops", "per_layer_loo", "seed_fitted")
+SOURCE_NAMES = {"flops": "FLOP costs", "per_layer_loo": "leave-one-config-out", "seed_fitted": "seed-fitted profile"}
 
 
 @dataclass(frozen=True)
-class MeasuredProfile:
-    """FLOP costs rescaled to measured per-stage times: measured / FLOP forward of the encoders (per
-    configuration "MMM", or per encoder pair "MM" when `per_pair`) and of the LLM per size, the LLM's measured
-    backward / forward per size, and the layouts the fit inferred for the measured rows (config -> encoder
+class SeedFittedProfile:
+    """FLOP costs rescaled to the seeds' published per-stage times: published / FLOP forward of the encoders (per
+    configuration "MMM", or per encoder pair "MM" when `per_pair`) and of the LLM per size, the LLM's published
+    backward / forward per size, and the layouts the fit inferred for the published rows (config -> encoder
     stages of the aware and the unaware row)."""
 
     per_pair: bool
@@ -137,9 +142,9 @@ def encoder_module(table, size: str, enc_tokens: int, llm_tokens: int, in_featur
 
 
 def mllm_modules(vision: str | None, audio: str | None, llm: str, gpus: int = 1,
-                 profile: MeasuredProfile | None = None) -> tuple[dict[str, ModuleSpec], float]:
+                 profile: SeedFittedProfile | None = None) -> tuple[dict[str, ModuleSpec], float]:
     """Planner input for one configuration and its P2P latency (one microbatch of LLM hidden states).
-    `gpus`: devices per stage. `profile`: rescale the FLOP times to measured ones (VALM configurations)."""
+    `gpus`: devices per stage. `profile`: rescale the FLOP times to the seeds' published ones (VALM configs)."""
     layers, hidden, params = LLAMA3[llm]
     enc_scale = profile.encoder_forward[f"{vision}{audio}" + ("" if profile.per_pair else llm)] if profile else 1.0
     llm_tokens = TEXT_TOKENS
@@ -152,7 +157,7 @@ def mllm_modules(vision: str | None, audio: str | None, llm: str, gpus: int = 1,
         raw["audio"] = encoder_module(PHI4_AUDIO, audio, AUDIO_TOKENS, AUDIO_TOKENS, 1, hidden, gpus, enc_scale)
         llm_tokens += AUDIO_TOKENS
     f, d, w = transformer_layer_times(llm_tokens, hidden, params / layers, causal=True, gpus=gpus)
-    if profile:  # the measured backward of a frozen layer = input grad + (recomputed forward)
+    if profile:  # the published backward of a frozen layer = input grad + (recomputed forward)
         f, w = f * profile.llm_forward[llm], w * profile.llm_forward[llm]
         d = f * (profile.llm_backward_ratio[llm] - (1.0 if RECOMPUTE else 0.0))
     llm_times = ModuleTimes([f] * layers, [d] * layers, [w] * layers, True)
@@ -203,8 +208,8 @@ def _spread(values: list[float]) -> float:
 
 @functools.lru_cache(maxsize=None)
 def infer_seed_splits(keys: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """The encoder stage counts (aware row, unaware row) of each measured configuration: per LLM size, the
-    joint choice over its configurations minimising the spread of log(measured / FLOP) forward, of the
+    """The encoder stage counts (aware row, unaware row) of each published configuration: per LLM size, the
+    joint choice over its configurations minimising the spread of log(published / FLOP) forward, of the
     encoders per configuration and of the LLM per size (one scale each; brute force, 25 choices per config)."""
     out = {}
     for size in "SML":
@@ -226,9 +231,9 @@ def infer_seed_splits(keys: tuple[str, ...]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def fit_measured_profile(keys: tuple[str, ...], per_pair: bool = False) -> MeasuredProfile:
-    """Scales of the FLOP costs fitted (geometric means) to the measured per-stage times of the Table 3.2 rows
-    of `keys`; never to their iteration times, which are what the benchmark predicts."""
+def fit_seed_profile(keys: tuple[str, ...], per_pair: bool = False) -> SeedFittedProfile:
+    """Scales of the FLOP costs fitted (geometric means) to the seeds' published per-stage times of the Table 3.2
+    rows of `keys`; never to their iteration times, which are what the benchmark predicts."""
     splits = infer_seed_splits(keys)
     enc, fwd, ratio = {}, {}, {}
     for key in keys:
@@ -239,11 +244,11 @@ def fit_measured_profile(keys: tuple[str, ...], per_pair: bool = False) -> Measu
             ratio.setdefault(key[2], []).append(math.log(row[3] / row[1]))
     mean = lambda logs: {k: math.exp(sum(v) / len(v)) for k, v in logs.items()}  # noqa: E731
     residuals = [x - sum(v) / len(v) for logs in (enc, fwd, ratio) for v in logs.values() for x in v]
-    return MeasuredProfile(per_pair, mean(enc), mean(fwd), mean(ratio), splits,
+    return SeedFittedProfile(per_pair, mean(enc), mean(fwd), mean(ratio), splits,
                            math.sqrt(sum(r * r for r in residuals) / len(residuals)), keys)
 
 
-def seed_setting_plans(key: str, profile: MeasuredProfile | None, stages: int):
+def seed_setting_plans(key: str, profile: SeedFittedProfile | None, stages: int):
     """Each planner's best layout for MLLM-<key> in the Table 3.2 setting, timed with the true costs."""
     modules, latency = mllm_modules(key[0], key[1], key[2], gpus=STAGE_GPUS, profile=profile)
     kwargs = dict(placements=("colocated",), data_parallel=False, stages=stages)
@@ -272,80 +277,102 @@ def describe_plans(plans, auto, best_hand) -> dict:
     return out
 
 
-def seed_setting_row(key: str, stages: int, full: MeasuredProfile, out: Path | None) -> dict:
-    """One configuration of 003 Table 3.2: FLOP costs, the measured profile (fitted on all rows and on the other
-    configurations only), and the seeds' inferred layouts re-timed with the measured profile (how well profile
-    + simulator reproduce what they measured)."""
+def seed_setting_row(key: str, stages: int, full: SeedFittedProfile, out: Path | None) -> dict:
+    """One configuration of 003 Table 3.2 on each cost source (FLOPs; the seed-fitted profile fitted on the other
+    configurations only, and on all of them), and the seeds' inferred layouts re-timed with the seed-fitted
+    profile (how well profile + simulator reproduce the seeds' published times)."""
     seed_aware, seed_unaware = SEED_TABLE_3_2[key]
-    held_out = fit_measured_profile(tuple(k for k in SEED_TABLE_3_2 if k != key), per_pair=True)
+    held_out = fit_seed_profile(tuple(k for k in SEED_TABLE_3_2 if k != key), per_pair=True)
     row = {"config": f"MLLM-{key}", "seed_aware_s": seed_aware[4], "seed_unaware_s": seed_unaware[4],
            "seed_ratio": seed_unaware[4] / seed_aware[4],
            "seed_splits": [f"{e}+{stages - e}" for e in full.splits[key]],
            "seed_aware_stages_ms": dict(zip(("enc_fwd_ms", "llm_fwd_ms", "enc_bwd_ms", "llm_bwd_ms"), seed_aware[:4])),
            "seed_unaware_stages_ms": dict(zip(("enc_fwd_ms", "llm_fwd_ms", "enc_bwd_ms", "llm_bwd_ms"), seed_unaware[:4]))}
-    for source, profile in (("flops", None), ("measured", full), ("per_layer_loo", held_out)):
+    for source, profile in (("flops", None), ("per_layer_loo", held_out), ("seed_fitted", full)):
         plans, auto, best_hand = seed_setting_plans(key, profile, stages)
         row[source] = describe_plans(plans, auto, best_hand)
         if out is not None and key == "MMM" and source != "per_layer_loo":
             for tag, mode in (("aware", "frozen-aware"), ("seeds_baseline", "forward-variance")):
                 name = f"frozen_aware_{source}_{key}_{tag}"
-                timeline_png(plans[mode].result, out / f"{name}.png", title=f"MLLM-{key} {source} costs, {mode}: {split(plans[mode])}")
+                timeline_png(plans[mode].result, out / f"{name}.png", scale=1e3, xlabel="simulated time (ms)",
+                             title=f"MLLM-{key}, {SOURCE_NAMES[source]}, {mode}: {split(plans[mode])}")
                 chrome_trace(plans[mode].result, out / f"{name}.trace.json")
     modules, latency = mllm_modules(key[0], key[1], key[2], gpus=STAGE_GPUS, profile=full)
     seed_layouts = [colocated_plan(modules, e, latency, mode, stages)
                     for e, mode in zip(full.splits[key], ("frozen-aware", "forward-variance"))]
     row["seed_layouts_simulated_s"] = [p.iteration_time for p in seed_layouts]
     row["seed_layouts_simulated_ratio"] = seed_layouts[1].iteration_time / seed_layouts[0].iteration_time
-    row["ours_vs_seed_aware_layout"] = seed_layouts[0].iteration_time / row["measured"]["aware_s"]
-    row["meets_seed"] = row["measured"]["forward-variance"]["ratio"] >= row["seed_ratio"] - 0.005
+    row["ours_vs_seed_aware_layout"] = seed_layouts[0].iteration_time / row["seed_fitted"]["aware_s"]
+    row["meets_seed"] = {s: row[s]["forward-variance"]["ratio"] >= row["seed_ratio"] - 0.005 for s in SOURCES}
     return row
 
 
-def print_profile(profile: MeasuredProfile) -> None:
+def print_profile(profile: SeedFittedProfile) -> None:
     kind = "per encoder pair" if profile.per_pair else "per configuration"
-    print(f"Measured (A40) profile, encoder scale {kind}, fitted on 003 Table 3.2 ({len(profile.fitted_on)} configs; rms log error "
+    print(f"Seed-fitted profile (FLOP costs rescaled to the seeds' published A40 per-stage times; nothing measured "
+          f"here), encoder scale {kind}, fitted on 003 Table 3.2 ({len(profile.fitted_on)} configs; rms log error "
           f"{profile.rms_log_error:.2f}, i.e. x{math.exp(profile.rms_log_error):.2f}):")
-    print("  encoder forward measured/FLOP: " + ", ".join(f"{k} {v:.2f}" for k, v in profile.encoder_forward.items()))
-    print("  LLM forward measured/FLOP:     " + ", ".join(f"{k} {v:.2f}" for k, v in profile.llm_forward.items()))
-    print("  LLM backward/forward measured: " + ", ".join(f"{k} {v:.2f}" for k, v in profile.llm_backward_ratio.items())
+    print("  encoder forward, published/FLOP: " + ", ".join(f"{k} {v:.2f}" for k, v in profile.encoder_forward.items()))
+    print("  LLM forward, published/FLOP:     " + ", ".join(f"{k} {v:.2f}" for k, v in profile.llm_forward.items()))
+    print("  LLM backward/forward, published: " + ", ".join(f"{k} {v:.2f}" for k, v in profile.llm_backward_ratio.items())
           + f"   (FLOPs: input grad + recompute = {2.0 if RECOMPUTE else 1.0:.1f} + attention share)")
 
 
+WHAT_EACH_PROVES = {
+    "flops": "first principles only, no number of the seeds' used: what the planner predicts before profiling",
+    "per_layer_loo": "fitted on the other 8 configurations only: an out-of-sample prediction of the judged row",
+    "seed_fitted": "fitted on all 9 configurations, the judged row included: in sample, shows behaviour on costs "
+                   "shaped like the seeds' hardware, not independent evidence",
+}
+
+
 def print_seed_setting(rows, stages: int) -> bool:
-    print(f"003 Table 3.2 setting: one pipeline of {stages} stages x {STAGE_GPUS} GPUs, encoders colocated, "
-          f"{MICROBATCHES} microbatches of {SAMPLES_PER_MICROBATCH} samples, recompute")
-    header = (f"{'config':<9} {'seeds':>6} {'seeds a/u':>9} | {'FLOPs a/u':>9} {'ratio':>6} | {'measured a/u':>12} "
-              f"{'ratio':>6} {'meets':>5} {'vs minmax':>9} {'loo a/u':>7} {'ratio':>6} | {'seeds sim':>9} "
-              f"{'ours/seeds a':>12} | {'auto/hand':>9}")
+    print(f"003 Table 3.2 setting (simulated): one pipeline of {stages} stages x {STAGE_GPUS} GPUs, encoders "
+          f"colocated, {MICROBATCHES} microbatches of {SAMPLES_PER_MICROBATCH} samples, recompute")
+    cell = 24
+    header = f"{'config':<9} {'seeds':>7} | " + " | ".join(f"{SOURCE_NAMES[s]:^{cell}}" for s in SOURCES)
+    sub = f"{'':<9} {'speedup':>7} | " + " | ".join(f"{'a/u':>7} {'speedup':>8} {'meets':>6} " for _ in SOURCES)
+    print(header)
+    print(sub)
+    print("-" * len(header))
+    for r in rows:
+        cells = []
+        for s in SOURCES:
+            x = r[s]
+            cells.append(f"{x['aware_split'] + '/' + x['forward-variance']['split']:>7} "
+                         f"{x['forward-variance']['ratio']:>7.2f}x {'yes' if r['meets_seed'][s] else 'NO':>6} ")
+        print(f"{r['config']:<9} {r['seed_ratio']:>6.2f}x | " + " | ".join(cells))
+    met = {s: sum(r["meets_seed"][s] for r in rows) for s in SOURCES}
+    print("-" * len(header))
+    print(f"{'meets':<9} {'':>7} | " + " | ".join(f"{str(met[s]) + '/' + str(len(rows)):>{cell}}" for s in SOURCES))
+    print("speedup = the seeds' baseline plan (forward-variance) / our frozen-aware plan, both timed by the simulator "
+          "on that column's costs; meets = speedup >= the seeds' published speedup; a/u = encoder+LLM stages, ours / "
+          "the baseline's. What each column proves:")
+    for s in SOURCES:
+        print(f"  {SOURCE_NAMES[s]} ({met[s]}/{len(rows)}): {WHAT_EACH_PROVES[s]}")
+    print()
+    print("Checks on the seed-fitted profile:")
+    header = (f"{'config':<9} {'seeds a/u':>9} {'vs minmax':>9} {'seeds sim':>9} {'ours/seeds a':>12} {'auto/hand':>9}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        f, m, loo = r["flops"], r["measured"], r["per_layer_loo"]
-        print(f"{r['config']:<9} {r['seed_ratio']:>5.2f}x {'/'.join(r['seed_splits']):>9} | "
-              f"{f['aware_split'] + '/' + f['forward-variance']['split']:>9} {f['forward-variance']['ratio']:>5.2f}x | "
-              f"{m['aware_split'] + '/' + m['forward-variance']['split']:>12} {m['forward-variance']['ratio']:>5.2f}x "
-              f"{'yes' if r['meets_seed'] else 'NO':>5} {m['forward-only']['ratio']:>8.2f}x "
-              f"{loo['aware_split'] + '/' + loo['forward-variance']['split']:>7} {loo['forward-variance']['ratio']:>5.2f}x | "
-              f"{r['seed_layouts_simulated_ratio']:>8.2f}x {r['ours_vs_seed_aware_layout']:>11.2f}x | "
+        m = r["seed_fitted"]
+        print(f"{r['config']:<9} {'/'.join(r['seed_splits']):>9} {m['forward-only']['ratio']:>8.2f}x "
+              f"{r['seed_layouts_simulated_ratio']:>8.2f}x {r['ours_vs_seed_aware_layout']:>11.2f}x "
               f"{min(r[s]['auto_vs_best_hand'] for s in SOURCES):>8.2f}x")
-    print("ratio = the seeds' baseline plan (forward-variance) / our frozen-aware plan, both timed by the simulator; "
-          "a/u = encoder+LLM stages, aware / baseline; seeds a/u = the seeds' layouts as inferred by the profile fit; "
-          "measured = FLOP costs rescaled to the seeds' A40 times; vs minmax = the same against the strongest "
-          "frozen-unaware planner (forward-only); loo = one encoder scale per encoder pair (a per-layer profile: the same "
-          "encoders cost the same in every configuration) fitted on the other 8 configs only; seeds sim = the seeds' two layouts "
-          "re-timed with the full profile (compare with 'seeds'); ours/seeds a = the seeds' aware layout / ours "
-          "(>= 1: our planner finds a layout at least as fast); auto/hand = best hand split / free auto search, "
-          "lowest over the cost sources (>= 1: auto never loses)")
-    meets = all(r["meets_seed"] for r in rows)
+    print("seeds a/u = the seeds' layouts as inferred by the profile fit; vs minmax = our plan against the strongest "
+          "frozen-unaware planner (forward-only); seeds sim = the seeds' two layouts re-timed with the profile (compare "
+          "with their published speedup); ours/seeds a = the seeds' aware layout / ours (>= 1: our planner finds a "
+          "layout at least as fast); auto/hand = best hand split / free auto search, lowest over the cost sources "
+          "(>= 1: auto never loses)")
     never_loses = all(min(r[s]["auto_vs_best_hand"] for s in SOURCES) >= 1 - 1e-9 for r in rows)
-    met = {s: sum(r[s]["forward-variance"]["ratio"] >= r["seed_ratio"] - 0.005 for r in rows) for s in SOURCES}
-    same = sum(r["measured"]["forward-variance"]["split"] == r["seed_splits"][1] for r in rows)
-    print(f"the seeds' baseline rule on the measured profile chooses the layout the seeds ran in {same}/{len(rows)} configs")
-    print(f"goal 'match the seeds' speedups' on measured costs: {'HOLDS' if meets else 'DOES NOT HOLD'} "
-          f"({met['measured']}/{len(rows)} configs; per-layer leave-one-config-out {met['per_layer_loo']}/{len(rows)}; on FLOP "
-          f"costs {met['flops']}/{len(rows)}); "
+    same = sum(r["seed_fitted"]["forward-variance"]["split"] == r["seed_splits"][1] for r in rows)
+    print(f"the seeds' baseline rule on the seed-fitted profile chooses the layout the seeds ran in {same}/{len(rows)} "
+          "configs")
+    print(f"'match the seeds' speedups': FLOP costs {met['flops']}/{len(rows)}, leave-one-config-out "
+          f"{met['per_layer_loo']}/{len(rows)}, seed-fitted profile {met['seed_fitted']}/{len(rows)}; "
           f"'auto never loses to a hand plan': {'HOLDS' if never_loses else 'DOES NOT HOLD'}")
-    return meets and never_loses
+    return met, never_loses
 
 
 def hand_plans(modules, devices: int, microbatches: int, latency: float):
@@ -390,7 +417,8 @@ def run_config(name: str, vision, audio, llm, devices: int, microbatches: int, o
     best_hand = min(hands, key=lambda p: p.iteration_time) if hands else None
     if out is not None and name in ("MMM", "VALM-MMM"):
         for tag, plan in (("aware", aware.best), ("unaware", unaware.best)):
-            timeline_png(plan.result, out / f"frozen_aware_{name}_{tag}.png", title=f"{name} {tag}: {describe(plan)}")
+            timeline_png(plan.result, out / f"frozen_aware_{name}_{tag}.png", title=f"{name} {tag}: {describe(plan)}",
+                         scale=1e3, xlabel="simulated time (ms, FLOP costs)")
             chrome_trace(plan.result, out / f"frozen_aware_{name}_{tag}.trace.json")
     entry = SEED_TABLE_3_2.get(name.split("-")[-1]) if name.startswith("VALM") else None
     seed = (entry[0][4], entry[1][4]) if entry else None
@@ -441,13 +469,13 @@ def main(argv=None):
     global RECOMPUTE
     RECOMPUTE = not args.no_recompute
     args.out.mkdir(parents=True, exist_ok=True)
-    full = fit_measured_profile(tuple(SEED_TABLE_3_2))
-    per_pair = fit_measured_profile(tuple(SEED_TABLE_3_2), per_pair=True)
+    full = fit_seed_profile(tuple(SEED_TABLE_3_2))
+    per_pair = fit_seed_profile(tuple(SEED_TABLE_3_2), per_pair=True)
     for profile in (full, per_pair):
         print_profile(profile)
     print()
     seed_rows = [seed_setting_row(key, args.stages, full, args.out) for key in SEED_TABLE_3_2]
-    goal = print_seed_setting(seed_rows, args.stages)
+    met, never_loses = print_seed_setting(seed_rows, args.stages)
     rows = [] if args.skip_free else [run_config(*cfg, args.devices, args.microbatches, args.out) for cfg in configurations()]
     fmt = lambda v, spec: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)  # noqa: E731
     if rows:
@@ -463,14 +491,15 @@ def main(argv=None):
                   f"{r['boundaries_only_speedup']:>5.2f}x {fmt(r['seed_speedup'], '>4.2f')}x {r['aware_plan']:<22} "
                   f"{r['unaware_plan']:<22} {fmt(r['best_hand_s'], '>11.2f')} {fmt(r['auto_vs_best_hand'], '>8.2f')}x "
                   f"{r['pp_only_speedup']:>6.2f}x {r['pp_only_aware_plan']:<22} {r['pp_only_unaware_plan']:<22}")
-        print("speedup = forward-only plan / frozen-aware plan (both timed with true costs); bounds = same stage counts,"
+        print("speedup = forward-only plan / frozen-aware plan (both timed by the simulator on FLOP costs); bounds = same stage counts,"
               " only boundaries forward-only; seed = 003 Table 3.2; auto/hand = best hand plan / auto plan (>= 1: auto wins);"
               " PP-only = the same speedup with dp fixed to 1 (all devices in one pipeline)")
     doc = {"devices": args.devices, "microbatches": args.microbatches, "memory_limit": MEMORY_LIMIT, "recompute": RECOMPUTE,
            "effective_flops": EFFECTIVE_FLOPS, "stages": args.stages, "stage_gpus": STAGE_GPUS,
            "tokens": {"text": TEXT_TOKENS, "vision_patches": VISION_PATCHES, "vision_to_llm": VISION_PATCHES // VISION_MERGE,
                       "audio": AUDIO_TOKENS, "samples_per_microbatch": SAMPLES_PER_MICROBATCH},
-           "goal_holds": goal, "measured_profile": asdict(full), "per_pair_profile": asdict(per_pair),
+           "meets_seed_speedup": {s: f"{met[s]}/{len(seed_rows)}" for s in SOURCES},
+           "auto_never_loses": never_loses, "seed_fitted_profile": asdict(full), "per_pair_profile": asdict(per_pair),
            "seed_setting_rows": seed_rows, "rows": rows}
     (args.out / "frozen_aware.json").write_text(json.dumps(doc, indent=1))
     return seed_rows, rows

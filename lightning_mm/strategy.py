@@ -48,7 +48,7 @@ class MultimodalParallelStrategy(DDPStrategy):
     (modality parallelism), "colocated" (Megatron-style fused encoder stages) or "replicated" (encoders whole in
     the LLM's first stage). Each rank's batch is cut into ``num_microbatches``. ``language_model=ParallelSpec(cp=N)``
     shards every LLM sequence over N ranks in blocks of ``cp_block_size`` tokens distributed by ``cp_distribution``
-    ("lpt", "zigzag", "random", "contiguous"); sequences must span at least N blocks.
+    ("lpt", "zigzag", "random", "contiguous"); shorter sequences pad themselves to N blocks.
     ``activation_checkpointing=True`` keeps only each encoder/LLM layer's input and recomputes its forward in
     backward (less activation memory, about one more forward of compute); the planner partitions accordingly.
     """

@@ -154,7 +154,8 @@ def test_plan_command_prints_stages_and_writes_timelines(tmp_path, capsys):
     for row in ("vision.0             vision[0:4]", "audio.0              audio[0:4]",
                 "language_model.0     language_model[0:2]", "language_model.1     language_model[2:4]"):
         assert row in out
-    assert "auto search on 8 devices" in out and out.count("predicted iteration time ") == 2
+    assert "auto search on 8 devices" in out
+    assert sum(line.startswith("predicted iteration") for line in out.splitlines()) == 2  # configured and auto
     assert {p.name for p in tmp_path.iterdir()} >= {"configured.trace.json", "auto.trace.json"}
     # the printed YAML builds the planned layout: its specs on its device count, its boundaries
     import yaml

@@ -11,7 +11,9 @@ model (`lightning_mm.planner.model_costs.model_layer_costs`: FLOPs counted by to
 fixed synthetic sample, frozen-aware, so a frozen encoder costs its forward only), computed once before the
 model is cut into stages and scaled linearly to each batch's tokens (LLM: sequence tokens incl. padding;
 encoder: the tokens it emits). Recomputation under activation checkpointing is not model FLOPs and is not
-counted; attention's quadratic term is scaled linearly, so long sequences are under-counted. ``peak_flops`` is
+counted; attention's quadratic term is scaled linearly, so long sequences are under-counted. A model built on the
+meta device has no real layers to count before it is cut into stages: MFU is then not logged (a warning says
+so). ``peak_flops`` is
 per device; by default Lightning's table of GPU peaks for the training precision is used, and on CPU (no
 table) the metric is omitted unless ``peak_flops`` is given.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import time
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torchmetrics import Metric
 
@@ -140,8 +143,15 @@ class TrainingMetrics(nn.Module):
         if stage not in (None, "fit") or module._trainer is None:
             return
         self._peak = self.peak_flops if self.peak_flops is not None else peak_device_flops(module.trainer)
-        if self._peak is not None and self.flop_model is None:
-            self.flop_model = FlopModel(module.model)
+        if self._peak is None or self.flop_model is not None:
+            return
+        if any(p.is_meta for p in module.model.parameters()):
+            rank_zero_warn("train/mfu is not logged: the model was built on the meta device, and the planner's FLOP "
+                           "model counts FLOPs on real layers (build it eagerly, e.g. "
+                           "trainer.init_module(empty_init=False), to log MFU)")
+            self._peak = None
+            return
+        self.flop_model = FlopModel(module.model)
 
     def batch_start(self) -> None:
         if self._last is None:

@@ -4,8 +4,9 @@ auto-parallel search would pick on N devices, with timeline PNGs and Chrome trac
 
 The YAML is the one ``lightning-mm fit`` takes (parsed by LightningCLI with ``run=False``, nothing launches).
 Costs are per microbatch of the configured data module's first batch: FLOPs counted on the real layers, shown
-in GFLOP (or seconds with ``--device-flops``), or seconds from ``--profile`` (write one for this machine with
-``--write-profile``).
+in GFLOP (the timeline's axis is then work, not time; ``--device-flops`` turns them into ms), or seconds from
+``--profile`` (write one for this machine with ``--write-profile``), shown in ms. Memory is in GiB, bandwidth in
+GB/s. Files go to ``<the run's log dir>/plan`` (the folder ``fit`` would log to), or ``--out``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from __future__ import annotations
 import argparse
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_mm.parallel.schedule import LANGUAGE_MODEL
+from lightning_mm.plan.schedule import LANGUAGE_MODEL
 from lightning_mm.planner.costs import save_profile
 from lightning_mm.planner.model_costs import model_layer_costs, model_memory, profile_model
-from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan, plan_summary, search
+from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan, search
 from lightning_mm.planner.simulator import chrome_trace, timeline_png
 
 
@@ -28,11 +30,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=None, help="device budget of the search (default: the YAML's)")
     p.add_argument("--profile", default=None, help="JSON profile (seconds per part) instead of FLOP counts")
     p.add_argument("--write-profile", default=None, help="profile this model's parts on this machine to this JSON")
-    p.add_argument("--device-flops", type=float, default=None, help="FLOP/s per device: show FLOP costs in seconds")
-    p.add_argument("--memory-limit", type=float, default=math.inf, help="bytes per device for the search")
+    p.add_argument("--device-flops", type=float, default=None,
+                   help="FLOP/s per device: show FLOP costs as time (ms)")
+    p.add_argument("--memory-limit", type=float, default=math.inf, help="GiB per device for the search")
     p.add_argument("--allreduce-bandwidth", type=float, default=math.inf,
-                   help="bytes/s per device for the data-parallel gradient all-reduce (default: free)")
-    p.add_argument("--out", default="plan", help="folder for the timeline PNGs and Chrome traces")
+                   help="GB/s per device for the data-parallel gradient all-reduce (default: free)")
+    p.add_argument("--out", default=None,
+                   help="folder for the timeline PNGs and Chrome traces (default: <the run's log dir>/plan)")
     return p.parse_args(argv)
 
 
@@ -78,8 +82,8 @@ def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool 
 def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
                     memory_limit: float = math.inf, allreduce_bandwidth: float = math.inf) -> Plan:
     """The strategy's own layout and partition, simulated."""
-    from lightning_mm.parallel.layout import ParallelSpec, build_layout
-    from lightning_mm.parallel.stages import resolve_partition
+    from lightning_mm.plan.layout import ParallelSpec, build_layout
+    from lightning_mm.planner.model_costs import resolve_partition
 
     enc_specs = strategy.encoder_specs if strategy.encoder_specs is not None else {
         e: ParallelSpec() for e in model.encoders}
@@ -105,16 +109,75 @@ def strategy_yaml(plan: Plan) -> str:
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)
 
 
-def _write(plan: Plan, out: Path, name: str, unit: str) -> list[Path]:
+@dataclass(frozen=True)
+class Units:
+    """How costs are shown: ``name`` ("ms" or "GFLOP"), the factor from planner units to it, and whether the
+    costs are times (a profile or --device-flops) or amounts of work (FLOP counts)."""
+
+    name: str
+    factor: float
+    is_time: bool
+
+
+GIB = 2 ** 30
+
+
+def stage_table(plan: Plan, title: str, units: Units) -> str:
+    """Per stage: layers, forward and backward per microbatch, busy time, bubble, peak in-flight microbatches,
+    memory (and the gradient all-reduce when it is costed), every number with its unit; then the iteration."""
+    from lightning_mm.plan.placement import placement_table
+
+    r, u = plan.result, units.name
+    ranges = {}
+    for module, sizes in plan.layers.items():
+        start = 0
+        for i, size in enumerate(sizes):
+            ranges[(module, i)] = f"{module}[{start}:{start + size}]"
+            start += size
+    held = placement_table({m: len(s) for m, s in plan.layers.items() if m != LANGUAGE_MODEL},
+                           len(plan.layers[LANGUAGE_MODEL]), plan.placement)
+    sync = {s: sum(e.end - e.start for e in r.events if e.stage == s and e.kind == "sync") for s in r.stages}
+    cols = [f"forward ({u})", f"backward ({u})", f"busy ({u})", "bubble", "in flight", "memory (GiB)"]
+    if any(sync.values()):
+        cols.append(f"all-reduce ({u})")
+    widths = [max(10, len(c)) for c in cols]
+    header = f"{'stage':<20} {'layers':<34} " + " ".join(f"{c:>{w}}" for c, w in zip(cols, widths))
+    lines = [title, header, "-" * len(header)]
+    f = units.factor
+    for stage in r.stages:
+        values = [f"{plan.forward[stage] * f:.4g}", f"{plan.backward[stage] * f:.4g}", f"{r.busy[stage] * f:.4g}",
+                  f"{r.bubble_fraction[stage]:.1%}", f"{r.peak_inflight[stage]:d}", f"{plan.memory[stage] / GIB:.3g}"]
+        if len(cols) > len(values):
+            values.append(f"{sync[stage] * f:.4g}")
+        layers = "+".join(ranges[part] for part in held[stage])
+        lines.append(f"{stage:<20} {layers:<34} " + " ".join(f"{v:>{w}}" for v, w in zip(values, widths)))
+    what = "predicted iteration time" if units.is_time else "predicted iteration (critical-path work per device)"
+    lines.append(f"{what} {plan.iteration_time * f:.4g} {u} on {plan.devices} devices "
+                 f"({'fits' if plan.fits_memory else 'EXCEEDS'} memory)")
+    return "\n".join(lines)
+
+
+def _write(plan: Plan, out: Path, name: str, units: Units) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     png, trace = out / f"{name}.png", out / f"{name}.trace.json"
-    chrome_trace(plan.result, trace)  # one trace second = one cost unit (s or GFLOP)
+    chrome_trace(plan.result, trace)  # one trace second = one planner cost unit (s, or GFLOP of work)
+    value = plan.iteration_time * units.factor
+    if units.is_time:
+        title, xlabel = f"{name}: predicted iteration {value:.4g} {units.name}", f"time ({units.name})"
+    else:
+        title = f"{name}: {value:.4g} GFLOP of critical-path work"
+        xlabel = "work (GFLOP; --device-flops or --profile give time)"
     try:
-        timeline_png(plan.result, png, title=f"{name}: iteration {plan.iteration_time:.4g} {unit}")
+        timeline_png(plan.result, png, title=title, scale=units.factor, xlabel=xlabel)
     except ImportError as err:
         print(f"(no PNG: {err})")
         return [trace]
     return [png, trace]
+
+
+def default_out(trainer) -> Path:
+    """``<trainer.log_dir>/plan``: the folder the YAML's ``fit`` logs to (or its ``default_root_dir``)."""
+    return Path(trainer.log_dir or trainer.default_root_dir) / "plan"
 
 
 def main(argv: list[str]) -> None:
@@ -133,28 +196,33 @@ def main(argv: list[str]) -> None:
         print(f"wrote {args.write_profile}")
     recompute = strategy.activation_checkpointing
     costs = model_layer_costs(model, profile, batch=mb, recompute=recompute)
-    if profile:
-        unit, scale = "s", 1.0
+    if profile:  # planner costs in seconds, shown in ms
+        scale, units = 1.0, Units("ms", 1e3, True)
     elif args.device_flops:
-        unit, scale = "s", 1.0 / args.device_flops
-    else:
-        unit, scale = "GFLOP", 1e-9
+        scale, units = 1.0 / args.device_flops, Units("ms", 1e3, True)
+    else:  # planner costs in GFLOP
+        scale, units = 1e-9, Units("GFLOP", 1.0, False)
     specs = module_specs(model, costs, scale, mb, recompute)
     devices = trainer.num_devices * trainer.num_nodes
-    out = Path(args.out)
-    source = f"profile {profile}" if profile else "FLOPs counted on the real layers"
-    print(f"costs per microbatch in {unit} ({source})\n")
-    mine = configured_plan(model, strategy, specs, devices, args.memory_limit, args.allreduce_bandwidth)
-    files = _write(mine, out, "configured", unit)
-    print(plan_summary(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
-                             f"partition={strategy.partition!r}"))
+    out = Path(args.out) if args.out else default_out(trainer)
+    memory_limit = args.memory_limit * GIB
+    bandwidth = args.allreduce_bandwidth * 1e9
+    source = f"profile {profile}" if profile else "FLOPs counted on the real layers" + (
+        f" at {args.device_flops:.4g} FLOP/s per device" if args.device_flops else "")
+    print(f"costs per microbatch in {units.name} ({source}); memory in GiB"
+          + (f"; gradient all-reduce at {args.allreduce_bandwidth:g} GB/s" if math.isfinite(bandwidth) else "")
+          + "\n")
+    mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth)
+    files = _write(mine, out, "configured", units)
+    print(stage_table(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
+                            f"partition={strategy.partition!r}", units))
     budget = args.devices or devices
-    best = search(specs, budget, mine.microbatches_per_replica * mine.dp, args.memory_limit,
-                  allreduce_bandwidth=args.allreduce_bandwidth).best
-    files += _write(best, out, "auto", unit)
+    best = search(specs, budget, mine.microbatches_per_replica * mine.dp, memory_limit,
+                  allreduce_bandwidth=bandwidth).best
+    files += _write(best, out, "auto", units)
     print()
-    print(plan_summary(best, f"auto search on {budget} devices: placement={best.placement}, dp={best.dp}, "
-                             f"pp={best.pp()}"))
+    print(stage_table(best, f"auto search on {budget} devices: placement={best.placement}, dp={best.dp}, "
+                            f"pp={best.pp()}", units))
     print(f"\nconfigured / auto predicted iteration time: {mine.iteration_time / best.iteration_time:.3f}x")
     print(f"\nto run the auto plan, put this in the fit YAML (the data module's batch_size is per replica: keep "
           f"batch_size x dp the same for the same global batch; dp = {best.dp}):\n")
