@@ -314,7 +314,8 @@ def print_profile(profile: SeedFittedProfile) -> None:
           f"{profile.rms_log_error:.2f}, i.e. x{math.exp(profile.rms_log_error):.2f}):")
     print("  encoder forward, published/FLOP: " + ", ".join(f"{k} {v:.2f}" for k, v in profile.encoder_forward.items()))
     print("  LLM forward, published/FLOP:     " + ", ".join(f"{k} {v:.2f}" for k, v in profile.llm_forward.items()))
-    print("  LLM backward/forward, published: " + ", ".join(f"{k} {v:.2f}" for k, v in profile.llm_backward_ratio.items())
+    ratios = ", ".join(f"{k} {v:.2f}" for k, v in profile.llm_backward_ratio.items())
+    print("  LLM backward/forward, published: " + ratios
           + f"   (FLOPs: input grad + recompute = {2.0 if RECOMPUTE else 1.0:.1f} + attention share)")
 
 

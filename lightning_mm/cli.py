@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
@@ -34,6 +35,11 @@ class MultimodalCLI(LightningCLI):
         super()._add_subcommands(parser, **kwargs)
         for name, text in EXTRA_COMMANDS.items():
             parser._subcommands_action.add_subcommand(name, ArgumentParser(description=text), help=text)
+
+    def parse_arguments(self, parser, args) -> None:
+        with warnings.catch_warnings():  # plan / export / main pass args taken from sys.argv on purpose
+            warnings.filterwarnings("ignore", message=".*args parameter is intended")
+            super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults({"model": {"class_path": "lightning_mm.module.MultimodalLightningModule"},

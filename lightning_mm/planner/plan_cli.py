@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,17 +40,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def load_config(configs: list[str]):
-    """(MultimodalLightningModule, data module, trainer) of a fit YAML, instantiated but not run."""
-    from lightning.pytorch.cli import LightningCLI
-
-    from lightning_mm.data.synthetic import SyntheticMultimodalDataModule
-    from lightning_mm.module import MultimodalLightningModule
+    """(LightningModule, data module, trainer) of a fit YAML, instantiated but not run (the CLI ``fit`` uses, so
+    any YAML ``fit`` takes works here)."""
+    from lightning_mm.cli import MultimodalCLI
 
     args = [a for c in configs for a in ("--config", c)]
-    with warnings.catch_warnings():  # "args and sys.argv both given": argv here is plan's own
-        warnings.filterwarnings("ignore", message=".*args parameter is intended")
-        cli = LightningCLI(MultimodalLightningModule, SyntheticMultimodalDataModule, subclass_mode_data=True, args=args,
-                           run=False, save_config_callback=None)
+    cli = MultimodalCLI(args=args, run=False, save_config_callback=None)
     return cli.model, cli.datamodule, cli.trainer
 
 
