@@ -248,13 +248,16 @@ class FaultWatchdog:
             pass
 
     def _end_all(self, message: str, stuck: list[int]) -> None:
-        """Publish ``message`` as the job's failure (every peer ends at its next beat), then end this rank."""
+        """Publish ``message`` as the job's failure (every peer ends at its next beat), then end this rank. The
+        ``stuck`` ranks add their main thread's stack to it."""
         try:
             self.store.set(self.key("stuck"), json.dumps(stuck))
             self.store.set(self.key("failed"), message[:4000])
         except Exception:  # noqa: BLE001
             pass
         self._seen_failure()
+        if self.rank in stuck:
+            message += f"; {self.label(self.rank)}'s main thread is at:\n{main_thread_stack()}\n"
         self._fault(message)
 
     def current_wait(self) -> Wait | None:
@@ -342,7 +345,7 @@ class FaultWatchdog:
         else:
             message = (f"ranks wait on each other (a collective or P2P operation that not every rank entered): "
                        f"{mine}{tail}")
-        self._end_all(message, stuck)
+        self._end_all(message, stuck or waiting_ranks)  # these ranks print where their main thread is
         return True
 
     def _run(self) -> None:
