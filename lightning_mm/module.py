@@ -105,7 +105,9 @@ class MultimodalLightningModule(pl.LightningModule):
             for opt in self.trainer.optimizers:
                 opt.zero_grad()
             self.print(f"skipping step {self.global_step}: the loss is {float(loss)} (nan_guard='skip')")
-            return None
+            # Lightning refuses a None step under several processes; a NaN leaf keeps every rank's loop alike and
+            # changes no parameter (their gradients are None, which optimisers skip)
+            return torch.full((), float("nan"), device=loss.device, requires_grad=True)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
         return loss
 

@@ -145,6 +145,19 @@ class MultimodalParallelStrategy(DDPStrategy):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         module, model = self.lightning_module, self.multimodal_model()
+        if self.engine is None or self.engine.model is not model:
+            self.build_stage(module, model)
+        module.to(self.root_device)  # what is left: this stage, metrics, buffers
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.use_sharded_grad_scaler()
+
+    def build_stage(self, module, model) -> None:
+        """Cut ``model`` to this rank's stage and materialise it (once: validate/test/predict after fit reuse it)."""
+        if getattr(model, "pipeline_stage", None) is not None:
+            raise RuntimeError("this MultimodalModel was already cut into pipeline stages by another Trainer's "
+                               "strategy; run trainer.validate/test/predict on that Trainer, or build the model again")
         self.precision_plugin.convert_module(module)
         self.model_fingerprint = ckpt.model_fingerprint(model)  # before pruning
         self.trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -156,12 +169,7 @@ class MultimodalParallelStrategy(DDPStrategy):
                                      device=self.root_device, forward_context=self.precision_plugin.forward_context,
                                      loss_backward=self.loss_backward,
                                      materialise=lambda m: materialise(m, self.root_device, seed))
-        module.to(self.root_device)  # what is left: this stage, metrics, buffers
-        self.engine.sync_tied_weights()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        self.use_sharded_grad_scaler()
+        model.pipeline_stage = self.engine.stage
 
     def model_to_device(self) -> None:  # setup moves the pruned stage only
         pass

@@ -142,3 +142,44 @@ def test_activation_checkpointing_trains_like_one_process(case):
     for name, counts in calls.items():
         in_backward = freeze == "encoder" or name.startswith("language_model")
         assert counts == {2 * runs if in_backward else runs}, (name, counts)
+
+
+def _tied_model():
+    import lightning_mm as lmm
+    from lightning_mm.model import tiny_encoder, tiny_language_model
+
+    torch.manual_seed(0)
+    lm = tiny_language_model("llama", tie_word_embeddings=True)
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, lm)
+    assert lm.lm_head.weight is lm.model.embed_tokens.weight
+    return model.freeze(encoders=True, projectors=False, language_model=False)
+
+
+def _tied_rank(rank, world):
+    from helpers.pipeline_case import global_batches, train_engine
+
+    from lightning_mm.parallel.engine import PipelineEngine
+
+    model = _tied_model()
+    layout = build_layout({"vision": ParallelSpec()}, ParallelSpec(pp=2), world, "parallel", ["vision"])
+    engine = PipelineEngine(model, layout, rank, 2)
+    return train_engine(engine, model, global_batches(model, 3, 4))
+
+
+@pytest.mark.slow
+def test_tied_embeddings_across_llm_stages_train_like_one_process():
+    """The first and last LLM stage each hold the tied weight (under the embedding's name) and sum its gradient."""
+    from helpers.pipeline_case import global_batches, train_reference
+
+    model = _tied_model()
+    ref_losses, ref_params = train_reference(model, global_batches(model, 3, 4))
+    merged = {}
+    for losses, params in run_distributed(_tied_rank, 3):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name, p in params.items():
+            if name in merged:  # the tied weight on the first and last LLM stage stays identical
+                torch.testing.assert_close(p, merged[name], rtol=0, atol=0)
+            merged[name] = p
+    assert set(merged) == set(ref_params)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)

@@ -108,13 +108,17 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bam, segment_ids, token_index, group, scale, head_groups, backend):
+    def forward(ctx, q, k, v, bam, segment_ids, token_index, group, scale, head_groups, backend, cache):
         from lightning_mm.attention import bitfield_attention
 
         b, hq, s, d = q.shape
         hkv = k.shape[1]
         rep, per = hq // hkv, hkv // head_groups
-        sizes, smax, k_bam, k_seg, k_pos = _gather_metadata(bam, segment_ids, token_index, group)
+        if cache is None or "metadata" not in cache:  # the same for every layer of a microbatch: gathered once
+            metadata = _gather_metadata(bam, segment_ids, token_index, group)
+            if cache is not None:
+                cache["metadata"] = metadata
+        sizes, smax, k_bam, k_seg, k_pos = metadata if cache is None else cache["metadata"]
         track = any(ctx.needs_input_grad[:3])
         outs, graphs = [], []
         pending = _launch_kv_gather(k, v, slice(0, per), smax, group)
@@ -152,17 +156,19 @@ class _ContextParallelAttention(torch.autograd.Function):
             dk.append(mine[0, :, :, :ctx.local])
             dv.append(mine[1, :, :, :ctx.local])
         ctx.graphs = None
-        return torch.cat(dq, 1), torch.cat(dk, 1), torch.cat(dv, 1), None, None, None, None, None, None, None
+        return torch.cat(dq, 1), torch.cat(dk, 1), torch.cat(dv, 1), None, None, None, None, None, None, None, None
 
 
 def context_parallel_attention(q, k, v, bam, segment_ids, token_index, cp_group, scale=None, *,
-                               head_groups: int | None = None, backend: str = "auto") -> torch.Tensor:
+                               head_groups: int | None = None, backend: str = "auto",
+                               cache: dict | None = None) -> torch.Tensor:
     """Bitfield attention of the local queries ``[B,Hq,S_local,D]`` over the keys/values of the whole CP group.
 
     ``bam``, ``segment_ids`` (or None) and ``token_index`` are the local tokens' words, segments and global
     indices ``[B,S_local]``; ``cp_group`` is the process group of the CP ranks (any plan, any local lengths).
     Returns ``[B,Hq,S_local,D]``, differentiable in q, k and v. ``head_groups`` (a divisor of the KV heads)
-    sets how many gather/compute steps overlap; default 1 on CPU, up to 4 on GPU.
+    sets how many gather/compute steps overlap; default 1 on CPU, up to 4 on GPU. ``cache``: a dict shared by
+    the layers of one microbatch, so the mask metadata is gathered (and its sizes read on the host) once.
     """
     if head_groups is None:
         head_groups = _default_head_groups(q, k.shape[1])
@@ -171,4 +177,4 @@ def context_parallel_attention(q, k, v, bam, segment_ids, token_index, cp_group,
         token_index = token_index.to(torch.int64)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _ContextParallelAttention.apply(q, k, v, bam, segment_ids, token_index, cp_group, scale, head_groups,
-                                           backend)
+                                           backend, cache)

@@ -25,16 +25,18 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
         raise ValueError(f"{type(module).__name__} uses attention logit softcapping, which bitfield attention does "
                          "not implement; set attn_logit_softcapping=None in the model config")
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    seq_len = query.shape[2] if token_index is None else int(token_index.max()) + 1
-    if window is not None and window < seq_len:
-        raise ValueError(f"{type(module).__name__} uses a sliding window of {window} tokens, shorter than the "
-                         f"sequence ({seq_len}); bitfield attention attends the whole allowed context. "
-                         "Set sliding_window=None (or >= the sequence length) in the model config")
+    if window is not None:  # only then is the sequence length read on the host
+        seq_len = query.shape[2] if token_index is None else int(token_index.max()) + 1
+        if window < seq_len:
+            raise ValueError(f"{type(module).__name__} uses a sliding window of {window} tokens, shorter than the "
+                             f"sequence ({seq_len}); bitfield attention attends the whole allowed context. "
+                             "Set sliding_window=None (or >= the sequence length) in the model config")
     if dropout and module.training:
         raise ValueError("bitfield attention has no attention dropout; set attention_dropout=0 in the model config")
     if cp_group is not None:
         from lightning_mm.parallel.context import context_parallel_attention
-        out = context_parallel_attention(query, key, value, bam, segment_ids, token_index, cp_group, scale=scaling)
+        out = context_parallel_attention(query, key, value, bam, segment_ids, token_index, cp_group, scale=scaling,
+                                         cache=kwargs.get("cp_cache"))
     else:
         out = bitfield_attention(query, key, value, bam, bam, q_segments=segment_ids, k_segments=segment_ids,
                                  q_positions=token_index, k_positions=token_index, scale=scaling)

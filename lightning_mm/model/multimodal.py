@@ -35,11 +35,13 @@ class AttentionContext:
     segment_ids: torch.Tensor | None = None
     token_index: torch.Tensor | None = None  # global token indices of the local tokens (context parallelism)
     cp_group: object = None
+    cp_cache: dict | None = None  # what every layer's CP attention shares (gathered mask metadata), per microbatch
 
     def attn_kwargs(self) -> dict:
         kw = {"bam": self.bam, "segment_ids": self.segment_ids, "token_index": self.token_index}
         if self.cp_group is not None:
             kw["cp_group"] = self.cp_group
+            kw["cp_cache"] = self.cp_cache
         return kw
 
 

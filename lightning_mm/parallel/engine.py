@@ -128,8 +128,9 @@ class PipelineEngine:
         self.llm_hidden = model.hidden_size
         self.tie_stages = tied_embedding_stages(model, layout.module_stages[LANGUAGE_MODEL])
         self.owned = owned[self.stage]
-        if self.tie_stages and self.stage == self.tie_stages[1]:
-            self.owned |= tied_names(model)
+        if self.tie_stages and self.stage == self.tie_stages[1]:  # the head keeps the tied weight, by its name
+            embed = model.lm_family.embed_tokens(model.language_model).weight
+            self.owned |= {n for n, p in model.named_parameters(remove_duplicate=False) if p is embed}
         prune(model, self.owned)
         if materialise is not None:
             materialise(model)
@@ -211,7 +212,7 @@ class PipelineEngine:
             seq = torch.arange(mb["input_ids"].shape[1], device=mb["input_ids"].device).expand_as(mb["input_ids"])
             ctx = type(ctx)(position_ids=local(ctx.position_ids), bam=local(ctx.bam),
                             segment_ids=None if ctx.segment_ids is None else local(ctx.segment_ids),
-                            token_index=local(seq), cp_group=self.groups.cp)
+                            token_index=local(seq), cp_group=self.groups.cp, cp_cache={})
         if sl.embed:
             features = {k: v for msg in received.values() for k, v in msg.items()}
             features.update({e: self._encoder_part(e, s, mb, {}) for e, s in self.plan.encoders.items()})
@@ -374,22 +375,11 @@ class PipelineEngine:
         if self.groups.tie is not None:
             sync_tied_gradients(self.model, self.groups.tie)
 
-    def sync_tied_weights(self) -> None:
-        """Give the last LLM stage's copy of a tied embedding the first stage's values (after materialising)."""
-        if self.groups.tie is not None:
-            lm = self.model.language_model
-            first = self.stage == self.tie_stages[0]
-            weight = self.model.lm_family.embed_tokens(lm).weight if first else lm.lm_head.weight
-            with torch.no_grad():
-                dist.broadcast(weight, self.layout.rank(self.tie_stages[0], self.coord.dp, self.coord.cp),
-                               group=self.groups.tie)
-
     def global_grad_norm(self) -> torch.Tensor:
         """L2 norm of all trainable gradients of the whole model (every stage, counted once)."""
         params = self.trainable_parameters()
         if self.tie_stages and self.stage == self.tie_stages[1]:  # the tied weight counts at the first stage
-            tied = {id(p) for n, p in self.model.named_parameters() if n in tied_names(self.model)}
-            params = [p for p in params if id(p) not in tied]
+            params = [p for p in params if p is not self.model.language_model.lm_head.weight]
         return global_grad_norm(params, self.groups.grad_size, self.device)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
@@ -435,18 +425,12 @@ def check_same_batch(batch: dict, group) -> None:
                            "index), as Lightning's default sampler does, and the same seed on every rank")
 
 
-def tied_names(model) -> set[str]:
-    """Names of the tied input/output embedding parameter (the lm_head name kept by the last stage)."""
-    lm = model.language_model
-    return {"language_model.lm_head.weight"} if hasattr(lm, "lm_head") else set()
-
-
 def sync_tied_gradients(model, group) -> None:
     """Sum the tied embedding's gradient between the LLM's first and last stage (Megatron's embedding group)."""
     lm = model.language_model
     weight = lm.lm_head.weight if not isinstance(lm.lm_head, torch.nn.Identity) else \
         model.lm_family.embed_tokens(lm).weight
-    if weight.requires_grad:
+    if weight.requires_grad:  # both stages hold it under the embedding's name: checkpoints store it once
         grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
         dist.all_reduce(grad, group=group)
         weight.grad = grad

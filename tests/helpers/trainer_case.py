@@ -5,7 +5,8 @@ validation/test loss, predicted ids) and ``<out_dir>/params_<rank>.pt`` (this ra
 names), so a test can compare any layout with one process. Keys of the JSON (all optional):
 
 - ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp``, ``llm_pp``,
-  ``microbatches``, ``accumulate``, ``precision``, ``steps``, ``batch_size`` (per replica), ``freeze``
+  ``microbatches``, ``accumulate``, ``precision``, ``steps``, ``batch_size`` (per replica), ``freeze``,
+  ``optimizer`` ("adamw" default, "sgd"), ``lr``, ``clip``, ``llm``, ``llm_layers``
 - ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta, materialised per stage)
 - ``nan_at``: the step whose loss is made NaN (``nan_guard="skip"`` drops it)
 - ``validate`` / ``test`` / ``predict``: run ``trainer.validate/test/predict`` after fitting
@@ -62,7 +63,7 @@ class Module(lmm.MultimodalLightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         super().on_train_batch_end(outputs, batch, batch_idx)
-        self.losses.append(None if outputs is None else float(outputs["loss"]))
+        self.losses.append(float(outputs["loss"]))
 
 
 def build(case):
@@ -97,7 +98,8 @@ def main(spec: str, out: str):
             model = build(case)
     else:
         model = build(case)
-    module = Module(model, optimizer=lambda p: torch.optim.AdamW(p, lr=case.get("lr", 1e-2)),
+    optimizer = torch.optim.SGD if case.get("optimizer") == "sgd" else torch.optim.AdamW
+    module = Module(model, optimizer=lambda p: optimizer(p, lr=case.get("lr", 1e-2)),
                     nan_guard="skip" if "nan_at" in case else None, nan_at=case.get("nan_at"))
     data = Data(num_samples=64, batch_size=dp_batch, val_samples=2 * dp_batch)
     trainer.fit(module, data)
