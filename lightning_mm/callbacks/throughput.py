@@ -4,7 +4,8 @@
 data-parallel replica, i.e. the whole job's figure, not one rank's. Under MultimodalParallelStrategy every rank of
 a replica sees the same batch, so exactly one rank per replica (its last LLM stage, CP rank 0) counts its tokens;
 without the strategy every process is a replica. The time is the wall time between batch ends (data loading
-included), the longest over ranks, over the batches since the last log.
+included), the longest over ranks, over the batches since the last logging step (the value logged at a logging
+step covers the whole interval; between them the progress bar shows the interval so far).
 
 ``train/mfu``: model FLOPs per second over ``world size x peak_flops``. Model FLOPs come from the planner's FLOP
 model (`lightning_mm.planner.model_costs.model_layer_costs`: FLOPs counted by torch on the real layers of a
@@ -176,13 +177,12 @@ class TrainingMetrics(nn.Module):
         tokens = float(count_label_tokens(batch["labels"])) if mine else 0.0
         flops = self.flop_model(batch) if (mine and self.flop_model is not None) else 0.0
         self.throughput.update(tokens, flops, seconds)
-        if trainer._logger_connector.should_update_logs:  # the same on every rank: every rank syncs here
-            value = self.throughput.compute()
+        value = self.throughput.compute()  # every rank, every batch: a small all-gather of three numbers
+        module.log("train/tokens_per_s", value["tokens_per_s"].float(), prog_bar=True)
+        if self._peak is not None and self.flop_model is not None:
+            module.log("train/mfu", (value["flops_per_s"] / (trainer.world_size * self._peak)).float())
+        if trainer._logger_connector.should_update_logs:  # the same on every rank; a new window starts
             self.throughput.reset()
-            module.log("train/tokens_per_s", value["tokens_per_s"].float(), prog_bar=True)
-            if self._peak is not None and self.flop_model is not None:
-                mfu = value["flops_per_s"] / (trainer.world_size * self._peak)
-                module.log("train/mfu", mfu.float())
         self._log_bubbles(module)
 
     def _log_bubbles(self, module) -> None:
