@@ -183,3 +183,14 @@ def test_tied_embeddings_across_llm_stages_train_like_one_process():
     assert set(merged) == set(ref_params)
     for name, p in ref_params.items():
         torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_module_meshes_are_dp_pp_cp_tp_arrays_of_the_layout():
+    layout = build_layout({"vision": ParallelSpec(pp=2), "audio": ParallelSpec()}, ParallelSpec(pp=2, cp=2), 14,
+                          "parallel", ["vision", "audio"])
+    assert layout.chains() == {"vision": ["vision.0", "vision.1"], "audio": ["audio.0"],
+                               "language_model": ["language_model.0", "language_model.1"]}
+    assert layout.mesh_ranks("vision") == [[[[0]], [[1]]], [[[7]], [[8]]]]
+    assert layout.mesh_ranks("language_model") == [[[[3], [4]], [[5], [6]]], [[[10], [11]], [[12], [13]]]]
+    every = sorted(r for chain in layout.chains() for r in torch.tensor(layout.mesh_ranks(chain)).flatten().tolist())
+    assert every == list(range(14))

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mm import loss as losses
@@ -35,36 +36,37 @@ from lightning_mm.plan.schedule import (LANGUAGE_MODEL, build_stage_graph, check
 from lightning_mm.plan.stages import StagePlan, stage_plans, uniform_partition
 
 
+MESH_DIMS = ("dp", "pp", "cp", "tp")
+
+
+def module_meshes(layout: RankLayout, device_type: str) -> dict[str, DeviceMesh]:
+    """One ``DeviceMesh`` per module chain with named dims ("dp", "pp", "cp", "tp"), created in the same order on
+    every rank (the meshes TP and FSDP take)."""
+    return {chain: DeviceMesh(device_type, torch.tensor(layout.mesh_ranks(chain)), mesh_dim_names=MESH_DIMS)
+            for chain in layout.chains()}
+
+
 class ProcessGroups:
     """The groups a rank needs, created in the same order on every rank (as ``new_group`` requires).
 
-    ``grad``: every rank holding this stage's parameters (replicas x CP ranks); ``dp``: this stage-rank's
-    replicas; ``cp``: this stage's CP ranks of this replica; ``replica``: every rank of this replica;
-    ``headers``: a gloo group over every rank for message headers; ``tie``: the LLM's first and last stage of
-    this replica when they share tied embeddings."""
+    ``mesh``: the DeviceMesh of this rank's module chain; ``dp`` / ``cp`` are its dims' groups (None when of size
+    1). ``grad``: every rank holding this stage's parameters (replicas x CP ranks); ``replica``: every rank of this
+    replica; ``headers``: a gloo group over every rank for message headers; ``tie``: the LLM's first and last
+    stage of this replica when they share tied embeddings."""
 
-    def __init__(self, layout: RankLayout, rank: int, tie_stages: tuple[str, str] | None = None):
+    def __init__(self, layout: RankLayout, rank: int, tie_stages: tuple[str, str] | None = None,
+                 device_type: str = "cpu"):
         coord = layout.coordinate(rank)
+        self.meshes = module_meshes(layout, device_type)
+        self.mesh = self.meshes[coord.stage.rsplit(".", 1)[0]]
+        self.dp = self.mesh["dp"].get_group() if layout.dp > 1 else None
+        self.cp = self.mesh["cp"].get_group() if layout.widths[coord.stage] > 1 else None
         self.grad, self.grad_size = None, 1
         for stage in layout.stages:
             ranks = layout.grad_group_ranks(stage)
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if stage == coord.stage:
                 self.grad, self.grad_size = group, len(ranks)
-        self.dp = None
-        for stage in layout.stages:
-            for c in range(layout.widths[stage]):
-                ranks = layout.dp_group_ranks(stage, c)
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
-                if (stage, c) == (coord.stage, coord.cp):
-                    self.dp = group
-        self.cp = None
-        for stage in layout.stages:
-            if layout.widths[stage] > 1:
-                for d in range(layout.dp):
-                    group = dist.new_group(layout.stage_ranks(stage, d))
-                    if (stage, d) == (coord.stage, coord.dp):
-                        self.cp = group
         self.headers = dist.new_group(backend="gloo")  # host-side message headers (comm.py)
         self.replica = None
         for d in range(layout.dp):
@@ -138,7 +140,7 @@ class PipelineEngine:
             (p.device for p in model.parameters()), torch.device("cpu"))
         self.cp_size = layout.widths[self.stage]
         self.llm_cp = max(layout.widths.values())
-        self.groups = ProcessGroups(layout, rank, self.tie_stages)
+        self.groups = ProcessGroups(layout, rank, self.tie_stages, self.device.type)
         self.comm = StageComm(self.device, self.groups.headers)
         self.reducer = GradientReducer(self.trainable_parameters(), self.groups.grad, bucket_mb)
         self.timings: list[tuple[str, int, float, float]] = []  # (kind, microbatch, start, end) of the last step

@@ -87,6 +87,19 @@ class RankLayout:
         """Every rank holding the same parameters as ``stage`` (all replicas and CP ranks)."""
         return [self.rank(stage, d, c) for d in range(self.dp) for c in range(self.widths[stage])]
 
+    def chains(self) -> dict[str, list[str]]:
+        """The stages of each module pipeline in order: one chain per encoder ("parallel"), one fused encoder chain
+        ("colocated"), and the LLM's. Each chain gets one device mesh."""
+        out: dict[str, list[str]] = {}
+        for stage in self.stages:
+            out.setdefault(stage.rsplit(".", 1)[0], []).append(stage)
+        return out
+
+    def mesh_ranks(self, chain: str) -> list[list[list[list[int]]]]:
+        """Global ranks of a chain as a [dp][pp][cp][tp] array (the dims of its DeviceMesh; tp is 1 for now)."""
+        stages = self.chains()[chain]
+        return [[[[self.rank(s, d, c)] for c in range(self.widths[s])] for s in stages] for d in range(self.dp)]
+
     def replica_ranks(self, dp: int) -> list[int]:
         return list(range(dp * self.ranks_per_replica, (dp + 1) * self.ranks_per_replica))
 
