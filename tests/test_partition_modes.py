@@ -173,3 +173,15 @@ def test_plan_command_prints_stages_and_writes_timelines(tmp_path, capsys):
     assert {m: sum(v) for m, v in args["partition"].items()} == {"vision": 4, "audio": 4, "language_model": 4}
     strategy = MultimodalParallelStrategy(**{**args, "encoders": specs, "language_model": llm})
     assert strategy.partition == args["partition"] and strategy.encoder_placement == args["encoder_placement"]
+
+
+def test_planner_modes_on_a_meta_model_say_what_to_give_instead():
+    import lightning_mm as lmm
+    from lightning_mm.model import tiny_encoder, tiny_language_model
+
+    with torch.device("meta"):
+        model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model())
+    with pytest.raises(ValueError, match="meta device.*profile="):
+        resolve_partition(model, {"vision": 1, "language_model": 2}, "frozen-aware")
+    assert resolve_partition(model, {"vision": 1, "language_model": 2}, {"language_model": [1, 3]}) == \
+        {"vision": [4], "language_model": [1, 3]}

@@ -34,7 +34,7 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
     if dropout and module.training:
         raise ValueError("bitfield attention has no attention dropout; set attention_dropout=0 in the model config")
     if cp_group is not None:
-        from lightning_mm.parallel.context import context_parallel_attention
+        from lightning_mm.attention.context_parallel import context_parallel_attention
         out = context_parallel_attention(query, key, value, bam, segment_ids, token_index, cp_group, scale=scaling,
                                          cache=kwargs.get("cp_cache"))
     else:

@@ -384,6 +384,11 @@ def resolve_partition(model, module_stages: dict[str, int], partition, recompute
     if isinstance(partition, str) and partition in PLANNER_MODES:
         partition = PlannedPartition(partition)
     if isinstance(partition, PlannedPartition):
+        if partition.profile is None and any(p.is_meta for p in model.parameters()):
+            raise ValueError(f"partition={partition.mode!r} counts FLOPs by running the layers, which a model built "
+                             "on the meta device (init_module(empty_init=True)) cannot do; give the strategy a "
+                             "profile= (lightning-mm plan --write-profile), an explicit partition {module: [layers "
+                             "per stage]}, or build the model eagerly")
         return planned_partition(model, module_stages, partition.mode, partition.profile, recompute)
     out = {}
     for module, stages in module_stages.items():
