@@ -111,7 +111,7 @@ class PipelineEngine:
         layer_counts = {m: list((partition or {}).get(m) or uniform_partition(sizes[m], s))
                         for m, s in layout.module_stages.items()}
         self.plans: dict[str, StagePlan] = stage_plans(layer_counts, layout.placement, encoder_names)
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters(remove_duplicate=False))
         owned = {s: owned_parameters(model, p) for s, p in self.plans.items()}
         trainable = {s: any(params[n].requires_grad for n in names) for s, names in owned.items()}
         if not any(trainable.values()):

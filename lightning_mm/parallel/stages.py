@@ -25,7 +25,7 @@ def _slice_owned(root: nn.Module, owner_prefix: str, layers: nn.ModuleList, embe
     owner = root.get_submodule(owner_prefix) if owner_prefix else root
     layer_path = _module_path(owner, layers)
     owned = set()
-    for name, _ in owner.named_parameters():
+    for name, _ in owner.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
         full = f"{owner_prefix}.{name}" if owner_prefix else name
         if name.startswith(layer_path + "."):
             idx = int(name[len(layer_path) + 1:].split(".")[0])
