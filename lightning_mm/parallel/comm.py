@@ -84,7 +84,8 @@ class StageComm:
             ops = [dist.P2POp(dist.isend, t, dst, group=self.group) for t, dst in out_tensors] + ops
         if ops:
             peers = sorted({src for _, src in in_tensors} | ({dst for _, dst in out_tensors} if fused else set()))
-            with waiting(f"exchange tensors with ranks {peers}", peer=peers[0] if len(peers) == 1 else None):
+            with waiting(f"exchange tensors with ranks {peers}", peer=peers[0] if len(peers) == 1 else None,
+                         group=peers if len(peers) > 1 else None):
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
         return received

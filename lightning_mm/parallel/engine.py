@@ -25,7 +25,6 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_mm import loss as losses
 from lightning_mm.data.microbatch import split_microbatches
-from lightning_mm.parallel.context import pad_for_context_parallel
 from lightning_mm.parallel.comm import StageComm
 from lightning_mm.parallel.context import pad_for_context_parallel, token_index
 from lightning_mm.parallel.grads import GradientReducer, clip_, global_grad_norm
