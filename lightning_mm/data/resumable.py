@@ -35,11 +35,18 @@ class SkippingBatchSampler:
         return itertools.islice(iter(self.inner), skip, None)
 
 
-class ResumableDataLoader(DataLoader):
-    """A DataLoader with ``state_dict`` / ``load_state_dict`` of its position in the epoch."""
+class _ResumablePosition:
+    """``state_dict`` / ``load_state_dict`` of a loader's position in the epoch (``{"batches": n}``); subclasses
+    say how many batches their sampler will skip and how to make it skip ``n``."""
+
+    def _skipping(self) -> int:
+        raise NotImplementedError
+
+    def _skip(self, n: int) -> None:
+        raise NotImplementedError
 
     def __iter__(self):
-        self.batches_done = self.batch_sampler.skip
+        self.batches_done = self._skipping()
         for batch in super().__iter__():
             self.batches_done += 1
             yield batch
@@ -49,8 +56,19 @@ class ResumableDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict) -> None:
         n = int(state.get("batches", 0))
-        self.batch_sampler.skip = n if 0 < n < len(self.batch_sampler) else 0  # a finished epoch restarts at 0
-        self.batches_done = self.batch_sampler.skip
+        n = n if 0 < n < len(self) else 0  # a finished epoch restarts at 0
+        self._skip(n)
+        self.batches_done = n
+
+
+class ResumableDataLoader(_ResumablePosition, DataLoader):
+    """A DataLoader with ``state_dict`` / ``load_state_dict`` of its position in the epoch."""
+
+    def _skipping(self) -> int:
+        return self.batch_sampler.skip
+
+    def _skip(self, n: int) -> None:
+        self.batch_sampler.skip = n
 
 
 def resumable(loader):
@@ -80,21 +98,12 @@ class SkippingDistributedSampler(DistributedSampler):
         return itertools.islice(super().__iter__(), skip, None)
 
 
-class ShardedResumableDataLoader(DataLoader):
+class ShardedResumableDataLoader(_ResumablePosition, DataLoader):
     """``DataLoader(dataset, sampler=SkippingDistributedSampler(...), batch_size=..., drop_last=...)`` with the
     same ``state_dict`` as ResumableDataLoader (``{"batches": n}``); resuming skips ``n * batch_size`` indices."""
 
-    def __iter__(self):
-        self.batches_done = self.sampler.skip // self.batch_size
-        for batch in super().__iter__():
-            self.batches_done += 1
-            yield batch
+    def _skipping(self) -> int:
+        return self.sampler.skip // self.batch_size
 
-    def state_dict(self) -> dict:
-        return {"batches": int(getattr(self, "batches_done", 0))}
-
-    def load_state_dict(self, state: dict) -> None:
-        n = int(state.get("batches", 0))
-        n = n if 0 < n < len(self) else 0  # a finished epoch restarts at 0
+    def _skip(self, n: int) -> None:
         self.sampler.skip = n * self.batch_size
-        self.batches_done = n
