@@ -17,6 +17,24 @@ On CPU use no more processes than cores; the model is sized so that compute domi
 
     python benchmarks/pipeline.py [--procs 2] [--steps 5] [--warmup 2] [--repeats 1] [--accelerator cpu|gpu]
                                   [--out benchmarks/results]        (gpu: one GPU per process)
+
+``--setup`` measures building and loading instead (``pipeline_setup_p<P>_<accelerator>.json``): the same model
+(SigLIP + projector + a Llama of ``--hidden``/``--llm-layers``/``--vocab``; encoder and LLM frozen, the projector
+trained with SGD, ``partition="uniform"``) on P processes (vision pp 1, LLM pp P-1, parallel placement), built
+  eager          randomly initialised on every rank (the whole model), then pruned to the stage in setup
+  lazy           under ``trainer.init_module(empty_init=True)``: meta, each rank initialises its stage in setup
+  folder-eager   from ``save_pretrained`` folders, read whole on every rank (``ModalityEncoder("dir")``, ...)
+  folder-lazy    from the same folders under ``init_module(empty_init=True)``: each rank reads its stage
+  from_pretrained  HF ``from_pretrained`` of the same folders in one process, plain single-device Lightning
+and reports per rank the peak resident set (CPU; GPU: torch's peak allocated) above the one before the model is
+built, at the first training step (build + setup) and at the end (``--steps`` steps), the build time (constructor),
+the setup time (``strategy.setup``: callback ``setup`` to ``on_fit_start``: prune, materialise, optimiser) and
+rank 0's wall time from the build to the start and to the end of the first training step (with P processes this
+includes launching the other ranks: their interpreter start, imports and builds). On CPU, transformers'
+``from_pretrained`` leaves the weights memory-mapped from the safetensors files: they are read (and become resident)
+when first used, in the first step, so compare its "to its end" and end memory, not its build time alone.
+
+    python benchmarks/pipeline.py --setup --procs 4 --hidden 512 --llm-layers 12 --vocab 32000 --steps 1
 """
 
 from __future__ import annotations
@@ -72,7 +90,7 @@ def build_module(cfg: dict, args):
         encoders["audio"] = lmm.ModalityEncoder(
             tiny_encoder("whisper", d_model=128, encoder_ffn_dim=256, encoder_layers=4, max_source_positions=32),
             projector="linear")
-    llm = tiny_language_model("llama", vocab_size=512, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+    llm = tiny_language_model("llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
                               num_hidden_layers=args.llm_layers, num_attention_heads=8, num_key_value_heads=4)
     model = lmm.MultimodalModel(encoders, llm).freeze(encoders=True, projectors=False, language_model=False)
     return lmm.MultimodalLightningModule(model, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
@@ -181,15 +199,187 @@ def _partition(engine) -> dict[str, list[int]]:
     return out
 
 
+# ----------------------------------------------------------------------------------------------- --setup
+SETUP_RUNS = [
+    {"name": "eager", "build": "eager", "source": "random"},
+    {"name": "lazy", "build": "lazy", "source": "random"},
+    {"name": "folder-eager", "build": "eager", "source": "folder"},
+    {"name": "folder-lazy", "build": "lazy", "source": "folder"},
+    {"name": "from_pretrained", "build": "eager", "source": "from_pretrained", "single": True},
+]
+
+
+def _setup_configs(args):
+    import transformers
+
+    vision = transformers.SiglipVisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                             num_attention_heads=4, image_size=64, patch_size=8)
+    llm = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                                   intermediate_size=args.hidden * 8 // 3, num_hidden_layers=args.llm_layers,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                                   tie_word_embeddings=False)
+    return vision, llm
+
+
+def save_folders(args, where: str) -> dict[str, str]:
+    """The SigLIP and Llama of ``--setup`` (random values), written with ``save_pretrained``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(1)
+    vision, llm = _setup_configs(args)
+    folders = {"encoder": os.path.join(where, "siglip"), "llm": os.path.join(where, "llama")}
+    transformers.SiglipVisionModel(vision).save_pretrained(folders["encoder"])
+    transformers.LlamaForCausalLM(llm).save_pretrained(folders["llm"])
+    return folders
+
+
+def _peak_bytes(gpu: bool) -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if gpu else _status_kb("VmHWM") * 1024
+
+
+def setup_worker(cfg: dict, args, result: str) -> None:
+    """One ``--setup`` run: build as ``cfg`` says, fit ``--steps`` steps, write every rank's numbers."""
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    import lightning_mm as lmm
+
+    torch.set_num_threads(args.threads)
+    gpu = args.accelerator == "gpu"
+    state = {}
+
+    class Meter(L.Callback):
+        def setup(self, trainer, pl_module, stage):
+            state["setup_start"] = time.perf_counter()
+
+        def on_fit_start(self, trainer, pl_module):
+            state["setup_end"] = time.perf_counter()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if "first_step" not in state:
+                state["first_step"] = time.perf_counter()
+                state["peak_first_step"] = _peak_bytes(gpu)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            state.setdefault("first_step_end", time.perf_counter())
+
+    if cfg.get("single"):
+        strategy, devices = "auto", 1
+    else:
+        strategy = lmm.MultimodalParallelStrategy(
+            encoders={"vision": lmm.ParallelSpec(pp=1)}, language_model=lmm.ParallelSpec(pp=args.procs - 1),
+            num_microbatches=1, partition="uniform")
+        devices = args.procs
+    trainer = L.Trainer(accelerator=args.accelerator, devices=devices, strategy=strategy, max_steps=args.steps,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        callbacks=[Meter()])
+    torch.manual_seed(0)
+    torch.ones(1) + 1  # allocator warm-up before the measure
+    reset = _rss_reset()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if gpu else _status_kb("VmRSS") * 1024
+    start = time.perf_counter()
+
+    def build():
+        if cfg["source"] == "random":
+            vision, llm = _setup_configs(args)
+            encoder, lm = transformers.SiglipVisionModel(vision), transformers.LlamaForCausalLM(llm)
+        elif cfg["source"] == "folder":
+            encoder, lm = cfg["folders"]["encoder"], cfg["folders"]["llm"]
+        else:
+            encoder = transformers.SiglipVisionModel.from_pretrained(cfg["folders"]["encoder"])
+            lm = transformers.LlamaForCausalLM.from_pretrained(cfg["folders"]["llm"])
+        model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(encoder, projector="mlp")}, language_model=lm)
+        return model.freeze(encoders=True, projectors=False, language_model=True)
+
+    if cfg["build"] == "lazy":
+        with trainer.init_module(empty_init=True):
+            model = build()
+    else:
+        model = build()
+    built = time.perf_counter()
+    peak_build = _peak_bytes(gpu)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    module = lmm.MultimodalLightningModule(model, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
+    data = lmm.data.SyntheticMultimodalDataModule(num_samples=args.batch * (args.steps + 1), batch_size=args.batch,
+                                                  text_tokens=(args.text_tokens - 8, args.text_tokens))
+    trainer.fit(module, data)
+    engine = getattr(trainer.strategy, "engine", None)
+    mine = {"rank": trainer.global_rank, "stage": engine.stage if engine is not None else "whole model",
+            "build_s": built - start, "setup_s": state["setup_end"] - state["setup_start"],
+            "to_first_step_s": state["first_step"] - start, "to_first_step_end_s": state["first_step_end"] - start,
+            "peak_build_mb": (peak_build - base) / 2**20,
+            "peak_first_step_mb": (state["peak_first_step"] - base) / 2**20,
+            "peak_end_mb": (_peak_bytes(gpu) - base) / 2**20, "base_mb": base / 2**20,
+            "peak_since": "before the build" if reset or gpu else "process start"}
+    ranks = [mine]
+    if trainer.world_size > 1:
+        ranks = [None] * trainer.world_size
+        dist.all_gather_object(ranks, mine)
+    if trainer.global_rank == 0:
+        Path(result).write_text(json.dumps({**cfg, "model_mb": model_bytes / 2**20, "ranks": ranks}))
+
+
+def setup_table(rows: list[dict], accelerator: str) -> str:
+    lines = [f"{'build':<16} {'processes':>9} {'peak MB/rank at first step':<34} {'peak MB/rank at end':<30} "
+             f"{'build s (max)':>13} {'setup s (max)':>13} {'rank 0 to 1st step s':>20} {'to its end s':>12}"]
+    lines.append("-" * len(lines[0]))
+    for r in rows:
+        ranks = r["ranks"]
+        first = " ".join(f"{x['peak_first_step_mb']:.0f}" for x in ranks)
+        end = " ".join(f"{x['peak_end_mb']:.0f}" for x in ranks)
+        lines.append(f"{r['name']:<16} {len(ranks):>9} {first:<34} {end:<30} "
+                     f"{max(x['build_s'] for x in ranks):>13.2f} {max(x['setup_s'] for x in ranks):>13.2f} "
+                     f"{ranks[0]['to_first_step_s']:>20.1f} {ranks[0]['to_first_step_end_s']:>12.1f}")
+    unit = "peak allocated" if accelerator == "gpu" else "peak resident set"
+    lines.append(f"model {rows[0]['model_mb']:.0f} MB of parameters; memory: {unit} above the one before the model is "
+                 f"built ({rows[0]['ranks'][0]['peak_since']}), per rank in rank order (rank 0 = vision encoder, then "
+                 "the LLM stages); build s: the model's constructor; setup s: strategy.setup (prune, materialise, "
+                 "optimiser); rank 0 to 1st step: from its build to the start (and end) of its first training step")
+    return "\n".join(lines)
+
+
+def setup_main(args, argv: list[str]) -> None:
+    only = set(args.only.split(",")) if args.only else None
+    runs = [c for c in SETUP_RUNS if only is None or c["name"] in only]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = save_folders(args, tmp)
+        for cfg in runs:
+            start = time.time()
+            rows.append(run_config({**cfg, "folders": folders}, argv, args.timeout,
+                                   stderr_log=str(Path(args.out) / f"pipeline_setup_{cfg['name']}.stderr.txt")))
+            print(f"{cfg['name']}: done ({time.time() - start:.0f} s with launch)", flush=True)
+    for r in rows:
+        r.pop("folders", None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None}, "rows": rows}
+    (out / f"pipeline_setup_p{args.procs}_{args.accelerator}.json").write_text(json.dumps(doc, indent=1))
+    print(setup_table(rows, args.accelerator))
+
+
 # ----------------------------------------------------------------------------------------------- the driver
-def run_config(cfg: dict, argv: list[str], timeout: float) -> dict:
+def run_config(cfg: dict, argv: list[str], timeout: float, stderr_log: str | None = None) -> dict:
+    """One layout in fresh processes; on a failure its whole stderr goes to ``stderr_log`` (when given)."""
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", json.dumps(cfg), "--result", result]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
         if not os.path.exists(result):
-            raise RuntimeError(f"{cfg['name']} failed:\n{proc.stderr[-4000:]}")
+            if stderr_log is not None:
+                Path(stderr_log).parent.mkdir(parents=True, exist_ok=True)
+                Path(stderr_log).write_text(proc.stderr)
+            raise RuntimeError(f"{cfg['name']} failed{f' (stderr in {stderr_log})' if stderr_log else ''}:\n"
+                               f"{proc.stderr[-4000:]}")
         doc = json.loads(Path(result).read_text())
         if proc.returncode != 0:  # measured and written, then failed in teardown: keep it, say so
             doc["exit"] = f"exit code {proc.returncode} after writing results: {proc.stderr.strip()[-200:]}"
@@ -235,6 +425,9 @@ def parse(argv=None):
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--hidden", type=int, default=192)
     p.add_argument("--llm-layers", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=512, help="the Llama's vocabulary")
+    p.add_argument("--setup", action="store_true",
+                   help="measure eager vs lazy (meta) builds and folder loading instead of throughput")
     p.add_argument("--text-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (cores / procs)")
     p.add_argument("--only", default=None, help="comma-separated layout names to run")
@@ -250,7 +443,9 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     if args.worker:
-        return worker(json.loads(args.worker), args, args.result)
+        return (setup_worker if args.setup else worker)(json.loads(args.worker), args, args.result)
+    if args.setup:
+        return setup_main(args, argv)
     configs = layouts(args.procs, args.accelerator)
     if args.only:
         keep = set(args.only.split(","))
