@@ -26,6 +26,7 @@ def test_pipeline_run_matches_one_process_and_consolidates():
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_resume_is_bit_exact():
     ref = reference()
     out = os.path.join(ref["dir"], "resume.json")
@@ -60,6 +61,7 @@ def test_reshard_to_context_parallel_and_back():
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_reshard_context_parallel_with_pipeline_and_data_parallel():
     """pp2 -> LLM pp2 x cp2 (5 ranks, two CP-sharded LLM stages) -> LLM cp2 x dp2 (6 ranks)."""
     _continue_elsewhere(reference(), "pp2cp2", "cp2dp2", {"vision.0": 1, "language_model.0": 2, "language_model.1": 2})

@@ -136,6 +136,7 @@ def test_frozen_rank_ends_every_other_rank_and_last_checkpoint_resumes(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_killed_rank_ends_every_process_with_an_error(tmp_path):
     gone_after, output, code = _run_with_fault(str(tmp_path), "kill", 0)
     assert gone_after < FAULT_TIMEOUT + SLACK, f"survivors took {gone_after:.1f} s\n{output[-3000:]}"
@@ -212,6 +213,7 @@ STUCK_TIMEOUT = 5.0
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_a_rank_stuck_inside_a_step_ends_every_process_naming_it(tmp_path):
     """Rank 0 (it also hosts the rendezvous store) sleeps inside step 2: rank 1 waits on it beyond fault_timeout,
     every process ends within fault_timeout + 30 s, and the message names rank 0, its stage and the wait."""

@@ -29,6 +29,7 @@ def assert_same_training(launched, single, environment):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_torchrun_launch_equals_single_process(tmp_path, single):
     torchrun = shutil.which("torchrun")
     assert torchrun, "torchrun (installed with torch) is missing"

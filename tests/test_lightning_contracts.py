@@ -45,6 +45,7 @@ def assert_same_training(got, ref, rtol=1e-5, atol=1e-6, param_tol=(1e-4, 1e-5))
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_accumulation_pipeline_validate_test_predict_consolidate(tmp_path):
     """pp 2 (4 processes), accumulate 2, AdamW, clipping: every micro-step loss and every trainable parameter as one
     process; then validate, test and predict give one process's numbers; consolidate runs on rank 0 after fit."""
@@ -60,6 +61,7 @@ def test_accumulation_pipeline_validate_test_predict_consolidate(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_accumulation_with_data_parallel_replicas(tmp_path):
     """dp 2 x (vision, audio, LLM) = 6 processes, accumulate 2: gradients are reduced once per optimiser step.
     SGD: Adam would turn the last-bit differences of summing replicas in another order into lr-sized steps on
@@ -76,6 +78,7 @@ def test_bf16_mixed_matches_one_process_within_bf16_tolerance(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_nan_guard_skip_on_three_processes(tmp_path):
     """The step whose loss is NaN is dropped on every rank alike; training goes on as in one process."""
     base = dict(nan_at=1, steps=3)
@@ -87,6 +90,7 @@ def test_nan_guard_skip_on_three_processes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_lazy_build_trains_like_debug_mode_on_one_device(tmp_path):
     """Built under init_module(empty_init=True) (meta), each rank materialises its stage with the init derived
     from the seed and each parameter's name: pp 1, 2 and 3 (3, 4 and 5 processes) equal the whole model in one

@@ -11,11 +11,11 @@ from lightning_mm.plan.layout import ParallelSpec, build_layout
 CASES = [
     (("vision",), "projectors", (1,), 1, "parallel", 1, 2),
     (("vision",), "llm", (2,), 2, "parallel", 1, 4),
-    (("vision", "audio"), "encoder", (2, 1), 2, "parallel", 1, 2),
+    pytest.param((("vision", "audio"), "encoder", (2, 1), 2, "parallel", 1, 2), marks=pytest.mark.ci),
     (("vision", "audio"), "projectors", (1, 1), 3, "parallel", 1, 4),
-    (("vision", "audio"), "llm", (1, 2), 1, "parallel", 2, 2),
-    (("vision", "audio"), "encoder", (2, 2), 1, "colocated", 1, 2),
-    (("vision", "audio"), "llm", (1, 1), 2, "replicated", 2, 2),
+    pytest.param((("vision", "audio"), "llm", (1, 2), 1, "parallel", 2, 2), marks=pytest.mark.ci),
+    pytest.param((("vision", "audio"), "encoder", (2, 2), 1, "colocated", 1, 2), marks=pytest.mark.ci),
+    pytest.param((("vision", "audio"), "llm", (1, 1), 2, "replicated", 2, 2), marks=pytest.mark.ci),
     (("vision", "image2"), "encoder", (1, 1), 2, "replicated", 1, 4),
 ]
 
@@ -75,8 +75,8 @@ def test_bad_specs_fail_before_any_process_group():
 # (modalities, freeze, encoder pp, llm pp, llm cp, placement, dp, microbatches, layout, cp distribution)
 CP_CASES = [
     (("vision",), "llm", (1,), 1, 2, "parallel", 1, 2, "ee", "lpt"),
-    (("vision",), "encoder", (1,), 2, 2, "parallel", 1, 2, "ep", "zigzag"),
-    (("vision", "audio"), "llm", (1, 1), 1, 2, "replicated", 2, 2, "ee", "random"),
+    pytest.param((("vision",), "encoder", (1,), 2, 2, "parallel", 1, 2, "ep", "zigzag"), marks=pytest.mark.ci),
+    pytest.param((("vision", "audio"), "llm", (1, 1), 1, 2, "replicated", 2, 2, "ee", "random"), marks=pytest.mark.ci),
     (("vision",), "llm", (1,), 1, 4, "replicated", 1, 1, "mp", "lpt"),
     (("vision",), "projectors", (1,), 1, 2, "parallel", 1, 1, "mp", "contiguous"),
 ]
@@ -108,7 +108,7 @@ def test_context_parallel_layout_trains_like_one_process(case):
 # (modalities, freeze, encoder pp, llm pp, llm cp, microbatches)
 CHECKPOINT_CASES = [
     (("vision", "audio"), "encoder", (2, 1), 2, 1, 2),
-    (("vision",), "llm", (1,), 1, 2, 2),
+    pytest.param((("vision",), "llm", (1,), 1, 2, 2), marks=pytest.mark.ci),
 ]
 
 
@@ -167,6 +167,7 @@ def _tied_rank(rank, world):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_tied_embeddings_across_llm_stages_train_like_one_process():
     """The first and last LLM stage each hold the tied weight (under the embedding's name) and sum its gradient."""
     from helpers.pipeline_case import global_batches, train_reference

@@ -63,6 +63,7 @@ needs_peak_reset = pytest.mark.skipif(not _can_reset_peak(), reason="/proc/self/
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 @needs_peak_reset
 def test_lazy_build_keeps_every_rank_under_half_the_model(tmp_path):
     ranks = run_memory({"lazy": True}, tmp_path / "lazy")
@@ -106,6 +107,7 @@ def _save_folders(tmp_path) -> tuple[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_folders_loaded_under_the_strategy_validate_like_one_process(tmp_path):
     llm, enc = _save_folders(tmp_path)
     base = {"llm": llm, "encoder": enc}

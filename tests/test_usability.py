@@ -62,6 +62,7 @@ def test_plan_headers_carry_units_and_files_go_under_the_log_dir(tmp_path, monke
 
 # ------------------------------------------------------------------------------------------------ a default run
 @pytest.mark.slow
+@pytest.mark.ci
 def test_defaults_under_the_strategy(tmp_path):
     """PipelineTimeline() with no arguments finishes (it used to hang: the log dir was asked on rank 0 only); the
     whole model's summary is printed once; tokens/s, MFU and per-stage bubbles are logged; loss.png is written."""
