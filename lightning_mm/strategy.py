@@ -1,13 +1,15 @@
 """MultimodalParallelStrategy: modality-parallel pipelines with data parallelism, as a Lightning strategy.
 
 Launch, process groups, samplers and teardown are Lightning's DDP machinery (plain ``python script.py``,
-torchrun, SLURM; NCCL on GPU, gloo on CPU); the model is never wrapped in DDP. Instead each rank keeps only its
-pipeline stage and ``training_step`` runs the whole 1F1B schedule (forward and backward of every microbatch)
-through :class:`PipelineEngine`, so Lightning's own backward is a gradient sync only.
+torchrun, SLURM; NCCL on GPU, gloo on CPU); the model is never wrapped in DDP. The model is built on the meta
+device (``trainer.init_module()``), each rank keeps only its pipeline stage and materialises it, and
+``training_step`` runs the whole 1F1B schedule (forward and backward of every microbatch) through
+:class:`PipelineEngine`, so Lightning's own backward runs its hooks and finishes the gradient reduction.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from contextlib import contextmanager
@@ -30,12 +32,6 @@ from lightning_mm.planner.model_costs import resolve_partition
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 DEFAULT_FAULT_TIMEOUT = 60.0  # seconds: a dead rank ends the others well before DEFAULT_TIMEOUT
-
-
-STRATEGY_ARGUMENTS = ("encoders", "language_model", "num_microbatches", "partition", "encoder_placement",
-                      "cp_distribution", "cp_block_size", "profile", "process_group_backend", "timeout",
-                      "start_method", "save_frozen_parameters", "fault_timeout", "activation_checkpointing",
-                      "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
 
 
 class MultimodalParallelStrategy(DDPStrategy):
@@ -64,9 +60,11 @@ class MultimodalParallelStrategy(DDPStrategy):
                  activation_checkpointing: bool = False, accelerator=None, parallel_devices=None,
                  cluster_environment=None, checkpoint_io=None, precision_plugin=None, **unknown):
         if unknown:
-            raise TypeError(f"MultimodalParallelStrategy got unknown arguments {sorted(unknown)}; it takes "
-                            f"{sorted(STRATEGY_ARGUMENTS)} (DDP's own wrapper options do not apply: the model is "
-                            "pipelined, never wrapped in DistributedDataParallel)")
+            known = [p for p in inspect.signature(MultimodalParallelStrategy.__init__).parameters
+                     if p not in ("self", "unknown")]
+            raise TypeError(f"MultimodalParallelStrategy got unknown arguments {sorted(unknown)}; it takes {known} "
+                            "(DDP's own wrapper options do not apply: the model is pipelined, never wrapped in "
+                            "DistributedDataParallel)")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
