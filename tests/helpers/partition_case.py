@@ -9,6 +9,7 @@ from torch import nn
 import lightning_mm as lmm
 from lightning_mm.model import tiny_encoder, tiny_language_model
 from lightning_mm.parallel.engine import PipelineEngine
+from lightning_mm.planner.model_costs import resolve_partition
 from lightning_mm.plan.layout import ParallelSpec, build_layout
 from helpers.pipeline_case import global_batches, train_engine, train_reference
 
@@ -31,7 +32,7 @@ def run_rank(rank, world, partition, vision_pp, llm_pp, microbatches, steps, row
     batches = global_batches(model, steps, rows)
     layout = build_layout({"vision": ParallelSpec(pp=vision_pp)}, ParallelSpec(pp=llm_pp), world, "parallel",
                           ["vision"])
-    engine = PipelineEngine(model, layout, rank, microbatches, partition)
+    engine = PipelineEngine(model, layout, rank, microbatches, resolve_partition(model, layout.module_stages, partition))
     losses, owned = train_engine(engine, model, batches, lr)
     return losses, owned, {s: (p.encoders["vision"].end - p.encoders["vision"].start) for s, p in engine.plans.items()
                            if "vision" in p.encoders}
