@@ -19,7 +19,7 @@ from pathlib import Path
 from lightning_mm.plan.schedule import LANGUAGE_MODEL
 from lightning_mm.planner.costs import save_profile
 from lightning_mm.planner.model_costs import model_layer_costs, model_memory, profile_model
-from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan, search
+from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan, search, stage_layers
 from lightning_mm.planner.simulator import chrome_trace, timeline_png
 
 
@@ -119,17 +119,8 @@ GIB = 2 ** 30
 def stage_table(plan: Plan, title: str, units: Units) -> str:
     """Per stage: layers, forward and backward per microbatch, busy time, bubble, peak in-flight microbatches,
     memory (and the gradient all-reduce when it is costed), every number with its unit; then the iteration."""
-    from lightning_mm.plan.placement import placement_table
-
     r, u = plan.result, units.name
-    ranges = {}
-    for module, sizes in plan.layers.items():
-        start = 0
-        for i, size in enumerate(sizes):
-            ranges[(module, i)] = f"{module}[{start}:{start + size}]"
-            start += size
-    held = placement_table({m: len(s) for m, s in plan.layers.items() if m != LANGUAGE_MODEL},
-                           len(plan.layers[LANGUAGE_MODEL]), plan.placement)
+    held = stage_layers(plan)
     sync = {s: sum(e.end - e.start for e in r.events if e.stage == s and e.kind == "sync") for s in r.stages}
     cols = [f"forward ({u})", f"backward ({u})", f"busy ({u})", "bubble", "in flight", "memory (GiB)"]
     if any(sync.values()):
@@ -143,8 +134,7 @@ def stage_table(plan: Plan, title: str, units: Units) -> str:
                   f"{r.bubble_fraction[stage]:.1%}", f"{r.peak_inflight[stage]:d}", f"{plan.memory[stage] / GIB:.3g}"]
         if len(cols) > len(values):
             values.append(f"{sync[stage] * f:.4g}")
-        layers = "+".join(ranges[part] for part in held[stage])
-        lines.append(f"{stage:<20} {layers:<34} " + " ".join(f"{v:>{w}}" for v, w in zip(values, widths)))
+        lines.append(f"{stage:<20} {held[stage]:<34} " + " ".join(f"{v:>{w}}" for v, w in zip(values, widths)))
     what = "predicted iteration time" if units.is_time else "predicted iteration (critical-path work per device)"
     lines.append(f"{what} {plan.iteration_time * f:.4g} {u} on {plan.devices} devices "
                  f"({'fits' if plan.fits_memory else 'EXCEEDS'} memory)")

@@ -380,25 +380,30 @@ def search(
     return SearchResult(best, candidates)
 
 
+def stage_layers(plan: Plan) -> dict[str, str]:
+    """Per stage, the layer ranges it holds, e.g. ``"language_model[0:3]+vision[0:12]"``."""
+    ranges = {}
+    for module, sizes in plan.layers.items():
+        start = 0
+        for i, size in enumerate(sizes):
+            ranges[(module, i)] = f"{module}[{start}:{start + size}]"
+            start += size
+    table = placement_table({m: len(s) for m, s in plan.layers.items() if m != LANGUAGE_MODEL},
+                            len(plan.layers[LANGUAGE_MODEL]), plan.placement)
+    return {stage: "+".join(ranges[part] for part in parts) for stage, parts in table.items()}
+
+
 def plan_summary(plan: Plan, title: str | None = None) -> str:
     """A printable table: per stage its layers, forward + backward, busy, bubble and peak memory, then the
     predicted iteration time (what `lightning-mm plan` prints)."""
     r = plan.result
     lines = [title or f"placement={plan.placement}  dp={plan.dp}  microbatches/replica={plan.microbatches_per_replica}"]
-    layer_ranges = {}
-    for module, sizes in plan.layers.items():
-        start = 0
-        for i, size in enumerate(sizes):
-            layer_ranges[(module, i)] = f"{module}[{start}:{start + size}]"
-            start += size
+    held = stage_layers(plan)
     header = f"{'stage':<20} {'layers':<34} {'forward':>10} {'backward':>10} {'busy':>10} {'bubble':>7} {'inflight':>8} {'memory':>10}"
     lines += [header, "-" * len(header)]
-    table = placement_table({m: len(s) for m, s in plan.layers.items() if m != LANGUAGE_MODEL},
-                            len(plan.layers[LANGUAGE_MODEL]), plan.placement)
     for stage in r.stages:
-        held = [layer_ranges[part] for part in table[stage]]
         lines.append(
-            f"{stage:<20} {'+'.join(held):<34} {plan.forward[stage]:>10.4g} {plan.backward[stage]:>10.4g} "
+            f"{stage:<20} {held[stage]:<34} {plan.forward[stage]:>10.4g} {plan.backward[stage]:>10.4g} "
             f"{r.busy[stage]:>10.4g} {r.bubble_fraction[stage]:>7.1%} {r.peak_inflight[stage]:>8d} {plan.memory[stage]:>10.3g}"
         )
     lines.append(f"predicted iteration time {plan.iteration_time:.4g} on {plan.devices} devices ({'fits' if plan.fits_memory else 'EXCEEDS'} memory)")
