@@ -63,7 +63,6 @@ needs_peak_reset = pytest.mark.skipif(not _can_reset_peak(), reason="/proc/self/
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 @needs_peak_reset
 def test_lazy_build_keeps_every_rank_under_half_the_model(tmp_path):
     ranks = run_memory({"lazy": True}, tmp_path / "lazy")
