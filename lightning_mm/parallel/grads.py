@@ -55,10 +55,8 @@ class GradientReducer:
             self._launch(len(self.launched))
 
     def _launch(self, b: int) -> None:
-        grads = [self.params[i].grad for i in self.buckets[b]]
-        ref = self.params[self.buckets[b][0]]
-        flat = torch.cat([(g if g is not None else torch.zeros_like(self.params[i])).reshape(-1)
-                          for g, i in zip(grads, self.buckets[b])]) if grads else ref.new_zeros(0)
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in (self.params[i] for i in self.buckets[b])])  # buckets are never empty
         self.launched.append((b, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
 
     def finish(self) -> None:
