@@ -148,11 +148,12 @@ def main_thread_stack(limit: int = 8) -> str:
 
 
 def rank_labels(layout) -> dict[int, str]:
-    """``{rank: "stage S"}`` (with dp / cp coordinates where those are > 1) from a RankLayout."""
+    """``{rank: "stage S"}`` (with dp / cp / tp coordinates where those are > 1) from a RankLayout."""
     out = {}
     for r in range(layout.world_size):
         c = layout.coordinate(r)
-        extra = ([f"dp {c.dp}"] if layout.dp > 1 else []) + ([f"cp {c.cp}"] if layout.widths[c.stage] > 1 else [])
+        extra = ([f"dp {c.dp}"] if layout.dp > 1 else []) + ([f"cp {c.cp}"] if layout.cp[c.stage] > 1 else []) + (
+            [f"tp {c.tp}"] if layout.tp[c.stage] > 1 else [])
         out[r] = f"stage {c.stage}" + (f", {', '.join(extra)}" if extra else "")
     return out
 

@@ -27,6 +27,8 @@ from lightning_mm.faults import FaultWatchdog, is_peer_loss, rank_labels
 from lightning_mm.model.loading import materialise
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.parallel.engine import PipelineEngine, check_same_batch
+from lightning_mm.parallel.sharding import SHARDING_STRATEGIES
+from lightning_mm.parallel.tensor_parallel import check_tensor_parallel
 from lightning_mm.plan.layout import ParallelSpec, RankLayout, build_layout
 from lightning_mm.planner.model_costs import resolve_partition
 
@@ -57,7 +59,8 @@ class MultimodalParallelStrategy(DDPStrategy):
                  profile: str | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = DEFAULT_TIMEOUT, start_method: str = "popen",
                  save_frozen_parameters: bool = False, fault_timeout: float | None = DEFAULT_FAULT_TIMEOUT,
-                 activation_checkpointing: bool = False, accelerator=None, parallel_devices=None,
+                 activation_checkpointing: bool = False, sharding_strategy: str = "NO_SHARD", accelerator=None,
+                 parallel_devices=None,
                  cluster_environment=None, checkpoint_io=None, precision_plugin=None, **unknown):
         if unknown:
             known = [p for p in inspect.signature(MultimodalParallelStrategy.__init__).parameters
@@ -80,6 +83,10 @@ class MultimodalParallelStrategy(DDPStrategy):
             self.partition = planner_request(partition, profile)
         self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
         self.activation_checkpointing = bool(activation_checkpointing)
+        if sharding_strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}; use one of {SHARDING_STRATEGIES} "
+                             "(the names of Lightning's FSDPStrategy)")
+        self.sharding_strategy = sharding_strategy
         self.layout: RankLayout | None = None
         self.engine: PipelineEngine | None = None
         if fault_timeout is not None and fault_timeout <= 0:
@@ -115,7 +122,9 @@ class MultimodalParallelStrategy(DDPStrategy):
                                "ParallelSpecs apply from 2 devices on")
             return build_layout({e: ParallelSpec() for e in specs}, ParallelSpec(), 1, "replicated",
                                 list(model.encoders))
-        return build_layout(specs, self.language_model_spec, world, self.encoder_placement, list(model.encoders))
+        layout = build_layout(specs, self.language_model_spec, world, self.encoder_placement, list(model.encoders))
+        check_tensor_parallel(model, {e: s.tp for e, s in specs.items()}, self.language_model_spec.tp)
+        return layout
 
     def setup_environment(self) -> None:
         self.layout = self.plan_layout()
@@ -289,7 +298,7 @@ class MultimodalParallelStrategy(DDPStrategy):
             groups.append(state["param_groups"])
         tensors.update(ckpt.rng_tensors(self.global_rank))
         meta = ckpt.plain({**checkpoint, "optimizer_param_groups": groups})
-        layout = {"stages": self.layout.stages, "widths": self.layout.widths, "dp": self.layout.dp,
+        layout = {"stages": self.layout.stages, "cp": self.layout.cp, "tp": self.layout.tp, "dp": self.layout.dp,
                   "placement": self.layout.placement,
                   "module_stages": self.layout.module_stages, "world_size": self.world_size,
                   "parameters": self.model_fingerprint, "trainable": self.trainable_names,
@@ -319,7 +328,7 @@ class MultimodalParallelStrategy(DDPStrategy):
                            "the values the model was built with")
         target.update(ckpt.optimizer_targets(md, self.optimizers, names))
         same_ranks = (layout["world_size"] == self.world_size and layout["stages"] == self.layout.stages
-                      and layout.get("widths", self.layout.widths) == self.layout.widths)  # cp ranks per stage
+                      and layout.get("cp") == self.layout.cp and layout.get("tp") == self.layout.tp)
         rng = {k: ckpt.empty_like_entry(md, k) for k in md.state_dict_metadata
                if same_ranks and k.startswith(f"rng/{self.global_rank}/")}
         if not same_ranks:

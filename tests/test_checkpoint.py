@@ -34,16 +34,16 @@ def test_resume_is_bit_exact():
     assert resumed == ref["pp2"][3:], "losses after resuming differ from the uninterrupted run"
 
 
-def _continue_elsewhere(ref: dict, there: str, then: str, widths: dict | None = None) -> None:
+def _continue_elsewhere(ref: dict, there: str, then: str, cp: dict | None = None) -> None:
     """The pp2 step-3 checkpoint continued on layout ``there`` (saving at step 5), whose step-5 checkpoint is
     continued on layout ``then``: every step equals the uninterrupted pp2 run."""
     d = ref["dir"]
     losses = run_case({"layout": there, "steps": 6, "out": f"{d}/{there}.json", "resume": ref["ckpt3"],
                        "ckpt_dir": f"{d}/{there}", "save_every": 5})
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["pp2"][3:]), rtol=1e-5, atol=1e-6)
-    if widths is not None:
+    if cp is not None:
         written = ckpt.read_layout(f"{d}/{there}/step=5.ckpt")
-        assert written["widths"] == widths, written["widths"]
+        assert written["cp"] == cp, written["cp"]
     losses = run_case({"layout": then, "steps": 6, "out": f"{d}/{there}_then_{then}.json",
                        "resume": f"{d}/{there}/step=5.ckpt"})
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["pp2"][5:]), rtol=1e-5, atol=1e-6)
@@ -52,6 +52,13 @@ def _continue_elsewhere(ref: dict, there: str, then: str, widths: dict | None = 
 @pytest.mark.slow
 def test_reshard_pp2dp1_to_pp1dp2_and_back():
     _continue_elsewhere(reference(), "dp2", "pp2")
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_reshard_to_tensor_parallel_and_back():
+    """pp2 -> vision + LLM tp2 (3 ranks, DTensor parameters and optimiser state) -> pp2."""
+    _continue_elsewhere(reference(), "tp2", "pp2", {"vision.0": 1, "language_model.0": 1})
 
 
 @pytest.mark.slow

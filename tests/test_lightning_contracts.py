@@ -8,13 +8,12 @@ processes, consolidate on rank 0 right after fit, lazy (meta) builds materialise
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import lightning_mm as lmm
+from tests.helpers.launch import run_script
 
 CASE = os.path.join(os.path.dirname(__file__), "helpers", "trainer_case.py")
 
@@ -22,10 +21,7 @@ CASE = os.path.join(os.path.dirname(__file__), "helpers", "trainer_case.py")
 def run(case: dict, tmp_path, name: str):
     out = tmp_path / name
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, CASE, json.dumps(case), str(out)], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=out)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_script(CASE, json.dumps(case), str(out), cwd=out)
     params = {}
     for f in out.glob("params_*.pt"):
         for n, p in torch.load(f, weights_only=True).items():

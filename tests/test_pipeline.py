@@ -57,8 +57,6 @@ def test_bad_specs_fail_before_any_process_group():
         build_layout(vis, ParallelSpec(), 2, model_encoders=["vision", "audio"])
     with pytest.raises(ValueError, match="unknown modules"):
         build_layout({"video": ParallelSpec()}, ParallelSpec(), 2, model_encoders=["vision"])
-    with pytest.raises(ValueError, match="tensor parallelism is not yet supported"):
-        ParallelSpec(tp=2)
     with pytest.raises(ValueError, match="same pp"):
         build_layout({"a": ParallelSpec(pp=1), "b": ParallelSpec(pp=2)}, ParallelSpec(), 4, "colocated")
     from helpers.pipeline_case import build_model

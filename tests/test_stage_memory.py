@@ -20,22 +20,18 @@ Lightning gets from the same folders loaded eagerly (tests/helpers/folder_case.p
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
+from tests.helpers.launch import run_script
 
 HELPERS = os.path.join(os.path.dirname(__file__), "helpers")
 MiB = 2 ** 20
 
 
-def _run(script: str, case: dict, out, timeout: float = 600) -> subprocess.CompletedProcess:
+def _run(script: str, case: dict, out, timeout: float = 420):
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(HELPERS, script), json.dumps(case), str(out)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=out)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+    return run_script(os.path.join(HELPERS, script), json.dumps(case), str(out), cwd=out, timeout=timeout)
 
 
 def _can_reset_peak() -> bool:

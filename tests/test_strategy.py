@@ -2,24 +2,20 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import lightning_mm as lmm
 from lightning_mm.checkpoint import consolidate
+from tests.helpers.launch import run_script
 
 CASE = os.path.join(os.path.dirname(__file__), "helpers", "lightning_case.py")
 
 
 def run(mode, tmp_path, accumulate=1):
     out, ckpt = tmp_path / f"{mode}{accumulate}.json", tmp_path / f"{mode}{accumulate}.ckpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, CASE, mode, str(out), str(ckpt), str(accumulate)], capture_output=True,
-                          text=True, timeout=400, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_script(CASE, mode, str(out), str(ckpt), str(accumulate), cwd=tmp_path, timeout=400)
     return json.loads(out.read_text()), ckpt
 
 

@@ -124,6 +124,10 @@ class EncoderFamily:
     folder_model_types: dict[str, str | None] = {}
     input_key = "pixel_values"
     embed_modules: tuple[str, ...] = ("embeddings",)  # run by ``embed``; every other non-layer part by ``final``
+    # tensor parallelism (``lightning_mm.parallel.tensor_parallel``): HF plan names per module path inside one
+    # layer (empty: no plan, tp must be 1), and attributes holding a head count the layer reshapes by
+    tp_plan: dict[str, str] = {}
+    tp_head_attrs: tuple[str, ...] = ()
 
     def hf_class(self):
         import importlib
@@ -178,6 +182,10 @@ class EncoderFamily:
         raise NotImplementedError
 
 
+ATTENTION_MLP_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                         "self_attn.out_proj": "rowwise"}
+
+
 class _ViTFamily(EncoderFamily):
     """Square-patch ViTs (CLIP, SigLIP, Dinov2): tokens = (H/p)(W/p) (+1 class token)."""
 
@@ -195,6 +203,7 @@ class _ViTFamily(EncoderFamily):
 
 class ClipFamily(_ViTFamily):
     name, class_names, class_token = "CLIP", ("CLIPVisionModel",), 1
+    tp_plan = {**ATTENTION_MLP_TP_PLAN, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
     folder_model_types = {"clip_vision_model": None, "clip": "vision_config"}
     embed_modules = ("embeddings", "pre_layrnorm")
 
@@ -214,6 +223,7 @@ class ClipFamily(_ViTFamily):
 
 class SiglipFamily(_ViTFamily):
     name, class_names = "SigLIP", ("SiglipVisionModel",)
+    tp_plan = {**ATTENTION_MLP_TP_PLAN, "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
     folder_model_types = {"siglip_vision_model": None, "siglip": "vision_config"}
 
     def embed(self, enc, inputs):
@@ -327,6 +337,7 @@ class _WhisperLikeFamily(EncoderFamily):
 
     input_key = "input_features"
     embed_modules = ("conv1", "conv2", "embed_positions")
+    tp_plan = {**ATTENTION_MLP_TP_PLAN, "fc1": "colwise", "fc2": "rowwise"}
 
     def output_dim(self, enc):
         return enc.config.d_model
@@ -381,6 +392,7 @@ class WhisperFamily(_WhisperLikeFamily):
 
 class Qwen2AudioFamily(_WhisperLikeFamily):
     name, class_names = "Qwen2-Audio encoder", ("Qwen2AudioEncoder",)
+    tp_head_attrs = ("self_attn.num_heads",)
     folder_model_types = {"qwen2_audio_encoder": None, "qwen2_audio": "audio_config"}
 
     def num_tokens(self, config, inputs):

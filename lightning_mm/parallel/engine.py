@@ -21,14 +21,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mm import loss as losses
 from lightning_mm.data.microbatch import split_microbatches
 from lightning_mm.parallel.comm import StageComm
 from lightning_mm.parallel.context import pad_for_context_parallel, token_index
-from lightning_mm.parallel.grads import GradientReducer, clip_, global_grad_norm
+from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
 from lightning_mm.parallel.stages import owned_parameters, prune, tied_embedding_stages
+from lightning_mm.parallel.tensor_parallel import apply_tp
 from lightning_mm.plan.layout import RankLayout
 from lightning_mm.plan.schedule import (LANGUAGE_MODEL, build_stage_graph, check_rendezvous, check_schedule,
                                         communication_groups, one_f_one_b)
@@ -48,10 +51,11 @@ def module_meshes(layout: RankLayout, device_type: str) -> dict[str, DeviceMesh]
 class ProcessGroups:
     """The groups a rank needs, created in the same order on every rank (as ``new_group`` requires).
 
-    ``mesh``: the DeviceMesh of this rank's module chain; ``dp`` / ``cp`` are its dims' groups (None when of size
-    1). ``grad``: every rank holding this stage's parameters (replicas x CP ranks); ``replica``: every rank of this
-    replica; ``headers``: a gloo group over every rank for message headers; ``tie``: the LLM's first and last
-    stage of this replica when they share tied embeddings."""
+    ``mesh``: the DeviceMesh of this rank's module chain; ``dp`` / ``cp`` / ``tp`` are its dims' groups (None when
+    of size 1), ``tp_mesh`` the 1-D tp mesh DTensor takes. ``grad``: every rank holding this rank's parameter shards
+    (replicas x CP ranks of the same tp rank); ``replica``: every rank of this replica; ``headers``: a gloo group
+    over every rank for message headers; ``tie``: the LLM's first and last stage of this replica (same cp and tp
+    rank) when they share tied embeddings."""
 
     def __init__(self, layout: RankLayout, rank: int, tie_stages: tuple[str, str] | None = None,
                  device_type: str = "cpu"):
@@ -59,13 +63,16 @@ class ProcessGroups:
         self.meshes = module_meshes(layout, device_type)
         self.mesh = self.meshes[coord.stage.rsplit(".", 1)[0]]
         self.dp = self.mesh["dp"].get_group() if layout.dp > 1 else None
-        self.cp = self.mesh["cp"].get_group() if layout.widths[coord.stage] > 1 else None
+        self.cp = self.mesh["cp"].get_group() if layout.cp[coord.stage] > 1 else None
+        self.tp_mesh = self.mesh["tp"] if layout.tp[coord.stage] > 1 else None
+        self.tp = self.tp_mesh.get_group() if self.tp_mesh is not None else None
         self.grad, self.grad_size = None, 1
         for stage in layout.stages:
-            ranks = layout.grad_group_ranks(stage)
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if stage == coord.stage:
-                self.grad, self.grad_size = group, len(ranks)
+            for t in range(layout.tp[stage]):
+                ranks = layout.grad_group_ranks(stage, t)
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if stage == coord.stage and t == coord.tp:
+                    self.grad, self.grad_size = group, len(ranks)
         self.headers = dist.new_group(backend="gloo")  # host-side message headers (comm.py)
         self.replica = None
         for d in range(layout.dp):
@@ -76,10 +83,11 @@ class ProcessGroups:
         if tie_stages is not None:
             first, last = tie_stages
             for d in range(layout.dp):
-                for c in range(layout.widths[first]):
-                    group = dist.new_group([layout.rank(first, d, c), layout.rank(last, d, c)])
-                    if coord.stage in tie_stages and (coord.dp, coord.cp) == (d, c):
-                        self.tie = group
+                for c in range(layout.cp[first]):
+                    for t in range(layout.tp[first]):
+                        group = dist.new_group([layout.rank(first, d, c, t), layout.rank(last, d, c, t)])
+                        if coord.stage in tie_stages and (coord.dp, coord.cp, coord.tp) == (d, c, t):
+                            self.tie = group
 
 
 class PipelineEngine:
@@ -133,25 +141,28 @@ class PipelineEngine:
             embed = model.lm_family.embed_tokens(model.language_model).weight
             self.owned |= {n for n, p in model.named_parameters(remove_duplicate=False) if p is embed}
         prune(model, self.owned)
+        first = next(model.parameters(), None)
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cpu") if first is None or first.is_meta else first.device)
+        self.cp_size = layout.cp[self.stage]
+        self.groups = ProcessGroups(layout, rank, self.tie_stages, self.device.type)
+        self.tp_allreduce = apply_tp(model, self.plan, self.tp_meshes())
+        self.vocab_parallel = self.groups.tp_mesh is not None and self.plan.language_model is not None
         if materialise is not None:
             materialise(model)
-        self.device = torch.device(device) if device is not None else next(
-            (p.device for p in model.parameters()), torch.device("cpu"))
-        self.cp_size = layout.widths[self.stage]
-        self.llm_cp = max(layout.widths.values())
-        self.groups = ProcessGroups(layout, rank, self.tie_stages, self.device.type)
         self.comm = StageComm(self.device, self.groups.headers)
         self.reducer = GradientReducer(self.trainable_parameters(), self.groups.grad, bucket_mb)
         self.timings: list[tuple[str, int, float, float]] = []  # (kind, microbatch, start, end) of the last step
 
     # ------------------------------------------------------------------ helpers
-    def peer_ranks(self, stage: str) -> list[int]:
-        """Ranks of a neighbouring stage this rank exchanges with: the same CP rank between LLM stages, every
-        CP rank of the LLM's first stage for an encoder, the encoder's one rank for a CP rank."""
-        width, own = self.layout.widths[stage], self.cp_size
-        if width == own:
-            return [self.layout.rank(stage, self.coord.dp, self.coord.cp)]
-        return self.layout.stage_ranks(stage, self.coord.dp) if own == 1 else [self.layout.rank(stage, self.coord.dp)]
+    def tp_meshes(self) -> dict[str, object]:
+        """The tp mesh of each module this stage runs with tensor parallelism (an encoder inside an LLM stage
+        with tp 1 runs whole on every tp rank)."""
+        mesh = self.groups.tp_mesh
+        if mesh is None:
+            return {}
+        modules = ([LANGUAGE_MODEL] if self.plan.language_model is not None else []) + list(self.plan.encoders)
+        return {m: mesh for m in modules if self.layout.module_tp.get(m, 1) > 1}
 
     def cp_owners(self, mbs: list[dict]) -> list[torch.Tensor] | None:
         """Each microbatch's CP distribution as the owning rank of every block, made once at the LLM's first stage;
@@ -172,7 +183,7 @@ class PipelineEngine:
     def forward_keys(self, stage: str) -> list[str]:
         """Keys of the activation message a stage sends (gradients come back for ``plans[stage].output_keys``)."""
         plan = self.plans[stage]
-        cp = plan.language_model is not None and self.layout.widths[stage] > 1
+        cp = plan.language_model is not None and self.layout.cp[stage] > 1
         return plan.output_keys + (["cp_owner"] if cp else [])
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -224,8 +235,15 @@ class PipelineEngine:
         if not sl.head:
             return {"hidden": hidden} if owner is None else {"hidden": hidden, "cp_owner": owner}
         logits = model.logits(hidden)
-        loss_sum = losses.token_loss_sum(logits, local(targets))
+        with self.loss_context():
+            loss_sum = losses.token_loss_sum(logits, local(targets))
+        if isinstance(loss_sum, DTensor):  # vocab-parallel: replicated over tp
+            loss_sum = loss_sum.to_local()
         return {"loss_sum": loss_sum, "loss": losses.normalise(loss_sum, num_label_tokens), "logits": (logits, index)}
+
+    def loss_context(self):
+        """DTensor's ``loss_parallel`` around the loss and its backward when the head's logits are vocab-sharded."""
+        return loss_parallel() if self.vocab_parallel else contextlib.nullcontext()
 
     def _token_index(self, owner: torch.Tensor, seq_len: int) -> torch.Tensor:
         """Global indices of this CP rank's tokens."""
@@ -274,7 +292,8 @@ class PipelineEngine:
                     loss_sum = loss_sum + out["loss_sum"].detach()
                     logits, index = out.pop("logits")
                     if keep_logits:
-                        self.logits.append((logits.detach(), index))
+                        logits = logits.detach()
+                        self.logits.append((logits.full_tensor() if isinstance(logits, DTensor) else logits, index))
                 outputs[m] = out
                 if not needs_grad:
                     received.pop(m, None)
@@ -293,6 +312,8 @@ class PipelineEngine:
             self.timings += [(a.kind, a.microbatch, t0, t1 if i == 0 else t0) for i, a in enumerate(group)]
             at += len(group)
         self.comm.wait_all()
+        if self.coord.tp:  # tensor-parallel ranks of the head hold the same loss: count it once
+            loss_sum.zero_()
         dist.all_reduce(loss_sum)
         return losses.normalise(loss_sum, count[0])
 
@@ -324,26 +345,29 @@ class PipelineEngine:
         self.logits = []
         if self.groups.replica is not None:
             last = self.layout.stages[-1]
-            dist.broadcast(ids, self.layout.rank(last, self.coord.dp, 0), group=self.groups.replica)
+            dist.broadcast(ids, self.layout.rank(last, self.coord.dp), group=self.groups.replica)
         return {"logits": logits, "predicted_ids": ids}
 
     def _communicate(self, group, outputs, received, input_grads, needs_grad) -> None:
         """Post one group of sends and receives together (``comm.StageComm.exchange``) and file the results."""
         sends, recvs, targets = [], [], []
+        me, d = self.rank, self.coord.dp
         for a in group:
             m = a.microbatch
             if a.kind == "send_fwd":
-                sends += [(outputs[m], self.forward_keys(self.stage), dst) for dst in self.peer_ranks(a.peer)]
+                sends += [(outputs[m], self.forward_keys(self.stage), dst)
+                          for dst, src in self.layout.activation_sources(self.stage, a.peer, d).items() if src == me]
                 if not needs_grad:
                     outputs.pop(m)
             elif a.kind == "send_bwd":
-                sends.append((input_grads.pop((a.peer, m)), self.plans[a.peer].output_keys,
-                              self.peer_ranks(a.peer)[0]))
+                grads = input_grads.pop((a.peer, m))
+                sends += [(grads, self.plans[a.peer].output_keys, dst)
+                          for dst, srcs in self.layout.gradient_sources(a.peer, self.stage, d).items() if me in srcs]
             elif a.kind == "recv_fwd":
-                recvs.append((self.forward_keys(a.peer), self.peer_ranks(a.peer)[0]))
+                recvs.append((self.forward_keys(a.peer), self.layout.activation_sources(a.peer, self.stage, d)[me]))
                 targets.append(a)
-            else:  # recv_bwd: one gradient per peer rank (every CP rank of the LLM's first stage), summed
-                peers = self.peer_ranks(a.peer)
+            else:  # recv_bwd: one gradient per CP shard of the peer (every CP rank of the LLM's first stage), summed
+                peers = self.layout.gradient_sources(self.stage, a.peer, d)[me]
                 recvs += [(self.plan.output_keys, src) for src in peers]
                 targets += [a] * len(peers)
         got = self.comm.exchange(sends, recvs)
@@ -362,7 +386,8 @@ class PipelineEngine:
     def _backward(self, out: dict, grads: dict | None, loss_scale: float) -> None:
         if "loss" in out:
             if out["loss"].requires_grad:
-                self.loss_backward(out["loss"] * loss_scale)
+                with self.loss_context():
+                    self.loss_backward(out["loss"] * loss_scale)
             return
         pairs = [(t, grads[k]) for k, t in out.items() if t.requires_grad]
         if pairs:
@@ -370,18 +395,23 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ gradients
     def sync_gradients(self) -> None:
-        """Finish summing gradients over every rank holding the same parameters (replicas, CP ranks) and, with
-        tied embeddings over LLM stages, over the first and last stage."""
+        """Finish summing gradients over every rank holding the same parameters (replicas, CP ranks), over the
+        LLM's first and last stage for tied embeddings across a pipeline, and over tp for the parameters a
+        tensor-parallel plan keeps whole but feeds per-head inputs (``replicated_with_grad_allreduce``)."""
         self.reducer.finish()
-        if self.groups.tie is not None:
-            sync_tied_gradients(self.model, self.groups.tie)
+        weight = tied_weight(self.model) if self.groups.tie is not None else None
+        if weight is not None and weight.requires_grad:  # both ends hold it under the embedding's name
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            all_reduce_grads([weight], self.groups.tie)
+        all_reduce_grads([p for p in self.tp_allreduce if p.requires_grad], self.groups.tp)
 
     def global_grad_norm(self) -> torch.Tensor:
         """L2 norm of all trainable gradients of the whole model (every stage, counted once)."""
         params = self.trainable_parameters()
         if self.tie_stages and self.stage == self.tie_stages[1]:  # the tied weight counts at the first stage
             params = [p for p in params if p is not self.model.language_model.lm_head.weight]
-        return global_grad_norm(params, self.groups.grad_size, self.device)
+        return global_grad_norm(params, self.groups.grad_size * self.layout.tp[self.stage], self.device)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         norm = self.global_grad_norm()
@@ -426,12 +456,8 @@ def check_same_batch(batch: dict, group) -> None:
                            "index), as Lightning's default sampler does, and the same seed on every rank")
 
 
-def sync_tied_gradients(model, group) -> None:
-    """Sum the tied embedding's gradient between the LLM's first and last stage (Megatron's embedding group)."""
+def tied_weight(model) -> torch.nn.Parameter:
+    """The input/output embedding a tied LLM's first and last pipeline stage both hold."""
     lm = model.language_model
-    weight = lm.lm_head.weight if not isinstance(lm.lm_head, torch.nn.Identity) else \
+    return lm.lm_head.weight if not isinstance(lm.lm_head, torch.nn.Identity) else \
         model.lm_family.embed_tokens(lm).weight
-    if weight.requires_grad:  # both stages hold it under the embedding's name: checkpoints store it once
-        grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-        dist.all_reduce(grad, group=group)
-        weight.grad = grad

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_mm.faults import waiting
+from lightning_mm.parallel.tensor_parallel import local, shards
 
 
 class GradientReducer:
@@ -24,7 +26,7 @@ class GradientReducer:
         limit, size, bucket = bucket_mb * 2**20, 0, []
         for i in reversed(range(len(params))):
             bucket.append(i)
-            size += params[i].numel() * params[i].element_size()
+            size += local(params[i]).numel() * params[i].element_size()
             if size >= limit:
                 self.buckets.append(bucket)
                 bucket, size = [], 0
@@ -55,7 +57,7 @@ class GradientReducer:
             self._launch(len(self.launched))
 
     def _launch(self, b: int) -> None:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+        flat = torch.cat([local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in (self.params[i] for i in self.buckets[b])])  # buckets are never empty
         self.launched.append((b, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
 
@@ -76,12 +78,14 @@ class GradientReducer:
             at = 0
             for i in self.buckets[b]:
                 p = self.params[i]
-                part = flat[at:at + p.numel()].view_as(p)
-                at += p.numel()
+                shard = local(p)
+                part = flat[at:at + shard.numel()].view_as(shard)
+                at += shard.numel()
                 if p.grad is None:
-                    p.grad = part.clone()
+                    p.grad = part.clone() if shard is p else DTensor.from_local(
+                        part.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
                 else:
-                    p.grad.copy_(part)
+                    local(p.grad).copy_(part)
         for p, u in zip(self.params, used.tolist()):
             if not u:
                 p.grad = None
@@ -90,15 +94,29 @@ class GradientReducer:
 
 
 def global_grad_norm(params: list[torch.nn.Parameter], copies: int, device) -> torch.Tensor:
-    """L2 norm of every trainable gradient of the whole model; ``copies`` ranks hold each of this rank's
-    parameters (replicas x CP ranks), so their squares are divided by it before the world all-reduce."""
+    """L2 norm of every trainable gradient of the whole model. ``copies`` ranks hold each of this rank's
+    parameters whole (replicas x CP ranks x tp ranks); a tensor-parallel or sharded DTensor is held by that many
+    divided by its number of shards. Each rank's squares are divided by their holders before the world all-reduce."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         if p.grad is not None:
-            sq += p.grad.detach().double().pow(2).sum()
-    sq /= copies
+            sq += local(p.grad).detach().double().pow(2).sum() * (shards(p) / copies)
     dist.all_reduce(sq)
     return sq.sqrt()
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
+    """Sum gradients over ``group`` (tied weights between stages; per-head norms under tensor parallelism)."""
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    if group is None or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    with waiting("gradient all-reduce", group=group):
+        dist.all_reduce(flat, group=group)
+    at = 0
+    for g in grads:
+        g.copy_(flat[at:at + g.numel()].view_as(g))
+        at += g.numel()
 
 
 def clip_(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
@@ -106,4 +124,4 @@ def clip_(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+            local(p.grad).mul_(coef.to(p.grad.dtype))

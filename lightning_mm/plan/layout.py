@@ -1,9 +1,9 @@
 """ParallelSpec and the rank layout: the one place that says which rank runs what.
 
-A replica (one data-parallel copy of the whole pipeline DAG) holds ``sum(stage ranks)`` consecutive ranks:
-encoder stages first (in ``encoders`` order), then the LLM stages; an LLM stage spans ``cp`` ranks. Replica
-``d`` starts at rank ``d * ranks_per_replica``. Every rank therefore has one coordinate
-(stage, dp, cp). Pure: no process group, so every check runs before one is created.
+A replica (one data-parallel copy of the whole pipeline DAG) holds ``sum(stage widths)`` consecutive ranks:
+encoder stages first (in ``encoders`` order), then the LLM stages. An encoder stage spans ``tp`` ranks, an LLM
+stage ``cp x tp`` ranks (cp-major). Replica ``d`` starts at rank ``d * ranks_per_replica``. Every rank therefore
+has one coordinate (stage, dp, cp, tp). Pure: no process group, so every check runs before one is created.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ class ParallelSpec:
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"ParallelSpec.{k} must be an int >= 1, got {v!r}")
-        if self.tp > 1:
-            raise ValueError("ParallelSpec(tp>1): tensor parallelism is not yet supported; use tp=1")
 
     @property
     def size(self) -> int:
@@ -39,17 +37,25 @@ class Coordinate:
     stage: str
     dp: int
     cp: int
+    tp: int = 0
 
 
 @dataclass
 class RankLayout:
-    """Stages of one replica, in order, with their widths (cp), and the derived data-parallel size."""
+    """Stages of one replica, in order, with their context- and tensor-parallel sizes, and the derived
+    data-parallel size. ``widths[stage] = cp[stage] * tp[stage]`` ranks."""
 
     stages: list[str]
-    widths: dict[str, int]
+    cp: dict[str, int]
+    tp: dict[str, int]
     dp: int
     placement: str
     module_stages: dict[str, int] = field(default_factory=dict)  # pp per module (encoders and language_model)
+    module_tp: dict[str, int] = field(default_factory=dict)  # tp per module (encoders in an LLM stage: 1 or its tp)
+
+    @property
+    def widths(self) -> dict[str, int]:
+        return {s: self.cp[s] * self.tp[s] for s in self.stages}
 
     @property
     def ranks_per_replica(self) -> int:
@@ -66,26 +72,41 @@ class RankLayout:
             at += self.widths[s]
         return out
 
-    def rank(self, stage: str, dp: int = 0, cp: int = 0) -> int:
-        return dp * self.ranks_per_replica + self._offsets()[stage] + cp
+    def rank(self, stage: str, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        return dp * self.ranks_per_replica + self._offsets()[stage] + cp * self.tp[stage] + tp
 
     def coordinate(self, rank: int) -> Coordinate:
         dp, local = divmod(rank, self.ranks_per_replica)
         for s, off in self._offsets().items():
             if off <= local < off + self.widths[s]:
-                return Coordinate(s, dp, local - off)
+                cp, tp = divmod(local - off, self.tp[s])
+                return Coordinate(s, dp, cp, tp)
         raise AssertionError(rank)
 
     def stage_ranks(self, stage: str, dp: int) -> list[int]:
-        return [self.rank(stage, dp, c) for c in range(self.widths[stage])]
+        return [self.rank(stage, dp, c, t) for c in range(self.cp[stage]) for t in range(self.tp[stage])]
 
-    def dp_group_ranks(self, stage: str, cp: int) -> list[int]:
-        """Replicas of one stage-rank: gradients are summed over these."""
-        return [self.rank(stage, d, cp) for d in range(self.dp)]
+    def grad_group_ranks(self, stage: str, tp: int = 0) -> list[int]:
+        """Every rank holding the same parameters (the same tensor-parallel shard) as ``stage``'s tp rank ``tp``:
+        all replicas and CP ranks."""
+        return [self.rank(stage, d, c, tp) for d in range(self.dp) for c in range(self.cp[stage])]
 
-    def grad_group_ranks(self, stage: str) -> list[int]:
-        """Every rank holding the same parameters as ``stage`` (all replicas and CP ranks)."""
-        return [self.rank(stage, d, c) for d in range(self.dp) for c in range(self.widths[stage])]
+    def activation_sources(self, sender: str, receiver: str, dp: int) -> dict[int, int]:
+        """``{receiver rank: sender rank}`` for the activations ``sender`` passes to ``receiver``: the same CP rank
+        between stages of equal cp (else CP rank 0, an encoder), the tp rank ``t % tp[sender]``. Tensor-parallel
+        ranks hold whole (replicated) activations, so any one of them is a source."""
+        same_cp = self.cp[sender] == self.cp[receiver]
+        return {self.rank(receiver, dp, c, t): self.rank(sender, dp, c if same_cp else 0, t % self.tp[sender])
+                for c in range(self.cp[receiver]) for t in range(self.tp[receiver])}
+
+    def gradient_sources(self, sender: str, receiver: str, dp: int) -> dict[int, list[int]]:
+        """``{sender rank: [receiver ranks]}`` whose input gradients (of ``sender``'s activations) it receives and
+        sums: one per distinct CP shard of ``receiver`` (every CP rank when ``sender`` has no CP), from the tp rank
+        ``t % tp[receiver]`` (tp ranks of a stage compute the same input gradient)."""
+        same_cp = self.cp[sender] == self.cp[receiver]
+        return {self.rank(sender, dp, c, t): [self.rank(receiver, dp, rc, t % self.tp[receiver])
+                                              for rc in ([c] if same_cp else range(self.cp[receiver]))]
+                for c in range(self.cp[sender]) for t in range(self.tp[sender])}
 
     def chains(self) -> dict[str, list[str]]:
         """The stages of each module pipeline in order: one chain per encoder ("parallel"), one fused encoder chain
@@ -96,9 +117,10 @@ class RankLayout:
         return out
 
     def mesh_ranks(self, chain: str) -> list[list[list[list[int]]]]:
-        """Global ranks of a chain as a [dp][pp][cp][tp] array (the dims of its DeviceMesh; tp is 1 for now)."""
+        """Global ranks of a chain as a [dp][pp][cp][tp] array (the dims of its DeviceMesh)."""
         stages = self.chains()[chain]
-        return [[[[self.rank(s, d, c)] for c in range(self.widths[s])] for s in stages] for d in range(self.dp)]
+        return [[[[self.rank(s, d, c, t) for t in range(self.tp[s])] for c in range(self.cp[s])] for s in stages]
+                for d in range(self.dp)]
 
     def replica_ranks(self, dp: int) -> list[int]:
         return list(range(dp * self.ranks_per_replica, (dp + 1) * self.ranks_per_replica))
@@ -121,13 +143,24 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
         if spec.cp > 1:
             raise ValueError(f"encoder {name!r}: context parallelism is for the language model only; use cp=1")
     table = placement_table({n: s.pp for n, s in encoders.items()}, language_model.pp, placement)
+    specs = {**encoders, LANGUAGE_MODEL: language_model}
     stages = list(table)
-    widths = {s: language_model.cp if table[s][0][0] == LANGUAGE_MODEL else 1 for s in stages}
-    per_replica = sum(widths.values())
+    cp = {s: language_model.cp if table[s][0][0] == LANGUAGE_MODEL else 1 for s in stages}
+    tp = {}
+    for s in stages:
+        modules = [m for m, _ in table[s]]
+        tp[s] = specs[modules[0]].tp
+        wrong = [m for m in modules[1:] if specs[m].tp not in ((1, tp[s]) if modules[0] == LANGUAGE_MODEL else (tp[s],))]
+        if wrong:
+            raise ValueError(f"stage {s!r} holds {modules}, which must share its tensor-parallel ranks: give "
+                             f"{wrong} tp={tp[s]}" + (" (or tp=1: run whole on every rank)" if modules[0] ==
+                                                      LANGUAGE_MODEL else "") + ", or use encoder_placement='parallel'")
+    layout = RankLayout(stages, cp, tp, 0, placement, {n: s.pp for n, s in specs.items()},
+                        {n: s.tp for n, s in specs.items()})
+    per_replica = layout.ranks_per_replica
     if world_size % per_replica:
         raise ValueError(f"{world_size} devices cannot hold whole replicas of {per_replica} ranks "
-                         f"({' + '.join(f'{s}x{widths[s]}' for s in stages)}); use a multiple of {per_replica} "
-                         "devices or change the ParallelSpecs")
-    module_stages = {n: s.pp for n, s in encoders.items()}
-    module_stages[LANGUAGE_MODEL] = language_model.pp
-    return RankLayout(stages, widths, world_size // per_replica, placement, module_stages)
+                         f"({' + '.join(f'{s}x{layout.widths[s]}' for s in stages)}); use a multiple of "
+                         f"{per_replica} devices or change the ParallelSpecs")
+    layout.dp = world_size // per_replica
+    return layout

@@ -3,7 +3,8 @@
 ``python checkpoint_case.py '<json>'`` with keys: layout ("pp2": vision 1 stage + LLM 2 stages on 3 ranks, dp 1;
 "dp2": vision + LLM 1 stage each, dp 2 on 4 ranks; "cp2": vision 1 stage + LLM 1 stage of 2 context-parallel
 ranks (blocks of 8 tokens) on 3 ranks, dp 1; "pp2cp2": vision + LLM 2 stages of 2 CP ranks each on 5 ranks;
-"cp2dp2": "cp2" replicated twice on 6 ranks; "single": one process), steps, out (losses JSON, rank 0),
+"cp2dp2": "cp2" replicated twice on 6 ranks; "tp2": vision + LLM 1 stage of 2 tensor-parallel ranks on 3 ranks;
+"single": one process), steps, out (losses JSON, rank 0),
 ckpt_dir, save_every (steps), resume (a checkpoint folder), kill ({"rank": r, "step": s}: SIGKILL that rank
 after step s), weights (single: file for the trained parameters), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
 exception), fault_timeout, pids (folder for one pid file per rank).
@@ -27,6 +28,7 @@ LAYOUTS = {"pp2": dict(devices=3, llm_pp=2, microbatches=2), "dp2": dict(devices
            "cp2": dict(devices=3, llm_pp=1, llm_cp=2, microbatches=2),
            "pp2cp2": dict(devices=5, llm_pp=2, llm_cp=2, microbatches=2),
            "cp2dp2": dict(devices=6, llm_pp=1, llm_cp=2, microbatches=1),
+           "tp2": dict(devices=3, llm_pp=1, llm_tp=2, microbatches=2),
            "single": dict(devices=1, llm_pp=None, microbatches=1)}
 
 
@@ -69,12 +71,13 @@ def main(cfg: dict):
         trainer = L.Trainer(devices=1, **kw)
         per_rank = GLOBAL_BATCH
     else:
-        cp = layout.get("llm_cp", 1)
+        cp, tp = layout.get("llm_cp", 1), layout.get("llm_tp", 1)
         strategy = lmm.MultimodalParallelStrategy(
-            encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec(pp=layout["llm_pp"], cp=cp),
+            encoders={"vision": lmm.ParallelSpec()},
+            language_model=lmm.ParallelSpec(pp=layout["llm_pp"], cp=cp, tp=tp),
             num_microbatches=layout["microbatches"], cp_block_size=8, fault_timeout=cfg.get("fault_timeout", 60.0))
         trainer = L.Trainer(devices=layout["devices"], strategy=strategy, **kw)
-        per_rank = GLOBAL_BATCH // (layout["devices"] // (1 + layout["llm_pp"] * cp))
+        per_rank = GLOBAL_BATCH // (layout["devices"] // (1 + layout["llm_pp"] * cp * tp))
     if cfg.get("pids"):
         with open(os.path.join(cfg["pids"], f"{trainer.global_rank}.pid"), "w") as f:
             f.write(str(os.getpid()))

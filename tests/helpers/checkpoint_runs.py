@@ -5,12 +5,11 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
+from tests.helpers.launch import ROOT, run_script
+
 CASE = os.path.join(os.path.dirname(__file__), "checkpoint_case.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 6
 
 
@@ -23,9 +22,7 @@ def case_env() -> dict:
 
 def run_case(cfg: dict, timeout: float = 300) -> list[float]:
     """Run one case to completion; returns rank 0's per-step losses."""
-    proc = subprocess.run([sys.executable, CASE, json.dumps(cfg)], capture_output=True, text=True, timeout=timeout,
-                          env=case_env(), cwd=os.path.dirname(cfg["out"]))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_script(CASE, json.dumps(cfg), cwd=os.path.dirname(cfg["out"]), timeout=timeout)
     with open(cfg["out"]) as f:
         return json.load(f)
 

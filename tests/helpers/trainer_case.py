@@ -4,7 +4,8 @@
 validation/test loss, predicted ids) and ``<out_dir>/params_<rank>.pt`` (this rank's trainable parameters, full
 names), so a test can compare any layout with one process. Keys of the JSON (all optional):
 
-- ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp``, ``llm_pp``,
+- ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp`` / ``encoder_tp``
+  ([vision, audio]), ``llm_pp``, ``llm_cp`` (blocks of 8 tokens), ``llm_tp``, ``sharding`` (sharding_strategy),
   ``microbatches``, ``accumulate``, ``precision``, ``steps``, ``batch_size`` (per replica), ``freeze``,
   ``optimizer`` ("adamw" default, "sgd"), ``lr``, ``clip``, ``llm``, ``llm_layers``
 - ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta, materialised per stage)
@@ -19,6 +20,7 @@ import sys
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_mm as lmm
@@ -76,15 +78,17 @@ def build(case):
 def main(spec: str, out: str):
     case = json.loads(spec)
     dp = case.get("dp", 1)
-    if case.get("devices", 1) == 1 and "llm_pp" not in case:
+    if case.get("devices", 1) == 1 and not {"llm_pp", "llm_tp", "llm_cp", "encoder_tp", "sharding"} & set(case):
         strategy, devices, dp_batch = "auto", 1, case.get("batch_size", 4) * dp
     else:
-        enc = case.get("encoder_pp", [1, 1])
+        enc, enc_tp = case.get("encoder_pp", [1, 1]), case.get("encoder_tp", [1, 1])
+        llm = lmm.ParallelSpec(pp=case.get("llm_pp", 1), cp=case.get("llm_cp", 1), tp=case.get("llm_tp", 1))
         strategy = lmm.MultimodalParallelStrategy(
-            encoders={"vision": lmm.ParallelSpec(pp=enc[0]), "audio": lmm.ParallelSpec(pp=enc[1])},
-            language_model=lmm.ParallelSpec(pp=case.get("llm_pp", 1)), num_microbatches=case.get("microbatches", 1),
-            fault_timeout=60)
-        devices = case.get("devices") or (sum(enc) + case.get("llm_pp", 1)) * dp
+            encoders={"vision": lmm.ParallelSpec(pp=enc[0], tp=enc_tp[0]),
+                      "audio": lmm.ParallelSpec(pp=enc[1], tp=enc_tp[1])},
+            language_model=llm, num_microbatches=case.get("microbatches", 1), cp_block_size=8,
+            sharding_strategy=case.get("sharding", "NO_SHARD"), fault_timeout=60)
+        devices = case.get("devices") or (enc[0] * enc_tp[0] + enc[1] * enc_tp[1] + llm.size) * dp
         dp_batch = case.get("batch_size", 4)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -114,7 +118,8 @@ def main(spec: str, out: str):
         result["has_logits"] = preds[0]["logits"] is not None
     rank = trainer.global_rank
     owned = getattr(trainer.strategy, "engine", None)
-    torch.save({n: p.detach().cpu() for n, p in module.model.named_parameters()
+    full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731  (collective over its mesh)
+    torch.save({n: full(p.detach()).cpu() for n, p in module.model.named_parameters()
                 if p.requires_grad and (owned is None or n in owned.owned)}, os.path.join(out, f"params_{rank}.pt"))
     if case.get("consolidate"):
         path = os.path.join(out, "ckpt")

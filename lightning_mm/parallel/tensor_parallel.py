@@ -1,0 +1,136 @@
+"""Tensor parallelism: each module's layers split over its stage's "tp" mesh dim with DTensor.
+
+The LLM follows the plan transformers ships in its config (``base_model_tp_plan``: q/k/v and gate/up column-wise,
+o/down row-wise), plus a vocab-parallel embedding and a vocab-parallel head whose loss runs under DTensor's
+``loss_parallel`` (the full logits are never gathered). Encoders follow the declarative per-layer plan of their
+family adapter (``EncoderFamily.tp_plan``). Hidden states between layers (and between pipeline stages) stay whole
+on every tp rank, so the pipeline, CP attention (local heads) and the runtime see plain tensors.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from lightning_mm.plan.stages import StagePlan
+
+# HF plan names -> DTensor styles; "replicated_with_grad_allreduce" keeps the module whole and sums its
+# gradients over tp (its inputs are per-head, so each tp rank sees a part of them).
+STYLES = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
+LAYERS = "layers.*."
+
+
+def language_model_layer_plan(lm: nn.Module) -> dict[str, str]:
+    """The per-layer part of the LLM's HF plan (``layers.*.X`` -> ``X``), or a clear error without one."""
+    plan = dict(getattr(lm.config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ValueError(f"{type(lm).__name__} ships no tensor-parallel plan (config.base_model_tp_plan is empty); "
+                         "use language_model=ParallelSpec(tp=1)")
+    layer = {k[len(LAYERS):]: v for k, v in plan.items() if k.startswith(LAYERS)}
+    unknown = sorted({v for v in layer.values() if v not in STYLES and v != GRAD_ALLREDUCE})
+    if unknown:
+        raise ValueError(f"{type(lm).__name__}'s tensor-parallel plan uses {unknown}, which lightning-mm does not "
+                         f"apply (supported: {sorted(STYLES) + [GRAD_ALLREDUCE]}); use language_model="
+                         "ParallelSpec(tp=1)")
+    return layer
+
+
+def _divides(tp: int, what: dict[str, int], module: str) -> None:
+    for name, value in what.items():
+        if value is not None and value % tp:
+            raise ValueError(f"{module}: tp={tp} does not divide {name}={value}; choose a tp that divides it")
+
+
+def check_tensor_parallel(model, encoder_tp: dict[str, int], language_model_tp: int) -> None:
+    """Every tp > 1 has a plan and divides what it splits (heads, kv heads, vocabulary, MLP width). Pure: runs
+    before any process group exists."""
+    if language_model_tp > 1:
+        lm, cfg = model.language_model, model.language_model.config
+        language_model_layer_plan(lm)
+        _divides(language_model_tp, {"num_attention_heads": cfg.num_attention_heads,
+                                     "num_key_value_heads": getattr(cfg, "num_key_value_heads", None),
+                                     "vocab_size": model.lm_family.vocab_size(lm),
+                                     "intermediate_size": getattr(cfg, "intermediate_size", None)}, "language_model")
+    for name, tp in encoder_tp.items():
+        if tp == 1:
+            continue
+        enc = model.encoders[name]
+        if not enc.family.tp_plan:
+            raise ValueError(f"encoder {name!r} ({type(enc.module).__name__}) has no tensor-parallel plan; use "
+                             f"encoders={{{name!r}: ParallelSpec(tp=1)}} (families with one: CLIP, SigLIP, Whisper, "
+                             "Qwen2-Audio)")
+        cfg = enc.module.config
+        _divides(tp, {"num_attention_heads": getattr(cfg, "num_attention_heads", None)
+                      or getattr(cfg, "encoder_attention_heads", None),
+                      "intermediate_size": getattr(cfg, "intermediate_size", None)
+                      or getattr(cfg, "encoder_ffn_dim", None)}, f"encoder {name!r}")
+
+
+def _parallelize_layer(layer: nn.Module, mesh, plan: dict[str, str], head_attrs: tuple[str, ...],
+                       allreduce: list[nn.Parameter]) -> None:
+    styles = {k: STYLES[v]() for k, v in plan.items() if v in STYLES}
+    parallelize_module(layer, mesh, styles)
+    for k, v in plan.items():
+        if v == GRAD_ALLREDUCE:
+            allreduce += list(layer.get_submodule(k).parameters())
+    for path in head_attrs:  # attention modules that reshape by a stored head count hold tp-th of the heads
+        owner, attr = path.rsplit(".", 1)
+        module = layer.get_submodule(owner)
+        setattr(module, attr, getattr(module, attr) // mesh.size())
+
+
+def apply_tp(model, plan: StagePlan, meshes: dict[str, object]) -> list[nn.Parameter]:
+    """Split this stage's layers over tp: ``meshes[module]`` is the tp mesh of each module run with tp > 1 here
+    ("language_model" or an encoder name). Returns the parameters whose gradients must be summed over tp."""
+    allreduce: list[nn.Parameter] = []
+    lm_mesh = meshes.get("language_model")
+    if plan.language_model is not None and lm_mesh is not None:
+        sl, lm, fam = plan.language_model, model.language_model, model.lm_family
+        layer_plan = language_model_layer_plan(lm)
+        for i in range(sl.start, sl.end):
+            _parallelize_layer(fam.layers(lm)[i], lm_mesh, layer_plan, (), allreduce)
+        embed = fam.embed_tokens(lm)
+        tied = isinstance(lm.lm_head, nn.Linear) and lm.lm_head.weight is embed.weight
+        if sl.embed or (tied and sl.head):  # vocab-parallel: each rank looks up its rows, partial sums reduced
+            parallelize_module(embed, lm_mesh, RowwiseParallel(input_layouts=Replicate()))
+        if sl.head:  # vocab-parallel logits, consumed by loss_parallel
+            parallelize_module(lm.lm_head, lm_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+            if tied:
+                lm.lm_head.weight = embed.weight  # both Shard(0) over the same mesh: keep them one parameter
+    for name, sl in plan.encoders.items():
+        mesh = meshes.get(name)
+        if mesh is None:
+            continue
+        enc = model.encoders[name]
+        for i in range(sl.start, sl.end):
+            _parallelize_layer(enc.layers[i], mesh, enc.family.tp_plan, enc.family.tp_head_attrs, allreduce)
+    return allreduce
+
+
+def is_dtensor(t) -> bool:
+    return isinstance(t, DTensor)
+
+
+def local(t):
+    """The local tensor of a DTensor (a view: in-place changes reach the DTensor), else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def shards(t) -> int:
+    """How many distinct pieces a tensor is split into across its mesh (1 for plain and replicated tensors)."""
+    if not isinstance(t, DTensor):
+        return 1
+    n = 1
+    for dim, placement in enumerate(t.placements):
+        if placement.is_shard():
+            n *= t.device_mesh.size(dim)
+    return n

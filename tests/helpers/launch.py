@@ -1,0 +1,42 @@
+"""Run a helper script that starts a multi-process Lightning job, and fail with every process's stack if it hangs.
+
+The script runs in its own session with ``PYTHONFAULTHANDLER=1`` (inherited by the ranks Lightning launches). On
+timeout every process of the session gets SIGABRT, so each prints all its threads' Python stacks to the captured
+stderr before it dies, and the test fails with that output instead of leaving processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_script(script: str, *args: str, cwd, timeout: float = 420, env: dict | None = None,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """``python script *args`` with one thread per process; raises with the stderr tail on failure."""
+    path = os.environ.get("PYTHONPATH")  # this tree's lightning_mm first (an editable install may point elsewhere)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+           "PYTHONPATH": ROOT + (os.pathsep + path if path else ""), **(env or {})}
+    proc = subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"{os.path.basename(script)} did not finish in {timeout:g} s; the stacks of its processes "
+                    f"(SIGABRT on timeout):\n{err[-12000:]}", pytrace=False)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        assert proc.returncode == 0, err[-4000:]
+    return result
