@@ -437,7 +437,8 @@ def export_main(args: list[str]) -> None:
     """``lightning-mm export --config cfg.yaml [--config more.yaml] --ckpt_path CKPT --out_dir DIR``.
 
     The model is built from the fit config(s) (as ``lightning-mm fit`` built it), the checkpoint's parameters are
-    copied in, and every part is written as an HF folder (see ``export_hf``). Parameters the checkpoint does not
+    copied in, and it is written by ``model.save_pretrained``: a model from a composite folder as one folder of
+    that composite class, any other one part by part (see ``export_hf``). Parameters the checkpoint does not
     hold (frozen ones, unless trained with ``save_frozen_parameters=True``) keep the values the config builds,
     which are the trained run's only under the same fixed ``seed_everything``: without one the export refuses."""
     import argparse
@@ -467,7 +468,8 @@ def export_main(args: list[str]) -> None:
             "config.yaml LightningCLI saved beside its logs, or its 'Seed set to N' line), or train with "
             "MultimodalParallelStrategy(save_frozen_parameters=True)")
     built = {n: p.detach().clone() for n, p in model.named_parameters() if n not in layout["trainable"]}
-    manifest = export_hf(ns.ckpt_path, model, ns.out_dir)
+    load_weights(ns.ckpt_path, model)
+    manifest = model.save_pretrained(ns.out_dir)  # a composite's folder, or one folder per part
     now = dict(model.named_parameters())
     differ = [n for n, v in built.items() if not torch.equal(v, now[n])]
     if differ:
@@ -475,5 +477,8 @@ def export_main(args: list[str]) -> None:
 
         print(f"note: {len(differ)} frozen parameters in {ns.ckpt_path} (e.g. {differ[0]}) differ from the ones the "
               "config builds (another seed or base weights); the export has the checkpoint's", file=sys.stderr)
+    if "composite" in manifest:
+        print(f"exported the model as {manifest['composite']} to {ns.out_dir}")
+        return
     print(f"exported {', '.join(manifest['encoders'])} (encoders and projectors) and the language model "
           f"({manifest['language_model']['class']}) to {ns.out_dir}")

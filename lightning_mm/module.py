@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable
 
 import lightning.pytorch as pl
@@ -10,6 +11,7 @@ import torch
 from lightning_mm.callbacks.throughput import TrainingMetrics
 from lightning_mm.data.validate import validate_batch
 from lightning_mm.faults import check_finite_loss
+from lightning_mm.model.composites import fill_positions
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.summary import use_whole_model_summary
 
@@ -23,6 +25,7 @@ class MultimodalLightningModule(pl.LightningModule):
     Lightning knows) and ``pipeline/bubble/<stage>`` every ``bubble_every_n_steps`` (default: each logging step);
     see ``lightning_mm/callbacks/throughput.py``.
 
+    ``model`` may be a composite HF folder (``MultimodalModel.from_pretrained``), so a YAML can name it.
     ``optimizer`` maps parameters to an optimiser (LightningCLI's ``OptimizerCallable``); default AdamW(``lr``).
     ``lr_scheduler`` maps the optimiser to a scheduler, stepped every optimiser step. ``freeze`` is passed to
     ``model.freeze`` (so a YAML can say ``freeze: {encoders: true, language_model: true}``). Every batch is
@@ -30,12 +33,14 @@ class MultimodalLightningModule(pl.LightningModule):
     finite) or "stop" (raise).
     """
 
-    def __init__(self, model: MultimodalModel, optimizer: OptimizerFactory | None = None,
+    def __init__(self, model: MultimodalModel | str, optimizer: OptimizerFactory | None = None,
                  lr_scheduler: SchedulerFactory | None = None, lr: float = 1e-3,
                  freeze: dict[str, bool] | None = None, nan_guard: str | None = None,
                  peak_flops: float | None = None, bubble_every_n_steps: int | None = None):
         super().__init__()
         check_finite_loss(torch.zeros(()), 0, nan_guard)  # rejects an unknown mode at construction
+        if isinstance(model, (str, os.PathLike)):
+            model = MultimodalModel.from_pretrained(model)
         self.model = model.freeze(**freeze) if freeze else model
         self.optimizer_factory, self.scheduler_factory, self.lr = optimizer, lr_scheduler, lr
         self.train_metrics = TrainingMetrics(peak_flops, bubble_every_n_steps)
@@ -76,6 +81,7 @@ class MultimodalLightningModule(pl.LightningModule):
         """The pipeline schedule under MultimodalParallelStrategy (backward included), else the plain forward.
 
         The batch is validated first, on every rank alike, before any collective."""
+        batch = fill_positions(self.model, batch)  # a composite's own positions (M-RoPE) when the batch has none
         validate_batch(batch, self.model, self.pipeline.num_microbatches if self.pipeline is not None else 1)
         if self.pipeline is not None:
             return self.pipeline.run_pipeline(batch, train=train)
@@ -127,6 +133,7 @@ class MultimodalLightningModule(pl.LightningModule):
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
         """``{"logits": [B, S, V], "predicted_ids": [B, S]}``: the greedy next token at every position. Under the
         strategy every rank returns the ids; the logits only where the LLM head lives (else None)."""
+        batch = fill_positions(self.model, batch)  # a composite's own positions (M-RoPE) when the batch has none
         validate_batch(batch, self.model, self.pipeline.num_microbatches if self.pipeline is not None else 1)
         if self.pipeline is not None:
             return self.pipeline.predict_pipeline(batch)

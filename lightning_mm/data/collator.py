@@ -32,11 +32,13 @@ class MultimodalCollator:
     ``pack=True`` packs samples first-fit into rows of ``seq_len`` tokens (multimodal packing, MP) with
     ``segment_ids``; position ids restart in every segment and no position predicts the next segment's first
     token. Otherwise rows are padded to the longest sample, rounded up to ``pad_to_multiple_of``.
-    ``causal_modalities`` gives modality tokens the text word (plain causal, LLaVA style).
+    ``causal_modalities`` gives modality tokens the text word (plain causal, LLaVA style); default: the model's
+    (``model.causal_modalities``, True for composite checkpoints). A model with its own positions
+    (``model.position_ids_fn``, Qwen2-VL's M-RoPE) gets them per sample: ``position_ids`` ``[B, S, 3]``.
     """
 
     def __init__(self, model, seq_len: int | None = None, pack: bool = False, pad_to_multiple_of: int = 1,
-                 pad_token_id: int = 0, causal_modalities: bool = False):
+                 pad_token_id: int = 0, causal_modalities: bool | None = None):
         if pack and not seq_len:
             raise ValueError("packing needs seq_len (the length of a packed row)")
         self.model, self.seq_len, self.pack = model, seq_len, pack
@@ -100,10 +102,11 @@ class MultimodalCollator:
                              f"{self.seq_len}")
         length = math.ceil(length / self.pad_to_multiple_of) * self.pad_to_multiple_of
         b = len(rows)
+        positions = getattr(self.model, "position_ids_fn", None)
         batch = {"input_ids": torch.full((b, length), self.pad_token_id, dtype=torch.long),
                  "labels": torch.full((b, length), IGNORE_INDEX, dtype=torch.long),
                  "attention_mask": torch.zeros(b, length, dtype=torch.long),
-                 "position_ids": torch.zeros(b, length, dtype=torch.long)}
+                 "position_ids": torch.zeros((b, length) if positions is None else (b, length, 3), dtype=torch.long)}
         segs = torch.full((b, length), -1, dtype=torch.long)
         counts = {name: torch.zeros(b, dtype=torch.long) for name in self.model.encoders}
         items = {name: [] for name in self.model.encoders}
@@ -116,7 +119,8 @@ class MultimodalCollator:
                 labels[0] = IGNORE_INDEX  # never predicted from the previous segment
                 batch["labels"][r, at:at + n] = labels
                 batch["attention_mask"][r, at:at + n] = 1
-                batch["position_ids"][r, at:at + n] = torch.arange(n)
+                batch["position_ids"][r, at:at + n] = torch.arange(n) if positions is None else \
+                    positions(e["input_ids"][None], e["inputs"])[0]
                 segs[r, at:at + n] = s
                 for name, inputs in e["inputs"].items():
                     items[name].append(inputs)

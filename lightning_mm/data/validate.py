@@ -49,6 +49,8 @@ def check_shapes(batch: dict) -> None:
         raise ValueError(f"input_ids must hold integer token ids, got {ids.dtype}")
     for key in TOKEN_KEYS:
         t = batch.get(key)
+        if key == "position_ids" and isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[:2] == ids.shape:
+            continue  # 3-D positions (M-RoPE), checked against the model by check_position_dims
         if t is not None and (not isinstance(t, torch.Tensor) or t.shape != ids.shape):
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{key} has shape {shape} but input_ids has {tuple(ids.shape)}; give one {key} entry "
@@ -66,6 +68,17 @@ def check_positions(batch: dict, limit: int | None) -> None:
                          "or use a model with more positions")
 
 
+def check_position_dims(batch: dict, model) -> None:
+    pos = batch.get("position_ids")
+    dims = getattr(getattr(model, "lm_family", None), "position_dims", 1)
+    if pos is None or pos.dim() == 2:
+        return
+    if pos.shape[2] != dims:
+        raise ValueError(f"position_ids have shape {tuple(pos.shape)}: {pos.shape[2]} positions per token, but the "
+                         f"language model takes {dims} (give [B, S]"
+                         f"{'' if dims == 1 else f' or [B, S, {dims}]'} position ids)")
+
+
 def check_microbatches(batch: dict, num_microbatches: int) -> None:
     rows = batch["input_ids"].shape[0]
     if rows % num_microbatches:
@@ -77,6 +90,7 @@ def validate_batch(batch: dict, model, num_microbatches: int = 1) -> None:
     """Raise ``ValueError``/``TypeError`` naming the first problem of ``batch`` for ``model``; pure and local."""
     check_keys(batch, model)
     check_shapes(batch)
+    check_position_dims(batch, model)
     check_microbatches(batch, num_microbatches)
     check_positions(batch, model.max_positions)
     if batch.get("bam") is not None:

@@ -97,10 +97,52 @@ LANGUAGE_FAMILIES = {f.model_type: f for f in (
 )}
 
 
+@dataclass(frozen=True)
+class MRopeDecoderFamily(DecoderFamily):
+    """The text decoder of Qwen2-VL / Qwen2.5-VL (the LLM of those composites, wrapped with its ``lm_head`` by
+    ``lightning_mm.model.composites``): multimodal RoPE over (temporal, height, width) positions.
+
+    ``position_ids`` are ``[B, S, 3]`` (batch-first, so microbatches and context-parallel shards cut them like
+    every other sequence tensor), or ``[B, S]``: the same position on all three axes, as HF reads 2-D positions."""
+
+    position_dims: int = 3
+
+    def hf_class(self):
+        from lightning_mm.model import composites
+
+        return getattr(composites, self.class_name)
+
+    def position_embeddings(self, lm, hidden, position_ids):
+        pos = position_ids.permute(2, 0, 1) if position_ids.dim() == 3 else position_ids[None].expand(3, -1, -1)
+        return lm.model.rotary_emb(hidden, pos)
+
+    def run_layer(self, layer, hidden, position_embeddings, position_ids, attn_kwargs):
+        return layer(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=None,
+                     **attn_kwargs)
+
+    def tiny_config(self, **overrides):
+        import transformers
+
+        kw = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+        kw.update(overrides)
+        return getattr(transformers, self.config_name)(**kw)
+
+    def tiny(self, **overrides):
+        return self.hf_class()(self.tiny_config(**overrides))
+
+
+MROPE_FAMILIES = {f.model_type: f for f in (
+    MRopeDecoderFamily("Qwen2-VL text", "qwen2_vl_text", "Qwen2VLTextForCausalLM", "Qwen2VLTextConfig"),
+    MRopeDecoderFamily("Qwen2.5-VL text", "qwen2_5_vl_text", "Qwen2_5_VLTextForCausalLM", "Qwen2_5_VLTextConfig"),
+)}
+
+
 def language_family(lm: nn.Module) -> DecoderFamily:
     """The adapter of a HF causal LM, or a clear error naming the supported families."""
     model_type = getattr(getattr(lm, "config", None), "model_type", None)
-    fam = LANGUAGE_FAMILIES.get(model_type)
+    fam = LANGUAGE_FAMILIES.get(model_type) or MROPE_FAMILIES.get(model_type)
     if fam is None or not hasattr(lm, "lm_head"):
         supported = ", ".join(f.class_name for f in LANGUAGE_FAMILIES.values())
         raise ValueError(f"unsupported language model {type(lm).__name__} (model_type={model_type!r}); supported "
@@ -395,16 +437,58 @@ class Qwen2AudioFamily(_WhisperLikeFamily):
     tp_head_attrs = ("self_attn.num_heads",)
     folder_model_types = {"qwen2_audio_encoder": None, "qwen2_audio": "audio_config"}
 
+    # With ``inputs["feature_attention_mask"]`` ([N, frames], 1 on a clip's real frames, as the processor gives
+    # it), the encoder runs as Qwen2AudioForConditionalGeneration runs it: its layers see the padding mask and each
+    # clip emits only the tokens of its real length. Without it every clip is 30 s long.
+
+    @staticmethod
+    def _lengths(inputs):
+        """(lengths after the convolutions, tokens) per clip, as Qwen2AudioEncoder._get_feat_extract_output_lengths."""
+        mask = inputs.get("feature_attention_mask")
+        if mask is None:
+            return None
+        frames = (mask.sum(-1) - 1) // 2 + 1
+        return frames, (frames - 2) // 2 + 1
+
     def num_tokens(self, config, inputs):
-        return [config.max_source_positions // 2] * inputs["input_features"].shape[0]
+        lengths = self._lengths(inputs)
+        if lengths is None:
+            return [config.max_source_positions // 2] * inputs["input_features"].shape[0]
+        return [int(n) for n in lengths[1].tolist()]
+
+    def context(self, enc, inputs):
+        lengths = self._lengths(inputs)
+        if lengths is None:
+            return {}
+        from transformers.masking_utils import create_bidirectional_mask
+
+        frames, tokens = lengths
+        n, positions = inputs["input_features"].shape[0], enc.config.max_source_positions
+        valid = torch.arange(positions, device=frames.device)[None, :] < frames[:, None]
+        dummy = torch.zeros(n, positions, 1, dtype=enc.conv1.weight.dtype, device=frames.device)
+        mask = create_bidirectional_mask(config=enc.config, inputs_embeds=dummy, attention_mask=valid.long())
+        return {"attention_mask": mask, "tokens": tokens}
 
     def embed(self, enc, inputs):
         x = self._conv(enc, inputs["input_features"])
-        return x + enc.embed_positions.weight, {}
+        return x + enc.embed_positions.weight, self.context(enc, inputs)
+
+    def run_layer(self, enc, layer, hidden, ctx):
+        return layer(hidden, ctx.get("attention_mask"))
 
     def final(self, enc, hidden, ctx):
-        pooled = enc.avg_pooler(hidden.permute(0, 2, 1)).permute(0, 2, 1)
-        return enc.layer_norm(pooled).flatten(0, 1)
+        pooled = enc.layer_norm(enc.avg_pooler(hidden.permute(0, 2, 1)).permute(0, 2, 1))
+        if "tokens" not in ctx:
+            return pooled.flatten(0, 1)
+        keep = torch.arange(pooled.shape[1], device=pooled.device)[None, :] < ctx["tokens"].to(pooled.device)[:, None]
+        return pooled[keep]
+
+    def reference(self, enc, inputs):
+        ctx = self.context(enc, inputs)
+        out = enc(inputs["input_features"], attention_mask=ctx.get("attention_mask")).last_hidden_state
+        if "tokens" not in ctx:
+            return out.flatten(0, 1)
+        return out[torch.arange(out.shape[1])[None, :] < ctx["tokens"][:, None]]
 
     def tiny(self, **overrides):
         from transformers import Qwen2AudioEncoder, Qwen2AudioEncoderConfig
@@ -415,10 +499,76 @@ class Qwen2AudioFamily(_WhisperLikeFamily):
         return Qwen2AudioEncoder(Qwen2AudioEncoderConfig(**kw))
 
 
+class Qwen25VisionFamily(Qwen2VisionFamily):
+    """Qwen2.5-VL's vision tower: Qwen2-VL's with window attention. After the patch embedding the tokens are
+    reordered into windows of ``window_size`` pixels; the blocks listed in ``fullatt_block_indexes`` attend within
+    whole images, the others within windows; the merger (RMSNorm + MLP, out to ``out_hidden_size``) runs in window
+    order and ``final`` restores image order. Hidden states between pipeline stages are in window order."""
+
+    name, class_names = "Qwen2.5-VL vision", ("Qwen2_5_VisionTransformerPretrainedModel",)
+    hf_module = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
+    folder_model_types = {"qwen2_5_vl_vision": None, "qwen2_5_vl": "vision_config"}
+
+    def output_dim(self, enc):
+        return enc.config.out_hidden_size
+
+    @staticmethod
+    def _window_order(t, window_index, unit):
+        return t.reshape(t.shape[0] // unit, unit, -1)[window_index].reshape(t.shape[0], -1)
+
+    def context(self, enc, inputs):
+        from transformers.utils.generic import get_max_seqlen
+        from transformers.vision_utils import (get_vision_attention_seqlens, get_vision_position_ids,
+                                               get_vision_window_index)
+
+        cfg, grid = enc.config, inputs["image_grid_thw"]
+        position_ids = get_vision_position_ids(grid, cfg.spatial_merge_size)
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, cfg)
+        window_index, cu_window = get_vision_window_index(grid, spatial_merge_size=cfg.spatial_merge_size,
+                                                          window_size=cfg.window_size, patch_size=cfg.patch_size)
+        unit = cfg.spatial_merge_size ** 2
+        cos, sin = enc.rotary_pos_emb(torch.empty(0, device=grid.device), position_ids)
+        cos, sin = (self._window_order(t, window_index, unit) for t in (cos, sin))
+        return {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "cu_window_seqlens": cu_window,
+                "max_window_seqlen": get_max_seqlen(cu_window, cfg), "window_index": window_index, "unit": unit,
+                "cos": cos, "sin": sin}
+
+    def embed(self, enc, inputs):
+        ctx = self.context(enc, inputs)
+        hidden = enc.patch_embed(inputs["pixel_values"])
+        return self._window_order(hidden, ctx["window_index"], ctx["unit"]), ctx
+
+    def run_layer(self, enc, layer, hidden, ctx):
+        index = next(i for i, block in enumerate(enc.blocks) if block is layer)
+        full = index in enc.config.fullatt_block_indexes
+        return layer(hidden, cu_seqlens=ctx["cu_seqlens" if full else "cu_window_seqlens"],
+                     max_seqlen=ctx["max_seqlen" if full else "max_window_seqlen"],
+                     position_embeddings=(ctx["cos"], ctx["sin"]))
+
+    def final(self, enc, hidden, ctx):
+        return enc.merger(hidden)[torch.argsort(ctx["window_index"])]
+
+    def tiny(self, **overrides):
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        kw = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=48, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16,
+                  fullatt_block_indexes=[1, 3])
+        kw.update(overrides)
+        return Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(**kw))
+
+    def random_inputs(self, config, num_items, generator=None, grids=None, **_):
+        """Random patches; ``grids`` defaults to 1x8x8 per image (four attention windows each)."""
+        return super().random_inputs(config, num_items, generator, grids=grids or [(1, 8, 8)] * num_items)
+
+
 ENCODER_FAMILIES: dict[str, EncoderFamily] = {f.class_names[0]: f for f in (
-    ClipFamily(), SiglipFamily(), Dinov2Family(), Qwen2VisionFamily(), WhisperFamily(), Qwen2AudioFamily())}
+    ClipFamily(), SiglipFamily(), Dinov2Family(), Qwen2VisionFamily(), Qwen25VisionFamily(), WhisperFamily(),
+    Qwen2AudioFamily())}
 TINY_ENCODERS = {"clip": "CLIPVisionModel", "siglip": "SiglipVisionModel", "dinov2": "Dinov2Model",
-                 "qwen2_vl": "Qwen2VisionTransformerPretrainedModel", "whisper": "WhisperEncoder",
+                 "qwen2_vl": "Qwen2VisionTransformerPretrainedModel",
+                 "qwen2_5_vl": "Qwen2_5_VisionTransformerPretrainedModel", "whisper": "WhisperEncoder",
                  "qwen2_audio": "Qwen2AudioEncoder"}
 
 
@@ -432,8 +582,8 @@ def encoder_family(enc: nn.Module) -> EncoderFamily:
 
 
 def tiny_encoder(kind: str, **overrides) -> nn.Module:
-    """A tiny randomly initialised encoder of a family (``clip``, ``siglip``, ``dinov2``, ``qwen2_vl``, ``whisper``,
-    ``qwen2_audio``), for tests and examples."""
+    """A tiny randomly initialised encoder of a family (``clip``, ``siglip``, ``dinov2``, ``qwen2_vl``,
+    ``qwen2_5_vl``, ``whisper``, ``qwen2_audio``), for tests and examples."""
     if kind not in TINY_ENCODERS:
         raise ValueError(f"unknown encoder kind {kind!r}; choose one of {sorted(TINY_ENCODERS)}")
     return ENCODER_FAMILIES[TINY_ENCODERS[kind]].tiny(**overrides)

@@ -67,6 +67,13 @@ class MultimodalModel(nn.Module):
     both give the same values.
     """
 
+    # set by ``from_pretrained`` for composite checkpoints (lightning_mm.model.composites): modality tokens get the
+    # text word by default (HF's causal pattern), ``position_ids_fn(input_ids, modality_inputs, attention_mask)``
+    # gives the LLM's own positions (M-RoPE) when a batch has none, ``composite`` is what save_pretrained writes back
+    causal_modalities: bool = False
+    position_ids_fn = None
+    composite = None
+
     def __init__(self, encoders: dict[str, ModalityEncoder], language_model: nn.Module | str,
                  merge: Callable | None = None, placeholder_ids: dict[str, int] | None = None):
         super().__init__()
@@ -99,6 +106,22 @@ class MultimodalModel(nn.Module):
             raise ValueError(f"placeholder ids must differ between modalities, got {ids}")
         self.placeholder_ids = ids
         self.merge = merge
+
+    # ------------------------------------------------------------------ HF folders
+    @classmethod
+    def from_pretrained(cls, path, causal_modalities: bool = True) -> "MultimodalModel":
+        """The model of a composite HF folder (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio), computing what the
+        composite class computes; lazy under the meta device. See ``lightning_mm.model.composites``."""
+        from lightning_mm.model.composites import from_pretrained
+
+        return from_pretrained(path, causal_modalities=causal_modalities)
+
+    def save_pretrained(self, folder) -> dict:
+        """A composite folder its HF class loads (a model from ``from_pretrained``), else one folder per part
+        (``lightning_mm.checkpoint.export_hf``)."""
+        from lightning_mm.model.composites import save_pretrained
+
+        return save_pretrained(self, folder)
 
     # ------------------------------------------------------------------ structure
     @property
@@ -139,10 +162,13 @@ class MultimodalModel(nn.Module):
             mods = torch.where(attention_mask.bool(), mods, -1)
         return mods
 
-    def build_bam(self, input_ids, attention_mask=None, causal_modalities: bool | set[int] = False) -> torch.Tensor:
-        """Default words: text causal over everything, each modality bidirectional among its own tokens."""
+    def build_bam(self, input_ids, attention_mask=None,
+                  causal_modalities: bool | set[int] | None = None) -> torch.Tensor:
+        """Default words: text causal over everything, each modality bidirectional among its own tokens (or, with
+        ``causal_modalities``, default ``self.causal_modalities``, the text word: plain causal)."""
+        causal = self.causal_modalities if causal_modalities is None else causal_modalities
         return masks.words_from_modalities(self.modality_of_tokens(input_ids, attention_mask), len(self.encoders),
-                                           causal_modalities)
+                                           causal)
 
     def check_placeholders(self, input_ids: torch.Tensor, modality_inputs: dict[str, dict]) -> None:
         """Raise if a modality's placeholder count differs from what its encoder will emit (before it runs)."""
@@ -201,6 +227,8 @@ class MultimodalModel(nn.Module):
 
         ``item_counts`` (items per row, from the collator) only matters for cutting microbatches."""
         self.check_placeholders(input_ids, modality_inputs)
+        if position_ids is None and self.position_ids_fn is not None:
+            position_ids = self.position_ids_fn(input_ids, modality_inputs, attention_mask)
         features = {name: self.encoders[name](inputs) for name, inputs in modality_inputs.items()}
         ctx = self.attention_context(input_ids, bam, segment_ids, position_ids, attention_mask)
         hidden = self.run_llm_layers(self.embed(input_ids, features), ctx)

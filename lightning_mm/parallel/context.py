@@ -174,8 +174,9 @@ def pad_for_context_parallel(mb: dict, cp_size: int, block_size: int) -> dict:
             continue
         if key in fill:
             tail = torch.full((t.shape[0], extra), fill[key], dtype=t.dtype, device=t.device)
-        elif key == "position_ids":
-            tail = t[:, -1:] + torch.arange(1, extra + 1, dtype=t.dtype, device=t.device)
+        elif key == "position_ids":  # [B, S] or [B, S, 3] (M-RoPE)
+            step = torch.arange(1, extra + 1, dtype=t.dtype, device=t.device).view(1, -1, *[1] * (t.dim() - 2))
+            tail = t[:, -1:] + step
         else:
             tail = t[:, -1:].expand(-1, extra)
         out[key] = torch.cat([t, tail], dim=1)

@@ -1,0 +1,413 @@
+"""HF composite multimodal checkpoints in and out: LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen2-Audio.
+
+``from_pretrained(folder)`` builds a ``MultimodalModel`` whose forward is the composite class's own: its vision or
+audio tower (LLaVA's cut after ``vision_feature_layer``, the first token dropped by the "default" select strategy;
+Qwen2-Audio's run with the clips' padding mask, each clip emitting its real length), its projector module, its
+language model, its placeholder ids (``image_token_id`` / ``audio_token_id``), its attention pattern (causal over
+every token) and, for Qwen2-VL / Qwen2.5-VL, its M-RoPE positions. Every part records where its tensors live in
+the composite's safetensors (``PretrainedSource``), so under the meta device nothing is read and
+``materialise`` reads a pipeline stage's own tensors only, as for folders of separate parts.
+
+``save_pretrained`` writes the folder back for the composite class: every tensor under the composite's names
+(tensors no part uses, such as LLaVA's layers past the feature layer, copied from the source folder), its config,
+and the source folder's processor and tokenizer files.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPreTrainedModel, Qwen2_5_VLTextModel
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLPreTrainedModel, Qwen2VLTextModel
+
+from lightning_mm.model import loading
+from lightning_mm.model.loading import ModelFolderError, PretrainedSource
+
+
+# ---------------------------------------------------------------------------------------------- the composites
+@dataclass(frozen=True)
+class CompositeSpec:
+    """Where a composite class keeps its parts (transformers 5 names; older checkpoints are renamed on load)."""
+
+    class_name: str
+    model_type: str
+    modality: str                # the encoder's name in the MultimodalModel
+    tower_config: str            # config attribute holding the encoder's config
+    token_id: str                # config attribute holding the placeholder id
+    tower: str                   # key prefix of the encoder
+    projector: str | None        # key prefix of the projector (None: the tower's own merger projects)
+    mrope: bool = False
+
+    def hf_class(self):
+        import transformers
+
+        return getattr(transformers, self.class_name)
+
+
+SPECS = {s.class_name: s for s in (
+    CompositeSpec("LlavaForConditionalGeneration", "llava", "vision", "vision_config", "image_token_id",
+                  "model.vision_tower.", "model.multi_modal_projector."),
+    CompositeSpec("Qwen2VLForConditionalGeneration", "qwen2_vl", "vision", "vision_config", "image_token_id",
+                  "model.visual.", None, mrope=True),
+    CompositeSpec("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "vision", "vision_config", "image_token_id",
+                  "model.visual.", None, mrope=True),
+    CompositeSpec("Qwen2AudioForConditionalGeneration", "qwen2_audio", "audio", "audio_config", "audio_token_id",
+                  "model.audio_tower.", "model.multi_modal_projector."),
+)}
+LM_PREFIXES = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
+
+
+def composite_spec(config) -> CompositeSpec | None:
+    """The composite a config describes (``architectures`` first, then ``model_type``), or None."""
+    for arch in getattr(config, "architectures", None) or ():
+        if arch in SPECS:
+            return SPECS[arch]
+    return next((s for s in SPECS.values() if s.model_type == getattr(config, "model_type", None)), None)
+
+
+def _prefix_table(spec: CompositeSpec) -> list[tuple[str, str]]:
+    """(composite key prefix, our full-name prefix) pairs."""
+    table = list(LM_PREFIXES) + [(spec.tower, f"encoders.{spec.modality}.module.")]
+    if spec.projector:
+        table.append((spec.projector, f"encoders.{spec.modality}.projector."))
+    return table
+
+
+def to_ours(spec: CompositeSpec, name: str) -> str | None:
+    for theirs, ours in _prefix_table(spec):
+        if name.startswith(theirs):
+            return ours + name[len(theirs):]
+    return None
+
+
+def to_theirs(spec: CompositeSpec, name: str) -> str | None:
+    for theirs, ours in _prefix_table(spec):
+        if name.startswith(ours):
+            return theirs + name[len(ours):]
+    return None
+
+
+@dataclass
+class CompositeSource:
+    """What ``save_pretrained`` needs to write a composite folder back: its config, the source folder, and the
+    tensors of the source no part of the model holds (composite key -> (file, key in the file))."""
+
+    spec: CompositeSpec
+    config: object
+    folder: str
+    passthrough: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- M-RoPE LMs
+class _TextForCausalLM:
+    """A ``*ForCausalLM`` for a Qwen-VL text decoder (transformers has none): ``model`` + ``lm_head``, the
+    composite's language model and head under the names a causal LM has."""
+
+    base_model_prefix = "model"
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    text_model = None
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = self.text_model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                **kwargs):
+        """``position_ids`` as HF's text model takes them: ``[3, B, S]`` or ``[B, S]``."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds, **kwargs).last_hidden_state
+        logits = self.lm_head(hidden)
+        loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
+                                                              vocab_size=self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class Qwen2VLTextForCausalLM(_TextForCausalLM, Qwen2VLPreTrainedModel):
+    config: Qwen2VLTextConfig
+    text_model = Qwen2VLTextModel
+
+
+class Qwen2_5_VLTextForCausalLM(_TextForCausalLM, Qwen2_5_VLPreTrainedModel):
+    config: Qwen2_5_VLTextConfig
+    text_model = Qwen2_5_VLTextModel
+
+
+# ---------------------------------------------------------------------------------------------- encoder views
+class FeatureSelectFamily:
+    """A ViT family as LLaVA reads its tower: the hidden state after the tower's layers (the tower is built with
+    only the layers up to ``vision_feature_layer``), without the final norm, the first token dropped by the
+    "default" select strategy. Everything else is the base family's."""
+
+    def __init__(self, base, drop_first: bool):
+        self.base, self.drop_first = base, drop_first
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def num_tokens(self, config, inputs) -> list[int]:
+        return [n - int(self.drop_first) for n in self.base.num_tokens(config, inputs)]
+
+    def final(self, enc, hidden, ctx) -> torch.Tensor:
+        hidden = hidden[:, 1:] if self.drop_first else hidden
+        return hidden.reshape(-1, hidden.shape[-1])
+
+
+@dataclass(frozen=True)
+class MRopePositions:
+    """Qwen2-VL's 3-D positions (``get_rope_index``) from the token ids and the images' grids: text counts on from
+    the position after the previous item; an image's tokens get (start + t, start + h, start + w) over its merged
+    grid and the next text starts ``max(h, w)`` after it. Consecutive runs of placeholders are split into items by
+    their token counts. Padding (``attention_mask`` 0) is skipped and gets 0. Returns ``[B, S, 3]``."""
+
+    modality: str
+    placeholder_id: int
+    spatial_merge_size: int
+    grid_key: str = "image_grid_thw"
+
+    def __call__(self, input_ids: torch.Tensor, modality_inputs: dict, attention_mask: torch.Tensor | None = None):
+        inputs = modality_inputs.get(self.modality) or {}
+        grids = inputs[self.grid_key].tolist() if self.grid_key in inputs else []
+        m = self.spatial_merge_size
+        out = torch.zeros(*input_ids.shape, 3, dtype=torch.long)
+        item = 0
+        for row in range(input_ids.shape[0]):
+            keep = torch.ones(input_ids.shape[1], dtype=torch.bool) if attention_mask is None else \
+                attention_mask[row].bool().cpu()
+            ids = input_ids[row].cpu()[keep]
+            is_item = (ids == self.placeholder_id).long()
+            values, counts = torch.unique_consecutive(is_item, return_counts=True)
+            pos, parts = 0, []
+            for value, count in zip(values.tolist(), counts.tolist()):
+                if not value:
+                    parts.append(torch.arange(pos, pos + count).unsqueeze(1).expand(-1, 3))
+                    pos += count
+                    continue
+                while count > 0:
+                    if item >= len(grids):
+                        raise ValueError(f"{self.modality}: input_ids hold more placeholder tokens than the "
+                                         f"{len(grids)} items of {self.grid_key} give")
+                    t, h, w = grids[item]
+                    gh, gw = h // m, w // m
+                    tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+                    parts.append(torch.stack([tt, hh, ww], -1).reshape(-1, 3) + pos)
+                    count -= t * gh * gw
+                    pos += max(gh, gw)
+                    item += 1
+                if count < 0:
+                    raise ValueError(f"{self.modality}: a run of placeholder tokens ends inside an item; expand each "
+                                     "item's placeholder to its token count")
+            if parts:
+                out[row, keep] = torch.cat(parts)
+        return out.to(input_ids.device)
+
+
+def fill_positions(model, batch: dict) -> dict:
+    """The batch with the model's own ``position_ids`` (Qwen2-VL's M-RoPE) when it has none, computed from its
+    tokens and grids (so every rank of a replica computes the same)."""
+    fn = getattr(model, "position_ids_fn", None)
+    if fn is None or batch.get("position_ids") is not None or "input_ids" not in batch:
+        return batch
+    inputs = {name: batch[name] for name in model.encoders if isinstance(batch.get(name), dict)}
+    return {**batch, "position_ids": fn(batch["input_ids"], inputs, batch.get("attention_mask"))}
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _language_class(config):
+    from lightning_mm.model.families import LANGUAGE_FAMILIES, MROPE_FAMILIES
+
+    model_type = getattr(config, "model_type", None)
+    fam = LANGUAGE_FAMILIES.get(model_type) or MROPE_FAMILIES.get(model_type)
+    if fam is None:
+        supported = ", ".join(list(LANGUAGE_FAMILIES) + list(MROPE_FAMILIES))
+        raise ModelFolderError(f"the composite's language model has model_type={model_type!r}, not a supported "
+                               f"family ({supported})")
+    return fam.hf_class()
+
+
+def _encoder_class(config):
+    from lightning_mm.model.families import ENCODER_FAMILIES
+
+    model_type = getattr(config, "model_type", None)
+    for fam in ENCODER_FAMILIES.values():
+        if fam.folder_model_types.get(model_type, "missing") is None:
+            return fam.hf_class()
+    supported = ", ".join(m for f in ENCODER_FAMILIES.values() for m, sub in f.folder_model_types.items()
+                          if sub is None)
+    raise ModelFolderError(f"the composite's encoder has model_type={model_type!r}, not a supported tower "
+                           f"({supported})")
+
+
+def _record_sources(part: nn.Module, prefix: str, spec: CompositeSpec, stored: dict, folder, used: set) -> None:
+    """Give ``part`` (full name ``prefix``) a ``PretrainedSource`` for every persistent tensor, after checking its
+    presence and shape in the folder."""
+    mapping, missing = {}, []
+    groups = loading._groups(part)
+    for g in groups.values():
+        theirs = [to_theirs(spec, loading._join(prefix, n)) for n in g.names]
+        hit = next((stored[t] for t in theirs if t in stored), None)
+        if hit is not None:  # tied weights: every name of the tensor reads the stored one
+            used.update(t for t in theirs if t in stored)
+            mapping.update(dict.fromkeys(g.names, hit))
+        elif g.persistent and not all(loading._ignorable(part, n) for n in g.names):
+            missing.append(theirs[0])
+    if missing:
+        raise ModelFolderError(f"{folder.path} has no tensor {missing[0]!r} ({len(missing)} missing in all); the "
+                               f"folder's weights do not match its {loading.CONFIG_FILE}")
+    shapes = {n: tuple(g.tensor.shape) for g in groups.values() for n in g.names}
+    for name, (file, key) in mapping.items():
+        loading._check_tensor(os.path.join(folder.path, file), key, folder.headers[file], name, shapes[name])
+    part.pretrained_source = PretrainedSource(folder.path, type(part).__name__, mapping)
+
+
+def from_pretrained(path, causal_modalities: bool = True):
+    """The ``MultimodalModel`` of a composite HF folder (see the module docstring).
+
+    ``causal_modalities=False`` makes each image's / clip's tokens attend bidirectionally among themselves
+    instead of HF's causal pattern. Parameters take the default dtype; under the meta device nothing is read."""
+    from lightning_mm.model.encoder import ModalityEncoder
+    from lightning_mm.model.families import encoder_family
+    from lightning_mm.model.multimodal import MultimodalModel
+
+    folder = loading._open_folder(path)
+    config = folder.config
+    spec = composite_spec(config)
+    if spec is None:
+        supported = ", ".join(f"{s.class_name} ({s.model_type})" for s in SPECS.values())
+        raise ModelFolderError(f"{os.path.join(folder.path, loading.CONFIG_FILE)} describes "
+                               f"{loading._describe(config)}, not a supported composite; supported: {supported}. "
+                               "Folders of separate parts load with ModalityEncoder(folder) and "
+                               "MultimodalModel(language_model=folder)")
+    with torch.device("meta"):
+        hf = spec.hf_class()(copy.deepcopy(config))
+    rename = loading._hf_renamer(hf)
+    expected = set(hf.state_dict())
+    stored = {}
+    for key, file in folder.files.items():
+        name, converted = rename(key)
+        if name not in expected:
+            continue
+        if converted:
+            raise ModelFolderError(f"{folder.path}: tensor {key!r} is stored in a form transformers converts on "
+                                   "load (fused or split); load the folder with the HF class and save it again")
+        stored[name] = (file, key)
+    tied = hf.lm_head.weight is hf.model.language_model.embed_tokens.weight
+
+    # the parts, built on meta, then materialised from the folder unless the caller builds on meta
+    text_config = copy.deepcopy(config.get_text_config())
+    text_config.tie_word_embeddings = tied
+    tower_config = copy.deepcopy(getattr(config, spec.tower_config))
+    drop_first = None
+    if spec.model_type == "llava":
+        layer = config.vision_feature_layer
+        if not isinstance(layer, int):
+            raise ModelFolderError(f"{folder.path}: vision_feature_layer={layer!r} (several layers concatenated) is "
+                                   "not supported; only one feature layer is")
+        total = tower_config.num_hidden_layers
+        keep = layer if layer >= 0 else total + 1 + layer
+        if not 0 <= keep <= total:
+            raise ModelFolderError(f"{folder.path}: vision_feature_layer={layer} is outside the tower's {total} "
+                                   "layers")
+        tower_config.num_hidden_layers = keep
+        drop_first = config.vision_feature_select_strategy == "default"
+    with torch.device("meta"):
+        lm = _language_class(text_config)(text_config)
+        tower = _encoder_class(tower_config)(tower_config)
+        projector = type(hf.get_submodule(spec.projector[:-1]))(copy.deepcopy(config)) if spec.projector else \
+            nn.Identity()
+    used: set[str] = set()
+    _record_sources(lm, "language_model", spec, stored, folder, used)
+    _record_sources(tower, f"encoders.{spec.modality}.module", spec, stored, folder, used)
+    if spec.projector:
+        _record_sources(projector, f"encoders.{spec.modality}.projector", spec, stored, folder, used)
+    if not loading.building_on_meta():
+        for part in (lm, tower, projector):
+            loading.materialise(part, torch.get_default_device())
+
+    enc = ModalityEncoder(tower, projector=projector)
+    if drop_first is not None:
+        enc.family = FeatureSelectFamily(encoder_family(tower), drop_first)
+    placeholder = getattr(config, spec.token_id)
+    model = MultimodalModel({spec.modality: enc}, lm, placeholder_ids={spec.modality: placeholder})
+    model.causal_modalities = causal_modalities
+    if spec.mrope:
+        model.position_ids_fn = MRopePositions(spec.modality, placeholder, tower_config.spatial_merge_size)
+    model.composite = CompositeSource(spec, copy.deepcopy(config), folder.path,
+                                      {k: v for k, v in stored.items() if k not in used})
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- saving
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
+
+
+def _passthrough_tensor(src: CompositeSource, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    file, key = src.passthrough[name]
+    with safe_open(os.path.join(src.folder, file), framework="pt", device="cpu") as f:
+        return f.get_tensor(key)
+
+
+def save_pretrained(model, folder) -> dict:
+    """Write ``model`` as HF folders. A model from a composite folder: one folder the composite class loads
+    (``from_pretrained``) with these tensors, plus the source folder's processor and tokenizer files. Any other
+    model: its parts (``lightning_mm.checkpoint.export_hf``). Returns what was written (a manifest)."""
+    src = getattr(model, "composite", None)
+    if src is None:
+        from lightning_mm.checkpoint import export_hf
+
+        return export_hf(None, model, folder)
+    spec = src.spec
+    ours = model.state_dict()
+    with torch.device("meta"):
+        hf = spec.hf_class()(copy.deepcopy(src.config))
+    state = {}
+    for name in hf.state_dict():
+        mine = to_ours(spec, name)
+        if mine in ours:
+            value = ours[mine]
+        elif name in src.passthrough:
+            value = _passthrough_tensor(src, name)
+        else:
+            raise ValueError(f"cannot save {spec.class_name}: no tensor for {name!r} (expected {mine!r} in the "
+                             "model); save_pretrained needs the whole model, not a pipeline stage")
+        if value.is_meta:
+            raise ValueError(f"{mine or name} is still on the meta device; materialise the model before saving")
+        if hasattr(value, "full_tensor"):  # a DTensor: the whole tensor
+            value = value.full_tensor()
+        state[name] = value.detach()
+    hf.load_state_dict(state, strict=True, assign=True)
+    os.makedirs(folder, exist_ok=True)
+    hf.save_pretrained(folder)
+    written = set(os.listdir(folder))
+    copied = []
+    if os.path.isdir(src.folder):
+        for f in sorted(os.listdir(src.folder)):
+            path = os.path.join(src.folder, f)
+            if (os.path.isfile(path) and f not in written and not f.endswith(WEIGHT_SUFFIXES)
+                    and f not in (loading.CONFIG_FILE, loading.SAFETENSORS_INDEX)):
+                shutil.copy2(path, os.path.join(folder, f))
+                copied.append(f)
+    return {"composite": spec.class_name, "folder": os.fspath(folder), "copied": copied}
+
+
+__all__ = ["SPECS", "CompositeSpec", "CompositeSource", "FeatureSelectFamily", "MRopePositions", "composite_spec",
+           "fill_positions", "from_pretrained", "save_pretrained", "Qwen2VLTextForCausalLM",
+           "Qwen2_5_VLTextForCausalLM"]

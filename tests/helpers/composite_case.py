@@ -1,0 +1,85 @@
+"""Train a composite checkpoint (``MultimodalModel.from_pretrained``) with Lightning, in one process or under
+MultimodalParallelStrategy, described by a JSON argument.
+
+``python composite_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0: per-step losses) and
+``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names). Keys of the JSON:
+
+- ``folder``: the composite folder (required); ``steps``
+- ``llm_pp`` / ``llm_cp``: the LLM's pipeline stages / context-parallel ranks under the strategy (vision: one
+  stage); without either, plain single-device Lightning
+- ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta; each rank reads its stage in setup)
+
+Batches come from ``MultimodalCollator``: samples with one or two images of different grids, so rows differ in
+length (padding) and the M-RoPE ``position_ids`` ``[B, S, 3]`` travel with the tokens.
+"""
+
+import json
+import os
+import sys
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+import lightning_mm as lmm
+
+IMG, VSTART, VEND = 100, 102, 103
+GRIDS = [(1, 8, 8), (1, 4, 8), (1, 8, 4), (1, 4, 4)]
+
+
+def sample(i: int) -> dict:
+    g = torch.Generator().manual_seed(i)
+    n_images = 1 + i % 2
+    grids = [GRIDS[(i + k) % len(GRIDS)] for k in range(n_images)]
+    ids = torch.randint(1, 90, (3 + i % 3,), generator=g).tolist()
+    for _ in grids:
+        ids += [VSTART, IMG, VEND] + torch.randint(1, 90, (2,), generator=g).tolist()
+    ids += torch.randint(1, 90, (4,), generator=g).tolist()
+    patches = sum(t * h * w for t, h, w in grids)
+    return {"input_ids": torch.tensor(ids),
+            "vision": {"pixel_values": torch.randn(patches, 3 * 2 * 4 * 4, generator=g),
+                       "image_grid_thw": torch.tensor(grids)}}
+
+
+def main(spec: str, out: str):
+    case = json.loads(spec)
+    torch.set_num_threads(1)
+    if "llm_pp" in case or "llm_cp" in case:
+        pp, cp = case.get("llm_pp", 1), case.get("llm_cp", 1)
+        strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=1)},
+                                                  language_model=lmm.ParallelSpec(pp=pp, cp=cp),
+                                                  num_microbatches=2, cp_block_size=8, fault_timeout=120)
+        devices = 1 + pp * cp
+    else:
+        strategy, devices = "auto", 1
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0)
+    torch.manual_seed(0)
+    if case.get("lazy"):
+        with trainer.init_module(empty_init=True):
+            model = lmm.MultimodalModel.from_pretrained(case["folder"])
+    else:
+        model = lmm.MultimodalModel.from_pretrained(case["folder"])
+    model.freeze(encoders=False, projectors=False, language_model=False)
+    losses = []
+
+    class Module(lmm.MultimodalLightningModule):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            super().on_train_batch_end(outputs, batch, batch_idx)
+            losses.append(float(outputs["loss"]))
+
+    module = Module(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    data = DataLoader([sample(i) for i in range(12)], batch_size=4, collate_fn=lmm.data.MultimodalCollator(model))
+    trainer.fit(module, data)
+    engine = getattr(trainer.strategy, "engine", None)
+    torch.save({n: p.detach().cpu() for n, p in module.model.named_parameters()
+                if p.requires_grad and (engine is None or n in engine.owned)},
+               os.path.join(out, f"params_{trainer.global_rank}.pt"))
+    if trainer.global_rank == 0:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"train": losses}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
