@@ -127,9 +127,12 @@ def load_hf(kind, path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_loss_logits_gradients_and_round_trip_equal_hf(kind, tmp_path):
-    folder = save_composite(kind, tmp_path / "src")
+    tied = kind == "qwen2_vl"  # the composite config ties the head to the embedding (its text config does not)
+    folder = save_composite(kind, tmp_path / "src", **({"tie_word_embeddings": True} if tied else {}))
     ref = load_hf(kind, folder).train()
     model = lmm.MultimodalModel.from_pretrained(folder).train()
+    lm = model.language_model
+    assert (lm.lm_head.weight is lm.model.embed_tokens.weight) == tied
     spec = model.composite.spec
     modality = spec.modality
     assert model.placeholder_ids == {modality: IMG} and model.causal_modalities
@@ -315,3 +318,37 @@ def test_qwen2_vl_composite_under_the_strategy_trains_like_one_process(tmp_path)
         assert set(params) == set(ref_params), name
         for n, p in ref_params.items():
             torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
+
+
+def test_yaml_names_a_composite_folder_and_export_writes_the_composite(tmp_path, capsys):
+    """A fit YAML whose model is a composite folder; ``lightning-mm export`` of a checkpoint of it writes one folder
+    the HF class loads with the checkpoint's tensors (frozen ones as the folder has them)."""
+    import yaml
+
+    from lightning_mm import checkpoint as ckpt
+    from lightning_mm.cli import MultimodalCLI, main
+
+    folder = save_composite("llava", tmp_path / "src")
+    config = tmp_path / "fit.yaml"
+    config.write_text(yaml.safe_dump({"seed_everything": 0, "model": {"model": folder,
+                                                                      "freeze": {"language_model": True}}}))
+    cli = MultimodalCLI(run=False, args=["--config", str(config), "--trainer.logger=false"],
+                        save_config_callback=None)
+    model = cli.model.model
+    assert model.composite.spec.class_name == "LlavaForConditionalGeneration"
+    trained = {n: p.detach() + 1.0 for n, p in model.named_parameters() if p.requires_grad}
+    layout = {"parameters": ckpt.model_fingerprint(model), "trainable": sorted(trained), "frozen_saved": False,
+              "world_size": 1, "stages": []}
+    path = str(tmp_path / "step=1.ckpt")
+    ckpt.save_sharded(path, {f"model/{n}": v for n, v in trained.items()}, {}, layout, rank=0)
+    main(["export", "--config", str(config), "--ckpt_path", path, "--out_dir", str(tmp_path / "hf")])
+    assert "as LlavaForConditionalGeneration" in capsys.readouterr().out
+    exported = load_hf("llava", tmp_path / "hf").state_dict()
+    source = load_hf("llava", folder).state_dict()
+    spec = model.composite.spec
+    for name, value in exported.items():
+        ours = composites.to_ours(spec, name)
+        expected = trained[ours] if ours in trained else source[name]
+        assert torch.equal(value, expected), name
+    assert any(composites.to_ours(spec, n) in trained for n in exported)
+    assert any(composites.to_ours(spec, n) not in trained for n in exported)
