@@ -28,7 +28,7 @@ from lightning_mm.model.loading import materialise
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.parallel.engine import PipelineEngine, check_same_batch
 from lightning_mm.parallel.sharding import SHARDING_STRATEGIES
-from lightning_mm.parallel.tensor_parallel import check_tensor_parallel
+from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, to_device_keeping_dtensors
 from lightning_mm.plan.layout import ParallelSpec, RankLayout, build_layout
 from lightning_mm.planner.model_costs import resolve_partition
 
@@ -154,7 +154,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         module, model = self.lightning_module, self.multimodal_model()
         if self.engine is None or self.engine.model is not model:
             self.build_stage(module, model)
-        module.to(self.root_device)  # what is left: this stage, metrics, buffers
+        to_device_keeping_dtensors(module, self.root_device)  # what is left: this stage, metrics, buffers
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -31,7 +31,7 @@ from lightning_mm.parallel.comm import StageComm
 from lightning_mm.parallel.context import pad_for_context_parallel, token_index
 from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
 from lightning_mm.parallel.stages import owned_parameters, prune, tied_embedding_stages
-from lightning_mm.parallel.tensor_parallel import apply_tp
+from lightning_mm.parallel.tensor_parallel import apply_tp, keep_grads_like_parameters
 from lightning_mm.plan.layout import RankLayout
 from lightning_mm.plan.schedule import (LANGUAGE_MODEL, build_stage_graph, check_rendezvous, check_schedule,
                                         communication_groups, one_f_one_b)
@@ -151,6 +151,7 @@ class PipelineEngine:
         if materialise is not None:
             materialise(model)
         self.comm = StageComm(self.device, self.groups.headers)
+        keep_grads_like_parameters(self.trainable_parameters())
         self.reducer = GradientReducer(self.trainable_parameters(), self.groups.grad, bucket_mb)
         self.timings: list[tuple[str, int, float, float]] = []  # (kind, microbatch, start, end) of the last step
 

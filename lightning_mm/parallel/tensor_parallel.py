@@ -99,7 +99,7 @@ def apply_tp(model, plan: StagePlan, meshes: dict[str, object]) -> list[nn.Param
         for i in range(sl.start, sl.end):
             _parallelize_layer(fam.layers(lm)[i], lm_mesh, layer_plan, (), allreduce)
         embed = fam.embed_tokens(lm)
-        tied = isinstance(lm.lm_head, nn.Linear) and lm.lm_head.weight is embed.weight
+        tied = isinstance(lm.lm_head, nn.Linear) and lm.lm_head.weight is getattr(embed, "weight", None)
         if sl.embed or (tied and sl.head):  # vocab-parallel: each rank looks up its rows, partial sums reduced
             parallelize_module(embed, lm_mesh, RowwiseParallel(input_layouts=Replicate()))
         if sl.head:  # vocab-parallel logits, consumed by loss_parallel
@@ -114,6 +114,36 @@ def apply_tp(model, plan: StagePlan, meshes: dict[str, object]) -> list[nn.Param
         for i in range(sl.start, sl.end):
             _parallelize_layer(enc.layers[i], mesh, enc.family.tp_plan, enc.family.tp_head_attrs, allreduce)
     return allreduce
+
+
+def keep_grads_like_parameters(params) -> None:
+    """Hook every trainable DTensor parameter so its gradient takes its layout."""
+    for p in params:
+        if isinstance(p, DTensor) and p.requires_grad:
+            p.register_post_accumulate_grad_hook(_grad_like_parameter)
+
+
+def to_device_keeping_dtensors(module: nn.Module, device) -> None:
+    """``module.to(device)`` except DTensor parameters (materialise and DTensor already placed them): moving one
+    swaps its contents with a new tensor's, after which its gradient hooks never fire again."""
+    hidden = []
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if isinstance(p, DTensor):
+                hidden.append((m, name, p))
+                del m._parameters[name]
+    try:
+        module.to(device)
+    finally:
+        for m, name, p in hidden:
+            m._parameters[name] = p
+
+
+def _grad_like_parameter(p) -> None:
+    """Keep a gradient laid out as its parameter: DTensor's vocab-parallel embedding backward yields a replicated
+    (whole-vocabulary) gradient; taking this rank's shard right away frees the rest (no communication)."""
+    if p.grad.placements != p.placements:
+        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
 def is_dtensor(t) -> bool:
