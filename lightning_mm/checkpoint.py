@@ -389,7 +389,12 @@ def export_hf(path: str, model, out_dir: str) -> dict:
         manifest["encoders"][name] = {"class": type(enc.module).__name__, "module": type(enc.module).__module__,
                                       "dir": f"encoders/{name}", "projector": f"projectors/{name}",
                                       "projector_kind": enc.projector_kind}
-    model.language_model.save_pretrained(out / "language_model")
+    if getattr(model, "peft_model", None) is not None:  # LoRA adapters: a plain folder with them merged
+        from lightning_mm.model.lora import save_lora
+
+        save_lora(model, out / "language_model", merge=True)
+    else:
+        model.language_model.save_pretrained(out / "language_model")
     (out / HF_MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 

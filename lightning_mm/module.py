@@ -31,17 +31,27 @@ class MultimodalLightningModule(pl.LightningModule):
     ``model.freeze`` (so a YAML can say ``freeze: {encoders: true, language_model: true}``). Every batch is
     validated first (``lightning_mm.data.validate``); ``nan_guard``: None, "skip" (drop a step whose loss is not
     finite) or "stop" (raise).
+
+    ``generation`` (keyword arguments of ``MultimodalModel.generate``, e.g. ``{"max_new_tokens": 32}``) makes
+    ``trainer.predict`` decode with a KV cache and return ``{"generated_ids": [B, N]}``; under the strategy that
+    needs the whole model on each rank (``devices=1``, or an LLM of one stage with encoders replicated). ``lora``
+    (keyword arguments of ``MultimodalModel.add_lora``, e.g. ``{"modules": ["q_proj", "v_proj"], "r": 8}``) adds
+    LoRA adapters after ``freeze``.
     """
 
     def __init__(self, model: MultimodalModel | str, optimizer: OptimizerFactory | None = None,
                  lr_scheduler: SchedulerFactory | None = None, lr: float = 1e-3,
                  freeze: dict[str, bool] | None = None, nan_guard: str | None = None,
-                 peak_flops: float | None = None, bubble_every_n_steps: int | None = None):
+                 peak_flops: float | None = None, bubble_every_n_steps: int | None = None,
+                 generation: dict | None = None, lora: dict | None = None):
         super().__init__()
         check_finite_loss(torch.zeros(()), 0, nan_guard)  # rejects an unknown mode at construction
         if isinstance(model, (str, os.PathLike)):
             model = MultimodalModel.from_pretrained(model)
         self.model = model.freeze(**freeze) if freeze else model
+        if lora:
+            self.model.add_lora(**lora)
+        self.generation = dict(generation) if generation is not None else None
         self.optimizer_factory, self.scheduler_factory, self.lr = optimizer, lr_scheduler, lr
         self.train_metrics = TrainingMetrics(peak_flops, bubble_every_n_steps)
         self.nan_guard = nan_guard
@@ -132,9 +142,14 @@ class MultimodalLightningModule(pl.LightningModule):
 
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> dict:
         """``{"logits": [B, S, V], "predicted_ids": [B, S]}``: the greedy next token at every position. Under the
-        strategy every rank returns the ids; the logits only where the LLM head lives (else None)."""
+        strategy every rank returns the ids; the logits only where the LLM head lives (else None). With
+        ``generation=...``: ``{"generated_ids": [B, N]}``, the tokens ``MultimodalModel.generate`` decodes."""
         batch = fill_positions(self.model, batch)  # a composite's own positions (M-RoPE) when the batch has none
         validate_batch(batch, self.model, self.pipeline.num_microbatches if self.pipeline is not None else 1)
+        if self.generation is not None:
+            from lightning_mm.model.generation import predict_generate
+
+            return {"generated_ids": predict_generate(self, batch, self.generation)}
         if self.pipeline is not None:
             return self.pipeline.predict_pipeline(batch)
         logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits

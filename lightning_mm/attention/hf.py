@@ -4,13 +4,27 @@ A model built with ``attn_implementation="bitfield"`` calls :func:`hf_bitfield_a
 layer. The words, segments and token positions reach it as forward keyword arguments (``bam``,
 ``segment_ids``, ``token_index``), which transformers passes through to the attention function. A context
 parallel group, when given as ``cp_group``, makes the layer gather keys and values across it.
+
+A language model inside a ``MultimodalModel`` gets a private copy of its config whose implementation is
+``"bitfield|<its own>"`` (:func:`attach`): a call that carries mask words (``bam=``, or the words of a
+:func:`generation_words` scope) runs bitfield attention; a call without them runs the model's own implementation
+(``sdpa``, ``eager``, ...) with transformers' own mask, exactly as before it was wrapped. The config object the
+caller built the model from is never changed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
+import sys
+from contextvars import ContextVar
+
 import torch
 
 ATTENTION_NAME = "bitfield"
+SEPARATOR = "|"  # "bitfield|sdpa": bitfield attention when a call carries words, else sdpa
+_OWN_KWARGS = ("bam", "segment_ids", "token_index", "cp_group", "cp_cache")
 
 
 def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -18,6 +32,11 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
     """AttentionInterface function: query ``[B,H,S,D]`` -> ``([B,S,H,D], None)``."""
     from lightning_mm.attention import bitfield_attention
 
+    q_positions = k_positions = token_index
+    k_bam = bam
+    if bam is None and _GENERATION.get() is not None:  # a KV-cached decoding step of MultimodalModel.generate
+        bam, k_bam, q_positions, k_positions = _GENERATION.get().words(query.shape[0], query.shape[2], key.shape[2],
+                                                                       query.device)
     if bam is None:
         raise ValueError("attention 'bitfield' needs the mask words: call the model with bam=<int64 [B,S]> "
                          "(lightning_mm.masks builds them)")
@@ -26,7 +45,7 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
                          "not implement; set attn_logit_softcapping=None in the model config")
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if window is not None:  # only then is the sequence length read on the host
-        seq_len = query.shape[2] if token_index is None else int(token_index.max()) + 1
+        seq_len = max(query.shape[2], key.shape[2]) if token_index is None else int(token_index.max()) + 1
         if window < seq_len:
             raise ValueError(f"{type(module).__name__} uses a sliding window of {window} tokens, shorter than the "
                              f"sequence ({seq_len}); bitfield attention attends the whole allowed context. "
@@ -38,13 +57,157 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
         out = context_parallel_attention(query, key, value, bam, segment_ids, token_index, cp_group, scale=scaling,
                                          cache=kwargs.get("cp_cache"))
     else:
-        out = bitfield_attention(query, key, value, bam, bam, q_segments=segment_ids, k_segments=segment_ids,
-                                 q_positions=token_index, k_positions=token_index, scale=scaling)
+        out = bitfield_attention(query, key, value, bam, k_bam, q_segments=segment_ids, k_segments=segment_ids,
+                                 q_positions=q_positions, k_positions=k_positions, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> None:
-    """Register ``"bitfield"`` with transformers' attention (and attention-mask) interfaces."""
+    """Register ``"bitfield"`` with transformers' attention interface, and ``"bitfield|<name>"`` for every
+    implementation transformers knows now (others are registered when a model using them is attached)."""
     from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTENTION_NAME, hf_bitfield_attention)
+    for name in ["eager", *ALL_ATTENTION_FUNCTIONS._global_mapping]:
+        if not is_bitfield(name) and not name.startswith("paged|"):
+            register_dispatch(name)
+
+
+# ------------------------------------------------------------------ per-call dispatch
+def is_bitfield(name) -> bool:
+    """Whether an attention implementation name honours bitfield mask words."""
+    return isinstance(name, str) and (name == ATTENTION_NAME or name.startswith(ATTENTION_NAME + SEPARATOR))
+
+
+def fallback_of(name: str | None) -> str:
+    """The implementation a call without mask words runs: ``"bitfield|sdpa"`` -> ``"sdpa"``; a plain name (or
+    None, transformers' eager default) is its own."""
+    if name is None:
+        return "eager"
+    return name.split(SEPARATOR, 1)[1] if is_bitfield(name) and SEPARATOR in name else name
+
+
+def _fallback_function(module, fallback: str):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if fallback == "eager":  # each modeling file has its own eager function (Gemma2's applies softcapping)
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise ValueError(f"{type(module).__name__} has no eager_attention_forward in its modeling file; build the "
+                             "model with attn_implementation='sdpa'")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[fallback]
+
+
+def dispatching_attention(module, query, key, value, attention_mask, *args, fallback: str = "eager", **kwargs):
+    """``"bitfield|<fallback>"``: bitfield attention when the call carries words, else ``fallback`` unchanged."""
+    if kwargs.get("bam") is not None or _GENERATION.get() is not None:
+        return hf_bitfield_attention(module, query, key, value, attention_mask, *args, **kwargs)
+    for k in _OWN_KWARGS:
+        kwargs.pop(k, None)
+    return _fallback_function(module, fallback)(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def register_dispatch(fallback: str) -> str:
+    """Register ``"bitfield|<fallback>"`` (attention and, where transformers has one for ``fallback``, its mask
+    function, so a call without words builds exactly the mask it built before); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if is_bitfield(fallback):
+        raise ValueError(f"{fallback!r} is already a bitfield implementation")
+    name = f"{ATTENTION_NAME}{SEPARATOR}{fallback}"
+    if fallback != "eager" and fallback not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(f"attention implementation {fallback!r} is not registered with transformers")
+    if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
+        fn = functools.partial(dispatching_attention, fallback=fallback)
+        functools.update_wrapper(fn, dispatching_attention)
+        AttentionInterface.register(name, fn)
+        if fallback in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[fallback])
+    return name
+
+
+def _config_tree(config) -> list:
+    out, todo = [], [config]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo += [getattr(c, k) for k in getattr(c, "sub_configs", {}) if getattr(c, k, None) is not None]
+    return out
+
+
+def attach(model: torch.nn.Module, root: torch.nn.Module | None = None) -> str:
+    """Give ``model`` (a HF model) a private copy of its config (every submodule that shared the config now
+    shares the copy) whose implementation is ``"bitfield|<its own>"``; returns that name.
+
+    ``root``: the outermost module to rebind (e.g. a PEFT wrapper around ``model``), default ``model``. The config
+    object ``model`` was built from, and every other model built from it, are left as they were."""
+    old = model.config
+    new = copy.deepcopy(old)
+    pairs = {id(a): b for a, b in zip(_config_tree(old), _config_tree(new))}
+    for m in (root or model).modules():
+        c = m.__dict__.get("config")
+        if c is not None and id(c) in pairs:
+            m.__dict__["config"] = pairs[id(c)]
+    for c in _config_tree(new):
+        current = c._attn_implementation
+        c._attn_implementation_internal = current if is_bitfield(current) else register_dispatch(fallback_of(current))
+    return new._attn_implementation
+
+
+def check_honours_mask(model: torch.nn.Module) -> None:
+    """Raise unless ``model``'s attention implementation honours bitfield words (a call would otherwise silently
+    attend as plain causal attention, ignoring modality bits, segments and padding words)."""
+    config = getattr(model, "config", None)
+    name = getattr(config, "_attn_implementation", None)
+    if config is not None and not is_bitfield(name):
+        raise ValueError(f"the language model's attention implementation is {name!r}, which cannot honour the "
+                         "bitfield mask (modality bits, packed segments, padding words) and would silently ignore "
+                         "it; attach bitfield attention with lightning_mm.attention.attach(model.language_model) "
+                         "(calls without mask words still run the model's own attention), or build the "
+                         "MultimodalModel again without attn_implementation")
+
+
+# ------------------------------------------------------------------ words while decoding with a KV cache
+class GenerationWords:
+    """The mask words of a generation: the prompt's ``[B, S0]``; every token generated after it is text (attends
+    every earlier non-padding token). Keys are the cache's, in order (a full, unwindowed dynamic cache)."""
+
+    def __init__(self, prompt_bam: torch.Tensor, text_word: int):
+        self.prompt, self.text_word = prompt_bam, text_word
+        self._last = None
+
+    def words(self, batch: int, q_len: int, k_len: int, device):
+        key = (batch, q_len, k_len)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        prompt = self.prompt.to(device)
+        if batch != prompt.shape[0]:  # beams or num_return_sequences: rows repeated per prompt
+            if batch % prompt.shape[0]:
+                raise ValueError(f"generation batch {batch} is not a multiple of the prompt batch {prompt.shape[0]}")
+            prompt = prompt.repeat_interleave(batch // prompt.shape[0], dim=0)
+        s0 = prompt.shape[1]
+        if k_len < s0 or q_len > k_len:
+            raise ValueError(f"the KV cache holds {k_len} keys for {q_len} queries but the prompt has {s0} tokens: "
+                             "generation needs a full dynamic cache (no sliding-window or static cache)")
+        k_bam = torch.cat([prompt, prompt.new_full((batch, k_len - s0), self.text_word)], dim=1)
+        k_pos = torch.arange(k_len, device=device).expand(batch, k_len)
+        out = (k_bam[:, k_len - q_len:], k_bam, k_pos[:, k_len - q_len:], k_pos)
+        self._last = (key, out)
+        return out
+
+
+_GENERATION: ContextVar[GenerationWords | None] = ContextVar("lightning_mm_generation_words", default=None)
+
+
+@contextlib.contextmanager
+def generation_words(prompt_bam: torch.Tensor, text_word: int):
+    """Within this scope, attention calls without ``bam`` take the generation's words (prompt + generated)."""
+    token = _GENERATION.set(GenerationWords(prompt_bam, text_word))
+    try:
+        yield
+    finally:
+        _GENERATION.reset(token)

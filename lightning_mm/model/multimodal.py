@@ -12,6 +12,7 @@ from torch import nn
 from lightning_mm import loss as losses
 from lightning_mm import masks
 from lightning_mm.attention import ATTENTION_NAME
+from lightning_mm.attention import hf as hf_attention
 from lightning_mm.model.encoder import ModalityEncoder
 from lightning_mm.model.families import language_family
 from lightning_mm.model.loading import init_parameters, is_meta, load_language_model
@@ -65,6 +66,12 @@ class MultimodalModel(nn.Module):
     ``lightning_mm.model.materialise``. Projectors built from a string are initialised from
     ``torch.initial_seed()`` and their full names (``encoders.<name>.projector``), eagerly or when materialised, so
     both give the same values.
+
+    The language model stays itself: it gets a private copy of its config (the caller's config object and other
+    models built from it are untouched), and the bitfield mask travels with each call; a call without mask words
+    (the language model used alone) runs its own attention implementation as before. ``attn_implementation``
+    must be ``"bitfield"``: an implementation that ignores the mask words is refused. ``language_model`` may be a
+    ``peft`` LoRA model (``model.peft_model`` keeps it); ``add_lora`` adds adapters; ``generate`` decodes.
     """
 
     # set by ``from_pretrained`` for composite checkpoints (lightning_mm.model.composites): modality tokens get the
@@ -75,11 +82,21 @@ class MultimodalModel(nn.Module):
     composite = None
 
     def __init__(self, encoders: dict[str, ModalityEncoder], language_model: nn.Module | str,
-                 merge: Callable | None = None, placeholder_ids: dict[str, int] | None = None):
+                 merge: Callable | None = None, placeholder_ids: dict[str, int] | None = None,
+                 attn_implementation: str = ATTENTION_NAME):
         super().__init__()
         masks.check_num_encoders(len(encoders))
+        if attn_implementation != ATTENTION_NAME:
+            raise ValueError(f"attn_implementation={attn_implementation!r} cannot honour the bitfield attention mask "
+                             "(modality bits, packed segments, padding words) that MultimodalModel passes on every "
+                             f"call; use attn_implementation={ATTENTION_NAME!r} (the default). The language model "
+                             "keeps its own implementation for calls without mask words (used alone)")
         if isinstance(language_model, (str, os.PathLike)):
             language_model = load_language_model(language_model)
+        from lightning_mm.model.lora import unwrap
+
+        outer = language_model
+        language_model, peft_model = unwrap(language_model)
         self.lm_family = language_family(language_model)
         for name, enc in encoders.items():
             if not isinstance(enc, ModalityEncoder):
@@ -95,7 +112,8 @@ class MultimodalModel(nn.Module):
         self.vocab_size = self.lm_family.vocab_size(language_model)
         self.hidden_size = self.lm_family.hidden_size(language_model)
         self.max_positions = getattr(language_model.config, "max_position_embeddings", None)
-        language_model.set_attn_implementation(ATTENTION_NAME)
+        hf_attention.attach(language_model, root=outer)  # a private config; the mask words come per call
+        self.__dict__["peft_model"] = peft_model  # unregistered: its parameters are the language model's
         ids = {name: self.vocab_size + i for i, name in enumerate(encoders)}
         ids.update({n: e.placeholder_id for n, e in encoders.items() if e.placeholder_id is not None})
         ids.update(placeholder_ids or {})
@@ -201,6 +219,7 @@ class MultimodalModel(nn.Module):
     def run_llm_layers(self, hidden: torch.Tensor, ctx: AttentionContext, start: int = 0,
                        end: int | None = None) -> torch.Tensor:
         fam, lm = self.lm_family, self.language_model
+        hf_attention.check_honours_mask(lm)
         pos_emb = fam.position_embeddings(lm, hidden, ctx.position_ids)
         for layer in list(self.llm_layers)[start:end]:
             hidden = fam.run_layer(layer, hidden, pos_emb, ctx.position_ids, ctx.attn_kwargs())
@@ -238,3 +257,25 @@ class MultimodalModel(nn.Module):
         loss_sum = losses.token_loss_sum(logits, losses.shift_labels(labels))
         count = losses.count_label_tokens(labels) if num_label_tokens is None else num_label_tokens
         return MultimodalOutput(losses.normalise(loss_sum, count), logits, loss_sum)
+
+    # ------------------------------------------------------------------ generation and LoRA (generation.py, lora.py)
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """Decode with a KV cache through the language model's own transformers ``generate``: the encoders run
+        once, their features are merged into the prompt's embeddings, then the LLM decodes (``max_new_tokens``,
+        ``do_sample``, ``num_beams``, ... are transformers' own). Takes a batch as the collator makes it (labels
+        and item counts are ignored; rows padded on the right are moved left). The prompt attends under its
+        bitfield words (``bam``, default ``build_bam``); generated tokens are text. Returns what transformers'
+        ``generate`` returns for ``inputs_embeds``: the new token ids ``[B, N]`` (or its output object with
+        ``return_dict_in_generate=True``)."""
+        from lightning_mm.model.generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
+
+    def add_lora(self, modules, r: int = 8, alpha: float = 16, dropout: float = 0.0, **config):
+        """LoRA adapters (``peft.LoraConfig(r, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules,
+        **config)``) on the language model's ``modules`` (e.g. ``["q_proj", "v_proj"]``); the language model's
+        other weights are frozen, the rest of the model keeps its ``requires_grad``. Returns the ``PeftModel``
+        (also ``model.peft_model``); ``lightning_mm.model.lora.save_lora`` / ``merge_lora`` export."""
+        from lightning_mm.model.lora import add_lora
+
+        return add_lora(self, modules, r=r, alpha=alpha, dropout=dropout, **config)

@@ -182,9 +182,21 @@ def frozen_parts(model) -> dict[str, list[bool]]:
     return {m: [_frozen(ps) for ps in parts] for m, parts in part_parameters(model).items()}
 
 
+def trainable_fractions(model) -> dict[str, list[float]]:
+    """Per module and part: the share of its parameter elements that are trainable (0 frozen, 1 fully trainable;
+    a layer trained through LoRA adapters only a few percent)."""
+    return {m: [sum(p.numel() for p in ps if p.requires_grad) / max(1, sum(p.numel() for p in ps)) for ps in parts]
+            for m, parts in part_parameters(model).items()}
+
+
 def profile_times(model, profile: dict[str, list[LayerProfile]], batch: dict | None = None) -> dict[str, ModuleTimes]:
-    """Module times from a loaded profile, evaluated at ``batch``'s token counts, frozen flags from the model."""
+    """Module times from a loaded profile, evaluated at ``batch``'s token counts, frozen flags from the model.
+
+    A profile measures the weight gradients of all of a part's weights; a part whose weights are only partly
+    trainable (LoRA adapters beside a frozen base, a trainable projector beside a frozen norm) gets that share of
+    them (weight-gradient work is proportional to the weights it covers: 2 x tokens x weights for a linear map)."""
     frozen = frozen_parts(model)
+    fractions = trainable_fractions(model)
     tokens = part_tokens(model, batch)
     out = {}
     for module, flags in frozen.items():
@@ -194,7 +206,9 @@ def profile_times(model, profile: dict[str, list[LayerProfile]], batch: dict | N
         if len(profile[module]) != len(flags):
             raise ValueError(f"profile module {module!r} has {len(profile[module])} parts but the model has "
                              f"{len(flags)} (embed + {len(flags) - 2} layers + head); re-profile this model")
-        out[module] = module_times(profile[module], tokens[module], flags)
+        t = module_times(profile[module], tokens[module], flags)
+        out[module] = ModuleTimes(t.forward, t.input_grad, [w * f for w, f in zip(t.weight_grad, fractions[module])],
+                                  t.frozen)
     return out
 
 

@@ -1,0 +1,113 @@
+"""Generation with a KV cache: the encoders run once, their features are merged into the prompt's embeddings,
+then the language model's own transformers ``generate`` decodes (every logits processor, stopping criterion,
+sampling and beam option of transformers applies).
+
+The prompt attends under its bitfield words (modality tokens bidirectional among themselves by default, as in
+training); every generated token is text and attends every earlier non-padding token. The words reach the
+attention layers through :func:`lightning_mm.attention.hf.generation_words` for the duration of the call, so the
+language model's config is never switched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from lightning_mm import masks
+from lightning_mm.attention.hf import check_honours_mask, generation_words
+
+# batch keys that only matter for training (or cutting microbatches)
+_DROPPED = ("labels", "item_counts", "num_label_tokens")
+
+
+def left_align(*rows: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Move every row's padding to its left (stable: the real tokens keep their order), as batched decoding
+    needs; ``rows`` are ``[B, S]`` tensors indexed like ``attention_mask``. Returns them and the mask."""
+    order = torch.argsort(attention_mask.ne(0).to(torch.int8), dim=1, stable=True)
+    return (*(r.gather(1, order) for r in rows), attention_mask.gather(1, order))
+
+
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             bam: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+             segment_ids: torch.Tensor | None = None, **kwargs):
+    """``MultimodalModel.generate``: see its docstring."""
+    from transformers import DynamicCache
+
+    modality_inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in model.encoders}
+    for k in _DROPPED:
+        kwargs.pop(k, None)
+    if segment_ids is not None and bool((segment_ids[attention_mask.bool()] if attention_mask is not None
+                                         else segment_ids).ne(segment_ids[:, :1]).any()):
+        raise ValueError("generate takes one prompt per row; these rows are packed (segment_ids): collate the "
+                         "prompts without pack=True")
+    cache = kwargs.get("past_key_values")
+    if kwargs.get("cache_implementation") is not None or (cache is not None and type(cache) is not DynamicCache):
+        raise ValueError("MultimodalModel.generate keeps the KV cache itself (a full transformers DynamicCache, "
+                         "which bitfield attention indexes by token position); drop cache_implementation / "
+                         "past_key_values")
+    if getattr(model, "position_ids_fn", None) is not None:
+        raise NotImplementedError("generate counts 1-D positions as transformers' text generation does; this model "
+                                  "computes its own (multimodal rotary positions), which decoding does not follow yet")
+    lm = model.language_model
+    check_honours_mask(lm)
+    model.check_placeholders(input_ids, modality_inputs)
+    if attention_mask is None:
+        attention_mask = bam.ne(0).long() if bam is not None else torch.ones_like(input_ids)
+    if bam is None:
+        bam = model.build_bam(input_ids, attention_mask)
+    masks.validate(bam)
+    bam = bam * attention_mask.ne(0)  # padding has word 0, whatever the given words say
+    input_ids, bam, aligned_mask = left_align(input_ids, bam, attention_mask=attention_mask)
+    if position_ids is not None:
+        # transformers counts positions over each row's real tokens; a prompt given other positions would be
+        # decoded under different ones, so say so rather than drop them
+        given, _ = left_align(position_ids, attention_mask=attention_mask)
+        expected = (aligned_mask.ne(0).long().cumsum(1) - 1).clamp(min=0)
+        real = aligned_mask.ne(0)
+        if not torch.equal(given[real], expected[real]):
+            raise ValueError("generate counts positions 0, 1, ... over each row's non-padding tokens (as "
+                             "transformers does); these position_ids differ: drop them")
+    kwargs.setdefault("past_key_values", DynamicCache())
+    with torch.no_grad():
+        features = {name: model.encoders[name](inputs) for name, inputs in modality_inputs.items()}
+        embeds = model.embed(input_ids, features)
+    with generation_words(bam, masks.text_word(len(model.encoders))):
+        return lm.generate(inputs_embeds=embeds, attention_mask=aligned_mask, **kwargs)
+
+
+# ------------------------------------------------------------------ trainer.predict
+def whole_model_on_rank(engine, model) -> bool:
+    """Whether a pipeline engine's stage holds the whole model (every layer of every module, no context
+    parallelism): ``devices=1``, or an LLM of one stage with ``encoder_placement="replicated"``."""
+    from lightning_mm.plan.placement import LANGUAGE_MODEL
+
+    def slices(plan):
+        out = dict(plan.encoders)
+        if plan.language_model is not None:
+            out[LANGUAGE_MODEL] = plan.language_model
+        return out
+
+    full = {}  # layers per module, from every stage's plan (a pruned stage no longer holds the others' layers)
+    for plan in engine.plans.values():
+        for m, s in slices(plan).items():
+            full[m] = max(full.get(m, 0), s.end)
+    mine = slices(engine.plan)
+    return (set(mine) == set(full) == {*model.encoders, LANGUAGE_MODEL} and engine.cp_size == 1
+            and all(s.start == 0 and s.end == full[m] and s.embed and s.head for m, s in mine.items()))
+
+
+def predict_generate(module, batch: dict, generation: dict) -> torch.Tensor:
+    """``trainer.predict`` with ``MultimodalLightningModule(generation=...)``: the new token ids ``[B, N]``."""
+    model, pipeline = module.model, module.pipeline
+    context = contextlib.nullcontext()
+    if pipeline is not None:
+        if not whole_model_on_rank(pipeline.engine, model):
+            raise RuntimeError(
+                "trainer.predict with generation=... decodes token by token, which needs the whole model on every "
+                "rank; this layout splits it into pipeline stages (or context-parallel ranks). Predict with "
+                "devices=1, or with language_model=ParallelSpec(pp=1) and encoder_placement='replicated' "
+                "(data parallel only), or drop generation= to get next-token logits from the pipeline")
+        context = pipeline.precision_plugin.forward_context()
+    with context:
+        return model.generate(**{k: v for k, v in batch.items() if k not in _DROPPED}, **generation)
