@@ -154,7 +154,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         module, model = self.lightning_module, self.multimodal_model()
         if self.engine is None or self.engine.model is not model:
             self.build_stage(module, model)
-        to_device_keeping_dtensors(module, self.root_device)  # what is left: this stage, metrics, buffers
+        to_device_keeping_dtensors(module, self.root_device, self.engine.fsdp_params)  # metrics, buffers
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -175,7 +175,9 @@ class MultimodalParallelStrategy(DDPStrategy):
                                      self.cp_distribution, self.cp_block_size, self.activation_checkpointing,
                                      device=self.root_device, forward_context=self.precision_plugin.forward_context,
                                      loss_backward=self.loss_backward,
-                                     materialise=lambda m: materialise(m, self.root_device, seed))
+                                     materialise=lambda m: materialise(m, self.root_device, seed),
+                                     sharding_strategy=self.sharding_strategy,
+                                     precision=str(self.precision_plugin.precision))
         model.pipeline_stage = self.engine.stage
 
     def model_to_device(self) -> None:  # setup moves the pruned stage only

@@ -29,6 +29,7 @@ from lightning_mm import loss as losses
 from lightning_mm.data.microbatch import split_microbatches
 from lightning_mm.parallel.comm import StageComm
 from lightning_mm.parallel.context import pad_for_context_parallel, token_index
+from lightning_mm.parallel.sharding import apply_fsdp
 from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
 from lightning_mm.parallel.stages import owned_parameters, prune, tied_embedding_stages
 from lightning_mm.parallel.tensor_parallel import apply_tp, keep_grads_like_parameters
@@ -58,13 +59,20 @@ class ProcessGroups:
     rank) when they share tied embeddings."""
 
     def __init__(self, layout: RankLayout, rank: int, tie_stages: tuple[str, str] | None = None,
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", sharded: bool = False):
         coord = layout.coordinate(rank)
+        chain = coord.stage.rsplit(".", 1)[0]
         self.meshes = module_meshes(layout, device_type)
-        self.mesh = self.meshes[coord.stage.rsplit(".", 1)[0]]
+        self.mesh = self.meshes[chain]
         self.dp = self.mesh["dp"].get_group() if layout.dp > 1 else None
         self.cp = self.mesh["cp"].get_group() if layout.cp[coord.stage] > 1 else None
-        self.tp_mesh = self.mesh["tp"] if layout.tp[coord.stage] > 1 else None
+        tp_source, self.shard_mesh = self.mesh, None
+        if sharded:  # FSDP and TP meshes must share a root: one (pp, dp_cp, tp) mesh per chain
+            shard_meshes = {c: DeviceMesh(device_type, torch.tensor(layout.shard_mesh_ranks(c)),
+                                          mesh_dim_names=("pp", "dp_cp", "tp")) for c in layout.chains()}
+            tp_source = shard_meshes[chain]
+            self.shard_mesh = tp_source["dp_cp"] if layout.dp * layout.cp[coord.stage] > 1 else None
+        self.tp_mesh = tp_source["tp"] if layout.tp[coord.stage] > 1 else None
         self.tp = self.tp_mesh.get_group() if self.tp_mesh is not None else None
         self.grad, self.grad_size = None, 1
         for stage in layout.stages:
@@ -105,7 +113,8 @@ class PipelineEngine:
                  cp_block_size: int = 128, activation_checkpointing: bool = False, device=None,
                  forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
                  loss_backward: Callable[[torch.Tensor], None] | None = None, bucket_mb: float = 25.0,
-                 materialise: Callable[[torch.nn.Module], None] | None = None):
+                 materialise: Callable[[torch.nn.Module], None] | None = None, sharding_strategy: str = "NO_SHARD",
+                 precision: str = "32-true"):
         self.model, self.layout, self.rank, self.num_microbatches = model, layout, rank, num_microbatches
         self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
         self.activation_checkpointing = activation_checkpointing
@@ -145,14 +154,18 @@ class PipelineEngine:
         self.device = torch.device(device) if device is not None else (
             torch.device("cpu") if first is None or first.is_meta else first.device)
         self.cp_size = layout.cp[self.stage]
-        self.groups = ProcessGroups(layout, rank, self.tie_stages, self.device.type)
+        self.groups = ProcessGroups(layout, rank, self.tie_stages, self.device.type, sharding_strategy != "NO_SHARD")
         self.tp_allreduce = apply_tp(model, self.plan, self.tp_meshes())
         self.vocab_parallel = self.groups.tp_mesh is not None and self.plan.language_model is not None
+        self.fsdp_params: set[int] = set()
+        if self.groups.shard_mesh is not None:
+            self.fsdp_params = apply_fsdp(model, self.plan, self.groups.shard_mesh, sharding_strategy, precision)
         if materialise is not None:
             materialise(model)
         self.comm = StageComm(self.device, self.groups.headers)
-        keep_grads_like_parameters(self.trainable_parameters())
-        self.reducer = GradientReducer(self.trainable_parameters(), self.groups.grad, bucket_mb)
+        keep_grads_like_parameters(p for p in self.trainable_parameters() if id(p) not in self.fsdp_params)
+        self.reducer = GradientReducer([p for p in self.trainable_parameters() if id(p) not in self.fsdp_params],
+                                       self.groups.grad, bucket_mb)
         self.timings: list[tuple[str, int, float, float]] = []  # (kind, microbatch, start, end) of the last step
 
     # ------------------------------------------------------------------ helpers

@@ -1,5 +1,65 @@
-"""Sharded data parallelism with FSDP2: the data-parallel replicas of a stage shard its state."""
+"""Sharded data parallelism with FSDP2: the data-parallel (and CP) ranks of a stage shard its state.
+
+``fully_shard`` over the stage's "dp_cp" mesh dim (the ranks that hold the same parameters), one unit per encoder
+and LLM layer, the LLM's embedding, its final norm and head, and each projector: the modules the runtime calls, so
+FSDP's hooks gather a unit's parameters right before it runs and reduce-scatter its gradients right after its
+backward. The few parameters outside those units (encoder patch/position embeddings and final norms) stay
+replicated and are summed by the runtime's ``GradientReducer``. Under tensor parallelism the units shard the
+already tp-split DTensors again over dp_cp (2-D), as torchtitan composes them. Gradients are summed, not averaged
+(``set_gradient_divide_factor(1)``): each replica's loss is already divided by the global label count.
+"""
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from lightning_mm.plan.stages import StagePlan
+
 SHARDING_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for Lightning's precision setting: "bf16-mixed" / "16-mixed" gather parameters in half
+    precision and reduce gradients in fp32; everything else keeps the parameters' dtype."""
+    half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
+    return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32 if half else None)
+
+
+def sharding_units(model, plan: StagePlan) -> list[nn.Module | list[nn.Module]]:
+    """The modules of this stage that become FSDP units (a tied embedding and head form one unit)."""
+    units: list = []
+    for name, sl in plan.encoders.items():
+        enc = model.encoders[name]
+        units += [enc.layers[i] for i in range(sl.start, sl.end)]
+        if sl.head and any(True for _ in enc.projector.parameters()):
+            units.append(enc.projector)
+    if plan.language_model is not None:
+        sl, lm, fam = plan.language_model, model.language_model, model.lm_family
+        units += [fam.layers(lm)[i] for i in range(sl.start, sl.end)]
+        embed = fam.embed_tokens(lm)
+        tied = sl.head and isinstance(lm.lm_head, nn.Linear) and lm.lm_head.weight is getattr(embed, "weight", None)
+        if sl.head:
+            units.append(fam.final_modules(lm)["norm"])
+            units.append([embed, lm.lm_head] if tied else lm.lm_head)
+        if sl.embed and not tied:
+            units.append(embed)
+    return units
+
+
+def apply_fsdp(model, plan: StagePlan, mesh, sharding_strategy: str, precision: str = "32-true") -> set[int]:
+    """Shard this stage's units over ``mesh`` (1-D, the stage's dp_cp ranks); returns the ids of the parameters
+    FSDP now reduces. ``SHARD_GRAD_OP`` keeps gathered parameters from forward to backward."""
+    policy = mixed_precision_policy(precision)
+    sharded: set[int] = set()
+    for unit in sharding_units(model, plan):
+        modules = unit if isinstance(unit, list) else [unit]
+        if not any(p.numel() for m in modules for p in m.parameters()):
+            continue
+        fully_shard(unit, mesh=mesh, reshard_after_forward=sharding_strategy == "FULL_SHARD", mp_policy=policy)
+        for m in modules:  # plain sums (no PREMUL_SUM, which gloo lacks)
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+        sharded |= {id(p) for m in modules for p in m.parameters()}
+    return sharded

@@ -123,13 +123,14 @@ def keep_grads_like_parameters(params) -> None:
             p.register_post_accumulate_grad_hook(_grad_like_parameter)
 
 
-def to_device_keeping_dtensors(module: nn.Module, device) -> None:
-    """``module.to(device)`` except DTensor parameters (materialise and DTensor already placed them): moving one
-    swaps its contents with a new tensor's, after which its gradient hooks never fire again."""
+def to_device_keeping_dtensors(module: nn.Module, device, fsdp_params: set[int] = frozenset()) -> None:
+    """``module.to(device)`` except DTensor parameters outside FSDP (materialise and DTensor already placed them):
+    moving one swaps its contents with a new tensor's, after which its gradient hooks never fire again. FSDP's
+    own ``_apply`` re-registers the parameters it manages, so those go through."""
     hidden = []
     for m in module.modules():
         for name, p in list(m._parameters.items()):
-            if isinstance(p, DTensor):
+            if isinstance(p, DTensor) and id(p) not in fsdp_params:
                 hidden.append((m, name, p))
                 del m._parameters[name]
     try:

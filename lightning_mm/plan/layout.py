@@ -122,6 +122,12 @@ class RankLayout:
         return [[[[self.rank(s, d, c, t) for t in range(self.tp[s])] for c in range(self.cp[s])] for s in stages]
                 for d in range(self.dp)]
 
+    def shard_mesh_ranks(self, chain: str) -> list[list[list[int]]]:
+        """Global ranks of a chain as a [pp][dp x cp][tp] array: the mesh of sharded data parallelism, whose
+        "dp_cp" dim holds the ranks with the same parameters and whose "tp" dim TP shares with it."""
+        return [[[self.rank(s, d, c, t) for t in range(self.tp[s])] for d in range(self.dp) for c in range(self.cp[s])]
+                for s in self.chains()[chain]]
+
     def replica_ranks(self, dp: int) -> list[int]:
         return list(range(dp * self.ranks_per_replica, (dp + 1) * self.ranks_per_replica))
 
