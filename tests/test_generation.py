@@ -25,9 +25,9 @@ def _prompts(model, causal_modalities=False, seed=1):
     """Two prompts of different lengths with one image each (16 tokens), collated (right padding)."""
     g = torch.Generator().manual_seed(seed)
     enc, pid = model.encoders["vision"], model.placeholder_ids["vision"]
-    cfg = enc.module.config
-    samples = [{"input_ids": [5, pid, 7, 9, 11], "vision": enc.family.random_inputs(cfg, 1, generator=g)},
-               {"input_ids": [3, 4, pid, 8, 12, 13, 14, 20, 21], "vision": enc.family.random_inputs(cfg, 1, generator=g)}]
+    image = lambda: enc.family.random_inputs(enc.module.config, 1, generator=g)  # noqa: E731
+    samples = [{"input_ids": [5, pid, 7, 9, 11], "vision": image()},
+               {"input_ids": [3, 4, pid, 8, 12, 13, 14, 20, 21], "vision": image()}]
     return lmm.data.MultimodalCollator(model, causal_modalities=causal_modalities)(samples)
 
 
@@ -98,6 +98,10 @@ def test_generate_equals_transformers_generate_on_the_same_embeddings():
     assert torch.equal(got.sequences, ref.sequences)
     for a, b in zip(got.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # beam search reorders the cache and repeats each prompt's words per beam
+    beams = dict(max_new_tokens=4, num_beams=2, num_return_sequences=2, do_sample=False)
+    ref = ref_lm.generate(inputs_embeds=embeds, attention_mask=left["attention_mask"], **beams)
+    assert torch.equal(model.generate(**batch, **beams), ref)
 
 
 def test_language_model_alone_is_unchanged_by_wrapping():
@@ -139,11 +143,12 @@ def test_attention_that_cannot_honour_the_mask_is_an_error_naming_the_fix():
     model = _vlm()
     batch = _prompts(model)
     model.language_model.set_attn_implementation("sdpa")  # switched behind the model's back
-    with pytest.raises(ValueError, match="'sdpa', which cannot honour the bitfield mask.*attach"):
+    fix = r"lightning_mm\.attention\.attach\(model\.language_model\)"
+    with pytest.raises(ValueError, match=r"'sdpa', which cannot honour the bitfield mask.*" + fix):
         model(**batch)
     with pytest.raises(ValueError, match="'sdpa', which cannot honour the bitfield mask"):
         model.generate(**batch, max_new_tokens=2)
-    lmm.attention.hf.attach(model.language_model)  # the fix the message names
+    lmm.attention.attach(model.language_model)  # the fix the message names
     assert model.language_model.config._attn_implementation == "bitfield|sdpa"
     model(**batch)
 

@@ -46,8 +46,8 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
     return reference_attention(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions, scale)
 
 
-from lightning_mm.attention.hf import ATTENTION_NAME, register  # noqa: E402
+from lightning_mm.attention.hf import ATTENTION_NAME, attach, register  # noqa: E402
 
 register()
 
-__all__ = ["bitfield_attention", "reference_attention", "ATTENTION_NAME", "register", "BACKENDS"]
+__all__ = ["bitfield_attention", "reference_attention", "ATTENTION_NAME", "attach", "register", "BACKENDS"]

@@ -67,14 +67,6 @@ def add_lora(model, modules, r: int = 8, alpha: float = 16, dropout: float = 0.0
     return peft_model
 
 
-def trainable_summary(model) -> dict[str, int]:
-    """Parameter counts: ``{"adapters": n, "language_model": n (all), "trainable": n (whole model)}``."""
-    lm = model.language_model
-    return {"adapters": sum(p.numel() for n, p in lm.named_parameters() if ".lora_" in n),
-            "language_model": sum(p.numel() for p in lm.parameters()),
-            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
-
-
 def save_lora(model, path, merge: bool = False) -> None:
     """``merge=False``: the adapters as peft saves them (``adapter_config.json`` + ``adapter_model.safetensors``;
     ``peft.PeftModel.from_pretrained(base, path)`` loads them). ``merge=True``: a plain HF folder of the language
