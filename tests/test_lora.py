@@ -145,6 +145,10 @@ def test_a_peft_wrapped_language_model_is_accepted():
                                atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         model.add_lora(["q_proj"])
+    prefix = peft.get_peft_model(tiny_language_model("qwen2"), peft.PrefixTuningConfig(num_virtual_tokens=2,
+                                                                                       task_type="CAUSAL_LM"))
+    with pytest.raises(ValueError, match="other than LoRA are not supported.*PREFIX_TUNING"):
+        lmm.MultimodalModel({}, prefix)
 
 
 def test_planner_costs_adapters_as_small_trainable_weights():

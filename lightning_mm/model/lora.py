@@ -35,9 +35,11 @@ def unwrap(language_model) -> tuple[nn.Module, object | None]:
     """``(HF causal LM, PeftModel or None)`` for a plain or PEFT-wrapped language model."""
     if not is_peft_model(language_model):
         return language_model, None
-    if _peft().PeftType.LORA not in {c.peft_type for c in language_model.peft_config.values()}:
-        raise ValueError(f"a {type(language_model).__name__} with {set(language_model.peft_config)} adapters of "
-                         "types other than LoRA is not supported; wrap the language model with a peft LoraConfig")
+    other = {name: str(c.peft_type) for name, c in language_model.peft_config.items()
+             if c.peft_type != _peft().PeftType.LORA}
+    if other:
+        raise ValueError(f"peft adapters other than LoRA are not supported (got {other}); wrap the language model "
+                         "with a peft LoraConfig")
     return language_model.get_base_model(), language_model
 
 
