@@ -61,12 +61,14 @@ def test_model_memory_counts_state_and_what_backward_keeps():
     enc = model.encoders["vision"]
     for module, params in (("vision", [*enc.module.parameters(), *enc.projector.parameters()]),
                            ("language_model", list(model.language_model.parameters()))):
-        states, acts, grads = memory[module]
-        assert len(states) == len(acts) == len(grads) == len(model_layer_costs(model)[module])
+        states, acts, grads, tp_bytes = memory[module]
+        assert len(states) == len(acts) == len(grads) == len(tp_bytes) == len(model_layer_costs(model)[module])
         assert sum(states) == sum(p.numel() * (16 if p.requires_grad else 4) for p in params)
         assert sum(grads) == sum(p.numel() * 4 for p in params if p.requires_grad)  # fp32 gradients
     t = sum(enc.num_tokens(batch["vision"]))
     assert memory["vision"][1][-1] >= 4 * t * (32 + 2 * 192)
+    rows, seq = batch["input_ids"].shape  # a tensor-parallel all-reduce of an LLM layer moves its hidden states
+    assert memory["language_model"][3][1] == rows * seq * model.hidden_size * 4
     frozen_llm = memory["language_model"][1]
     assert all(a > 0 for a in frozen_llm)
     model.freeze(language_model=False)

@@ -157,9 +157,11 @@ class PipelineEngine:
         self.groups = ProcessGroups(layout, rank, self.tie_stages, self.device.type, sharding_strategy != "NO_SHARD")
         self.tp_allreduce = apply_tp(model, self.plan, self.tp_meshes())
         self.vocab_parallel = self.groups.tp_mesh is not None and self.plan.language_model is not None
-        self.fsdp_params: set[int] = set()
+        self.run_stage = self.forward_stage  # under FSDP, the root unit around it
         if self.groups.shard_mesh is not None:
-            self.fsdp_params = apply_fsdp(model, self.plan, self.groups.shard_mesh, sharding_strategy, precision)
+            self.run_stage = apply_fsdp(model, self.plan, self.groups.shard_mesh, sharding_strategy,
+                                        self.forward_stage, precision)
+        self.fsdp_params = {id(p) for p in model.parameters() if self.run_stage is not self.forward_stage}
         if materialise is not None:
             materialise(model)
         self.comm = StageComm(self.device, self.groups.headers)
@@ -301,7 +303,7 @@ class PipelineEngine:
             m = act.microbatch
             if act.kind == "forward":
                 with torch.set_grad_enabled(needs_grad):
-                    out = self.forward_stage(mbs[m], received.get(m, {}), count[0], owners and owners[m])
+                    out = self.run_stage(mbs[m], received.get(m, {}), count[0], owners and owners[m])
                 if "loss_sum" in out:
                     loss_sum = loss_sum + out["loss_sum"].detach()
                     logits, index = out.pop("logits")

@@ -1,12 +1,12 @@
 """Sharded data parallelism with FSDP2: the data-parallel (and CP) ranks of a stage shard its state.
 
-``fully_shard`` over the stage's "dp_cp" mesh dim (the ranks that hold the same parameters), one unit per encoder
-and LLM layer, the LLM's embedding, its final norm and head, and each projector: the modules the runtime calls, so
-FSDP's hooks gather a unit's parameters right before it runs and reduce-scatter its gradients right after its
-backward. The few parameters outside those units (encoder patch/position embeddings and final norms) stay
-replicated and are summed by the runtime's ``GradientReducer``. Under tensor parallelism the units shard the
-already tp-split DTensors again over dp_cp (2-D), as torchtitan composes them. Gradients are summed, not averaged
-(``set_gradient_divide_factor(1)``): each replica's loss is already divided by the global label count.
+``fully_shard`` over the stage's "dp_cp" mesh dim (the ranks that hold the same parameters): one unit per encoder
+and LLM layer, the LLM's embedding, its final norm and head, and each projector, so FSDP gathers a unit's
+parameters right before it runs and reduce-scatters its gradients right after its backward; and the stage itself
+(``StageModule``, whose forward runs one microbatch) as the root unit, which holds what is left (patch and
+position embeddings, encoder final norms: parameters some adapters read directly). Under tensor parallelism the
+units shard the already tp-split DTensors again over dp_cp (2-D), as torchtitan composes them. Gradients are
+summed, not averaged: each replica's loss is already divided by the global label count.
 """
 
 from __future__ import annotations
@@ -48,18 +48,35 @@ def sharding_units(model, plan: StagePlan) -> list[nn.Module | list[nn.Module]]:
     return units
 
 
-def apply_fsdp(model, plan: StagePlan, mesh, sharding_strategy: str, precision: str = "32-true") -> set[int]:
-    """Shard this stage's units over ``mesh`` (1-D, the stage's dp_cp ranks); returns the ids of the parameters
-    FSDP now reduces. ``SHARD_GRAD_OP`` keeps gathered parameters from forward to backward."""
+class StageModule(nn.Module):
+    """A pipeline stage as one module: ``forward`` runs ``run`` (one microbatch of the stage) over ``model``."""
+
+    def __init__(self, model: nn.Module, run):
+        super().__init__()
+        self.model, self.run = model, run
+
+    def forward(self, *args):
+        return self.run(*args)
+
+
+def _sum_gradients(module) -> None:
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)  # plain sums (no PREMUL_SUM, which gloo lacks)
+
+
+def apply_fsdp(model, plan: StagePlan, mesh, sharding_strategy: str, run, precision: str = "32-true") -> StageModule:
+    """Shard this stage over ``mesh`` (1-D, the stage's dp_cp ranks); returns the root ``StageModule`` whose
+    forward runs ``run``. ``SHARD_GRAD_OP`` keeps gathered parameters from forward to backward."""
     policy = mixed_precision_policy(precision)
-    sharded: set[int] = set()
     for unit in sharding_units(model, plan):
         modules = unit if isinstance(unit, list) else [unit]
         if not any(p.numel() for m in modules for p in m.parameters()):
             continue
         fully_shard(unit, mesh=mesh, reshard_after_forward=sharding_strategy == "FULL_SHARD", mp_policy=policy)
-        for m in modules:  # plain sums (no PREMUL_SUM, which gloo lacks)
-            m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)
-        sharded |= {id(p) for m in modules for p in m.parameters()}
-    return sharded
+        for m in modules:
+            _sum_gradients(m)
+    root = StageModule(model, run)  # inputs keep their dtype: label counts and positions must stay exact
+    fully_shard(root, mesh=mesh, reshard_after_forward=False,
+                mp_policy=MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, cast_forward_inputs=False))
+    _sum_gradients(root)
+    return root

@@ -313,11 +313,13 @@ def _state_bytes(params: list[torch.nn.Parameter]) -> float:
 
 
 def model_memory(model, batch: dict | None = None, recompute: bool = False
-                 ) -> dict[str, tuple[list[float], list[float], list[float]]]:
+                 ) -> dict[str, tuple[list[float], list[float], list[float], list[float]]]:
     """Per module and layer (parts folded as the costs are): (model-state bytes, activation bytes kept per
-    in-flight microbatch of ``batch``, gradient bytes), the `ModuleSpec` memory fields. The search multiplies
-    the second by each stage's peak in-flight count and all-reduces the third over data-parallel replicas.
-    ``recompute``: under activation checkpointing a layer keeps only its input."""
+    in-flight microbatch of ``batch``, gradient bytes, hidden-state bytes), the `ModuleSpec` memory and traffic
+    fields. The search multiplies the second by each stage's peak in-flight count, all-reduces the third over
+    data-parallel replicas and the fourth (a layer's floating inputs, the size of its output for a transformer
+    layer) over tensor-parallel ranks. ``recompute``: under activation checkpointing a layer keeps only its
+    input."""
     batch = sample_batch(model) if batch is None else batch
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     out = {}
@@ -327,7 +329,9 @@ def model_memory(model, batch: dict | None = None, recompute: bool = False
                 for i, (run, x, _, _) in enumerate(parts)]
         states = [_state_bytes(ps) for _, _, ps, _ in parts]
         grads = [float(sum(p.numel() * p.element_size() for p in ps if p.requires_grad)) for _, _, ps, _ in parts]
-        out[module] = (fold_parts(states, add), fold_parts(acts, add), fold_parts(grads, add))
+        hidden = [float(sum(t.nbytes for t in _grad_inputs(x))) for _, x, _, _ in parts]
+        out[module] = (fold_parts(states, add), fold_parts(acts, add), fold_parts(grads, add),
+                       fold_parts(hidden, add))
     return out
 
 

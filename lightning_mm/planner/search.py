@@ -30,12 +30,15 @@ class ModuleSpec:
     """Planner input for one module: frozen-aware layer costs (projector last for an encoder), model-state
     bytes per layer (weights, plus grads and optimizer state where trainable), activation bytes per layer
     held for each in-flight microbatch (counted only for layers that take part in backward) and gradient
-    bytes per layer (what data parallelism all-reduces every step)."""
+    bytes per layer (what data parallelism all-reduces every step). ``tp_bytes`` per layer: what one of its
+    tensor-parallel all-reduces moves (its output hidden states for one microbatch; two in forward, two in
+    backward)."""
 
     costs: Sequence[LayerCost]
     param_bytes: Sequence[float] | float = 0.0
     activation_bytes: Sequence[float] | float = 0.0
     grad_bytes: Sequence[float] | float = 0.0
+    tp_bytes: Sequence[float] | float = 0.0
 
     def per_layer(self, value) -> list[float]:
         return [float(value)] * len(self.costs) if isinstance(value, (int, float)) else [float(v) for v in value]
@@ -54,6 +57,8 @@ class Plan:
     memory: dict[str, float]
     result: SimulationResult
     fits_memory: bool = True
+    tp: int = 1
+    sharding: str = "NO_SHARD"
 
     @property
     def iteration_time(self) -> float:
@@ -65,7 +70,7 @@ class Plan:
 
     @property
     def devices(self) -> int:
-        return self.stages_per_replica * self.dp
+        return self.stages_per_replica * self.dp * self.tp
 
     def pp(self) -> dict[str, int]:
         return {m: len(sizes) for m, sizes in self.layers.items()}
@@ -89,23 +94,25 @@ def _encoders(modules: dict[str, ModuleSpec]) -> list[str]:
     return [m for m in modules if m != LANGUAGE_MODEL]
 
 
-def _stage_table(modules, layers, placement) -> dict[str, tuple[float, float, float, float, float, bool]]:
+def _stage_table(modules, layers, placement) -> dict[str, tuple[float, float, float, float, float, bool, float]]:
     """Per graph stage: (forward, backward, param bytes, activation bytes, gradient bytes, holds a trainable
-    parameter)."""
+    parameter, tensor-parallel all-reduce bytes)."""
     table = {}
 
     def stages_of(module):
         spec, start = modules[module], 0
         fwd, bwd = [c.forward for c in spec.costs], [c.backward for c in spec.costs]
-        pb, ab, gb = (spec.per_layer(v) for v in (spec.param_bytes, spec.activation_bytes, spec.grad_bytes))
+        pb, ab, gb, tb = (spec.per_layer(v) for v in (spec.param_bytes, spec.activation_bytes, spec.grad_bytes,
+                                                       spec.tp_bytes))
         for size in layers[module]:
             sl = slice(start, start + size)
             start += size
             kept = sum(a for a, c in zip(ab[sl], spec.costs[sl]) if c.in_backward)  # no_grad layers keep none
-            yield (sum(fwd[sl]), sum(bwd[sl]), sum(pb[sl]), kept, sum(gb[sl]), any(c.trainable for c in spec.costs[sl]))
+            yield (sum(fwd[sl]), sum(bwd[sl]), sum(pb[sl]), kept, sum(gb[sl]), any(c.trainable for c in spec.costs[sl]),
+                   sum(tb[sl]))
 
     def add(a, b):
-        return tuple(x + y for x, y in zip(a[:5], b[:5])) + (a[5] or b[5],)
+        return tuple(x + y for x, y in zip(a[:5], b[:5])) + (a[5] or b[5], a[6] + b[6])
 
     rows = {m: list(stages_of(m)) for m in modules}
     encoder_stages = {e: len(layers[e]) for e in _encoders(modules)}
@@ -128,6 +135,22 @@ def allreduce_seconds(num_bytes: float, dp: int, bandwidth: float) -> float:
     return 0.0 if dp <= 1 or num_bytes <= 0 else 2.0 * (dp - 1) / dp * num_bytes / bandwidth
 
 
+SHARDING_TRAFFIC = {"NO_SHARD": 1.0, "SHARD_GRAD_OP": 1.0, "FULL_SHARD": 1.5}  # x one all-reduce of the gradients
+
+
+def state_bytes_per_device(param_bytes: float, trainable: bool, dp: int, tp: int, sharding: str) -> float:
+    """Model-state bytes of one stage on one device: tensor parallelism splits weights, gradients and optimiser
+    state tp ways; FULL_SHARD shards all of it over dp, SHARD_GRAD_OP all but the weights (a quarter of a
+    trainable fp32 AdamW stage's state, all of a frozen one's)."""
+    per_tp = param_bytes / tp
+    if sharding == "FULL_SHARD":
+        return per_tp / dp
+    if sharding == "SHARD_GRAD_OP":
+        weights = per_tp / 4 if trainable else per_tp
+        return weights + (per_tp - weights) / dp
+    return per_tp
+
+
 def evaluate_plan(
     modules: dict[str, ModuleSpec],
     layers: dict[str, list[int]],
@@ -137,10 +160,17 @@ def evaluate_plan(
     p2p_latency: float = 0.0,
     memory_limit: float = math.inf,
     allreduce_bandwidth: float = math.inf,
+    tp: int = 1,
+    sharding: str = "NO_SHARD",
+    tp_bandwidth: float = math.inf,
 ) -> Plan:
     """Simulate one layout on one DP replica (num_microbatches / dp microbatches) with the true costs. With
     dp > 1 each stage then all-reduces its gradients over its dp replicas: a ring moves 2 (dp-1)/dp of the
-    bytes through each device's link of ``allreduce_bandwidth`` bytes/s."""
+    bytes through each device's link of ``allreduce_bandwidth`` bytes/s (FSDP's FULL_SHARD moves 1.5 times that:
+    two all-gathers and a reduce-scatter). With ``tp`` > 1 every stage's compute is split tp ways and each layer
+    all-reduces its output twice in forward and twice in backward over ``tp_bandwidth`` bytes/s."""
+    if sharding not in SHARDING_TRAFFIC:
+        raise ValueError(f"unknown sharding {sharding!r}; use one of {tuple(SHARDING_TRAFFIC)}")
     _check_modules(modules)
     if num_microbatches % dp:
         raise ValueError(f"num_microbatches={num_microbatches} is not divisible by dp={dp}; pick dp dividing it")
@@ -152,13 +182,16 @@ def evaluate_plan(
     table = _stage_table(modules, layers, placement)
     graph = plan_graph(modules, layers, placement)
     per_replica = num_microbatches // dp
-    fwd = {s: r[0] for s, r in table.items()}
-    bwd = {s: r[1] for s, r in table.items()}
-    sync = {s: allreduce_seconds(r[4], dp, allreduce_bandwidth) for s, r in table.items()}
+    tp_comm = {s: 2 * allreduce_seconds(r[6], tp, tp_bandwidth) for s, r in table.items()}
+    fwd = {s: r[0] / tp + tp_comm[s] for s, r in table.items()}
+    bwd = {s: r[1] / tp + (tp_comm[s] if r[1] > 0 else 0.0) for s, r in table.items()}
+    sync = {s: SHARDING_TRAFFIC[sharding] * allreduce_seconds(r[4] / tp, dp, allreduce_bandwidth)
+            for s, r in table.items()}
     result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency, sync)
-    memory = {s: r[2] + r[3] * result.peak_inflight[s] for s, r in table.items()}
+    memory = {s: state_bytes_per_device(r[2], r[5], dp, tp, sharding) + r[3] * result.peak_inflight[s]
+              for s, r in table.items()}
     return Plan(placement, {m: list(v) for m, v in layers.items()}, dp, per_replica, fwd, bwd, memory, result,
-                all(v <= memory_limit for v in memory.values()))
+                all(v <= memory_limit for v in memory.values()), tp, sharding)
 
 
 def forward_only_modules(modules: dict[str, ModuleSpec]) -> dict[str, ModuleSpec]:
@@ -318,6 +351,9 @@ def search(
     data_parallel: bool = True,
     stages: int | None = None,
     allreduce_bandwidth: float = math.inf,
+    tp_degrees: Sequence[int] = (1,),
+    sharding_strategies: Sequence[str] = ("NO_SHARD",),
+    tp_bandwidth: float = math.inf,
 ) -> SearchResult:
     """Pick DP degree, stage counts, boundaries and placement minimising the simulated time of one global
     batch of `num_microbatches`. Two frozen-unaware baselines believe backward = 2 x forward everywhere and
@@ -331,7 +367,8 @@ def search(
     and stage count for both modes): every split of S stages between the modules is enumerated (001
     Algorithm 1's matched counts are not used), and only dp with dp * S <= num_devices is tried.
     `allreduce_bandwidth` (bytes/s per device) times each stage's gradient all-reduce when dp > 1 (default:
-    free, which favours data parallelism)."""
+    free, which favours data parallelism). ``tp_degrees`` and ``sharding_strategies`` are searched too (every
+    stage of a candidate gets the same tp); ``tp_bandwidth`` (bytes/s) times the tensor-parallel all-reduces."""
     _check_modules(modules)
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
@@ -340,25 +377,26 @@ def search(
     if stages is not None and not (isinstance(stages, int) and 1 <= stages <= num_devices):
         raise ValueError(f"stages must be an int in [1, num_devices={num_devices}], got {stages!r}")
     planning = modules if mode == "frozen-aware" else forward_only_modules(modules)
-    dps = [d for d in range(1, num_devices + 1) if num_microbatches % d == 0] if data_parallel else [1]
-    if stages is not None:
-        dps = [d for d in dps if d * stages <= num_devices]
+    grid = [(d, t, sh) for t in tp_degrees for d in range(1, num_devices // t + 1)
+            for sh in (sharding_strategies if d > 1 else ("NO_SHARD",))
+            if num_microbatches % d == 0 and (data_parallel or d == 1)
+            and (stages is None or d * t * stages <= num_devices)]
     # The frozen-aware search also times the layouts the forward-only belief would propose (true costs): the DP
     # minimises the slowest stage, and among equal bottlenecks where the heavier stages sit changes the 1F1B
     # time a little, so without them the aware search could lose to the unaware one by a fraction of a percent.
     proposers = [planning] if planning is not modules else [modules, forward_only_modules(modules)]
     candidates = []
-    for dp in dps:
+    for dp, tp, sharding in grid:
         seen = set()
         for proposer in proposers:
-            layouts = (candidate_layouts(proposer, num_devices // dp, placements) if stages is None
+            layouts = (candidate_layouts(proposer, num_devices // (dp * tp), placements) if stages is None
                        else fixed_stage_layouts(proposer, stages, placements))
             for placement, layers in layouts:
                 key = (placement, tuple((m, tuple(v)) for m, v in layers.items()))
                 if key not in seen:
                     seen.add(key)
                     candidates.append(evaluate_plan(planning, layers, placement, num_microbatches, dp, p2p_latency,
-                                                    memory_limit, allreduce_bandwidth))
+                                                    memory_limit, allreduce_bandwidth, tp, sharding, tp_bandwidth))
     if not candidates:
         raise ValueError(f"no layout with stages={stages} and placements={tuple(placements)} exists for these modules "
                          "(every module needs at least one stage, and no more stages than layers)")
@@ -376,7 +414,7 @@ def search(
         best = min(feasible, key=lambda p: (p.iteration_time, p.devices))
     if planning is not modules:
         best = evaluate_plan(modules, best.layers, best.placement, num_microbatches, best.dp, p2p_latency, memory_limit,
-                             allreduce_bandwidth)
+                             allreduce_bandwidth, best.tp, best.sharding, tp_bandwidth)
     return SearchResult(best, candidates)
 
 
@@ -397,7 +435,8 @@ def plan_summary(plan: Plan, title: str | None = None) -> str:
     """A printable table: per stage its layers, forward + backward, busy, bubble and peak memory, then the
     predicted iteration time (what `lightning-mm plan` prints)."""
     r = plan.result
-    lines = [title or f"placement={plan.placement}  dp={plan.dp}  microbatches/replica={plan.microbatches_per_replica}"]
+    lines = [title or f"placement={plan.placement}  dp={plan.dp}  tp={plan.tp}  sharding={plan.sharding}  "
+                      f"microbatches/replica={plan.microbatches_per_replica}"]
     held = stage_layers(plan)
     header = f"{'stage':<20} {'layers':<34} {'forward':>10} {'backward':>10} {'busy':>10} {'bubble':>7} {'inflight':>8} {'memory':>10}"
     lines += [header, "-" * len(header)]

@@ -6,7 +6,8 @@ names), so a test can compare any layout with one process. Keys of the JSON (all
 
 - ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp`` / ``encoder_tp``
   ([vision, audio]), ``llm_pp``, ``llm_cp`` (blocks of 8 tokens), ``llm_tp``, ``sharding`` (sharding_strategy),
-  ``microbatches``, ``accumulate``, ``precision``, ``steps``, ``batch_size`` (per replica), ``freeze``,
+  ``placement`` (encoder_placement), ``microbatches``, ``accumulate``, ``precision``, ``steps``, ``batch_size``
+  (per replica), ``freeze``, ``state_bytes`` (write ``state_<rank>.json``: bytes held before the second step),
   ``optimizer`` ("adamw" default, "sgd"), ``lr``, ``clip``, ``llm``, ``llm_layers``
 - ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta, materialised per stage)
 - ``nan_at``: the step whose loss is made NaN (``nan_guard="skip"`` drops it)
@@ -68,6 +69,27 @@ class Module(lmm.MultimodalLightningModule):
         self.losses.append(float(outputs["loss"]))
 
 
+class StateBytes(L.Callback):
+    """Right before the second optimiser step: bytes of this rank's parameters, gradients and optimiser state
+    (the local tensors it holds) -> ``state_<rank>.json``."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step != 1:
+            return
+        size = lambda t: (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage().nbytes()  # noqa: E731
+        params = {id(p): p for p in pl_module.parameters()}
+        state = {"params": sum(size(p) for p in params.values()),
+                 "grads": sum(size(p.grad) for p in params.values() if p.grad is not None),
+                 "optimizer": sum(size(v) for s in optimizer.state.values() for v in s.values()
+                                  if isinstance(v, torch.Tensor) and v.dim() > 0)}
+        state["total"] = sum(state.values())
+        with open(os.path.join(self.out, f"state_{trainer.global_rank}.json"), "w") as f:
+            json.dump(state, f)
+
+
 def build(case):
     model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip")),
                                  "audio": lmm.ModalityEncoder(tiny_encoder("whisper"), projector="linear")},
@@ -87,10 +109,14 @@ def main(spec: str, out: str):
             encoders={"vision": lmm.ParallelSpec(pp=enc[0], tp=enc_tp[0]),
                       "audio": lmm.ParallelSpec(pp=enc[1], tp=enc_tp[1])},
             language_model=llm, num_microbatches=case.get("microbatches", 1), cp_block_size=8,
-            sharding_strategy=case.get("sharding", "NO_SHARD"), fault_timeout=60)
-        devices = case.get("devices") or (enc[0] * enc_tp[0] + enc[1] * enc_tp[1] + llm.size) * dp
+            sharding_strategy=case.get("sharding", "NO_SHARD"), encoder_placement=case.get("placement", "parallel"),
+            fault_timeout=60)
+        encoder_ranks = 0 if case.get("placement") == "replicated" else enc[0] * enc_tp[0] + enc[1] * enc_tp[1]
+        devices = case.get("devices") or (encoder_ranks + llm.size) * dp
         dp_batch = case.get("batch_size", 4)
+    callbacks = [StateBytes(out)] if case.get("state_bytes") else []
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
+                        callbacks=callbacks,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                         accumulate_grad_batches=case.get("accumulate", 1), precision=case.get("precision", "32-true"),

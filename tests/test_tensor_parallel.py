@@ -1,0 +1,124 @@
+"""Tensor parallelism (DTensor, HF plans) and sharded data parallelism (FSDP2) under MultimodalParallelStrategy.
+
+Every multi-process case trains two optimiser steps and compares every trainable parameter (and the losses) with
+plain single-process Lightning on the same global batch (tests/helpers/trainer_case.py). SGD: Adam turns last-bit
+summation-order differences on near-zero gradients into lr-sized steps, which would hide nothing but noise.
+"""
+
+import json
+
+import pytest
+import lightning_mm as lmm
+from lightning_mm.model import tiny_encoder, tiny_language_model
+from lightning_mm.parallel.tensor_parallel import check_tensor_parallel
+from lightning_mm.plan.layout import ParallelSpec, build_layout
+from tests.helpers.launch import run_script
+from tests.test_lightning_contracts import CASE, assert_same_training, run
+
+SGD = dict(steps=2, optimizer="sgd", lr=0.5, microbatches=2)
+
+
+# ---------------------------------------------------------------------------------------------- pure checks
+def test_layout_places_tensor_parallel_ranks_and_pairs_them():
+    layout = build_layout({"vision": ParallelSpec(tp=2)}, ParallelSpec(pp=2, cp=2, tp=2), 20)
+    assert layout.ranks_per_replica == 2 + 4 + 4 and layout.dp == 2
+    assert [layout.coordinate(r) for r in (0, 1, 2, 5, 13)] == [
+        lmm_coord("vision.0", 0, 0, 0), lmm_coord("vision.0", 0, 0, 1), lmm_coord("language_model.0", 0, 0, 0),
+        lmm_coord("language_model.0", 0, 1, 1), lmm_coord("language_model.0", 1, 0, 1)]
+    # every LLM rank of the first stage reads the vision output from tp rank t % 2 of the encoder
+    assert layout.activation_sources("vision.0", "language_model.0", 0) == {2: 0, 3: 1, 4: 0, 5: 1}
+    # each encoder tp rank sums one gradient per CP shard, from the LLM's tp rank of the same index
+    assert layout.gradient_sources("vision.0", "language_model.0", 0) == {0: [2, 4], 1: [3, 5]}
+    # between LLM stages: the same (cp, tp) rank
+    assert layout.activation_sources("language_model.0", "language_model.1", 1) == {16: 12, 17: 13, 18: 14, 19: 15}
+    mesh = layout.mesh_ranks("language_model")
+    assert mesh[1][1][1] == [18, 19] and len(mesh) == 2 and len(mesh[0]) == 2
+    assert layout.shard_mesh_ranks("vision") == [[[0, 1], [10, 11]]]
+    assert layout.grad_group_ranks("language_model.0", 1) == [3, 5, 13, 15]
+    # an encoder with tp 1 feeding a tp-4 LLM: all four read rank 0, which sums the one gradient per CP shard
+    layout = build_layout({"audio": ParallelSpec()}, ParallelSpec(tp=4), 5)
+    assert layout.activation_sources("audio.0", "language_model.0", 0) == {1: 0, 2: 0, 3: 0, 4: 0}
+    assert layout.gradient_sources("audio.0", "language_model.0", 0) == {0: [1]}
+
+
+def lmm_coord(stage, dp, cp, tp):
+    from lightning_mm.plan.layout import Coordinate
+
+    return Coordinate(stage, dp, cp, tp)
+
+
+def test_bad_tensor_parallel_specs_fail_before_any_process_group():
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=r"must share its tensor-parallel ranks: give \['b'\] tp=2"):
+        build_layout({"a": ParallelSpec(tp=2), "b": ParallelSpec()}, ParallelSpec(), 4, "colocated")
+    with pytest.raises(ValueError, match="tp=1: run whole on every rank"):
+        build_layout({"a": ParallelSpec(tp=4)}, ParallelSpec(tp=2), 2, "replicated")
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip")),
+                                 "image": lmm.ModalityEncoder(tiny_encoder("dinov2"))},
+                                tiny_language_model("llama", num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="tp=4 does not divide num_key_value_heads=2"):
+        check_tensor_parallel(model, {}, 4)
+    with pytest.raises(ValueError, match="tp=3 does not divide num_attention_heads=4"):
+        check_tensor_parallel(model, {"vision": 3}, 1)
+    with pytest.raises(ValueError, match=r"encoder 'image' \(Dinov2Model\) has no tensor-parallel plan; use "
+                                         r"encoders=\{'image': ParallelSpec\(tp=1\)\}"):
+        check_tensor_parallel(model, {"image": 2}, 1)
+    check_tensor_parallel(model, {"vision": 2, "image": 1}, 2)
+    with pytest.raises(ValueError, match="unknown sharding_strategy 'ZERO3'.*FULL_SHARD"):
+        lmm.MultimodalParallelStrategy(sharding_strategy="ZERO3")
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------- against one process
+@pytest.mark.slow
+@pytest.mark.parametrize("name, case, freeze", [
+    ("tp2", dict(llm_tp=2), "llm"),
+    ("pp2_tp2_vision_tp2", dict(llm_pp=2, llm_tp=2, encoder_tp=[2, 1]), "all"),
+    ("tp2_cp2", dict(llm_tp=2, llm_cp=2), "llm"),
+])
+def test_tensor_parallel_trains_like_one_process(tmp_path, name, case, freeze):
+    ref = run({**SGD, "freeze": freeze}, tmp_path, "single")
+    got = run({**SGD, **case, "freeze": freeze}, tmp_path, name)
+    assert_same_training(got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, case, freeze", [
+    ("full_shard_dp2", dict(sharding="FULL_SHARD"), "all"),
+    ("shard_grad_op_dp2_pp2_lazy", dict(sharding="SHARD_GRAD_OP", llm_pp=2, lazy=True), "projectors"),
+    pytest.param("full_shard_dp2_tp2_lazy", dict(sharding="FULL_SHARD", llm_tp=2, lazy=True), "llm",
+                 marks=pytest.mark.ci),
+])
+def test_sharded_data_parallel_trains_like_one_process(tmp_path, name, case, freeze):
+    """A lazy (meta) build is compared with a lazy build in one process (the strategy's devices=1 mode): its
+    initial values are drawn by parameter name, not in HF's construction order."""
+    single = {"devices": 1, "llm_pp": 1, "lazy": True, "batch_size": 8} if case.get("lazy") else {"dp": 2}
+    ref = run({**SGD, "freeze": freeze, **single}, tmp_path, "single")
+    got = run({**SGD, **case, "freeze": freeze, "dp": 2}, tmp_path, name)
+    assert_same_training(got, ref)
+
+
+# ---------------------------------------------------------------------------------------------- per-rank state
+@pytest.mark.slow
+def test_full_shard_and_tensor_parallel_cut_what_each_rank_holds(tmp_path):
+    """Bytes of parameters + gradients + AdamW state each rank holds (local tensors, right before the second
+    optimiser step), against one process holding everything: FULL_SHARD over dp 4 <= 0.3; tp 2 holds <= 0.6 of
+    its stage's parameters."""
+    base = dict(steps=2, freeze="all", placement="replicated", state_bytes=True, batch_size=1)
+    one = _state(tmp_path, "one", {**base, "devices": 1})
+    full = _state(tmp_path, "fsdp4", {**base, "dp": 4, "sharding": "FULL_SHARD"})
+    tp = _state(tmp_path, "tp2", {**base, "llm_tp": 2, "encoder_tp": [2, 2]})
+    whole = one[0]["params"] + one[0]["grads"] + one[0]["optimizer"]
+    print(f"\none process: {whole} B; FULL_SHARD dp4 per rank: {[r['total'] for r in full]}; "
+          f"tp2 parameters per rank: {[r['params'] for r in tp]} of {one[0]['params']}")
+    assert len(full) == 4 and all(r["total"] <= 0.3 * whole for r in full)
+    assert len(tp) == 2 and all(r["params"] <= 0.6 * one[0]["params"] for r in tp)
+
+
+def _state(tmp_path, name, case):
+    out = tmp_path / name
+    out.mkdir()
+    run_script(CASE, json.dumps(case), str(out), cwd=out)
+    return [json.loads(f.read_text()) for f in sorted(out.glob("state_*.json"))]
+
