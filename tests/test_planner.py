@@ -266,6 +266,42 @@ def test_search_respects_memory_limit():
         search(modules, num_devices=6, num_microbatches=4, memory_limit=1.0)
 
 
+def test_state_bytes_per_device_under_tensor_parallelism_and_sharding():
+    from lightning_mm.planner.search import state_bytes_per_device
+
+    assert state_bytes_per_device(160.0, True, dp=4, tp=2, sharding="NO_SHARD") == 80.0
+    assert state_bytes_per_device(160.0, True, dp=4, tp=2, sharding="FULL_SHARD") == 20.0
+    assert state_bytes_per_device(160.0, True, dp=4, tp=1, sharding="SHARD_GRAD_OP") == 40.0 + 120.0 / 4
+    assert state_bytes_per_device(160.0, False, dp=4, tp=1, sharding="SHARD_GRAD_OP") == 160.0  # weights only
+
+
+def test_search_shards_or_splits_state_that_does_not_fit_and_times_their_traffic():
+    modules = {m: ModuleSpec(s.costs, 20 * s.param_bytes, s.activation_bytes, s.grad_bytes)  # state dominates
+               for m, s in small_mllm().items()}
+    kw = dict(num_devices=12, num_microbatches=12, stages=3)  # 3 pipeline stages; the rest is dp (or tp)
+    free = search(modules, **kw)
+    assert free.best.sharding == "NO_SHARD" and free.best.tp == 1
+    limit = 0.6 * min(max(p.memory.values()) for p in free.candidates)
+    with pytest.raises(ValueError, match="no layout fits"):
+        search(modules, memory_limit=limit, **kw)
+    sharded = search(modules, memory_limit=limit, sharding_strategies=("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"), **kw)
+    assert sharded.best.sharding != "NO_SHARD" and sharded.best.dp > 1
+    assert max(sharded.best.memory.values()) <= limit
+    split = search(modules, memory_limit=limit, tp_degrees=(1, 2), **kw)
+    assert split.best.tp == 2 and split.best.devices <= 12
+    # FULL_SHARD moves 1.5x the gradient bytes of an all-reduce; TP all-reduces cost time at finite bandwidth
+    layers = {m: [len(spec.costs)] for m, spec in modules.items()}
+    heavy = {m: ModuleSpec(s.costs, s.param_bytes, s.activation_bytes, 100.0) for m, s in modules.items()}
+    plain = evaluate_plan(heavy, layers, "parallel", 4, dp=2, allreduce_bandwidth=1.0)
+    full = evaluate_plan(heavy, layers, "parallel", 4, dp=2, allreduce_bandwidth=1.0, sharding="FULL_SHARD")
+    assert full.iteration_time > plain.iteration_time
+    with_tp = {m: ModuleSpec(s.costs, s.param_bytes, s.activation_bytes, s.grad_bytes, tp_bytes=0.5)
+               for m, s in modules.items()}
+    fast = evaluate_plan(with_tp, layers, "parallel", 4, tp=2)
+    slow = evaluate_plan(with_tp, layers, "parallel", 4, tp=2, tp_bandwidth=1.0)
+    assert fast.iteration_time < evaluate_plan(with_tp, layers, "parallel", 4).iteration_time < slow.iteration_time
+
+
 def test_forward_only_search_ranks_by_its_belief_and_is_not_faster():
     # a heavy frozen encoder: the unaware planner believes it costs 3F (it costs F) and ranks layouts so
     vision = layer_costs([2.0] * 8 + [0.1], [2.0] * 8 + [0.1], [2.0] * 8 + [0.1], [True] * 8 + [False])

@@ -34,6 +34,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--memory-limit", type=float, default=math.inf, help="GiB per device for the search")
     p.add_argument("--allreduce-bandwidth", type=float, default=math.inf,
                    help="GB/s per device for the data-parallel gradient all-reduce (default: free)")
+    p.add_argument("--tp", default="1", help="tensor-parallel degrees the search tries, comma-separated (e.g. 1,2,4)")
+    p.add_argument("--sharding", default="NO_SHARD",
+                   help="sharding strategies the search tries, comma-separated (NO_SHARD,SHARD_GRAD_OP,FULL_SHARD)")
+    p.add_argument("--tp-bandwidth", type=float, default=math.inf,
+                   help="GB/s per device for tensor-parallel all-reduces (default: free; NVLink ~ 300-450)")
     p.add_argument("--out", default=None,
                    help="folder for the timeline PNGs and Chrome traces (default: <the run's log dir>/plan)")
     return p.parse_args(argv)
@@ -73,9 +78,9 @@ def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool 
     return specs
 
 
-def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
-                    memory_limit: float = math.inf, allreduce_bandwidth: float = math.inf) -> Plan:
-    """The strategy's own layout and partition, simulated."""
+def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int, memory_limit: float = math.inf,
+                    allreduce_bandwidth: float = math.inf, tp_bandwidth: float = math.inf) -> Plan:
+    """The strategy's own layout and partition, simulated (with the largest tp of its stages)."""
     from lightning_mm.plan.layout import ParallelSpec, build_layout
     from lightning_mm.planner.model_costs import resolve_partition
 
@@ -85,7 +90,8 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
                           list(model.encoders))
     layers = resolve_partition(model, layout.module_stages, strategy.partition, strategy.activation_checkpointing)
     return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * layout.dp, layout.dp,
-                         memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth)
+                         memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth,
+                         tp=max(layout.tp.values()), sharding=strategy.sharding_strategy, tp_bandwidth=tp_bandwidth)
 
 
 def strategy_yaml(plan: Plan) -> str:
@@ -93,11 +99,12 @@ def strategy_yaml(plan: Plan) -> str:
     per replica and the planned boundaries (the search already timed them)."""
     import yaml
 
-    spec = lambda pp: {"class_path": "lightning_mm.ParallelSpec", "init_args": {"pp": pp}}  # noqa: E731
+    spec = lambda pp: {"class_path": "lightning_mm.ParallelSpec", "init_args": {"pp": pp, "tp": plan.tp}}  # noqa: E731
     pp = plan.pp()
     args = {"encoders": {m: spec(n) for m, n in pp.items() if m != LANGUAGE_MODEL},
             "language_model": spec(pp[LANGUAGE_MODEL]), "encoder_placement": plan.placement,
-            "num_microbatches": plan.microbatches_per_replica, "partition": {m: list(v) for m, v in plan.layers.items()}}
+            "num_microbatches": plan.microbatches_per_replica, "partition": {m: list(v) for m, v in plan.layers.items()},
+            "sharding_strategy": plan.sharding}
     doc = {"trainer": {"devices": plan.devices,
                        "strategy": {"class_path": "lightning_mm.MultimodalParallelStrategy", "init_args": args}}}
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)
@@ -190,23 +197,26 @@ def main(argv: list[str]) -> None:
     devices = trainer.num_devices * trainer.num_nodes
     out = Path(args.out) if args.out else default_out(trainer)
     memory_limit = args.memory_limit * GIB
-    bandwidth = args.allreduce_bandwidth * 1e9
+    bandwidth, tp_bandwidth = args.allreduce_bandwidth * 1e9, args.tp_bandwidth * 1e9
+    tp_degrees = [int(t) for t in args.tp.split(",")]
+    shardings = args.sharding.split(",")
     source = f"profile {profile}" if profile else "FLOPs counted on the real layers" + (
         f" at {args.device_flops:.4g} FLOP/s per device" if args.device_flops else "")
     print(f"costs per microbatch in {units.name} ({source}); memory in GiB"
           + (f"; gradient all-reduce at {args.allreduce_bandwidth:g} GB/s" if math.isfinite(bandwidth) else "")
           + "\n")
-    mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth)
+    mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth, tp_bandwidth)
     files = _write(mine, out, "configured", units)
     print(stage_table(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
-                            f"partition={strategy.partition!r}", units))
+                            f"tp={mine.tp}, sharding={mine.sharding}, partition={strategy.partition!r}", units))
     budget = args.devices or devices
     best = search(specs, budget, mine.microbatches_per_replica * mine.dp, memory_limit,
-                  allreduce_bandwidth=bandwidth).best
+                  allreduce_bandwidth=bandwidth, tp_degrees=tp_degrees, sharding_strategies=shardings,
+                  tp_bandwidth=tp_bandwidth).best
     files += _write(best, out, "auto", units)
     print()
     print(stage_table(best, f"auto search on {budget} devices: placement={best.placement}, dp={best.dp}, "
-                            f"pp={best.pp()}", units))
+                            f"tp={best.tp}, sharding={best.sharding}, pp={best.pp()}", units))
     print(f"\nconfigured / auto predicted iteration time: {mine.iteration_time / best.iteration_time:.3f}x")
     print(f"\nto run the auto plan, put this in the fit YAML (the data module's batch_size is per replica: keep "
           f"batch_size x dp the same for the same global batch; dp = {best.dp}):\n")
