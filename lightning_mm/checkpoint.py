@@ -304,9 +304,20 @@ def optimizer_targets(metadata, optimizers, names: dict[int, str]) -> dict[str, 
         if key.startswith("optim/"):
             i, rest = key[len("optim/"):].split("/", 1)
             by_param.setdefault((int(i), rest.rsplit("/", 1)[0]), []).append(key)
-    return {key: empty_like_entry(metadata, key)
+    return {key: _state_target(metadata, key, p)
             for i, opt in enumerate(optimizers) for group in opt.param_groups for p in group["params"]
             for key in by_param.get((i, names.get(id(p))), [])}
+
+
+def _state_target(metadata, key: str, param: torch.Tensor) -> torch.Tensor:
+    """Where one saved optimiser tensor is read to: laid out like its parameter when it has the parameter's shape
+    and the parameter is a DTensor (tensor-parallel or FSDP shards: DCP reads just this rank's piece)."""
+    from torch.distributed.tensor import DTensor
+
+    md = metadata.state_dict_metadata[key]
+    if isinstance(param, DTensor) and tuple(md.size) == tuple(param.shape):
+        return torch.empty_like(param.detach(), dtype=md.properties.dtype)
+    return empty_like_entry(metadata, key)
 
 
 def load_optimizer_by_name(optimizer, index: int, names: dict[int, str], loaded: dict[str, torch.Tensor],

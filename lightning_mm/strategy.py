@@ -9,6 +9,7 @@ device (``trainer.init_module()``), each rank keeps only its pipeline stage and 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -28,7 +29,7 @@ from lightning_mm.model.loading import materialise
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.parallel.engine import PipelineEngine, check_same_batch
 from lightning_mm.parallel.sharding import SHARDING_STRATEGIES
-from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, to_device_keeping_dtensors
+from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, dtensor_parameters_pinned
 from lightning_mm.plan.layout import ParallelSpec, RankLayout, build_layout
 from lightning_mm.planner.model_costs import resolve_partition
 
@@ -154,7 +155,8 @@ class MultimodalParallelStrategy(DDPStrategy):
         module, model = self.lightning_module, self.multimodal_model()
         if self.engine is None or self.engine.model is not model:
             self.build_stage(module, model)
-        to_device_keeping_dtensors(module, self.root_device, self.engine.fsdp_params)  # metrics, buffers
+        with dtensor_parameters_pinned(module, self.engine.fsdp_params):
+            module.to(self.root_device)  # what is left: this stage, metrics, buffers
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -370,7 +372,10 @@ class MultimodalParallelStrategy(DDPStrategy):
         if self.watchdog is not None:
             self.watchdog.finish()
             self.watchdog = None
-        super().teardown()
+        module = self.lightning_module
+        with dtensor_parameters_pinned(module, self.engine.fsdp_params) if module is not None and self.engine \
+                else contextlib.nullcontext():
+            super().teardown()  # moves the module to the CPU: tensor-parallel parameters stay with their mesh
 
 StrategyRegistry.register("multimodal", MultimodalParallelStrategy,
                           description="modality-parallel pipelines with data parallelism (lightning-mm)")

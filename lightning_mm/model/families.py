@@ -380,6 +380,7 @@ class _WhisperLikeFamily(EncoderFamily):
     input_key = "input_features"
     embed_modules = ("conv1", "conv2", "embed_positions")
     tp_plan = {**ATTENTION_MLP_TP_PLAN, "fc1": "colwise", "fc2": "rowwise"}
+    tp_head_attrs = ("self_attn.num_heads",)  # keys and values are reshaped by it
 
     def output_dim(self, enc):
         return enc.config.d_model
@@ -434,7 +435,6 @@ class WhisperFamily(_WhisperLikeFamily):
 
 class Qwen2AudioFamily(_WhisperLikeFamily):
     name, class_names = "Qwen2-Audio encoder", ("Qwen2AudioEncoder",)
-    tp_head_attrs = ("self_attn.num_heads",)
     folder_model_types = {"qwen2_audio_encoder": None, "qwen2_audio": "audio_config"}
 
     # With ``inputs["feature_attention_mask"]`` ([N, frames], 1 on a clip's real frames, as the processor gives

@@ -9,7 +9,9 @@ computes input gradients only (autograd builds no weight-gradient graph for froz
 forward again in backward (the planner costs this as B += F, memory as the layer inputs only).
 
 Communication (``comm.py``) is grouped per run of consecutive send/receive actions; gradient reduction over
-replicas (``grads.py``) overlaps the step's last backward. Every tensor the engine makes lives on ``device``.
+replicas (``grads.py``) overlaps the step's last backward. A stage with tp > 1 is split with DTensor
+(``tensor_parallel.py``), one with ``sharding_strategy`` other than NO_SHARD is sharded over its dp x cp ranks
+with FSDP2 (``sharding.py``, which then reduces its gradients). Every tensor the engine makes lives on ``device``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from lightning_mm import loss as losses
 from lightning_mm.data.microbatch import split_microbatches
 from lightning_mm.parallel.comm import StageComm
 from lightning_mm.parallel.context import pad_for_context_parallel, token_index
-from lightning_mm.parallel.sharding import apply_fsdp
 from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
+from lightning_mm.parallel.sharding import apply_fsdp
 from lightning_mm.parallel.stages import owned_parameters, prune, tied_embedding_stages
 from lightning_mm.parallel.tensor_parallel import apply_tp, keep_grads_like_parameters
 from lightning_mm.plan.layout import RankLayout
@@ -157,11 +159,11 @@ class PipelineEngine:
         self.groups = ProcessGroups(layout, rank, self.tie_stages, self.device.type, sharding_strategy != "NO_SHARD")
         self.tp_allreduce = apply_tp(model, self.plan, self.tp_meshes())
         self.vocab_parallel = self.groups.tp_mesh is not None and self.plan.language_model is not None
-        self.run_stage = self.forward_stage  # under FSDP, the root unit around it
+        self.run_stage, self.fsdp_params = self.forward_stage, set()  # under FSDP: its root unit around it
         if self.groups.shard_mesh is not None:
             self.run_stage = apply_fsdp(model, self.plan, self.groups.shard_mesh, sharding_strategy,
                                         self.forward_stage, precision)
-        self.fsdp_params = {id(p) for p in model.parameters() if self.run_stage is not self.forward_stage}
+            self.fsdp_params = {id(p) for p in model.parameters()}
         if materialise is not None:
             materialise(model)
         self.comm = StageComm(self.device, self.groups.headers)

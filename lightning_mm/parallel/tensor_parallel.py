@@ -9,6 +9,8 @@ on every tp rank, so the pipeline, CP attention (local heads) and the runtime se
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -123,10 +125,11 @@ def keep_grads_like_parameters(params) -> None:
             p.register_post_accumulate_grad_hook(_grad_like_parameter)
 
 
-def to_device_keeping_dtensors(module: nn.Module, device, fsdp_params: set[int] = frozenset()) -> None:
-    """``module.to(device)`` except DTensor parameters outside FSDP (materialise and DTensor already placed them):
-    moving one swaps its contents with a new tensor's, after which its gradient hooks never fire again. FSDP's
-    own ``_apply`` re-registers the parameters it manages, so those go through."""
+@contextmanager
+def dtensor_parameters_pinned(module: nn.Module, fsdp_params: set[int] = frozenset()):
+    """Inside, ``module.to()`` / ``.cpu()`` leave DTensor parameters outside FSDP where they are (materialise and
+    DTensor placed them on the stage's device): moving one swaps its contents with a new tensor's, after which
+    its gradient hooks never fire again. FSDP's own ``_apply`` re-registers the parameters it manages."""
     hidden = []
     for m in module.modules():
         for name, p in list(m._parameters.items()):
@@ -134,7 +137,7 @@ def to_device_keeping_dtensors(module: nn.Module, device, fsdp_params: set[int] 
                 hidden.append((m, name, p))
                 del m._parameters[name]
     try:
-        module.to(device)
+        yield
     finally:
         for m, name, p in hidden:
             m._parameters[name] = p

@@ -79,12 +79,17 @@ class StateBytes(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step != 1:
             return
-        size = lambda t: (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage().nbytes()  # noqa: E731
-        params = {id(p): p for p in pl_module.parameters()}
-        state = {"params": sum(size(p) for p in params.values()),
-                 "grads": sum(size(p.grad) for p in params.values() if p.grad is not None),
-                 "optimizer": sum(size(v) for s in optimizer.state.values() for v in s.values()
-                                  if isinstance(v, torch.Tensor) and v.dim() > 0)}
+        def size(tensors):  # each storage once (FSDP's gradient shards are views of one buffer per unit)
+            storages = {}
+            for t in tensors:
+                storage = (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            return sum(storages.values())
+
+        params = list({id(p): p for p in pl_module.parameters()}.values())
+        state = {"params": size(params), "grads": size(p.grad for p in params if p.grad is not None),
+                 "optimizer": size(v for s in optimizer.state.values() for v in s.values()
+                                   if isinstance(v, torch.Tensor) and v.dim() > 0)}
         state["total"] = sum(state.values())
         with open(os.path.join(self.out, f"state_{trainer.global_rank}.json"), "w") as f:
             json.dump(state, f)
