@@ -62,6 +62,31 @@ def exit_process(message: str) -> None:
     os._exit(FAULT_EXIT_CODE)
 
 
+@contextmanager
+def launched_ranks_watched(procs: list, first_rank: int = 1, interval: float = 0.5, on_fault=exit_process):
+    """While the process group forms: end this process if a rank it launched (Lightning's subprocess launcher:
+    ``procs[i]`` is local rank ``first_rank + i``) has already exited. Rank 0 otherwise waits in the rendezvous
+    until the process-group timeout, where no signal reaches it."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(interval):
+            for i, proc in enumerate(procs):
+                code = proc.poll()
+                if code is not None:
+                    on_fault(f"local rank {first_rank + i} (pid {proc.pid}) exited with code {code} before every rank "
+                             "joined the process group (its own output above says why)")
+                    return
+
+    thread = threading.Thread(target=watch, name="lightning-mm-launch-watch", daemon=True)
+    if procs:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 # ------------------------------------------------------------------------------------------------ waits
 @dataclass(frozen=True)
 class Wait:

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.data.resumable import resumable
-from lightning_mm.faults import FaultWatchdog, is_peer_loss, rank_labels
+from lightning_mm.faults import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
 from lightning_mm.model.loading import materialise
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.parallel.engine import PipelineEngine, check_same_batch
@@ -129,7 +129,8 @@ class MultimodalParallelStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         self.layout = self.plan_layout()
-        super().setup_environment()
+        with launched_ranks_watched(getattr(self._launcher, "procs", [])):
+            super().setup_environment()
         if self.fault_timeout is not None and self.world_size > 1:
             self.watchdog = FaultWatchdog(self.global_rank, self.world_size, self.fault_timeout,
                                           labels=rank_labels(self.layout)).start()

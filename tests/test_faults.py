@@ -247,3 +247,25 @@ def test_a_rank_stuck_inside_a_step_ends_every_process_naming_it(tmp_path):
     assert "while rank 1 (stage language_model.1) has waited" in text, text[-3000:]
     assert "main thread is at" in text and "time.sleep(3600)" in text, text[-3000:]
     assert proc.returncode != 0
+
+
+def test_a_launched_rank_that_exits_before_the_rendezvous_ends_rank_0_naming_it():
+    """Lightning's rank 0 launches the other local ranks, then waits for them in the rendezvous, where no signal
+    reaches it: one that already exited must end it with its rank and exit code."""
+    from lightning_mm.faults import launched_ranks_watched
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+    faults = []
+    try:
+        with launched_ranks_watched([alive, dead], interval=0.05, on_fault=faults.append):
+            deadline = time.monotonic() + 20
+            while not faults and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert faults and faults[0].startswith(f"local rank 2 (pid {dead.pid}) exited with code 3 before every rank")
+        faults.clear()
+        with launched_ranks_watched([alive], interval=0.05, on_fault=faults.append):
+            time.sleep(0.3)  # the rendezvous completes while every launched rank lives
+        assert faults == []
+    finally:
+        alive.kill()
