@@ -5,7 +5,6 @@ processes, consolidate on rank 0 right after fit, lazy (meta) builds materialise
 ``devices=1`` debug mode, and the errors for unknown arguments and modules the strategy cannot run.
 """
 
-import json
 import math
 import os
 
@@ -13,22 +12,13 @@ import pytest
 import torch
 
 import lightning_mm as lmm
-from tests.helpers.launch import run_script
+from tests.helpers.launch import run_trainer_case
 
 CASE = os.path.join(os.path.dirname(__file__), "helpers", "trainer_case.py")
 
 
 def run(case: dict, tmp_path, name: str):
-    out = tmp_path / name
-    out.mkdir()
-    run_script(CASE, json.dumps(case), str(out), cwd=out)
-    params = {}
-    for f in out.glob("params_*.pt"):
-        for n, p in torch.load(f, weights_only=True).items():
-            if n in params:  # replicas of one stage hold identical values
-                torch.testing.assert_close(p, params[n], rtol=0, atol=0, msg=n)
-            params[n] = p
-    return json.loads((out / "result.json").read_text()), params
+    return run_trainer_case(CASE, case, tmp_path, name)
 
 
 def assert_same_training(got, ref, rtol=1e-5, atol=1e-6, param_tol=(1e-4, 1e-5)):

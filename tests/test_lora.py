@@ -2,7 +2,6 @@
 train, the planner costs adapters as small trainable weights, and exports load back in transformers / peft."""
 
 import copy
-import json
 import os
 
 import peft
@@ -16,7 +15,7 @@ from lightning_mm.model.lora import merge_lora, save_lora
 from lightning_mm.planner.costs import CostModel, LayerProfile
 from lightning_mm.planner.model_costs import flop_times, model_layer_costs, part_parameters, part_tokens, \
     profile_times, sample_batch
-from tests.helpers.launch import run_script
+from tests.helpers.launch import run_trainer_case
 
 MODULES = ["q_proj", "v_proj"]
 LORA = dict(r=4, alpha=8, init_lora_weights=False)  # random A and B, so every adapter gets a gradient
@@ -191,16 +190,7 @@ CASE = os.path.join(os.path.dirname(__file__), "helpers", "lora_generation_case.
 
 
 def _run(case: dict, tmp_path, name: str):
-    out = tmp_path / name
-    out.mkdir()
-    run_script(CASE, json.dumps(case), str(out), cwd=out)
-    params = {}
-    for f in out.glob("params_*.pt"):
-        for n, p in torch.load(f, weights_only=True).items():
-            if n in params:  # replicas of one stage hold identical values
-                torch.testing.assert_close(p, params[n], rtol=0, atol=0, msg=n)
-            params[n] = p
-    return json.loads((out / "result.json").read_text()), params
+    return run_trainer_case(CASE, case, tmp_path, name)
 
 
 @pytest.mark.slow

@@ -28,12 +28,13 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 
 def sharding_units(model, plan: StagePlan) -> list[nn.Module | list[nn.Module]]:
-    """The modules of this stage that become FSDP units (a tied embedding and head form one unit)."""
+    """The modules of this stage that become FSDP units (a tied embedding and head form one unit; a unit without
+    parameters is skipped)."""
     units: list = []
     for name, sl in plan.encoders.items():
         enc = model.encoders[name]
         units += [enc.layers[i] for i in range(sl.start, sl.end)]
-        if sl.head and any(True for _ in enc.projector.parameters()):
+        if sl.head:
             units.append(enc.projector)
     if plan.language_model is not None:
         sl, lm, fam = plan.language_model, model.language_model, model.lm_family

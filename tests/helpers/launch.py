@@ -7,6 +7,7 @@ stderr before it dies, and the test fails with that output instead of leaving pr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -40,3 +41,20 @@ def run_script(script: str, *args: str, cwd, timeout: float = 420, env: dict | N
     if check:
         assert proc.returncode == 0, err[-4000:]
     return result
+
+
+def run_trainer_case(script: str, case: dict, tmp_path, name: str) -> tuple[dict, dict]:
+    """Run a JSON-driven Trainer case in ``tmp_path / name``; returns rank 0's ``result.json`` and the trainable
+    parameters every rank saved (``params_<rank>.pt``, merged by name; replicas must agree exactly)."""
+    import torch
+
+    out = tmp_path / name
+    out.mkdir()
+    run_script(script, json.dumps(case), str(out), cwd=out)
+    params = {}
+    for f in out.glob("params_*.pt"):
+        for n, p in torch.load(f, weights_only=True).items():
+            if n in params:  # replicas of one stage hold identical values
+                torch.testing.assert_close(p, params[n], rtol=0, atol=0, msg=n)
+            params[n] = p
+    return json.loads((out / "result.json").read_text()), params
