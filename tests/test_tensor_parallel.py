@@ -8,6 +8,8 @@ summation-order differences on near-zero gradients into lr-sized steps, which wo
 import json
 
 import pytest
+import torch
+
 import lightning_mm as lmm
 from lightning_mm.model import tiny_encoder, tiny_language_model
 from lightning_mm.parallel.tensor_parallel import check_tensor_parallel
@@ -76,9 +78,11 @@ def test_bad_tensor_parallel_specs_fail_before_any_process_group():
     ("tp2", dict(llm_tp=2), "llm"),
     ("pp2_tp2_vision_tp2", dict(llm_pp=2, llm_tp=2, encoder_tp=[2, 1]), "all"),
     ("tp2_cp2", dict(llm_tp=2, llm_cp=2), "llm"),
+    ("tp2_colocated_tp2_recompute_clip", dict(llm_tp=2, encoder_tp=[2, 2], placement="colocated", recompute=True,
+                                              clip=0.05), "all"),
 ])
 def test_tensor_parallel_trains_like_one_process(tmp_path, name, case, freeze):
-    ref = run({**SGD, "freeze": freeze}, tmp_path, "single")
+    ref = run({**SGD, "freeze": freeze, "clip": case.get("clip")}, tmp_path, "single")
     got = run({**SGD, **case, "freeze": freeze}, tmp_path, name)
     assert_same_training(got, ref)
 
@@ -89,14 +93,25 @@ def test_tensor_parallel_trains_like_one_process(tmp_path, name, case, freeze):
     ("shard_grad_op_dp2_pp2_lazy", dict(sharding="SHARD_GRAD_OP", llm_pp=2, lazy=True), "projectors"),
     pytest.param("full_shard_dp2_tp2_lazy", dict(sharding="FULL_SHARD", llm_tp=2, lazy=True), "llm",
                  marks=pytest.mark.ci),
+    ("full_shard_dp2_accumulate2_clip", dict(sharding="FULL_SHARD", accumulate=2, clip=0.05), "llm"),
 ])
 def test_sharded_data_parallel_trains_like_one_process(tmp_path, name, case, freeze):
     """A lazy (meta) build is compared with a lazy build in one process (the strategy's devices=1 mode): its
     initial values are drawn by parameter name, not in HF's construction order."""
     single = {"devices": 1, "llm_pp": 1, "lazy": True, "batch_size": 8} if case.get("lazy") else {"dp": 2}
-    ref = run({**SGD, "freeze": freeze, **single}, tmp_path, "single")
+    ref = run({**SGD, "freeze": freeze, **single, **{k: case[k] for k in ("accumulate", "clip") if k in case}},
+              tmp_path, "single")
     got = run({**SGD, **case, "freeze": freeze, "dp": 2}, tmp_path, name)
     assert_same_training(got, ref)
+
+
+@pytest.mark.slow
+def test_full_shard_bf16_mixed_matches_one_process_within_bf16_tolerance(tmp_path):
+    """FSDP2 gathers parameters in bf16 and reduces gradients in fp32 (MixedPrecisionPolicy from the precision)."""
+    base = dict(precision="bf16-mixed", steps=2, microbatches=2)
+    got = run({**base, "dp": 2, "sharding": "FULL_SHARD"}, tmp_path, "fsdp")
+    ref = run({**base, "dp": 2}, tmp_path, "single")
+    torch.testing.assert_close(torch.tensor(got[0]["train"]), torch.tensor(ref[0]["train"]), rtol=2e-2, atol=2e-2)
 
 
 # ---------------------------------------------------------------------------------------------- per-rank state

@@ -6,7 +6,7 @@ names), so a test can compare any layout with one process. Keys of the JSON (all
 
 - ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp`` / ``encoder_tp``
   ([vision, audio]), ``llm_pp``, ``llm_cp`` (blocks of 8 tokens), ``llm_tp``, ``sharding`` (sharding_strategy),
-  ``placement`` (encoder_placement), ``microbatches``, ``accumulate``, ``precision``, ``steps``, ``batch_size``
+  ``placement`` (encoder_placement), ``recompute`` (activation_checkpointing), ``microbatches``, ``accumulate``, ``precision``, ``steps``, ``batch_size``
   (per replica), ``freeze``, ``state_bytes`` (write ``state_<rank>.json``: bytes held before the second step),
   ``optimizer`` ("adamw" default, "sgd"), ``lr``, ``clip``, ``llm``, ``llm_layers``
 - ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta, materialised per stage)
@@ -115,8 +115,9 @@ def main(spec: str, out: str):
                       "audio": lmm.ParallelSpec(pp=enc[1], tp=enc_tp[1])},
             language_model=llm, num_microbatches=case.get("microbatches", 1), cp_block_size=8,
             sharding_strategy=case.get("sharding", "NO_SHARD"), encoder_placement=case.get("placement", "parallel"),
-            fault_timeout=60)
-        encoder_ranks = 0 if case.get("placement") == "replicated" else enc[0] * enc_tp[0] + enc[1] * enc_tp[1]
+            activation_checkpointing=case.get("recompute", False), fault_timeout=60)
+        encoder_ranks = {"replicated": 0, "colocated": enc[0] * enc_tp[0]}.get(  # colocated: one fused chain
+            case.get("placement"), enc[0] * enc_tp[0] + enc[1] * enc_tp[1])
         devices = case.get("devices") or (encoder_ranks + llm.size) * dp
         dp_batch = case.get("batch_size", 4)
     callbacks = [StateBytes(out)] if case.get("state_bytes") else []
