@@ -35,6 +35,31 @@ includes launching the other ranks: their interpreter start, imports and builds)
 when first used, in the first step, so compare its "to its end" and end memory, not its build time alone.
 
     python benchmarks/pipeline.py --setup --procs 4 --hidden 512 --llm-layers 12 --vocab 32000 --steps 1
+
+``--sharding`` compares sharded data parallelism and tensor parallelism with Lightning's own sharding strategies
+(``pipeline_sharding_p<P>_<accelerator>.json``), in one run on P processes: SigLIP (hidden 128, 4 layers) + MLP
+projector + a Llama of ``--hidden``/``--llm-layers``/``--vocab`` (untied), everything trainable, AdamW, built on
+meta under ``trainer.init_module(empty_init=True)`` and materialised sharded, ``--batch`` samples per replica
+(the Llama's intermediate size rounded up to a multiple of 128, so that tp 2 divides it):
+  no_shard, shard_grad_op, full_shard   MultimodalParallelStrategy(sharding_strategy=...), replicated encoders,
+                                        LLM pp 1 tp 1: dp = P
+  tp2_no_shard, tp2_full_shard          the same with LLM tp 2 (the encoders inside the tp group): dp = P / 2
+  lightning_fsdp                        Lightning's FSDPStrategy(FULL_SHARD), one unit per Llama decoder layer, the
+                                        model built eagerly (FSDP1 cannot initialise HF modules from meta)
+  lightning_fsdp2                       Lightning's ModelParallelStrategy(data_parallel_size=P, tensor_parallel_size=1);
+                                        configure_model applies fully_shard per Llama decoder layer and on the root
+                                        (the MultimodalModel), then materialises the shards with
+                                        lightning_mm.model.loading.materialise (the same initial values)
+The Lightning rows train the same ``MultimodalLightningModule`` (its loss is the HF causal-LM loss of the whole
+model). Per rank: the peak memory growth (CPU: VmHWM above the resident set before the model is built, as in
+``--setup``; GPU: peak allocated), at the first training step and at the end, and the bytes of the parameters,
+gradients and optimiser state this rank holds (local tensors, each storage counted once) right before the optimiser
+step of step ``--warmup``; samples/s over ``--steps`` steps after ``--warmup``; the last step's loss per rank (the
+global loss under MultimodalParallelStrategy, each rank's own under Lightning's). A row that fails keeps its error
+text instead of numbers; each row runs at most ``--timeout`` seconds.
+
+    python benchmarks/pipeline.py --sharding --procs 4 --hidden 512 --llm-layers 8 --vocab 32000 --batch 1 \
+                                  --warmup 2 --steps 3 --text-tokens 64 --timeout 300
 """
 
 from __future__ import annotations
@@ -366,6 +391,261 @@ def setup_main(args, argv: list[str]) -> None:
     print(setup_table(rows, args.accelerator))
 
 
+# ----------------------------------------------------------------------------------------------- --sharding
+SHARDING_RUNS = [
+    {"name": "no_shard", "strategy": "multimodal", "tp": 1, "sharding": "NO_SHARD"},
+    {"name": "shard_grad_op", "strategy": "multimodal", "tp": 1, "sharding": "SHARD_GRAD_OP"},
+    {"name": "full_shard", "strategy": "multimodal", "tp": 1, "sharding": "FULL_SHARD"},
+    {"name": "tp2_no_shard", "strategy": "multimodal", "tp": 2, "sharding": "NO_SHARD"},
+    {"name": "tp2_full_shard", "strategy": "multimodal", "tp": 2, "sharding": "FULL_SHARD"},
+    {"name": "lightning_fsdp", "strategy": "fsdp", "tp": 1, "sharding": "FULL_SHARD"},
+    {"name": "lightning_fsdp2", "strategy": "model_parallel", "tp": 1, "sharding": "FULL_SHARD"},
+]
+
+
+def _sharding_model(args):
+    """SigLIP + MLP projector + Llama, everything trainable (``--sharding``)."""
+    import transformers
+
+    import lightning_mm as lmm
+
+    vision, llm = _setup_configs(args)
+    llm.intermediate_size = -(-llm.intermediate_size // 128) * 128  # divisible by tp (1365 -> 1408 at hidden 512)
+    encoder = lmm.ModalityEncoder(transformers.SiglipVisionModel(vision), projector="mlp")
+    model = lmm.MultimodalModel({"vision": encoder}, language_model=transformers.LlamaForCausalLM(llm))
+    return model.freeze(encoders=False, projectors=False, language_model=False)
+
+
+def _state_bytes(module, optimizer) -> dict[str, int]:
+    """Bytes of the parameters, gradients and optimiser state this rank holds: local tensors (a DTensor's local
+    shard), each storage counted once (FSDP2's sharded gradients are views of one buffer per unit)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+
+    def total(tensors) -> int:
+        n = 0
+        for t in tensors:
+            if t is None or not isinstance(t, torch.Tensor) or t.dim() == 0:
+                continue
+            storage = (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            n += storage.nbytes()
+        return n
+
+    params = list({id(p): p for p in module.parameters()}.values())
+    out = {"params": total(params), "grads": total(p.grad for p in params),
+           "optimizer": total(v for st in optimizer.state.values() for v in st.values())}
+    out["total"] = sum(out.values())
+    return out
+
+
+def sharding_worker(cfg: dict, args, result: str) -> None:
+    """One ``--sharding`` row; an exception on rank 0 is written as the row's error."""
+    import traceback
+
+    try:
+        _sharding_worker(cfg, args, result)
+    except BaseException:
+        if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:
+            Path(result).write_text(json.dumps({**cfg, "error": traceback.format_exc()[-3000:]}))
+        raise
+
+
+def _sharding_worker(cfg: dict, args, result: str) -> None:
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    import lightning_mm as lmm
+
+    torch.set_num_threads(args.threads)
+    gpu = args.accelerator == "gpu"
+    procs = args.procs
+    state: dict = {}
+
+    class Meter(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if "peak_first_step" not in state:
+                state["peak_first_step"] = _peak_bytes(gpu)
+            if trainer.global_step == args.warmup:
+                dist.barrier()
+                state["t0"] = time.perf_counter()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == args.warmup:
+                state["state_bytes"] = _state_bytes(pl_module, optimizer)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == args.warmup + args.steps:
+                dist.barrier()
+                state["t1"] = time.perf_counter()
+
+    module_class = lmm.MultimodalLightningModule
+    if cfg["strategy"] == "multimodal":
+        strategy = lmm.MultimodalParallelStrategy(
+            encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec(tp=cfg["tp"]),
+            encoder_placement="replicated", sharding_strategy=cfg["sharding"], num_microbatches=1)
+    elif cfg["strategy"] == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        strategy = FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={LlamaDecoderLayer},
+                                use_orig_params=True, process_group_backend=None if gpu else "gloo")
+    else:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=procs, tensor_parallel_size=1,
+                                         process_group_backend=None if gpu else "gloo")
+
+        class FSDP2Module(lmm.MultimodalLightningModule):
+            def configure_model(self):
+                from torch.distributed.fsdp import fully_shard
+
+                from lightning_mm.model.loading import materialise
+
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.model.language_model.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
+                materialise(self.model, self.trainer.strategy.root_device, seed=0)  # this rank's shards only
+
+        module_class = FSDP2Module
+    trainer = L.Trainer(accelerator=args.accelerator, devices=procs, strategy=strategy,
+                        max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, callbacks=[Meter()])
+    torch.manual_seed(0)
+    torch.ones(1) + 1  # allocator warm-up before the measure
+    reset = _rss_reset()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if gpu else _status_kb("VmRSS") * 1024
+    if cfg["strategy"] == "fsdp":
+        model = _sharding_model(args)
+    else:
+        with trainer.init_module(empty_init=True):
+            model = _sharding_model(args)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    module = module_class(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+    data = lmm.data.SyntheticMultimodalDataModule(num_samples=args.batch * procs * (args.warmup + args.steps + 2),
+                                                  batch_size=args.batch,
+                                                  text_tokens=(args.text_tokens - 8, args.text_tokens))
+    trainer.fit(module, data)
+    engine = getattr(trainer.strategy, "engine", None)
+    mine = {"rank": trainer.global_rank, "stage": engine.stage if engine is not None else "whole model",
+            "peak_first_step_mb": (state["peak_first_step"] - base) / 2**20,
+            "peak_end_mb": (_peak_bytes(gpu) - base) / 2**20, "base_mb": base / 2**20,
+            "peak_since": "before the build" if reset or gpu else "process start",
+            "state_mb": {k: v / 2**20 for k, v in state["state_bytes"].items()},
+            "loss": float(trainer.callback_metrics.get("train/loss", float("nan")))}
+    ranks = [None] * trainer.world_size
+    dist.all_gather_object(ranks, mine)
+    if trainer.global_rank != 0:
+        return
+    dp = trainer.strategy.layout.dp if cfg["strategy"] == "multimodal" else procs
+    seconds = state["t1"] - state["t0"]
+    Path(result).write_text(json.dumps({
+        **cfg, "dp": dp, "global_batch": args.batch * dp, "model_mb": model_bytes / 2**20, "seconds": seconds,
+        "samples_per_s": args.batch * dp * args.steps / seconds, "ranks": ranks}))
+
+
+def _run_isolated(cfg: dict, argv: list[str], timeout: float) -> dict:
+    """One row in fresh processes (own session: on a timeout every process of the row is ended); a row that
+    writes no result gets the tail of its stderr as its error."""
+    import signal
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result, log = os.path.join(tmp, "result.json"), os.path.join(tmp, "stderr.txt")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", json.dumps(cfg), "--result", result]
+        with open(log, "w") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT,
+                                    start_new_session=True)
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = f"killed after {timeout:.0f} s"
+            try:  # the row's other ranks, left waiting in a collective when rank 0 failed or timed out
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        stderr = Path(log).read_text(errors="replace")
+        if not os.path.exists(result):
+            return {**cfg, "error": f"no result (exit {code}):\n{stderr[-3000:]}"}
+        doc = json.loads(Path(result).read_text())
+        if code != 0 and "error" not in doc:
+            doc["exit"] = f"exit code {code} after writing results: {stderr.strip()[-300:]}"
+        return doc
+
+
+def _error_line(error: str) -> str:
+    """The first exception's message (a teardown error raised while handling it comes after)."""
+    error = error.split("During handling of the above exception")[0]
+    lines = [x.strip() for x in error.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else error
+
+
+def sharding_table(rows: list[dict], accelerator: str) -> str:
+    base = next((r for r in rows if r["name"] == "no_shard" and "error" not in r), None)
+    lines = [f"{'row':<15} {'layout':<33} {'samples/s':>9} {'vs no_shard':>11} {'loss':>7} "
+             f"{'peak growth MiB/rank, 1st step':<31} {'at the end':<20} {'state MiB/rank (p+g+opt)':<25}"]
+    lines.append("-" * len(lines[0]))
+    for r in rows:
+        layout = _sharding_layout(r)
+        if "error" in r:
+            lines.append(f"{r['name']:<15} {layout:<33} error: {_error_line(r['error'])[:150]}")
+            continue
+        ratio = r["samples_per_s"] / base["samples_per_s"] if base else float("nan")
+        loss = sum(x["loss"] for x in r["ranks"]) / len(r["ranks"])
+        first = " ".join(f"{x['peak_first_step_mb']:.0f}" for x in r["ranks"])
+        peak = " ".join(f"{x['peak_end_mb']:.0f}" for x in r["ranks"])
+        state = " ".join(f"{x['state_mb']['total']:.0f}" for x in r["ranks"])
+        lines.append(f"{r['name']:<15} {layout:<33} {r['samples_per_s']:>9.3f} {ratio:>10.2f}x {loss:>7.4f} "
+                     f"{first:<31} {peak:<20} {state:<25}")
+    first_ok = next((r for r in rows if "error" not in r), None)
+    if first_ok is not None:
+        unit = "peak allocated" if accelerator == "gpu" else "VmHWM above the resident set"
+        lines.append(f"model {first_ok['model_mb']:.0f} MiB of fp32 parameters, all trainable, AdamW; loss: the last "
+                     "step's, mean over ranks; peak growth: "
+                     f"{unit} before the (meta) build; state: local parameters + gradients + AdamW moments before "
+                     "the optimiser step; per rank in rank order")
+    return "\n".join(lines)
+
+
+def _sharding_layout(r: dict) -> str:
+    if r["strategy"] == "fsdp":
+        return "Lightning FSDPStrategy FULL_SHARD"
+    if r["strategy"] == "model_parallel":
+        return "Lightning ModelParallel FSDP2"
+    dp = r.get("dp", "?")
+    return f"{'tp2 x ' if r['tp'] > 1 else ''}dp{dp} {r['sharding']}"
+
+
+def sharding_main(args, argv: list[str]) -> None:
+    only = set(args.only.split(",")) if args.only else None
+    rows = []
+    for cfg in SHARDING_RUNS:
+        if only is not None and cfg["name"] not in only:
+            continue
+        start = time.time()
+        row = _run_isolated({**cfg, "dp": args.procs // cfg["tp"]}, argv, args.timeout)
+        rows.append(row)
+        what = (f"error: {_error_line(row['error'])[:200]}" if "error" in row
+                else f"{row['samples_per_s']:.3f} samples/s")
+        print(f"{cfg['name']}: {what} ({time.time() - start:.0f} s with launch)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None},
+           "baseline": "no_shard", "rows": rows}
+    (out / f"pipeline_sharding_p{args.procs}_{args.accelerator}.json").write_text(json.dumps(doc, indent=1))
+    print(sharding_table(rows, args.accelerator))
+
+
 # ----------------------------------------------------------------------------------------------- the driver
 def run_config(cfg: dict, argv: list[str], timeout: float, stderr_log: str | None = None) -> dict:
     """One layout in fresh processes; on a failure its whole stderr goes to ``stderr_log`` (when given)."""
@@ -428,6 +708,8 @@ def parse(argv=None):
     p.add_argument("--vocab", type=int, default=512, help="the Llama's vocabulary")
     p.add_argument("--setup", action="store_true",
                    help="measure eager vs lazy (meta) builds and folder loading instead of throughput")
+    p.add_argument("--sharding", action="store_true",
+                   help="measure sharded data parallelism and tensor parallelism vs Lightning's FSDP strategies")
     p.add_argument("--text-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (cores / procs)")
     p.add_argument("--only", default=None, help="comma-separated layout names to run")
@@ -443,9 +725,12 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     if args.worker:
-        return (setup_worker if args.setup else worker)(json.loads(args.worker), args, args.result)
+        run = sharding_worker if args.sharding else setup_worker if args.setup else worker
+        return run(json.loads(args.worker), args, args.result)
     if args.setup:
         return setup_main(args, argv)
+    if args.sharding:
+        return sharding_main(args, argv)
     configs = layouts(args.procs, args.accelerator)
     if args.only:
         keep = set(args.only.split(","))
