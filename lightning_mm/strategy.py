@@ -374,9 +374,9 @@ class MultimodalParallelStrategy(DDPStrategy):
             self.watchdog.finish()
             self.watchdog = None
         module = self.lightning_module
-        with dtensor_parameters_pinned(module, self.engine.fsdp_params) if module is not None and self.engine \
-                else contextlib.nullcontext():
-            super().teardown()  # moves the module to the CPU: tensor-parallel parameters stay with their mesh
+        with dtensor_parameters_pinned(module, self.engine.fsdp_params if self.engine else set()) \
+                if module is not None else contextlib.nullcontext():
+            super().teardown()  # moves the module to the CPU: tensor-parallel and meta tensors stay
 
 StrategyRegistry.register("multimodal", MultimodalParallelStrategy,
                           description="modality-parallel pipelines with data parallelism (lightning-mm)")

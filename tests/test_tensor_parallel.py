@@ -137,3 +137,31 @@ def _state(tmp_path, name, case):
     run_script(CASE, json.dumps(case), str(out), cwd=out)
     return [json.loads(f.read_text()) for f in sorted(out.glob("state_*.json"))]
 
+
+
+BAD_TP_SCRIPT = """
+import lightning as L, torch
+import lightning_mm as lmm
+from lightning_mm.model import tiny_encoder, tiny_language_model
+strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec(tp=2),
+                                          encoder_placement="replicated", fault_timeout=30)
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False)
+with trainer.init_module(empty_init=True):
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))},
+                                tiny_language_model("llama", intermediate_size=63))
+trainer.fit(lmm.MultimodalLightningModule(model), lmm.data.SyntheticMultimodalDataModule(num_samples=4, batch_size=2))
+"""
+
+
+@pytest.mark.slow
+def test_a_bad_tensor_parallel_spec_under_the_trainer_is_the_error_the_user_sees(tmp_path):
+    """Raised in setup_environment, before any process group, on a meta-built model: teardown must not bury it
+    under "Cannot copy out of meta tensor"."""
+    script = tmp_path / "bad_tp.py"
+    script.write_text(BAD_TP_SCRIPT)
+    proc = run_script(str(script), cwd=tmp_path, timeout=240, check=False)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "tp=2 does not divide intermediate_size=63; choose a tp that divides it" in last, proc.stderr[-3000:]
+    assert "meta tensor" not in proc.stderr

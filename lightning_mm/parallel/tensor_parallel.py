@@ -129,18 +129,20 @@ def keep_grads_like_parameters(params) -> None:
 def dtensor_parameters_pinned(module: nn.Module, fsdp_params: set[int] = frozenset()):
     """Inside, ``module.to()`` / ``.cpu()`` leave DTensor parameters outside FSDP where they are (materialise and
     DTensor placed them on the stage's device): moving one swaps its contents with a new tensor's, after which
-    its gradient hooks never fire again. FSDP's own ``_apply`` re-registers the parameters it manages."""
+    its gradient hooks never fire again. FSDP's own ``_apply`` re-registers the parameters it manages. Tensors
+    still on the meta device (a setup that failed before materialising) stay too: they cannot be moved."""
     hidden = []
     for m in module.modules():
-        for name, p in list(m._parameters.items()):
-            if isinstance(p, DTensor) and id(p) not in fsdp_params:
-                hidden.append((m, name, p))
-                del m._parameters[name]
+        for table in (m._parameters, m._buffers):
+            for name, t in list(table.items()):
+                if t is not None and (t.is_meta or isinstance(t, DTensor) and id(t) not in fsdp_params):
+                    hidden.append((table, name, t))
+                    del table[name]
     try:
         yield
     finally:
-        for m, name, p in hidden:
-            m._parameters[name] = p
+        for table, name, t in hidden:
+            table[name] = t
 
 
 def _grad_like_parameter(p) -> None:
