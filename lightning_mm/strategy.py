@@ -50,6 +50,9 @@ class MultimodalParallelStrategy(DDPStrategy):
     ("lpt", "zigzag", "random", "contiguous"); shorter sequences pad themselves to N blocks.
     ``activation_checkpointing=True`` keeps only each encoder/LLM layer's input and recomputes its forward in
     backward (less activation memory, about one more forward of compute); the planner partitions accordingly.
+    ``ParallelSpec(tp=N)`` splits a module's layers over N ranks (DTensor; docs/parallelism.md), and
+    ``sharding_strategy`` ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") shards each stage's state over its
+    data-parallel ranks with FSDP2.
     """
 
     strategy_name = "multimodal"
@@ -61,8 +64,7 @@ class MultimodalParallelStrategy(DDPStrategy):
                  timeout: timedelta | None = DEFAULT_TIMEOUT, start_method: str = "popen",
                  save_frozen_parameters: bool = False, fault_timeout: float | None = DEFAULT_FAULT_TIMEOUT,
                  activation_checkpointing: bool = False, sharding_strategy: str = "NO_SHARD", accelerator=None,
-                 parallel_devices=None,
-                 cluster_environment=None, checkpoint_io=None, precision_plugin=None, **unknown):
+                 parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None, **unknown):
         if unknown:
             known = [p for p in inspect.signature(MultimodalParallelStrategy.__init__).parameters
                      if p not in ("self", "unknown")]

@@ -156,11 +156,12 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
     for s in stages:
         modules = [m for m, _ in table[s]]
         tp[s] = specs[modules[0]].tp
-        wrong = [m for m in modules[1:] if specs[m].tp not in ((1, tp[s]) if modules[0] == LANGUAGE_MODEL else (tp[s],))]
+        in_llm_stage = modules[0] == LANGUAGE_MODEL  # an encoder there may also run whole on every rank (tp 1)
+        wrong = [m for m in modules[1:] if specs[m].tp not in ((1, tp[s]) if in_llm_stage else (tp[s],))]
         if wrong:
             raise ValueError(f"stage {s!r} holds {modules}, which must share its tensor-parallel ranks: give "
-                             f"{wrong} tp={tp[s]}" + (" (or tp=1: run whole on every rank)" if modules[0] ==
-                                                      LANGUAGE_MODEL else "") + ", or use encoder_placement='parallel'")
+                             f"{wrong} tp={tp[s]}" + (" (or tp=1: run whole on every rank)" if in_llm_stage else "")
+                             + ", or use encoder_placement='parallel'")
     layout = RankLayout(stages, cp, tp, 0, placement, {n: s.pp for n, s in specs.items()},
                         {n: s.tp for n, s in specs.items()})
     per_replica = layout.ranks_per_replica

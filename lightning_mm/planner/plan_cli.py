@@ -103,8 +103,8 @@ def strategy_yaml(plan: Plan) -> str:
     pp = plan.pp()
     args = {"encoders": {m: spec(n) for m, n in pp.items() if m != LANGUAGE_MODEL},
             "language_model": spec(pp[LANGUAGE_MODEL]), "encoder_placement": plan.placement,
-            "num_microbatches": plan.microbatches_per_replica, "partition": {m: list(v) for m, v in plan.layers.items()},
-            "sharding_strategy": plan.sharding}
+            "num_microbatches": plan.microbatches_per_replica, "sharding_strategy": plan.sharding,
+            "partition": {m: list(v) for m, v in plan.layers.items()}}
     doc = {"trainer": {"devices": plan.devices,
                        "strategy": {"class_path": "lightning_mm.MultimodalParallelStrategy", "init_args": args}}}
     return yaml.safe_dump(doc, sort_keys=False, default_flow_style=None)

@@ -6,8 +6,9 @@ names), so a test can compare any layout with one process. Keys of the JSON (all
 
 - ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp`` / ``encoder_tp``
   ([vision, audio]), ``llm_pp``, ``llm_cp`` (blocks of 8 tokens), ``llm_tp``, ``sharding`` (sharding_strategy),
-  ``placement`` (encoder_placement), ``recompute`` (activation_checkpointing), ``microbatches``, ``accumulate``, ``precision``, ``steps``, ``batch_size``
-  (per replica), ``freeze``, ``state_bytes`` (write ``state_<rank>.json``: bytes held before the second step),
+  ``placement`` (encoder_placement), ``recompute`` (activation_checkpointing), ``microbatches``, ``accumulate``,
+  ``precision``, ``steps``, ``batch_size`` (per replica), ``freeze``, ``state_bytes`` (write
+  ``state_<rank>.json``: bytes held before the second step),
   ``optimizer`` ("adamw" default, "sgd"), ``lr``, ``clip``, ``llm``, ``llm_layers``
 - ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta, materialised per stage)
 - ``nan_at``: the step whose loss is made NaN (``nan_guard="skip"`` drops it)
