@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import tempfile
 import traceback
@@ -14,9 +15,18 @@ import torch.multiprocessing as mp
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999), from which the OS hands out the ports of every
+    outgoing and gloo connection: a rendezvous port picked there (as ``bind(0)`` does) can be taken by another
+    socket between the pick and the store's bind (EADDRINUSE)."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def _worker(rank, world, port, fn, args, out_dir):

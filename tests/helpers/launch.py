@@ -1,8 +1,9 @@
 """Run a helper script that starts a multi-process Lightning job, and fail with every process's stack if it hangs.
 
-The script runs in its own session with ``PYTHONFAULTHANDLER=1`` (inherited by the ranks Lightning launches). On
-timeout every process of the session gets SIGABRT, so each prints all its threads' Python stacks to the captured
-stderr before it dies, and the test fails with that output instead of leaving processes behind.
+The script runs in its own session with ``PYTHONFAULTHANDLER=1`` (inherited by the ranks Lightning launches) and a
+rendezvous port outside the ephemeral range (``distributed._free_port``). On timeout every process of the session
+gets SIGABRT, so each prints all its threads' Python stacks to the captured stderr before it dies, and the test
+fails with that output instead of leaving processes behind.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 
 import pytest
 
+from tests.helpers.distributed import _free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -22,7 +25,7 @@ def run_script(script: str, *args: str, cwd, timeout: float = 420, env: dict | N
                check: bool = True) -> subprocess.CompletedProcess:
     """``python script *args`` with one thread per process; raises with the stderr tail on failure."""
     path = os.environ.get("PYTHONPATH")  # this tree's lightning_mm first (an editable install may point elsewhere)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "MASTER_PORT": str(_free_port()),
            "PYTHONPATH": ROOT + (os.pathsep + path if path else ""), **(env or {})}
     proc = subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=cwd, start_new_session=True)
