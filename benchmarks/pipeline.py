@@ -121,6 +121,16 @@ def build_module(cfg: dict, args):
     return lmm.MultimodalLightningModule(model, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
 
 
+def _start_memory_measure(gpu: bool) -> tuple[bool, int]:
+    """Reset the peak (VmHWM on CPU, CUDA's peak on GPU) and return (whether the CPU peak could be reset, the
+    baseline bytes the growth is measured from)."""
+    torch.ones(1) + 1  # allocator warm-up before the measure
+    reset = _rss_reset()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    return reset, torch.cuda.memory_allocated() if gpu else _status_kb("VmRSS") * 1024
+
+
 def _rss_reset() -> bool:
     """Reset this process's peak-RSS mark (Linux clear_refs 5); False where not allowed."""
     try:
@@ -305,11 +315,7 @@ def setup_worker(cfg: dict, args, result: str) -> None:
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                         callbacks=[Meter()])
     torch.manual_seed(0)
-    torch.ones(1) + 1  # allocator warm-up before the measure
-    reset = _rss_reset()
-    if gpu:
-        torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if gpu else _status_kb("VmRSS") * 1024
+    reset, base = _start_memory_measure(gpu)
     start = time.perf_counter()
 
     def build():
@@ -519,11 +525,7 @@ def _sharding_worker(cfg: dict, args, result: str) -> None:
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, callbacks=[Meter()])
     torch.manual_seed(0)
-    torch.ones(1) + 1  # allocator warm-up before the measure
-    reset = _rss_reset()
-    if gpu:
-        torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if gpu else _status_kb("VmRSS") * 1024
+    reset, base = _start_memory_measure(gpu)
     if cfg["strategy"] == "fsdp":
         model = _sharding_model(args)
     else:
