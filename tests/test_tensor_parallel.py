@@ -80,9 +80,11 @@ def test_bad_tensor_parallel_specs_fail_before_any_process_group():
     ("tp2_cp2", dict(llm_tp=2, llm_cp=2), "llm"),
     ("tp2_colocated_tp2_recompute_clip", dict(llm_tp=2, encoder_tp=[2, 2], placement="colocated", recompute=True,
                                               clip=0.05), "all"),
+    ("qwen3_tp2", dict(llm="qwen3", llm_tp=2), "llm"),  # per-head q/k norms: gradients summed over tp
+    ("phi3_tp2", dict(llm="phi3", llm_tp=2), "llm"),  # fused qkv: gathered output, split input
 ])
 def test_tensor_parallel_trains_like_one_process(tmp_path, name, case, freeze):
-    ref = run({**SGD, "freeze": freeze, "clip": case.get("clip")}, tmp_path, "single")
+    ref = run({**SGD, "freeze": freeze, "clip": case.get("clip"), "llm": case.get("llm", "llama")}, tmp_path, "single")
     got = run({**SGD, **case, "freeze": freeze}, tmp_path, name)
     assert_same_training(got, ref)
 
