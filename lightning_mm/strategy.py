@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -131,11 +132,24 @@ class MultimodalParallelStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         self.layout = self.plan_layout()
+        self.check_launch_environment()
         with launched_ranks_watched(getattr(self._launcher, "procs", [])):
             super().setup_environment()
         if self.fault_timeout is not None and self.world_size > 1:
             self.watchdog = FaultWatchdog(self.global_rank, self.world_size, self.fault_timeout,
                                           labels=rank_labels(self.layout)).start()
+
+    def check_launch_environment(self) -> None:
+        """LOCAL_RANK without WORLD_SIZE in the environment (left over from an earlier Trainer run in this process
+        or shell) makes Lightning believe another launcher started the other ranks: rank 0 would wait for them
+        forever. Raise instead, before any process group."""
+        if (isinstance(self.cluster_environment, LightningEnvironment) and self.world_size > 1
+                and "LOCAL_RANK" in os.environ and "WORLD_SIZE" not in os.environ
+                and not getattr(self._launcher, "procs", None)):
+            raise RuntimeError(f"LOCAL_RANK={os.environ['LOCAL_RANK']} is set in the environment but WORLD_SIZE is "
+                               f"not, so Lightning starts none of the other {self.world_size - 1} ranks and would "
+                               "wait for them forever; unset LOCAL_RANK (and NODE_RANK) in this shell or process, "
+                               "or launch every rank yourself (torchrun, SLURM)")
 
     @property
     def distributed_sampler_kwargs(self) -> dict:

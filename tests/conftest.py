@@ -15,3 +15,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords and "ci" not in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Lightning's launcher writes LOCAL_RANK, NODE_RANK, WORLD_SIZE and MASTER_* into ``os.environ`` whenever a
+    test runs a Trainer with a DDP-based strategy in this process; a later test's subprocess inheriting LOCAL_RANK
+    would believe another launcher started its ranks and wait for them forever. Each test gets the environment
+    back as it found it."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lightning_mm as lmm
-from tests.helpers.launch import run_trainer_case
+from tests.helpers.launch import run_script, run_trainer_case
 
 CASE = os.path.join(os.path.dirname(__file__), "helpers", "trainer_case.py")
 
@@ -107,3 +107,25 @@ def test_unknown_argument_and_wrong_module_are_errors():
                         logger=False, enable_checkpointing=False)
     with pytest.raises(Exception, match="lightning_mm.MultimodalModel"):
         trainer.fit(Plain(), torch.utils.data.DataLoader([torch.zeros(2)]))
+
+
+STALE_LOCAL_RANK_SCRIPT = """
+import lightning as L
+import lightning_mm as lmm
+from lightning_mm.model import tiny_encoder, tiny_language_model
+strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec())
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False)
+model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model("llama"))
+trainer.fit(lmm.MultimodalLightningModule(model), lmm.data.SyntheticMultimodalDataModule(num_samples=4, batch_size=2))
+"""
+
+
+def test_a_stale_local_rank_is_an_error_not_a_wait_for_ranks_nobody_starts(tmp_path):
+    """LOCAL_RANK left in the environment (Lightning's launcher writes it into the process that ran a Trainer)
+    makes Lightning start no other rank; rank 0 must say so instead of waiting in the rendezvous forever."""
+    script = tmp_path / "stale.py"
+    script.write_text(STALE_LOCAL_RANK_SCRIPT)
+    proc = run_script(str(script), cwd=tmp_path, timeout=180, env={"LOCAL_RANK": "0", "NODE_RANK": "0"}, check=False)
+    assert proc.returncode != 0
+    assert "LOCAL_RANK=0 is set in the environment but WORLD_SIZE is not" in proc.stderr, proc.stderr[-3000:]

@@ -7,7 +7,7 @@ import json
 import os
 import tempfile
 
-from tests.helpers.launch import ROOT, run_script
+from tests.helpers.launch import LAUNCH_VARIABLES, ROOT, run_script
 
 CASE = os.path.join(os.path.dirname(__file__), "checkpoint_case.py")
 STEPS = 6
@@ -17,7 +17,8 @@ def case_env() -> dict:
     """Environment of a test's subprocess: one thread, and THIS tree's lightning_mm first on the path (an editable
     install may point at another checkout; PYTHONPATH wins over its import finder)."""
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
+    inherited = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    return {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
 
 
 def run_case(cfg: dict, timeout: float = 300) -> list[float]:

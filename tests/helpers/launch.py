@@ -18,6 +18,8 @@ import pytest
 
 from tests.helpers.distributed import _free_port
 
+# what Lightning's launcher (or torchrun) sets for the ranks it starts: inherited, they make Lightning skip launching
+LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "MASTER_ADDR", "MASTER_PORT")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -25,7 +27,8 @@ def run_script(script: str, *args: str, cwd, timeout: float = 420, env: dict | N
                check: bool = True) -> subprocess.CompletedProcess:
     """``python script *args`` with one thread per process; raises with the stderr tail on failure."""
     path = os.environ.get("PYTHONPATH")  # this tree's lightning_mm first (an editable install may point elsewhere)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "MASTER_PORT": str(_free_port()),
+    inherited = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "MASTER_PORT": str(_free_port()),
            "PYTHONPATH": ROOT + (os.pathsep + path if path else ""), **(env or {})}
     proc = subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=cwd, start_new_session=True)
