@@ -144,6 +144,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         or shell) makes Lightning believe another launcher started the other ranks: rank 0 would wait for them
         forever. Raise instead, before any process group."""
         if (isinstance(self.cluster_environment, LightningEnvironment) and self.world_size > 1
+                and not torch.distributed.is_initialized()  # later Trainer calls: WORLD_SIZE is gone by then
                 and "LOCAL_RANK" in os.environ and "WORLD_SIZE" not in os.environ
                 and not getattr(self._launcher, "procs", None)):
             raise RuntimeError(f"LOCAL_RANK={os.environ['LOCAL_RANK']} is set in the environment but WORLD_SIZE is "
