@@ -88,8 +88,8 @@ def test_lazy_build_trains_like_debug_mode_on_one_device(tmp_path):
 
 
 def test_unknown_argument_and_wrong_module_are_errors():
-    with pytest.raises(TypeError, match=r"unknown arguments \['sharding_strategy'\]"):
-        lmm.MultimodalParallelStrategy(sharding_strategy="FULL_SHARD")
+    with pytest.raises(TypeError, match=r"unknown arguments \['find_unused_parameters'\]"):
+        lmm.MultimodalParallelStrategy(find_unused_parameters=True)
     import lightning as L
 
     class Plain(L.LightningModule):
