@@ -22,8 +22,13 @@ def _restore_environment():
     """Lightning's launcher writes LOCAL_RANK, NODE_RANK, WORLD_SIZE and MASTER_* into ``os.environ`` whenever a
     test runs a Trainer with a DDP-based strategy in this process; a later test's subprocess inheriting LOCAL_RANK
     would believe another launcher started its ranks and wait for them forever. Each test gets the environment
-    back as it found it."""
-    saved = dict(os.environ)
+    back as it found it, and a process group such a test left behind is destroyed (a later test checks that bad
+    input fails before any exists)."""
+    import torch.distributed as dist
+
+    saved, had_group = dict(os.environ), dist.is_initialized()
     yield
     os.environ.clear()
     os.environ.update(saved)
+    if dist.is_initialized() and not had_group:
+        dist.destroy_process_group()
