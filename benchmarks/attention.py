@@ -1,12 +1,18 @@
 """Attention benchmark: our Triton bitfield kernels vs FlexAttention vs SDPA (dense mask) vs SDPA causal flash.
 
-For each sequence length and mask layout (EP/EE/MP from ``masks.random_bam``, seeded) it measures forward and
-forward+backward time, effective TFLOP/s counted over the allowed (query, key) pairs only (4*D flops per pair
-forward, 3.5x that for forward+backward, the FlashAttention convention) and peak memory. The causal flash row
-counts causal pairs: it is the ceiling for a kernel that skips nothing it need not compute.
+For each sequence length, head dimension and mask layout (EP/EE/MP from ``masks.random_bam``, seeded; MP is a
+packed batch: several samples in one row, attention kept within each by segment ids) it measures forward and
+forward+backward time in bf16, effective TFLOP/s counted over the allowed (query, key) pairs only (4*D flops per
+pair forward, 3.5x that for forward+backward, the FlashAttention convention) and peak memory. FlexAttention is
+compiled and gets the same rule as a ``mask_mod`` with its block mask; SDPA gets the dense boolean mask. The causal
+flash row counts causal pairs: it is the ceiling for a kernel that skips nothing it need not compute.
 
-    python benchmarks/attention.py            # S = 16k, 32k, 64k
-    python benchmarks/attention.py --quick    # S = 16k, fewer repetitions
+    python benchmarks/attention.py                  # S = 4k..64k, head dims 64 and 128
+    python benchmarks/attention.py --quick          # S = 16k, head dim 128, fewer repetitions
+    python benchmarks/attention.py --head-dims 64 --out benchmarks/results/attention_d64.json
+
+The goals checked at the end: forward+backward at least 1.2x FlexAttention on every EE/MP case from 16k, and at
+least 70% of causal flash attention's effective TFLOP/s on every case.
 
 Writes ``benchmarks/results/attention_<device>.json`` and prints a table. Each case runs in its own
 try/except, so an OOM (SDPA's dense mask at 64k) is recorded and the rest still runs. Without a GPU it says
@@ -29,6 +35,7 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 IMPLS = ("ours", "flex", "sdpa_dense", "sdpa_causal")
 FWD_BWD_FACTOR = 3.5  # forward + backward = 2 + 5 matmuls of the forward's 2
+GOAL_VS_FLEX, GOAL_VS_CAUSAL, GOAL_FROM_SEQ = 1.2, 0.70, 16384
 
 
 def count_allowed_pairs(bam, seg, chunk=2048) -> int:
@@ -139,7 +146,7 @@ def measure(fn, q, k, v, dout, reps_ms):
     return fwd_ms, both_ms, peak
 
 
-def run_case(s, layout, args, device):
+def run_case(s, layout, head_dim, args, device):
     from lightning_mm import masks
     from lightning_mm.kernels import FULL, PARTIAL, SKIP, default_config, tile_classes
 
@@ -149,7 +156,7 @@ def run_case(s, layout, args, device):
     pairs = count_allowed_pairs(bam, seg)
     causal_pairs = args.batch * s * (s + 1) // 2
     g = torch.Generator(device=device).manual_seed(args.seed)
-    shape_q, shape_kv = (args.batch, args.heads, s, args.head_dim), (args.batch, args.kv_heads, s, args.head_dim)
+    shape_q, shape_kv = (args.batch, args.heads, s, head_dim), (args.batch, args.kv_heads, s, head_dim)
     q = torch.randn(shape_q, generator=g, device=device, dtype=torch.bfloat16)
     k = torch.randn(shape_kv, generator=g, device=device, dtype=torch.bfloat16)
     v = torch.randn(shape_kv, generator=g, device=device, dtype=torch.bfloat16)
@@ -159,12 +166,12 @@ def run_case(s, layout, args, device):
     pos = torch.arange(s, device=device).expand(args.batch, s)
     classes = tile_classes(bam, bam, pos, pos, seg, seg, cfg.fwd_m, cfg.fwd_n)
     n = classes.numel()
-    case = dict(seq_len=s, layout=layout, allowed_pairs=pairs, density=pairs / (args.batch * s * s),
+    case = dict(seq_len=s, layout=layout, head_dim=head_dim, allowed_pairs=pairs, density=pairs / (args.batch * s * s),
                 tiles=dict(skip=int((classes == SKIP).sum()) / n, full=int((classes == FULL).sum()) / n,
                            partial=int((classes == PARTIAL).sum()) / n), results={})
     del classes
     fns, setup = build_impls(args.impls, bam, seg, args.heads, args.kv_heads)
-    flops_fwd = 4 * args.heads * args.head_dim
+    flops_fwd = 4 * args.heads * head_dim
     ref_out = None
     for name in args.impls:
         row = dict(setup_ms=setup.get(name))
@@ -213,17 +220,35 @@ def summarise(case):
     return out
 
 
+def goals(cases) -> dict:
+    """The benchmark's goals over every case that measured both sides: met or not, with the worst ratio."""
+    def check(ratios, bound):
+        worst = min(ratios.values(), default=None)
+        return dict(met=worst is not None and worst >= bound, bound=bound, worst=worst, cases=ratios)
+
+    label = lambda c: f"S={c['seq_len']} d={c.get('head_dim')} {c['layout']}"  # noqa: E731
+    vs_flex = {label(c): c["summary"]["fwd_bwd_speedup_vs_flex"] for c in cases
+               if c["layout"] in ("ee", "mp") and c["seq_len"] >= GOAL_FROM_SEQ
+               and "fwd_bwd_speedup_vs_flex" in c.get("summary", {})}
+    vs_causal = {label(c): c["summary"]["fwd_bwd_tflops_vs_causal_flash"] for c in cases
+                 if "fwd_bwd_tflops_vs_causal_flash" in c.get("summary", {})}
+    return {"fwd_bwd_vs_flex_on_ee_mp_from_16k": check(vs_flex, GOAL_VS_FLEX),
+            "fwd_bwd_tflops_vs_causal_flash": check(vs_causal, GOAL_VS_CAUSAL)}
+
+
 def print_table(cases):
-    head = f"{'S':>6} {'layout':6} {'impl':12} {'fwd ms':>9} {'f+b ms':>9} {'fwd TF/s':>9} {'f+b TF/s':>9} {'peak MiB':>9}"
+    head = (f"{'S':>6} {'d':>4} {'layout':6} {'impl':12} {'fwd ms':>9} {'f+b ms':>9} {'fwd TF/s':>9} {'f+b TF/s':>9} "
+            f"{'peak MiB':>9}")
     print(head)
     print("-" * len(head))
     for c in cases:
         for name, r in c["results"].items():
             if r.get("status") == "ok":
-                print(f"{c['seq_len']:>6} {c['layout']:6} {name:12} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:9.2f} "
-                      f"{r['fwd_tflops']:9.1f} {r['fwd_bwd_tflops']:9.1f} {r['peak_mib']:9.0f}")
+                print(f"{c['seq_len']:>6} {c.get('head_dim', ''):>4} {c['layout']:6} {name:12} {r['fwd_ms']:9.2f} "
+                      f"{r['fwd_bwd_ms']:9.2f} {r['fwd_tflops']:9.1f} {r['fwd_bwd_tflops']:9.1f} {r['peak_mib']:9.0f}")
             else:
-                print(f"{c['seq_len']:>6} {c['layout']:6} {name:12} {str(r.get('status'))[:60]}")
+                print(f"{c['seq_len']:>6} {c.get('head_dim', ''):>4} {c['layout']:6} {name:12} "
+                      f"{str(r.get('status'))[:60]}")
         s = c.get("summary", {})
         if s:
             print("       " + "  ".join(f"{k}={v:.2f}" for k, v in s.items()))
@@ -231,20 +256,21 @@ def print_table(cases):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Bitfield attention kernels vs FlexAttention vs SDPA")
-    p.add_argument("--quick", action="store_true", help="S=16k only, shorter timing")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="default 16384 32768 65536")
+    p.add_argument("--quick", action="store_true", help="S=16k and head dim 128 only, shorter timing")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="default 4096 8192 16384 32768 65536")
     p.add_argument("--layouts", nargs="+", default=["ep", "ee", "mp"], choices=["ep", "ee", "mp"])
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
     p.add_argument("--encoders", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rep-ms", type=int, default=None, help="timing budget per measurement (do_bench rep)")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default results/attention_<device>.json)")
     args = p.parse_args(argv)
-    args.seq_lens = args.seq_lens or ([16384] if args.quick else [16384, 32768, 65536])
+    args.seq_lens = args.seq_lens or ([16384] if args.quick else [4096, 8192, 16384, 32768, 65536])
+    args.head_dims = args.head_dims or ([128] if args.quick else [64, 128])
     args.rep_ms = args.rep_ms or (50 if args.quick else 200)
     return args
 
@@ -261,25 +287,31 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device)
     cases = []
     for s in args.seq_lens:
-        for layout in args.layouts:
-            try:
-                case = run_case(s, layout, args, device)
-            except torch.cuda.OutOfMemoryError:
-                case = dict(seq_len=s, layout=layout, results={}, status="OOM while building inputs")
-            except Exception as e:
-                case = dict(seq_len=s, layout=layout, results={}, status=f"error: {type(e).__name__}: {e}"[:300])
-            case["summary"] = summarise(case)
-            cases.append(case)
-            print(f"done S={s} {layout}", flush=True)
+        for head_dim in args.head_dims:
+            for layout in args.layouts:
+                try:
+                    case = run_case(s, layout, head_dim, args, device)
+                except torch.cuda.OutOfMemoryError:
+                    case = dict(seq_len=s, layout=layout, head_dim=head_dim, results={},
+                                status="OOM while building inputs")
+                except Exception as e:
+                    case = dict(seq_len=s, layout=layout, head_dim=head_dim, results={},
+                                status=f"error: {type(e).__name__}: {e}"[:300])
+                case["summary"] = summarise(case)
+                cases.append(case)
+                print(f"done S={s} d={head_dim} {layout}", flush=True)
     report = dict(benchmark="attention", device=name, torch=torch.__version__, triton=triton.__version__,
                   python=platform.python_version(), dtype="bfloat16", batch=args.batch, heads=args.heads,
-                  kv_heads=args.kv_heads, head_dim=args.head_dim, encoders=args.encoders, seed=args.seed,
+                  kv_heads=args.kv_heads, head_dims=args.head_dims, encoders=args.encoders, seed=args.seed,
                   flops="allowed pairs x 4 x D x heads (fwd), x3.5 (fwd+bwd); causal flash counts causal pairs",
-                  cases=cases)
+                  cases=cases, goals=goals(cases))
     out = args.out or RESULTS / f"attention_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print_table(cases)
+    for name, g in report["goals"].items():
+        worst = "n/a" if g["worst"] is None else f"{g['worst']:.2f}"
+        print(f"goal {name} >= {g['bound']}: {'met' if g['met'] else 'NOT met'} (worst {worst})")
     print(f"wrote {out}")
     return 0
 

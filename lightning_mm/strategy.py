@@ -27,6 +27,7 @@ from lightning_mm import checkpoint as ckpt
 from lightning_mm.data.resumable import resumable
 from lightning_mm.faults import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
 from lightning_mm.model.loading import materialise
+from lightning_mm.parallel.comm import check_backend
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.parallel.engine import PipelineEngine, check_same_batch
 from lightning_mm.parallel.sharding import SHARDING_STRATEGIES
@@ -53,7 +54,9 @@ class MultimodalParallelStrategy(DDPStrategy):
     backward (less activation memory, about one more forward of compute); the planner partitions accordingly.
     ``ParallelSpec(tp=N)`` splits a module's layers over N ranks (DTensor; docs/parallelism.md), and
     ``sharding_strategy`` ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") shards each stage's state over its
-    data-parallel ranks with FSDP2.
+    data-parallel ranks with FSDP2. ``parallel_devices`` (Lightning's: the local ranks' devices) may repeat a GPU,
+    e.g. ``["cuda:0"] * 4`` with ``Trainer(devices=1)`` runs 4 ranks on one GPU; NCCL refuses that, so give
+    ``process_group_backend="gloo"`` (pipeline and data parallelism; stage messages go through host memory).
     """
 
     strategy_name = "multimodal"
@@ -72,6 +75,8 @@ class MultimodalParallelStrategy(DDPStrategy):
             raise TypeError(f"MultimodalParallelStrategy got unknown arguments {sorted(unknown)}; it takes {known} "
                             "(DDP's own wrapper options do not apply: the model is pipelined, never wrapped in "
                             "DistributedDataParallel)")
+        if parallel_devices is not None:  # a YAML gives strings ("cuda:0")
+            parallel_devices = [torch.device(d) for d in parallel_devices]
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -133,6 +138,10 @@ class MultimodalParallelStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         self.layout = self.plan_layout()
         self.check_launch_environment()
+        check_backend(self._get_process_group_backend(), self.parallel_devices or [self.root_device],
+                      tensor_parallel=any(t > 1 for t in self.layout.tp.values()),
+                      context_parallel=any(c > 1 for c in self.layout.cp.values()),
+                      sharded=self.sharding_strategy != "NO_SHARD")
         with launched_ranks_watched(getattr(self._launcher, "procs", [])):
             super().setup_environment()
         if self.fault_timeout is not None and self.world_size > 1:

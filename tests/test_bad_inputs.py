@@ -213,3 +213,28 @@ def test_checkpoint_from_another_model_is_named(saved):
         ckpt.check_same_model(ckpt.read_layout(path)["parameters"], ckpt.model_fingerprint(other), path)
     with pytest.raises(ckpt.CheckpointError, match=r"written for another model"):
         ckpt.load_weights(path, other)
+
+
+def test_backend_refuses_what_it_cannot_run_before_any_process_group():
+    """NCCL with two local ranks on one GPU, and gloo between CUDA stages with TP/CP/FSDP, are named up front; what
+    each backend can run passes. Pure: no process group, no GPU needed."""
+    from lightning_mm.parallel.comm import carries_device_tensors, check_backend
+
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"local ranks \[0, 2\] all run on cuda:0.*process_group_backend='gloo'"):
+        check_backend("nccl", [cuda0, cuda1, cuda0], False, False, False)
+    for flags, name in (((True, False, False), "tensor parallelism"), ((False, True, False), "context parallelism"),
+                        ((False, False, True), "sharded data parallelism")):
+        with pytest.raises(ValueError, match=f"{name} on CUDA devices needs NCCL"):
+            check_backend("gloo", [cuda0, cuda0], *flags)
+    with pytest.raises(ValueError, match="NCCL refuses"):
+        check_backend("cpu:gloo,cuda:nccl", [cuda0, cuda0], False, False, False)
+    with pytest.raises(ValueError, match="tensor parallelism on CUDA devices needs NCCL"):
+        check_backend("cuda:gloo,cpu:gloo", [cuda0, cuda0], True, False, False)
+    check_backend("nccl", [cuda0, cuda1], True, True, True)
+    check_backend("cpu:gloo,cuda:nccl", [cuda0, cuda1], True, True, True)
+    check_backend("gloo", [cuda0, cuda0, cuda0], False, False, False)  # pipeline + data parallelism, staged P2P
+    check_backend("gloo", ["cpu", "cpu"], True, True, True)
+    assert carries_device_tensors("nccl", "cuda") and carries_device_tensors("gloo", "cpu")
+    assert carries_device_tensors("cpu:gloo,cuda:nccl", "cuda") and carries_device_tensors("gloo", "cpu")
+    assert not carries_device_tensors("gloo", "cuda") and not carries_device_tensors("cuda:gloo", "cuda")

@@ -16,3 +16,28 @@ def test_cli_example_trains(config, tmp_path):
     assert "max_steps=6" in proc.stderr + proc.stdout
     assert [p.parent.name for p in tmp_path.rglob("loss.png")] == ["version_0"]  # beside metrics.csv
     assert (next(tmp_path.rglob("loss.png")).parent / "metrics.csv").exists()
+
+
+def test_gpu_examples_parse_to_the_model_and_layout_they_describe():
+    """examples/gpu_vlm.yaml (+ the shared-GPU overlay) is the ~0.6B VLM it says, and the overlay's strategy puts 3
+    ranks (vision 1 stage, LLM 2 stages) on one device over gloo. Built on meta: nothing allocated, no GPU needed."""
+    import torch
+
+    from lightning_mm import MultimodalParallelStrategy, ParallelSpec
+    from lightning_mm.cli import MultimodalCLI
+
+    cpu = ["--trainer.accelerator=cpu", "--trainer.precision=32-true"]
+    with torch.device("meta"):
+        whole = MultimodalCLI(args=["--config", "examples/gpu_vlm.yaml", *cpu], run=False, save_config_callback=None)
+        overlay = ["--config", "examples/gpu_vlm_shared_gpu.yaml",
+                   '--trainer.strategy.init_args.parallel_devices=["cpu","cpu","cpu"]']
+        shared = MultimodalCLI(args=["--config", "examples/gpu_vlm.yaml", *overlay, *cpu], run=False,
+                               save_config_callback=None)
+    params = {id(p): p for p in whole.model.model.parameters()}.values()
+    assert 0.5e9 < sum(p.numel() for p in params) < 0.7e9
+    assert whole.trainer.strategy.num_processes == 1 and whole.trainer.precision == "32-true"
+    strategy = shared.trainer.strategy
+    assert isinstance(strategy, MultimodalParallelStrategy) and strategy.num_processes == 3
+    assert strategy._process_group_backend == "gloo" and strategy.parallel_devices == [torch.device("cpu")] * 3
+    assert strategy.encoder_specs == {"vision": ParallelSpec(pp=1)}
+    assert strategy.language_model_spec == ParallelSpec(pp=2)

@@ -185,6 +185,19 @@ def test_half_precision_matches_reference(dtype):
     _compare(q, k, v, dout, _words(bam, seg), kv_split=1)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="real sizes need a GPU (the interpreter takes minutes per kernel call)")
+@pytest.mark.parametrize("layout", ["ee", "mp"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_real_sizes_match_reference_natively(layout, head_dim):
+    """S = 4096 in bf16 with GQA: the default tile sizes, tile skipping and the split-KV path of the compiled
+    kernels (not reached at the interpreter's sizes) against the reference."""
+    bam, seg = masks.random_bam(layout, 4096, num_encoders=2, batch=1, seed=17)
+    q, k, v, dout = _inputs(1, 8, 2, 4096, 4096, head_dim, torch.bfloat16, seed=5)
+    for kv_split in (None, 0, 4):  # automatic, never split, split every 4 key tiles
+        _compare(q, k, v, dout, _words(bam, seg), kv_split=kv_split)
+
+
 def test_head_dim_not_a_power_of_two_and_no_gqa():
     bam, _ = masks.random_bam("ee", 40, num_encoders=1, batch=1, seed=5, mean_item_tokens=6)
     q, k, v, dout = _inputs(1, 2, 2, 40, 40, 48, torch.float32, seed=3)
@@ -280,3 +293,23 @@ def test_benchmark_without_gpu_reports_and_exits_zero():
                        text=True, env=_clean_env(), cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "no GPU" in r.stdout
+
+
+def test_benchmark_baselines_get_the_same_mask():
+    """FlexAttention's mask_mod and SDPA's dense mask in benchmarks/attention.py are the bitfield rule exactly
+    (through FlexAttention's own ``create_mask``), and the TF/s count is their number of allowed pairs."""
+    import importlib.util
+
+    from torch.nn.attention.flex_attention import create_mask
+
+    spec = importlib.util.spec_from_file_location("attention_benchmark", ROOT / "benchmarks" / "attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for layout in masks.LAYOUTS:
+        bam, seg = masks.random_bam(layout, 150, num_encoders=2, batch=2, seed=4, mean_item_tokens=15)
+        bam[1, -7:] = 0
+        pos = torch.arange(150).expand(2, 150)
+        rule = masks.allowed(bam, bam, pos, pos, seg, seg)
+        assert torch.equal(create_mask(bench.flex_mask_mod(bam, seg), 2, None, 150, 150, device="cpu")[:, 0], rule)
+        assert torch.equal(bench.dense_mask(bam, seg, chunk=64)[:, 0], rule)
+        assert bench.count_allowed_pairs(bam, seg, chunk=64) == int(rule.sum())

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_mm import loss as losses
 from lightning_mm.data.microbatch import split_microbatches
-from lightning_mm.parallel.comm import StageComm
+from lightning_mm.parallel.comm import StageComm, carries_device_tensors
 from lightning_mm.parallel.context import pad_for_context_parallel, token_index
 from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
 from lightning_mm.parallel.sharding import apply_fsdp
@@ -156,7 +156,8 @@ class PipelineEngine:
         self.device = torch.device(device) if device is not None else (
             torch.device("cpu") if first is None or first.is_meta else first.device)
         self.cp_size = layout.cp[self.stage]
-        self.groups = ProcessGroups(layout, rank, self.tie_stages, self.device.type, sharding_strategy != "NO_SHARD")
+        mesh_device = self.device.type if carries_device_tensors(dist.get_backend(), self.device.type) else "cpu"
+        self.groups = ProcessGroups(layout, rank, self.tie_stages, mesh_device, sharding_strategy != "NO_SHARD")
         self.tp_allreduce = apply_tp(model, self.plan, self.tp_meshes())
         self.vocab_parallel = self.groups.tp_mesh is not None and self.plan.language_model is not None
         self.run_stage, self.fsdp_params = self.forward_stage, set()  # under FSDP: its root unit around it

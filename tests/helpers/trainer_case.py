@@ -14,6 +14,8 @@ names), so a test can compare any layout with one process. Keys of the JSON (all
 - ``nan_at``: the step whose loss is made NaN (``nan_guard="skip"`` drops it)
 - ``validate`` / ``test`` / ``predict``: run ``trainer.validate/test/predict`` after fitting
 - ``consolidate``: save a checkpoint after fit and consolidate it on rank 0 while the group is alive
+- ``accelerator`` ("cpu" default, "cuda"), ``backend`` (process_group_backend), ``share_gpu``: every rank on
+  cuda:0 (the strategy's ``parallel_devices``); on CUDA each rank writes ``memory_<rank>.json`` (peak allocated)
 """
 
 import json
@@ -116,13 +118,17 @@ def main(spec: str, out: str):
                       "audio": lmm.ParallelSpec(pp=enc[1], tp=enc_tp[1])},
             language_model=llm, num_microbatches=case.get("microbatches", 1), cp_block_size=8,
             sharding_strategy=case.get("sharding", "NO_SHARD"), encoder_placement=case.get("placement", "parallel"),
-            activation_checkpointing=case.get("recompute", False), fault_timeout=60)
+            activation_checkpointing=case.get("recompute", False), fault_timeout=60,
+            process_group_backend=case.get("backend"))
         encoder_ranks = {"replicated": 0, "colocated": enc[0] * enc_tp[0]}.get(  # colocated: one fused chain
             case.get("placement"), enc[0] * enc_tp[0] + enc[1] * enc_tp[1])
         devices = case.get("devices") or (encoder_ranks + llm.size) * dp
         dp_batch = case.get("batch_size", 4)
     callbacks = [StateBytes(out)] if case.get("state_bytes") else []
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
+    accelerator = case.get("accelerator", "cpu")
+    if case.get("share_gpu") and strategy != "auto":
+        strategy.parallel_devices, devices = [torch.device("cuda", 0)] * devices, 1
+    trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
                         callbacks=callbacks,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
@@ -154,6 +160,9 @@ def main(spec: str, out: str):
     full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731  (collective over its mesh)
     torch.save({n: full(p.detach()).cpu() for n, p in module.model.named_parameters()
                 if p.requires_grad and (owned is None or n in owned.owned)}, os.path.join(out, f"params_{rank}.pt"))
+    if accelerator == "cuda":
+        with open(os.path.join(out, f"memory_{rank}.json"), "w") as f:
+            json.dump({"peak_allocated": torch.cuda.max_memory_allocated()}, f)
     if case.get("consolidate"):
         path = os.path.join(out, "ckpt")
         trainer.save_checkpoint(path)
