@@ -6,6 +6,7 @@ import sys
 import warnings
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_mm  # noqa: F401  (registers the attention and the strategy)
@@ -21,7 +22,9 @@ EXTRA_COMMANDS = {
 class MultimodalCLI(LightningCLI):
     """LightningCLI in subclass mode: ``model`` and ``data`` take any LightningModule / LightningDataModule as
     ``class_path`` + ``init_args``; a ``model`` section without ``class_path`` means MultimodalLightningModule,
-    a missing ``data`` section the synthetic data."""
+    a missing ``data`` section the synthetic data. ``--empty_init true`` builds everything on the meta device, as
+    ``trainer.init_module(empty_init=True)`` does in Python: under MultimodalParallelStrategy each rank then
+    materialises (or reads from the model's folders) only its own stage."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(pl.LightningModule, pl.LightningDataModule, *args, subclass_mode_model=True,
@@ -44,6 +47,23 @@ class MultimodalCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults({"model": {"class_path": "lightning_mm.module.MultimodalLightningModule"},
                              "data": {"class_path": "lightning_mm.data.synthetic.SyntheticMultimodalDataModule"}})
+        parser.add_argument("--empty_init", type=bool, default=False,
+                            help="build the model on the meta device; each rank of MultimodalParallelStrategy "
+                                 "materialises only its stage (needs that strategy)")
+
+    def instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        if not config.get("empty_init"):
+            return super().instantiate_classes()
+        with torch.device("meta"):
+            super().instantiate_classes()
+        from lightning_mm.strategy import MultimodalParallelStrategy
+
+        if not isinstance(self.trainer.strategy, MultimodalParallelStrategy):
+            raise ValueError(f"--empty_init builds the model on the meta device, which only MultimodalParallelStrategy "
+                             f"materialises (per stage); the trainer's strategy is "
+                             f"{type(self.trainer.strategy).__name__}: set trainer.strategy to "
+                             "lightning_mm.MultimodalParallelStrategy (or 'multimodal'), or drop --empty_init")
 
 
 def main(args: list[str] | None = None) -> None:

@@ -53,7 +53,8 @@ class MultimodalLightningModule(pl.LightningModule):
             self.model.add_lora(**lora)
         self.generation = dict(generation) if generation is not None else None
         self.optimizer_factory, self.scheduler_factory, self.lr = optimizer, lr_scheduler, lr
-        self.train_metrics = TrainingMetrics(peak_flops, bubble_every_n_steps)
+        with torch.device("cpu"):  # real tensors even under trainer.init_module() (meta): the strategy moves them
+            self.train_metrics = TrainingMetrics(peak_flops, bubble_every_n_steps)
         self.nan_guard = nan_guard
 
     @property

@@ -183,7 +183,16 @@ class MultimodalParallelStrategy(DDPStrategy):
         if self.engine is None or self.engine.model is not model:
             self.build_stage(module, model)
         with dtensor_parameters_pinned(module, self.engine.fsdp_params):
-            module.to(self.root_device)  # what is left: this stage, metrics, buffers
+            try:
+                module.to(self.root_device)  # what is left: this stage, metrics, buffers
+            except NotImplementedError as e:
+                if "meta tensor" not in str(e):
+                    raise
+                module.to_empty(device="cpu")  # the run ends here: let teardown move the module without this error
+                raise RuntimeError(f"{type(module).__name__} holds tensors on the meta device outside its `model` (e.g. "
+                                   "torchmetrics metrics created under trainer.init_module()); only `model` is "
+                                   "materialised per stage: create those under `with torch.device('cpu'):` or outside "
+                                   "trainer.init_module()") from e
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -41,3 +41,20 @@ def test_gpu_examples_parse_to_the_model_and_layout_they_describe():
     assert strategy._process_group_backend == "gloo" and strategy.parallel_devices == [torch.device("cpu")] * 3
     assert strategy.encoder_specs == {"vision": ParallelSpec(pp=1)}
     assert strategy.language_model_spec == ParallelSpec(pp=2)
+
+
+def test_empty_init_builds_on_meta_and_needs_the_strategy(tmp_path):
+    """``--empty_init true`` builds the YAML's model on the meta device (the MFU warning says so) and trains under
+    MultimodalParallelStrategy; with another strategy it is refused before anything runs."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = [sys.executable, "-m", "lightning_mm.cli", "fit", "--config", "examples/tiny_vlm.yaml", "--empty_init=true",
+            "--trainer.max_steps=3", f"--trainer.default_root_dir={tmp_path}"]
+    proc = subprocess.run([*base, "--trainer.strategy=multimodal", "--model.peak_flops=1e12"], capture_output=True,
+                          text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the model was built on the meta device" in proc.stderr and "max_steps=3" in proc.stderr + proc.stdout
+    proc = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode != 0 and "only MultimodalParallelStrategy materialises" in proc.stderr

@@ -87,6 +87,39 @@ def test_lazy_build_trains_like_debug_mode_on_one_device(tmp_path):
         assert_same_training(run({**base, "llm_pp": llm_pp}, tmp_path, f"pp{llm_pp}"), ref)
 
 
+def test_whole_lightning_module_under_init_module(tmp_path):
+    """Lightning's documented pattern, the whole LightningModule under ``trainer.init_module(empty_init=True)``:
+    its metrics stay real (CPU) tensors and it trains; a subclass that makes its own tensors there gets an error
+    that names the fix instead of "Cannot copy out of meta tensor"."""
+    import lightning as L
+    import torchmetrics
+
+    from lightning_mm.model import tiny_encoder, tiny_language_model
+
+    def fit(module_class):
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=lmm.MultimodalParallelStrategy(), max_steps=2,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=tmp_path)
+        with trainer.init_module(empty_init=True):
+            model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))},
+                                        tiny_language_model("llama"))
+            module = module_class(model)
+        assert lmm.model.is_meta(model) and not module.train_metrics.throughput.tokens.is_meta
+        trainer.fit(module, lmm.data.SyntheticMultimodalDataModule(num_samples=8, batch_size=2))
+        return trainer, module
+
+    trainer, module = fit(lmm.MultimodalLightningModule)
+    assert math.isfinite(float(trainer.callback_metrics["train/loss"])) and not lmm.model.is_meta(module.model)
+
+    class WithMetric(lmm.MultimodalLightningModule):
+        def __init__(self, model):
+            super().__init__(model)
+            self.extra = torchmetrics.MeanMetric()
+
+    with pytest.raises(RuntimeError, match=r"holds tensors on the meta device outside its `model`.*torch.device"):
+        fit(WithMetric)
+
+
 def test_unknown_argument_and_wrong_module_are_errors():
     with pytest.raises(TypeError, match=r"unknown arguments \['find_unused_parameters'\]"):
         lmm.MultimodalParallelStrategy(find_unused_parameters=True)
