@@ -445,3 +445,36 @@ def test_gradient_allreduce_is_timed_and_can_favour_pipelining():
     assert search(modules, 2, 2).best.pp() == {LM: 1} and search(modules, 2, 2).best.dp == 2
     slow = search(modules, 2, 2, allreduce_bandwidth=5.0).best
     assert (slow.dp, slow.pp()) == (1, {LM: 2})
+
+
+def test_write_profile_times_the_model_in_the_trainers_precision(tmp_path, monkeypatch):
+    """`lightning-mm plan --write-profile` times every part of the YAML's model under the precision plugin's
+    forward context (here bf16 autocast on CPU; on a GPU machine the strategy's CUDA device) and records both."""
+    import json
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_mm.planner.plan_cli import main as plan
+
+    entered = []
+    original = MixedPrecision.forward_context
+
+    def counted(self):
+        entered.append(self.precision)
+        return original(self)
+
+    monkeypatch.setattr(MixedPrecision, "forward_context", counted)
+    path = tmp_path / "profile.json"
+    plan(["--config", "examples/tiny_valm_pp.yaml", "--write-profile", str(path), "--out", str(tmp_path / "plan")])
+    data = json.loads(path.read_text())
+    assert data["meta"]["device"] == "cpu" and data["meta"]["precision"] == "32-true"
+    assert not entered  # 32-true: no autocast
+    bf16 = tmp_path / "bf16.yaml"
+    bf16.write_text("trainer:\n  precision: bf16-mixed\n")
+    plan(["--config", "examples/tiny_valm_pp.yaml", "--config", str(bf16), "--write-profile", str(path),
+          "--out", str(tmp_path / "plan")])
+    data = json.loads(path.read_text())
+    assert data["meta"]["precision"] == "bf16-mixed" and set(entered) == {"bf16-mixed"}
+    assert set(data["modules"]) == {"vision", "audio", "language_model"}
+    assert all(f > 0 for layers in data["modules"].values() for layer in layers
+               for f, _, _ in layer["samples"].values())

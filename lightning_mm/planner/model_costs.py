@@ -14,6 +14,7 @@ by `profile_model` / `save_profile` (seconds measured on some machine, evaluated
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from operator import add
@@ -267,17 +268,25 @@ def _measure_part(run: Callable, x, params: list[torch.nn.Parameter], warmup: in
 
 
 def profile_model(model, rows: tuple[int, ...] = (1, 2, 4), warmup: int = 2, repeats: int = 5,
-                  text_tokens: int = 64) -> dict[str, list[LayerProfile]]:
-    """Measure every part of every module on this device at the token counts of synthetic batches of ``rows``
-    samples, and fit a x^2 + b x + c per part (Entrain's model). Save it with `save_profile`."""
+                  text_tokens: int = 64, forward_context: Callable | None = None) -> dict[str, list[LayerProfile]]:
+    """Measure every part of every module where the model's parameters are, at the token counts of synthetic
+    batches of ``rows`` samples, and fit a x^2 + b x + c per part (Entrain's model). ``forward_context``: entered
+    around every run (the precision plugin's autocast, as training runs them). Save it with `save_profile`."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    device = next(model.parameters()).device
+    context = forward_context or contextlib.nullcontext
     samples: dict[str, list[dict[int, list[float]]]] = {}
     for r in rows:
-        batch = sample_batch(model, rows=r, text_tokens=text_tokens)
-        for module, parts in part_runners(model, batch).items():
+        batch = move_data_to_device(sample_batch(model, rows=r, text_tokens=text_tokens), device)
+        with context():
+            runners = part_runners(model, batch)
+        for module, parts in runners.items():
             slots = samples.setdefault(module, [{} for _ in parts])
             tokens = parts[1][3]
             for slot, (run, x, params, _) in zip(slots, parts):
-                slot[tokens] = _measure_part(run, x, params, warmup, repeats)
+                with context():
+                    slot[tokens] = _measure_part(run, x, params, warmup, repeats)
     out = {}
     for module, slots in samples.items():
         out[module] = []

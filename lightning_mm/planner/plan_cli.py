@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from lightning_mm.plan.schedule import LANGUAGE_MODEL
 from lightning_mm.planner.costs import save_profile
 from lightning_mm.planner.model_costs import model_layer_costs, model_memory, profile_model
@@ -171,6 +173,17 @@ def default_out(trainer) -> Path:
     return Path(trainer.log_dir or trainer.default_root_dir) / "plan"
 
 
+def prepared_for_profile(model, trainer):
+    """The model on the Trainer's device (the strategy's root device) and in its precision's parameter dtype."""
+    model = trainer.precision_plugin.convert_module(model)
+    return model.to(trainer.strategy.root_device)
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     module, datamodule, trainer = load_config(args.config)
@@ -182,8 +195,12 @@ def main(argv: list[str]) -> None:
         raise SystemExit("--allreduce-bandwidth needs costs in seconds: add --device-flops (FLOP/s per device) "
                          "or --profile / --write-profile")
     mb = first_microbatch(module, datamodule, trainer, strategy.num_microbatches)
-    if args.write_profile:
-        save_profile(profile_model(model), args.write_profile, meta={"config": args.config})
+    if args.write_profile:  # timed on the Trainer's device in its precision, as training runs
+        save_profile(profile_model(prepared_for_profile(model, trainer),
+                                   forward_context=trainer.precision_plugin.forward_context),
+                     args.write_profile, meta={"config": args.config, "precision": str(trainer.precision),
+                                               "device": device_name(trainer.strategy.root_device)})
+        model.to("cpu")
         print(f"wrote {args.write_profile}")
     recompute = strategy.activation_checkpointing
     costs = model_layer_costs(model, profile, batch=mb, recompute=recompute)

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in parts that each fit one 10-minute command on a one-GPU machine:
+#
+#   bash benchmarks/gpu_session.sh setup tests fit        # native tests, then the ~0.6B VLM end to end
+#   bash benchmarks/gpu_session.sh attention              # benchmarks/attention.py, 4k-64k, head dims 64 and 128
+#   bash benchmarks/gpu_session.sh profile                # measured layer profiles, frozen-aware rerun on them
+#
+# `setup` installs this tree without dependencies (a GPU image has torch, triton, lightning and transformers; wheels
+# of anything else, e.g. jsonargparse, may lie in .whl/). Every part writes under benchmarks/results/gpu/ with the
+# device name, torch and triton versions in its file names or contents, runs under its own time limit (a hang
+# costs that part only), and when $OUT is set packs its files into $OUT/<part>.tar.gz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+RESULTS=benchmarks/results/gpu
+mkdir -p "$RESULTS"
+
+device_slug() {
+  python3 - <<'PY'
+import re, torch
+name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+print(re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower())
+PY
+}
+
+versions() {
+  python3 - <<'PY'
+import torch
+try:
+    import triton; tv = triton.__version__
+except ImportError:
+    tv = "none"
+name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+print(f"device: {name}; torch {torch.__version__}; triton {tv}; CUDA {torch.version.cuda}")
+PY
+}
+
+pack() {  # pack <part> <files...>
+  local part=$1; shift
+  if [ -n "${OUT:-}" ]; then tar czf "$OUT/$part.tar.gz" "$@" 2>/dev/null; fi
+}
+
+run_part() {
+  local part=$1 dev
+  dev=$(device_slug)
+  case $part in
+    setup)
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      fi
+      python3 -m pip install -q --no-deps --no-build-isolation -e . && versions ;;
+    tests)
+      local log=$RESULTS/tests_$dev.log
+      { versions; echo "== native kernel tests (TRITON_INTERPRET unset)";
+        env -u TRITON_INTERPRET timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+          --junitxml="$RESULTS/kernels_$dev.xml";
+        echo "== pytest -m gpu";
+        timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests --junitxml="$RESULTS/gpu_$dev.xml"; } \
+        2>&1 | tee "$log"
+      pack tests "$log" "$RESULTS/kernels_$dev.xml" "$RESULTS/gpu_$dev.xml" ;;
+    fit)
+      local root=$RESULTS/fit_$dev
+      rm -rf "$root"; mkdir -p "$root"
+      { versions; echo "== one GPU, NCCL, bf16-mixed";
+        timeout 240 lightning-mm fit --config examples/gpu_vlm.yaml --trainer.default_root_dir="$root/one_gpu";
+        echo "== 3 ranks sharing the GPU (gloo): vision 1 stage, LLM 2 stages";
+        timeout 300 lightning-mm fit --config examples/gpu_vlm.yaml --config examples/gpu_vlm_shared_gpu.yaml \
+          --trainer.default_root_dir="$root/shared"; } 2>&1 | tee "$root/fit.log"
+      pack fit "$root" ;;
+    attention)
+      local log=$RESULTS/attention_$dev.log
+      { versions;
+        timeout 280 python3 benchmarks/attention.py --head-dims 128 --out "$RESULTS/attention_${dev}_d128.json";
+        timeout 280 python3 benchmarks/attention.py --head-dims 64 --out "$RESULTS/attention_${dev}_d64.json"; } \
+        2>&1 | tee "$log"
+      pack attention "$log" "$RESULTS"/attention_"${dev}"_d*.json ;;
+    profile)
+      local log=$RESULTS/profile_$dev.log
+      { versions;
+        timeout 240 python3 benchmarks/layer_profile.py --device cuda --out "$RESULTS/layer_profile_$dev.json";
+        timeout 120 python3 benchmarks/frozen_aware.py --skip-free --layer-profile "$RESULTS/layer_profile_$dev.json" \
+          --out "$RESULTS/frozen_aware_$dev";
+        timeout 200 lightning-mm plan --config examples/gpu_vlm.yaml --write-profile "$RESULTS/plan_profile_$dev.json" \
+          --out "$RESULTS/plan_$dev"; } 2>&1 | tee "$log"
+      pack profile "$log" "$RESULTS/layer_profile_$dev.json" "$RESULTS/frozen_aware_$dev" \
+        "$RESULTS/plan_profile_$dev.json" "$RESULTS/plan_$dev" ;;
+    *) echo "unknown part '$part': setup, tests, fit, attention, profile" >&2; return 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || { echo "usage: $0 setup|tests|fit|attention|profile ..." >&2; exit 2; }
+status=0
+for part in "$@"; do
+  echo "=== $part"
+  run_part "$part" || status=$?
+done
+exit $status
