@@ -210,3 +210,37 @@ def test_lora_trains_under_the_strategy_like_one_process_and_predict_generates_w
             assert "error" in got and "needs the whole model on every rank" in got["error"], got
         else:
             assert got["generated"] == got["expected"] and got["generated"] == ref["expected"], got
+
+
+@pytest.mark.slow
+def test_lora_under_tensor_parallelism_and_fsdp_trains_like_one_process(tmp_path):
+    """LoRA on column-wise (q, v, up) and row-wise (o, down) maps of the LLM: under tp 2 the base layer takes the
+    plan's style, lora_B splits like a column-wise base and lora_A like a row-wise one; under FULL_SHARD dp 2 the
+    adapters are sharded like every parameter. 2 SGD steps equal one process."""
+    modules = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+    ref, ref_params = _run({"devices": 1, "predict": False, "lora_modules": modules}, tmp_path, "single")
+    for case, name in (({"llm_tp": 2}, "tp2"), ({"sharding": "FULL_SHARD"}, "fsdp2")):
+        got, params = _run({"devices": 2, "placement": "replicated", "predict": False, "lora_modules": modules,
+                            **case}, tmp_path, name)
+        torch.testing.assert_close(torch.tensor(got["train"]), torch.tensor(ref["train"]), rtol=1e-5, atol=1e-6)
+        assert set(params) == set(ref_params)
+        for n, p in ref_params.items():
+            torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
+
+
+def test_lora_dropout_under_tensor_parallelism_is_refused():
+    from lightning_mm.parallel.tensor_parallel import _styles
+
+    model = lmm.MultimodalModel({}, tiny_language_model())
+    model.add_lora(["q_proj", "o_proj"], r=2, dropout=0.1)
+    layer = model.lm_family.layers(model.language_model)[0]
+    with pytest.raises(ValueError, match="LoRA dropout on 'self_attn.q_proj' under tensor parallelism"):
+        _styles(layer, "self_attn.q_proj", "colwise")
+    model = lmm.MultimodalModel({}, tiny_language_model())
+    model.add_lora(["q_proj", "o_proj"], r=2)
+    layer = model.lm_family.layers(model.language_model)[0]
+    assert set(_styles(layer, "self_attn.q_proj", "colwise")) == {"self_attn.q_proj.base_layer",
+                                                                  "self_attn.q_proj.lora_B.default"}
+    assert set(_styles(layer, "self_attn.o_proj", "rowwise")) == {"self_attn.o_proj.base_layer",
+                                                                  "self_attn.o_proj.lora_A.default"}
+    assert set(_styles(layer, "mlp.up_proj", "colwise")) == {"mlp.up_proj"}

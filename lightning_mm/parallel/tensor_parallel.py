@@ -77,9 +77,27 @@ def check_tensor_parallel(model, encoder_tp: dict[str, int], language_model_tp: 
                       or getattr(cfg, "encoder_ffn_dim", None)}, f"encoder {name!r}")
 
 
+def _styles(layer: nn.Module, path: str, style: str) -> dict[str, object]:
+    """The DTensor styles of a linear map of the plan, or of the peft LoRA layer wrapping it: the base layer takes
+    the plan's style; under a column-wise map lora_B splits its output the same way and lora_A stays whole (lora_B,
+    like the base layer, sums its input gradient over tp, so lora_A's gradients are whole); under a row-wise map
+    lora_A splits its input the same way and lora_B stays whole (its input and output are whole on every rank)."""
+    module = layer.get_submodule(path)
+    if not hasattr(module, "base_layer") or style not in STYLES:
+        return {path: STYLES[style]()} if style in STYLES else {}
+    if any(not isinstance(d, nn.Identity) for d in module.lora_dropout.values()):
+        raise ValueError(f"LoRA dropout on {path!r} under tensor parallelism would drop different inputs on each tp "
+                         "rank; add_lora(dropout=0.0), or use tp=1")
+    styles = {f"{path}.base_layer": STYLES[style]()}
+    split = "lora_B" if style.startswith("colwise") else "lora_A"
+    for adapter in getattr(module, split):
+        styles[f"{path}.{split}.{adapter}"] = STYLES[style]()
+    return styles
+
+
 def _parallelize_layer(layer: nn.Module, mesh, plan: dict[str, str], head_attrs: tuple[str, ...],
                        allreduce: list[nn.Parameter]) -> None:
-    styles = {k: STYLES[v]() for k, v in plan.items() if v in STYLES}
+    styles = {k: v for path, style in plan.items() for k, v in _styles(layer, path, style).items()}
     parallelize_module(layer, mesh, styles)
     for k, v in plan.items():
         if v == GRAD_ALLREDUCE:

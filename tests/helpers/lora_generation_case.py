@@ -3,7 +3,8 @@
 ``python lora_generation_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0: per-step losses,
 and what ``trainer.predict`` with ``generation=`` gave: every rank's generated ids in order, or the error it
 raised) and ``<out_dir>/params_<rank>.pt`` (this rank's trainable parameters by full name). JSON keys:
-``devices`` (1: plain Lightning), ``llm_pp``, ``placement``, ``steps``.
+``devices`` (1: plain Lightning), ``llm_pp``, ``llm_tp``, ``sharding`` (sharding_strategy), ``placement``,
+``steps``, ``predict`` (default true), ``lora_modules`` (default q_proj and v_proj).
 """
 
 import json
@@ -13,6 +14,7 @@ import sys
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 import lightning_mm as lmm
@@ -40,27 +42,36 @@ def main(spec: str, out: str):
     strategy = "auto"
     if devices > 1:
         strategy = lmm.MultimodalParallelStrategy(
-            encoders={"vision": lmm.ParallelSpec(pp=1)}, language_model=lmm.ParallelSpec(pp=case.get("llm_pp", 1)),
-            encoder_placement=case.get("placement", "parallel"), num_microbatches=2, fault_timeout=60)
+            encoders={"vision": lmm.ParallelSpec(pp=1)},
+            language_model=lmm.ParallelSpec(pp=case.get("llm_pp", 1), tp=case.get("llm_tp", 1)),
+            encoder_placement=case.get("placement", "parallel"), num_microbatches=2, fault_timeout=60,
+            sharding_strategy=case.get("sharding", "NO_SHARD"))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.get("steps", 2),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0)
     model = build()
     module = lmm.MultimodalLightningModule(
         model, optimizer=lambda p: torch.optim.SGD(p, lr=0.5), generation=GENERATION,
-        lora={"modules": ["q_proj", "v_proj"], "r": 4, "alpha": 8, "init_lora_weights": False})
+        lora={"modules": case.get("lora_modules", ["q_proj", "v_proj"]), "r": 4, "alpha": 8,
+              "init_lora_weights": False})
     losses = []
     module.on_train_batch_end = lambda outputs, batch, i: losses.append(float(outputs["loss"]))
     train = batches(model, case.get("steps", 2), 4, seed=1)
     trainer.fit(module, DataLoader(train, batch_size=None))
     rank, world = trainer.global_rank, trainer.world_size
     owned = getattr(trainer.strategy, "engine", None)
-    torch.save({n: p.detach() for n, p in module.model.named_parameters()
+    full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731  (collective over its mesh)
+    torch.save({n: full(p.detach()) for n, p in module.model.named_parameters()
                 if p.requires_grad and (owned is None or n in owned.owned)}, os.path.join(out, f"params_{rank}.pt"))
     # each data-parallel replica predicts its own prompts: rank r takes batch r (every rank of a replica the same)
     prompts = batches(model, 2, 2, seed=2)
     replica = 0 if owned is None else owned.coord.dp
     result = {"train": losses}
+    if not case.get("predict", True):
+        if rank == 0:
+            with open(os.path.join(out, "result.json"), "w") as f:
+                json.dump(result, f)
+        return
     try:
         got = trainer.predict(module, DataLoader([prompts[replica]], batch_size=None))[0]["generated_ids"]
         gathered = [None] * world
