@@ -57,7 +57,8 @@ def test_bad_tensor_parallel_specs_fail_before_any_process_group():
     with pytest.raises(ValueError, match="tp=1: run whole on every rank"):
         build_layout({"a": ParallelSpec(tp=4)}, ParallelSpec(tp=2), 2, "replicated")
     model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip")),
-                                 "image": lmm.ModalityEncoder(tiny_encoder("dinov2"))},
+                                 "image": lmm.ModalityEncoder(tiny_encoder("dinov2", use_swiglu_ffn=True)),
+                                 "video": lmm.ModalityEncoder(tiny_encoder("qwen2_vl"))},
                                 tiny_language_model("llama", num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ValueError, match="tp=4 does not divide num_key_value_heads=2"):
         check_tensor_parallel(model, {}, 4)
@@ -65,8 +66,12 @@ def test_bad_tensor_parallel_specs_fail_before_any_process_group():
         check_tensor_parallel(model, {"vision": 3}, 1)
     with pytest.raises(ValueError, match=r"encoder 'image' \(Dinov2Model\) has no tensor-parallel plan; use "
                                          r"encoders=\{'image': ParallelSpec\(tp=1\)\}"):
-        check_tensor_parallel(model, {"image": 2}, 1)
-    check_tensor_parallel(model, {"vision": 2, "image": 1}, 2)
+        check_tensor_parallel(model, {"image": 2}, 1)  # SwiGLU Dinov2: fused input projection
+    with pytest.raises(ValueError, match=r"encoder 'video' \(Qwen2VisionTransformerPretrainedModel\) has no"):
+        check_tensor_parallel(model, {"video": 2}, 1)
+    check_tensor_parallel(model, {"vision": 2, "image": 1, "video": 1}, 2)
+    check_tensor_parallel(lmm.MultimodalModel({"image": lmm.ModalityEncoder(tiny_encoder("dinov2"))},
+                                              tiny_language_model()), {"image": 2}, 1)
     with pytest.raises(ValueError, match="unknown sharding_strategy 'ZERO3'.*FULL_SHARD"):
         lmm.MultimodalParallelStrategy(sharding_strategy="ZERO3")
     assert not dist.is_initialized()
@@ -82,9 +87,11 @@ def test_bad_tensor_parallel_specs_fail_before_any_process_group():
                                               clip=0.05), "all"),
     ("qwen3_tp2", dict(llm="qwen3", llm_tp=2), "llm"),  # per-head q/k norms: gradients summed over tp
     ("phi3_tp2", dict(llm="phi3", llm_tp=2), "llm"),  # fused qkv: gathered output, split input
+    ("dinov2_tp2", dict(vision="dinov2", llm_tp=2, encoder_tp=[2, 1]), "all"),
 ])
 def test_tensor_parallel_trains_like_one_process(tmp_path, name, case, freeze):
-    ref = run({**SGD, "freeze": freeze, "clip": case.get("clip"), "llm": case.get("llm", "llama")}, tmp_path, "single")
+    ref = run({**SGD, "freeze": freeze, "clip": case.get("clip"), "llm": case.get("llm", "llama"),
+               "vision": case.get("vision", "siglip")}, tmp_path, "single")
     got = run({**SGD, **case, "freeze": freeze}, tmp_path, name)
     assert_same_training(got, ref)
 

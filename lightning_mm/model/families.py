@@ -171,6 +171,10 @@ class EncoderFamily:
     tp_plan: dict[str, str] = {}
     tp_head_attrs: tuple[str, ...] = ()
 
+    def tensor_parallel_plan(self, enc) -> dict[str, str]:
+        """The plan for this encoder instance (a family may have variants it cannot split)."""
+        return self.tp_plan
+
     def hf_class(self):
         import importlib
 
@@ -288,6 +292,12 @@ class SiglipFamily(_ViTFamily):
 class Dinov2Family(_ViTFamily):
     name, class_names, class_token = "Dinov2", ("Dinov2Model",), 1
     folder_model_types = {"dinov2": None}
+    tp_plan = {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
+               "attention.o_proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
+
+    def tensor_parallel_plan(self, enc) -> dict[str, str]:
+        """None for the SwiGLU variant (giant): its fused input projection is chunked in two after the matmul."""
+        return {} if getattr(enc.config, "use_swiglu_ffn", False) else self.tp_plan
 
     def layers(self, enc):
         return enc.encoder.layer

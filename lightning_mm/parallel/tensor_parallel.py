@@ -3,7 +3,7 @@
 The LLM follows the plan transformers ships in its config (``base_model_tp_plan``: q/k/v and gate/up column-wise,
 o/down row-wise), plus a vocab-parallel embedding and a vocab-parallel head whose loss runs under DTensor's
 ``loss_parallel`` (the full logits are never gathered). Encoders follow the declarative per-layer plan of their
-family adapter (``EncoderFamily.tp_plan``). Hidden states between layers (and between pipeline stages) stay whole
+family adapter (``EncoderFamily.tensor_parallel_plan``). Hidden states between layers (and between pipeline stages) stay whole
 on every tp rank, so the pipeline, CP attention (local heads) and the runtime see plain tensors.
 """
 
@@ -66,10 +66,10 @@ def check_tensor_parallel(model, encoder_tp: dict[str, int], language_model_tp: 
         if tp == 1:
             continue
         enc = model.encoders[name]
-        if not enc.family.tp_plan:
+        if not enc.family.tensor_parallel_plan(enc.module):
             raise ValueError(f"encoder {name!r} ({type(enc.module).__name__}) has no tensor-parallel plan; use "
-                             f"encoders={{{name!r}: ParallelSpec(tp=1)}} (families with one: CLIP, SigLIP, Whisper, "
-                             "Qwen2-Audio)")
+                             f"encoders={{{name!r}: ParallelSpec(tp=1)}} (families with one: CLIP, SigLIP, Dinov2 "
+                             "without SwiGLU, Whisper, Qwen2-Audio)")
         cfg = enc.module.config
         _divides(tp, {"num_attention_heads": getattr(cfg, "num_attention_heads", None)
                       or getattr(cfg, "encoder_attention_heads", None),
@@ -132,7 +132,8 @@ def apply_tp(model, plan: StagePlan, meshes: dict[str, object]) -> list[nn.Param
             continue
         enc = model.encoders[name]
         for i in range(sl.start, sl.end):
-            _parallelize_layer(enc.layers[i], mesh, enc.family.tp_plan, enc.family.tp_head_attrs, allreduce)
+            _parallelize_layer(enc.layers[i], mesh, enc.family.tensor_parallel_plan(enc.module),
+                               enc.family.tp_head_attrs, allreduce)
     return allreduce
 
 

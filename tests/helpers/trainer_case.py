@@ -9,7 +9,7 @@ names), so a test can compare any layout with one process. Keys of the JSON (all
   ``placement`` (encoder_placement), ``recompute`` (activation_checkpointing), ``microbatches``, ``accumulate``,
   ``precision``, ``steps``, ``batch_size`` (per replica), ``freeze``, ``state_bytes`` (write
   ``state_<rank>.json``: bytes held before the second step),
-  ``optimizer`` ("adamw" default, "sgd"), ``lr``, ``clip``, ``llm``, ``llm_layers``
+  ``optimizer`` ("adamw" default, "sgd"), ``lr``, ``clip``, ``llm``, ``llm_layers``, ``vision`` (tiny encoder name)
 - ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta, materialised per stage)
 - ``nan_at``: the step whose loss is made NaN (``nan_guard="skip"`` drops it)
 - ``validate`` / ``test`` / ``predict``: run ``trainer.validate/test/predict`` after fitting
@@ -99,7 +99,7 @@ class StateBytes(L.Callback):
 
 
 def build(case):
-    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip")),
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder(case.get("vision", "siglip"))),
                                  "audio": lmm.ModalityEncoder(tiny_encoder("whisper"), projector="linear")},
                                 tiny_language_model(case.get("llm", "llama"), num_hidden_layers=case.get("llm_layers", 4)))
     return model.freeze(**FREEZE[case.get("freeze", "llm")])
