@@ -27,8 +27,8 @@ from lightning_mm import checkpoint as ckpt
 from lightning_mm.data.resumable import resumable
 from lightning_mm.faults import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
 from lightning_mm.model.loading import materialise
-from lightning_mm.parallel.comm import check_backend
 from lightning_mm.model.multimodal import MultimodalModel
+from lightning_mm.parallel.comm import check_backend
 from lightning_mm.parallel.engine import PipelineEngine, check_same_batch
 from lightning_mm.parallel.sharding import SHARDING_STRATEGIES
 from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, dtensor_parameters_pinned

@@ -3,8 +3,9 @@
 The LLM follows the plan transformers ships in its config (``base_model_tp_plan``: q/k/v and gate/up column-wise,
 o/down row-wise), plus a vocab-parallel embedding and a vocab-parallel head whose loss runs under DTensor's
 ``loss_parallel`` (the full logits are never gathered). Encoders follow the declarative per-layer plan of their
-family adapter (``EncoderFamily.tensor_parallel_plan``). Hidden states between layers (and between pipeline stages) stay whole
-on every tp rank, so the pipeline, CP attention (local heads) and the runtime see plain tensors.
+family adapter (``EncoderFamily.tensor_parallel_plan``). Hidden states between layers (and between pipeline
+stages) stay whole on every tp rank, so the pipeline, CP attention (local heads) and the runtime see plain tensors.
+A map of the plan wrapped by a peft LoRA layer is split with its adapter (``_styles``).
 """
 
 from __future__ import annotations
