@@ -27,10 +27,19 @@ speedup):
   (how many of the 6 stages each row gave the encoders) are not published; they are inferred with the scales,
   as the splits that make the published per-stage forward times most consistent with the FLOP proportions.
 
+A fourth source, only with `--layer-profile PATH` (a JSON of `benchmarks/layer_profile.py`):
+- Measured layer profile: every transformer layer's forward, input-grad and weight-grad time (and each projector's)
+  is the one measured on ONE real layer of that family and size at the benchmark's shapes, divided by the GPUs of a
+  stage (ideal TP/CP scaling, exactly as the FLOP source divides its FLOPs). The times were measured on the
+  profile's device, not on the seeds' A40s: compare speedups (ratios) with the seeds', not absolute times. With
+  `--no-recompute` a layer's activation bytes are the measured ones too. The results go to
+  `frozen_aware_measured.json` (the other sources' files and `frozen_aware.json` are left as they are).
+
 Second table: each mode searches its own dp / stage counts / placement on 24 single-GPU devices (FLOP costs),
 and the auto search is compared with a grid of hand plans.
 
     python benchmarks/frozen_aware.py [--skip-free] [--no-recompute] [--out benchmarks/results]
+                                      [--layer-profile layer_profile_<device>.json] [--configs MMM,LLL]
 """
 
 from __future__ import annotations
@@ -55,12 +64,15 @@ from lightning_mm.planner import (
     search,
     timeline_png,
 )
+from lightning_mm.planner.costs import fit_cost_model
 
 LM = "language_model"
 # 003 Table 3.1: (layers, hidden, parameters)
 LLAMA3 = {"S": (16, 2048, 1.0e9), "M": (32, 4096, 8.0e9), "L": (64, 5120, 32.0e9)}
 QWEN2_VISION = {"S": (32, 1280, 0.6e9), "M": (48, 2560, 3.9e9), "L": (64, 3840, 11.6e9)}
 PHI4_AUDIO = {"S": (24, 1024, 0.5e9), "M": (32, 3072, 3.4e9), "L": (48, 5120, 12.4e9)}
+FAMILY_TABLES = {"llama3": LLAMA3, "qwen2_vision": QWEN2_VISION, "phi4_audio": PHI4_AUDIO}  # layer_profile.py's names
+MODALITY = {"qwen2_vision": "vision", "phi4_audio": "audio"}
 # 003 Table 3.2 (sec. 3.5.3), MLLM-<vision><audio><LLM>, per mode (aware, unaware): per-stage forward ms of
 # the encoder and LLM stages, per-stage backward ms of the encoder and LLM stages, iteration time s.
 SEED_TABLE_3_2 = {
@@ -92,7 +104,8 @@ CHECKPOINT_BYTES_PER_TOKEN_HIDDEN = 2  # with activation recomputation a layer k
 RECOMPUTE = True  # the seeds train with activation checkpointing (003 Fig. 3.1)
 BASELINES = ("forward-variance", "forward-only")
 SOURCES = ("flops", "per_layer_loo", "seed_fitted")
-SOURCE_NAMES = {"flops": "FLOP costs", "per_layer_loo": "leave-one-config-out", "seed_fitted": "seed-fitted profile"}
+SOURCE_NAMES = {"flops": "FLOP costs", "per_layer_loo": "leave-one-config-out", "seed_fitted": "seed-fitted profile",
+                "measured": "measured layer profile"}
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,68 @@ class SeedFittedProfile:
     fitted_on: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class MeasuredProfile:
+    """Per-layer times measured by `benchmarks/layer_profile.py` on one device: seconds per microbatch of
+    SAMPLES_PER_MICROBATCH samples, keyed by family ("llama3", "qwen2_vision", "phi4_audio"), size and the
+    benchmark's token count; projectors by modality and "<encoder size>-><LLM size>"."""
+
+    path: str
+    device: str
+    meta: dict
+    layers: dict
+    projectors: dict
+
+    def _entry(self, samples: dict, tokens: int, what: str) -> dict:
+        if str(tokens) in samples:
+            return samples[str(tokens)]
+        if len(samples) < 3:  # a fit through fewer points would be a guess: measure the count instead
+            raise KeyError(f"{self.path}: {what} was measured at {sorted(samples, key=int)} tokens only, the benchmark "
+                           f"needs {tokens}; re-run benchmarks/layer_profile.py")
+        xs = sorted(samples, key=int)
+        return {k: fit_cost_model([int(x) for x in xs], [samples[x][k] for x in xs])(tokens)
+                for k in ("forward_s", "input_grad_s", "weight_grad_s", "activation_bytes_frozen")}
+
+    def layer_times(self, family: str, size: str, tokens: int, gpus: int = 1) -> tuple[float, float, float]:
+        """(forward, input-grad, weight-grad) seconds of one layer on one microbatch, on a stage of `gpus` devices
+        (the measured one-device times / gpus: ideal TP/CP scaling, as `transformer_layer_times`)."""
+        e = self._entry(self.layers[family][size]["tokens"], tokens, f"{family} {size}")
+        return tuple(e[k] / gpus for k in ("forward_s", "input_grad_s", "weight_grad_s"))
+
+    def projector_times(self, modality: str, enc_size: str, llm_size: str, gpus: int = 1) -> tuple[float, float, float]:
+        e = self.projectors[modality][f"{enc_size}->{llm_size}"]
+        return tuple(e[k] / gpus for k in ("forward_s", "input_grad_s", "weight_grad_s"))
+
+    def activation_bytes(self, family: str, size: str, tokens: int) -> float:
+        """Bytes a frozen layer saves for its backward per microbatch (no recomputation)."""
+        return self._entry(self.layers[family][size]["tokens"], tokens, f"{family} {size}")["activation_bytes_frozen"]
+
+    def llm_backward_ratio(self, size: str, tokens: int) -> float:
+        """A frozen LLM layer's backward / forward: input grad (+ the recomputed forward under recomputation)."""
+        f, d, _ = self.layer_times("llama3", size, tokens)
+        return (d + (f if RECOMPUTE else 0.0)) / f
+
+    def describe(self) -> dict:
+        return {"path": self.path, "device": self.device, **self.meta}
+
+
+def load_measured_profile(path: Path | str) -> MeasuredProfile:
+    """Read a `benchmarks/layer_profile.py` JSON; every family and size of the tables and every projector pair must be
+    in it."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("format") != "lightning-mm layer profile":
+        raise ValueError(f"{path} is not a layer profile of benchmarks/layer_profile.py (format {doc.get('format')!r})")
+    missing = [f"{family} {size}" for family, table in FAMILY_TABLES.items() for size in table
+               if size not in doc.get("layers", {}).get(family, {})]
+    missing += [f"{m} projector {e}->{l}" for family, m in MODALITY.items() for e in FAMILY_TABLES[family]
+                for l in LLAMA3 if f"{e}->{l}" not in doc.get("projectors", {}).get(m, {})]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}; re-run benchmarks/layer_profile.py")
+    meta = {k: doc.get(k) for k in ("device_type", "torch", "transformers", "dtype", "tiny", "shrink", "audio_layer",
+                                     "samples_per_microbatch")}
+    return MeasuredProfile(str(path), doc.get("device", "?"), meta, doc["layers"], doc["projectors"])
+
+
 def transformer_layer_times(tokens: int, hidden: int, params_per_layer: float, causal: bool,
                             gpus: int = 1) -> tuple[float, float, float]:
     """(forward, input-grad, weight-grad) seconds of one layer on one microbatch, from FLOPs per sample, on a
@@ -126,37 +201,54 @@ def _bytes_per_token_hidden() -> int:
 
 
 def encoder_module(table, size: str, enc_tokens: int, llm_tokens: int, in_features_factor: int, llm_hidden: int,
-                   gpus: int = 1, scale: float = 1.0):
-    """A frozen encoder of `table[size]` plus a trainable 2-layer MLP projector as its last layer; times x `scale`.
-    Returns its times and, per layer, model-state, activation and gradient bytes."""
+                   gpus: int = 1, scale: float = 1.0, measured: MeasuredProfile | None = None,
+                   llm_size: str | None = None):
+    """A frozen encoder of `table[size]` plus a trainable 2-layer MLP projector as its last layer; times x `scale`
+    (FLOP costs), or the `measured` layer profile's (its projector: the `llm_size` pair's). Returns its times and,
+    per layer, model-state, activation and gradient bytes."""
     layers, hidden, params = table[size]
-    f, d, w = (scale * t for t in transformer_layer_times(enc_tokens, hidden, params / layers, causal=False, gpus=gpus))
     proj_params = in_features_factor * hidden * llm_hidden + llm_hidden * llm_hidden
-    pf = scale * SAMPLES_PER_MICROBATCH * 2 * llm_tokens * proj_params / (gpus * EFFECTIVE_FLOPS)
-    times = ModuleTimes([f] * layers + [pf], [d] * layers + [pf], [w] * layers + [pf], [True] * layers + [False])
+    if measured is not None:
+        family = next(name for name, t in FAMILY_TABLES.items() if t is table)
+        f, d, w = measured.layer_times(family, size, enc_tokens, gpus)
+        pf, pd, pw = measured.projector_times(MODALITY[family], size, llm_size, gpus)
+    else:
+        f, d, w = (scale * t for t in transformer_layer_times(enc_tokens, hidden, params / layers, causal=False,
+                                                               gpus=gpus))
+        pf = pd = pw = scale * SAMPLES_PER_MICROBATCH * 2 * llm_tokens * proj_params / (gpus * EFFECTIVE_FLOPS)
+    times = ModuleTimes([f] * layers + [pf], [d] * layers + [pd], [w] * layers + [pw], [True] * layers + [False])
     param_bytes = [2.0 * params / layers] * layers + [16.0 * proj_params]
     act = SAMPLES_PER_MICROBATCH * _bytes_per_token_hidden()
-    activations = [act * enc_tokens * hidden] * layers + [act * llm_tokens * llm_hidden]
+    layer_act = act * enc_tokens * hidden
+    if measured is not None and not RECOMPUTE:
+        layer_act = measured.activation_bytes(family, size, enc_tokens)
+    activations = [layer_act] * layers + [act * llm_tokens * llm_hidden]
     grads = [0.0] * layers + [4.0 * proj_params]  # fp32 gradients of the trainable projector
     return times, param_bytes, activations, grads
 
 
 def mllm_modules(vision: str | None, audio: str | None, llm: str, gpus: int = 1,
-                 profile: SeedFittedProfile | None = None) -> tuple[dict[str, ModuleSpec], float]:
+                 profile: SeedFittedProfile | None = None,
+                 measured: MeasuredProfile | None = None) -> tuple[dict[str, ModuleSpec], float]:
     """Planner input for one configuration and its P2P latency (one microbatch of LLM hidden states).
-    `gpus`: devices per stage. `profile`: rescale the FLOP times to the seeds' published ones (VALM configs)."""
+    `gpus`: devices per stage. `profile`: rescale the FLOP times to the seeds' published ones (VALM configs).
+    `measured`: every layer's times from a measured layer profile instead of FLOPs."""
     layers, hidden, params = LLAMA3[llm]
     enc_scale = profile.encoder_forward[f"{vision}{audio}" + ("" if profile.per_pair else llm)] if profile else 1.0
     llm_tokens = TEXT_TOKENS
     raw = {}
     if vision:
         raw["vision"] = encoder_module(QWEN2_VISION, vision, VISION_PATCHES, VISION_PATCHES // VISION_MERGE,
-                                       VISION_MERGE, hidden, gpus, enc_scale)
+                                       VISION_MERGE, hidden, gpus, enc_scale, measured, llm)
         llm_tokens += VISION_PATCHES // VISION_MERGE
     if audio:
-        raw["audio"] = encoder_module(PHI4_AUDIO, audio, AUDIO_TOKENS, AUDIO_TOKENS, 1, hidden, gpus, enc_scale)
+        raw["audio"] = encoder_module(PHI4_AUDIO, audio, AUDIO_TOKENS, AUDIO_TOKENS, 1, hidden, gpus, enc_scale,
+                                      measured, llm)
         llm_tokens += AUDIO_TOKENS
-    f, d, w = transformer_layer_times(llm_tokens, hidden, params / layers, causal=True, gpus=gpus)
+    if measured is not None:
+        f, d, w = measured.layer_times("llama3", llm, llm_tokens, gpus)
+    else:
+        f, d, w = transformer_layer_times(llm_tokens, hidden, params / layers, causal=True, gpus=gpus)
     if profile:  # the published backward of a frozen layer = input grad + (recomputed forward)
         f, w = f * profile.llm_forward[llm], w * profile.llm_forward[llm]
         d = f * (profile.llm_backward_ratio[llm] - (1.0 if RECOMPUTE else 0.0))
@@ -164,6 +256,8 @@ def mllm_modules(vision: str | None, audio: str | None, llm: str, gpus: int = 1,
     costs = mllm_layer_costs({name: r[0] for name, r in raw.items()}, llm_times, recompute=RECOMPUTE)
     modules = {name: ModuleSpec(costs[name], *r[1:]) for name, r in raw.items()}
     llm_act = SAMPLES_PER_MICROBATCH * _bytes_per_token_hidden() * llm_tokens * hidden
+    if measured is not None and not RECOMPUTE:
+        llm_act = measured.activation_bytes("llama3", llm, llm_tokens)
     modules[LM] = ModuleSpec(costs[LM], 2.0 * params / layers, llm_act)
     latency = SAMPLES_PER_MICROBATCH * llm_tokens * hidden * 2 / LINK_BYTES_PER_S
     return modules, latency
@@ -248,9 +342,10 @@ def fit_seed_profile(keys: tuple[str, ...], per_pair: bool = False) -> SeedFitte
                            math.sqrt(sum(r * r for r in residuals) / len(residuals)), keys)
 
 
-def seed_setting_plans(key: str, profile: SeedFittedProfile | None, stages: int):
+def seed_setting_plans(key: str, profile: SeedFittedProfile | None, stages: int,
+                       measured: MeasuredProfile | None = None):
     """Each planner's best layout for MLLM-<key> in the Table 3.2 setting, timed with the true costs."""
-    modules, latency = mllm_modules(key[0], key[1], key[2], gpus=STAGE_GPUS, profile=profile)
+    modules, latency = mllm_modules(key[0], key[1], key[2], gpus=STAGE_GPUS, profile=profile, measured=measured)
     kwargs = dict(placements=("colocated",), data_parallel=False, stages=stages)
     memory = STAGE_GPUS * MEMORY_LIMIT
     plans = {mode: search(modules, stages, MICROBATCHES, memory, latency, mode=mode, **kwargs, **ALLREDUCE).best
@@ -277,10 +372,15 @@ def describe_plans(plans, auto, best_hand) -> dict:
     return out
 
 
-def seed_setting_row(key: str, stages: int, full: SeedFittedProfile, out: Path | None) -> dict:
+def active_sources(measured: MeasuredProfile | None) -> tuple[str, ...]:
+    return SOURCES + (("measured",) if measured is not None else ())
+
+
+def seed_setting_row(key: str, stages: int, full: SeedFittedProfile, out: Path | None,
+                     measured: MeasuredProfile | None = None) -> dict:
     """One configuration of 003 Table 3.2 on each cost source (FLOPs; the seed-fitted profile fitted on the other
-    configurations only, and on all of them), and the seeds' inferred layouts re-timed with the seed-fitted
-    profile (how well profile + simulator reproduce the seeds' published times)."""
+    configurations only, and on all of them; a measured layer profile when given), and the seeds' inferred layouts
+    re-timed with the seed-fitted profile (how well profile + simulator reproduce the seeds' published times)."""
     seed_aware, seed_unaware = SEED_TABLE_3_2[key]
     held_out = fit_seed_profile(tuple(k for k in SEED_TABLE_3_2 if k != key), per_pair=True)
     row = {"config": f"MLLM-{key}", "seed_aware_s": seed_aware[4], "seed_unaware_s": seed_unaware[4],
@@ -288,13 +388,16 @@ def seed_setting_row(key: str, stages: int, full: SeedFittedProfile, out: Path |
            "seed_splits": [f"{e}+{stages - e}" for e in full.splits[key]],
            "seed_aware_stages_ms": dict(zip(("enc_fwd_ms", "llm_fwd_ms", "enc_bwd_ms", "llm_bwd_ms"), seed_aware[:4])),
            "seed_unaware_stages_ms": dict(zip(("enc_fwd_ms", "llm_fwd_ms", "enc_bwd_ms", "llm_bwd_ms"), seed_unaware[:4]))}
-    for source, profile in (("flops", None), ("per_layer_loo", held_out), ("seed_fitted", full)):
-        plans, auto, best_hand = seed_setting_plans(key, profile, stages)
+    sources = (("flops", None), ("per_layer_loo", held_out), ("seed_fitted", full))
+    for source, profile in sources + ((("measured", None),) if measured is not None else ()):
+        plans, auto, best_hand = seed_setting_plans(key, profile, stages, measured if source == "measured" else None)
         row[source] = describe_plans(plans, auto, best_hand)
         if out is not None and key == "MMM" and source != "per_layer_loo":
+            xlabel = ("simulated time (ms)" if source != "measured"
+                      else f"simulated time (ms, layers measured on {measured.device})")
             for tag, mode in (("aware", "frozen-aware"), ("seeds_baseline", "forward-variance")):
                 name = f"frozen_aware_{source}_{key}_{tag}"
-                timeline_png(plans[mode].result, out / f"{name}.png", scale=1e3, xlabel="simulated time (ms)",
+                timeline_png(plans[mode].result, out / f"{name}.png", scale=1e3, xlabel=xlabel,
                              title=f"MLLM-{key}, {SOURCE_NAMES[source]}, {mode}: {split(plans[mode])}")
                 chrome_trace(plans[mode].result, out / f"{name}.trace.json")
     modules, latency = mllm_modules(key[0], key[1], key[2], gpus=STAGE_GPUS, profile=full)
@@ -303,7 +406,8 @@ def seed_setting_row(key: str, stages: int, full: SeedFittedProfile, out: Path |
     row["seed_layouts_simulated_s"] = [p.iteration_time for p in seed_layouts]
     row["seed_layouts_simulated_ratio"] = seed_layouts[1].iteration_time / seed_layouts[0].iteration_time
     row["ours_vs_seed_aware_layout"] = seed_layouts[0].iteration_time / row["seed_fitted"]["aware_s"]
-    row["meets_seed"] = {s: row[s]["forward-variance"]["ratio"] >= row["seed_ratio"] - 0.005 for s in SOURCES}
+    row["meets_seed"] = {s: row[s]["forward-variance"]["ratio"] >= row["seed_ratio"] - 0.005
+                         for s in active_sources(measured)}
     return row
 
 
@@ -324,33 +428,51 @@ WHAT_EACH_PROVES = {
     "per_layer_loo": "fitted on the other 8 configurations only: an out-of-sample prediction of the judged row",
     "seed_fitted": "fitted on all 9 configurations, the judged row included: in sample, shows behaviour on costs "
                    "shaped like the seeds' hardware, not independent evidence",
+    "measured": "one real layer per family and size timed on {device}, no number of the seeds' used: out of sample, "
+                "but on other hardware than the seeds' A40s, so compare its speedups, not its absolute times",
 }
 
 
-def print_seed_setting(rows, stages: int) -> bool:
+def print_measured(measured: MeasuredProfile, keys) -> None:
+    m = measured.meta
+    print(f"Measured layer profile {measured.path}: one layer per family and size timed on {measured.device} (torch "
+          f"{m['torch']}, {m['dtype']}{', TINY shapes' if m['tiny'] else ''}; audio layer {m['audio_layer']}), divided "
+          f"by the {STAGE_GPUS} GPUs of a stage (ideal TP/CP). Measured on {measured.device}, not on the seeds' A40s: "
+          "compare speedups (ratios), not absolute times.")
+    tokens = TEXT_TOKENS + VISION_PATCHES // VISION_MERGE + AUDIO_TOKENS
+    sizes = [size for size in LLAMA3 if any(k[2] == size for k in keys)]
+    print(f"  LLM backward/forward at {tokens} tokens, measured: "
+          + ", ".join(f"{k} {measured.llm_backward_ratio(k, tokens):.2f}" for k in sizes)
+          + f"   ({'input grad + recomputed forward' if RECOMPUTE else 'input grad'}; the seeds' published ratios are "
+          "the seed-fitted profile's LLM backward/forward above)")
+
+
+def print_seed_setting(rows, stages: int, measured: MeasuredProfile | None = None) -> bool:
+    sources = active_sources(measured)
     print(f"003 Table 3.2 setting (simulated): one pipeline of {stages} stages x {STAGE_GPUS} GPUs, encoders "
           f"colocated, {MICROBATCHES} microbatches of {SAMPLES_PER_MICROBATCH} samples, recompute")
     cell = 24
-    header = f"{'config':<9} {'seeds':>7} | " + " | ".join(f"{SOURCE_NAMES[s]:^{cell}}" for s in SOURCES)
-    sub = f"{'':<9} {'speedup':>7} | " + " | ".join(f"{'a/u':>7} {'speedup':>8} {'meets':>6} " for _ in SOURCES)
+    header = f"{'config':<9} {'seeds':>7} | " + " | ".join(f"{SOURCE_NAMES[s]:^{cell}}" for s in sources)
+    sub = f"{'':<9} {'speedup':>7} | " + " | ".join(f"{'a/u':>7} {'speedup':>8} {'meets':>6} " for _ in sources)
     print(header)
     print(sub)
     print("-" * len(header))
     for r in rows:
         cells = []
-        for s in SOURCES:
+        for s in sources:
             x = r[s]
             cells.append(f"{x['aware_split'] + '/' + x['forward-variance']['split']:>7} "
                          f"{x['forward-variance']['ratio']:>7.2f}x {'yes' if r['meets_seed'][s] else 'NO':>6} ")
         print(f"{r['config']:<9} {r['seed_ratio']:>6.2f}x | " + " | ".join(cells))
-    met = {s: sum(r["meets_seed"][s] for r in rows) for s in SOURCES}
+    met = {s: sum(r["meets_seed"][s] for r in rows) for s in sources}
     print("-" * len(header))
-    print(f"{'meets':<9} {'':>7} | " + " | ".join(f"{str(met[s]) + '/' + str(len(rows)):>{cell}}" for s in SOURCES))
+    print(f"{'meets':<9} {'':>7} | " + " | ".join(f"{str(met[s]) + '/' + str(len(rows)):>{cell}}" for s in sources))
     print("speedup = the seeds' baseline plan (forward-variance) / our frozen-aware plan, both timed by the simulator "
           "on that column's costs; meets = speedup >= the seeds' published speedup; a/u = encoder+LLM stages, ours / "
           "the baseline's. What each column proves:")
-    for s in SOURCES:
-        print(f"  {SOURCE_NAMES[s]} ({met[s]}/{len(rows)}): {WHAT_EACH_PROVES[s]}")
+    for s in sources:
+        what = WHAT_EACH_PROVES[s].format(device=measured.device if measured is not None else "")
+        print(f"  {SOURCE_NAMES[s]} ({met[s]}/{len(rows)}): {what}")
     print()
     print("Checks on the seed-fitted profile:")
     header = (f"{'config':<9} {'seeds a/u':>9} {'vs minmax':>9} {'seeds sim':>9} {'ours/seeds a':>12} {'auto/hand':>9}")
@@ -360,18 +482,19 @@ def print_seed_setting(rows, stages: int) -> bool:
         m = r["seed_fitted"]
         print(f"{r['config']:<9} {'/'.join(r['seed_splits']):>9} {m['forward-only']['ratio']:>8.2f}x "
               f"{r['seed_layouts_simulated_ratio']:>8.2f}x {r['ours_vs_seed_aware_layout']:>11.2f}x "
-              f"{min(r[s]['auto_vs_best_hand'] for s in SOURCES):>8.2f}x")
+              f"{min(r[s]['auto_vs_best_hand'] for s in sources):>8.2f}x")
     print("seeds a/u = the seeds' layouts as inferred by the profile fit; vs minmax = our plan against the strongest "
           "frozen-unaware planner (forward-only); seeds sim = the seeds' two layouts re-timed with the profile (compare "
           "with their published speedup); ours/seeds a = the seeds' aware layout / ours (>= 1: our planner finds a "
           "layout at least as fast); auto/hand = best hand split / free auto search, lowest over the cost sources "
           "(>= 1: auto never loses)")
-    never_loses = all(min(r[s]["auto_vs_best_hand"] for s in SOURCES) >= 1 - 1e-9 for r in rows)
+    never_loses = all(min(r[s]["auto_vs_best_hand"] for s in sources) >= 1 - 1e-9 for r in rows)
     same = sum(r["seed_fitted"]["forward-variance"]["split"] == r["seed_splits"][1] for r in rows)
     print(f"the seeds' baseline rule on the seed-fitted profile chooses the layout the seeds ran in {same}/{len(rows)} "
           "configs")
+    extra = f", measured layer profile {met['measured']}/{len(rows)}" if "measured" in met else ""
     print(f"'match the seeds' speedups': FLOP costs {met['flops']}/{len(rows)}, leave-one-config-out "
-          f"{met['per_layer_loo']}/{len(rows)}, seed-fitted profile {met['seed_fitted']}/{len(rows)}; "
+          f"{met['per_layer_loo']}/{len(rows)}, seed-fitted profile {met['seed_fitted']}/{len(rows)}{extra}; "
           f"'auto never loses to a hand plan': {'HOLDS' if never_loses else 'DOES NOT HOLD'}")
     return met, never_loses
 
@@ -466,17 +589,32 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--no-recompute", action="store_true", help="keep full activations (no checkpointing)")
     parser.add_argument("--skip-free", action="store_true", help="only the Table 3.2 setting")
+    parser.add_argument("--layer-profile", type=Path, default=None,
+                        help="a benchmarks/layer_profile.py JSON: adds the 'measured layer profile' cost source to the "
+                             "Table 3.2 setting and writes frozen_aware_measured.json instead of frozen_aware.json")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated Table 3.2 configurations to run, e.g. MMM,LLL (default: all 9; the "
+                             "profile fits always use all 9)")
     args = parser.parse_args(argv)
     global RECOMPUTE
     RECOMPUTE = not args.no_recompute
+    keys = tuple(SEED_TABLE_3_2)
+    if args.configs:
+        keys = tuple(k.strip().upper().removeprefix("MLLM-") for k in args.configs.split(","))
+        unknown = [k for k in keys if k not in SEED_TABLE_3_2]
+        if unknown:
+            parser.error(f"--configs: unknown {unknown}; choose from {', '.join(SEED_TABLE_3_2)}")
+    measured = load_measured_profile(args.layer_profile) if args.layer_profile else None
     args.out.mkdir(parents=True, exist_ok=True)
     full = fit_seed_profile(tuple(SEED_TABLE_3_2))
     per_pair = fit_seed_profile(tuple(SEED_TABLE_3_2), per_pair=True)
     for profile in (full, per_pair):
         print_profile(profile)
+    if measured is not None:
+        print_measured(measured, keys)
     print()
-    seed_rows = [seed_setting_row(key, args.stages, full, args.out) for key in SEED_TABLE_3_2]
-    met, never_loses = print_seed_setting(seed_rows, args.stages)
+    seed_rows = [seed_setting_row(key, args.stages, full, args.out, measured) for key in keys]
+    met, never_loses = print_seed_setting(seed_rows, args.stages, measured)
     rows = [] if args.skip_free else [run_config(*cfg, args.devices, args.microbatches, args.out) for cfg in configurations()]
     fmt = lambda v, spec: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)  # noqa: E731
     if rows:
@@ -499,10 +637,18 @@ def main(argv=None):
            "effective_flops": EFFECTIVE_FLOPS, "stages": args.stages, "stage_gpus": STAGE_GPUS,
            "tokens": {"text": TEXT_TOKENS, "vision_patches": VISION_PATCHES, "vision_to_llm": VISION_PATCHES // VISION_MERGE,
                       "audio": AUDIO_TOKENS, "samples_per_microbatch": SAMPLES_PER_MICROBATCH},
-           "meets_seed_speedup": {s: f"{met[s]}/{len(seed_rows)}" for s in SOURCES},
+           "meets_seed_speedup": {s: f"{met[s]}/{len(seed_rows)}" for s in active_sources(measured)},
            "auto_never_loses": never_loses, "seed_fitted_profile": asdict(full), "per_pair_profile": asdict(per_pair),
            "seed_setting_rows": seed_rows, "rows": rows}
-    (args.out / "frozen_aware.json").write_text(json.dumps(doc, indent=1))
+    name = "frozen_aware.json"
+    if measured is not None:
+        doc["measured_layer_profile"] = {
+            **measured.describe(), "note": f"per-layer times measured on {measured.device}, divided by the {STAGE_GPUS} "
+            "GPUs of a stage (ideal TP/CP); not the seeds' A40s: compare speedups, not absolute times",
+            "llm_backward_ratio": {k: measured.llm_backward_ratio(k, TEXT_TOKENS + VISION_PATCHES // VISION_MERGE
+                                                                  + AUDIO_TOKENS) for k in LLAMA3}}
+        name = "frozen_aware_measured.json"
+    (args.out / name).write_text(json.dumps(doc, indent=1))
     return seed_rows, rows
 
 

@@ -1,0 +1,427 @@
+"""One real transformers layer of each family and size of `benchmarks/frozen_aware.py`, timed on one device.
+
+For every size of the three model tables of the frozen-aware benchmark (LLAMA3, QWEN2_VISION, PHI4_AUDIO:
+layers, hidden, parameters) it builds ONE layer at full size, in bf16, with random weights:
+
+- LLM: `transformers`' `LlamaDecoderLayer` (sdpa, causal, rotary position embeddings, grouped-query attention as
+  Llama 3: 8 key/value heads, head dim 64 at hidden 2048 and 128 above).
+- Vision: `transformers`' `Qwen2VLVisionBlock` (head dim 80 as Qwen2-VL; the microbatch's images packed into one
+  sequence with `cu_seqlens`, 2-D rotary embeddings), non-causal.
+- Audio: `transformers`' Phi-4 multimodal conformer layer (`Phi4MultimodalAudioConformerEncoderLayer`: two
+  half-step feed-forwards, attention with a relative-position bias, a depthwise convolution module; head dim 64).
+  Like `Phi4MultimodalAudioModel`, a clip longer than 500 frames is cut into chunks of 500 that attend within
+  themselves. Where the installed `transformers` has no Phi-4 multimodal model, a plain non-causal
+  `torch.nn.TransformerEncoderLayer` of that hidden size stands in; the JSON names which (`audio_layer`).
+- The trainable 2-layer MLP projector of each (encoder size, LLM size) pair, at the shapes `frozen_aware.py` uses.
+
+Each layer's MLP width is chosen so that its parameter count matches the table's parameters / layers (within a
+few percent; the JSON has both), because the benchmark's FLOP costs are computed from that number. The input is
+[SAMPLES_PER_MICROBATCH, tokens, hidden] at the token counts the benchmark gives that module: the encoders' own
+(vision patches, audio frames) and, for the LLM, every LLM sequence length of the benchmark's configurations.
+
+Timing: `lightning_mm.planner.profiler.profile_layer` (medians of forward, the gradient w.r.t. the input only and
+w.r.t. the weights only, each on a fresh forward). Activation bytes: the storages autograd saves in one forward,
+measured with saved-tensor hooks (`lightning_mm.planner.model_costs.part_activation_bytes`), with the weights
+frozen (what a frozen layer keeps: only what its input gradient needs) and trainable.
+
+    python benchmarks/layer_profile.py --device cuda          # writes benchmarks/results/layer_profile_<device>.json
+    python benchmarks/frozen_aware.py --skip-free --layer-profile benchmarks/results/layer_profile_<device>.json
+    python benchmarks/layer_profile.py --device cpu --tiny    # hidden sizes and token counts / 64: seconds, for tests
+
+Without a GPU and without `--device cpu` it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_mm.planner.model_costs import part_activation_bytes
+from lightning_mm.planner.profiler import profile_layer
+
+
+def _frozen_aware():
+    """benchmarks/frozen_aware.py (its model tables and token counts are what is profiled here), imported by path."""
+    if "frozen_aware" not in sys.modules:
+        path = Path(__file__).resolve().with_name("frozen_aware.py")
+        spec = importlib.util.spec_from_file_location("frozen_aware", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["frozen_aware"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["frozen_aware"]
+
+
+fa = _frozen_aware()
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FORMAT = "lightning-mm layer profile"
+VERSION = 1
+TINY_SHRINK = 64  # --tiny: every hidden size and token count / this
+TINY_HEAD_DIM = {"llama3": 16, "qwen2_vision": 4, "phi4_audio": 16}
+FAMILIES = {"llama3": fa.LLAMA3, "qwen2_vision": fa.QWEN2_VISION, "phi4_audio": fa.PHI4_AUDIO}
+ENCODER_FAMILY = {"vision": "qwen2_vision", "audio": "phi4_audio"}
+AUDIO_CHUNK = 500  # Phi4MultimodalAudioModel unfolds longer clips into chunks of this many frames
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+MLP_MULTIPLE = 256  # MLP widths are rounded to a multiple of this (of 8 under --tiny)
+
+
+def llm_token_counts() -> list[int]:
+    """Every LLM sequence length of `frozen_aware.py`'s configurations (text + merged patches + audio frames)."""
+    counts = set()
+    for _, vision, audio, _ in fa.configurations():
+        counts.add(fa.TEXT_TOKENS + (fa.VISION_PATCHES // fa.VISION_MERGE if vision else 0)
+                   + (fa.AUDIO_TOKENS if audio else 0))
+    return sorted(counts)
+
+
+def module_token_counts() -> dict[str, list[int]]:
+    return {"llama3": llm_token_counts(), "qwen2_vision": [fa.VISION_PATCHES], "phi4_audio": [fa.AUDIO_TOKENS]}
+
+
+def shrunk(value: int, shrink: int) -> int:
+    return max(1, round(value / shrink))
+
+
+# ------------------------------------------------------------------------------------------------ layer builders
+def phi4_audio_available() -> bool:
+    try:
+        from transformers.models.phi4_multimodal import modeling_phi4_multimodal as m
+    except ImportError:
+        return False
+    return hasattr(m, "Phi4MultimodalAudioConformerEncoderLayer")
+
+
+def _heads(hidden: int, head_dim: int) -> int:
+    if hidden % head_dim:
+        raise ValueError(f"hidden {hidden} is not a multiple of head dim {head_dim}")
+    return hidden // head_dim
+
+
+def _count(build, width: int) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in build(width).parameters())
+
+
+def solve_width(build, target: float, multiple: int) -> int:
+    """The MLP width whose layer has `target` parameters (the count is affine in the width), rounded."""
+    a, b = _count(build, multiple), _count(build, 2 * multiple)
+    per_unit = (b - a) / multiple
+    width = (target - (a - per_unit * multiple)) / per_unit
+    return max(multiple, multiple * round(width / multiple))
+
+
+class LlamaLayer(nn.Module):
+    """`LlamaDecoderLayer` with what `LlamaModel` gives it: rotary embeddings of positions 0..T-1, no mask (causal
+    sdpa)."""
+
+    def __init__(self, layer, rotary):
+        super().__init__()
+        self.layer, self.rotary, self._cache = layer, rotary, {}
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        if (b, t) not in self._cache:
+            positions = torch.arange(t, device=x.device).unsqueeze(0).expand(b, -1)
+            with torch.no_grad():
+                self._cache[(b, t)] = positions, self.rotary(x, positions)
+        positions, embeddings = self._cache[(b, t)]
+        return self.layer(x, attention_mask=None, position_ids=positions, position_embeddings=embeddings)
+
+
+class QwenVisionLayer(nn.Module):
+    """`Qwen2VLVisionBlock` as `Qwen2VisionTransformerPretrainedModel` runs it: the microbatch's images packed into
+    one [B*T, hidden] sequence with `cu_seqlens` (attention within each image), axial 2-D rotary embeddings."""
+
+    def __init__(self, block, rotary):
+        super().__init__()
+        self.block, self.rotary, self._cache = block, rotary, {}
+
+    def forward(self, x):
+        b, t, h = x.shape
+        if (b, t) not in self._cache:
+            width = max(1, round(math.sqrt(t)))
+            index = torch.arange(t, device=x.device)
+            positions = torch.stack([index // width, index % width], dim=-1).repeat(b, 1)  # [B*T, (h, w)]
+            cu_seqlens = torch.arange(b + 1, device=x.device, dtype=torch.int32) * t
+            with torch.no_grad():
+                cos, sin = self.rotary(x, positions)
+            self._cache[(b, t)] = cu_seqlens, (cos.to(x.dtype), sin.to(x.dtype))
+        cu_seqlens, embeddings = self._cache[(b, t)]
+        out = self.block(x.reshape(b * t, h), cu_seqlens=cu_seqlens, position_embeddings=embeddings)
+        return out.reshape(b, t, h)
+
+
+class Phi4AudioLayer(nn.Module):
+    """The Phi-4 conformer layer as `Phi4MultimodalAudioModel` runs it: clips longer than `chunk` frames padded
+    and cut into chunks of `chunk`, the relative-position bias as the attention mask."""
+
+    def __init__(self, layer, bias, chunk: int):
+        super().__init__()
+        self.layer, self.chunk, self._cache = layer, chunk, {}
+        self._bias = (bias,)  # the model's one bias table, shared by every layer: not this layer's parameters
+
+    def forward(self, x):
+        b, t, h = x.shape
+        chunk = min(self.chunk, t)
+        pad = (-t) % chunk
+        if chunk not in self._cache:
+            with torch.no_grad():
+                self._cache[chunk] = self._bias[0](x.new_empty(1, chunk, 1)).to(x.dtype)
+        y = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+        y = self.layer(y.reshape(-1, chunk, h), self._cache[chunk])
+        return y.reshape(b, t + pad, h)[:, :t]
+
+
+def head_dim(family: str, hidden: int, tiny: bool) -> int:
+    """Llama 3: 64 at hidden <= 2048, else 128; Qwen2-VL vision: 80; Phi-4 audio: 64. Under --tiny: 16, 8, 16."""
+    if tiny:
+        return TINY_HEAD_DIM[family]
+    return {"llama3": 64 if hidden <= 2048 else 128, "qwen2_vision": 80, "phi4_audio": 64}[family]
+
+
+def build_layer(family: str, hidden: int, target: float, tiny: bool):
+    """(the layer wrapped to take [B, T, hidden], description), on the current default device: `hidden` is the size
+    to build (already shrunk under --tiny), `target` its parameter count."""
+    multiple = 8 if tiny else MLP_MULTIPLE
+    shrink = TINY_SHRINK if tiny else 1
+    heads = _heads(hidden, head_dim(family, hidden * shrink, tiny))
+    if family == "llama3":
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        kv_heads = math.gcd(heads, 8)
+
+        def config(width):
+            c = LlamaConfig(hidden_size=hidden, intermediate_size=width, num_attention_heads=heads,
+                            num_key_value_heads=kv_heads, head_dim=hidden // heads, num_hidden_layers=1,
+                            vocab_size=128, max_position_embeddings=8192, rope_theta=500000.0)
+            c._attn_implementation = "sdpa"
+            return c
+
+        width = solve_width(lambda w: LlamaDecoderLayer(config(w), 0), target, multiple)
+        c = config(width)
+        layer = LlamaLayer(LlamaDecoderLayer(c, 0), LlamaRotaryEmbedding(c))
+        return layer, {"class": "LlamaDecoderLayer", "hidden": hidden, "intermediate": width, "heads": heads,
+                       "kv_heads": kv_heads, "head_dim": hidden // heads, "causal": True}
+    if family == "qwen2_vision":
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLVisionBlock, Qwen2VLVisionRotaryEmbedding
+
+
+        def config(width):  # the config takes an integer MLP ratio: widths are multiples of the hidden size
+            c = Qwen2VLVisionConfig(embed_dim=hidden, num_heads=heads, depth=1, mlp_ratio=width // hidden)
+            c._attn_implementation = "sdpa"
+            return c
+
+        width = solve_width(lambda w: Qwen2VLVisionBlock(config(w)), target, hidden)
+        c = config(width)
+        c.num_attention_heads = heads  # read by the rotary embedding
+        layer = QwenVisionLayer(Qwen2VLVisionBlock(c), Qwen2VLVisionRotaryEmbedding(c))
+        return layer, {"class": "Qwen2VLVisionBlock", "hidden": hidden, "intermediate": width, "heads": heads,
+                       "head_dim": hidden // heads, "causal": False}
+    if family == "phi4_audio":
+        chunk = shrunk(AUDIO_CHUNK, shrink)
+        if phi4_audio_available():
+            from transformers.models.phi4_multimodal.configuration_phi4_multimodal import Phi4MultimodalAudioConfig
+            from transformers.models.phi4_multimodal.modeling_phi4_multimodal import (
+                Phi4MultimodalAudioConformerEncoderLayer, Phi4MultimodalAudioRelativeAttentionBias)
+
+            def config(width):
+                c = Phi4MultimodalAudioConfig(hidden_size=hidden, intermediate_size=width, num_attention_heads=heads,
+                                              ext_pw_out_channel=hidden, depthwise_separable_out_channel=hidden,
+                                              num_blocks=1)
+                c._attn_implementation = "sdpa"
+                return c
+
+            width = solve_width(lambda w: Phi4MultimodalAudioConformerEncoderLayer(config(w)), target, multiple)
+            c = config(width)
+            layer = Phi4AudioLayer(Phi4MultimodalAudioConformerEncoderLayer(c),
+                                   Phi4MultimodalAudioRelativeAttentionBias(c), chunk)
+            return layer, {"class": "Phi4MultimodalAudioConformerEncoderLayer", "hidden": hidden,
+                           "intermediate": width, "heads": heads, "head_dim": hidden // heads, "causal": False,
+                           "attention_chunk": chunk}
+
+        def plain(width):
+            return nn.TransformerEncoderLayer(hidden, heads, width, dropout=0.0, activation="gelu",
+                                              batch_first=True, norm_first=True)
+
+        width = solve_width(plain, target, multiple)
+        return plain(width), {"class": "torch.nn.TransformerEncoderLayer", "hidden": hidden, "intermediate": width,
+                              "heads": heads, "head_dim": hidden // heads, "causal": False}
+    raise ValueError(f"unknown family {family!r}; expected one of {sorted(FAMILIES)}")
+
+
+def build_projector(in_features: int, llm_hidden: int) -> nn.Module:
+    """The benchmark's trainable projector: Linear(in, llm hidden), GELU, Linear(llm hidden, llm hidden)."""
+    return nn.Sequential(nn.Linear(in_features, llm_hidden, bias=False), nn.GELU(),
+                         nn.Linear(llm_hidden, llm_hidden, bias=False))
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+def measure(layer: nn.Module, tokens: int, hidden: int, device: torch.device, dtype: torch.dtype,
+            warmup: int, repeats: int) -> dict:
+    """Times and activation bytes of `layer` on [SAMPLES_PER_MICROBATCH, tokens, hidden]."""
+    shape = (fa.SAMPLES_PER_MICROBATCH, tokens, hidden)
+    make_x = lambda: torch.randn(shape, device=device, dtype=dtype)  # noqa: E731
+    forward, input_grad, weight_grad = profile_layer(layer, make_x, warmup, repeats)
+    params = list(layer.parameters())
+    exclude = {p.untyped_storage().data_ptr() for p in params}
+    saved = [p.requires_grad for p in params]
+    acts = {}
+    try:
+        for name, flag in (("frozen", False), ("trainable", True)):
+            for p in params:
+                p.requires_grad_(flag)
+            acts[name] = part_activation_bytes(layer, make_x(), exclude, input_grad=True)
+    finally:
+        for p, flag in zip(params, saved):
+            p.requires_grad_(flag)
+    return {"measured_tokens": tokens, "forward_s": forward, "input_grad_s": input_grad, "weight_grad_s": weight_grad,
+            "activation_bytes_frozen": acts["frozen"], "activation_bytes_trainable": acts["trainable"],
+            "input_bytes": float(math.prod(shape) * torch.finfo(dtype).bits // 8)}
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
+
+
+def profile_all(device: torch.device, dtype: torch.dtype, tiny: bool, warmup: int, repeats: int,
+                log=print) -> dict:
+    shrink = TINY_SHRINK if tiny else 1
+    torch.manual_seed(0)
+    layers, hidden_of = {}, {}
+    for family, table in FAMILIES.items():
+        layers[family] = {}
+        for size, (count, hidden, params) in table.items():
+            hidden = shrunk(hidden, shrink)
+            hidden_of[(family, size)] = hidden
+            target = params / count / shrink**2
+            started = time.perf_counter()
+            with torch.device(device):
+                layer, info = build_layer(family, hidden, target, tiny)
+            layer = layer.to(dtype).eval()  # eval: no dropout; gradients still flow
+            info["params_per_layer"] = sum(p.numel() for p in layer.parameters())
+            info["target_params_per_layer"] = target
+            info["tokens"] = {}
+            for tokens in module_token_counts()[family]:
+                info["tokens"][str(tokens)] = measure(layer, shrunk(tokens, shrink), hidden, device, dtype,
+                                                      warmup, repeats)
+            info["seconds_to_profile"] = time.perf_counter() - started
+            layers[family][size] = info
+            log(f"  {family} {size}: {info['class']}, {info['params_per_layer'] / 1e6:.2f}M parameters "
+                f"({info['seconds_to_profile']:.1f} s)")
+            del layer
+            _release(device)
+    projectors = {}
+    for modality, family in ENCODER_FAMILY.items():
+        projectors[modality] = {}
+        merge = fa.VISION_MERGE if modality == "vision" else 1
+        tokens = fa.VISION_PATCHES // fa.VISION_MERGE if modality == "vision" else fa.AUDIO_TOKENS
+        for enc_size in FAMILIES[family]:
+            for llm_size in fa.LLAMA3:
+                in_features = merge * hidden_of[(family, enc_size)]
+                llm_hidden = hidden_of[("llama3", llm_size)]
+                with torch.device(device):
+                    proj = build_projector(in_features, llm_hidden).to(dtype)
+                entry = measure(proj, shrunk(tokens, shrink), in_features, device, dtype, warmup, repeats)
+                entry.update(in_features=in_features, llm_hidden=llm_hidden, tokens=tokens,
+                             params=sum(p.numel() for p in proj.parameters()))
+                projectors[modality][f"{enc_size}->{llm_size}"] = entry
+                del proj
+        log(f"  {modality} projectors: {len(projectors[modality])} pairs")
+    _release(device)
+    import transformers
+
+    return {
+        "format": FORMAT, "version": VERSION, "device": device_name(device), "device_type": device.type,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "cuda": torch.version.cuda if device.type == "cuda" else None, "dtype": str(dtype).replace("torch.", ""),
+        "attn_implementation": "sdpa", "tiny": tiny, "shrink": shrink,
+        "samples_per_microbatch": fa.SAMPLES_PER_MICROBATCH, "warmup": warmup, "repeats": repeats,
+        "audio_layer": layers["phi4_audio"]["S"]["class"],
+        "note": ("one layer per family and size at the benchmark's shapes, random weights; times are medians of "
+                 "`profile_layer` (forward, gradient w.r.t. the input only, w.r.t. the weights only) on one device, "
+                 "per microbatch of samples_per_microbatch samples; token keys are the benchmark's token counts "
+                 "(measured_tokens: what ran, smaller under tiny)"),
+        "layers": layers, "projectors": projectors,
+    }
+
+
+def print_table(doc: dict) -> None:
+    print(f"Layer profile on {doc['device']} (torch {doc['torch']}, {doc['dtype']}"
+          f"{', TINY: hidden sizes and tokens / ' + str(doc['shrink']) if doc['tiny'] else ''}), "
+          f"microbatch of {doc['samples_per_microbatch']} samples, medians of {doc['repeats']} runs")
+    header = (f"{'family':<13} {'size':<4} {'class':<41} {'params/layer':>12} {'target':>8} {'tokens':>6} "
+              f"{'fwd ms':>9} {'in-grad ms':>10} {'w-grad ms':>9} {'(F+B_d)/F':>9} {'act MiB frozen':>14}")
+    print(header)
+    print("-" * len(header))
+    for family, sizes in doc["layers"].items():
+        for size, info in sizes.items():
+            for tokens, t in info["tokens"].items():
+                print(f"{family:<13} {size:<4} {info['class']:<41} {info['params_per_layer'] / 1e6:>11.2f}M "
+                      f"{info['params_per_layer'] / info['target_params_per_layer']:>7.2f}x {tokens:>6} "
+                      f"{1e3 * t['forward_s']:>9.3f} {1e3 * t['input_grad_s']:>10.3f} {1e3 * t['weight_grad_s']:>9.3f} "
+                      f"{(t['forward_s'] + t['input_grad_s']) / t['forward_s']:>8.2f}x "
+                      f"{t['activation_bytes_frozen'] / 2**20:>14.1f}")
+    print("target = measured parameters / the table's parameters per layer; (F+B_d)/F = a frozen layer's backward "
+          "under recomputation (input gradient + recomputed forward) over its forward; act = bytes autograd saves per "
+          "microbatch for a frozen layer")
+    for modality, pairs in doc["projectors"].items():
+        cells = ", ".join(f"{k} {1e3 * (v['forward_s'] + v['input_grad_s'] + v['weight_grad_s']):.2f}"
+                          for k, v in pairs.items())
+        print(f"{modality} projector F+B ms (encoder->LLM size): {cells}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"every hidden size and token count / {TINY_SHRINK}: seconds on a CPU, for tests")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (default benchmarks/results/layer_profile_<device>[_tiny].json)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="bfloat16 (default, as trained); float32 for a quick CPU check")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("layer_profile: no CUDA device here; nothing measured (use --device cpu to time on the CPU)")
+        return 0
+    device = torch.device(args.device)
+    started = time.perf_counter()
+    audio = "Phi4MultimodalAudioConformerEncoderLayer" if phi4_audio_available() else "torch.nn.TransformerEncoderLayer"
+    print(f"profiling one layer per family and size on {device_name(device)}{' (tiny)' if args.tiny else ''}, "
+          f"audio layer: {audio}")
+    doc = profile_all(device, DTYPES[args.dtype], args.tiny, args.warmup, args.repeats)
+    doc["seconds"] = time.perf_counter() - started
+    out = args.out or RESULTS / f"layer_profile_{slug(doc['device'])}{'_tiny' if args.tiny else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print_table(doc)
+    print(f"wrote {out} ({doc['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
