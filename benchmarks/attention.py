@@ -14,7 +14,8 @@ flash row counts causal pairs: it is the ceiling for a kernel that skips nothing
 The goals checked at the end: forward+backward at least 1.2x FlexAttention on every EE/MP case from 16k, and at
 least 70% of causal flash attention's effective TFLOP/s on every case.
 
-Writes ``benchmarks/results/attention_<device>.json`` and prints a table. Each case runs in its own
+Writes ``benchmarks/results/attention_<device>.json`` after every case (``complete`` says whether all ran) and
+prints a table. Each case runs in its own
 try/except, so an OOM (SDPA's dense mask at 64k) is recorded and the rest still runs. Without a GPU it says
 so and exits 0.
 """
@@ -285,7 +286,20 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
+    out = args.out or RESULTS / f"attention_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     cases = []
+
+    def write() -> dict:  # after every case: a run stopped by a time limit keeps what it measured
+        report = dict(benchmark="attention", device=name, torch=torch.__version__, triton=triton.__version__,
+                      python=platform.python_version(), dtype="bfloat16", batch=args.batch, heads=args.heads,
+                      kv_heads=args.kv_heads, head_dims=args.head_dims, encoders=args.encoders, seed=args.seed,
+                      flops="allowed pairs x 4 x D x heads (fwd), x3.5 (fwd+bwd); causal flash counts causal pairs",
+                      complete=len(cases) == len(args.seq_lens) * len(args.head_dims) * len(args.layouts),
+                      cases=cases, goals=goals(cases))
+        out.write_text(json.dumps(report, indent=2))
+        return report
+
     for s in args.seq_lens:
         for head_dim in args.head_dims:
             for layout in args.layouts:
@@ -299,15 +313,9 @@ def main(argv=None) -> int:
                                 status=f"error: {type(e).__name__}: {e}"[:300])
                 case["summary"] = summarise(case)
                 cases.append(case)
+                write()
                 print(f"done S={s} d={head_dim} {layout}", flush=True)
-    report = dict(benchmark="attention", device=name, torch=torch.__version__, triton=triton.__version__,
-                  python=platform.python_version(), dtype="bfloat16", batch=args.batch, heads=args.heads,
-                  kv_heads=args.kv_heads, head_dims=args.head_dims, encoders=args.encoders, seed=args.seed,
-                  flops="allowed pairs x 4 x D x heads (fwd), x3.5 (fwd+bwd); causal flash counts causal pairs",
-                  cases=cases, goals=goals(cases))
-    out = args.out or RESULTS / f"attention_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    report = write()
     print_table(cases)
     for name, g in report["goals"].items():
         worst = "n/a" if g["worst"] is None else f"{g['worst']:.2f}"

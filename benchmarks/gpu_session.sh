@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in parts that each fit one 10-minute command on a one-GPU machine:
+# Everything that needs a GPU, in parts that each fit one 10-minute command on a one-GPU machine (each part's
+# steps run under time limits that sum to about 6 minutes, so four parts fit in 30 minutes of machine time):
 #
-#   bash benchmarks/gpu_session.sh setup tests fit        # native tests, then the ~0.6B VLM end to end
-#   bash benchmarks/gpu_session.sh attention              # benchmarks/attention.py, 4k-64k, head dims 64 and 128
-#   bash benchmarks/gpu_session.sh profile                # measured layer profiles, frozen-aware rerun on them
+#   bash benchmarks/gpu_session.sh setup tests            # native kernel tests, then pytest -m gpu
+#   bash benchmarks/gpu_session.sh setup fit              # the ~0.6B VLM: one GPU, then 3 ranks sharing it
+#   bash benchmarks/gpu_session.sh setup attention        # benchmarks/attention.py, the goal sizes first
+#   bash benchmarks/gpu_session.sh setup profile          # measured layer profiles, frozen-aware rerun on them
 #
 # `setup` installs this tree without dependencies (a GPU image has torch, triton, lightning and transformers; wheels
 # of anything else, e.g. jsonargparse, may lie in .whl/). Every part writes under benchmarks/results/gpu/ with the
@@ -54,35 +56,38 @@ run_part() {
     tests)
       local log=$RESULTS/tests_$dev.log
       { versions; echo "== native kernel tests (TRITON_INTERPRET unset)";
-        env -u TRITON_INTERPRET timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        env -u TRITON_INTERPRET timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
           --junitxml="$RESULTS/kernels_$dev.xml";
         echo "== pytest -m gpu";
-        timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests --junitxml="$RESULTS/gpu_$dev.xml"; } \
+        timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu tests --junitxml="$RESULTS/gpu_$dev.xml"; } \
         2>&1 | tee "$log"
       pack tests "$log" "$RESULTS/kernels_$dev.xml" "$RESULTS/gpu_$dev.xml" ;;
     fit)
       local root=$RESULTS/fit_$dev
       rm -rf "$root"; mkdir -p "$root"
       { versions; echo "== one GPU, NCCL, bf16-mixed";
-        timeout 240 lightning-mm fit --config examples/gpu_vlm.yaml --trainer.default_root_dir="$root/one_gpu";
+        timeout 150 lightning-mm fit --config examples/gpu_vlm.yaml --trainer.default_root_dir="$root/one_gpu";
         echo "== 3 ranks sharing the GPU (gloo): vision 1 stage, LLM 2 stages";
-        timeout 300 lightning-mm fit --config examples/gpu_vlm.yaml --config examples/gpu_vlm_shared_gpu.yaml \
+        timeout 200 lightning-mm fit --config examples/gpu_vlm.yaml --config examples/gpu_vlm_shared_gpu.yaml \
           --trainer.default_root_dir="$root/shared"; } 2>&1 | tee "$root/fit.log"
       pack fit "$root" ;;
     attention)
       local log=$RESULTS/attention_$dev.log
       { versions;
-        timeout 280 python3 benchmarks/attention.py --head-dims 128 --out "$RESULTS/attention_${dev}_d128.json";
-        timeout 280 python3 benchmarks/attention.py --head-dims 64 --out "$RESULTS/attention_${dev}_d64.json"; } \
+        # writes its JSON after every case: a run cut by its limit keeps what it measured
+        timeout 200 python3 benchmarks/attention.py --head-dims 128 --seq-lens 16384 65536 32768 4096 8192 \
+          --out "$RESULTS/attention_${dev}_d128.json";
+        timeout 160 python3 benchmarks/attention.py --head-dims 64 --seq-lens 16384 65536 32768 4096 8192 \
+          --out "$RESULTS/attention_${dev}_d64.json"; } \
         2>&1 | tee "$log"
       pack attention "$log" "$RESULTS"/attention_"${dev}"_d*.json ;;
     profile)
       local log=$RESULTS/profile_$dev.log
       { versions;
-        timeout 240 python3 benchmarks/layer_profile.py --device cuda --out "$RESULTS/layer_profile_$dev.json";
-        timeout 120 python3 benchmarks/frozen_aware.py --skip-free --layer-profile "$RESULTS/layer_profile_$dev.json" \
+        timeout 150 python3 benchmarks/layer_profile.py --device cuda --out "$RESULTS/layer_profile_$dev.json";
+        timeout 150 python3 benchmarks/frozen_aware.py --skip-free --layer-profile "$RESULTS/layer_profile_$dev.json" \
           --out "$RESULTS/frozen_aware_$dev";
-        timeout 200 lightning-mm plan --config examples/gpu_vlm.yaml --write-profile "$RESULTS/plan_profile_$dev.json" \
+        timeout 90 lightning-mm plan --config examples/gpu_vlm.yaml --write-profile "$RESULTS/plan_profile_$dev.json" \
           --out "$RESULTS/plan_$dev"; } 2>&1 | tee "$log"
       pack profile "$log" "$RESULTS/layer_profile_$dev.json" "$RESULTS/frozen_aware_$dev" \
         "$RESULTS/plan_profile_$dev.json" "$RESULTS/plan_$dev" ;;
