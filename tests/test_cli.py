@@ -6,7 +6,9 @@ import subprocess
 import pytest
 
 
-@pytest.mark.parametrize("config", ["examples/tiny_vlm.yaml", "examples/tiny_valm.yaml", "examples/tiny_valm_pp.yaml"])
+@pytest.mark.parametrize("config", ["examples/tiny_vlm.yaml",
+                                    pytest.param("examples/tiny_valm.yaml", marks=pytest.mark.slow),
+                                    "examples/tiny_valm_pp.yaml"])
 def test_cli_example_trains(config, tmp_path):
     exe = shutil.which("lightning-mm")
     assert exe, "the console script is not installed: pip install -e ."
@@ -43,18 +45,25 @@ def test_gpu_examples_parse_to_the_model_and_layout_they_describe():
     assert strategy.language_model_spec == ParallelSpec(pp=2)
 
 
-def test_empty_init_builds_on_meta_and_needs_the_strategy(tmp_path):
-    """``--empty_init true`` builds the YAML's model on the meta device (the MFU warning says so) and trains under
-    MultimodalParallelStrategy; with another strategy it is refused before anything runs."""
+def _empty_init_fit(tmp_path, *extra):
     import os
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    base = [sys.executable, "-m", "lightning_mm.cli", "fit", "--config", "examples/tiny_vlm.yaml", "--empty_init=true",
-            "--trainer.max_steps=3", f"--trainer.default_root_dir={tmp_path}"]
-    proc = subprocess.run([*base, "--trainer.strategy=multimodal", "--model.peak_flops=1e12"], capture_output=True,
-                          text=True, timeout=300, cwd=root)
+    return subprocess.run([sys.executable, "-m", "lightning_mm.cli", "fit", "--config", "examples/tiny_vlm.yaml",
+                           "--empty_init=true", "--trainer.max_steps=3", f"--trainer.default_root_dir={tmp_path}",
+                           *extra], capture_output=True, text=True, timeout=300, cwd=root)
+
+
+@pytest.mark.slow
+def test_empty_init_builds_on_meta_and_trains_under_the_strategy(tmp_path):
+    """``--empty_init true`` builds the YAML's model on the meta device (the MFU warning says so) and trains under
+    MultimodalParallelStrategy."""
+    proc = _empty_init_fit(tmp_path, "--trainer.strategy=multimodal", "--model.peak_flops=1e12")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the model was built on the meta device" in proc.stderr and "max_steps=3" in proc.stderr + proc.stdout
-    proc = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd=root)
+
+
+def test_empty_init_needs_the_strategy(tmp_path):
+    proc = _empty_init_fit(tmp_path)
     assert proc.returncode != 0 and "only MultimodalParallelStrategy materialises" in proc.stderr
