@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
+from torch.utils.data import DistributedSampler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -24,7 +25,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mm import checkpoint as ckpt
-from lightning_mm.data.resumable import resumable
+from lightning_mm.data.balanced import BalancedBatchSampler, BalancedCollate, BalancedDataset, metadata_works
+from lightning_mm.data.microbatch import PLAN_KEY
+from lightning_mm.data.resumable import ResumableDataLoader, resumable
 from lightning_mm.faults import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
 from lightning_mm.model.loading import materialise
 from lightning_mm.model.multimodal import MultimodalModel
@@ -32,8 +35,10 @@ from lightning_mm.parallel.comm import check_backend
 from lightning_mm.parallel.engine import PipelineEngine, check_same_batch
 from lightning_mm.parallel.sharding import SHARDING_STRATEGIES
 from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, dtensor_parameters_pinned
+from lightning_mm.plan.balance import METHODS as BALANCING_METHODS, plan_batch
 from lightning_mm.plan.layout import ParallelSpec, RankLayout, build_layout
 from lightning_mm.planner.model_costs import resolve_partition
+from lightning_mm.planner.workload import WorkloadModel
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 DEFAULT_FAULT_TIMEOUT = 60.0  # seconds: a dead rank ends the others well before DEFAULT_TIMEOUT
@@ -57,6 +62,9 @@ class MultimodalParallelStrategy(DDPStrategy):
     data-parallel ranks with FSDP2. ``parallel_devices`` (Lightning's: the local ranks' devices) may repeat a GPU,
     e.g. ``["cuda:0"] * 4`` with ``Trainer(devices=1)`` runs 4 ranks on one GPU; NCCL refuses that, so give
     ``process_group_backend="gloo"`` (pipeline and data parallelism; stage messages go through host memory).
+    ``batch_balancing`` places each global batch's samples over replicas and microbatches by their encoder and LLM
+    work ("none": contiguous slices; "disttrain"; "entrain", which also defers LLM work of an overloaded
+    microbatch to the next one; docs/balancing.md).
     """
 
     strategy_name = "multimodal"
@@ -67,7 +75,8 @@ class MultimodalParallelStrategy(DDPStrategy):
                  profile: str | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = DEFAULT_TIMEOUT, start_method: str = "popen",
                  save_frozen_parameters: bool = False, fault_timeout: float | None = DEFAULT_FAULT_TIMEOUT,
-                 activation_checkpointing: bool = False, sharding_strategy: str = "NO_SHARD", accelerator=None,
+                 activation_checkpointing: bool = False, sharding_strategy: str = "NO_SHARD",
+                 batch_balancing: str = "none", accelerator=None,
                  parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None, **unknown):
         if unknown:
             known = [p for p in inspect.signature(MultimodalParallelStrategy.__init__).parameters
@@ -96,6 +105,10 @@ class MultimodalParallelStrategy(DDPStrategy):
             raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}; use one of {SHARDING_STRATEGIES} "
                              "(the names of Lightning's FSDPStrategy)")
         self.sharding_strategy = sharding_strategy
+        if batch_balancing not in BALANCING_METHODS:
+            raise ValueError(f"unknown batch_balancing {batch_balancing!r}; use one of {BALANCING_METHODS}")
+        self.batch_balancing = batch_balancing
+        self.batch_plans: list[dict] = []
         self.layout: RankLayout | None = None
         self.engine: PipelineEngine | None = None
         if fault_timeout is not None and fault_timeout <= 0:
@@ -206,6 +219,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.precision_plugin.convert_module(module)
         self.model_fingerprint = ckpt.model_fingerprint(model)  # before pruning
         self.trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.workload = WorkloadModel.from_model(model)  # per-sample work for batch balancing, from the whole model
         layer_counts = resolve_partition(model, self.layout.module_stages, self.partition,
                                          recompute=self.activation_checkpointing)
         seed = int(self.broadcast(torch.initial_seed()))  # one init seed for every rank, seeded or not
@@ -252,6 +266,8 @@ class MultimodalParallelStrategy(DDPStrategy):
     def run_pipeline(self, batch: dict, train: bool = True) -> torch.Tensor:
         """The schedule over the batch's microbatches (forward and backward); the global normalised loss."""
         check_same_batch(batch, self.engine.groups.replica)
+        if train and PLAN_KEY in batch:  # what each step's balancing did, for callbacks and tests
+            self.batch_plans.append({k: list(batch[PLAN_KEY][k]) for k in ("encoder", "llm")})
         return self.engine.run(batch, train=train, sync=not self._accumulating,
                                loss_scale=1.0 / self.lightning_module.trainer.accumulate_grad_batches)
 
@@ -302,8 +318,37 @@ class MultimodalParallelStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ data order (exact resume)
     def process_dataloader(self, dataloader):
-        """Batches resume where a checkpoint left off (Lightning saves and restores the loader's state)."""
-        return resumable(super().process_dataloader(dataloader))
+        """Batches resume where a checkpoint left off (Lightning saves and restores the loader's state); the
+        training batches are placed over replicas and microbatches by ``batch_balancing``."""
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.batch_balancing != "none" and trainer is not None and trainer.training:
+            return self.balanced_dataloader(dataloader)
+        return resumable(dataloader)
+
+    def balanced_dataloader(self, dataloader):
+        """The training loader rebuilt over balanced global batches (``data/balanced.py``): the same samples per
+        step as its DistributedSampler gives every replica, placed by ``plan_batch(method=batch_balancing)``."""
+        sampler = getattr(dataloader, "sampler", None)
+        if not isinstance(sampler, DistributedSampler) or dataloader.batch_size is None:
+            raise TypeError(f"batch_balancing={self.batch_balancing!r} rebuilds the training loader from its "
+                            f"DistributedSampler and batch_size, but got a {type(dataloader).__name__} with sampler "
+                            f"{type(sampler).__name__}; keep Lightning's use_distributed_sampler=True and a map-style "
+                            "data set with a batch_size, or set batch_balancing='none'")
+        model = self.multimodal_model()
+        method = self.batch_balancing
+        batches = BalancedBatchSampler(
+            sampler.dataset, dataloader.batch_size, self.layout.dp, self.layout.coordinate(self.global_rank).dp,
+            self.num_microbatches, plan=lambda enc, llm, r, k: plan_batch(enc, llm, r, k, method),
+            work=metadata_works(sampler.dataset, self.workload), shuffle=sampler.shuffle,
+            seed=sampler.seed, drop_last=sampler.drop_last)
+        kw = dict(num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
+                  worker_init_fn=dataloader.worker_init_fn, multiprocessing_context=dataloader.multiprocessing_context,
+                  persistent_workers=dataloader.persistent_workers)
+        if dataloader.num_workers:
+            kw["prefetch_factor"] = dataloader.prefetch_factor
+        return ResumableDataLoader(BalancedDataset(sampler.dataset), batch_sampler=batches,
+                                   collate_fn=BalancedCollate(dataloader.collate_fn, model.placeholder_ids), **kw)
 
     # ------------------------------------------------------------------ checkpoints
     @property

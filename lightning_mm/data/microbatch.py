@@ -1,10 +1,17 @@
-"""Cut a batch into microbatches: rows evenly, and each modality's items with the rows they belong to."""
+"""Cut a batch into microbatches: by rows (equal slices, or the row lists of a balanced batch plan), each with
+its rows' items of every modality.
+
+A balanced batch (``MultimodalParallelStrategy(batch_balancing=...)``) carries ``batch["microbatches"]``, host
+lists made in the data loader: ``"encoder"`` (each row's encoder microbatch; rows come ordered by it) and
+``"llm"`` (each row's LLM microbatch: the same, except rows whose LLM work is deferred to the next microbatch).
+"""
 
 from __future__ import annotations
 
 import torch
 
 ROW_KEYS = ("input_ids", "labels", "bam", "segment_ids", "position_ids", "attention_mask")
+PLAN_KEY = "microbatches"
 
 
 def item_counts(batch: dict, model) -> dict[str, torch.Tensor]:
@@ -21,24 +28,67 @@ def item_counts(batch: dict, model) -> dict[str, torch.Tensor]:
     return counts
 
 
-def split_microbatches(batch: dict, num_microbatches: int, model) -> list[dict]:
-    """``num_microbatches`` batches of equal row counts, each with its own rows' encoder inputs."""
-    rows = batch["input_ids"].shape[0]
+def equal_rows(rows: int, num_microbatches: int) -> list[list[int]]:
+    """Today's split: ``num_microbatches`` contiguous slices of equal row counts."""
     if num_microbatches < 1 or rows % num_microbatches:
         raise ValueError(f"a batch of {rows} rows cannot be cut into num_microbatches={num_microbatches} equal "
                          f"microbatches; make the per-rank batch size a multiple of num_microbatches")
-    counts = item_counts(batch, model)
     size = rows // num_microbatches
+    return [list(range(m * size, (m + 1) * size)) for m in range(num_microbatches)]
+
+
+def microbatch_rows(batch: dict, num_microbatches: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Rows of each encoder microbatch and of each LLM microbatch (equal slices when the batch has no plan).
+
+    An LLM microbatch lists its own rows first, then the rows deferred into it from the previous microbatch."""
+    rows = batch["input_ids"].shape[0]
+    plan = batch.get(PLAN_KEY)
+    if plan is None:
+        same = equal_rows(rows, num_microbatches)
+        return same, same
+    enc, llm = list(plan["encoder"]), list(plan["llm"])
+    if len(enc) != rows or len(llm) != rows:
+        raise ValueError(f"batch['{PLAN_KEY}'] gives {len(enc)}/{len(llm)} rows for a batch of {rows}")
+    if sorted(enc) != enc or set(enc) != set(range(num_microbatches)):
+        raise ValueError(f"batch['{PLAN_KEY}']['encoder'] must list microbatches 0..{num_microbatches - 1} in "
+                         f"row order, each at least once (num_microbatches={num_microbatches}); got {enc}")
+    for r, (e, m) in enumerate(zip(enc, llm)):
+        if m not in (e, e + 1):
+            raise ValueError(f"row {r}: LLM microbatch {m} of encoder microbatch {e}; a row's LLM work runs in "
+                             "its own microbatch or is deferred to the next one")
+    encoder = [[r for r in range(rows) if enc[r] == m] for m in range(num_microbatches)]
+    language = [[r for r in encoder[m] if llm[r] == m] + ([r for r in encoder[m - 1] if llm[r] == m] if m else [])
+                for m in range(num_microbatches)]
+    if any(not rs for rs in language):
+        raise ValueError(f"batch['{PLAN_KEY}'] leaves an LLM microbatch without rows: {language}")
+    return encoder, language
+
+
+def deferrals(encoder_rows: list[list[int]], llm_rows: list[list[int]]) -> tuple[int, ...]:
+    """Microbatches whose LLM work is partly run by the next microbatch."""
+    return tuple(m for m in range(len(encoder_rows) - 1)
+                 if any(r in encoder_rows[m] for r in llm_rows[m + 1]))
+
+
+def split_microbatches(batch: dict, num_microbatches: int | list[list[int]], model) -> list[dict]:
+    """One batch per microbatch, each with its own rows' encoder inputs. ``num_microbatches`` is a count (equal
+    slices) or the row indices of each microbatch."""
+    groups = (equal_rows(batch["input_ids"].shape[0], num_microbatches) if isinstance(num_microbatches, int)
+              else num_microbatches)
+    counts = item_counts(batch, model)
+    per_row = {name: c.tolist() for name, c in counts.items()}  # one small host read per modality
+    first = {name: [sum(n[:r]) for r in range(len(n))] for name, n in per_row.items()}
     out = []
-    for m in range(num_microbatches):
-        rs = slice(m * size, (m + 1) * size)
-        mb = {k: batch[k][rs] for k in ROW_KEYS if k in batch}
+    for group in groups:
+        contiguous = group == list(range(group[0], group[0] + len(group)))
+        rows = slice(group[0], group[-1] + 1) if contiguous else torch.tensor(group, device=batch["input_ids"].device)
+        mb = {k: batch[k][rows] for k in ROW_KEYS if k in batch}
         mb["item_counts"] = {}
         for name, c in counts.items():
-            first = int(c[: rs.start].sum())
-            items = torch.arange(first, first + int(c[rs].sum()), device=c.device)
-            mb["item_counts"][name] = c[rs]
-            if len(items):
-                mb[name] = model.encoders[name].family.select_items(batch[name], items)
+            mb["item_counts"][name] = c[rows]
+            items = [first[name][r] + i for r in group for i in range(per_row[name][r])]
+            if items:
+                index = torch.tensor(items, device=c.device)
+                mb[name] = model.encoders[name].family.select_items(batch[name], index)
         out.append(mb)
     return out

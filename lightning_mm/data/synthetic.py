@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mm.data.collator import MultimodalCollator
+from lightning_mm.data.metadata import SampleMeta, metadata_of
 
 LAYOUTS = ("ep", "ee", "mp")
 
@@ -30,6 +31,7 @@ class SyntheticMultimodalDataset(Dataset):
         self.items_per_sample, self.layout, self.seed, self.variable_size = (
             items_per_sample, layout, seed, variable_size)
         self.vocab = model.vocab_size
+        self._metadata: dict[int, SampleMeta] = {}
 
     def __len__(self) -> int:
         return self.num_samples
@@ -66,6 +68,13 @@ class SyntheticMultimodalDataset(Dataset):
             ids += text[prev:]
         sample["input_ids"] = torch.tensor(ids)
         return sample
+
+    def sample_metadata(self, i: int) -> SampleMeta:
+        """Sample ``i``'s token counts. Synthetic samples are generated, not stored, so this generates the sample
+        (once: cached) and counts; file-backed data sets read headers instead."""
+        if i not in self._metadata:
+            self._metadata[i] = metadata_of(self[i], self.model)
+        return self._metadata[i]
 
 
 class SyntheticMultimodalDataModule(pl.LightningDataModule):

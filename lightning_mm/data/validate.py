@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from lightning_mm import masks
+from lightning_mm.data.microbatch import PLAN_KEY, microbatch_rows
 from lightning_mm.model.multimodal import SEQUENCE_KEYS
 
 REQUIRED_KEYS = ("input_ids", "labels")
@@ -25,7 +26,7 @@ def check_keys(batch: dict, model) -> None:
     if missing:
         raise ValueError(f"the batch has no {missing[0]!r} (keys: {sorted(batch)}); batches need input_ids and "
                          "labels [B, S] (MultimodalCollator builds both)")
-    allowed = set(SEQUENCE_KEYS) | set(model.encoders)
+    allowed = set(SEQUENCE_KEYS) | set(model.encoders) | {PLAN_KEY}
     unknown = sorted(set(batch) - allowed)
     if unknown:
         raise ValueError(f"the batch has unknown keys {unknown}: encoder inputs go under their modality "
@@ -80,10 +81,8 @@ def check_position_dims(batch: dict, model) -> None:
 
 
 def check_microbatches(batch: dict, num_microbatches: int) -> None:
-    rows = batch["input_ids"].shape[0]
-    if rows % num_microbatches:
-        raise ValueError(f"a batch of {rows} rows cannot be cut into num_microbatches={num_microbatches} equal "
-                         "microbatches; make the per-rank batch size a multiple of num_microbatches")
+    """Equal slices, or a balanced batch's plan that names every microbatch (``microbatch_rows`` raises)."""
+    microbatch_rows(batch, num_microbatches)
 
 
 def validate_batch(batch: dict, model, num_microbatches: int = 1) -> None:

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mm import loss as losses
-from lightning_mm.data.microbatch import split_microbatches
+from lightning_mm.data.microbatch import PLAN_KEY, deferrals, microbatch_rows, split_microbatches
 from lightning_mm.parallel.comm import StageComm, carries_device_tensors
 from lightning_mm.parallel.context import pad_for_context_parallel, token_index
 from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
@@ -136,15 +136,14 @@ class PipelineEngine:
             raise ValueError("the model has no trainable parameter: unfreeze something (model.freeze(projectors=False))")
         module_stages = {e: layout.module_stages[e] for e in encoder_names}
         self.graph = build_stage_graph(module_stages, layout.module_stages[LANGUAGE_MODEL], layout.placement, trainable)
-        self.train_actions = one_f_one_b(self.graph, num_microbatches)
-        check_schedule(self.graph, self.train_actions, num_microbatches)
-        check_rendezvous(self.train_actions)
-        frozen = build_stage_graph(module_stages, layout.module_stages[LANGUAGE_MODEL], layout.placement,
-                                   {s: False for s in trainable})
-        self.eval_actions = one_f_one_b(frozen, num_microbatches)
+        self.frozen_graph = build_stage_graph(module_stages, layout.module_stages[LANGUAGE_MODEL], layout.placement,
+                                              {s: False for s in trainable})
+        self.schedules: dict[tuple[bool, tuple[int, ...]], dict] = {}
+        self.train_actions, self.eval_actions = self.schedule(True), self.schedule(False)
         self.stage = self.coord.stage
         self.plan = self.plans[self.stage]
         self.node = self.graph.node(self.stage)
+        self.feeds_on_encoders = self.stage == f"{LANGUAGE_MODEL}.0" and bool(self.graph.predecessors(self.stage))
         self.llm_hidden = model.hidden_size
         self.tie_stages = tied_embedding_stages(model, layout.module_stages[LANGUAGE_MODEL])
         self.owned = owned[self.stage]
@@ -174,6 +173,50 @@ class PipelineEngine:
         self.timings: list[tuple[str, int, float, float]] = []  # (kind, microbatch, start, end) of the last step
 
     # ------------------------------------------------------------------ helpers
+    def schedule(self, train: bool, deferred: tuple[int, ...] = ()) -> dict:
+        """The action lists of every stage (checked deadlock-free once per deferral pattern, then cached)."""
+        key = (train, deferred)
+        if key not in self.schedules:
+            graph = self.graph if train else self.frozen_graph
+            actions = one_f_one_b(graph, self.num_microbatches, deferred)
+            check_schedule(graph, actions, self.num_microbatches)
+            check_rendezvous(actions)
+            self.schedules[key] = actions
+        return self.schedules[key]
+
+    def stage_inputs(self, m: int, received: dict, rows: tuple | None) -> dict:
+        """What microbatch ``m``'s forward takes from the stages before it. Where LLM work was deferred (``rows``:
+        encoder rows, LLM rows, features per row), the LLM's first stage takes the features of its own rows from
+        encoder microbatch ``m`` and those of the rows deferred into it from microbatch ``m - 1``."""
+        if rows is None or not self.feeds_on_encoders:
+            return received.get(m, {})
+        encoder_rows, llm_rows, tokens = rows
+        sources = [(m, [r for r in llm_rows[m] if r in encoder_rows[m]])]
+        if m:
+            sources.append((m - 1, [r for r in llm_rows[m] if r in encoder_rows[m - 1]]))
+        out = {}
+        for peer, msg in received[m].items():
+            out[peer] = {}
+            for key, feats in msg.items():
+                parts = []
+                for src, keep in sources:
+                    if not keep:
+                        continue
+                    own = encoder_rows[src]
+                    first = dict(zip(own, [sum(tokens[key][r] for r in own[:i]) for i in range(len(own))]))
+                    index = [first[r] + t for r in keep for t in range(tokens[key][r])]
+                    parts.append(received[src][peer][key].index_select(0, torch.tensor(index, device=feats.device)))
+                out[peer][key] = torch.cat(parts) if parts else feats[:0]
+        return out
+
+    def feature_tokens(self, batch: dict) -> dict[str, list[int]]:
+        """Feature tokens of each modality per row (the data loader counts them; else read here once)."""
+        plan = batch.get(PLAN_KEY) or {}
+        if "tokens" in plan:
+            return plan["tokens"]
+        ids = batch["input_ids"]
+        return {e: (ids == pid).sum(1).tolist() for e, pid in self.model.placeholder_ids.items()}
+
     def tp_meshes(self) -> dict[str, object]:
         """The tp mesh of each module this stage runs with tensor parallelism (an encoder inside an LLM stage
         with tp 1 runs whole on every tp rank)."""
@@ -287,13 +330,18 @@ class PipelineEngine:
         Lightning accumulates). ``keep_logits``: the last stage keeps each microbatch's (logits, global token
         indices or None) in ``self.logits`` (predict)."""
         self.model.check_placeholders(batch["input_ids"], {e: batch[e] for e in self.model.encoders if e in batch})
-        mbs = split_microbatches(batch, self.num_microbatches, self.model)
+        encoder_rows, llm_rows = microbatch_rows(batch, self.num_microbatches)
+        deferred = deferrals(encoder_rows, llm_rows)
+        held = deferred if self.feeds_on_encoders else ()  # encoder features kept for the next microbatch
+        rows = (encoder_rows, llm_rows, self.feature_tokens(batch)) if held else None
+        mbs = split_microbatches(batch, llm_rows if self.plan.language_model is not None else encoder_rows,
+                                 self.model)
         mbs = [pad_for_context_parallel(mb, self.cp_size, self.cp_block_size) for mb in mbs]  # short CP sequences
         owners = self.cp_owners(mbs) if self.plan.language_model is not None else None
         count = losses.count_label_tokens(batch["labels"]).reshape(1).to(self.device, torch.float32)
         if self.groups.dp is not None:
             dist.all_reduce(count, group=self.groups.dp)
-        actions = (self.train_actions if train else self.eval_actions)[self.stage]
+        actions = self.schedule(train, deferred)[self.stage]
         needs_grad = train and self.node.needs_backward
         last_backward = max((i for i, a in enumerate(actions) if a.kind == "backward"), default=None)
         received, outputs, input_grads = {}, {}, {}
@@ -306,7 +354,8 @@ class PipelineEngine:
             m = act.microbatch
             if act.kind == "forward":
                 with torch.set_grad_enabled(needs_grad):
-                    out = self.run_stage(mbs[m], received.get(m, {}), count[0], owners and owners[m])
+                    out = self.run_stage(mbs[m], self.stage_inputs(m, received, rows), count[0],
+                                         owners and owners[m])
                 if "loss_sum" in out:
                     loss_sum = loss_sum + out["loss_sum"].detach()
                     logits, index = out.pop("logits")
@@ -314,17 +363,20 @@ class PipelineEngine:
                         logits = logits.detach()
                         self.logits.append((logits.full_tensor() if isinstance(logits, DTensor) else logits, index))
                 outputs[m] = out
-                if not needs_grad:
-                    received.pop(m, None)
+                if not needs_grad:  # features of a deferring microbatch serve the next one too
+                    for done in ([m - 1] if m - 1 in held else []) + ([] if m in held else [m]):
+                        received.pop(done, None)
             elif act.kind == "backward":
                 if sync and at == last_backward:
                     self.reducer.arm()
                 self._backward(outputs.pop(m), input_grads.pop(("out", m), None), loss_scale)
-                inputs = received.pop(m, {})
-                for peer, msg in inputs.items():
-                    if self.graph.node(peer).needs_backward:
-                        input_grads[(peer, m)] = {k: (t.grad if t.grad is not None else torch.zeros_like(t))
-                                                  for k, t in msg.items() if t.is_floating_point()}
+                # a deferring microbatch's inputs get the rest of their gradients in the next one's backward
+                for done in ([m - 1] if m - 1 in held else []) + ([] if m in held else [m]):
+                    for peer, msg in received.pop(done, {}).items():
+                        if self.graph.node(peer).needs_backward:
+                            input_grads[(peer, done)] = {
+                                k: (t.grad if t.grad is not None else torch.zeros_like(t))
+                                for k, t in msg.items() if t.is_floating_point()}
             else:
                 self._communicate(group, outputs, received, input_grads, needs_grad)
             t1 = time.perf_counter()

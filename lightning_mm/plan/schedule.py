@@ -250,16 +250,32 @@ def stage_order(depth: int, num_microbatches: int, needs_backward: bool) -> list
     return order
 
 
-def one_f_one_b(graph: StageGraph, num_microbatches: int) -> dict[str, list[Action]]:
-    """1F1B action lists over the stage DAG, one list per stage (graph node order)."""
+def one_f_one_b(graph: StageGraph, num_microbatches: int, deferred: tuple[int, ...] = ()) -> dict[str, list[Action]]:
+    """1F1B action lists over the stage DAG, one list per stage (graph node order).
+
+    ``deferred``: microbatches ``m`` whose LLM work is partly run with microbatch ``m + 1`` (Entrain's deferral).
+    The stage that receives the encoders' features keeps them, and sends their gradients back to the encoders
+    only after the backward of ``m + 1``; every other action stays where 1F1B puts it."""
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+    bad = [m for m in deferred if not 0 <= m < num_microbatches - 1]
+    if bad:
+        raise ValueError(f"deferred microbatches {bad} have no next microbatch among 0..{num_microbatches - 1}")
     schedule = {}
     for node in graph.nodes:
-        actions = []
+        actions, held = [], []
+        feeds = node.name == stage_name(LANGUAGE_MODEL, 0)  # where the encoders' features arrive
         for step, mb in stage_order(graph.depth(node.name), num_microbatches, node.needs_backward):
             build = _forward_actions if step == "F" else _backward_actions
-            actions += build(graph, node.name, mb)
+            acts = build(graph, node.name, mb)
+            if step == "B" and feeds:
+                later = [a for a in acts if a.kind == "send_bwd" and mb in deferred]
+                acts = [a for a in acts if a not in later]
+                if mb - 1 in deferred:
+                    acts, held = acts[:acts.index(Action("backward", mb)) + 1] + held + acts[
+                        acts.index(Action("backward", mb)) + 1:], []
+                held += later
+            actions += acts
         schedule[node.name] = actions
     return schedule
 

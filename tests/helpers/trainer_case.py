@@ -14,6 +14,8 @@ names), so a test can compare any layout with one process. Keys of the JSON (all
 - ``nan_at``: the step whose loss is made NaN (``nan_guard="skip"`` drops it)
 - ``validate`` / ``test`` / ``predict``: run ``trainer.validate/test/predict`` after fitting
 - ``consolidate``: save a checkpoint after fit and consolidate it on rank 0 while the group is alive
+- ``balancing`` (batch_balancing), ``items`` ([min, max] items per sample), ``modalities`` (default
+  ["vision", "audio"]), ``plans``: rank 0 writes each step's batch plan (``plans.json``)
 - ``accelerator`` ("cpu" default, "cuda"), ``backend`` (process_group_backend), ``share_gpu``: every rank on
   cuda:0 (the strategy's ``parallel_devices``); on CUDA each rank writes ``memory_<rank>.json`` (peak allocated)
 """
@@ -99,8 +101,9 @@ class StateBytes(L.Callback):
 
 
 def build(case):
-    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder(case.get("vision", "siglip"))),
-                                 "audio": lmm.ModalityEncoder(tiny_encoder("whisper"), projector="linear")},
+    encoders = {"vision": lambda: lmm.ModalityEncoder(tiny_encoder(case.get("vision", "siglip"))),
+                "audio": lambda: lmm.ModalityEncoder(tiny_encoder("whisper"), projector="linear")}
+    model = lmm.MultimodalModel({m: encoders[m]() for m in case.get("modalities", ["vision", "audio"])},
                                 tiny_language_model(case.get("llm", "llama"), num_hidden_layers=case.get("llm_layers", 4)))
     return model.freeze(**FREEZE[case.get("freeze", "llm")])
 
@@ -112,16 +115,17 @@ def main(spec: str, out: str):
         strategy, devices, dp_batch = "auto", 1, case.get("batch_size", 4) * dp
     else:
         enc, enc_tp = case.get("encoder_pp", [1, 1]), case.get("encoder_tp", [1, 1])
+        modalities = case.get("modalities", ["vision", "audio"])
         llm = lmm.ParallelSpec(pp=case.get("llm_pp", 1), cp=case.get("llm_cp", 1), tp=case.get("llm_tp", 1))
         strategy = lmm.MultimodalParallelStrategy(
-            encoders={"vision": lmm.ParallelSpec(pp=enc[0], tp=enc_tp[0]),
-                      "audio": lmm.ParallelSpec(pp=enc[1], tp=enc_tp[1])},
+            encoders={m: lmm.ParallelSpec(pp=enc[i], tp=enc_tp[i]) for i, m in enumerate(modalities)},
+            batch_balancing=case.get("balancing", "none"),
             language_model=llm, num_microbatches=case.get("microbatches", 1), cp_block_size=8,
             sharding_strategy=case.get("sharding", "NO_SHARD"), encoder_placement=case.get("placement", "parallel"),
             activation_checkpointing=case.get("recompute", False), fault_timeout=60,
             process_group_backend=case.get("backend"))
         encoder_ranks = {"replicated": 0, "colocated": enc[0] * enc_tp[0]}.get(  # colocated: one fused chain
-            case.get("placement"), enc[0] * enc_tp[0] + enc[1] * enc_tp[1])
+            case.get("placement"), sum(enc[i] * enc_tp[i] for i in range(len(modalities))))
         devices = case.get("devices") or (encoder_ranks + llm.size) * dp
         dp_batch = case.get("batch_size", 4)
     callbacks = [StateBytes(out)] if case.get("state_bytes") else []
@@ -144,7 +148,7 @@ def main(spec: str, out: str):
     optimizer = torch.optim.SGD if case.get("optimizer") == "sgd" else torch.optim.AdamW
     module = Module(model, optimizer=lambda p: optimizer(p, lr=case.get("lr", 1e-2)),
                     nan_guard="skip" if "nan_at" in case else None, nan_at=case.get("nan_at"))
-    data = Data(num_samples=64, batch_size=dp_batch, val_samples=2 * dp_batch)
+    data = Data(num_samples=64, batch_size=dp_batch, val_samples=2 * dp_batch, items_per_sample=case.get("items", (1, 2)))
     trainer.fit(module, data)
     result = {"train": module.losses}
     if case.get("validate"):
@@ -163,6 +167,9 @@ def main(spec: str, out: str):
     if accelerator == "cuda":
         with open(os.path.join(out, f"memory_{rank}.json"), "w") as f:
             json.dump({"peak_allocated": torch.cuda.max_memory_allocated()}, f)
+    if case.get("plans"):
+        result["plans"] = getattr(trainer.strategy, "batch_plans", [])
+        result["deferred_samples"] = getattr(trainer.train_dataloader.batch_sampler, "deferred_samples", 0)
     if case.get("consolidate"):
         path = os.path.join(out, "ckpt")
         trainer.save_checkpoint(path)

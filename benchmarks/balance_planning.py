@@ -1,0 +1,81 @@
+"""Batch balancing: planning time and load balance of plan_batch per method.
+
+A LLaVA-like synthetic global batch (about half text-only samples, the others 1-8 images of 224-896 px; log-normal
+text lengths). For B=512 samples, 4 replicas, 32 microbatches (Entrain's Table 4.1 setting): the median and min
+wall time of ``plan_batch`` over --repeats runs, and per method (mean over seeds) max/mean and std of the
+microbatch encoder and LLM loads, and the number of deferrals. Writes benchmarks/results/balance_planning.json.
+
+    python benchmarks/balance_planning.py [--seeds 5] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import time
+
+import torch
+
+from lightning_mm.plan.balance import METHODS, plan_batch
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+B, R, K, STAGES = 512, 4, 32, 4
+GOAL_PLAN_MS = 50.0
+
+
+def synthetic_works(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    enc, llm = torch.zeros(batch, dtype=torch.float64), torch.zeros(batch, dtype=torch.float64)
+    for i in range(batch):
+        images = int(torch.randint(1, 9, (1,), generator=g)) if torch.rand(1, generator=g) < 0.5 else 0
+        for _ in range(images):
+            h, w = torch.randint(224, 897, (2,), generator=g).tolist()
+            patches = (h // 14) * (w // 14)
+            enc[i] += patches + patches ** 2 / 4096
+            llm[i] += patches / 4
+        text = float(torch.exp(5 + 1.2 * torch.randn(1, generator=g)))
+        llm[i] += text + text ** 2 / 8192
+    return enc, llm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    batches = [synthetic_works(B, s) for s in range(args.seeds)]
+    rows = []
+    for method in METHODS:
+        stats, times = [], []
+        for enc, llm in batches:
+            plan = plan_batch(enc, llm, R, K, method, num_stages=STAGES)
+            e, l = plan.encoder_loads(enc), plan.llm_loads(llm)
+            stats.append(dict(enc_max_over_mean=float(e.max() / e.mean()), enc_std=float(e.std()),
+                              llm_max_over_mean=float(l.max() / l.mean()), llm_std=float(l.std()),
+                              deferrals=len(plan.deferred)))
+        enc, llm = batches[0]
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            plan_batch(enc, llm, R, K, method, num_stages=STAGES)
+            times.append((time.perf_counter() - t) * 1e3)
+        rows.append(dict(method=method, plan_ms_median=statistics.median(times), plan_ms_min=min(times),
+                         **{k: statistics.mean(s[k] for s in stats) for k in stats[0]}))
+    print(f"B={B} R={R} K={K} p={STAGES}, {args.seeds} seeds, {args.repeats} timed runs (goal < {GOAL_PLAN_MS} ms)")
+    print(f"{'method':10} {'plan ms':>8} {'enc max/mean':>12} {'enc std':>9} {'llm max/mean':>12} {'llm std':>9} "
+          f"{'deferrals':>9}")
+    for r in rows:
+        print(f"{r['method']:10} {r['plan_ms_median']:8.2f} {r['enc_max_over_mean']:12.3f} {r['enc_std']:9.0f} "
+              f"{r['llm_max_over_mean']:12.3f} {r['llm_std']:9.0f} {r['deferrals']:9.1f}")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "balance_planning.json"
+    out.write_text(json.dumps(dict(batch=B, replicas=R, microbatches=K, stages=STAGES, seeds=args.seeds,
+                                   repeats=args.repeats, machine=platform.processor() or platform.machine(),
+                                   torch=torch.__version__, rows=rows), indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Balanced global batches: the samples of each global batch placed over replicas and microbatches by work.
+
+Each global batch holds exactly the samples Lightning's ``DistributedSampler`` (the loader's shuffle, seed and
+drop_last) gives all replicas for that step; ``plan(encoder_work, llm_work)`` (``lightning_mm.plan.balance``)
+only changes which replica and microbatch each sample goes to. Every rank plans the same global batch with the
+same deterministic planner, so ranks agree without communication, and each rank loads its replica's samples
+only. The per-sample work comes from the data set's ``sample_metadata(i)`` (no tensors), cached.
+
+Samples travel through the loader as ``(index, encoder microbatch, LLM microbatch)``; ``BalancedCollate`` adds
+the plan to the batch as host lists (``batch["microbatches"]``, see ``data/microbatch.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from lightning_mm.data.microbatch import PLAN_KEY
+
+
+class MetadataError(ValueError):
+    """A sample whose metadata cannot be read (names the sample and, where there is one, the file)."""
+
+
+class BalancedBatchSampler:
+    """Yields this replica's part of every global batch as ``[(index, encoder mb, LLM mb), ...]``, ordered by
+    encoder microbatch. ``work(indices) -> (encoder_work, llm_work)``; ``plan(enc, llm, replicas, microbatches)``
+    returns a ``BatchPlan``. Resumes mid-epoch by skipping ``skip`` batches without loading them."""
+
+    def __init__(self, dataset, batch_size: int, num_replicas: int, replica: int, num_microbatches: int,
+                 plan: Callable, work: Callable, shuffle: bool = True, seed: int = 0, drop_last: bool = True):
+        if batch_size < num_microbatches:
+            raise ValueError(f"batch_size={batch_size} per replica is smaller than num_microbatches="
+                             f"{num_microbatches}: every microbatch needs a sample; raise the batch size")
+        self.samplers = [DistributedSampler(dataset, num_replicas=num_replicas, rank=r, shuffle=shuffle, seed=seed,
+                                            drop_last=drop_last) for r in range(num_replicas)]
+        self.batch_size, self.replica, self.num_microbatches = batch_size, replica, num_microbatches
+        self.plan, self.work, self.skip = plan, work, 0
+        self.deferred_samples = 0  # over every replica, since this sampler was made
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.samplers)
+
+    def set_epoch(self, epoch: int) -> None:
+        for s in self.samplers:
+            s.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.samplers[0]) // self.batch_size  # whole global batches only
+
+    def global_batches(self):
+        """Each step's global batch: replica 0's DistributedSampler batch, then replica 1's, ..."""
+        per_replica = [iter(s) for s in self.samplers]
+        for _ in range(len(self)):
+            yield [i for it in per_replica for i in itertools.islice(it, self.batch_size)]
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        for indices in itertools.islice(self.global_batches(), skip, None):
+            encoder_work, llm_work = self.work(indices)
+            plan = self.plan(encoder_work, llm_work, self.num_replicas, self.num_microbatches)
+            self.deferred_samples += sum(len(d.samples) for d in plan.deferred)
+            later = {s for d in plan.deferred if d.replica == self.replica for s in d.samples}
+            yield [(indices[s], m, m + 1 if s in later else m)
+                   for m, samples in enumerate(plan.assignment[self.replica]) for s in samples]
+
+
+class BalancedDataset(Dataset):
+    """``dataset`` indexed by ``(index, encoder mb, LLM mb)``: returns the sample with its two microbatches."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, encoder_mb, llm_mb = key
+        return self.dataset[index], encoder_mb, llm_mb
+
+
+class BalancedCollate:
+    """The loader's collate function over the samples, plus the plan as host lists: each row's encoder and LLM
+    microbatch and its feature tokens per modality. A packing collator packs each microbatch on its own (rows
+    then hold several samples of one microbatch) and runs no deferral."""
+
+    def __init__(self, collate, placeholder_ids: dict[str, int]):
+        self.collate, self.placeholder_ids = collate, dict(placeholder_ids)
+
+    def __call__(self, items):
+        samples, encoder_mb, llm_mb = (list(x) for x in zip(*items))
+        if getattr(self.collate, "pack", False):
+            parts = [self.collate([s for s, e in zip(samples, encoder_mb) if e == m])
+                     for m in sorted(set(encoder_mb))]
+            encoder_mb = [m for m, p in zip(sorted(set(encoder_mb)), parts) for _ in range(len(p["input_ids"]))]
+            batch, llm_mb = concat_batches(parts), list(encoder_mb)
+        else:
+            batch = self.collate(samples)
+        ids = batch["input_ids"]
+        batch[PLAN_KEY] = {"encoder": encoder_mb, "llm": llm_mb,
+                           "tokens": {name: (ids == pid).sum(1).tolist() for name, pid in self.placeholder_ids.items()}}
+        return batch
+
+
+def concat_batches(parts: list[dict]) -> dict:
+    """Row-wise concatenation of collated batches of equal row length (packed rows of ``seq_len``)."""
+    out = {}
+    for key, value in parts[0].items():
+        if isinstance(value, torch.Tensor):
+            out[key] = torch.cat([p[key] for p in parts])
+        elif isinstance(value, dict):
+            present = [p[key] for p in parts if key in p]
+            out[key] = {k: torch.cat([d[k] for d in present if k in d]) for k in value}
+    for key in {k for p in parts for k, v in p.items() if isinstance(v, dict)} - set(out):
+        out[key] = concat_batches([p[key] for p in parts if key in p])
+    return out
+
+
+def metadata_works(dataset, workload) -> Callable:
+    """``work(indices)`` from ``dataset.sample_metadata(i)`` and a ``WorkloadModel``, cached per sample."""
+    if not callable(getattr(dataset, "sample_metadata", None)):
+        raise TypeError(f"batch balancing needs each sample's metadata before loading it, but "
+                        f"{type(dataset).__name__} has no sample_metadata(i); use ConversationDataset / "
+                        "SyntheticMultimodalDataset, implement sample_metadata(i) -> lightning_mm.data.SampleMeta, "
+                        "or set batch_balancing='none'")
+    cache: dict[int, tuple[float, float]] = {}
+
+    def work(indices):
+        for i in indices:
+            if i not in cache:
+                meta = dataset.sample_metadata(i)
+                cache[i] = (workload.encoder_work(meta), workload.llm_work(meta))
+        return (torch.tensor([cache[i][0] for i in indices], dtype=torch.float64),
+                torch.tensor([cache[i][1] for i in indices], dtype=torch.float64))
+
+    return work

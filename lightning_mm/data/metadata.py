@@ -1,0 +1,42 @@
+"""Per-sample metadata: what a sample will cost, known without building its tensors.
+
+``SampleMeta`` counts the tokens each modality item feeds its encoder and the LLM, and the sample's text tokens.
+Data sets give it through ``sample_metadata(i)`` (the balanced batch sampler and ``lightning-mm plan
+--data-stats`` read it); the planner's cost model turns it into encoder and LLM work
+(``lightning_mm.planner.workload``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SampleMeta:
+    """``text_tokens``: tokens that are not modality features; ``items[modality]``: per item, (tokens entering the
+    encoder's layers, tokens it emits into the LLM sequence)."""
+
+    text_tokens: int
+    items: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+
+    @property
+    def llm_tokens(self) -> int:
+        return self.text_tokens + sum(out for its in self.items.values() for _, out in its)
+
+
+def encoder_input_tokens(encoder, emitted: int) -> int:
+    """Tokens an encoder's layers see for an item that emits ``emitted`` LLM tokens: Qwen-VL towers merge
+    ``spatial_merge_size``^2 patches into one token; the other families emit one token per position."""
+    merge = getattr(encoder.config, "spatial_merge_size", 1) if encoder.family.input_key == "image_grid_thw" else 1
+    return emitted * merge * merge
+
+
+def metadata_of(sample: dict, model) -> SampleMeta:
+    """The metadata of an unexpanded sample (one placeholder per item, the items' encoder inputs)."""
+    items, ids = {}, sample["input_ids"]
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    for name, enc in model.encoders.items():
+        if sample.get(name) is not None:
+            items[name] = tuple((encoder_input_tokens(enc, n), n) for n in enc.num_tokens(sample[name]))
+    placeholders = set(model.placeholder_ids.values())
+    return SampleMeta(sum(1 for t in ids if t not in placeholders), items)

@@ -1,0 +1,105 @@
+"""Per-sample work from metadata: the cost model the batch balancer plans with.
+
+Each module's work for a sequence of ``x`` tokens is ``a x^2 + b x + c`` (Entrain's per-layer fit, summed over
+layers), applied per item for encoders (items attend only within themselves) and per sample for the LLM.
+By default the coefficients are forward FLOPs from the modules' shapes (``b``: 2 FLOPs per weight per token,
+projector included for encoders and the head for the LLM; ``a``: 4 x attention width per layer for the score and
+value products), scaled by the frozen-aware factor (F + B) / F: 3 for a trainable module, 2 for a frozen one
+with a trainable module upstream (input gradients only), 1 for a frozen module with nothing trainable before it.
+``WorkloadModel.fit`` takes measured times at several token counts instead (Entrain's profile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_mm.data.metadata import SampleMeta
+
+
+@dataclass(frozen=True)
+class Quadratic:
+    """``a x^2 + b x + c`` work units for ``x`` tokens."""
+
+    a: float
+    b: float
+    c: float = 0.0
+
+    def __call__(self, x: float) -> float:
+        return (self.a * x + self.b) * x + self.c if x else 0.0
+
+
+def _layer_weights(layer: torch.nn.Module) -> int:
+    return sum(p.numel() for p in layer.parameters() if p.dim() >= 2)
+
+
+def _attention_width(config) -> int:
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None) or 1
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads * head_dim
+
+
+def _factor(trainable: bool, upstream: bool) -> float:
+    return 3.0 if trainable else (2.0 if upstream else 1.0)
+
+
+def _trainable(module: torch.nn.Module | None) -> bool:
+    return module is not None and any(p.requires_grad for p in module.parameters())
+
+
+@dataclass(frozen=True)
+class WorkloadModel:
+    """Encoder work per item and LLM work per sample. ``encoders[name]`` is applied to each item's encoder
+    tokens; ``language_model`` to the sample's LLM tokens."""
+
+    encoders: dict[str, Quadratic]
+    language_model: Quadratic
+
+    @classmethod
+    def from_model(cls, model) -> "WorkloadModel":
+        """FLOP coefficients from the shapes of ``model`` (a MultimodalModel; meta tensors are fine)."""
+        encoders, upstream = {}, False
+        for name, enc in model.encoders.items():
+            layers = list(enc.layers)
+            width = _attention_width(enc.config) if hasattr(enc.config, "hidden_size") else 0
+            b = 2.0 * sum(_layer_weights(layer) for layer in layers)
+            if enc.projector is not None:  # projector tokens ~ encoder tokens (merged towers: a small overcount)
+                b += 2.0 * _layer_weights(enc.projector)
+            trainable = _trainable(enc)
+            f = _factor(trainable, False)
+            encoders[name] = Quadratic(f * 4.0 * width * len(layers), f * b)
+            upstream |= trainable
+        lm = model.language_model
+        layers = list(model.llm_layers)
+        b = 2.0 * sum(_layer_weights(layer) for layer in layers)
+        head = getattr(lm, "lm_head", None)
+        if isinstance(head, torch.nn.Linear):
+            b += 2.0 * head.weight.numel()
+        f = _factor(_trainable(lm), upstream)
+        cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+        return cls(encoders, Quadratic(f * 4.0 * _attention_width(cfg) * len(layers), f * b))
+
+    @classmethod
+    def fit(cls, tokens: dict[str, list[float]], times: dict[str, list[float]]) -> "WorkloadModel":
+        """Least-squares ``a x^2 + b x + c`` per module from measured times (``"language_model"`` is the LLM)."""
+        fitted = {}
+        for name, xs in tokens.items():
+            x = torch.tensor(xs, dtype=torch.float64)
+            design = torch.stack([x * x, x, torch.ones_like(x)], 1)
+            coef = torch.linalg.lstsq(design, torch.tensor(times[name], dtype=torch.float64).unsqueeze(1)).solution
+            fitted[name] = Quadratic(*(float(v) for v in coef.flatten()))
+        llm = fitted.pop("language_model")
+        return cls(fitted, llm)
+
+    def encoder_work(self, meta: SampleMeta) -> float:
+        return sum(self.encoders[name](tokens) for name, items in meta.items.items() if name in self.encoders
+                   for tokens, _ in items)
+
+    def llm_work(self, meta: SampleMeta) -> float:
+        return self.language_model(meta.llm_tokens)
+
+    def works(self, metas: list[SampleMeta]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder and LLM work of each sample, as the balancer takes them (1-D float64 tensors)."""
+        return (torch.tensor([self.encoder_work(m) for m in metas], dtype=torch.float64),
+                torch.tensor([self.llm_work(m) for m in metas], dtype=torch.float64))
