@@ -11,7 +11,8 @@ import itertools
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_mm as lmm
 from lightning_mm.data.balanced import BalancedBatchSampler, BalancedCollate, BalancedDataset, metadata_works
@@ -133,7 +134,7 @@ def test_balanced_sampler_keeps_each_global_batch_and_resumes():
 
     def sampler(replica):
         s = BalancedBatchSampler(data, 6, 2, replica, 3, plan, work, shuffle=True, seed=7)
-        s.set_epoch(1)
+        _set_sampler_epoch(DataLoader(BalancedDataset(data), batch_sampler=s), 1)  # as Lightning's fit loop does
         return s
 
     reference = [DistributedSampler(data, num_replicas=2, rank=r, shuffle=True, seed=7) for r in range(2)]
@@ -198,3 +199,29 @@ def test_balanced_training_equals_one_process(method, single, tmp_path):
     assert len(got[0]["plans"]) == 2  # both steps ran balanced batches
     if method == "entrain":
         assert got[0]["deferred_samples"] > 0, "nothing was deferred"
+
+
+@pytest.mark.slow
+def test_balanced_training_with_context_parallelism_equals_one_process(single, tmp_path):
+    """entrain under dp 2 x (vision pp 1 + LLM pp 2 x cp 2), 10 processes: deferred rows join the partner
+    microbatch's CP plan."""
+    got = run(balanced_case("entrain", llm_cp=2), tmp_path, "entrain_cp2")
+    assert_same_training(got, single)
+    assert got[0]["deferred_samples"] > 0, "nothing was deferred"
+
+
+@pytest.mark.slow
+def test_balanced_training_resumes_mid_epoch(tmp_path):
+    """entrain, LLM pp 2: a run resumed from its step-3 checkpoint (mid-epoch: 4 batches an epoch) continues with
+    exactly the batches and losses of the uninterrupted run, into the next epoch; both equal one process."""
+    from tests.helpers.checkpoint_runs import run_case
+
+    base = dict(steps=6, global_batch=8, num_samples=32, items=[0, 5])
+    d = str(tmp_path)
+    single = run_case({**base, "layout": "single", "out": f"{d}/single.json"})
+    whole = run_case({**base, "layout": "pp2", "balancing": "entrain", "out": f"{d}/whole.json",
+                      "ckpt_dir": f"{d}/ckpt", "save_every": 3})
+    resumed = run_case({**base, "layout": "pp2", "balancing": "entrain", "out": f"{d}/resumed.json",
+                        "resume": f"{d}/ckpt/step=3.ckpt"})
+    assert resumed == whole[3:]
+    torch.testing.assert_close(torch.tensor(whole), torch.tensor(single), rtol=1e-5, atol=1e-6)

@@ -45,6 +45,10 @@ class BalancedBatchSampler:
     def num_replicas(self) -> int:
         return len(self.samplers)
 
+    @property
+    def sampler(self):  # Lightning sets the epoch through ``loader.batch_sampler.sampler.set_epoch``
+        return _EpochSetter(self)
+
     def set_epoch(self, epoch: int) -> None:
         for s in self.samplers:
             s.set_epoch(epoch)
@@ -67,6 +71,14 @@ class BalancedBatchSampler:
             later = {s for d in plan.deferred if d.replica == self.replica for s in d.samples}
             yield [(indices[s], m, m + 1 if s in later else m)
                    for m, samples in enumerate(plan.assignment[self.replica]) for s in samples]
+
+
+class _EpochSetter:
+    def __init__(self, batches: BalancedBatchSampler):
+        self.batches = batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batches.set_epoch(epoch)
 
 
 class BalancedDataset(Dataset):

@@ -205,7 +205,8 @@ class PipelineEngine:
                     own = encoder_rows[src]
                     first = dict(zip(own, [sum(tokens[key][r] for r in own[:i]) for i in range(len(own))]))
                     index = [first[r] + t for r in keep for t in range(tokens[key][r])]
-                    parts.append(received[src][peer][key].index_select(0, torch.tensor(index, device=feats.device)))
+                    parts.append(received[src][peer][key].index_select(
+                        0, torch.tensor(index, dtype=torch.long, device=feats.device)))
                 out[peer][key] = torch.cat(parts) if parts else feats[:0]
         return out
 

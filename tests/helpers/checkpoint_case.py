@@ -7,7 +7,8 @@ ranks (blocks of 8 tokens) on 3 ranks, dp 1; "pp2cp2": vision + LLM 2 stages of 
 "single": one process), steps, out (losses JSON, rank 0),
 ckpt_dir, save_every (steps), resume (a checkpoint folder), kill ({"rank": r, "step": s}: SIGKILL that rank
 after step s), weights (single: file for the trained parameters), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
-exception), fault_timeout, pids (folder for one pid file per rank).
+exception), fault_timeout, pids (folder for one pid file per rank), balancing (batch_balancing), global_batch (default
+4), num_samples (default 16), items ([min, max] images per sample).
 """
 
 import json
@@ -60,6 +61,7 @@ class Events(L.Callback):
 
 def main(cfg: dict):
     layout = LAYOUTS[cfg["layout"]]
+    global_batch, samples = cfg.get("global_batch", GLOBAL_BATCH), cfg.get("num_samples", 16)
     callbacks = [Events(cfg)]
     if cfg.get("save_every"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"], filename="{step}",
@@ -69,23 +71,25 @@ def main(cfg: dict):
               enable_checkpointing=bool(cfg.get("save_every")))
     if layout["llm_pp"] is None:
         trainer = L.Trainer(devices=1, **kw)
-        per_rank = GLOBAL_BATCH
+        per_rank = global_batch
     else:
         cp, tp = layout.get("llm_cp", 1), layout.get("llm_tp", 1)
         strategy = lmm.MultimodalParallelStrategy(
             encoders={"vision": lmm.ParallelSpec()},
             language_model=lmm.ParallelSpec(pp=layout["llm_pp"], cp=cp, tp=tp),
-            num_microbatches=layout["microbatches"], cp_block_size=8, fault_timeout=cfg.get("fault_timeout", 60.0))
+            num_microbatches=layout["microbatches"], cp_block_size=8, fault_timeout=cfg.get("fault_timeout", 60.0),
+            batch_balancing=cfg.get("balancing", "none"))
         trainer = L.Trainer(devices=layout["devices"], strategy=strategy, **kw)
-        per_rank = GLOBAL_BATCH // (layout["devices"] // (1 + layout["llm_pp"] * cp * tp))
+        per_rank = global_batch // (layout["devices"] // (1 + layout["llm_pp"] * cp * tp))
     if cfg.get("pids"):
         with open(os.path.join(cfg["pids"], f"{trainer.global_rank}.pid"), "w") as f:
             f.write(str(os.getpid()))
-    data = lmm.data.SyntheticMultimodalDataModule(num_samples=16, batch_size=per_rank)
+    data = lmm.data.SyntheticMultimodalDataModule(num_samples=samples, batch_size=per_rank,
+                                                  items_per_sample=tuple(cfg.get("items", (1, 2))))
     if layout["llm_pp"] is None:  # the same data order as Lightning's DistributedSampler under the strategy
         data.train_dataloader = lambda: DataLoader(
-            data._dataset(16, 0), batch_size=GLOBAL_BATCH, collate_fn=data.collator(), drop_last=True,
-            sampler=DistributedSampler(data._dataset(16, 0), num_replicas=1, rank=0, shuffle=True, seed=0))
+            data._dataset(samples, 0), batch_size=global_batch, collate_fn=data.collator(), drop_last=True,
+            sampler=DistributedSampler(data._dataset(samples, 0), num_replicas=1, rank=0, shuffle=True, seed=0))
     module = build_module()
     trainer.fit(module, data, ckpt_path=cfg.get("resume"))
     if cfg.get("weights") and trainer.global_rank == 0:  # the single-process reference's trained parameters
