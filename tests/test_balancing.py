@@ -15,7 +15,8 @@ from lightning.fabric.utilities.data import _set_sampler_epoch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_mm as lmm
-from lightning_mm.data.balanced import BalancedBatchSampler, BalancedCollate, BalancedDataset, metadata_works
+from lightning_mm.data.balanced import (BalancedBatchSampler, BalancedCollate, BalancedDataset, balancing_obstacle,
+                                        metadata_works)
 from lightning_mm.data.metadata import SampleMeta
 from lightning_mm.data.microbatch import deferrals, microbatch_rows, split_microbatches
 from lightning_mm.model import tiny_encoder, tiny_language_model
@@ -173,6 +174,16 @@ def test_balanced_collate_adds_the_plan_as_host_lists():
 def test_data_without_metadata_is_refused_by_name():
     with pytest.raises(TypeError, match="has no sample_metadata"):
         metadata_works(list(range(4)), None)
+    assert "has no sample_metadata" in balancing_obstacle(DataLoader(list(range(8)), batch_size=2,
+                                                                     sampler=DistributedSampler(list(range(8)), 1, 0)))
+    assert "not a DistributedSampler" in balancing_obstacle(DataLoader(list(range(8)), batch_size=2))
+
+
+def test_a_replica_batch_smaller_than_the_microbatches_is_refused_with_the_fix():
+    model = tiny_model()
+    data = lmm.data.SyntheticMultimodalDataset(model, 8)
+    with pytest.raises(ValueError, match="every microbatch needs a sample; raise the batch size"):
+        BalancedBatchSampler(data, 2, 2, 0, 3, plan_batch, metadata_works(data, WorkloadModel.from_model(model)))
 
 
 # ---------------------------------------------------------------------------------------------- training

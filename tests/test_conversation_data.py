@@ -15,7 +15,7 @@ import soundfile
 import torch
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (PreTrainedTokenizerFast, Qwen2VLImageProcessor, SiglipImageProcessor,
+from transformers import (CLIPImageProcessor, PreTrainedTokenizerFast, Qwen2VLImageProcessor, SiglipImageProcessor,
                           WhisperFeatureExtractor)
 
 import lightning_mm as lmm
@@ -389,3 +389,94 @@ def test_example_script_and_cli_fit(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "max_steps=4" in proc.stderr + proc.stdout
+
+
+# ------------------------------------------------------------------------------------------ metadata without tensors
+SIZES = [(13, 200), (300, 40), (64, 64), (7, 9)]  # (width, height)
+CLIPS = [(3000, 16000), (40000, 16000), (11025, 22050), (5, 8000)]  # (frames, rate): short, cut, resampled, tiny
+
+
+def metadata_processor(kind: str, folder: Path):
+    """(processor folder, model, extra kwargs of the audio extractor's call) for each processor rule."""
+    audio = kind.startswith("audio")
+    proc = make_processor(folder, audio=audio)
+    torch.manual_seed(0)
+    llm = tiny_language_model("llama", vocab_size=64)
+    if kind == "qwen2_vl":
+        Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
+                              max_pixels=32 * 32).save_pretrained(proc)
+        return proc, lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("qwen2_vl"))}, llm), {}
+    if kind in ("clip", "clip_no_crop"):
+        crop = {} if kind == "clip" else {"do_center_crop": False}
+        CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                           **crop).save_pretrained(proc)
+        return proc, lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("clip"))}, llm), {}
+    if kind == "siglip":
+        return proc, make_model(), {}
+    if kind == "audio_whisper":
+        return proc, make_model(audio=True), {}
+    # Qwen2-Audio: tokens follow the feature mask, frame-level when asked for, else the config's sample-level one
+    WhisperFeatureExtractor(feature_size=16, chunk_length=1, return_attention_mask=True).save_pretrained(proc / "audio")
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip")),
+                                 "audio": lmm.ModalityEncoder(tiny_encoder("qwen2_audio"), projector="linear")}, llm)
+    return proc, model, {"return_attention_mask": True} if kind == "audio_qwen2_frame_mask" else {}
+
+
+@pytest.mark.parametrize("kind", ["siglip", "clip", "clip_no_crop", "qwen2_vl", "audio_whisper",
+                                  "audio_qwen2_frame_mask", "audio_qwen2_sample_mask"])
+def test_sample_metadata_counts_what_the_encoded_sample_holds_without_decoding(tmp_path, kind, monkeypatch):
+    from lightning_mm.data import conversation
+    from lightning_mm.data.metadata import metadata_of
+
+    proc_dir, model, call = metadata_processor(kind, tmp_path / "proc")
+    images = [f"im{w}x{h}.png" for w, h in SIZES]
+    clips = [f"a{n}_{r}.wav" for n, r in CLIPS]
+    if kind.startswith("audio"):
+        records = [{"audio": c, "conversations": conv("<audio> what", "a sound")} for c in clips]
+        records.append({"image": "red.png", "audio": clips[:2], "conversations": conv("<image> <audio> <audio>", "a")})
+    else:
+        one_size = kind == "clip_no_crop"  # its outputs follow the input size: one image size per record
+        records = BASIC + [{"image": images[1] if one_size else images,
+                            "conversations": conv("<image> what" if one_size else "<image> <image> what", "a",
+                                                  "and this" if one_size else "<image> and <image>", "more")}]
+    path = write_data(tmp_path / "data", records)
+    media = tmp_path / "data" / "media"
+    for w, h in SIZES:
+        Image.new("RGB", (w, h), (1, 2, 3)).save(media / f"im{w}x{h}.png")
+    for n, r in CLIPS:
+        soundfile.write(media / f"a{n}_{r}.wav", np.zeros(n, dtype=np.float32), r)
+    processor = lmm.data.load_processor(proc_dir, model)
+    if call:
+        processor.kwargs["audio"].update(call)
+    max_length = None
+    for _ in range(2):  # whole, then cut at the median length (trailing turns dropped, too long records skipped)
+        ds = lmm.data.ConversationDataset(path, processor, media, max_length=max_length, on_bad_record="skip",
+                                          cache_dir=str(tmp_path / "cache"))
+
+        def no_decoding(*args):
+            raise AssertionError("sample_metadata decoded a media file")
+
+        with monkeypatch.context() as m:
+            m.setattr(conversation, "_load_image", no_decoding)
+            m.setattr(conversation, "_load_audio", no_decoding)
+            metas = [ds.sample_metadata(i) for i in range(len(ds))]
+        assert metas == [metadata_of(ds[i], model) for i in range(len(ds))], (kind, max_length)
+        assert any(meta.items for meta in metas)
+        max_length = sorted(meta.llm_tokens for meta in metas)[len(metas) // 2]
+
+
+def test_sample_metadata_of_an_unreadable_file_is_a_bad_record(tmp_path, proc_dir, monkeypatch):
+    from lightning_mm.data import conversation
+
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    broken = {"image": str(tmp_path / "broken.png"), "conversations": conv("<image> what", "a")}
+    dm = datamodule(tmp_path, [BASIC[0], broken, BASIC[2]], proc_dir, scan=False)
+    with pytest.raises(BadRecordError, match=r"record 1 of .*train.json: cannot read the image header of .*broken.png"):
+        dm.train_dataset.sample_metadata(1)
+    dm = datamodule(tmp_path, [BASIC[0], broken, BASIC[2]], proc_dir, on_bad_record="skip")
+    ds = dm.train_dataset
+    assert ds.sample_metadata(1) == ds.sample_metadata(2) == lmm.data.SampleMeta(6)  # the next good record, as ds[1]
+    assert ds[1]["input_ids"].tolist() == ds[2]["input_ids"].tolist()
+    first = ds.sample_metadata(0)
+    monkeypatch.setattr(conversation, "image_size", lambda file: pytest.fail("read again"))
+    assert ds.sample_metadata(0) is first  # cached per record

@@ -33,9 +33,9 @@ def assert_same_training(got, ref, rtol=1e-5, atol=1e-6, param_tol=(1e-4, 1e-5))
 @pytest.mark.slow
 @pytest.mark.ci
 def test_accumulation_pipeline_validate_test_predict_consolidate(tmp_path):
-    """pp 2 (4 processes), accumulate 2, AdamW, clipping: every micro-step loss and every trainable parameter as one
+    """pp 2 (4 processes), accumulate 2, SGD, clipping: every micro-step loss and every trainable parameter as one
     process; then validate, test and predict give one process's numbers; consolidate runs on rank 0 after fit."""
-    base = dict(accumulate=2, steps=2, clip=0.5, validate=True, test=True, predict=True)
+    base = dict(accumulate=2, steps=2, clip=0.5, validate=True, test=True, predict=True, optimizer="sgd", lr=0.5)
     ref = run(base, tmp_path, "single")
     got = run({**base, "llm_pp": 2, "microbatches": 2, "consolidate": True}, tmp_path, "pp2")
     assert_same_training(got, ref)

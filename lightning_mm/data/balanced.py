@@ -132,6 +132,18 @@ def concat_batches(parts: list[dict]) -> dict:
     return out
 
 
+def balancing_obstacle(loader) -> str:
+    """Why the balanced sampler cannot rebuild ``loader`` ("" when it can)."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler):
+        return f"its sampler is a {type(sampler).__name__}, not a DistributedSampler"
+    if getattr(loader, "batch_size", None) is None:
+        return "it has no batch_size (a custom batch_sampler)"
+    if not callable(getattr(sampler.dataset, "sample_metadata", None)):
+        return f"its data set {type(sampler.dataset).__name__} has no sample_metadata(i)"
+    return ""
+
+
 def metadata_works(dataset, workload) -> Callable:
     """``work(indices)`` from ``dataset.sample_metadata(i)`` and a ``WorkloadModel``, cached per sample."""
     if not callable(getattr(dataset, "sample_metadata", None)):

@@ -38,6 +38,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_mm.data.collator import MultimodalCollator
+from lightning_mm.data.media_meta import audio_inputs, audio_length, blank_audio, blank_image, image_inputs, image_size
+from lightning_mm.data.metadata import SampleMeta, encoder_input_tokens
 from lightning_mm.data.processor import MultimodalProcessor
 from lightning_mm.data.resumable import ShardedResumableDataLoader, SkippingDistributedSampler
 from lightning_mm.loss import IGNORE_INDEX
@@ -184,6 +186,8 @@ class ConversationDataset(Dataset):
     record raises before training; "skip": bad records leave the index). A record found bad only while loading
     (an unreadable file, too long) raises, or in skip mode is replaced by the next good record so batches keep
     their size. ``num_bad_records`` counts skipped records; ``bad_records`` keeps (index, reason) of the first ones.
+    ``sample_metadata(i)`` gives sample i's token counts from the record and the media headers alone (what the
+    balanced batch sampler and ``lightning-mm plan --data-stats`` read), cached per record.
     """
 
     def __init__(self, data_path, processor: MultimodalProcessor, media_root=None, max_length: int | None = None,
@@ -199,6 +203,7 @@ class ConversationDataset(Dataset):
         self.system_prompt = system_prompt
         self.record_keys = record_keys or {name: m.strip("<>") for name, m in processor.markers.items()}
         self.num_bad_records, self.bad_records = 0, []
+        self._metadata: dict[int, SampleMeta] = {}  # record index -> its metadata, read on first use
         self.indices = np.array(self.scan() if scan else range(len(self.records)), dtype=np.int64)
 
     def __len__(self) -> int:
@@ -387,6 +392,89 @@ class ConversationDataset(Dataset):
                 log.warning("skipping %s (on_bad_record='skip')", err)
         raise RuntimeError(f"no record of {self.data_path} could be loaded ({self.num_bad_records} bad records)")
 
+    # ---------------------------------------------------------------- metadata (no media decoded, no tensors)
+    def sample_metadata(self, i: int) -> SampleMeta:
+        """The token counts of ``self[i]`` (``SampleMeta``) from the record, the chat template, the tokenizer and
+        the media headers: image sizes (PIL reads the header only) and clip lengths (``soundfile.info``) become
+        the processor's output shapes (``media_meta``), and the encoder's ``num_tokens`` counts on those, so the
+        counts, truncation to ``max_length`` included, are those of the encoded sample. Cached per record.
+
+        A record whose metadata cannot be read raises BadRecordError naming it and the file; with
+        on_bad_record="skip" the next good record stands in, as ``self[i]`` does (counted when it is loaded)."""
+        for attempt in range(len(self.indices)):
+            index = int(self.indices[(i + attempt) % len(self.indices)])
+            try:
+                return self.record_metadata(index)
+            except BadRecordError as err:
+                if self.on_bad_record == "raise":
+                    raise
+                log.warning("metadata: skipping %s (on_bad_record='skip')", err)
+        raise RuntimeError(f"no record of {self.data_path} has readable metadata")
+
+    def record_metadata(self, index: int) -> SampleMeta:
+        """``sample_metadata`` of record ``index`` (a row of the data file); raises BadRecordError."""
+        if index not in self._metadata:
+            self._metadata[index] = self._read_metadata(index)
+        return self._metadata[index]
+
+    def _read_metadata(self, index: int) -> SampleMeta:
+        messages, media = self.parse(index, self.records[int(index)])
+        self.check_files(index, media)
+        pieces, ends = self.render(index, messages)
+        ids, bounds = [], []  # as encode tokenizes: the piece boundaries after each assistant turn
+        counts = {name: 0 for name in media}
+        e = 0
+        for p, (text, _) in enumerate(pieces):
+            t_ids, t_counts = self.processor.tokenize(text)
+            ids += t_ids
+            for name, c in t_counts.items():
+                counts[name] = counts.get(name, 0) + c
+            if e < len(ends) and p + 1 == ends[e]:
+                bounds.append((len(ids), dict(counts)))
+                e += 1
+        for name, files in media.items():
+            if counts.get(name, 0) > len(files):
+                raise self._bad(index, f"the rendered conversation holds {counts[name]} "
+                                       f"{self.processor.markers[name]} markers but {len(files)} files were given")
+        tokens = {name: self._item_tokens(index, name, files[: counts.get(name, 0)])
+                  for name, files in media.items() if counts.get(name, 0)}
+
+        def expanded(n_ids, n_items):
+            return n_ids + sum(sum(tokens[m][:k]) - k for m, k in n_items.items() if k)
+
+        end, kept = len(ids), counts
+        if self.max_length is not None and expanded(end, kept) > self.max_length:
+            fits = [(n, c) for n, c in bounds if expanded(n, c) <= self.max_length]
+            if not fits:
+                raise self._bad(index, f"its first turn alone is {expanded(*bounds[0])} tokens after placeholder "
+                                       f"expansion, more than max_length={self.max_length}")
+            end, kept = fits[-1]
+        placeholders = set(self.model.placeholder_ids.values())
+        items = {name: tuple((encoder_input_tokens(self.model.encoders[name], n), n) for n in tokens[name][:k])
+                 for name, k in kept.items() if k}
+        return SampleMeta(sum(1 for t in ids[:end] if t not in placeholders), items)
+
+    def _item_tokens(self, index: int, name: str, files: list[Path]) -> list[int]:
+        """LLM tokens of each of ``files`` (modality ``name``) from their headers."""
+        enc, proc = self.model.encoders[name], self.processor.processors[name]
+        kind, kwargs = modality_kind(enc), self.processor.kwargs.get(name, {})
+        sizes = []
+        for file in files:
+            try:
+                sizes.append(audio_length(file, proc.sampling_rate) if kind == "audio" else image_size(file))
+            except Exception as err:  # noqa: BLE001  (any header error is this record's problem)
+                raise self._bad(index, f"cannot read the {kind} header of {file} ({type(err).__name__}: {err})") \
+                    from err
+        # Shapes on the meta device where the processor's rules are known and the encoder counts by shape alone;
+        # otherwise the processor runs on blank media of the same sizes (the same shapes as the real files).
+        plain = enc.preprocess is None and enc._num_tokens is None
+        inputs = (audio_inputs(proc, sizes, kwargs) if kind == "audio" else image_inputs(proc, sizes, kwargs)) \
+            if plain else None
+        if inputs is None:
+            blanks = [blank_audio(s) if kind == "audio" else blank_image(s) for s in sizes]
+            inputs = self.processor.encode_items(name, blanks)
+        return [int(n) for n in enc.num_tokens(inputs)]
+
 
 # ------------------------------------------------------------------------------------------ the data module
 class ConversationDataModule(pl.LightningDataModule):
@@ -479,9 +567,13 @@ class ConversationDataModule(pl.LightningDataModule):
         return ShardedResumableDataLoader(self.train_dataset, sampler=sampler, batch_size=h.batch_size,
                                           drop_last=True, collate_fn=self.collator(), num_workers=h.num_workers)
 
+    @property
     def val_dataloader(self):
-        if not self.hparams.val_data_path:
-            return []
+        """The validation loader's hook, or, without ``val_data_path``, LightningDataModule's own (not overridden),
+        so Lightning runs no validation loop instead of one over an empty list."""
+        return self._val_dataloader if self.hparams.val_data_path else super().val_dataloader
+
+    def _val_dataloader(self):
         if self.val_dataset is None:
             self.setup("validate")
         sampler = DistributedSampler(self.val_dataset, shuffle=False, drop_last=False, **self.replica())

@@ -71,17 +71,23 @@ class ResumableDataLoader(_ResumablePosition, DataLoader):
         self.batch_sampler.skip = n
 
 
-def resumable(loader):
-    """``loader`` rebuilt as a ResumableDataLoader (map-style datasets); anything else is returned as is."""
-    if type(loader) is not DataLoader or loader.batch_sampler is None or isinstance(loader, ResumableDataLoader):
-        return loader
+def loader_options(loader: DataLoader) -> dict:
+    """The keyword arguments that rebuild ``loader``'s workers, collation and memory pinning."""
     kw = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
               timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
               multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
               persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device)
     if loader.num_workers:
         kw["prefetch_factor"] = loader.prefetch_factor
-    return ResumableDataLoader(loader.dataset, batch_sampler=SkippingBatchSampler(loader.batch_sampler), **kw)
+    return kw
+
+
+def resumable(loader):
+    """``loader`` rebuilt as a ResumableDataLoader (map-style datasets); anything else is returned as is."""
+    if type(loader) is not DataLoader or loader.batch_sampler is None or isinstance(loader, ResumableDataLoader):
+        return loader
+    return ResumableDataLoader(loader.dataset, batch_sampler=SkippingBatchSampler(loader.batch_sampler),
+                               **loader_options(loader))
 
 
 class SkippingDistributedSampler(DistributedSampler):
