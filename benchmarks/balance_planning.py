@@ -41,6 +41,17 @@ def synthetic_works(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return enc, llm
 
 
+def planning_ms(enc: torch.Tensor, llm: torch.Tensor, method: str, repeats: int, replicas: int = R,
+                microbatches: int = K, stages: int = STAGES) -> list[float]:
+    """Wall milliseconds of ``repeats`` calls of ``plan_batch`` on one global batch."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        plan_batch(enc, llm, replicas, microbatches, method, num_stages=stages)
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -49,18 +60,14 @@ def main() -> None:
     batches = [synthetic_works(B, s) for s in range(args.seeds)]
     rows = []
     for method in METHODS:
-        stats, times = [], []
+        stats = []
         for enc, llm in batches:
             plan = plan_batch(enc, llm, R, K, method, num_stages=STAGES)
             e, l = plan.encoder_loads(enc), plan.llm_loads(llm)
             stats.append(dict(enc_max_over_mean=float(e.max() / e.mean()), enc_std=float(e.std()),
                               llm_max_over_mean=float(l.max() / l.mean()), llm_std=float(l.std()),
                               deferrals=len(plan.deferred)))
-        enc, llm = batches[0]
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            plan_batch(enc, llm, R, K, method, num_stages=STAGES)
-            times.append((time.perf_counter() - t) * 1e3)
+        times = planning_ms(*batches[0], method, args.repeats)
         rows.append(dict(method=method, plan_ms_median=statistics.median(times), plan_ms_min=min(times),
                          **{k: statistics.mean(s[k] for s in stats) for k in stats[0]}))
     print(f"B={B} R={R} K={K} p={STAGES}, {args.seeds} seeds, {args.repeats} timed runs (goal < {GOAL_PLAN_MS} ms)")

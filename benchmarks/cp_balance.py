@@ -1,23 +1,35 @@
-"""CP load balance of the token distributions, and planning time.
+"""CP load balance of the token distributions, planning time, and the three CP modes' work and traffic.
 
-For EP/EE/MP masks (random placement, seeded) at 16k..128k tokens and cp 2..16: imbalance = max over ranks of
-the summed block work (``masks.block_workload``, block 128) / the mean, for lpt, random, zigzag, contiguous
-(mean over seeds). Then the wall time of ``distribute(..., "lpt")`` for one 1M-token row. With CUDA: the
-per-rank attention time of one 70B-shaped layer (64 heads, 8 KV heads, head dim 128), rank by rank on the one
-device, lpt vs zigzag (the seed's Table 4 setting). Writes benchmarks/results/cp_balance.json (+ .png chart).
+1. For EP/EE/MP masks (random placement, seeded) at 16k..128k tokens and cp 2..16: imbalance = max over ranks of
+   the summed block work (``masks.block_workload``, block 128) / the mean, for lpt, random, zigzag, contiguous
+   (mean over seeds).
+2. Planning time: the wall time of ``distribute(..., "lpt")`` for one 1M-token row at cp 8, block 128, per layout
+   (goal: at most 1 ms), with its two parts (block workload, LPT); single thread, median and minimum of repeats,
+   and the load average while it ran (the machine is shared).
+3. Per-rank attention work of the CP modes at 64k..1M tokens, cp 2..16: allgather with the LPT plan (a rank's
+   queries against all keys, all heads), ulysses (every rank: the whole sequence, heads / cp of the heads) and
+   hybrid (Ulysses in groups of 2, or 4 from cp 8; LPT over the groups): the slowest rank's work over the ideal
+   (total / cp), in block pairs x heads.
+4. Bytes one rank receives per layer (forward; backward moves as much) for a 70B-shaped layer (64 heads, 8 KV
+   heads, head dim 128, bf16) and for the same layer without GQA (64 KV heads), each mode, 64k..1M tokens.
+5. With CUDA: the per-rank attention time of one 70B-shaped layer, rank by rank on the one device, lpt vs zigzag.
 
-    python benchmarks/cp_balance.py [--seeds 3] [--repeats 30] [--gpu-tokens 65536]
+Writes benchmarks/results/cp_balance.json (+ .png chart).
+
+    python benchmarks/cp_balance.py [--seeds 3] [--repeats 200] [--gpu-tokens 65536] [--only planning]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from lightning_mm import masks
@@ -27,7 +39,9 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 LENGTHS = (16384, 32768, 65536, 131072)
 CP_SIZES = (2, 4, 8, 16)
 BLOCK = 128
-GOAL_IMBALANCE, GOAL_PLAN_MS = 1.02, 5.0
+GOAL_IMBALANCE, GOAL_PLAN_MS = 1.02, 1.0
+MODE_LENGTHS = (65536, 262144, 1048576)
+LAYER_70B = dict(heads=64, kv_heads=8, head_dim=128)
 
 
 def imbalance(plan, work) -> float:
@@ -65,11 +79,58 @@ def planning_times(repeats: int, tokens: int = 1 << 20, size: int = 8) -> list[d
     for layout in masks.LAYOUTS:
         bam, seg = masks.random_bam(layout, tokens, 2, 1, 0)
         work = masks.block_workload(bam, BLOCK, seg)[0]
+        load = os.getloadavg()[0]
         total = _time_ms(lambda: cp.distribute(bam, size, "lpt", BLOCK, seg), repeats)
         wl = _time_ms(lambda: masks.block_workload(bam, BLOCK, seg), repeats)
         lpt = _time_ms(lambda: cp.lpt_assign(work, size), repeats)
         rows.append(dict(layout=layout, tokens=tokens, cp=size, plan_ms_median=total[0], plan_ms_min=total[1],
-                         workload_ms_median=wl[0], lpt_ms_median=lpt[0]))
+                         workload_ms_median=wl[0], workload_ms_min=wl[1], lpt_ms_median=lpt[0], lpt_ms_min=lpt[1],
+                         load_average=load, met=total[0] <= GOAL_PLAN_MS))
+    return rows
+
+
+def _hybrid_degree(size: int) -> int | None:
+    """The hybrid Ulysses degree benchmarked at ``size`` CP ranks (none at 2: hybrid needs 1 < K < cp)."""
+    return {2: None, 4: 2}.get(size, 4)
+
+
+def mode_work(lengths=MODE_LENGTHS) -> list[dict]:
+    """Slowest rank's attention work over the ideal (total / cp) for each CP mode (block pairs x heads)."""
+    rows = []
+    for layout in masks.LAYOUTS:
+        for seq in lengths:
+            bam, seg = masks.random_bam(layout, seq, 2, 1, 0)
+            work = masks.block_workload(bam, BLOCK, seg).sum(0)
+            total = float(work.sum())
+            for size in CP_SIZES:
+                allgather = float(cp.plan_workload(cp.distribute(bam, size, "lpt", BLOCK, seg), work).max())
+                k, ideal = _hybrid_degree(size), total / size
+                hybrid = None
+                if k:
+                    plan = cp.distribute(bam, size, "lpt", BLOCK, seg, ulysses=k)
+                    groups = [float(sum(work[p].sum() for p in plan[g * k:(g + 1) * k])) for g in range(size // k)]
+                    hybrid = max(groups) / k / ideal
+                rows.append(dict(layout=layout, tokens=seq, cp=size, hybrid_ulysses=k, allgather_lpt=allgather / ideal,
+                                 ulysses=1.0, hybrid=hybrid, total_block_pairs=total))
+    return rows
+
+
+def mode_bytes(lengths=MODE_LENGTHS) -> list[dict]:
+    """Bytes per rank per layer (forward) of each mode, 70B-shaped layer with and without GQA."""
+    rows = []
+    for kv in (LAYER_70B["kv_heads"], LAYER_70B["heads"]):
+        for seq in lengths:
+            for size in CP_SIZES:
+                row = dict(tokens=seq, cp=size, heads=LAYER_70B["heads"], kv_heads=kv, head_dim=LAYER_70B["head_dim"],
+                           hybrid_ulysses=_hybrid_degree(size))
+                for mode in ("allgather", "ulysses", "hybrid"):
+                    if mode == "hybrid" and not _hybrid_degree(size):
+                        row["hybrid_mib"] = None
+                        continue
+                    b = cp.cp_communication_bytes(mode, seq, size, LAYER_70B["heads"], kv, LAYER_70B["head_dim"],
+                                                  _hybrid_degree(size) if mode == "hybrid" else None)
+                    row[f"{mode}_mib"] = b["forward"] / 2 ** 20
+                rows.append(row)
     return rows
 
 
@@ -111,7 +172,24 @@ def gpu_rank_times(tokens: int, repeats: int = 5) -> list[dict] | str:
     return rows
 
 
-def print_tables(balance, planning, gpu) -> None:
+def print_modes(work, traffic) -> None:
+    if work:
+        print("\nslowest rank's attention work / ideal (total / cp): allgather (LPT plan), ulysses, hybrid (K)")
+        print(f"{'layout':6} {'tokens':>8} {'cp':>3} {'allgather':>10} {'ulysses':>8} {'hybrid':>8} {'K':>3}")
+        for r in work:
+            hybrid = "-" if r["hybrid"] is None else f"{r['hybrid']:.4f}"
+            print(f"{r['layout']:6} {r['tokens']:8d} {r['cp']:3d} {r['allgather_lpt']:10.4f} {r['ulysses']:8.4f} "
+                  f"{hybrid:>8} {r['hybrid_ulysses'] or '-':>3}")
+    if traffic:
+        print("\nMiB one rank receives per layer, forward (backward the same); 64 heads, head dim 128, bf16")
+        print(f"{'kv':>3} {'tokens':>8} {'cp':>3} {'allgather':>10} {'ulysses':>9} {'hybrid':>9} {'K':>3}")
+        for r in traffic:
+            hybrid = "-" if r["hybrid_mib"] is None else f"{r['hybrid_mib']:.1f}"
+            print(f"{r['kv_heads']:3d} {r['tokens']:8d} {r['cp']:3d} {r['allgather_mib']:10.1f} {r['ulysses_mib']:9.1f} "
+                  f"{hybrid:>9} {r['hybrid_ulysses'] or '-':>3}")
+
+
+def print_balance(balance) -> None:
     print(f"\nimbalance = max/mean block work per rank (block {BLOCK}, mean over seeds)")
     print(f"{'layout':6} {'tokens':>7} {'cp':>3} " + " ".join(f"{m:>10}" for m in cp.METHODS))
     index = {(r["layout"], r["tokens"], r["cp"], r["method"]): r["imbalance"] for r in balance}
@@ -125,18 +203,33 @@ def print_tables(balance, planning, gpu) -> None:
         lpt, zz = index[(layout, 65536, 8, "lpt")], index[(layout, 65536, 8, "zigzag")]
         ok = "met" if lpt <= GOAL_IMBALANCE else "MISSED"
         print(f"  {layout}: lpt {lpt:.4f} ({ok}), zigzag {zz:.4f}")
-    print(f"\nplanning one 1M-token row, block {BLOCK}, cp 8 (goal < {GOAL_PLAN_MS} ms)")
-    print(f"{'layout':6} {'plan median ms':>15} {'plan min ms':>12} {'workload ms':>12} {'lpt ms':>8}")
+
+
+def print_planning(planning) -> None:
+    print(f"\nplanning one 1M-token row, block {BLOCK}, cp 8 (goal <= {GOAL_PLAN_MS} ms; 1 thread, shared machine)")
+    print(f"{'layout':6} {'plan median':>12} {'plan min':>9} {'workload':>9} {'lpt':>7} {'load avg':>9}")
     for r in planning:
-        print(f"{r['layout']:6} {r['plan_ms_median']:15.2f} {r['plan_ms_min']:12.2f} {r['workload_ms_median']:12.2f} "
-              f"{r['lpt_ms_median']:8.2f}  {'met' if r['plan_ms_median'] < GOAL_PLAN_MS else 'MISSED'}")
+        print(f"{r['layout']:6} {r['plan_ms_median']:12.3f} {r['plan_ms_min']:9.3f} {r['workload_ms_median']:9.3f} "
+              f"{r['lpt_ms_median']:7.3f} {r['load_average']:9.2f}  {'met' if r['met'] else 'MISSED'}")
+
+
+def print_gpu(gpu) -> None:
     if isinstance(gpu, str):
         print("\n" + gpu)
-    else:
-        print("\nper-rank attention fwd of a 70B layer (ms), rank by rank on one device")
-        for r in gpu:
-            print(f"  {r['layout']:3} {r['method']:7} max {r['max_ms']:8.2f} mean {r['mean_ms']:8.2f}  "
-                  + " ".join(f"{t:.1f}" for t in r["rank_ms"]))
+        return
+    print("\nper-rank attention fwd of a 70B layer (ms), rank by rank on one device")
+    for r in gpu:
+        print(f"  {r['layout']:3} {r['method']:7} max {r['max_ms']:8.2f} mean {r['mean_ms']:8.2f}  "
+              + " ".join(f"{t:.1f}" for t in r["rank_ms"]))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{name}, {os.cpu_count()} cores"
 
 
 def plot(balance, path: pathlib.Path) -> str | None:
@@ -167,22 +260,30 @@ def plot(balance, path: pathlib.Path) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--gpu-tokens", type=int, default=65536)
+    parser.add_argument("--only", choices=("planning",), help="time the planning only (keeps the other results)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    balance = balance_table(args.seeds)
-    planning = planning_times(args.repeats)
-    gpu = gpu_rank_times(args.gpu_tokens)
-    print_tables(balance, planning, gpu)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    chart = plot(balance, RESULTS / "cp_balance.png")
-    out = dict(block_size=BLOCK, seeds=args.seeds, balance=balance, planning_1m=planning, gpu=gpu, chart=chart,
-               goals=dict(lpt_imbalance_64k_cp8=GOAL_IMBALANCE, plan_1m_ms=GOAL_PLAN_MS),
-               machine=dict(python=platform.python_version(), torch=torch.__version__, threads=1,
-                            cpu=platform.processor() or platform.machine()))
-    (RESULTS / "cp_balance.json").write_text(json.dumps(out, indent=1))
-    print(f"\nwrote {RESULTS / 'cp_balance.json'}" + (f" and {chart}" if chart else ""))
+    path = RESULTS / "cp_balance.json"
+    out = json.loads(path.read_text()) if args.only and path.exists() else {}
+    out["planning_1m"] = planning_times(args.repeats)
+    print_planning(out["planning_1m"])
+    if not args.only:
+        out["balance"] = balance_table(args.seeds)
+        out["modes_work"], out["modes_bytes"] = mode_work(), mode_bytes()
+        out["gpu"] = gpu_rank_times(args.gpu_tokens)
+        print_balance(out["balance"])
+        print_modes(out["modes_work"], out["modes_bytes"])
+        print_gpu(out["gpu"])
+        out["chart"] = plot(out["balance"], RESULTS / "cp_balance.png")
+        out["seeds"] = args.seeds
+    out.update(block_size=BLOCK, goals=dict(lpt_imbalance_64k_cp8=GOAL_IMBALANCE, plan_1m_ms=GOAL_PLAN_MS),
+               machine=dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
+                            threads=1, cpu=_cpu_name()), layer_70b=LAYER_70B)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"\nwrote {path}" + (f" and {out['chart']}" if out.get("chart") else ""))
 
 
 if __name__ == "__main__":

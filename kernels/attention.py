@@ -7,7 +7,7 @@ import math
 import torch
 import triton
 
-from lightning_mm.attention.checks import check_attention_inputs
+from lightning_mm.masks import check_attention_inputs
 from lightning_mm.kernels import split, tiles
 from lightning_mm.kernels.backward import dkdv_kernel, dq_kernel
 from lightning_mm.kernels.config import KernelConfig, default_config, interpreting, num_sms

@@ -7,7 +7,8 @@ from lightning_mm.module import MultimodalLightningModule  # noqa: E402
 from lightning_mm import data  # noqa: E402,F401
 from lightning_mm.plan.layout import ParallelSpec  # noqa: E402
 from lightning_mm.strategy import MultimodalParallelStrategy  # noqa: E402  (registers "multimodal")
+from lightning_mm.fault_tolerance import FaultTolerance  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["ModalityEncoder", "MultimodalModel", "MultimodalLightningModule", "MultimodalParallelStrategy",
-           "ParallelSpec", "masks", "attention", "data"]
+           "ParallelSpec", "FaultTolerance", "masks", "attention", "data"]

@@ -26,7 +26,6 @@ import pickle
 import random
 import shutil
 import zlib
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -373,128 +372,22 @@ def load_weights(path: str, model) -> list[str]:
     return sorted(weights)
 
 
-HF_MANIFEST = "lightning_mm.json"
-
-
-def export_hf(path: str, model, out_dir: str) -> dict:
-    """Write ``model`` with a checkpoint's weights as HF folders that ``from_pretrained`` loads.
-
-    ``out_dir/encoders/<name>`` and ``out_dir/language_model`` are ``save_pretrained`` folders (safetensors +
-    config.json); ``out_dir/projectors/<name>`` holds ``model.safetensors`` and a ``config.json`` (kind, widths);
-    ``out_dir/lightning_mm.json`` lists the parts (``load_hf`` rebuilds the ``MultimodalModel``)."""
-    from safetensors.torch import save_file
+def export_hf(path: str | None, model, out_dir: str) -> dict:
+    """Write ``model`` with a checkpoint's weights (``path``; None: as it is) as HF folders, one per part, that
+    ``from_pretrained`` loads (``lightning_mm.model.hf_parts.save_parts``: ``out_dir/encoders/<name>``,
+    ``out_dir/projectors/<name>``, ``out_dir/language_model``, ``out_dir/lightning_mm.json``); returns the
+    manifest. ``model.save_pretrained`` writes a model from a composite folder as that composite instead."""
+    from lightning_mm.model.hf_parts import save_parts
 
     if path is not None:
         load_weights(path, model)
-    out = Path(out_dir)
-    manifest = {"encoders": {}, "language_model": {"class": type(model.language_model).__name__,
-                                                   "dir": "language_model"},
-                "placeholder_ids": model.placeholder_ids}
-    for name, enc in model.encoders.items():
-        enc.module.save_pretrained(out / "encoders" / name)
-        pdir = out / "projectors" / name
-        pdir.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in enc.projector.state_dict().items()}, str(pdir / "model.safetensors"))
-        pconf = {"kind": enc.projector_kind, "in_dim": enc.output_dim, "out_dim": model.hidden_size}
-        (pdir / "config.json").write_text(json.dumps(pconf, indent=1))
-        manifest["encoders"][name] = {"class": type(enc.module).__name__, "module": type(enc.module).__module__,
-                                      "dir": f"encoders/{name}", "projector": f"projectors/{name}",
-                                      "projector_kind": enc.projector_kind}
-    if getattr(model, "peft_model", None) is not None:  # LoRA adapters: a plain folder with them merged
-        from lightning_mm.model.lora import save_lora
-
-        save_lora(model, out / "language_model", merge=True)
-    else:
-        model.language_model.save_pretrained(out / "language_model")
-    (out / HF_MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return manifest
+    return save_parts(model, out_dir)
 
 
 def load_hf(out_dir: str):
-    """The ``MultimodalModel`` of an ``export_hf`` folder (each part through ``from_pretrained``)."""
-    import importlib
+    """The ``MultimodalModel`` of an ``export_hf`` folder (each part through ``from_pretrained``); the same as
+    ``MultimodalModel.from_pretrained(out_dir)``."""
+    from lightning_mm.model import MultimodalModel
+    from lightning_mm.model.hf_parts import load_parts
 
-    import transformers
-    from safetensors.torch import load_file
-
-    from lightning_mm.model import ModalityEncoder, MultimodalModel
-
-    out = Path(out_dir)
-    manifest = json.loads((out / HF_MANIFEST).read_text())
-    encoders = {}
-    for name, part in manifest["encoders"].items():
-        cls = getattr(importlib.import_module(part["module"]), part["class"])
-        kind = part["projector_kind"]
-        if kind is None:
-            raise CheckpointError(f"encoder {name!r} has a custom projector module; build the model in code and use "
-                                  "load_weights")
-        encoders[name] = ModalityEncoder(cls.from_pretrained(out / part["dir"]), projector=kind)
-    lm = getattr(transformers, manifest["language_model"]["class"]).from_pretrained(out / "language_model")
-    model = MultimodalModel(encoders, lm, placeholder_ids=manifest["placeholder_ids"])
-    for name, part in manifest["encoders"].items():
-        model.encoders[name].projector.load_state_dict(load_file(str(out / part["projector"] / "model.safetensors")))
-    return model
-
-
-def _configured_seed(configs: list[str]):
-    """``seed_everything`` as the fit config(s) set it (the last one wins); None when absent."""
-    import yaml
-
-    seed = None
-    for cfg in configs:
-        with open(cfg) as f:
-            data = yaml.safe_load(f) or {}
-        if isinstance(data, dict) and "seed_everything" in data:
-            seed = data["seed_everything"]
-    return seed
-
-
-def export_main(args: list[str]) -> None:
-    """``lightning-mm export --config cfg.yaml [--config more.yaml] --ckpt_path CKPT --out_dir DIR``.
-
-    The model is built from the fit config(s) (as ``lightning-mm fit`` built it), the checkpoint's parameters are
-    copied in, and it is written by ``model.save_pretrained``: a model from a composite folder as one folder of
-    that composite class, any other one part by part (see ``export_hf``). Parameters the checkpoint does not
-    hold (frozen ones, unless trained with ``save_frozen_parameters=True``) keep the values the config builds,
-    which are the trained run's only under the same fixed ``seed_everything``: without one the export refuses."""
-    import argparse
-
-    from lightning_mm.cli import MultimodalCLI
-
-    parser = argparse.ArgumentParser(prog="lightning-mm export",
-                                     description="write a checkpoint as HF folders (encoders, projectors, LLM)")
-    parser.add_argument("--config", required=True, action="append",
-                        help="the fit config that built the model (repeat it as for fit: later ones override)")
-    parser.add_argument("--ckpt_path", required=True, help="a lightning-mm checkpoint folder")
-    parser.add_argument("--out_dir", required=True)
-    ns = parser.parse_args(args)
-    layout = read_layout(ns.ckpt_path)  # a bad checkpoint fails before the model is built
-    cli_args = [a for cfg in ns.config for a in ("--config", cfg)] + ["--trainer.logger=false"]
-    cli = MultimodalCLI(run=False, args=cli_args, save_config_callback=None)
-    model = cli.model.model
-    check_same_model(layout["parameters"], model_fingerprint(model), ns.ckpt_path)
-    stored = {n for n in layout["parameters"] if n in layout["trainable"] or layout.get("frozen_saved")}
-    rebuilt = [n for n, _ in model.named_parameters() if n not in stored]
-    seed = _configured_seed(ns.config)
-    if rebuilt and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise CheckpointError(
-            f"{ns.ckpt_path} holds only the trainable parameters; the other {len(rebuilt)} (e.g. {rebuilt[0]}) come "
-            f"from the model as the config builds it, and the config sets seed_everything={seed!r} (a random seed), "
-            "so they would not be the ones the run trained with. Set seed_everything to the run's seed (in the "
-            "config.yaml LightningCLI saved beside its logs, or its 'Seed set to N' line), or train with "
-            "MultimodalParallelStrategy(save_frozen_parameters=True)")
-    built = {n: p.detach().clone() for n, p in model.named_parameters() if n not in layout["trainable"]}
-    load_weights(ns.ckpt_path, model)
-    manifest = model.save_pretrained(ns.out_dir)  # a composite's folder, or one folder per part
-    now = dict(model.named_parameters())
-    differ = [n for n, v in built.items() if not torch.equal(v, now[n])]
-    if differ:
-        import sys
-
-        print(f"note: {len(differ)} frozen parameters in {ns.ckpt_path} (e.g. {differ[0]}) differ from the ones the "
-              "config builds (another seed or base weights); the export has the checkpoint's", file=sys.stderr)
-    if "composite" in manifest:
-        print(f"exported the model as {manifest['composite']} to {ns.out_dir}")
-        return
-    print(f"exported {', '.join(manifest['encoders'])} (encoders and projectors) and the language model "
-          f"({manifest['language_model']['class']}) to {ns.out_dir}")
+    return load_parts(MultimodalModel, out_dir)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 import warnings
 
@@ -10,6 +12,10 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_mm  # noqa: F401  (registers the attention and the strategy)
+
+# Lightning 2.6's own pytree helper builds torch's deprecated LeafSpec on every fit: nothing a user can change
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+                        module=r"lightning\.pytorch\.utilities\._pytree")
 
 
 EXTRA_COMMANDS = {
@@ -51,6 +57,18 @@ class MultimodalCLI(LightningCLI):
                             help="build the model on the meta device; each rank of MultimodalParallelStrategy "
                                  "materialises only its stage (needs that strategy)")
 
+    def instantiate_trainer(self, **kwargs):
+        """Lightning's, except that ``trainer.logger`` left at its default without TensorBoard installed gets the
+        ``CSVLogger`` Lightning falls back to there, named here (so no warning about tensorboardX): metrics go to
+        ``<default_root_dir>/lightning_logs/version_N/metrics.csv`` as before."""
+        trainer = self._get(self.config_init, "trainer", default={})
+        if "logger" not in kwargs and trainer.get("logger") in (None, True) and not (
+                importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
+            from lightning.pytorch.loggers import CSVLogger
+
+            kwargs["logger"] = CSVLogger(save_dir=trainer.get("default_root_dir") or os.getcwd())
+        return super().instantiate_trainer(**kwargs)
+
     def instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         if not config.get("empty_init"):
@@ -66,18 +84,94 @@ class MultimodalCLI(LightningCLI):
                              "lightning_mm.MultimodalParallelStrategy (or 'multimodal'), or drop --empty_init")
 
 
+def load_fit_config(configs: list[str], extra: list[str] = ()):
+    """(LightningModule, data module, trainer) of fit YAML(s), instantiated as ``lightning-mm fit`` would, not run
+    (what ``plan`` and ``export`` start from)."""
+    args = [a for cfg in configs for a in ("--config", cfg)] + list(extra)
+    cli = MultimodalCLI(run=False, args=args, save_config_callback=None)
+    return cli.model, cli.datamodule, cli.trainer
+
+
+def plan_main(args: list[str]) -> None:
+    """``lightning-mm plan --config cfg.yaml [...]``: the planner's report on a fit YAML
+    (``lightning_mm.planner.plan_cli``)."""
+    from lightning_mm.planner import plan_cli
+
+    ns = plan_cli.parse_args(args)
+    plan_cli.run(ns, *load_fit_config(ns.config))
+
+
+def _configured_seed(configs: list[str]):
+    """``seed_everything`` as the fit config(s) set it (the last one wins); None when absent."""
+    import yaml
+
+    seed = None
+    for cfg in configs:
+        with open(cfg) as f:
+            data = yaml.safe_load(f) or {}
+        if isinstance(data, dict) and "seed_everything" in data:
+            seed = data["seed_everything"]
+    return seed
+
+
+def export_main(args: list[str]) -> None:
+    """``lightning-mm export --config cfg.yaml [--config more.yaml] --ckpt_path CKPT --out_dir DIR``.
+
+    The model is built from the fit config(s) (as ``lightning-mm fit`` built it), the checkpoint's parameters are
+    copied in, and it is written by ``model.save_pretrained``: a model from a composite folder as one folder of
+    that composite class, any other one part by part (``lightning_mm.model.hf_parts``). Parameters the checkpoint
+    does not hold (frozen ones, unless trained with ``save_frozen_parameters=True``) keep the values the config
+    builds, which are the trained run's only under the same fixed ``seed_everything``: without one the export
+    refuses."""
+    import argparse
+
+    from lightning_mm.checkpoint import (CheckpointError, check_same_model, load_weights, model_fingerprint,
+                                         read_layout)
+
+    parser = argparse.ArgumentParser(prog="lightning-mm export",
+                                     description="write a checkpoint as HF folders (encoders, projectors, LLM)")
+    parser.add_argument("--config", required=True, action="append",
+                        help="the fit config that built the model (repeat it as for fit: later ones override)")
+    parser.add_argument("--ckpt_path", required=True, help="a lightning-mm checkpoint folder")
+    parser.add_argument("--out_dir", required=True)
+    ns = parser.parse_args(args)
+    layout = read_layout(ns.ckpt_path)  # a bad checkpoint fails before the model is built
+    module, _, _ = load_fit_config(ns.config, ["--trainer.logger=false"])
+    model = module.model
+    check_same_model(layout["parameters"], model_fingerprint(model), ns.ckpt_path)
+    stored = {n for n in layout["parameters"] if n in layout["trainable"] or layout.get("frozen_saved")}
+    rebuilt = [n for n, _ in model.named_parameters() if n not in stored]
+    seed = _configured_seed(ns.config)
+    if rebuilt and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise CheckpointError(
+            f"{ns.ckpt_path} holds only the trainable parameters; the other {len(rebuilt)} (e.g. {rebuilt[0]}) come "
+            f"from the model as the config builds it, and the config sets seed_everything={seed!r} (a random seed), "
+            "so they would not be the ones the run trained with. Set seed_everything to the run's seed (in the "
+            "config.yaml LightningCLI saved beside its logs, or its 'Seed set to N' line), or train with "
+            "MultimodalParallelStrategy(save_frozen_parameters=True)")
+    built = {n: p.detach().clone() for n, p in model.named_parameters() if n not in layout["trainable"]}
+    load_weights(ns.ckpt_path, model)
+    manifest = model.save_pretrained(ns.out_dir)  # a composite's folder, or one folder per part
+    now = dict(model.named_parameters())
+    differ = [n for n, v in built.items() if not torch.equal(v, now[n])]
+    if differ:
+        print(f"note: {len(differ)} frozen parameters in {ns.ckpt_path} (e.g. {differ[0]}) differ from the ones the "
+              "config builds (another seed or base weights); the export has the checkpoint's", file=sys.stderr)
+    if "composite" in manifest:
+        print(f"exported the model as {manifest['composite']} to {ns.out_dir}")
+        return
+    print(f"exported {', '.join(manifest['encoders'])} (encoders and projectors) and the language model "
+          f"({manifest['language_model']['class']}) to {ns.out_dir}")
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point: ``lightning-mm fit --config examples/tiny_vlm.yaml``; ``lightning-mm plan --config ...``;
     ``lightning-mm export --config ... --ckpt_path ... --out_dir ...``."""
     from_argv = args is None
     args = sys.argv[1:] if args is None else args
-    if args[:1] == ["plan"]:  # the planner's report, not a Trainer run (lightning_mm/planner/plan_cli.py)
-        from lightning_mm.planner.plan_cli import main as plan
-
-        return plan(args[1:])
-    if args[:1] == ["export"]:  # a checkpoint as HF folders (lightning_mm/checkpoint.py)
-        from lightning_mm.checkpoint import export_main
-
+    if args[:1] == ["plan"]:  # the planner's report, not a Trainer run
+        return plan_main(args[1:])
+    if args[:1] == ["export"]:  # a checkpoint as HF folders
         return export_main(args[1:])
     from lightning_mm.callbacks import LossCurve
 

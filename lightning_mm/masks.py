@@ -13,6 +13,7 @@ the reference attention) calls it.
 
 from __future__ import annotations
 
+import functools
 
 import numpy as np
 import torch
@@ -66,6 +67,26 @@ def validate(bam: torch.Tensor, segment_ids: torch.Tensor | None = None) -> None
                          "give one segment id per token")
 
 
+def check_attention_inputs(q, k, v, q_bam, k_bam, q_segments=None, k_segments=None, q_positions=None,
+                           k_positions=None) -> None:
+    """q ``[B,Hq,Sq,D]``, k/v ``[B,Hkv,Sk,D]`` with Hq a multiple of Hkv; words, segments and positions one per
+    token (``[B,Sq]`` / ``[B,Sk]``); segments for both sides or neither."""
+    if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need q [B,Hq,Sq,D], k and v "
+                         "[B,Hkv,Sk,D] of one shape, the same batch and head dim, and query heads a multiple of "
+                         "key/value heads")
+    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    for name, t, s in (("q_bam", q_bam, sq), ("k_bam", k_bam, sk), ("q_positions", q_positions, sq),
+                       ("k_positions", k_positions, sk)):
+        if t is not None and tuple(t.shape) != (b, s):
+            raise ValueError(f"{name} must be a [B, S] = ({b}, {s}) tensor, got {tuple(t.shape)}")
+    validate(q_bam, q_segments)
+    validate(k_bam, k_segments)
+    if (q_segments is None) != (k_segments is None):
+        raise ValueError("give segment ids for both queries and keys, or for neither")
+
+
 def allowed(q_words: torch.Tensor, k_words: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
             q_seg: torch.Tensor | None = None, k_seg: torch.Tensor | None = None) -> torch.Tensor:
     """The mask rule, broadcast: ``[..., Sq]`` queries against ``[..., Sk]`` keys -> bool ``[..., Sq, Sk]``."""
@@ -86,130 +107,167 @@ def to_dense(bam: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torc
     return allowed(bam, bam, pos, pos, segment_ids, segment_ids)
 
 
-def _allowed_np(qw, kw, qp, kp, qs, ks) -> np.ndarray:
-    """``allowed`` on small numpy arrays (broadcast like ``allowed``); the rule stays in one place."""
-    t = torch.from_numpy
-    return allowed(t(np.ascontiguousarray(qw)), t(np.ascontiguousarray(kw)), t(np.ascontiguousarray(qp)),
-                   t(np.ascontiguousarray(kp)), t(np.ascontiguousarray(qs)), t(np.ascontiguousarray(ks))).numpy()
+@functools.lru_cache(maxsize=256)
+def _word_tables(words: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """``allowed`` between every pair of the distinct ``words`` of one segment: bool ``[W, W]`` tables (query
+    word, key word) for a key at or before the query and for a key after it. The rule stays in ``allowed``."""
+    w = torch.tensor(words, dtype=torch.int64)
+    one, zero = torch.ones_like(w), torch.zeros_like(w)
+    return allowed(w, w, one, zero).numpy(), allowed(w, w, zero, one).numpy()
 
 
-def _block_summary(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int) -> dict:
-    """Compress a batch of words into what decides block-level attention, in O(S) numpy passes.
+def _run_starts(w: np.ndarray, g: np.ndarray | None, row_len: int) -> np.ndarray:
+    """Indices where a run of one (row, segment, word) starts in the flat token array: one comparison pass per
+    array (the only per-token work), then only the 8-token words of the change mask holding a change are read."""
+    n = w.size
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    change = np.empty(-(-n // 8) * 8, dtype=bool)  # change[i]: token i starts a run
+    change[0] = True
+    np.not_equal(w[1:], w[:-1], out=change[1:n])
+    change[n:] = False
+    if g is not None:
+        seg_change = np.empty_like(change)
+        np.not_equal(g[1:], g[:-1], out=seg_change[1:n])
+        seg_change[0] = False
+        seg_change[n:] = False
+        np.bitwise_or(change.view(np.uint64), seg_change.view(np.uint64), out=change.view(np.uint64))
+    change[row_len:n:row_len] = True  # a run never crosses a row end
+    hot = np.flatnonzero(change.view(np.uint64) != 0)
+    sub, bit = np.nonzero(change.reshape(-1, 8)[hot])
+    return hot[sub] * 8 + bit
 
-    The rows are padded to whole blocks and laid end to end. A *run* is a maximal stretch of tokens with one
-    (row, segment, word); a *class* is a distinct (row, segment, word); a *piece* is a run cut at block edges.
-    Between two different blocks the rule only depends on the classes present and on which block comes first
-    (every key of an earlier block precedes every query of a later one), so per query block we need the set
-    of its classes (its *qset*); only the diagonal block needs positions (min/max of each piece).
+
+def _distinct(x: np.ndarray) -> np.ndarray:
+    """Sorted distinct values (``np.unique`` without its overhead on small arrays)."""
+    x = np.sort(x)
+    keep = np.ones(x.size, dtype=bool)
+    keep[1:] = x[1:] != x[:-1]
+    return x[keep]
+
+
+def _dense_ids(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct values and the index of each entry's value among them."""
+    values = _distinct(x)
+    return values, np.searchsorted(values, x)
+
+
+def _spread(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])`` without a Python loop."""
+    ends = np.cumsum(counts)
+    return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if ends.size else 0)
+
+
+class _Blocks:
+    """What decides block-level attention, from the runs of the words.
+
+    Rows are padded to whole blocks and laid end to end (token ``p`` of row ``r`` at ``r * nb * block + p``), so
+    runs of different rows never share a block. A *run* is a maximal stretch of one (row, segment, word); finding
+    them is the only per-token work (one comparison pass over the words, one over the segment ids). Padding runs
+    (word 0) are dropped: they attend to nothing and nothing attends to them. A block is *mixed* when two runs
+    meet in it; every run of a mixed block starts or ends there, so there are fewer mixed blocks than runs. The
+    other blocks of a run are its *stretch*: blocks holding that run alone.
+
+    Between two different blocks every key of the earlier precedes every query of the later, so the rule only
+    depends on the words, on the segments and on which block comes first. A *query set* (a stretch's run, or
+    the runs of a mixed block) may attend the union of the block ranges of the runs of its segment whose word
+    one of its words allows (``before``: key block earlier, ``after``: later); only the diagonal block needs
+    positions. Everything after the comparison passes is O(runs + blocks).
     """
-    b, s = bam.shape
-    nb = -(-s // block_size)
-    sp = nb * block_size
-    words = bam.detach().cpu().numpy()
-    segs = None if segment_ids is None else segment_ids.detach().cpu().to(torch.int64).numpy()
-    if sp != s:
-        words = np.pad(words, ((0, 0), (0, sp - s)))
-        segs = None if segs is None else np.pad(segs, ((0, 0), (0, sp - s)))
-    w = words.reshape(-1)
-    change = w[1:] != w[:-1]
-    if segs is not None:
-        g = segs.reshape(-1)
-        change |= g[1:] != g[:-1]
-    change[sp - 1::sp] = True  # a run never crosses a row end
-    run_start = np.concatenate(([0], np.flatnonzero(change) + 1))
-    run_end = np.append(run_start[1:], w.size)
-    run_row = run_start // sp
-    run_seg = np.zeros_like(run_start) if segs is None else g[run_start]
-    run_word = w[run_start]
-    if run_word.size and run_word.min() < 0:  # every word is some run's word
-        validate(bam)  # raises the bit-63 error
-    cls_key, run_class = np.unique(np.stack([run_row, run_seg, run_word], 1), axis=0, return_inverse=True)
-    run_class = run_class.reshape(-1)
-    seg_key = np.concatenate(([0], np.cumsum(np.any(cls_key[1:, :2] != cls_key[:-1, :2], axis=1))))
-    cls_word = cls_key[:, 2]
 
-    first_blk, last_blk = run_start // block_size, (run_end - 1) // block_size
-    n_pieces = last_blk - first_blk + 1
-    piece_run = np.repeat(np.arange(len(run_start)), n_pieces)
-    offsets = np.cumsum(n_pieces) - n_pieces
-    piece_block = first_blk[piece_run] + np.arange(piece_run.size) - offsets[piece_run]
-    piece_class = run_class[piece_run]
-    piece_min = np.maximum(run_start[piece_run], piece_block * block_size)
-    piece_max = np.minimum(run_end[piece_run] - 1, piece_block * block_size + block_size - 1)
-    return dict(rows=b, nb=nb, cls_word=cls_word, seg_key=seg_key, piece_block=piece_block,
-                piece_class=piece_class, piece_min=piece_min, piece_max=piece_max,
-                block_first_piece=np.searchsorted(piece_block, np.arange(b * nb)))
+    def __init__(self, bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int):
+        b, s = bam.shape
+        nb = -(-s // block_size)
+        self.rows, self.nb, self.block, self.num_blocks = b, nb, block_size, b * nb
+        w = bam.detach().cpu().contiguous().numpy().reshape(-1)
+        g = None if segment_ids is None else segment_ids.detach().cpu().to(torch.int64).contiguous().numpy().reshape(-1)
+        start = _run_starts(w, g, s)
+        end = np.append(start[1:], w.size) - 1  # inclusive
+        word = w[start]
+        if word.size and word.min() < 0:  # every word is some run's word
+            validate(bam)  # raises the bit-63 error
+        keep = np.flatnonzero(word)
+        start, end, word = start[keep], end[keep], word[keep]
+        seg = None if g is None else g[start]
+        if b > 1:
+            row = start // s
+            start, end = start + row * (nb * block_size - s), end + row * (nb * block_size - s)
+            seg = row if seg is None else row * (len(_distinct(seg)) + 1) + _dense_ids(seg)[1]  # (row, segment)
+        self.first, self.last = start, end  # token range of each run on the padded grid
+        self.fb, self.lb = start // block_size, end // block_size
+        words, self.widx = _dense_ids(word)
+        self.before_tab, self.after_tab = _word_tables(tuple(words.tolist()))
+        self.num_runs = r = start.size
+        # the group (segment of a row) of every run, and each group's runs in token order
+        self.group = np.zeros(r, dtype=np.int64) if seg is None else _dense_ids(seg)[1]
+        gsize = np.bincount(self.group)
+        self.by_group = np.argsort(self.group, kind="stable")
+        self.gstart, self.gsize = np.cumsum(gsize) - gsize, gsize
+        # mixed blocks with their pieces (runs starting or ending there), listed in run order and within a run
+        # first block before last block, hence sorted by block
+        shared_first, shared_last = np.zeros(r, dtype=bool), np.zeros(r, dtype=bool)
+        shared_first[1:] = shared_last[:-1] = self.lb[:-1] == self.fb[1:]
+        tail = shared_last & ~(shared_first & (self.lb == self.fb))  # a run inside one block is one piece
+        is_piece = np.stack([shared_first, tail], 1).reshape(-1)
+        piece_blk = np.stack([self.fb, self.lb], 1).reshape(-1)[is_piece]
+        self.piece_run = np.flatnonzero(is_piece) // 2
+        new = np.ones(piece_blk.size, dtype=bool)
+        new[1:] = piece_blk[1:] != piece_blk[:-1]
+        self.mixed, self.piece_m = piece_blk[new], np.cumsum(new) - 1
+        self.x0, self.x1 = self.fb + shared_first, self.lb - shared_last
+        self.stretch = np.flatnonzero(self.x0 <= self.x1)
+        # query sets: one per stretch (its run), then one per mixed block (its pieces' runs)
+        ns = self.stretch.size
+        self.num_q = ns + self.mixed.size
+        self.q_member = np.concatenate([np.arange(ns), ns + self.piece_m])
+        self.r_member = np.concatenate([self.stretch, self.piece_run])
 
+    def attended(self):
+        """The blocks each query set may attend, as two ``(q, lo, length)`` lists of disjoint intervals sorted by
+        (q, lo): key blocks earlier (``before``) and later (``after``) than the query block."""
+        grp = self.group[self.r_member]
+        n = self.gsize[grp]
+        q = np.repeat(self.q_member, n)
+        mem = np.repeat(self.widx[self.r_member], n)
+        key = self.by_group[_spread(self.gstart[grp], n)]
+        out = []
+        for table in (self.before_tab, self.after_tab):
+            ok = table[mem, self.widx[key]]
+            code = _distinct(q[ok] * self.num_runs + key[ok])  # sorted by (q, run); runs are in token order
+            qq, kk = code // max(self.num_runs, 1), code % max(self.num_runs, 1)
+            fb, lb = self.fb[kk], self.lb[kk]
+            prev = np.empty_like(lb)
+            prev[:1] = -1
+            prev[1:] = np.where(qq[1:] == qq[:-1], lb[:-1], -1)  # lb grows along the runs of one q
+            lo = np.maximum(fb, prev + 1)
+            out.append((qq, lo, np.maximum(lb - lo + 1, 0)))
+        return out
 
-def _block_relations(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int):
-    """Per query block: its qset id, the key-block hit tables of each qset, and the diagonal verdict.
+    def diagonal(self) -> np.ndarray:
+        """Per query set, whether its own block holds an allowed pair. A run sees itself at equal positions; a
+        mixed block needs a (query piece, key piece) pair allowed with the query at its last token in the block
+        and the key at its first (the best case for the causal rule)."""
+        words = self.widx[self.stretch]
+        pr, pm, bs = self.piece_run, self.piece_m, self.block
+        cnt = np.bincount(pm, minlength=self.mixed.size)
+        a = np.repeat(np.arange(pr.size), cnt[pm])
+        k = _spread((np.cumsum(cnt) - cnt)[pm], cnt[pm])
+        ra, rk, blk = pr[a], pr[k], self.mixed[pm[a]]
+        key_pos = np.maximum(self.first[rk], blk * bs)
+        query_pos = np.minimum(self.last[ra], blk * bs + bs - 1)
+        wa, wk = self.widx[ra], self.widx[rk]
+        ok = np.where(key_pos <= query_pos, self.before_tab[wa, wk], self.after_tab[wa, wk])
+        ok &= self.group[ra] == self.group[rk]
+        return np.concatenate([self.before_tab[words, words], np.bincount(pm[a], weights=ok, minlength=self.mixed.size) > 0])
 
-    ``hit_before[d, kb]``: a query block with qset ``d`` has an allowed pair in key block ``kb`` if ``kb``
-    comes before it; ``hit_after`` likewise if ``kb`` comes after. Blocks are flattened over rows (classes of
-    different rows never match, so rows cannot mix).
-    """
-    sm = _block_summary(bam, segment_ids, block_size)
-    cw, sk = sm["cls_word"], sm["seg_key"]
-    num_cls, num_blocks = len(cw), sm["rows"] * sm["nb"]
-    one, zero = np.ones_like(cw), np.zeros_like(cw)
-    before = _allowed_np(cw, cw, one, zero, sk, sk)  # [C query class, C key class], key block earlier
-    after = _allowed_np(cw, cw, zero, one, sk, sk)
-    self_ok = np.diagonal(_allowed_np(cw, cw, zero, zero, sk, sk)).copy()
-
-    pb, pc, first = sm["piece_block"], sm["piece_class"], sm["block_first_piece"]
-    per_block = np.diff(np.append(first, pb.size))
-    qset = pc[first].copy()  # uniform blocks: the qset is the one class
-    diag = self_ok[qset]
-    members = np.eye(num_cls, dtype=bool)
-    multi = np.flatnonzero(per_block > 1)
-    if multi.size:
-        in_multi = per_block[pb] > 1
-        mb, mc = pb[in_multi], pc[in_multi]
-        pairs = np.unique(mb * num_cls + mc)
-        pblk, pcls = pairs // num_cls, pairs % num_cls
-        width = int(np.bincount(pblk).max())
-        slot = np.arange(pairs.size) - np.searchsorted(pblk, pblk)
-        row_of = np.searchsorted(multi, pblk)
-        sets = np.full((multi.size, width), -1, dtype=np.int64)
-        sets[row_of, slot] = pcls
-        uniq_sets, set_id = np.unique(sets, axis=0, return_inverse=True)
-        qset[multi] = num_cls + set_id.reshape(-1)
-        extra = np.zeros((len(uniq_sets), num_cls), dtype=bool)
-        r, c = np.nonzero(uniq_sets >= 0)
-        extra[r, uniq_sets[r, c]] = True
-        members = np.concatenate([members, extra])
-        diag[multi] = _diagonal_multi(sm, multi, per_block)
-    hits = []
-    for rel in (before, after):
-        demand = (members.astype(np.int32) @ rel.astype(np.int32)) > 0  # [D, C]
-        hit = demand[:, pc[first]]  # the first piece of every block ...
-        for k in range(1, int(per_block.max())):  # ... OR the k-th piece of blocks holding several
-            blocks = np.flatnonzero(per_block > k)
-            hit[:, blocks] |= demand[:, pc[first[blocks] + k]]
-        hits.append(hit)
-    return sm, qset, hits[0], hits[1], diag
-
-
-def _diagonal_multi(sm: dict, multi: np.ndarray, per_block: np.ndarray, chunk: int = 4096) -> np.ndarray:
-    """Exact diagonal verdict of blocks holding several pieces: any (query piece, key piece) pair allowed."""
-    first, cw, sk = sm["block_first_piece"], sm["cls_word"], sm["seg_key"]
-    width = int(per_block[multi].max())
-    out = np.zeros(multi.size, dtype=bool)
-    for a in range(0, multi.size, chunk):
-        blocks = multi[a:a + chunk]
-        idx = first[blocks, None] + np.arange(width)
-        valid = np.arange(width) < per_block[blocks, None]
-        idx = np.where(valid, idx, 0)
-        cls = sm["piece_class"][idx]
-        word = np.where(valid, cw[cls], 0)  # word 0 = padding: never allowed
-        seg = sk[cls]
-        ok = _allowed_np(word, word, sm["piece_max"][idx], sm["piece_min"][idx], seg, seg)
-        out[a:a + chunk] = ok.any(axis=(1, 2))
-    return out
+    def segments(self):
+        """The block ranges of the query sets: first block and length of every stretch, then the mixed blocks."""
+        x0 = self.x0[self.stretch]
+        return np.concatenate([x0, self.mixed]), np.concatenate([self.x1[self.stretch] - x0 + 1, np.ones_like(self.mixed)])
 
 
 def _as_batch(bam, segment_ids):
-    """``validate`` without its O(S) pass: ``_block_summary`` checks bit 63 on the run words instead."""
+    """``validate`` without its O(S) pass: ``_Blocks`` checks bit 63 on the run words instead."""
     if not isinstance(bam, torch.Tensor) or bam.dtype != torch.int64:
         raise TypeError(f"bam must be an int64 tensor (one word per token), got {getattr(bam, 'dtype', type(bam))}")
     if segment_ids is not None and segment_ids.shape != bam.shape:
@@ -226,49 +284,69 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
-def block_pairs(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Tensor | None = None,
-                chunk: int = 256) -> torch.Tensor:
+def block_pairs(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """bool ``[B, nq, nk]``: whether a query block and a key block hold at least one allowed pair.
 
-    Exact (equal to reducing ``to_dense`` over blocks) without materialising token pairs; ``chunk`` query
-    blocks are expanded at a time. A 1-D ``bam`` gives ``[nq, nk]``.
+    Exact (equal to reducing ``to_dense`` over blocks) without materialising token pairs. A 1-D ``bam`` gives
+    ``[nq, nk]``.
     """
     _check_block_size(block_size)
     bam2, seg2, squeeze = _as_batch(bam, segment_ids)
-    sm, qset, hit_before, hit_after, diag = _block_relations(bam2, seg2, block_size)
-    b, nb = sm["rows"], sm["nb"]
-    out = np.zeros((b, nb, nb), dtype=bool)
+    bl = _Blocks(bam2, seg2, block_size)
+    nbk, nb = bl.num_blocks, bl.nb
+    hits = []
+    for qq, lo, ln in bl.attended():
+        d = np.zeros((bl.num_q, nbk + 1), dtype=np.int64)
+        np.add.at(d, (qq, lo), 1)
+        np.add.at(d, (qq, lo + ln), -1)
+        hits.append(np.cumsum(d, axis=1)[:, :nbk] > 0)
+    start, length = bl.segments()
+    qid = np.full(nbk, -1)
+    qid[_spread(start, length)] = np.repeat(np.arange(bl.num_q), length)
+    diag = bl.diagonal()
+    out = np.zeros((bl.rows, nb, nb), dtype=bool)
     kb = np.arange(nb)
-    for r in range(b):
-        for a in range(0, nb, chunk):
-            qb = np.arange(a, min(a + chunk, nb))
-            d = qset[r * nb + qb]
-            hb, ha = hit_before[d][:, r * nb:(r + 1) * nb], hit_after[d][:, r * nb:(r + 1) * nb]
-            rel = np.where(kb[None] < qb[:, None], hb, ha & (kb[None] > qb[:, None]))
-            rel[np.arange(qb.size), qb] = diag[r * nb + qb]
-            out[r, a:a + qb.size] = rel
+    earlier = kb[None] < kb[:, None]
+    for r in range(bl.rows):
+        blocks = np.arange(r * nb, (r + 1) * nb)
+        has = qid[blocks] >= 0
+        q = qid[blocks][has]
+        rel = np.where(earlier[has], hits[0][q][:, blocks], hits[1][q][:, blocks] & (kb[None] > kb[has][:, None]))
+        rel[np.arange(q.size), kb[has]] = diag[q]
+        out[r, has] = rel
     res = torch.from_numpy(out).to(bam.device)
     return res[0] if squeeze else res
+
+
+def _block_workload(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int) -> np.ndarray:
+    """``block_workload`` of a ``[B,S]`` batch as a numpy ``[B, nb]`` array."""
+    bl = _Blocks(bam, segment_ids, block_size)
+    (qb, lob, lnb), (qa, loa, lna) = bl.attended()
+    start, length = bl.segments()  # the first block of each query set, and how many blocks it spans
+    # attended blocks before and after the first block of each query set, plus its own block
+    before = np.bincount(qb, weights=np.minimum(np.maximum(start[qb] - lob, 0), lnb), minlength=bl.num_q)
+    after = np.bincount(qa, weights=np.minimum(np.maximum(loa + lna - 1 - start[qa], 0), lna), minlength=bl.num_q)
+    work = (before + after).astype(np.int64) + bl.diagonal()
+    # one step along a stretch adds the block left behind if the run sees itself before, and drops the next
+    # block if it sees itself after
+    wr = bl.widx[bl.stretch]
+    slope = np.zeros(bl.num_q, dtype=np.int64)
+    slope[:wr.size] = bl.before_tab[wr, wr].astype(np.int64) - bl.after_tab[wr, wr]
+    out = np.zeros(bl.num_blocks, dtype=np.int64)
+    idx = _spread(start, length)
+    out[idx] = np.repeat(work - slope * start, length) + np.repeat(slope, length) * idx
+    return out.reshape(bl.rows, bl.nb)
 
 
 def block_workload(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Work of each query block: the number of key blocks with at least one allowed pair (W_b), ``[B, nb]``.
 
-    O(S) passes over the words plus O(qsets x blocks) on block summaries, so a 1M-token row at block 128
-    takes about a millisecond; a 1-D ``bam`` gives ``[nb]``.
+    Exact, from the runs of the words: one comparison pass over the words (and one over the segment ids), the
+    rest O(runs + blocks); a 1M-token row at block 128 takes well under a millisecond. A 1-D ``bam`` gives ``[nb]``.
     """
     _check_block_size(block_size)
     bam2, seg2, squeeze = _as_batch(bam, segment_ids)
-    sm, qset, hit_before, hit_after, diag = _block_relations(bam2, seg2, block_size)
-    n = qset.size
-    idx = np.arange(n)
-    # flattened over rows is fine: a qset only hits key blocks of its own row
-    cum_before = np.cumsum(hit_before, axis=1, dtype=np.int32)
-    cum_after = np.cumsum(hit_after, axis=1, dtype=np.int32)
-    earlier = np.where(idx > 0, cum_before[qset, np.maximum(idx - 1, 0)], 0)
-    later = cum_after[qset, -1] - cum_after[qset, idx]
-    work = (earlier.astype(np.int64) + later + diag).reshape(sm["rows"], sm["nb"])
-    res = torch.from_numpy(work).to(bam.device)
+    res = torch.from_numpy(_block_workload(bam2, seg2, block_size)).to(bam.device)
     return res[0] if squeeze else res
 
 

@@ -17,31 +17,35 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
-from torch.utils.data import DistributedSampler
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mm import checkpoint as ckpt
-from lightning_mm.data.balanced import BalancedBatchSampler, BalancedCollate, BalancedDataset, metadata_works
+from lightning_mm.data.balanced import (BalancedBatchSampler, BalancedCollate, BalancedDataset,
+                                        balancing_obstacle, metadata_works)
 from lightning_mm.data.microbatch import PLAN_KEY
-from lightning_mm.data.resumable import ResumableDataLoader, resumable
+from lightning_mm.data.resumable import ResumableDataLoader, loader_options, resumable
 from lightning_mm.faults import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
+from lightning_mm.fault_tolerance import FaultTolerance, FaultTolerantTraining, as_fault_tolerance
 from lightning_mm.model.loading import materialise
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.parallel.comm import check_backend
 from lightning_mm.parallel.engine import PipelineEngine, check_same_batch
 from lightning_mm.parallel.sharding import SHARDING_STRATEGIES
 from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, dtensor_parameters_pinned
+from lightning_mm.parallel.context import check_context_parallel
 from lightning_mm.plan.balance import METHODS as BALANCING_METHODS, plan_batch
 from lightning_mm.plan.layout import ParallelSpec, RankLayout, build_layout
 from lightning_mm.planner.model_costs import resolve_partition
+from lightning_mm.planner.heterogeneity import num_pipeline_stages
 from lightning_mm.planner.workload import WorkloadModel
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 DEFAULT_FAULT_TIMEOUT = 60.0  # seconds: a dead rank ends the others well before DEFAULT_TIMEOUT
+DEFAULT_BALANCING = "entrain"  # where the training loader allows it
 
 
 class MultimodalParallelStrategy(DDPStrategy):
@@ -64,7 +68,9 @@ class MultimodalParallelStrategy(DDPStrategy):
     ``process_group_backend="gloo"`` (pipeline and data parallelism; stage messages go through host memory).
     ``batch_balancing`` places each global batch's samples over replicas and microbatches by their encoder and LLM
     work ("none": contiguous slices; "disttrain"; "entrain", which also defers LLM work of an overloaded
-    microbatch to the next one; docs/balancing.md).
+    microbatch to the next one; docs/balancing.md). The default (None) is "entrain" where the training loader
+    allows it (a map-style data set with ``sample_metadata``, a DistributedSampler and a batch size) and "none"
+    otherwise; a method given by name raises when the loader cannot serve it.
     """
 
     strategy_name = "multimodal"
@@ -76,7 +82,7 @@ class MultimodalParallelStrategy(DDPStrategy):
                  timeout: timedelta | None = DEFAULT_TIMEOUT, start_method: str = "popen",
                  save_frozen_parameters: bool = False, fault_timeout: float | None = DEFAULT_FAULT_TIMEOUT,
                  activation_checkpointing: bool = False, sharding_strategy: str = "NO_SHARD",
-                 batch_balancing: str = "none", accelerator=None,
+                 batch_balancing: str | None = None, fault_tolerance: FaultTolerance | None = None, accelerator=None,
                  parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None, **unknown):
         if unknown:
             known = [p for p in inspect.signature(MultimodalParallelStrategy.__init__).parameters
@@ -105,7 +111,7 @@ class MultimodalParallelStrategy(DDPStrategy):
             raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}; use one of {SHARDING_STRATEGIES} "
                              "(the names of Lightning's FSDPStrategy)")
         self.sharding_strategy = sharding_strategy
-        if batch_balancing not in BALANCING_METHODS:
+        if batch_balancing is not None and batch_balancing not in BALANCING_METHODS:
             raise ValueError(f"unknown batch_balancing {batch_balancing!r}; use one of {BALANCING_METHODS}")
         self.batch_balancing = batch_balancing
         self.batch_plans: list[dict] = []
@@ -121,6 +127,8 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.model_fingerprint: dict[str, list[int]] = {}
         self.trainable_names: list[str] = []
         self._accumulating = False
+        self.fault_tolerance = as_fault_tolerance(fault_tolerance)  # torchft replica groups (fault_tolerance.py)
+        self.ft = FaultTolerantTraining(self.fault_tolerance, self) if self.fault_tolerance is not None else None
 
     # ------------------------------------------------------------------ layout, before any process group
     def multimodal_model(self) -> MultimodalModel:
@@ -146,6 +154,7 @@ class MultimodalParallelStrategy(DDPStrategy):
                                 list(model.encoders))
         layout = build_layout(specs, self.language_model_spec, world, self.encoder_placement, list(model.encoders))
         check_tensor_parallel(model, {e: s.tp for e, s in specs.items()}, self.language_model_spec.tp)
+        check_context_parallel(model, self.language_model_spec)
         return layout
 
     def setup_environment(self) -> None:
@@ -191,6 +200,8 @@ class MultimodalParallelStrategy(DDPStrategy):
             yield
 
     def setup(self, trainer) -> None:
+        if self.ft is not None and trainer.state.fn == TrainerFn.FITTING:
+            self.ft.check_before_setup(trainer)  # unservable settings, an unreachable lighthouse: before any build
         self.accelerator.setup(trainer)
         module, model = self.lightning_module, self.multimodal_model()
         if self.engine is None or self.engine.model is not model:
@@ -208,6 +219,8 @@ class MultimodalParallelStrategy(DDPStrategy):
                                    "trainer.init_module()") from e
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.ft is not None:
+                self.ft.connect(trainer)
         self.setup_precision_plugin()
         self.use_sharded_grad_scaler()
 
@@ -252,6 +265,8 @@ class MultimodalParallelStrategy(DDPStrategy):
     # The engine enters the precision plugin's forward context around each stage forward and scales the loss
     # itself, so the steps are not wrapped in autocast as a whole (backward would run under it).
     def training_step(self, *args, **kwargs):
+        if self.ft is not None:  # the quorum, then this step's share of the global batch
+            args = (self.ft.begin_step(args[0]), *args[1:])
         return self.lightning_module.training_step(*args, **kwargs)
 
     def validation_step(self, *args, **kwargs):
@@ -308,6 +323,8 @@ class MultimodalParallelStrategy(DDPStrategy):
             opt.zero_grad()
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        if self.ft is not None:  # the closure repeats until the replica groups commit it
+            closure = self.ft.committed(closure, optimizer)
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         optimizer.zero_grad()  # see MultimodalLightningModule.optimizer_zero_grad
         return out
@@ -322,33 +339,33 @@ class MultimodalParallelStrategy(DDPStrategy):
         training batches are placed over replicas and microbatches by ``batch_balancing``."""
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.ft is not None and trainer is not None and trainer.training:
+            return self.ft.training_loader(dataloader)  # samples are chosen per step, after the quorum
         if self.batch_balancing != "none" and trainer is not None and trainer.training:
-            return self.balanced_dataloader(dataloader)
+            obstacle = balancing_obstacle(dataloader)
+            if self.batch_balancing is not None or not obstacle:
+                return self.balanced_dataloader(dataloader, self.batch_balancing or DEFAULT_BALANCING)
+            rank_zero_info(f"batch_balancing: the training loader is not balanced ({obstacle}); its batches are cut "
+                           "into contiguous microbatches")
         return resumable(dataloader)
 
-    def balanced_dataloader(self, dataloader):
+    def balanced_dataloader(self, dataloader, method: str):
         """The training loader rebuilt over balanced global batches (``data/balanced.py``): the same samples per
         step as its DistributedSampler gives every replica, placed by ``plan_batch(method=batch_balancing)``."""
-        sampler = getattr(dataloader, "sampler", None)
-        if not isinstance(sampler, DistributedSampler) or dataloader.batch_size is None:
-            raise TypeError(f"batch_balancing={self.batch_balancing!r} rebuilds the training loader from its "
-                            f"DistributedSampler and batch_size, but got a {type(dataloader).__name__} with sampler "
-                            f"{type(sampler).__name__}; keep Lightning's use_distributed_sampler=True and a map-style "
-                            "data set with a batch_size, or set batch_balancing='none'")
-        model = self.multimodal_model()
-        method = self.batch_balancing
+        obstacle = balancing_obstacle(dataloader)
+        if obstacle:
+            raise TypeError(f"batch_balancing={method!r} cannot serve this training loader: {obstacle}; keep "
+                            "Lightning's use_distributed_sampler=True, a map-style data set with sample_metadata(i) "
+                            "and a batch_size, or set batch_balancing='none'")
+        sampler, model = dataloader.sampler, self.multimodal_model()
+        depth = num_pipeline_stages(self.engine.graph)  # DistTrain orders microbatches to fill this pipeline
         batches = BalancedBatchSampler(
             sampler.dataset, dataloader.batch_size, self.layout.dp, self.layout.coordinate(self.global_rank).dp,
-            self.num_microbatches, plan=lambda enc, llm, r, k: plan_batch(enc, llm, r, k, method),
+            self.num_microbatches, plan=lambda enc, llm, r, k: plan_batch(enc, llm, r, k, method, num_stages=depth),
             work=metadata_works(sampler.dataset, self.workload), shuffle=sampler.shuffle,
             seed=sampler.seed, drop_last=sampler.drop_last)
-        kw = dict(num_workers=dataloader.num_workers, pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
-                  worker_init_fn=dataloader.worker_init_fn, multiprocessing_context=dataloader.multiprocessing_context,
-                  persistent_workers=dataloader.persistent_workers)
-        if dataloader.num_workers:
-            kw["prefetch_factor"] = dataloader.prefetch_factor
-        return ResumableDataLoader(BalancedDataset(sampler.dataset), batch_sampler=batches,
-                                   collate_fn=BalancedCollate(dataloader.collate_fn, model.placeholder_ids), **kw)
+        kw = {**loader_options(dataloader), "collate_fn": BalancedCollate(dataloader.collate_fn, model.placeholder_ids)}
+        return ResumableDataLoader(BalancedDataset(sampler.dataset), batch_sampler=batches, **kw)
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -450,6 +467,8 @@ class MultimodalParallelStrategy(DDPStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        if self.ft is not None:
+            self.ft.shutdown()
         if self.watchdog is not None:
             self.watchdog.finish()
             self.watchdog = None

@@ -1,9 +1,13 @@
 """The README's examples run through the installed console script."""
 
+import re
 import shutil
 import subprocess
 
 import pytest
+
+# Lightning's note when a LightningModule has a validation_step and the data no validation set (val_samples=0)
+ABOUT_THE_CONFIG = "You defined a `validation_step` but have no `val_dataloader`. Skipping val loop."
 
 
 @pytest.mark.parametrize("config", ["examples/tiny_vlm.yaml",
@@ -18,6 +22,11 @@ def test_cli_example_trains(config, tmp_path):
     assert "max_steps=6" in proc.stderr + proc.stdout
     assert [p.parent.name for p in tmp_path.rglob("loss.png")] == ["version_0"]  # beside metrics.csv
     assert (next(tmp_path.rglob("loss.png")).parent / "metrics.csv").exists()
+    # the only warning is about the configuration (no validation data); the bar shows steps of max_steps
+    warned = [line for line in proc.stderr.splitlines() if re.match(r"\S+\.py:\d+: ", line)]
+    assert all(ABOUT_THE_CONFIG in line for line in warned), warned
+    assert "Epoch 0 · steps" in proc.stdout and "6/6" in proc.stdout and "/-" not in proc.stdout, proc.stdout
+    assert "v_num: 0 " in proc.stdout and "v_num: 0.000" not in proc.stdout, proc.stdout
 
 
 def test_gpu_examples_parse_to_the_model_and_layout_they_describe():

@@ -78,6 +78,48 @@ def test_block_workload_equals_dense_on_arbitrary_words():
         assert torch.equal(masks.block_workload(bam, block, seg), ref.sum(-1)), trial
 
 
+@pytest.mark.parametrize("layout", masks.LAYOUTS)
+def test_block_workload_and_lpt_equal_the_previous_implementation_on_long_rows(layout):
+    """The run-length workload and the LPT that deals equal-work runs in one step give exactly the numbers and
+    plans of the per-block-summary workload and the one-heap-operation-per-block LPT they replaced."""
+    from tests.helpers import block_workload_reference as ref
+
+    for seed, (s, block, batch) in enumerate([(65536, 128, 1), (40000, 100, 2), (30001, 64, 3), (9000, 7, 1)]):
+        bam, seg = masks.random_bam(layout, s, 3, batch, seed)
+        if seed % 2:  # padding inside rows and at their ends
+            bam[:, s // 3:s // 3 + 200] = 0
+            bam[-1, -(s // 5):] = 0
+        work = masks.block_workload(bam, block, seg)
+        assert torch.equal(work, ref.block_workload(bam, block, seg))
+        for size in (2, 5, 8, 16):
+            plan = cp.distribute(bam, size, "lpt", block, seg)
+            expected = ref.lpt_assign(work.sum(0), size)
+            assert [p.tolist() for p in plan] == [p.tolist() for p in expected]
+
+
+def test_lpt_equals_one_heap_operation_per_block():
+    from tests.helpers import block_workload_reference as ref
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(400):
+        n, size = int(torch.randint(1, 300, (1,), generator=gen)), int(torch.randint(1, 17, (1,), generator=gen))
+        if n < size:
+            continue
+        kind = trial % 4
+        if kind == 0:  # few distinct values: long equal runs
+            work = torch.randint(0, 4, (n,), generator=gen)
+        elif kind == 1:
+            work = torch.randint(0, 1000, (n,), generator=gen)
+        elif kind == 2:  # an image's blocks after large text blocks: keys spread more than the equal step
+            work = torch.cat([torch.randint(500, 1000, (n // 3,), generator=gen),
+                              torch.full((n - n // 3,), int(torch.randint(0, 10, (1,), generator=gen)))])
+        else:
+            work = torch.randint(0, 50, (max(1, n // 30),), generator=gen).repeat_interleave(30)[:n]
+        assert [p.tolist() for p in cp.lpt_assign(work, size)] == [p.tolist() for p in ref.lpt_assign(work, size)]
+    huge = torch.cat([torch.randint(0, 1 << 40, (60,), generator=gen), torch.full((40,), 1 << 39)])  # integer keys
+    assert [p.tolist() for p in cp.lpt_assign(huge, 8)] == [p.tolist() for p in ref.lpt_assign(huge, 8)]
+
+
 def test_block_workload_1d_and_hand_case():
     t, a = masks.text_word(1), masks.modality_word(1, 1)
     # blocks of 2: [a a][t t][a t][t t] -> block 0 sees itself; 1 sees 0,1; 2 sees 0,1,2 (a sees a of 0);
@@ -272,6 +314,95 @@ def _cp_worker(rank, world, init_file, configs):
 def test_cp_attention_matches_single_process(world, configs):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_cp_worker, args=(world, os.path.join(tmp, "store"), configs), nprocs=world, join=True)
+
+
+def _ulysses_worker(rank, world, init_file, mode, degree):
+    from lightning_mm.attention.ulysses import ContextParallelGroups, ulysses_attention
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        if mode == "hybrid":  # every rank creates every group, in the same order
+            inner = [dist.new_group(list(range(g * degree, (g + 1) * degree))) for g in range(world // degree)]
+            outer = [dist.new_group(list(range(j, world, degree))) for j in range(degree)]
+            groups = ContextParallelGroups("hybrid", None, inner[rank // degree], outer[rank % degree])
+        else:
+            groups = ContextParallelGroups("ulysses", None, None)
+        block = 4
+        for i, (layout, method) in enumerate(CASES):
+            for kv_heads in (2, 1):  # 1 < degree: each rank gets a copy of the one KV head
+                bam, seg, q, k, v, dout = _full_problem(layout, i, kv_heads=kv_heads)
+                s = bam.shape[1]
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                ref = dense_attention(*leaves, bam, seg, 8 ** -0.5)
+                ref.backward(dout)
+                plan = cp.distribute(bam, world, method, block, seg, seed=i, ulysses=degree)
+                mine = plan[rank]
+                sh = lambda t, d=2: cp.shard(t, mine, block, d)  # noqa: E731
+                idx = cp.token_index(mine, block, s).expand(2, -1)
+                lq, lk, lv = (sh(t).detach().requires_grad_() for t in (q, k, v))
+                cache = {}  # a second layer reuses the gathered metadata; the gradients of both add up
+                outs = [ulysses_attention(lq, lk, lv, sh(bam, 1), None if seg is None else sh(seg, 1), idx, groups,
+                                          cache=cache) for _ in range(2)]
+                out = outs[1]
+                (outs[0] + outs[1]).backward(sh(dout))
+                ctx = f"rank {rank}/{world} {mode} K={degree} {layout} {method} kv_heads={kv_heads}"
+                torch.testing.assert_close(out, sh(ref.detach()), rtol=1e-9, atol=1e-10, msg=ctx)
+                for name, got, full in (("dq", lq, leaves[0]), ("dk", lk, leaves[1]), ("dv", lv, leaves[2])):
+                    torch.testing.assert_close(got.grad, 2 * sh(full.grad), rtol=1e-9, atol=1e-10,
+                                               msg=f"{name} {ctx}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,mode,degree", [pytest.param(2, "ulysses", 2, marks=pytest.mark.ci), (4, "ulysses", 4),
+                                               (4, "hybrid", 2)])
+def test_ulysses_and_hybrid_attention_match_single_process(world, mode, degree):
+    """Output and dQ/dK/dV of Ulysses (all-to-all over cp ranks) and hybrid (Ulysses in groups of 2, all-gather
+    across) equal dense attention on the whole sequence in one process, on EP/EE/MP with every distribution
+    (uneven local lengths), with 4 query heads and 2 or 1 KV heads (fewer than the Ulysses ranks: repeated)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_ulysses_worker, args=(world, os.path.join(tmp, "store"), mode, degree), nprocs=world, join=True)
+
+
+def test_ulysses_specs_and_plans():
+    from lightning_mm.attention.ulysses import check_ulysses_heads
+    from lightning_mm.plan.layout import ParallelSpec
+
+    assert ParallelSpec(cp=4, cp_mode="ulysses").ulysses_degree == 4
+    assert ParallelSpec(cp=8, cp_mode="hybrid", ulysses=2).ulysses_degree == 2
+    assert ParallelSpec(cp=4).ulysses_degree == 1 and ParallelSpec(cp_mode="ulysses").ulysses_degree == 1
+    with pytest.raises(ValueError, match=r"needs ulysses = K with 1 < K < cp and K dividing cp=6.*choose K in \[2, 3\]"):
+        ParallelSpec(cp=6, cp_mode="hybrid", ulysses=4)
+    with pytest.raises(ValueError, match="cp=2 has no such divisor: use cp_mode='ulysses'"):
+        ParallelSpec(cp=2, cp_mode="hybrid", ulysses=2)
+    with pytest.raises(ValueError, match="needs cp_mode='hybrid'"):
+        ParallelSpec(cp=4, ulysses=2)
+    with pytest.raises(ValueError, match="use cp_mode='hybrid' with ulysses=2"):
+        ParallelSpec(cp=4, cp_mode="ulysses", ulysses=2)
+    with pytest.raises(ValueError, match="unknown cp_mode 'ring'"):
+        ParallelSpec(cp=4, cp_mode="ring")
+    with pytest.raises(ValueError, match="6 query heads are not divisible by the Ulysses degree 4"):
+        check_ulysses_heads(6, 2, 4)
+    with pytest.raises(ValueError, match="3 key/value heads cannot be split over 2 Ulysses ranks"):
+        check_ulysses_heads(6, 3, 2)
+    check_ulysses_heads(8, 2, 4)  # KV heads repeated
+    check_ulysses_heads(8, 8, 4)
+    # plans: groups of K ranks share the LPT group's blocks round-robin; short sequences still give every rank blocks
+    bam, seg = masks.random_bam("mp", 300, 2, 2, 0)
+    groups = cp.distribute(bam, 2, "lpt", 8, seg)
+    plan = cp.distribute(bam, 4, "lpt", 8, seg, ulysses=2)
+    assert [p.tolist() for p in plan] == [groups[0][0::2].tolist(), groups[0][1::2].tolist(),
+                                          groups[1][0::2].tolist(), groups[1][1::2].tolist()]
+    whole = cp.distribute(bam, 4, "zigzag", 8, seg, ulysses=4)
+    assert [p.tolist() for p in whole] == [list(range(j, 38, 4)) for j in range(4)]
+    short = masks.random_bam("ep", 16, 2, 1, 0)[0]  # 4 blocks of 4 for 4 ranks in 2 groups
+    plan = cp.distribute(short, 4, "lpt", 4, None, ulysses=2)
+    cp.validate_plan(plan, 4, 4)
+    assert all(len(p) == 1 for p in plan)
+    with pytest.raises(ValueError, match="must be a positive divisor of cp_size=4"):
+        cp.distribute(bam, 4, "lpt", 8, seg, ulysses=3)
 
 
 def test_cp_attention_input_errors():

@@ -415,7 +415,7 @@ def metadata_processor(kind: str, folder: Path):
         return proc, make_model(), {}
     if kind == "audio_whisper":
         return proc, make_model(audio=True), {}
-    # Qwen2-Audio: tokens follow the feature mask, frame-level when asked for, else the config's sample-level one
+    # Qwen2-Audio: tokens follow the frame-level feature mask, asked for in the call or by the config
     WhisperFeatureExtractor(feature_size=16, chunk_length=1, return_attention_mask=True).save_pretrained(proc / "audio")
     model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip")),
                                  "audio": lmm.ModalityEncoder(tiny_encoder("qwen2_audio"), projector="linear")}, llm)
@@ -423,7 +423,7 @@ def metadata_processor(kind: str, folder: Path):
 
 
 @pytest.mark.parametrize("kind", ["siglip", "clip", "clip_no_crop", "qwen2_vl", "audio_whisper",
-                                  "audio_qwen2_frame_mask", "audio_qwen2_sample_mask"])
+                                  "audio_qwen2_frame_mask", "audio_qwen2_config_mask"])
 def test_sample_metadata_counts_what_the_encoded_sample_holds_without_decoding(tmp_path, kind, monkeypatch):
     from lightning_mm.data import conversation
     from lightning_mm.data.metadata import metadata_of

@@ -72,3 +72,16 @@ def test_single_process_training_reduces_loss(model):
     trainer.fit(module, dm)
     assert sum(losses[-6:]) / 6 < sum(losses[:6]) / 6 - 0.15
     assert "train/tokens_per_s" in trainer.callback_metrics
+
+
+def test_without_validation_data_there_is_no_validation_loader(model):
+    """No ``val_samples`` / ``val_data_path``: the data modules offer no ``val_dataloader`` (Lightning then runs no
+    validation loop; an empty list made it warn "Total length of `list` across ranks is zero")."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    none, some = (lmm.data.SyntheticMultimodalDataModule(batch_size=2, val_samples=n, model=model) for n in (0, 4))
+    assert not is_overridden("val_dataloader", none) and is_overridden("val_dataloader", some)
+    assert len(some.val_dataloader()) == 2
+    proc = lmm.data.MultimodalProcessor.__new__(lmm.data.MultimodalProcessor)  # never used: nothing is read
+    conv = [lmm.data.ConversationDataModule("train.json", processor=proc, val_data_path=v) for v in (None, "val.json")]
+    assert not is_overridden("val_dataloader", conv[0]) and is_overridden("val_dataloader", conv[1])

@@ -282,6 +282,11 @@ def test_module_takes_a_folder_and_unimodal_save_writes_parts(tmp_path):
     manifest = parts.save_pretrained(tmp_path / "parts")
     assert set(manifest["encoders"]) == {"vision"}
     assert os.path.isfile(tmp_path / "parts" / "language_model" / "config.json")
+    back = lmm.MultimodalModel.from_pretrained(tmp_path / "parts")  # reads the parts folder it wrote
+    assert back.placeholder_ids == parts.placeholder_ids
+    mine = dict(parts.named_parameters())
+    for name, p in back.named_parameters():
+        torch.testing.assert_close(p, mine[name], rtol=0, atol=0, msg=name)
 
 
 def _run_case(case: dict, tmp_path, name: str):

@@ -160,38 +160,20 @@ def test_encoder_tower_of_a_whole_model_folder(name, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- pruned stages
 def _spy_reads(fn) -> set[str]:
-    """The tensor keys ``fn`` reads through ``safetensors.safe_open`` (get_tensor / get_slice)."""
-    import safetensors
+    """The tensor keys ``fn`` reads from safetensors files (``loading._load_tensor``: one call per tensor read)."""
+    from lightning_mm.model import loading
 
-    real, read = safetensors.safe_open, []
+    real, read = loading._load_tensor, []
 
-    class Spy:
-        def __init__(self, *args, **kwargs):
-            self.f = real(*args, **kwargs)
+    def spy(f, start, header, key, target, device):
+        read.append(key)
+        return real(f, start, header, key, target, device)
 
-        def __enter__(self):
-            self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def get_tensor(self, key):
-            read.append(key)
-            return self.f.get_tensor(key)
-
-        def get_slice(self, key):
-            read.append(key)
-            return self.f.get_slice(key)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-    safetensors.safe_open = Spy
+    loading._load_tensor = spy
     try:
         fn()
     finally:
-        safetensors.safe_open = real
+        loading._load_tensor = real
     assert len(read) == len(set(read)), "a tensor was read twice"
     return set(read)
 
@@ -554,6 +536,42 @@ def test_a_quarter_stage_of_a_large_model_costs_a_quarter_of_its_memory(tmp_path
     assert grown["folder"] < total / 2 and grown["random"] < total / 2
     # in fact the stage plus about one tensor (reading) or one layer's CPU copy (random init)
     assert grown["folder"] < 1.5 * 3 * layer and grown["random"] < 1.5 * 3 * layer
+
+
+def test_reads_go_straight_into_blocks_of_any_layout(tmp_path):
+    """The reader fills a tensor of the block's size from the file (one read per contiguous run): whole tensors and
+    the blocks a DTensor rank holds (rows, columns, a middle cut) equal slicing the stored tensor, for every dtype."""
+    g = torch.Generator().manual_seed(0)
+    stored = {"f32": torch.randn(6, 5, 4, generator=g), "bf16": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+              "i64": torch.arange(24).reshape(4, 6), "flag": torch.rand(5, 2, generator=g) > 0.5,
+              "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 3)}
+    path = str(tmp_path / "t.safetensors")
+    save_file(stored, path)
+    start, header = loading._raw_header(path)
+    with open(path, "rb", buffering=0) as f:
+        for key, value in stored.items():
+            entry = header[key]
+            dtype, offset = loading._SAFETENSORS_DTYPES[entry["dtype"]], start + entry["data_offsets"][0]
+            assert torch.equal(loading._read_block(f, offset, dtype, entry["shape"], None), value), key
+            if value.dim() < 2 or not value.numel():
+                continue
+            n0, n1 = value.shape[:2]
+            for region in [(slice(1, n0 - 1),), (slice(0, n0), slice(1, n1)), (slice(2, 3), slice(0, 1)),
+                           (slice(0, n0), slice(1, 2))]:
+                region = region + tuple(slice(0, n) for n in value.shape[len(region):])
+                got = loading._read_block(f, offset, dtype, entry["shape"], region)
+                assert got.is_contiguous() and torch.equal(got, value[region]), (key, region)
+
+
+def test_materialise_converts_the_stored_dtype_to_the_parameters(tmp_path):
+    """A bf16 folder read into an fp32 model built on meta: the values are the stored ones, in fp32."""
+    lm = tiny_language_model("llama").to(torch.bfloat16)
+    path = _save(lm, tmp_path / "bf16")
+    with torch.device("meta"):
+        lazy = load_language_model(path)  # parameters take the default dtype, fp32
+    materialise(lazy, "cpu")
+    for (n, a), (_, b) in zip(lazy.named_parameters(), lm.named_parameters()):
+        assert a.dtype == torch.float32 and torch.equal(a, b.float()), n
 
 
 # ---------------------------------------------------------------------------------------------- sharded (FSDP2)

@@ -454,7 +454,7 @@ def test_write_profile_times_the_model_in_the_trainers_precision(tmp_path, monke
 
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_mm.planner.plan_cli import main as plan
+    from lightning_mm.cli import plan_main as plan
 
     entered = []
     original = MixedPrecision.forward_context
@@ -475,3 +475,68 @@ def test_write_profile_times_the_model_in_the_trainers_precision(tmp_path, monke
     assert set(data["modules"]) == {"vision", "audio", "language_model"}
     assert all(f > 0 for layers in data["modules"].values() for layer in layers
                for f, _, _ in layer["samples"].values())
+
+
+# ---------------------------------------------------------------------------------- plan on the data's statistics
+def test_data_stats_scale_the_costs_to_the_datas_mean_work():
+    """`plan --data-stats` scales each module's costs by (mean work per sample x samples) / (the microbatch's
+    work as counted): data whose samples all equal the microbatch's leave them unchanged."""
+    from types import SimpleNamespace
+
+    from lightning_mm import MultimodalModel, ModalityEncoder, ParallelSpec
+    from lightning_mm.data import MultimodalCollator, SyntheticMultimodalDataModule
+    from lightning_mm.model import tiny_encoder, tiny_language_model
+    from lightning_mm.planner.data_stats import microbatch_work, plan_data_stats
+    from lightning_mm.planner.model_costs import model_layer_costs
+    from lightning_mm.planner.workload import WorkloadModel
+
+    torch.manual_seed(0)
+    model = MultimodalModel({"vision": ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model("llama"))
+    strategy = SimpleNamespace(encoder_specs=None, language_model_spec=ParallelSpec(), encoder_placement="parallel")
+    trainer = SimpleNamespace(strategy=strategy, num_devices=4, num_nodes=1)  # vision + LLM rank: dp 2
+    for text, items, same in (((16, 16), (1, 1), True), ((4, 40), (0, 3), False)):
+        dm = SyntheticMultimodalDataModule(num_samples=24, batch_size=4, text_tokens=text, items_per_sample=items,
+                                           model=model)
+        data = dm.train_dataloader().dataset
+        batch = MultimodalCollator(model)([data[i] for i in range(4)])
+        costs = model_layer_costs(model, batch=batch)
+        stats, scaled, factors = plan_data_stats(model, dm, trainer, batch, costs, devices=8)
+        assert stats.num_samples == 24 and stats.gpus == 4 and stats.profiling.trials == 59  # 8 devices / dp 2
+        if same:
+            assert factors == pytest.approx({"vision": 1.0, "language_model": 1.0})
+        else:
+            workload = WorkloadModel.from_model(model)
+            counted, samples = microbatch_work(model, workload, batch)
+            metas = [data.sample_metadata(i) for i in range(24)]
+            mean_llm = sum(workload.llm_work(m) for m in metas) / 24
+            assert samples == 4 and factors["language_model"] == pytest.approx(mean_llm * 4 / counted[1])
+            assert factors["language_model"] < 1  # the padded first batch overstates the LLM's work
+        for module, layer_costs in costs.items():
+            for c, s in zip(layer_costs, scaled[module]):
+                assert s.forward == pytest.approx(c.forward * factors[module])
+                assert (s.trainable, s.in_backward) == (c.trainable, c.in_backward)
+
+
+def test_plan_cli_data_stats_on_conversation_data(tmp_path, capsys):
+    """`lightning-mm plan --data-stats` on a conversation YAML: the metadata of every record (no pixels), the
+    vision:text workload ratio with its spread, b_min, and both plans costed on the data."""
+    import runpy
+    from pathlib import Path
+
+    from lightning_mm.cli import plan_main as plan
+
+    root = Path(__file__).resolve().parents[1]
+    data = tmp_path / "data"
+    runpy.run_path(str(root / "examples/make_conversation_data.py"))["main"]([str(data), "--records", "24"])
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(f"trainer:\n  devices: 2\n  strategy: multimodal\ndata:\n  init_args:\n"
+                     f"    data_path: {data}/train.json\n    media_root: {data}/images\n"
+                     f"    processor: {data}/processor\n    cache_dir: {tmp_path}/cache\n")
+    plan(["--config", str(root / "examples/conversation.yaml"), "--config", str(extra), "--devices", "4",
+          "--data-stats", "--out", str(tmp_path / "plan")])
+    out = capsys.readouterr().out
+    assert "vision:language_model workload ratio" in out and "per sample mean" in out and "p95" in out
+    assert "profiling batch (Bernoulli test, k = 59 batches): b_min = " in out
+    assert "of 4 GPUs per replica" in out
+    assert "costs scaled to the data's mean work: vision x" in out
+    assert "auto search on 4 devices" in out and (tmp_path / "plan" / "auto.trace.json").exists()

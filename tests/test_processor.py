@@ -41,3 +41,20 @@ def test_processor_and_collator_on_real_inputs():
     assert torch.isfinite(model(**batch).loss)
     with pytest.raises(ValueError, match="modality 'vision': the text has 2 '<image>' markers but 1 items"):
         proc("<image> <image>", vision=[rng.random((32, 32, 3))])
+
+
+def test_qwen2_audio_clip_tokens_follow_the_frame_mask_its_config_asks_for():
+    """A feature extractor whose config says return_attention_mask=True gives the frame-level mask (one entry per
+    feature frame) without being asked in the call, so a clip's token count follows its real length (called
+    without it, Whisper's extractor returns the padding's sample-level mask: 16000 entries for a 1 s window)."""
+    model = lmm.MultimodalModel({"audio": lmm.ModalityEncoder(tiny_encoder("qwen2_audio"), projector="linear")},
+                                tiny_language_model())
+    audio = WhisperFeatureExtractor(feature_size=16, chunk_length=1, return_attention_mask=True)
+    proc = lmm.data.MultimodalProcessor(model, word_tokenizer(), {"audio": audio}, {"audio": "<audio>"},
+                                        {"audio": {"sampling_rate": 16000}})
+    out = proc.encode_items("audio", [np.zeros(8000, dtype=np.float32), np.zeros(16000, dtype=np.float32)])
+    frames = out["input_features"].shape[-1]
+    assert out["feature_attention_mask"].shape == (2, frames)
+    assert out["feature_attention_mask"].sum(1).tolist() == [frames // 2, frames]
+    short, full = model.encoders["audio"].num_tokens(out)
+    assert 0 < short < full <= frames

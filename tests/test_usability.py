@@ -61,6 +61,41 @@ def test_plan_headers_carry_units_and_files_go_under_the_log_dir(tmp_path, monke
 
 
 # ------------------------------------------------------------------------------------------------ a default run
+@pytest.mark.parametrize("bounds", [{"max_steps": 7}, {"max_epochs": 2}])
+def test_progress_bar_shows_steps_of_max_steps_and_only_real_bounds(bounds, tmp_path):
+    """StepProgressBar (the examples' bar): with max_steps the training bar counts optimizer steps against it across
+    epochs (4 batches per epoch, 7 steps: the second epoch starts at 4/7), the description names no epoch bound
+    when there is none (Lightning's reads "Epoch 0/-2"), and the logger's version prints as an integer."""
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_mm.callbacks import StepProgressBar
+
+    seen = []
+
+    class Recording(StepProgressBar):
+        def _update(self, progress_bar_id, current, visible=True, hard=False):
+            if progress_bar_id is not None and progress_bar_id == self.train_progress_bar_id:
+                task = self.progress.tasks[progress_bar_id]
+                seen.append((self.trainer.current_epoch, task.description, current, task.total))
+            super()._update(progress_bar_id, current, visible, hard)
+
+    bar = Recording()
+    trainer = L.Trainer(accelerator="cpu", devices=1, limit_train_batches=4, limit_val_batches=0,
+                        callbacks=[bar], logger=CSVLogger(tmp_path), enable_checkpointing=False,
+                        enable_model_summary=False, **bounds)
+    trainer.fit(BoringModel())
+    assert bar.get_metrics(trainer, trainer.lightning_module)["v_num"] == "0"
+    last = {epoch: (desc, current, total) for epoch, desc, current, total in seen}
+    if "max_steps" in bounds:
+        assert [c for _, _, c, _ in seen if c] == [1, 2, 3, 4, 4, 5, 6, 7]  # steps, on from epoch 0 into epoch 1
+        assert {total for *_, total in seen} == {7}
+        assert last[1][0].strip() == "Epoch 1 · steps"
+    else:  # bounded by epochs: Lightning's count of the epoch's batches, with its bound
+        assert last[0][0].strip() == "Epoch 0/1" and last[1][1:] == (4, 4)
+
+
 @pytest.mark.slow
 @pytest.mark.ci
 def test_defaults_under_the_strategy(tmp_path):

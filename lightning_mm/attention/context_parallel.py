@@ -109,7 +109,7 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bam, segment_ids, token_index, group, scale, head_groups, backend, cache):
-        from lightning_mm.attention import bitfield_attention
+        from lightning_mm.attention.dispatch import bitfield_attention
 
         b, hq, s, d = q.shape
         hkv = k.shape[1]

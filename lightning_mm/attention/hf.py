@@ -30,7 +30,7 @@ _OWN_KWARGS = ("bam", "segment_ids", "token_index", "cp_group", "cp_cache")
 def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                           bam=None, segment_ids=None, token_index=None, cp_group=None, **kwargs):
     """AttentionInterface function: query ``[B,H,S,D]`` -> ``([B,S,H,D], None)``."""
-    from lightning_mm.attention import bitfield_attention
+    from lightning_mm.attention.dispatch import bitfield_attention
 
     q_positions = k_positions = token_index
     k_bam = bam
@@ -54,8 +54,14 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
         raise ValueError("bitfield attention has no attention dropout; set attention_dropout=0 in the model config")
     if cp_group is not None:
         from lightning_mm.attention.context_parallel import context_parallel_attention
-        out = context_parallel_attention(query, key, value, bam, segment_ids, token_index, cp_group, scale=scaling,
-                                         cache=kwargs.get("cp_cache"))
+        from lightning_mm.attention.ulysses import ContextParallelGroups, ulysses_attention
+        if isinstance(cp_group, ContextParallelGroups) and cp_group.mode != "allgather":  # Ulysses / hybrid
+            out = ulysses_attention(query, key, value, bam, segment_ids, token_index, cp_group, scale=scaling,
+                                    cache=kwargs.get("cp_cache"))
+        else:
+            group = cp_group.group if isinstance(cp_group, ContextParallelGroups) else cp_group
+            out = context_parallel_attention(query, key, value, bam, segment_ids, token_index, group, scale=scaling,
+                                             cache=kwargs.get("cp_cache"))
     else:
         out = bitfield_attention(query, key, value, bam, k_bam, q_segments=segment_ids, k_segments=segment_ids,
                                  q_positions=q_positions, k_positions=k_positions, scale=scaling)

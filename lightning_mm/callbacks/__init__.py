@@ -1,6 +1,7 @@
 """Lightning callbacks of lightning-mm."""
 
 from lightning_mm.callbacks.loss_curve import LossCurve
+from lightning_mm.callbacks.progress import StepProgressBar
 from lightning_mm.callbacks.timeline import PipelineTimeline
 
-__all__ = ["LossCurve", "PipelineTimeline"]
+__all__ = ["LossCurve", "PipelineTimeline", "StepProgressBar"]

@@ -6,6 +6,12 @@ taken relative to it, so nodes need no common clock), runs the step, and sends i
 drawing code) and the simulated one with per-stage costs measured in the same step, and every rank logs
 per-rank bubble fractions, the measured and the predicted iteration time through the Lightning logger.
 
+With batch balancing's deferral (``batch_balancing="entrain"``) each rank also records which of its replica's
+microbatches deferred LLM work (from the batch's plan): the LLM stages' intervals that ran deferred samples and the
+encoder backwards that waited for them are marked (``Event.deferred``, hatched in the PNG; on the LLM stages the
+share is the deferred rows' share of the microbatch's rows), and the prediction runs the deferral schedule of the
+replica that the simulator finds slowest.
+
 The output folder is resolved in ``setup`` on every rank alike (``trainer.log_dir`` is itself a collective
 under a multi-process strategy, so it must never be asked on rank 0 alone).
 """
@@ -20,7 +26,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from lightning_mm.planner.simulator import Event, SimulationResult, chrome_trace, simulate_1f1b, timeline_png
+from lightning_mm.data.microbatch import deferrals, microbatch_rows
+from lightning_mm.plan.placement import LANGUAGE_MODEL
+from lightning_mm.plan.schedule import one_f_one_b
+from lightning_mm.planner.simulator import Event, SimulationResult, chrome_trace, mark_deferred, simulate, timeline_png
 
 COMPUTE = ("forward", "backward")
 
@@ -28,12 +37,37 @@ COMPUTE = ("forward", "backward")
 @dataclass(frozen=True)
 class RankTimings:
     """One rank's recorded step: its stage, replica, and the engine's actions with times relative to the
-    common start (seconds)."""
+    common start (seconds). ``deferred``: the replica's microbatches whose LLM work was partly deferred to the
+    next one; ``deferred_share[m]``: the share of LLM microbatch m's rows deferred into it (empty: none)."""
 
     rank: int
     stage: str
     dp: int
     actions: tuple[tuple[str, int, float, float], ...]
+    deferred: tuple[int, ...] = ()
+    deferred_share: tuple[float, ...] = ()
+
+
+def deferral_of(batch: dict, num_microbatches: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The deferring microbatches of a batch's plan and, per LLM microbatch, the share of its rows deferred into it
+    from the microbatch before (the engine's own split: ``data.microbatch``)."""
+    if not isinstance(batch, dict) or "input_ids" not in batch:
+        return (), ()
+    encoder_rows, llm_rows = microbatch_rows(batch, num_microbatches)
+    held = deferrals(encoder_rows, llm_rows)
+    if not held:
+        return (), ()
+    share = tuple(0.0 if m == 0 else sum(r in set(encoder_rows[m - 1]) for r in rows) / len(rows)
+                  for m, rows in enumerate(llm_rows))
+    return held, share
+
+
+def deferred_shares(stage: str, needs_backward: bool, deferred: tuple[int, ...],
+                    share: tuple[float, ...]) -> dict[tuple[str, int], float]:
+    """``{(kind, microbatch): share}`` of one stage's intervals that deferral moved (see ``Event.deferred``)."""
+    if stage.startswith(LANGUAGE_MODEL + "."):
+        return {(kind, m): s for m, s in enumerate(share) if s > 0 for kind in ("forward", "backward")}
+    return {("backward", m): 1.0 for m in deferred} if needs_backward else {}
 
 
 def rank_label(t: RankTimings, dp: int) -> str:
@@ -51,9 +85,10 @@ def measured_result(records: list[RankTimings], stage_order: list[str],
     for r in ordered:
         label, inflight = rank_label(r, dp), 0
         peak[label] = 0
+        moved = deferred_shares(r.stage, needs_backward[r.stage], r.deferred, r.deferred_share)
         for kind, mb, start, end in r.actions:
             if kind in COMPUTE:
-                events.append(Event(label, kind, mb, start - origin, end - origin))
+                events.append(Event(label, kind, mb, start - origin, end - origin, moved.get((kind, mb), 0.0)))
                 if needs_backward[r.stage]:
                     inflight += 1 if kind == "forward" else -1
                     peak[label] = max(peak[label], inflight)
@@ -87,9 +122,22 @@ def stage_costs(records: list[RankTimings], include_sends: bool = True) -> tuple
 
 
 def predicted_result(engine, records: list[RankTimings]) -> SimulationResult:
-    """The simulator on the engine's own graph and microbatch count, with costs measured in the same step."""
+    """The simulator on the engine's own graph and microbatch count, with costs measured in the same step. With
+    deferral, each replica's deferral schedule is simulated and the slowest one is returned."""
     fwd, bwd = stage_costs(records)
-    return simulate_1f1b(engine.graph, engine.num_microbatches, fwd, bwd)
+    graph, K = engine.graph, engine.num_microbatches
+    replicas = {}
+    for r in records:
+        replicas.setdefault(r.dp, (r.deferred, r.deferred_share))
+    best = None
+    for deferred, share in sorted(set(replicas.values())) or [((), ())]:
+        result = simulate(graph, one_f_one_b(graph, K, deferred), fwd, bwd)
+        moved = {(s, kind, m): v for s in graph.names
+                 for (kind, m), v in deferred_shares(s, graph.node(s).needs_backward, deferred, share).items()}
+        result = mark_deferred(result, moved)
+        if best is None or result.iteration_time > best.iteration_time:
+            best = result
+    return best
 
 
 class PipelineTimeline(pl.Callback):
@@ -138,7 +186,8 @@ class PipelineTimeline(pl.Callback):
             return
         step, engine = self._recording, self._engine(trainer)
         rel = tuple((k, m, a - self._t0, b - self._t0) for k, m, a, b in engine.timings)  # clocks differ per node
-        mine = RankTimings(trainer.global_rank, engine.stage, engine.coord.dp, rel)
+        mine = RankTimings(trainer.global_rank, engine.stage, engine.coord.dp, rel,
+                           *deferral_of(batch, engine.num_microbatches))
         records: list = [None] * dist.get_world_size()
         dist.all_gather_object(records, mine)
         needs_backward = {s: engine.graph.node(s).needs_backward for s in engine.graph.names}

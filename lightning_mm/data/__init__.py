@@ -4,8 +4,10 @@ from lightning_mm.data.collator import MultimodalCollator
 from lightning_mm.data.conversation import (BadRecordError, ConversationDataModule, ConversationDataset,
                                             load_processor)
 from lightning_mm.data.metadata import SampleMeta
+from lightning_mm.data.packing import PackingCollator, pack_multimodal
 from lightning_mm.data.processor import MultimodalProcessor
 from lightning_mm.data.synthetic import SyntheticMultimodalDataModule, SyntheticMultimodalDataset
 
 __all__ = ["BadRecordError", "ConversationDataModule", "ConversationDataset", "MultimodalCollator",
-           "MultimodalProcessor", "SampleMeta", "SyntheticMultimodalDataModule", "SyntheticMultimodalDataset", "load_processor"]
+           "MultimodalProcessor", "PackingCollator", "SampleMeta", "SyntheticMultimodalDataModule", "SyntheticMultimodalDataset",
+           "load_processor", "pack_multimodal"]

@@ -457,7 +457,7 @@ class ConversationDataset(Dataset):
     def _item_tokens(self, index: int, name: str, files: list[Path]) -> list[int]:
         """LLM tokens of each of ``files`` (modality ``name``) from their headers."""
         enc, proc = self.model.encoders[name], self.processor.processors[name]
-        kind, kwargs = modality_kind(enc), self.processor.kwargs.get(name, {})
+        kind, kwargs = modality_kind(enc), self.processor.call_kwargs(name)
         sizes = []
         for file in files:
             try:

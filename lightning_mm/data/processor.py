@@ -21,10 +21,20 @@ class MultimodalProcessor:
         self.markers = markers or {name: f"<{name}>" for name in processors}
         self.kwargs = processor_kwargs or {}
 
+    def call_kwargs(self, name: str) -> dict:
+        """The keyword arguments modality ``name``'s processor is called with. A feature extractor whose config
+        asks for an attention mask (Qwen2-Audio's) is asked explicitly: called without it, Whisper's extractor
+        returns the padding's sample-level mask instead of the frame-level one the encoder counts tokens from."""
+        kw = dict(self.kwargs.get(name, {}))
+        proc = self.processors[name]
+        if hasattr(proc, "hop_length") and getattr(proc, "return_attention_mask", False):
+            kw.setdefault("return_attention_mask", True)
+        return kw
+
     def encode_items(self, name: str, items: list) -> dict:
         """The encoder inputs of modality ``name`` for raw ``items`` (PIL images / arrays, 1-D waveforms)."""
         proc = self.processors[name]
-        kw = {"return_tensors": "pt", **self.kwargs.get(name, {})}
+        kw = {"return_tensors": "pt", **self.call_kwargs(name)}
         out = proc(images=items, **kw) if hasattr(proc, "image_mean") else proc(items, **kw)
         keep = {"pixel_values", "image_grid_thw", "input_features", "feature_attention_mask"}
         if "input_features" in out and "attention_mask" in out:  # a feature extractor's frame mask (asked for with

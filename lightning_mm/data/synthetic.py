@@ -123,7 +123,11 @@ class SyntheticMultimodalDataModule(pl.LightningDataModule):
     def train_dataloader(self):
         return self._loader(self.hparams.num_samples, self.hparams.seed, shuffle=True)
 
+    @property
     def val_dataloader(self):
-        if not self.hparams.val_samples:
-            return []
+        """The validation loader's hook, or, without ``val_samples``, LightningDataModule's own (not overridden), so
+        Lightning runs no validation loop instead of one over an empty list."""
+        return self._val_dataloader if self.hparams.val_samples else super().val_dataloader
+
+    def _val_dataloader(self):
         return self._loader(self.hparams.val_samples, self.hparams.seed + 1, shuffle=False)

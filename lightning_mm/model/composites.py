@@ -1,12 +1,13 @@
 """HF composite multimodal checkpoints in and out: LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen2-Audio.
 
-``from_pretrained(folder)`` builds a ``MultimodalModel`` whose forward is the composite class's own: its vision or
-audio tower (LLaVA's cut after ``vision_feature_layer``, the first token dropped by the "default" select strategy;
-Qwen2-Audio's run with the clips' padding mask, each clip emitting its real length), its projector module, its
-language model, its placeholder ids (``image_token_id`` / ``audio_token_id``), its attention pattern (causal over
-every token) and, for Qwen2-VL / Qwen2.5-VL, its M-RoPE positions. Every part records where its tensors live in
-the composite's safetensors (``PretrainedSource``), so under the meta device nothing is read and
-``materialise`` reads a pipeline stage's own tensors only, as for folders of separate parts.
+``from_pretrained(MultimodalModel, folder)`` (what ``MultimodalModel.from_pretrained`` calls) builds a model whose
+forward is the composite class's own: its vision or audio tower (LLaVA's cut after ``vision_feature_layer``, the
+first token dropped by the "default" select strategy; Qwen2-Audio's run with the clips' padding mask, each clip
+emitting its real length), its projector module, its language model, its placeholder ids (``image_token_id`` /
+``audio_token_id``), its attention pattern (causal over every token) and, for Qwen2-VL / Qwen2.5-VL, its M-RoPE
+positions. Every part records where its tensors live in the composite's safetensors (``PretrainedSource``), so under
+the meta device nothing is read and ``materialise`` reads a pipeline stage's own tensors only, as for folders of
+separate parts.
 
 ``save_pretrained`` writes the folder back for the composite class: every tensor under the composite's names
 (tensors no part uses, such as LLaVA's layers past the feature layer, copied from the source folder), its config,
@@ -23,13 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPreTrainedModel, Qwen2_5_VLTextModel
-from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLPreTrainedModel, Qwen2VLTextModel
-
 from lightning_mm.model import loading
+from lightning_mm.model.encoder import ModalityEncoder
+from lightning_mm.model.families import ENCODER_FAMILIES, LANGUAGE_FAMILIES, MROPE_FAMILIES, encoder_family
 from lightning_mm.model.loading import ModelFolderError, PretrainedSource
+from lightning_mm.model.mrope_lm import Qwen2_5_VLTextForCausalLM, Qwen2VLTextForCausalLM  # noqa: F401  (re-export)
 
 
 # ---------------------------------------------------------------------------------------------- the composites
@@ -104,47 +103,6 @@ class CompositeSource:
     config: object
     folder: str
     passthrough: dict[str, tuple[str, str]] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------------------------------- M-RoPE LMs
-class _TextForCausalLM:
-    """A ``*ForCausalLM`` for a Qwen-VL text decoder (transformers has none): ``model`` + ``lm_head``, the
-    composite's language model and head under the names a causal LM has."""
-
-    base_model_prefix = "model"
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    text_model = None
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.model = self.text_model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                **kwargs):
-        """``position_ids`` as HF's text model takes them: ``[3, B, S]`` or ``[B, S]``."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            inputs_embeds=inputs_embeds, **kwargs).last_hidden_state
-        logits = self.lm_head(hidden)
-        loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
-                                                              vocab_size=self.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
-
-
-class Qwen2VLTextForCausalLM(_TextForCausalLM, Qwen2VLPreTrainedModel):
-    config: Qwen2VLTextConfig
-    text_model = Qwen2VLTextModel
-
-
-class Qwen2_5_VLTextForCausalLM(_TextForCausalLM, Qwen2_5_VLPreTrainedModel):
-    config: Qwen2_5_VLTextConfig
-    text_model = Qwen2_5_VLTextModel
 
 
 # ---------------------------------------------------------------------------------------------- encoder views
@@ -230,8 +188,6 @@ def fill_positions(model, batch: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- loading
 def _language_class(config):
-    from lightning_mm.model.families import LANGUAGE_FAMILIES, MROPE_FAMILIES
-
     model_type = getattr(config, "model_type", None)
     fam = LANGUAGE_FAMILIES.get(model_type) or MROPE_FAMILIES.get(model_type)
     if fam is None:
@@ -242,8 +198,6 @@ def _language_class(config):
 
 
 def _encoder_class(config):
-    from lightning_mm.model.families import ENCODER_FAMILIES
-
     model_type = getattr(config, "model_type", None)
     for fam in ENCODER_FAMILIES.values():
         if fam.folder_model_types.get(model_type, "missing") is None:
@@ -276,15 +230,11 @@ def _record_sources(part: nn.Module, prefix: str, spec: CompositeSpec, stored: d
     part.pretrained_source = PretrainedSource(folder.path, type(part).__name__, mapping)
 
 
-def from_pretrained(path, causal_modalities: bool = True):
-    """The ``MultimodalModel`` of a composite HF folder (see the module docstring).
+def from_pretrained(model_class, path, causal_modalities: bool = True):
+    """The ``model_class`` (``MultimodalModel``) of a composite HF folder (see the module docstring).
 
     ``causal_modalities=False`` makes each image's / clip's tokens attend bidirectionally among themselves
     instead of HF's causal pattern. Parameters take the default dtype; under the meta device nothing is read."""
-    from lightning_mm.model.encoder import ModalityEncoder
-    from lightning_mm.model.families import encoder_family
-    from lightning_mm.model.multimodal import MultimodalModel
-
     folder = loading._open_folder(path)
     config = folder.config
     spec = composite_spec(config)
@@ -344,7 +294,7 @@ def from_pretrained(path, causal_modalities: bool = True):
     if drop_first is not None:
         enc.family = FeatureSelectFamily(encoder_family(tower), drop_first)
     placeholder = getattr(config, spec.token_id)
-    model = MultimodalModel({spec.modality: enc}, lm, placeholder_ids={spec.modality: placeholder})
+    model = model_class({spec.modality: enc}, lm, placeholder_ids={spec.modality: placeholder})
     model.causal_modalities = causal_modalities
     if spec.mrope:
         model.position_ids_fn = MRopePositions(spec.modality, placeholder, tower_config.spatial_merge_size)
@@ -366,14 +316,9 @@ def _passthrough_tensor(src: CompositeSource, name: str) -> torch.Tensor:
 
 
 def save_pretrained(model, folder) -> dict:
-    """Write ``model`` as HF folders. A model from a composite folder: one folder the composite class loads
-    (``from_pretrained``) with these tensors, plus the source folder's processor and tokenizer files. Any other
-    model: its parts (``lightning_mm.checkpoint.export_hf``). Returns what was written (a manifest)."""
-    src = getattr(model, "composite", None)
-    if src is None:
-        from lightning_mm.checkpoint import export_hf
-
-        return export_hf(None, model, folder)
+    """Write ``model``, built by ``from_pretrained`` from a composite folder, as one folder the composite class
+    loads, with these tensors, plus the source folder's processor and tokenizer files. Returns what was written."""
+    src = model.composite
     spec = src.spec
     ours = model.state_dict()
     with torch.device("meta"):

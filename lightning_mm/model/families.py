@@ -100,7 +100,7 @@ LANGUAGE_FAMILIES = {f.model_type: f for f in (
 @dataclass(frozen=True)
 class MRopeDecoderFamily(DecoderFamily):
     """The text decoder of Qwen2-VL / Qwen2.5-VL (the LLM of those composites, wrapped with its ``lm_head`` by
-    ``lightning_mm.model.composites``): multimodal RoPE over (temporal, height, width) positions.
+    ``lightning_mm.model.mrope_lm``): multimodal RoPE over (temporal, height, width) positions.
 
     ``position_ids`` are ``[B, S, 3]`` (batch-first, so microbatches and context-parallel shards cut them like
     every other sequence tensor), or ``[B, S]``: the same position on all three axes, as HF reads 2-D positions."""
@@ -108,9 +108,9 @@ class MRopeDecoderFamily(DecoderFamily):
     position_dims: int = 3
 
     def hf_class(self):
-        from lightning_mm.model import composites
+        from lightning_mm.model import mrope_lm
 
-        return getattr(composites, self.class_name)
+        return getattr(mrope_lm, self.class_name)
 
     def position_embeddings(self, lm, hidden, position_ids):
         pos = position_ids.permute(2, 0, 1) if position_ids.dim() == 3 else position_ids[None].expand(3, -1, -1)

@@ -16,10 +16,13 @@ error (missing folder, config or tensor, wrong shape, unknown architecture) is r
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import os
 import re
 import struct
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -341,9 +344,63 @@ def _sources(model: nn.Module) -> dict[str, tuple[PretrainedSource, str, str]]:
     return out
 
 
-def _read_tensors(loads: list[tuple[_Group, PretrainedSource, str, str]], device) -> None:
-    from safetensors import safe_open
+def _raw_header(path: str) -> tuple[int, dict]:
+    """(offset of the data buffer, the JSON header without ``__metadata__``) of a safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except FileNotFoundError:
+        raise ModelFolderError(f"{path} is missing") from None
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise ModelFolderError(f"{path} is not a safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    return 8 + size, header
 
+
+def _read_into(f, view: memoryview, offset: int) -> None:
+    """Fill ``view`` with the file's bytes from ``offset`` (a plain read: no mapping, nothing cached in the process)."""
+    done = 0
+    while done < len(view):
+        if hasattr(os, "preadv"):
+            n = os.preadv(f.fileno(), [view[done:]], offset + done)
+        else:
+            f.seek(offset + done)
+            n = f.readinto(view[done:])
+        if not n:
+            raise ModelFolderError(f"{f.name} ends early (truncated at byte {offset + done})")
+        done += n
+
+
+def _read_block(f, offset: int, dtype: torch.dtype, shape: list[int], region: tuple[slice, ...] | None):
+    """The stored tensor at ``offset`` (``dtype``, ``shape``), or its block ``region``, read into a new CPU tensor
+    of exactly that size: one read for a contiguous block, one per row of the last cut dimension otherwise."""
+    region = region if region is not None else tuple(slice(0, n) for n in shape)
+    out = torch.empty([r.stop - r.start for r in region], dtype=dtype)
+    if out.numel() == 0:
+        return out
+    size = out.element_size()
+    buf = memoryview(out.view(-1).view(torch.uint8).numpy()).cast("B")
+    cut = [i for i, (r, n) in enumerate(zip(region, shape)) if (r.start, r.stop) != (0, n)]
+    if not cut:
+        _read_into(f, buf, offset)
+        return out
+    last = cut[-1]
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    run = (region[last].stop - region[last].start) * strides[last] * size  # contiguous bytes per row
+    pos = 0
+    for index in itertools.product(*(range(r.start, r.stop) for r in region[:last])):
+        element = sum(i * s for i, s in zip(index, strides)) + region[last].start * strides[last]
+        _read_into(f, buf[pos:pos + run], offset + element * size)
+        pos += run
+    return out
+
+
+def _read_tensors(loads: list[tuple[_Group, PretrainedSource, str, str]], device) -> None:
+    """Read each tensor of ``loads`` from its safetensors file straight into a new buffer of its final size (this
+    rank's block of a sharded parameter) and give that buffer to the parameter: nothing is mapped and no second copy
+    is made, so a rank holds its stage and nothing more (plus one tensor in transit when the target device or dtype
+    differs from the file's)."""
     by_file: dict[str, list] = {}
     for g, src, file, key in loads:
         by_file.setdefault(src.path(file), []).append((g, key))
@@ -351,23 +408,43 @@ def _read_tensors(loads: list[tuple[_Group, PretrainedSource, str, str]], device
         if not os.path.isfile(path):
             raise ModelFolderError(f"{path} is missing (it holds {items[0][1]!r}); the folder changed after the model "
                                    "was built")
-        header = read_safetensors_header(path)
+        start, header = _raw_header(path)
+        shapes = {k: (v["dtype"], v["shape"]) for k, v in header.items()}
         for g, key in items:
-            _check_tensor(path, key, header, g.names[0], tuple(g.tensor.shape))
-        for g, key in items:
-            # one mapping per tensor, closed once it is copied to the target device: the pages it touched leave the
-            # resident set with it, so the peak is the stage plus one tensor (not twice the stage)
-            region = _local_slices(g.tensor) if _is_dtensor(g.tensor) else None
-            with safe_open(path, framework="pt", device="cpu") as f:
-                if region is not None:  # a sharded parameter: read only this rank's block
-                    local = f.get_slice(key)[region].to(device=device, dtype=g.tensor.dtype, copy=True)
-                    value = _from_local(g.tensor, local.contiguous())
-                else:
-                    value = f.get_tensor(key)
-                    value = _shard_like(g.tensor, value, device) if _is_dtensor(g.tensor) else \
-                        value.to(device=device, dtype=g.tensor.dtype, copy=True)
-            with torch.no_grad():
-                _swap_in(g, value)
+            _check_tensor(path, key, shapes, g.names[0], tuple(g.tensor.shape))
+        with open(path, "rb", buffering=0) as f:
+            for g, key in items:
+                value = _load_tensor(f, start, header, key, g.tensor, device)
+                with torch.no_grad():
+                    _swap_in(g, value)
+
+
+def _load_tensor(f, start: int, header: dict, key: str, target: torch.Tensor, device) -> torch.Tensor:
+    """Stored tensor ``key`` of the open safetensors file ``f`` as the value of ``target`` (its dtype, on ``device``;
+    for a DTensor, a DTensor laid out like it holding only this rank's block)."""
+    entry = header[key]
+    dtype = _SAFETENSORS_DTYPES.get(entry["dtype"]) if sys.byteorder == "little" else None  # files are little-endian
+    if dtype is None:  # a dtype torch reads only through safetensors (float8, ...)
+        return _load_with_safetensors(f.name, key, target, device)
+    shape, offset = entry["shape"], start + entry["data_offsets"][0]
+    if not _is_dtensor(target):
+        return _read_block(f, offset, dtype, shape, None).to(device=device, dtype=target.dtype)
+    region = _local_slices(target)
+    if region is None:  # an interleaved layout: every rank reads the whole tensor and keeps its part
+        return _shard_like(target, _read_block(f, offset, dtype, shape, None), device)
+    return _from_local(target, _read_block(f, offset, dtype, shape, region).to(device=device, dtype=target.dtype))
+
+
+def _load_with_safetensors(path: str, key: str, target: torch.Tensor, device) -> torch.Tensor:
+    from safetensors import safe_open
+
+    region = _local_slices(target) if _is_dtensor(target) else None
+    with safe_open(path, framework="pt", device="cpu") as f:
+        if region is not None:
+            return _from_local(target, f.get_slice(key)[region].to(device=device, dtype=target.dtype))
+        value = f.get_tensor(key)
+        return _shard_like(target, value, device) if _is_dtensor(target) else \
+            value.to(device=device, dtype=target.dtype, copy=True)
 
 
 def materialise(model: nn.Module, device: torch.device | str, seed: int | None = None) -> None:
@@ -403,15 +480,7 @@ def materialise(model: nn.Module, device: torch.device | str, seed: int | None =
 # ---------------------------------------------------------------------------------------------- local folders
 def read_safetensors_header(path: str) -> dict[str, tuple[str, list[int]]]:
     """``{key: (dtype, shape)}`` of a safetensors file, from its JSON header alone (no tensor is read)."""
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-    except FileNotFoundError:
-        raise ModelFolderError(f"{path} is missing") from None
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise ModelFolderError(f"{path} is not a safetensors file ({e})") from None
-    return {k: (v["dtype"], list(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+    return {k: (v["dtype"], list(v["shape"])) for k, v in _raw_header(path)[1].items()}
 
 
 def _check_tensor(path: str, key: str, header: dict, name: str, shape: tuple[int, ...]) -> None:

@@ -129,17 +129,23 @@ class MultimodalModel(nn.Module):
     @classmethod
     def from_pretrained(cls, path, causal_modalities: bool = True) -> "MultimodalModel":
         """The model of a composite HF folder (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio), computing what the
-        composite class computes; lazy under the meta device. See ``lightning_mm.model.composites``."""
-        from lightning_mm.model.composites import from_pretrained
+        composite class computes, lazy under the meta device (``lightning_mm.model.composites``); or of a folder
+        of parts ``save_pretrained`` wrote (``lightning_mm.model.hf_parts``; ``causal_modalities`` applies to
+        composites only)."""
+        from lightning_mm.model import composites, hf_parts
 
-        return from_pretrained(path, causal_modalities=causal_modalities)
+        if hf_parts.is_parts_folder(path):
+            return hf_parts.load_parts(cls, path)
+        return composites.from_pretrained(cls, path, causal_modalities=causal_modalities)
 
     def save_pretrained(self, folder) -> dict:
-        """A composite folder its HF class loads (a model from ``from_pretrained``), else one folder per part
-        (``lightning_mm.checkpoint.export_hf``)."""
-        from lightning_mm.model.composites import save_pretrained
+        """A composite folder its HF class loads (a model from ``from_pretrained`` of one), else one folder per
+        part (``lightning_mm.model.hf_parts``); ``from_pretrained`` reads either back. Returns what was written."""
+        from lightning_mm.model import composites, hf_parts
 
-        return save_pretrained(self, folder)
+        if self.composite is not None:
+            return composites.save_pretrained(self, folder)
+        return hf_parts.save_parts(self, folder)
 
     # ------------------------------------------------------------------ structure
     @property

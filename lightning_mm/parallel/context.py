@@ -26,7 +26,8 @@ METHODS = ("lpt", "random", "zigzag", "contiguous")
 
 __all__ = ["METHODS", "IGNORE_INDEX", "distribute", "lpt_assign", "zigzag_plan", "contiguous_plan", "random_plan",
            "plan_workload", "validate_plan", "token_index", "shard", "unshard", "shift_labels", "shard_batch",
-           "gather_sequence", "context_parallel_attention", "pad_for_context_parallel"]
+           "gather_sequence", "context_parallel_attention", "pad_for_context_parallel", "check_context_parallel",
+           "context_parallel_groups", "cp_communication_bytes"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -43,31 +44,73 @@ def _check_cp(num_blocks: int, cp_size: int, block_size: int | None = None) -> N
                          "smaller cp")
 
 
+_EQUAL_RUN = 16  # runs of equal work at least this long (in LPT order) are dealt in one vectorised step
+
+
+def _deal_equal(heap: list, step, count: int, cp_size: int) -> tuple[np.ndarray, list]:
+    """LPT on ``count`` blocks of equal increment ``step`` from the rank keys ``heap``: each goes to the least key,
+    which then grows by ``step``, so the keys popped are the ``count`` least of the progressions
+    ``key + j * step`` and come out of one partition. Returns the owners in order and the new keys."""
+    keys = np.array(heap)
+    # the count-th least candidate is at most max + (ceil(count / cp) - 1) * step, which candidate j of any rank
+    # exceeds from j = ceil(count / cp) + (max - min) // step + 1 on
+    jmax = min(count, -(-count // cp_size) + int((keys.max() - keys.min()) // step) + 1)
+    cand = (keys[:, None] + step * np.arange(jmax)).reshape(-1)
+    if cand.size > count:
+        cand = np.partition(cand, count - 1)[:count]
+    cand.sort()
+    owners = (cand % cp_size).astype(np.int64)
+    by_rank = np.empty_like(keys)
+    by_rank[(keys % cp_size).astype(np.int64)] = keys
+    new = by_rank + np.bincount(owners, minlength=cp_size) * step
+    return owners, new.tolist()
+
+
+def _lpt_owner(work: np.ndarray, cp_size: int) -> np.ndarray:
+    """The rank of every block under ``lpt_assign``'s rule (see there)."""
+    n = work.size
+    order = np.argsort(-work, kind="stable")
+    ws = work[order]
+    if (int(ws.sum()) * (n + 1) + n + 2) * cp_size < 1 << 53:  # floats: exact here, and faster than big ints
+        inc = ((ws * (n + 1) + 1) * cp_size).astype(np.float64)
+        heap = [float(r) for r in range(cp_size)]
+    else:
+        inc = np.array([(x * (n + 1) + 1) * cp_size for x in ws.tolist()], dtype=object)
+        heap = list(range(cp_size))
+    start = np.flatnonzero(np.diff(ws, prepend=ws[:1] + 1))  # runs of equal work in LPT order
+    length = np.diff(np.append(start, n))
+    long = np.flatnonzero(length >= max(_EQUAL_RUN, cp_size))
+    owner = np.empty(n, dtype=np.int64)
+    replace, pos = heapq.heapreplace, 0
+    for s, m in zip(start[long].tolist() + [n], length[long].tolist() + [0]):
+        if s > pos:  # one C-level heap operation per block; heapreplace returns the popped (least) key
+            keys = [replace(heap, heap[0] + i) for i in inc[pos:s].tolist()]
+            owner[order[pos:s]] = np.array(keys) % cp_size
+        if m:
+            owner[order[s:s + m]], heap = _deal_equal(heap, inc[s], m, cp_size)
+            heapq.heapify(heap)
+        pos = s + m
+    return owner
+
+
 def lpt_assign(work: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
     """Longest-processing-time-first: blocks by work descending (ties: lower block first), each to the least
     loaded rank (ties: the rank with fewer blocks, then the lower rank). Makespan <= sum/cp + max (Graham).
 
     The tie rule on block counts spreads zero-work blocks (padding) evenly, so every rank gets a block when
-    there are at least ``cp_size`` of them. One C-level heap operation per block on packed integer keys
-    ``(load * (n+1) + count) * cp + rank``: 8k blocks take about a millisecond.
+    there are at least ``cp_size`` of them. Ranks are keyed ``(load * (n+1) + count) * cp + rank``; one C-level
+    heap operation per block, except that a long run of equal work (an image's blocks) is dealt in one step.
     """
     work = torch.as_tensor(work).reshape(-1).to(torch.int64).cpu().numpy()
-    n = work.size
-    _check_cp(n, cp_size)
-    if n and work.min() < 0:
+    _check_cp(work.size, cp_size)
+    if work.size and work.min() < 0:
         raise ValueError("block work must be non-negative")
-    order = np.argsort(-work, kind="stable")
-    increments = ((work[order] * (n + 1) + 1) * cp_size).tolist()
-    heap, replace = list(range(cp_size)), heapq.heapreplace
-    keys = [replace(heap, heap[0] + inc) for inc in increments]  # heapreplace returns the popped (least) key
-    owner = np.empty(n, dtype=np.int64)
-    owner[order] = np.array(keys, dtype=np.int64) % cp_size
-    return _plan_from_owner(owner, cp_size)
+    return _plan_from_owner(_lpt_owner(work, cp_size), cp_size)
 
 
 def _plan_from_owner(owner: np.ndarray, cp_size: int) -> list[torch.Tensor]:
     """Block indices grouped by owner rank, each group ascending (a stable sort keeps block order)."""
-    blocks = np.argsort(owner, kind="stable")
+    blocks = np.argsort(owner.astype(np.int16) if cp_size < 1 << 15 else owner, kind="stable")
     counts = np.bincount(owner, minlength=cp_size)
     return [torch.from_numpy(part) for part in np.split(blocks, np.cumsum(counts)[:-1])]
 
@@ -93,12 +136,19 @@ def random_plan(num_blocks: int, cp_size: int, seed: int = 0) -> list[torch.Tens
 
 
 def distribute(bam: torch.Tensor, cp_size: int, method: str = "lpt", block_size: int = 128,
-               segment_ids: torch.Tensor | None = None, seed: int = 0) -> list[torch.Tensor]:
+               segment_ids: torch.Tensor | None = None, seed: int = 0, ulysses: int = 1) -> list[torch.Tensor]:
     """Each CP rank's block indices (ascending; together a partition of all blocks) for one microbatch.
 
     ``bam`` is ``[B,S]`` (one plan for the microbatch: block work summed over its rows) or ``[S]``. Only
-    ``"lpt"`` looks at the mask; ``seed`` drives ``"random"``.
+    ``"lpt"`` looks at the mask; ``seed`` drives ``"random"``. ``ulysses=K > 1`` (hybrid or Ulysses CP: ranks
+    ``g*K .. g*K+K-1`` form Ulysses group ``g``): the blocks are distributed over the ``cp_size / K`` groups by
+    ``method`` (a group's attention work is the work of all its blocks, whichever of its ranks holds them), then
+    dealt round-robin to the group's ``K`` ranks, which balances their token counts.
     """
+    if not isinstance(ulysses, int) or ulysses < 1 or (isinstance(cp_size, int) and cp_size % ulysses):
+        raise ValueError(f"ulysses={ulysses!r} must be a positive divisor of cp_size={cp_size!r}")
+    if ulysses > 1:
+        return _grouped_plan(bam, cp_size, method, block_size, segment_ids, seed, ulysses)
     if method not in METHODS:
         raise ValueError(f"unknown CP distribution method {method!r}; choose one of {METHODS}")
     if not isinstance(bam, torch.Tensor) or bam.dim() not in (1, 2):
@@ -108,13 +158,111 @@ def distribute(bam: torch.Tensor, cp_size: int, method: str = "lpt", block_size:
     num_blocks = -(-bam.shape[-1] // block_size)
     _check_cp(num_blocks, cp_size, block_size)
     if method == "lpt":
-        work = masks.block_workload(bam, block_size, segment_ids)
-        return lpt_assign(work.reshape(-1, num_blocks).sum(0), cp_size)
+        bam2, seg2, _ = masks._as_batch(bam, segment_ids)
+        return _plan_from_owner(_lpt_owner(masks._block_workload(bam2, seg2, block_size).sum(0), cp_size), cp_size)
     if method == "zigzag":
         return zigzag_plan(num_blocks, cp_size)
     if method == "contiguous":
         return contiguous_plan(num_blocks, cp_size)
     return random_plan(num_blocks, cp_size, seed)
+
+
+def _grouped_plan(bam, cp_size, method, block_size, segment_ids, seed, k) -> list[torch.Tensor]:
+    """``distribute`` with Ulysses groups of ``k`` ranks (see there)."""
+    if not isinstance(bam, torch.Tensor) or bam.dim() not in (1, 2):
+        raise ValueError(f"bam must be a [S] or [B,S] int64 tensor, got {getattr(bam, 'shape', type(bam))}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    num_blocks = -(-bam.shape[-1] // block_size)
+    _check_cp(num_blocks, cp_size, block_size)
+    groups = cp_size // k
+    plan = distribute(bam, groups, method, block_size, segment_ids, seed) if groups > 1 else [torch.arange(num_blocks)]
+    counts = [len(p) for p in plan]
+    if min(counts) < k:  # a short sequence: give each group k blocks, taking the lightest of the fullest group
+        work = (masks.block_workload(bam, block_size, segment_ids).reshape(-1, num_blocks).sum(0)
+                if method == "lpt" else torch.zeros(num_blocks, dtype=torch.int64))
+        plan = [p.tolist() for p in plan]
+        for g in range(groups):
+            while len(plan[g]) < k:
+                donor = max(range(groups), key=lambda h: (len(plan[h]), -h))
+                block = min(plan[donor], key=lambda b: (int(work[b]), b))
+                plan[donor].remove(block)
+                plan[g].append(block)
+        plan = [torch.tensor(sorted(p), dtype=torch.int64) for p in plan]
+    return [p[j::k] for p in plan for j in range(k)]
+
+
+def cp_communication_bytes(mode: str, seq_len: int, cp: int, heads: int, kv_heads: int, head_dim: int,
+                           ulysses: int | None = None, dtype_bytes: int = 2) -> dict[str, float]:
+    """Bytes one CP rank receives per attention layer (forward, backward) in each CP mode, for a sequence of
+    ``seq_len`` tokens evenly spread over ``cp`` ranks and ``heads`` / ``kv_heads`` heads of ``head_dim`` (per
+    tensor-parallel rank). Pure arithmetic, what the planner and the benchmark compare:
+
+    - ``"allgather"``: forward all-gathers K and V (``(cp-1)/cp`` of the sequence, ``2 kv_heads``), backward
+      reduce-scatters their gradients (the same volume).
+    - ``"ulysses"``: forward one all-to-all of q, k, v (heads scattered, sequence gathered) and one of the output;
+      backward the same two reversed: 4 all-to-alls, each moving ``(U-1)/U`` of the local tokens' heads. KV heads
+      fewer than ``U`` are repeated to ``U``.
+    - ``"hybrid"``: those all-to-alls inside groups of ``ulysses`` ranks, plus the all-gather (and
+      reduce-scatter) of the group's K/V head subset across the ``cp / ulysses`` groups.
+    """
+    local = seq_len / cp
+    u = {"allgather": 1, "ulysses": cp, "hybrid": ulysses or 1}[mode]
+    groups = cp // u
+    kv = max(kv_heads, u) if u > 1 else kv_heads  # repeated KV heads travel too
+    a2a_in = (u - 1) / u * local * (heads + 2 * kv) * head_dim * dtype_bytes
+    a2a_out = (u - 1) / u * local * heads * head_dim * dtype_bytes
+    gather = (groups - 1) * (seq_len / groups) * 2 * (kv / u) * head_dim * dtype_bytes
+    fwd = a2a_in + a2a_out + gather
+    return {"forward": fwd, "backward": fwd, "all_to_all": a2a_in + a2a_out, "all_gather": gather,
+            "collectives_per_layer": (4 if u > 1 else 0) + (2 if groups > 1 else 0)}
+
+
+def check_context_parallel(model, spec) -> None:
+    """Raise, with the fix, when the language model's heads cannot be split for ``spec``'s Ulysses degree
+    (``cp_mode`` "ulysses" or "hybrid"): query heads per tensor-parallel rank must divide by it, and key/value
+    heads per tensor-parallel rank must divide by it or divide it. Pure: runs before any process group."""
+    from lightning_mm.attention.ulysses import check_ulysses_heads
+
+    degree = spec.ulysses_degree
+    if degree == 1:
+        return
+    cfg = model.language_model.config
+    cfg = getattr(cfg, "text_config", None) or cfg
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    check_ulysses_heads(heads // spec.tp, kv_heads // spec.tp, degree,
+                        f"language_model with cp_mode={spec.cp_mode!r}, cp={spec.cp}, ulysses={degree}, tp={spec.tp}")
+
+
+def context_parallel_groups(layout, rank: int, cp_group):
+    """What this rank's CP attention takes as its group: the plain CP group for ``"allgather"``, else a
+    ``ContextParallelGroups``. For ``"hybrid"`` the Ulysses groups (CP ranks ``g*K .. g*K+K-1``) and the gather
+    groups (CP ranks ``j, K+j, 2K+j, ...``) of every LLM stage, replica and tp rank are created with ``new_group``,
+    in the same order on every rank: call it on every rank."""
+    from lightning_mm.attention.ulysses import ContextParallelGroups
+    import torch.distributed as dist
+
+    mode, k = layout.cp_mode, layout.ulysses
+    if mode == "allgather" or (mode == "ulysses" and cp_group is None):
+        return cp_group
+    if mode == "ulysses":
+        return ContextParallelGroups("ulysses", cp_group, ulysses=cp_group)
+    mine = {}
+    for stage in [s for s in layout.stages if layout.cp[s] > 1]:
+        n = layout.cp[stage]
+        for d in range(layout.dp):
+            for t in range(layout.tp[stage]):
+                ranks = [layout.rank(stage, d, c, t) for c in range(n)]
+                for name, members in [("ulysses", [ranks[g * k:(g + 1) * k] for g in range(n // k)]),
+                                      ("gather", [ranks[j::k] for j in range(k)])]:
+                    for m in members:
+                        group = dist.new_group(m)
+                        if rank in m:
+                            mine[name] = group
+    if layout.cp[layout.coordinate(rank).stage] == 1:
+        return cp_group
+    return ContextParallelGroups("hybrid", cp_group, ulysses=mine["ulysses"], gather=mine["gather"])
 
 
 def plan_workload(plan: list[torch.Tensor], work: torch.Tensor) -> torch.Tensor:

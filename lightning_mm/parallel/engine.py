@@ -68,6 +68,8 @@ class ProcessGroups:
         self.mesh = self.meshes[chain]
         self.dp = self.mesh["dp"].get_group() if layout.dp > 1 else None
         self.cp = self.mesh["cp"].get_group() if layout.cp[coord.stage] > 1 else None
+        from lightning_mm.parallel.context import context_parallel_groups  # hybrid CP: sub-groups, on every rank
+        self.cp_attention = context_parallel_groups(layout, rank, self.cp)  # what the CP attention takes
         tp_source, self.shard_mesh = self.mesh, None
         if sharded:  # FSDP and TP meshes must share a root: one (pp, dp_cp, tp) mesh per chain
             shard_meshes = {c: DeviceMesh(device_type, torch.tensor(layout.shard_mesh_ranks(c)),
@@ -236,7 +238,8 @@ class PipelineEngine:
             return None
         owners = []
         for mb in mbs:
-            plan = distribute(mb["bam"], self.cp_size, self.cp_distribution, self.cp_block_size, mb.get("segment_ids"))
+            plan = distribute(mb["bam"], self.cp_size, self.cp_distribution, self.cp_block_size, mb.get("segment_ids"),
+                              ulysses=self.layout.ulysses)
             owner = torch.empty(sum(len(p) for p in plan), dtype=torch.long)
             for r, blocks in enumerate(plan):
                 owner[blocks] = r
@@ -287,7 +290,7 @@ class PipelineEngine:
             seq = torch.arange(mb["input_ids"].shape[1], device=mb["input_ids"].device).expand_as(mb["input_ids"])
             ctx = type(ctx)(position_ids=local(ctx.position_ids), bam=local(ctx.bam),
                             segment_ids=None if ctx.segment_ids is None else local(ctx.segment_ids),
-                            token_index=local(seq), cp_group=self.groups.cp, cp_cache={})
+                            token_index=local(seq), cp_group=self.groups.cp_attention, cp_cache={})
         if sl.embed:
             features = {k: v for msg in received.values() for k, v in msg.items()}
             features.update({e: self._encoder_part(e, s, mb, {}) for e, s in self.plan.encoders.items()})

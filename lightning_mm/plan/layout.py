@@ -13,23 +13,59 @@ from dataclasses import dataclass, field
 from lightning_mm.plan.placement import LANGUAGE_MODEL, PLACEMENTS, placement_table
 
 
+CP_MODES = ("allgather", "ulysses", "hybrid")
+
+
 @dataclass(frozen=True)
 class ParallelSpec:
-    """How one module is parallelised: pipeline stages, context-parallel ranks, tensor-parallel ranks."""
+    """How one module is parallelised: pipeline stages, context-parallel ranks, tensor-parallel ranks.
+
+    ``cp_mode``: how the ``cp`` ranks attend: ``"allgather"`` (keys and values all-gathered, queries local, any
+    head count), ``"ulysses"`` (all-to-all: each rank attends the whole sequence for heads / cp heads) or
+    ``"hybrid"`` (Ulysses inside groups of ``ulysses`` ranks, all-gather across the cp / ulysses groups).
+    ``ulysses``: the Ulysses degree of ``"hybrid"`` (a divisor of cp strictly between 1 and cp); ``"ulysses"``
+    implies cp and ``"allgather"`` 1. See docs/context_parallel.md for when each wins."""
 
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    cp_mode: str = "allgather"
+    ulysses: int | None = None
 
     def __post_init__(self):
         for k in ("pp", "cp", "tp"):
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"ParallelSpec.{k} must be an int >= 1, got {v!r}")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"unknown cp_mode {self.cp_mode!r}; choose one of {CP_MODES}")
+        k = self.ulysses
+        if k is not None and (not isinstance(k, int) or k < 1):
+            raise ValueError(f"ParallelSpec.ulysses must be an int >= 1 or None, got {k!r}")
+        if self.cp_mode == "allgather" and k not in (None, 1):
+            raise ValueError(f"ulysses={k} needs cp_mode='hybrid' (Ulysses inside groups of {k} ranks) or "
+                             "cp_mode='ulysses'; with cp_mode='allgather' leave ulysses unset")
+        if self.cp_mode == "ulysses" and k not in (None, self.cp):
+            raise ValueError(f"cp_mode='ulysses' runs Ulysses over all cp={self.cp} ranks, not ulysses={k}; use "
+                             f"cp_mode='hybrid' with ulysses={k} (all-gather across the groups), or leave ulysses unset")
+        if self.cp_mode == "hybrid":
+            if k is None or not 1 < k < self.cp or self.cp % k:
+                divisors = [d for d in range(2, self.cp) if self.cp % d == 0]
+                raise ValueError(f"cp_mode='hybrid' needs ulysses = K with 1 < K < cp and K dividing cp={self.cp}, got "
+                                 f"ulysses={k}; " + (f"choose K in {divisors}" if divisors else
+                                                     f"cp={self.cp} has no such divisor: use cp_mode='ulysses' or "
+                                                     "'allgather', or a cp with divisors (4, 6, 8, ...)"))
 
     @property
     def size(self) -> int:
         return self.pp * self.cp * self.tp
+
+    @property
+    def ulysses_degree(self) -> int:
+        """Ranks each Ulysses all-to-all spans: 1 (allgather, or no CP), cp (ulysses), ulysses (hybrid)."""
+        if self.cp == 1 or self.cp_mode == "allgather":
+            return 1
+        return self.cp if self.cp_mode == "ulysses" else self.ulysses
 
 
 @dataclass(frozen=True)
@@ -52,6 +88,8 @@ class RankLayout:
     placement: str
     module_stages: dict[str, int] = field(default_factory=dict)  # pp per module (encoders and language_model)
     module_tp: dict[str, int] = field(default_factory=dict)  # tp per module (encoders in an LLM stage: 1 or its tp)
+    cp_mode: str = "allgather"  # the LLM's CP attention (ParallelSpec.cp_mode)
+    ulysses: int = 1  # its Ulysses degree: 1 for allgather, cp for ulysses, K for hybrid
 
     @property
     def widths(self) -> dict[str, int]:
@@ -163,7 +201,7 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
                              f"{wrong} tp={tp[s]}" + (" (or tp=1: run whole on every rank)" if in_llm_stage else "")
                              + ", or use encoder_placement='parallel'")
     layout = RankLayout(stages, cp, tp, 0, placement, {n: s.pp for n, s in specs.items()},
-                        {n: s.tp for n, s in specs.items()})
+                        {n: s.tp for n, s in specs.items()}, language_model.cp_mode, language_model.ulysses_degree)
     per_replica = layout.ranks_per_replica
     if world_size % per_replica:
         raise ValueError(f"{world_size} devices cannot hold whole replicas of {per_replica} ranks "

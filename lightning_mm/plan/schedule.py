@@ -255,7 +255,8 @@ def one_f_one_b(graph: StageGraph, num_microbatches: int, deferred: tuple[int, .
 
     ``deferred``: microbatches ``m`` whose LLM work is partly run with microbatch ``m + 1`` (Entrain's deferral).
     The stage that receives the encoders' features keeps them, and sends their gradients back to the encoders
-    only after the backward of ``m + 1``; every other action stays where 1F1B puts it."""
+    only after the backward of ``m + 1``. Encoder stages then warm up with one forward more (Entrain's eager
+    forward), so that the later gradient does not stall them; every other action stays where 1F1B puts it."""
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
     bad = [m for m in deferred if not 0 <= m < num_microbatches - 1]
@@ -265,7 +266,8 @@ def one_f_one_b(graph: StageGraph, num_microbatches: int, deferred: tuple[int, .
     for node in graph.nodes:
         actions, held = [], []
         feeds = node.name == stage_name(LANGUAGE_MODEL, 0)  # where the encoders' features arrive
-        for step, mb in stage_order(graph.depth(node.name), num_microbatches, node.needs_backward):
+        eager = 1 if deferred and node.module != LANGUAGE_MODEL else 0
+        for step, mb in stage_order(graph.depth(node.name) + eager, num_microbatches, node.needs_backward):
             build = _forward_actions if step == "F" else _backward_actions
             acts = build(graph, node.name, mb)
             if step == "B" and feeds:

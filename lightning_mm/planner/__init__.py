@@ -17,6 +17,7 @@ from lightning_mm.planner.costs import (
     module_times,
     save_profile,
 )
+from lightning_mm.planner.heterogeneity import BatchSimulation, MethodReport, compare_methods, simulate_batch
 from lightning_mm.planner.partition import partition, partition_module, stage_sums, uniform_partition
 from lightning_mm.planner.profiler import profile_layers
 from lightning_mm.planner.search import ModuleSpec, Plan, SearchResult, evaluate_plan, plan_graph, plan_summary, search
@@ -27,5 +28,5 @@ __all__ = [
     "load_profile", "mllm_layer_costs", "module_times", "save_profile", "partition", "partition_module",
     "stage_sums", "uniform_partition", "profile_layers", "ModuleSpec", "Plan", "SearchResult", "evaluate_plan",
     "plan_graph", "plan_summary", "search", "SimulationResult", "chrome_trace", "simulate", "simulate_1f1b",
-    "timeline_png",
+    "timeline_png", "BatchSimulation", "MethodReport", "compare_methods", "simulate_batch",
 ]

@@ -2,11 +2,15 @@
 run (stages, layers, forward + backward per stage, predicted iteration time and bubbles) and what the
 auto-parallel search would pick on N devices, with timeline PNGs and Chrome traces.
 
-The YAML is the one ``lightning-mm fit`` takes (parsed by LightningCLI with ``run=False``, nothing launches).
+The YAML is the one ``lightning-mm fit`` takes (the CLI parses it with ``run=False``, nothing launches, and hands
+the instantiated objects to ``run``).
 Costs are per microbatch of the configured data module's first batch: FLOPs counted on the real layers, shown
 in GFLOP (the timeline's axis is then work, not time; ``--device-flops`` turns them into ms), or seconds from
 ``--profile`` (write one for this machine with ``--write-profile``), shown in ms. Memory is in GiB, bandwidth in
 GB/s. Files go to ``<the run's log dir>/plan`` (the folder ``fit`` would log to), or ``--out``.
+``--data-stats`` reads the training data's metadata (no tensors), reports its encoder:LLM workload ratio and
+Entrain's profiling batch size, and scales the costs to the data's mean work per sample
+(``lightning_mm.planner.data_stats.plan_data_stats``), so both plans are timed on the data, not the first batch.
 """
 
 from __future__ import annotations
@@ -43,17 +47,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="GB/s per device for tensor-parallel all-reduces (default: free; NVLink ~ 300-450)")
     p.add_argument("--out", default=None,
                    help="folder for the timeline PNGs and Chrome traces (default: <the run's log dir>/plan)")
+    p.add_argument("--data-stats", action="store_true",
+                   help="read the training data's metadata: report its encoder:LLM workload ratio and Entrain's "
+                        "profiling batch size, and plan on the data's mean work per sample instead of the first batch")
+    p.add_argument("--data-stats-samples", type=int, default=2000,
+                   help="samples --data-stats reads (a seeded subset of larger data sets; default 2000)")
     return p.parse_args(argv)
-
-
-def load_config(configs: list[str]):
-    """(LightningModule, data module, trainer) of a fit YAML, instantiated but not run (the CLI ``fit`` uses, so
-    any YAML ``fit`` takes works here)."""
-    from lightning_mm.cli import MultimodalCLI
-
-    args = [a for c in configs for a in ("--config", c)]
-    cli = MultimodalCLI(args=args, run=False, save_config_callback=None)
-    return cli.model, cli.datamodule, cli.trainer
 
 
 def first_microbatch(module, datamodule, trainer, num_microbatches: int) -> dict:
@@ -184,9 +183,9 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def main(argv: list[str]) -> None:
-    args = parse_args(argv)
-    module, datamodule, trainer = load_config(args.config)
+def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
+    """The report for ``args`` (``parse_args``) on a fit YAML's LightningModule, data module and trainer, built
+    by the CLI (``lightning_mm.cli.plan_main``: ``lightning-mm plan``) and not run."""
     strategy, model = trainer.strategy, module.model
     if not hasattr(strategy, "encoder_placement"):
         raise SystemExit("the YAML's trainer.strategy is not lightning_mm.MultimodalParallelStrategy; plan needs it")
@@ -204,6 +203,14 @@ def main(argv: list[str]) -> None:
         print(f"wrote {args.write_profile}")
     recompute = strategy.activation_checkpointing
     costs = model_layer_costs(model, profile, batch=mb, recompute=recompute)
+    if args.data_stats:  # costs scaled from this microbatch to the data's mean work (planner.data_stats)
+        from lightning_mm.planner.data_stats import plan_data_stats
+
+        stats, costs, factors = plan_data_stats(model, datamodule, trainer, mb, costs, args.devices,
+                                                args.data_stats_samples)
+        print("data statistics (work: the planner's FLOP model, per sample)\n" + stats.summary())
+        print("costs scaled to the data's mean work: " + ", ".join(f"{m} x{f:.3g}" for m, f in factors.items())
+              + "\n")
     if profile:  # planner costs in seconds, shown in ms
         scale, units = 1.0, Units("ms", 1e3, True)
     elif args.device_flops:

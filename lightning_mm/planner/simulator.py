@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_mm.plan.schedule import Action, ScheduleError, StageGraph, one_f_one_b
@@ -20,13 +20,17 @@ Cost = float | Sequence[float]
 
 @dataclass(frozen=True)
 class Event:
-    """One compute interval on one stage."""
+    """One compute interval on one stage. ``deferred``: the share of the interval that batch balancing's deferral
+    moved there (0 without deferral): on an LLM stage, the LLM work of samples deferred from the previous
+    microbatch; on an encoder stage, the backward of a deferring microbatch (all of it, as it waits for the
+    deferred samples' gradients)."""
 
     stage: str
     kind: str  # "forward" | "backward" | "sync" (gradient all-reduce, microbatch -1)
     microbatch: int
     start: float
     end: float
+    deferred: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,14 @@ def simulate_1f1b(
     return simulate(graph, one_f_one_b(graph, num_microbatches), forward_cost, backward_cost, p2p_latency, sync_cost)
 
 
+def mark_deferred(result: SimulationResult, shares: dict[tuple[str, str, int], float]) -> SimulationResult:
+    """``result`` with ``Event.deferred`` set from ``shares[(stage, kind, microbatch)]``."""
+    if not shares:
+        return result
+    events = tuple(replace(e, deferred=shares.get((e.stage, e.kind, e.microbatch), e.deferred)) for e in result.events)
+    return replace(result, events=events)
+
+
 def _label(e: Event) -> str:
     return "allreduce" if e.kind == "sync" else f"{'F' if e.kind == 'forward' else 'B'}{e.microbatch}"
 
@@ -143,7 +155,7 @@ def chrome_trace(result: SimulationResult, path: str | Path, time_scale: float =
             "tid": tid[e.stage],
             "ts": e.start * time_scale,
             "dur": (e.end - e.start) * time_scale,
-            "args": {"microbatch": e.microbatch},
+            "args": {"microbatch": e.microbatch, **({"deferred": round(e.deferred, 4)} if e.deferred else {})},
         })
     Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
@@ -151,8 +163,8 @@ def chrome_trace(result: SimulationResult, path: str | Path, time_scale: float =
 def timeline_png(result: SimulationResult, path: str | Path, title: str | None = None, scale: float = 1.0,
                  xlabel: str = "time") -> None:
     """Draw the schedule as a Gantt chart (forward blue, backward orange, microbatch numbers inside; gradient
-    all-reduce grey). The x axis shows the result's units times ``scale`` (e.g. 1e3 for seconds shown in ms),
-    labelled ``xlabel``."""
+    all-reduce grey; the share of an interval that deferral moved there hatched at its end). The x axis shows the
+    result's units times ``scale`` (e.g. 1e3 for seconds shown in ms), labelled ``xlabel``."""
     try:
         import matplotlib
 
@@ -168,7 +180,17 @@ def timeline_png(result: SimulationResult, path: str | Path, title: str | None =
         ax.broken_barh([(e.start * scale, (e.end - e.start) * scale)], (y - 0.4, 0.8), facecolors=color,
                        edgecolor="white", linewidth=0.5)
         text = "AR" if e.kind == "sync" else str(e.microbatch)
+        if e.deferred > 0:
+            width = (e.end - e.start) * e.deferred
+            ax.broken_barh([((e.end - width) * scale, width * scale)], (y - 0.4, 0.8), facecolors="none",
+                           edgecolor="black", hatch="///", linewidth=0.0)
         ax.text((e.start + e.end) / 2 * scale, y, text, ha="center", va="center", fontsize=7, color="white")
+    if any(e.deferred > 0 for e in result.events):
+        from matplotlib.patches import Patch
+
+        ax.legend(handles=[Patch(facecolor="#4C72B0", label="forward"), Patch(facecolor="#DD8452", label="backward"),
+                           Patch(facecolor="white", edgecolor="black", hatch="///", label="deferred")],
+                  loc="upper right", fontsize=7, ncol=3)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{s} ({result.bubble_fraction[s]:.0%} idle)" for s in reversed(result.stages)])
     ax.set_xlim(0, result.iteration_time * scale)

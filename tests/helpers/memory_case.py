@@ -14,6 +14,8 @@ growth above the resident set at its reset (bytes). Keys of the JSON (all option
 - ``llm``: overrides of the Llama config (default: hidden 1024, 12 layers, vocab 32000, intermediate 2048, untied)
 - ``llm_pp`` (default 4), ``placement`` (default "replicated": the encoder inside LLM stage 0, so ``llm_pp``
   processes; "parallel" adds one encoder rank), ``steps`` (default 1), ``text_tokens`` (default [8, 12])
+- ``llm_folder``, ``encoder_folder``: build the LLM and the encoder from these ``save_pretrained`` folders instead
+  (lazily, each rank then reads its stage's tensors from their safetensors while it materialises)
 """
 
 import gc
@@ -46,7 +48,19 @@ def reset_peak() -> int:
     return status_bytes("VmRSS")
 
 
+class SplitPeak(L.Callback):
+    """Splits ``fit_peak`` at the start of training: ``setup_peak`` (setup: each rank cuts and materialises its
+    stage) above the resident set before fit, ``train_peak`` (the steps) above the resident set at their start."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.at_setup_end = status_bytes("VmHWM")
+        self.before_train = reset_peak()
+
+
 def build(case):
+    if case.get("llm_folder"):
+        model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(case["encoder_folder"])}, case["llm_folder"])
+        return model.freeze(encoders=True, projectors=False, language_model=True)
     llm = tiny_language_model("llama", **{**LLM, **case.get("llm", {})})
     model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, llm)
     return model.freeze(encoders=True, projectors=False, language_model=True)
@@ -59,8 +73,9 @@ def main(spec: str, out: str):
     strategy = lmm.MultimodalParallelStrategy(
         encoders={"vision": lmm.ParallelSpec(pp=1)}, language_model=lmm.ParallelSpec(pp=pp),
         encoder_placement=placement, num_microbatches=1, fault_timeout=120)
+    split = SplitPeak()
     trainer = L.Trainer(accelerator="cpu", devices=pp + (placement != "replicated"), strategy=strategy,
-                        max_steps=case.get("steps", 1), logger=False, enable_checkpointing=False,
+                        max_steps=case.get("steps", 1), logger=False, enable_checkpointing=False, callbacks=[split],
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0)
     torch.manual_seed(0)
@@ -83,14 +98,16 @@ def main(spec: str, out: str):
     start = time.perf_counter()
     trainer.fit(module, data)
     fit_seconds = time.perf_counter() - start
-    fit_peak = status_bytes("VmHWM") - before_fit
+    end_peak = status_bytes("VmHWM")  # since the reset at the start of training
+    fit_peak = max(split.at_setup_end, end_peak) - before_fit
     engine = trainer.strategy.engine
     owned = dict(module.model.named_parameters())
     stage = sum(owned[n].numel() * owned[n].element_size() for n in engine.owned if n in owned)
     doc = {"rank": trainer.global_rank, "stage": engine.stage, "lazy": bool(case.get("lazy")),
            "model_bytes": full, "llm_bytes": llm, "stage_bytes": stage,
            "rss_before_build": before_build, "rss_before_fit": before_fit, "rss_after_fit": status_bytes("VmRSS"),
-           "build_peak": build_peak, "fit_peak": fit_peak,
+           "build_peak": build_peak, "fit_peak": fit_peak, "setup_peak": split.at_setup_end - before_fit,
+           "train_peak": end_peak - split.before_train,
            # the peak of build, setup and training together, above the resident set before the build
            "total_peak": max(before_build + build_peak, before_fit + fit_peak) - before_build,
            "build_seconds": build_seconds, "fit_seconds": fit_seconds,

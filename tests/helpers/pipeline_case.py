@@ -69,26 +69,30 @@ def run_reference(modalities, freeze, steps, rows, layout="ee", lr=0.5):
     return train_reference(model, global_batches(model, steps, rows, layout), lr)
 
 
-def _case(world, modalities, freeze, encoder_pp, llm_pp, placement, steps, rows, layout, llm_cp):
+def _case(world, modalities, freeze, encoder_pp, llm_pp, placement, steps, rows, layout, llm_cp, cp_mode="allgather",
+          ulysses=None):
     """(model, global batches, rank layout) of one pipeline case, the same on every rank."""
     model = build_model(modalities, freeze)
     batches = global_batches(model, steps, rows, layout)
     specs = {m: ParallelSpec(pp=encoder_pp[i]) for i, m in enumerate(modalities)}
-    return model, batches, build_layout(specs, ParallelSpec(pp=llm_pp, cp=llm_cp), world, placement, list(modalities))
+    llm = ParallelSpec(pp=llm_pp, cp=llm_cp, cp_mode=cp_mode, ulysses=ulysses)
+    return model, batches, build_layout(specs, llm, world, placement, list(modalities))
 
 
 def run_rank(rank, world, modalities, freeze, encoder_pp, llm_pp, placement, microbatches, steps, rows,
-             layout="ee", lr=0.5, llm_cp=1, cp_method="lpt", cp_block=8):
-    model, batches, plan = _case(world, modalities, freeze, encoder_pp, llm_pp, placement, steps, rows, layout, llm_cp)
+             layout="ee", lr=0.5, llm_cp=1, cp_method="lpt", cp_block=8, cp_mode="allgather", ulysses=None):
+    model, batches, plan = _case(world, modalities, freeze, encoder_pp, llm_pp, placement, steps, rows, layout, llm_cp,
+                                 cp_mode, ulysses)
     engine = PipelineEngine(model, plan, rank, microbatches, cp_distribution=cp_method, cp_block_size=cp_block)
     return train_engine(engine, model, batches, lr)
 
 
 def run_rank_checkpointed(rank, world, modalities, freeze, encoder_pp, llm_pp, microbatches, steps, rows,
-                          llm_cp=1, layout="ee"):
+                          llm_cp=1, layout="ee", cp_mode="allgather", ulysses=None):
     """`run_rank` with activation checkpointing on, also returning how often each owned layer started a forward
     (a pre-hook: a recomputation stops once it has rebuilt what backward needs, before the layer returns)."""
-    model, batches, plan = _case(world, modalities, freeze, encoder_pp, llm_pp, "parallel", steps, rows, layout, llm_cp)
+    model, batches, plan = _case(world, modalities, freeze, encoder_pp, llm_pp, "parallel", steps, rows, layout, llm_cp,
+                                 cp_mode, ulysses)
     layers = {f"language_model.{i}": layer for i, layer in enumerate(model.llm_layers)}
     layers.update({f"{m}.{i}": layer for m in modalities for i, layer in enumerate(model.encoders[m].layers)})
     engine = PipelineEngine(model, plan, rank, microbatches, cp_block_size=8, activation_checkpointing=True)

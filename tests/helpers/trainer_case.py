@@ -5,7 +5,8 @@ validation/test loss, predicted ids) and ``<out_dir>/params_<rank>.pt`` (this ra
 names), so a test can compare any layout with one process. Keys of the JSON (all optional):
 
 - ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp`` / ``encoder_tp``
-  ([vision, audio]), ``llm_pp``, ``llm_cp`` (blocks of 8 tokens), ``llm_tp``, ``sharding`` (sharding_strategy),
+  ([vision, audio]), ``llm_pp``, ``llm_cp`` (blocks of 8 tokens), ``cp_mode``, ``ulysses``, ``llm_tp``, ``sharding``
+  (sharding_strategy),
   ``placement`` (encoder_placement), ``recompute`` (activation_checkpointing), ``microbatches``, ``accumulate``,
   ``precision``, ``steps``, ``batch_size`` (per replica), ``freeze``, ``state_bytes`` (write
   ``state_<rank>.json``: bytes held before the second step),
@@ -116,7 +117,8 @@ def main(spec: str, out: str):
     else:
         enc, enc_tp = case.get("encoder_pp", [1, 1]), case.get("encoder_tp", [1, 1])
         modalities = case.get("modalities", ["vision", "audio"])
-        llm = lmm.ParallelSpec(pp=case.get("llm_pp", 1), cp=case.get("llm_cp", 1), tp=case.get("llm_tp", 1))
+        llm = lmm.ParallelSpec(pp=case.get("llm_pp", 1), cp=case.get("llm_cp", 1), tp=case.get("llm_tp", 1),
+                               cp_mode=case.get("cp_mode", "allgather"), ulysses=case.get("ulysses"))
         strategy = lmm.MultimodalParallelStrategy(
             encoders={m: lmm.ParallelSpec(pp=enc[i], tp=enc_tp[i]) for i, m in enumerate(modalities)},
             batch_balancing=case.get("balancing", "none"),

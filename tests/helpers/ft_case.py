@@ -1,0 +1,110 @@
+"""One replica group of a fault-tolerant run (torchft), or the uninterrupted one-process reference.
+
+``python ft_case.py '<json>'`` with keys: mode ("group" or "reference"), lighthouse ("host:port"), group (replica
+group id), groups (num_replica_groups), steps, out (folder: ``params_<group>_<rank>.pt``, ``result_<group>.json``),
+devices (ranks of the group, default 2: the LLM in 2 pipeline stages, the encoder with the first), num_nodes
+(default 1), kill ({"group": g, "rank": r, "step": s, "where": "batch_end" | "backward"}: SIGKILL that rank in its
+first launch, after step s or inside step s before the cross-group reduction), pp (LLM stages, default 2),
+heartbeat (s), timeout (s). The reference reads the data settings a group wrote (``data.json``) and trains one
+process on the same global batches.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import lightning as L
+import torch
+
+import lightning_mm as lmm
+from lightning_mm.fault_tolerance import global_batch_indices
+from lightning_mm.model import tiny_encoder, tiny_language_model
+
+NUM_SAMPLES, BATCH = 48, 2  # per-replica batch 2: a global batch of 2 x groups
+
+
+def build_module():
+    torch.manual_seed(0)
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model("llama"))
+    model.freeze(encoders=True, projectors=False, language_model=False)
+    return lmm.MultimodalLightningModule(
+        model, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5))
+
+
+class Events(L.Callback):
+    def __init__(self, cfg):
+        self.cfg, self.steps = cfg, []
+
+    def _kill(self, trainer, where):
+        kill = self.cfg.get("kill")
+        if (kill and kill["where"] == where and kill["group"] == self.cfg["group"]
+                and kill["rank"] == trainer.global_rank and kill["step"] == trainer.global_step
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            with open(os.path.join(self.cfg["out"], "killed_at"), "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_after_backward(self, trainer, pl_module):
+        self._kill(trainer, "backward")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append((trainer.global_step, time.time()))
+        self._kill(trainer, "batch_end")
+
+
+def group(cfg):
+    ft = lmm.FaultTolerance(lighthouse=cfg["lighthouse"], replica_group=cfg["group"], num_replica_groups=cfg["groups"],
+                            min_replicas=1, timeout=cfg.get("timeout", 10.0), quorum_timeout=60.0, connect_timeout=5.0,
+                            hostname="127.0.0.1")
+    strategy = lmm.MultimodalParallelStrategy(
+        encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec(pp=cfg.get("pp", 2)),
+        encoder_placement="replicated", num_microbatches=2, fault_timeout=cfg.get("fault_timeout", 20.0),
+        fault_tolerance=ft, **({"process_group_backend": "gloo"}))
+    events = Events(cfg)
+    trainer = L.Trainer(accelerator="cpu", devices=cfg.get("devices", 2), num_nodes=cfg.get("num_nodes", 1),
+                        strategy=strategy, max_steps=cfg["steps"], logger=L.pytorch.loggers.CSVLogger(
+                            os.path.join(cfg["out"], f"logs_{cfg['group']}")), enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[events])
+    module = build_module()
+    data = lmm.data.SyntheticMultimodalDataModule(num_samples=NUM_SAMPLES, batch_size=BATCH)
+    trainer.fit(module, data)
+    rank, g = trainer.global_rank, cfg["group"]
+    torch.save({n: p.detach() for n, p in module.model.named_parameters() if p.requires_grad and n in
+                strategy.engine.owned}, os.path.join(cfg["out"], f"params_{g}_{rank}.pt"))
+    if rank == 0:
+        d = strategy.ft.data
+        with open(os.path.join(cfg["out"], "data.json"), "w") as f:
+            json.dump({k: d[k] for k in ("num_samples", "global_batch", "shuffle", "seed")}, f)
+        with open(os.path.join(cfg["out"], f"result_{g}.json"), "w") as f:
+            json.dump({"events": strategy.ft.events, "stats": strategy.ft.stats, "steps": events.steps,
+                       "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                       "global_step": trainer.global_step}, f)
+
+
+def reference(cfg):
+    with open(os.path.join(cfg["out"], "data.json")) as f:
+        d = json.load(f)
+    module = build_module()
+    model = module.model
+    data = lmm.data.SyntheticMultimodalDataModule(num_samples=NUM_SAMPLES, batch_size=BATCH, model=model)
+    dataset, collate = data._dataset(d["num_samples"], 0), data.collator()
+    conf = module.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    for step in range(cfg["steps"]):
+        idx = global_batch_indices(step, d["num_samples"], d["global_batch"], d["shuffle"], d["seed"])
+        batch = collate([dataset[i] for i in idx])
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    torch.save({n: p.detach() for n, p in model.named_parameters() if p.requires_grad},
+               os.path.join(cfg["out"], "reference.pt"))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    cfg = json.loads(sys.argv[1])
+    (reference if cfg["mode"] == "reference" else group)(cfg)
