@@ -29,12 +29,15 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_mm import loss as losses
 from lightning_mm.data.microbatch import PLAN_KEY, deferrals, microbatch_rows, split_microbatches
+from lightning_mm.data.metadata import encoder_input_tokens
 from lightning_mm.parallel.comm import StageComm, carries_device_tensors
 from lightning_mm.parallel.context import pad_for_context_parallel, token_index
+from lightning_mm.parallel.encoder_cp import gather_items
 from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
 from lightning_mm.parallel.sharding import apply_fsdp
 from lightning_mm.parallel.stages import owned_parameters, prune, tied_embedding_stages
 from lightning_mm.parallel.tensor_parallel import apply_tp, keep_grads_like_parameters
+from lightning_mm.plan.items import gather_order, shard_items
 from lightning_mm.plan.layout import RankLayout
 from lightning_mm.plan.schedule import (LANGUAGE_MODEL, build_stage_graph, check_rendezvous, check_schedule,
                                         communication_groups, one_f_one_b)
@@ -157,6 +160,7 @@ class PipelineEngine:
         self.device = torch.device(device) if device is not None else (
             torch.device("cpu") if first is None or first.is_meta else first.device)
         self.cp_size = layout.cp[self.stage]
+        self.encoder_cp = self.cp_size if self.plan.language_model is None else 1  # items split over CP ranks
         mesh_device = self.device.type if carries_device_tensors(dist.get_backend(), self.device.type) else "cpu"
         self.groups = ProcessGroups(layout, rank, self.tie_stages, mesh_device, sharding_strategy != "NO_SHARD")
         self.tp_allreduce = apply_tp(model, self.plan, self.tp_meshes())
@@ -269,13 +273,45 @@ class PipelineEngine:
         enc = self.model.encoders[name]
         if name not in mb:  # no item of this modality in the microbatch
             return torch.zeros(0, self.llm_hidden if sl.head else 0, device=self.device)
-        inputs = enc.preprocess(mb[name]) if enc.preprocess and not sl.embed else mb[name]
+        items = mb[name]
+        if self.encoder_cp > 1:  # this CP rank's items only; the last stage gathers every rank's features
+            shards, tokens = self.item_shards(enc, items)
+            mine = shards[self.coord.cp]
+            if not mine:  # nothing to encode; the last stage still joins the gather
+                return self._gather_items(self._no_items(enc), shards, tokens) if sl.head else \
+                    torch.zeros(0, device=self.device)
+            items = enc.family.select_items(items, torch.tensor(mine, dtype=torch.long, device=self.device))
+        inputs = enc.preprocess(items) if enc.preprocess and not sl.embed else items
         if sl.embed:
-            hidden, ctx = enc.embed(mb[name])
+            hidden, ctx = enc.embed(items)
         else:
             hidden, ctx = received[name], enc.family.context(enc.module, inputs)
         hidden = self._run_layers(lambda h, a, b: enc.run_layers(h, ctx, a, b), hidden, sl.start, sl.end)
-        return enc.head(hidden, ctx, mb[name]) if sl.head else hidden
+        if not sl.head:
+            return hidden
+        feats = enc.head(hidden, ctx, items)
+        return self._gather_items(feats, shards, tokens) if self.encoder_cp > 1 else feats
+
+    def item_shards(self, enc, inputs) -> tuple[list[list[int]], list[int]]:
+        """Items of each CP rank (LPT on per-item work) and each item's feature tokens. An item of ``t`` encoder
+        tokens costs about ``t (t + 6 d)`` (attention ~ 4 d t^2, weights ~ 24 d^2 t per layer of width ``d``)."""
+        tokens = enc.num_tokens(inputs)
+        width = getattr(enc.config, "hidden_size", 0) or getattr(enc.config, "embed_dim", 0)
+        work = [t * (t + 6 * width) for t in (encoder_input_tokens(enc, n) for n in tokens)]
+        return shard_items(work, self.encoder_cp), tokens
+
+    def _no_items(self, enc) -> torch.Tensor:
+        """The projected features of no item, in the dtype the projector gives (autocast included); it takes part
+        in the gather and its backward like any rank's."""
+        weight = next(enc.projector.parameters(), None)
+        empty = torch.zeros(0, enc.output_dim, device=self.device,
+                            dtype=torch.float32 if weight is None else weight.dtype, requires_grad=torch.is_grad_enabled())
+        return enc.projector(empty)
+
+    def _gather_items(self, local, shards, tokens) -> torch.Tensor:
+        counts = [sum(tokens[i] for i in items) for items in shards]
+        order = torch.tensor(gather_order(shards, tokens), dtype=torch.long, device=self.device)
+        return gather_items(local, counts, order, self.groups.cp)
 
     def _language_part(self, mb, received, num_label_tokens, owner):
         sl, model = self.plan.language_model, self.model
@@ -340,7 +376,8 @@ class PipelineEngine:
         rows = (encoder_rows, llm_rows, self.feature_tokens(batch)) if held else None
         mbs = split_microbatches(batch, llm_rows if self.plan.language_model is not None else encoder_rows,
                                  self.model)
-        mbs = [pad_for_context_parallel(mb, self.cp_size, self.cp_block_size) for mb in mbs]  # short CP sequences
+        if self.plan.language_model is not None:  # short CP sequences pad to whole blocks
+            mbs = [pad_for_context_parallel(mb, self.cp_size, self.cp_block_size) for mb in mbs]
         owners = self.cp_owners(mbs) if self.plan.language_model is not None else None
         count = losses.count_label_tokens(batch["labels"]).reshape(1).to(self.device, torch.float32)
         if self.groups.dp is not None:
@@ -464,6 +501,8 @@ class PipelineEngine:
                 with self.loss_context():
                     self.loss_backward(out["loss"] * loss_scale)
             return
+        if grads is None:  # an encoder CP rank no LLM rank reads from: its share of the gradient is zero
+            grads = {k: torch.zeros_like(t) for k, t in out.items()}
         pairs = [(t, grads[k]) for k, t in out.items() if t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])

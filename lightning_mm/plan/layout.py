@@ -130,20 +130,20 @@ class RankLayout:
         return [self.rank(stage, d, c, tp) for d in range(self.dp) for c in range(self.cp[stage])]
 
     def activation_sources(self, sender: str, receiver: str, dp: int) -> dict[int, int]:
-        """``{receiver rank: sender rank}`` for the activations ``sender`` passes to ``receiver``: the same CP rank
-        between stages of equal cp (else CP rank 0, an encoder), the tp rank ``t % tp[sender]``. Tensor-parallel
-        ranks hold whole (replicated) activations, so any one of them is a source."""
-        same_cp = self.cp[sender] == self.cp[receiver]
-        return {self.rank(receiver, dp, c, t): self.rank(sender, dp, c if same_cp else 0, t % self.tp[sender])
+        """``{receiver rank: sender rank}`` for the activations ``sender`` passes to ``receiver``: CP rank
+        ``c % cp[sender]`` (the same CP rank between stages of equal cp; an encoder's CP ranks all hold the whole
+        gathered features), tp rank ``t % tp[sender]``. Tensor-parallel ranks hold whole (replicated) activations,
+        so any one of them is a source."""
+        return {self.rank(receiver, dp, c, t): self.rank(sender, dp, c % self.cp[sender], t % self.tp[sender])
                 for c in range(self.cp[receiver]) for t in range(self.tp[receiver])}
 
     def gradient_sources(self, sender: str, receiver: str, dp: int) -> dict[int, list[int]]:
         """``{sender rank: [receiver ranks]}`` whose input gradients (of ``sender``'s activations) it receives and
-        sums: one per distinct CP shard of ``receiver`` (every CP rank when ``sender`` has no CP), from the tp rank
-        ``t % tp[receiver]`` (tp ranks of a stage compute the same input gradient)."""
-        same_cp = self.cp[sender] == self.cp[receiver]
+        sums: those of the receiver's CP ranks that read from it (every CP rank when ``sender`` has no CP; none for
+        an encoder CP rank no LLM rank reads from), from the tp rank ``t % tp[receiver]`` (tp ranks of a stage
+        compute the same input gradient)."""
         return {self.rank(sender, dp, c, t): [self.rank(receiver, dp, rc, t % self.tp[receiver])
-                                              for rc in ([c] if same_cp else range(self.cp[receiver]))]
+                                              for rc in range(self.cp[receiver]) if rc % self.cp[sender] == c]
                 for c in range(self.cp[sender]) for t in range(self.tp[sender])}
 
     def chains(self) -> dict[str, list[str]]:
@@ -184,12 +184,17 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
             raise ValueError(f"modality {missing[0]!r} has no ParallelSpec; add encoders={{{missing[0]!r}: "
                              "ParallelSpec(pp=1)}} to the strategy")
     for name, spec in encoders.items():
-        if spec.cp > 1:
-            raise ValueError(f"encoder {name!r}: context parallelism is for the language model only; use cp=1")
+        if spec.cp > 1 and placement != "parallel":
+            raise ValueError(f"encoder {name!r}: context parallelism shards an encoder's items over the CP ranks of "
+                             f"its own stages, which needs encoder_placement='parallel' (got {placement!r}); or use cp=1")
+        if spec.cp > 1 and spec.cp_mode != "allgather":
+            raise ValueError(f"encoder {name!r}: encoder context parallelism splits items (images, clips) over ranks "
+                             f"and gathers the features; cp_mode={spec.cp_mode!r} is for the language model: leave "
+                             "the encoder's cp_mode unset")
     table = placement_table({n: s.pp for n, s in encoders.items()}, language_model.pp, placement)
     specs = {**encoders, LANGUAGE_MODEL: language_model}
     stages = list(table)
-    cp = {s: language_model.cp if table[s][0][0] == LANGUAGE_MODEL else 1 for s in stages}
+    cp = {s: specs[table[s][0][0]].cp for s in stages}
     tp = {}
     for s in stages:
         modules = [m for m, _ in table[s]]

@@ -78,7 +78,7 @@ def main(cfg: dict):
             encoders={"vision": lmm.ParallelSpec()},
             language_model=lmm.ParallelSpec(pp=layout["llm_pp"], cp=cp, tp=tp),
             num_microbatches=layout["microbatches"], cp_block_size=8, fault_timeout=cfg.get("fault_timeout", 60.0),
-            batch_balancing=cfg.get("balancing", "none"))
+            batch_balancing=cfg.get("balancing"))
         trainer = L.Trainer(devices=layout["devices"], strategy=strategy, **kw)
         per_rank = global_batch // (layout["devices"] // (1 + layout["llm_pp"] * cp * tp))
     if cfg.get("pids"):

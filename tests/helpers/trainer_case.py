@@ -4,8 +4,8 @@
 validation/test loss, predicted ids) and ``<out_dir>/params_<rank>.pt`` (this rank's trainable parameters, full
 names), so a test can compare any layout with one process. Keys of the JSON (all optional):
 
-- ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp`` / ``encoder_tp``
-  ([vision, audio]), ``llm_pp``, ``llm_cp`` (blocks of 8 tokens), ``cp_mode``, ``ulysses``, ``llm_tp``, ``sharding``
+- ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp`` / ``encoder_tp`` /
+  ``encoder_cp`` ([vision, audio]), ``llm_pp``, ``llm_cp`` (blocks of 8 tokens), ``cp_mode``, ``ulysses``, ``llm_tp``, ``sharding``
   (sharding_strategy),
   ``placement`` (encoder_placement), ``recompute`` (activation_checkpointing), ``microbatches``, ``accumulate``,
   ``precision``, ``steps``, ``batch_size`` (per replica), ``freeze``, ``state_bytes`` (write
@@ -112,22 +112,22 @@ def build(case):
 def main(spec: str, out: str):
     case = json.loads(spec)
     dp = case.get("dp", 1)
-    if case.get("devices", 1) == 1 and not {"llm_pp", "llm_tp", "llm_cp", "encoder_tp", "sharding"} & set(case):
+    if case.get("devices", 1) == 1 and not {"llm_pp", "llm_tp", "llm_cp", "encoder_tp", "encoder_cp", "sharding"} & set(case):
         strategy, devices, dp_batch = "auto", 1, case.get("batch_size", 4) * dp
     else:
-        enc, enc_tp = case.get("encoder_pp", [1, 1]), case.get("encoder_tp", [1, 1])
+        enc, enc_tp, enc_cp = case.get("encoder_pp", [1, 1]), case.get("encoder_tp", [1, 1]), case.get("encoder_cp", [1, 1])
         modalities = case.get("modalities", ["vision", "audio"])
         llm = lmm.ParallelSpec(pp=case.get("llm_pp", 1), cp=case.get("llm_cp", 1), tp=case.get("llm_tp", 1),
                                cp_mode=case.get("cp_mode", "allgather"), ulysses=case.get("ulysses"))
         strategy = lmm.MultimodalParallelStrategy(
-            encoders={m: lmm.ParallelSpec(pp=enc[i], tp=enc_tp[i]) for i, m in enumerate(modalities)},
-            batch_balancing=case.get("balancing", "none"),
+            encoders={m: lmm.ParallelSpec(pp=enc[i], tp=enc_tp[i], cp=enc_cp[i]) for i, m in enumerate(modalities)},
+            batch_balancing=case.get("balancing"),
             language_model=llm, num_microbatches=case.get("microbatches", 1), cp_block_size=8,
             sharding_strategy=case.get("sharding", "NO_SHARD"), encoder_placement=case.get("placement", "parallel"),
             activation_checkpointing=case.get("recompute", False), fault_timeout=60,
             process_group_backend=case.get("backend"))
         encoder_ranks = {"replicated": 0, "colocated": enc[0] * enc_tp[0]}.get(  # colocated: one fused chain
-            case.get("placement"), sum(enc[i] * enc_tp[i] for i in range(len(modalities))))
+            case.get("placement"), sum(enc[i] * enc_tp[i] * enc_cp[i] for i in range(len(modalities))))
         devices = case.get("devices") or (encoder_ranks + llm.size) * dp
         dp_batch = case.get("batch_size", 4)
     callbacks = [StateBytes(out)] if case.get("state_bytes") else []
