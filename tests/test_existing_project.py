@@ -53,7 +53,8 @@ def test_packed_rows_give_per_sample_losses_and_gradients(kind):
         for s in range(int(batch["segment_ids"][r].max()) + 1):
             here = (batch["segment_ids"][r] == s) & (batch["attention_mask"][r] == 1)
             if bool(here.any()):  # which sample this is (first-fit may reorder them)
-                i = next(i for i, x in enumerate(samples) if torch.equal(x["input_ids"][0], batch["input_ids"][r][here]))
+                ids = batch["input_ids"][r][here]
+                i = next(i for i, x in enumerate(samples) if torch.equal(x["input_ids"][0], ids))
                 got[i] = per_token[r][seg[r] == s].sum()
     assert sorted(got) == list(range(len(samples)))
     got = [got[i] for i in range(len(samples))]
@@ -152,3 +153,152 @@ def test_use_bitfield_attention_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match="videos"):
         pack_multimodal([{"input_ids": torch.tensor([1, 2]), "pixel_values_videos": torch.zeros(1)}], 8,
                         model.config)
+
+
+# ------------------------------------------------------------------------------------------ ContextParallel
+def _callback_refusal(fn, match):
+    with pytest.raises((ValueError, UnsupportedModelError)) as info:
+        fn()
+    assert info.match(match), str(info.value)
+    return str(info.value)
+
+
+def test_context_parallel_refuses_strategies_it_cannot_serve():
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
+
+    from lightning_mm.callbacks import ContextParallel
+
+    cb = ContextParallel(2)
+    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # Lightning's class, without deepspeed installed
+    _callback_refusal(lambda: cb.check_strategy(deepspeed), "strategy='ddp'")
+    _callback_refusal(lambda: cb.check_strategy(FSDPStrategy()), "switch to ModelParallelStrategy")
+    _callback_refusal(lambda: cb.check_strategy(SingleDeviceStrategy("cpu")), "DDPStrategy")
+    cb.check_strategy(DDPStrategy())  # served
+    _callback_refusal(lambda: ContextParallel(2, mode="ulysses"), "mode='allgather'")
+    _callback_refusal(lambda: ContextParallel(2, distribution="best"), "lpt")
+    _callback_refusal(lambda: ContextParallel(0), "positive int")
+
+
+def _world_of_one():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # conftest destroys it
+
+
+def test_context_parallel_refuses_cp_sizes_that_do_not_divide_and_models_it_cannot_replace():
+    from types import SimpleNamespace
+
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_mm.callbacks import ContextParallel
+
+    _world_of_one()
+    trainer = SimpleNamespace(strategy=DDPStrategy())
+
+    class Plain(L.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+    msg = _callback_refusal(lambda: ContextParallel(2).setup(trainer, Plain(tiny_model("llava")), "fit"),
+                            "does not divide the 1 data-parallel ranks")
+    assert "choose cp_size among [1]" in msg
+    _callback_refusal(lambda: ContextParallel(1).setup(trainer, Plain(torch.nn.Linear(2, 2)), "fit"),
+                      "self.model = LlavaForConditionalGeneration")
+    two = Plain(tiny_model("llava"))
+    two.other = tiny_model("qwen2_vl")
+    _callback_refusal(lambda: ContextParallel(1).setup(trainer, two, "fit"), "model_attr='model'")
+    llava = tiny_model("llava")
+    cls = type(llava.model.language_model)
+    saved = cls._supports_attention_backend
+    cls._supports_attention_backend = False
+    try:
+        _callback_refusal(lambda: ContextParallel(1).setup(trainer, Plain(llava), "fit"), "AttentionInterface")
+    finally:
+        cls._supports_attention_backend = saved
+
+
+def test_context_parallel_refuses_a_call_without_labels():
+    from lightning_mm.callbacks import ContextParallel
+
+    cb = ContextParallel(2, block_size=4)
+    model = tiny_model("llava")
+    batch = pack_multimodal([sample("llava", i) for i in range(3)], 40, model.config)
+    kwargs = {k: v for k, v in batch.items() if k != "labels"}
+    call = {"bam": batch["bam"], "segment_ids": batch["segment_ids"]}
+    _callback_refusal(lambda: cb.top(model, dict(kwargs), call), r"pass labels=\.\.\. to the model")
+    cb.top(model, dict(kwargs, labels=batch["labels"]), call)  # with labels: planned
+    assert len(call["plan"]) == 2 and sum(cb.last_work) > 0
+    ContextParallel(2, gather_logits=True).top(model, dict(kwargs), dict(call))  # its own loss from the logits
+
+
+def _trains_alike(tmp_path, case: dict, name: str):
+    """dp 2 without the callback vs dp 2 x cp 2 with it, same global batches: same losses and parameters."""
+    from tests.helpers.launch import run_trainer_case
+
+    script = __import__("tests.helpers.existing_project_case", fromlist=["x"]).__file__
+    ref, ref_params = run_trainer_case(script, dict(case, devices=2, cp=0), tmp_path, name + "_dp")
+    got, params = run_trainer_case(script, dict(case, devices=4, cp=2), tmp_path, name + "_cp")
+    assert len(got["train"]) == case["steps"]
+    assert got["train"] == pytest.approx(ref["train"], rel=1e-5, abs=1e-6)
+    assert len(got["work"]) == 2 and min(got["work"]) > 0
+    initial = tiny_model(case["kind"]).state_dict()
+    assert any(not torch.allclose(ref_params[n], initial[n]) for n in ref_params)  # it trained
+    assert ref_params.keys() == params.keys()
+    for n in ref_params:
+        torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_context_parallel_under_ddp_trains_like_data_parallel(tmp_path):
+    """LLaVA in a plain LightningModule (training_step returns outputs.loss), DDPStrategy, packed rows."""
+    _trains_alike(tmp_path, {"kind": "llava", "strategy": "ddp", "steps": 2}, "llava_ddp")
+
+
+@pytest.mark.slow
+def test_context_parallel_under_fsdp2_trains_like_data_parallel(tmp_path):
+    """Qwen2-VL (M-RoPE positions of packed samples) under ModelParallelStrategy, FSDP2 over all dp x cp ranks."""
+    _trains_alike(tmp_path, {"kind": "qwen2_vl", "strategy": "fsdp2", "steps": 2, "max_length": 48},
+                  "qwen_fsdp2")
+
+
+@pytest.mark.slow
+def test_context_parallel_gathered_logits_for_a_module_computing_its_own_loss(tmp_path):
+    """The module computes its cross-entropy from outputs.logits (gather_logits=True), zigzag plan, FSDP2."""
+    _trains_alike(tmp_path, {"kind": "llava", "strategy": "fsdp2", "steps": 2, "gather_logits": True,
+                             "distribution": "zigzag"}, "llava_gather")
+
+
+@pytest.mark.slow
+def test_example_project_runs_with_packing_and_context_parallelism(tmp_path):
+    """examples/existing_project/train.py with its two lightning-mm lines on (dp 1 x cp 2)."""
+    from tests.helpers.launch import ROOT, run_script
+
+    out = run_script(f"{ROOT}/examples/existing_project/train.py", "--cp", "2", "--devices", "2", "--steps", "1",
+                     cwd=tmp_path)
+    assert "final train_loss" in out.stdout
+
+
+def _different_batches(rank, world):
+    import torch.distributed as dist
+
+    from lightning_mm.callbacks import ContextParallel
+
+    cb = ContextParallel(2)
+    cb.group, cb.cp_rank, cb._adapter = dist.group.WORLD, rank, object()  # as setup leaves them on 2 ranks
+    cb.on_train_batch_start(None, None, {"input_ids": torch.zeros(2, 8, dtype=torch.long)}, 0)  # the same: fine
+    try:
+        cb.on_train_batch_start(None, None, {"input_ids": torch.full((2, 8), rank)}, 1)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_context_parallel_refuses_peers_with_different_batches():
+    from tests.helpers.distributed import run_distributed
+
+    for msg in run_distributed(_different_batches, 2):
+        assert msg is not None and "use_distributed_sampler=True" in msg and "callback.dp_rank" in msg

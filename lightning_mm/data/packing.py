@@ -10,7 +10,8 @@ tokens. The batch is what the HF model takes, plus the packing:
   previous sample);
 * ``position_ids``: restarting at 0 in every sample, ``[R, L]``; for Qwen2-VL M-RoPE ``[3, R, L]`` computed per
   sample (exactly ``get_rope_index`` of the sample alone);
-* ``segment_ids`` ``[R, L]`` and the bitfield words ``bam`` ``[R, L]`` (:func:`lightning_mm.attention.bitfield_hf.hf_words`);
+* ``segment_ids`` ``[R, L]`` and the bitfield words ``bam`` ``[R, L]``
+  (:func:`lightning_mm.attention.bitfield_hf.hf_words`);
 * the media tensors concatenated in the order their placeholders appear in the packed rows
   (``pixel_values``, ``image_grid_thw``, ...), and ``mm_token_type_ids`` for Qwen2-VL.
 

@@ -5,9 +5,10 @@ callback. Also the sample builders the one-process tests use.
 
 ``python existing_project_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0: per-step losses,
 the callback's work per CP rank) and ``<out_dir>/params_<rank>.pt`` (full parameters, gathered under FSDP2).
-JSON keys: ``kind`` ("llava" | "qwen2_vl"), ``strategy`` ("ddp" | "fsdp2"), ``devices``, ``cp`` (0: no
-callback), ``pack`` (packed rows + ``use_bitfield_attention`` without CP), ``steps``, ``distribution``,
-``block_size``, ``gather_logits`` (the module computes its own cross-entropy over ``outputs.logits``).
+Batches are packed rows (``PackingCollator``); without the callback the module calls ``use_bitfield_attention``
+itself. JSON keys: ``kind`` ("llava" | "qwen2_vl"), ``strategy`` ("ddp" | "fsdp2"), ``devices``, ``cp`` (0: no
+callback), ``steps``, ``max_length``, ``distribution``, ``block_size``, ``gather_logits`` (the module computes
+its own cross-entropy over ``outputs.logits``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def tiny_model(kind: str, seed: int = 0):
     if kind == "llava":
         vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, image_size=16, patch_size=8)
-        cfg = tf.LlavaConfig(vision_config=vision, text_config=dict(model_type="llama", **TEXT), image_token_id=IMG)
+        cfg = tf.LlavaConfig(vision_config=vision, text_config=dict(model_type="llama", **TEXT), image_token_id=IMG,
+                             vision_feature_layer=-1)  # every vision layer trains (DDP: no unused parameters)
         cls = tf.LlavaForConditionalGeneration
     elif kind == "qwen2_vl":
         text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
@@ -66,7 +68,8 @@ def sample(kind: str, i: int, n_images: int | None = None) -> dict:
     ids = torch.randint(1, 90, (2 + i % 4,), generator=g).tolist()
     grids = []
     for k in range(n_images):
-        ids += [VSTART] + [IMG] * image_tokens(kind, i + k) + [VEND] + torch.randint(1, 90, (1 + k,), generator=g).tolist()
+        ids += [VSTART] + [IMG] * image_tokens(kind, i + k) + [VEND]
+        ids += torch.randint(1, 90, (1 + k,), generator=g).tolist()
         grids.append(QWEN_GRIDS[(i + k) % len(QWEN_GRIDS)])
     ids += torch.randint(1, 90, (3 + i % 2,), generator=g).tolist()
     out = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
@@ -96,16 +99,16 @@ def main(spec: str, out: str):
     case = json.loads(spec)
     torch.set_num_threads(1)
     kind, cp, steps = case.get("kind", "llava"), case.get("cp", 0), case.get("steps", 2)
-    pack, gather = case.get("pack", False) or cp > 0, case.get("gather_logits", False)
+    gather = case.get("gather_logits", False)
     max_length = case.get("max_length", 40)
 
     class Module(L.LightningModule):
-        """What a user writes without lightning-mm (the optional use_bitfield_attention line aside)."""
+        """What a user writes without lightning-mm (use_bitfield_attention aside: packed rows need it)."""
 
         def __init__(self):
             super().__init__()
             self.model = None if case["strategy"] == "fsdp2" else tiny_model(kind)
-            if self.model is not None and case.get("pack") and not cp:
+            if self.model is not None and not cp:
                 from lightning_mm.attention import use_bitfield_attention
                 use_bitfield_attention(self.model)
 
@@ -115,7 +118,7 @@ def main(spec: str, out: str):
             from torch.distributed.fsdp import fully_shard
 
             self.model = tiny_model(kind)
-            if case.get("pack") and not cp:
+            if not cp:
                 from lightning_mm.attention import use_bitfield_attention
                 use_bitfield_attention(self.model)
             mesh = self.device_mesh["data_parallel"]
@@ -132,7 +135,7 @@ def main(spec: str, out: str):
             else:
                 loss = outputs.loss
             self.log("train_loss", loss, sync_dist=True)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             return loss
 
         def configure_optimizers(self):
@@ -152,7 +155,7 @@ def main(spec: str, out: str):
                                          block_size=case.get("block_size", 8), gather_logits=gather))
     if case["strategy"] == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
-        strategy = DDPStrategy(process_group_backend="gloo")
+        strategy = DDPStrategy(process_group_backend="gloo", find_unused_parameters=True)  # CLIP post_layernorm
     else:
         from lightning.pytorch.strategies import ModelParallelStrategy
         strategy = ModelParallelStrategy(data_parallel_size=case["devices"], tensor_parallel_size=1,

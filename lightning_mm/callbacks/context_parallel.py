@@ -1,0 +1,332 @@
+"""``ContextParallel``: LPT context parallelism for an existing Lightning project, as a callback.
+
+The project keeps its LightningModule (a HF model, ``training_step`` returning ``outputs.loss``), its optimiser,
+logging and checkpoints, and Lightning's own ``DDPStrategy`` or ``ModelParallelStrategy`` (FSDP2). The callback
+
+* on ``setup`` splits the data-parallel ranks into ``dp x cp``: consecutive ranks of the data-parallel group
+  form a CP group (new process groups); Lightning's ``DistributedSampler`` gets ``num_replicas=dp`` and the
+  replica index, so every rank of a CP group loads the same batch (checked every step);
+* puts bitfield attention on the HF model (:func:`lightning_mm.attention.use_bitfield_attention`: words from
+  the HF inputs, packed samples from ``segment_ids`` or ``position_ids`` restarts);
+* during each training step, in the model call: derives the words of the whole (replica) batch, plans the
+  token blocks with ``distribution`` (LPT by default) and keeps the labels, shifted on the whole sequence;
+  the vision tower, projector and embedding run on the whole batch; the text decoder's inputs are cut to this
+  rank's blocks (global positions kept) and its attention gathers keys and values over the CP group;
+* replaces ``outputs.loss`` by the loss of the unsharded batch: its value is HF's (mean over the batch's label
+  tokens, or over ``num_items_in_batch`` when given) on every CP rank, and its gradient is ``cp`` times this
+  rank's share, which DDP's / FSDP2's average over all ``dp x cp`` ranks turns into exactly the gradient of
+  the run without CP. ``gather_logits=True`` also gives ``outputs.logits`` of the whole sequence (for a
+  module computing its own cross-entropy), with the same gradient scaling.
+
+Validation, test and prediction run unsharded (every CP rank computes the whole batch; the numbers are the
+same). The per-rank attention work of each step's plan is logged as ``cp/work_imbalance`` (max over mean) and
+``cp/work_rank`` (this rank's over mean), and kept in ``last_work``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_mm import masks
+from lightning_mm.attention.bitfield_hf import (BitfieldAdapter, UnsupportedModelError, bitfield_adapter,
+                                                ADAPTER_ATTR, _is_hf_model)
+from lightning_mm.loss import IGNORE_INDEX, shift_labels
+from lightning_mm.parallel.context import METHODS, distribute, gather_sequence, token_index
+
+MODES = ("allgather",)
+
+
+class _GatherLogits(torch.autograd.Function):
+    """Every CP rank's logits put back in sequence order; backward keeps this rank's tokens' gradient, times
+    ``scale`` (every CP rank computes the same loss from the gathered logits)."""
+
+    @staticmethod
+    def forward(ctx, local, plan, block_size, seq_len, group, index, scale):
+        ctx.index, ctx.scale = index, scale
+        return gather_sequence(local.detach(), plan, block_size, seq_len, group, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(1, ctx.index) * ctx.scale, None, None, None, None, None, None
+
+
+def _find_hf_model(pl_module, attr: str | None):
+    if attr is not None:
+        model = pl_module
+        for part in attr.split("."):
+            model = getattr(model, part, None)
+        if model is None or not _is_hf_model(model):
+            raise UnsupportedModelError(f"ContextParallel(model_attr={attr!r}): {type(pl_module).__name__}.{attr} is "
+                                        "not a transformers PreTrainedModel")
+        return model
+    found = [(n, m) for n, m in pl_module.named_modules() if _is_hf_model(m)]
+    top = [(n, m) for n, m in found if not any(o and n.startswith(o + ".") for o, _ in found if o != n)]
+    if not top:
+        raise UnsupportedModelError(
+            f"ContextParallel found no transformers model in {type(pl_module).__name__}: it replaces the attention of "
+            "a HF model held by the LightningModule (e.g. self.model = LlavaForConditionalGeneration(config)). "
+            "For a lightning_mm.MultimodalModel use MultimodalParallelStrategy(language_model=ParallelSpec(cp=...))")
+    if len(top) > 1:
+        names = [n for n, _ in top]
+        raise UnsupportedModelError(f"ContextParallel found several HF models in {type(pl_module).__name__} "
+                                    f"({names}); name the one the training step calls: "
+                                    f"ContextParallel(..., model_attr={names[0]!r})")
+    return top[0][1]
+
+
+def _fingerprint(batch) -> torch.Tensor:
+    """A cheap summary of a batch (per tensor: sum, sum of squares of index-weighted values, numel)."""
+    values = []
+    items = batch.items() if hasattr(batch, "items") else enumerate(batch if isinstance(batch, (list, tuple)) else [])
+    for _, t in sorted(((str(k), v) for k, v in items), key=lambda kv: kv[0]):
+        if isinstance(t, torch.Tensor) and t.numel():
+            flat = t.detach().reshape(-1).to(torch.float64)
+            w = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+            values += [flat.sum(), (flat * w).sum(), torch.tensor(float(flat.numel()), dtype=torch.float64,
+                                                                   device=flat.device)]
+    return torch.stack(values).cpu() if values else torch.zeros(1, dtype=torch.float64)
+
+
+class ContextParallel(pl.Callback):
+    """Context parallelism over ``cp_size`` data-parallel ranks for a HF model in a plain LightningModule (see the
+    module docstring).
+
+    Args:
+        cp_size: ranks per CP group; must divide the data-parallel size (DDP: the world; ModelParallelStrategy:
+            ``data_parallel_size``). FSDP2 keeps sharding over the whole ``dp x cp`` group.
+        distribution: ``"lpt"`` (balance the attention work of the mask, the default), ``"zigzag"``,
+            ``"contiguous"`` or ``"random"``.
+        block_size: tokens per block of the plan (shortened for a sequence with fewer than ``cp_size`` blocks).
+        mode: ``"allgather"`` (keys and values all-gathered over the CP group).
+        modality_attention: ``"causal"`` (the model's own attention: default) or ``"bidirectional"`` placeholder
+            spans (see :func:`lightning_mm.attention.bitfield_hf.hf_words`).
+        gather_logits: give ``outputs.logits`` of the whole sequence (the module computes its own loss from
+            them); by default they are this rank's tokens only and ``outputs.loss`` is the loss to use.
+        model_attr: the attribute path of the HF model in the LightningModule when it holds several.
+        check_batches: verify each step that the ranks of a CP group got the same batch.
+    """
+
+    def __init__(self, cp_size: int, distribution: str = "lpt", block_size: int = 128, mode: str = "allgather", *,
+                 modality_attention: str = "causal", gather_logits: bool = False, model_attr: str | None = None,
+                 check_batches: bool = True):
+        if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+            raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+        if distribution not in METHODS:
+            raise ValueError(f"distribution={distribution!r} is not a CP distribution; choose one of {METHODS}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int (tokens per block), got {block_size!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not supported by the ContextParallel callback; use mode='allgather' "
+                             "(Ulysses and hybrid CP run under MultimodalParallelStrategy(language_model="
+                             "ParallelSpec(cp_mode=...)))")
+        self.cp_size, self.distribution, self.block_size, self.mode = cp_size, distribution, block_size, mode
+        self.modality_attention, self.gather_logits = modality_attention, gather_logits
+        self.model_attr, self.check_batches = model_attr, check_batches
+        self.group = None
+        self.cp_rank, self.dp_rank, self.dp_size = 0, 0, 1
+        self.last_work: list[int] = []
+        self._adapter: BitfieldAdapter | None = None
+        self._original_class = None
+        self._in_step = False
+        self._strategy = None
+
+    # ------------------------------------------------------------------ set-up
+    def check_strategy(self, strategy) -> None:
+        """Raise, naming the fix, unless ``strategy`` is one the callback serves."""
+        from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+        name = type(strategy).__name__
+        if "DeepSpeed" in name:
+            raise ValueError(f"ContextParallel does not support {name}: DeepSpeed partitions the model and drives "
+                             "the backward itself. Use Trainer(strategy='ddp') or ModelParallelStrategy "
+                             "(FSDP2 via fully_shard in configure_model) with the callback")
+        if not isinstance(strategy, (DDPStrategy, ModelParallelStrategy)):
+            raise ValueError(f"ContextParallel does not support {name}; it needs Lightning's DDPStrategy "
+                             "(Trainer(strategy='ddp', devices=N)) or ModelParallelStrategy (FSDP2 + TP: shard with "
+                             "fully_shard over device_mesh['data_parallel']). For FSDPStrategy (FSDP1) switch to "
+                             "ModelParallelStrategy")
+
+    def _data_parallel_columns(self, strategy) -> list[list[int]]:
+        """The global ranks of every data-parallel group (one per tensor-parallel coordinate)."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if isinstance(strategy, ModelParallelStrategy):
+            mesh = strategy.device_mesh
+            grid = mesh.mesh.reshape(mesh.mesh.shape[0], -1)  # [data_parallel, tensor_parallel]
+            return [grid[:, t].tolist() for t in range(grid.shape[1])]
+        return [list(range(dist.get_world_size()))]
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        strategy = trainer.strategy
+        self.check_strategy(strategy)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ContextParallel needs torch.distributed initialised by the strategy")
+        columns = self._data_parallel_columns(strategy)
+        size = len(columns[0])
+        if size % self.cp_size:
+            divisors = [d for d in range(1, size + 1) if size % d == 0]
+            raise ValueError(f"cp_size={self.cp_size} does not divide the {size} data-parallel ranks; choose cp_size "
+                             f"among {divisors}, or run on a multiple of {self.cp_size} data-parallel devices")
+        rank = dist.get_rank()
+        for column in columns:  # every rank creates every group, in the same order
+            for start in range(0, size, self.cp_size):
+                members = column[start:start + self.cp_size]
+                group = dist.new_group(members) if self.cp_size > 1 else None
+                if rank in members:
+                    self.group, self.cp_rank = group, members.index(rank)
+                    self.dp_rank, self.dp_size = start // self.cp_size, size // self.cp_size
+        self._override_sampler(strategy)
+        try:
+            self._install(pl_module)
+        except UnsupportedModelError:
+            if not _has_configure_model(pl_module):
+                raise  # no model can appear later; else on_fit_start tries again after configure_model
+
+    def _override_sampler(self, strategy) -> None:
+        if self._original_class is not None:
+            return
+        cls, dp, rank = type(strategy), self.dp_size, self.dp_rank
+        sub = type(cls.__name__, (cls,), {
+            "__module__": cls.__module__, "__doc__": cls.__doc__,
+            "distributed_sampler_kwargs": property(lambda self: {"num_replicas": dp, "rank": rank})})
+        self._original_class, self._strategy = cls, strategy
+        strategy.__class__ = sub
+
+    def _install(self, pl_module) -> None:
+        if self._adapter is not None:
+            return
+        model = _find_hf_model(pl_module, self.model_attr)
+        adapter = bitfield_adapter(model)
+        if adapter is None:
+            adapter = BitfieldAdapter(model, self.modality_attention)
+            model.__dict__[ADAPTER_ATTR] = adapter
+        adapter.extension = self
+        self._adapter = adapter
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._install(pl_module)  # a model built in configure_model exists now
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._original_class is not None and self._strategy is not None:
+            self._strategy.__class__ = self._original_class
+            self._original_class = self._strategy = None
+        if self._adapter is not None:
+            self._adapter.extension = None
+            self._adapter = None
+
+    # ------------------------------------------------------------------ per step
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._adapter is None:
+            self._install(pl_module)
+        if self.group is not None and self.check_batches:
+            mine = _fingerprint(batch)
+            shape = torch.tensor([mine.numel()], dtype=torch.int64)
+            shapes = [torch.zeros_like(shape) for _ in range(self.cp_size)]
+            dist.all_gather(shapes, shape, group=self.group)
+            same = len({int(s) for s in shapes}) == 1
+            if same:
+                parts = [torch.zeros_like(mine) for _ in range(self.cp_size)]
+                dist.all_gather(parts, mine, group=self.group)
+                same = all(torch.equal(p, parts[0]) for p in parts)
+            if not same:
+                raise RuntimeError(
+                    "the ranks of a context-parallel group got different batches; each CP group must train on one "
+                    "batch. Keep Trainer(use_distributed_sampler=True) (ContextParallel makes Lightning's "
+                    "DistributedSampler give CP peers the same batch), or shard your own sampler with "
+                    "num_replicas=callback.dp_size, rank=callback.dp_rank")
+        self._in_step = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._in_step = False
+        if self.last_work:
+            mean = sum(self.last_work) / len(self.last_work)
+            if mean > 0:
+                pl_module.log("cp/work_imbalance", max(self.last_work) / mean, on_step=True, on_epoch=False,
+                              batch_size=1)
+                pl_module.log("cp/work_rank", self.last_work[self.cp_rank] / mean, on_step=True, on_epoch=False,
+                              batch_size=1)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._in_step = False
+
+    # ------------------------------------------------------------------ the model call (BitfieldAdapter extension)
+    def active(self, module) -> bool:
+        return self._in_step and self.group is not None and module.training
+
+    def top(self, module, kwargs: dict, call: dict) -> dict:
+        labels, shifted = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+        count = kwargs.pop("num_items_in_batch", None)
+        if labels is None and shifted is None and not self.gather_logits:
+            raise ValueError("ContextParallel computes outputs.loss from the model call's labels, and the call has "
+                             "none: pass labels=... to the model (HF convention: aligned with input_ids, -100 = no "
+                             "loss), or use ContextParallel(gather_logits=True) when the module computes its own "
+                             "loss from outputs.logits")
+        bam, segs = call["bam"], call["segment_ids"]
+        seq_len = bam.shape[1]
+        block = min(self.block_size, math.ceil(seq_len / self.cp_size))
+        if seq_len < self.cp_size:
+            raise ValueError(f"a sequence of {seq_len} tokens cannot be split over cp_size={self.cp_size} ranks; "
+                             "use longer rows (pack_multimodal max_length) or a smaller cp_size")
+        plan = distribute(bam.cpu(), self.cp_size, self.distribution, block,
+                          None if segs is None else segs.cpu())
+        work = masks.block_workload(bam.cpu(), block, None if segs is None else segs.cpu()).sum(0)
+        self.last_work = [int(work[p].sum()) for p in plan]
+        index = token_index(plan[self.cp_rank], block, seq_len).to(bam.device)
+        call.update(plan=plan, block=block, index=index, seq_len=seq_len)
+        if labels is not None or shifted is not None:
+            targets = shift_labels(labels) if shifted is None else shifted
+            call["targets"] = targets.index_select(1, index)
+            call["count"] = (targets != IGNORE_INDEX).sum() if count is None else count
+        return kwargs
+
+    def decoder(self, module, kwargs: dict, call: dict) -> dict:
+        index, seq_len = call["index"], call["seq_len"]
+        for key in ("input_ids", "inputs_embeds"):
+            t = kwargs.get(key)
+            if t is not None:
+                if t.shape[1] != seq_len:
+                    raise ValueError(f"the text decoder got {key} of {t.shape[1]} tokens but the model call had "
+                                     f"{seq_len}; ContextParallel needs the placeholders expanded in input_ids "
+                                     "(one token per image feature, as HF processors do)")
+                kwargs[key] = t.index_select(1, index)
+        rows = call["bam"].shape[0]
+        local = index.expand(rows, -1)
+        pos = kwargs.get("position_ids")
+        kwargs["position_ids"] = local if pos is None else pos.index_select(pos.dim() - 1, index)
+        kwargs["attention_mask"] = None  # the words carry the padding
+        kwargs["use_cache"] = False
+        for key in ("past_key_values", "cache"):
+            kwargs.pop(key, None)
+        kwargs.update(bam=call["bam"].index_select(1, index), token_index=local, cp_group=self.group, cp_cache={},
+                      segment_ids=None if call["segment_ids"] is None else call["segment_ids"].index_select(1, index))
+        return kwargs
+
+    def output(self, module, kwargs: dict, output, call: dict):
+        if not hasattr(output, "keys") or getattr(output, "logits", None) is None:
+            raise ValueError(f"{type(module).__name__} returned {type(output).__name__} without logits; "
+                             "ContextParallel needs the HF output object (return_dict=True, the default)")
+        logits = output.logits
+        if "targets" in call:
+            local = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                      call["targets"].reshape(-1).to(logits.device),
+                                                      ignore_index=IGNORE_INDEX, reduction="sum")
+            total = local.detach().clone()
+            dist.all_reduce(total, group=self.group)
+            scaled = local * self.cp_size  # DDP / FSDP2 average over dp x cp ranks: cp shares make one replica
+            count = torch.clamp(torch.as_tensor(call["count"], device=local.device, dtype=local.dtype), min=1)
+            output["loss"] = (scaled + (total - scaled).detach()) / count
+        if self.gather_logits:
+            output["logits"] = _GatherLogits.apply(logits, call["plan"], call["block"], call["seq_len"], self.group,
+                                                   call["index"], float(self.cp_size))
+        return output
+
+
+def _has_configure_model(pl_module) -> bool:
+    return type(pl_module).configure_model is not pl.LightningModule.configure_model
+
+
+__all__ = ["ContextParallel"]
