@@ -173,6 +173,10 @@ def main(args: list[str] | None = None) -> None:
         return plan_main(args[1:])
     if args[:1] == ["export"]:  # a checkpoint as HF folders
         return export_main(args[1:])
+    if args[:1] == ["lighthouse"]:  # the torchft quorum service of fault-tolerant replica groups
+        from lightning_mm.fault_tolerance import lighthouse_main
+
+        return lighthouse_main(args[1:])
     from lightning_mm.callbacks import LossCurve
 
     # args=None when they come from sys.argv: LightningCLI warns when given both

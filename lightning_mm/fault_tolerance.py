@@ -33,7 +33,9 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -280,6 +282,7 @@ class FaultTolerantTraining:
         self._quorum_id = None
         self._first = True
         self._healed_to: int | None = None
+        self._after_failure = False
         self._nominal_microbatches = strategy.num_microbatches
         self._schedules: dict[int, dict] = {}
         self._count = None
@@ -385,16 +388,25 @@ class FaultTolerantTraining:
             raise FaultToleranceError("fault_tolerance: the training loader was not prepared by the strategy")
         if self._first:  # a run resumed from a checkpoint starts at the step Lightning restored
             self._first = False
+            # SIGTERM (torchrun stopping a failed group, a preemption) ends the rank at once, even inside a blocking
+            # torchft call, so its group stops heartbeating and the other groups go on after the heartbeat timeout
+            # (Lightning's handler, registered after setup, would wait for the call to return)
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if m.current_step() < trainer.global_step:
                 m.load_state_dict({"step": trainer.global_step, "batches_committed": m.batches_committed()})
         t0 = time.perf_counter()
-        try:
-            m.start_quorum(timeout=timedelta(seconds=self.config.quorum_timeout))
-        except Exception as e:
-            raise FaultToleranceError(
-                f"replica group {self.config.replica_group}: no quorum of at least {self.config.min_replicas} replica "
-                f"groups within {self.config.quorum_timeout:g} s (lighthouse {self.config.lighthouse}): {e}") from e
+        self.quorum()
+        # a fresh job starts with every planned group (up to quorum_timeout), so that no group trains alone from
+        # step 0 while the others are still starting; later a quorum is whoever is alive
+        while (m.current_step() == 0 and m.num_participants() < self.config.num_replica_groups
+               and time.perf_counter() - t0 < self.config.quorum_timeout):
+            time.sleep(0.2)
+            self.quorum()
         quorum_s = time.perf_counter() - t0
+        if self._after_failure:  # waiting for the new quorum after a failed attempt is lost time too
+            self.stats["lost_seconds"] += quorum_s
+            self._after_failure = False
         step = m.current_step()
         if self._healed_to is not None:
             self.stats["healed_steps"] += 1
@@ -437,6 +449,14 @@ class FaultTolerantTraining:
             return token
         return batch
 
+    def quorum(self) -> None:
+        try:
+            self.manager.start_quorum(timeout=timedelta(seconds=self.config.quorum_timeout))
+        except Exception as e:
+            raise FaultToleranceError(
+                f"replica group {self.config.replica_group}: no quorum of at least {self.config.min_replicas} replica "
+                f"groups within {self.config.quorum_timeout:g} s (lighthouse {self.config.lighthouse}): {e}") from e
+
     def plan_microbatches(self, batch: dict) -> dict:
         """Microbatches of about the usual row count (more of them for a larger share), as a microbatch plan."""
         s = self.strategy
@@ -451,9 +471,9 @@ class FaultTolerantTraining:
 
     def use_microbatches(self, count: int) -> None:
         s = self.strategy
+        self._schedules.setdefault(s.engine.num_microbatches, s.engine.schedules)  # schedules per microbatch count
         if s.engine.num_microbatches != count:
-            s.engine.schedules = self._schedules.setdefault(count, {} if count != self._nominal_microbatches
-                                                            else s.engine.schedules)
+            s.engine.schedules = self._schedules.setdefault(count, {})
             s.engine.num_microbatches = s.num_microbatches = count
 
     def check_same_job(self) -> None:
@@ -520,6 +540,7 @@ class FaultTolerantTraining:
                 self._event("redo", step=self.manager.current_step(), seconds=round(lost, 3),
                             error=str(self.manager.errored() or "")[:200])
                 optimizer.zero_grad(set_to_none=True)
+                self._after_failure = True
 
         return run
 
@@ -576,3 +597,32 @@ def set_lightning_step(trainer, step: int) -> None:
             tracker.ready += delta
             tracker.completed += delta
         loop._batches_that_stepped += delta
+
+
+def lighthouse_main(args: list[str] | None = None) -> None:
+    """``lightning-mm lighthouse``: run a torchft lighthouse (the quorum service every replica group reaches)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="lightning-mm lighthouse",
+                                     description="the torchft lighthouse of fault-tolerant replica groups")
+    parser.add_argument("--bind", default="[::]:29510", help="address to listen on (default [::]:29510)")
+    parser.add_argument("--min_replicas", type=int, default=1, help="fewest replica groups a quorum has")
+    parser.add_argument("--join_timeout_ms", type=int, default=60000,
+                        help="how long a quorum waits for groups that heartbeat but have not asked to join")
+    parser.add_argument("--heartbeat_timeout_ms", type=int, default=5000,
+                        help="a group silent this long is dead: the others go on without it")
+    parser.add_argument("--quorum_tick_ms", type=int, default=100)
+    a = parser.parse_args(args)
+    try:
+        from torchft._torchft import LighthouseServer
+    except ImportError as e:
+        raise SystemExit(f"lightning-mm lighthouse needs torchft: pip install 'lightning-mm[ft]' ({e})")
+    server = LighthouseServer(bind=a.bind, min_replicas=a.min_replicas, join_timeout_ms=a.join_timeout_ms,
+                              quorum_tick_ms=a.quorum_tick_ms, heartbeat_timeout_ms=a.heartbeat_timeout_ms)
+    print(f"lighthouse listening at {server.address()} (min_replicas={a.min_replicas})", flush=True)
+    stop = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    try:
+        signal.sigwait(stop)
+    finally:
+        server.shutdown()

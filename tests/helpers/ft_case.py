@@ -5,7 +5,8 @@ group id), groups (num_replica_groups), steps, out (folder: ``params_<group>_<ra
 devices (ranks of the group, default 2: the LLM in 2 pipeline stages, the encoder with the first), num_nodes
 (default 1), kill ({"group": g, "rank": r, "step": s, "where": "batch_end" | "backward"}: SIGKILL that rank in its
 first launch, after step s or inside step s before the cross-group reduction), pp (LLM stages, default 2),
-heartbeat (s), timeout (s). The reference reads the data settings a group wrote (``data.json``) and trains one
+timeout (s), wait_rejoin (the surviving group waits 2 steps after the kill until the lost group restarted, so it
+rejoins before the run ends), ft (false: no fault tolerance, e.g. one group over two nodes). The reference reads the data settings a group wrote (``data.json``) and trains one
 process on the same global batches.
 """
 
@@ -30,7 +31,7 @@ def build_module():
     model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model("llama"))
     model.freeze(encoders=True, projectors=False, language_model=False)
     return lmm.MultimodalLightningModule(
-        model, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1),
+        model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5))
 
 
@@ -50,13 +51,23 @@ class Events(L.Callback):
     def on_after_backward(self, trainer, pl_module):
         self._kill(trainer, "backward")
 
+    def on_train_start(self, trainer, pl_module):
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            open(os.path.join(self.cfg["out"], f"restarted_{self.cfg['group']}"), "w").close()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps.append((trainer.global_step, time.time()))
         self._kill(trainer, "batch_end")
+        kill = self.cfg.get("kill")
+        if self.cfg.get("wait_rejoin") and kill and self.cfg["group"] != kill["group"] \
+                and trainer.global_step == kill["step"] + 2:  # the lost group can rejoin before the run ends
+            marker, deadline = os.path.join(self.cfg["out"], f"restarted_{kill['group']}"), time.time() + 120
+            while not os.path.exists(marker) and time.time() < deadline:
+                time.sleep(0.2)
 
 
 def group(cfg):
-    ft = lmm.FaultTolerance(lighthouse=cfg["lighthouse"], replica_group=cfg["group"], num_replica_groups=cfg["groups"],
+    ft = None if cfg.get("ft") is False else lmm.FaultTolerance(lighthouse=cfg["lighthouse"], replica_group=cfg["group"], num_replica_groups=cfg["groups"],
                             min_replicas=1, timeout=cfg.get("timeout", 10.0), quorum_timeout=60.0, connect_timeout=5.0,
                             hostname="127.0.0.1")
     strategy = lmm.MultimodalParallelStrategy(
@@ -74,6 +85,11 @@ def group(cfg):
     rank, g = trainer.global_rank, cfg["group"]
     torch.save({n: p.detach() for n, p in module.model.named_parameters() if p.requires_grad and n in
                 strategy.engine.owned}, os.path.join(cfg["out"], f"params_{g}_{rank}.pt"))
+    if rank == 0 and ft is None:  # Lightning's DistributedSampler (dp 1 here): the same order as the global sampler
+        with open(os.path.join(cfg["out"], "data.json"), "w") as f:
+            json.dump({"num_samples": NUM_SAMPLES, "global_batch": BATCH * strategy.layout.dp, "shuffle": True,
+                       "seed": 0}, f)
+        return
     if rank == 0:
         d = strategy.ft.data
         with open(os.path.join(cfg["out"], "data.json"), "w") as f:

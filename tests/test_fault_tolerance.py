@@ -1,0 +1,288 @@
+"""Fault-tolerant replica groups (torchft): the global sampler, bad input, and real failures.
+
+The slow tests start a torchft lighthouse in this process and each replica group as its own torchrun launch
+(``python -m torch.distributed.run``, 2 ranks: the LLM in 2 pipeline stages) on loopback addresses, gloo on CPU,
+running ``tests/helpers/ft_case.py``; a group's rank is SIGKILLed and the final parameters are compared with one
+process trained on the same global batches (SGD with momentum and a step schedule: the healed state includes the
+optimiser's buffers and the scheduler).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+import lightning_mm as lmm
+from lightning_mm.fault_tolerance import (FaultTolerance, FaultToleranceError, check_reachable, global_batch_indices,
+                                          group_shares, microbatch_plan, parse_address)
+from tests.helpers.checkpoint_runs import case_env
+from tests.helpers.distributed import _free_port
+
+torchft = pytest.importorskip("torchft")
+
+CASE = os.path.join(os.path.dirname(__file__), "helpers", "ft_case.py")
+HEARTBEAT_S = 2.0
+STEPS = 8
+
+
+# ---------------------------------------------------------------------------------------------- pure parts
+def test_global_sampler_is_one_distributed_sampler_and_shares_keep_the_global_batch():
+    n, g = 23, 4
+    ds = DistributedSampler(list(range(n)), num_replicas=1, rank=0, shuffle=True, seed=7, drop_last=False)
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        order = list(ds)
+        for i in range(n // g):
+            assert global_batch_indices(epoch * (n // g) + i, n, g, True, 7) == order[i * g:(i + 1) * g]
+    assert global_batch_indices(1, n, g, False) == [4, 5, 6, 7]
+    for total in (0, 1, 4, 7, 12):
+        for members in (1, 2, 3):
+            shares = group_shares(total, [1.0] * members)
+            assert shares[0][0] == 0 and shares[-1][1] == total
+            assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+            assert max(b - a for a, b in shares) - min(b - a for a, b in shares) <= 1
+    assert group_shares(10, [1.0, 4.0]) == [(0, 2), (2, 10)]
+    assert microbatch_plan(4, 1) == [0, 1, 2, 3] and microbatch_plan(4, 2) == [0, 0, 1, 1]
+    assert microbatch_plan(5, 2) == [0, 0, 1, 1, 2]  # more rows than usual: more microbatches of about the usual size
+    assert microbatch_plan(1, 4) == [0]
+
+
+def test_settings_are_checked_when_made(monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("LMM_REPLICA_GROUP", raising=False)
+    assert parse_address("http://localhost:29510") == ("localhost", 29510)
+    assert parse_address("[::1]:5") == ("::1", 5)
+    for bad in ("localhost", "host:port", ":12", "h:0", "h:70000"):
+        with pytest.raises(ValueError, match="host:port"):
+            FaultTolerance(lighthouse=bad, replica_group=0)
+    with pytest.raises(ValueError, match="lighthouse is not set"):
+        FaultTolerance(replica_group=0)
+    with pytest.raises(ValueError, match="replica_group is not set"):
+        FaultTolerance(lighthouse="localhost:1")
+    with pytest.raises(ValueError, match=r"not in 0\.\.1"):
+        FaultTolerance(lighthouse="localhost:1", replica_group=2, num_replica_groups=2)
+    with pytest.raises(ValueError, match="min_replicas"):
+        FaultTolerance(lighthouse="localhost:1", replica_group=0, num_replica_groups=2, min_replicas=3)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "127.0.0.1:9")
+    monkeypatch.setenv("LMM_REPLICA_GROUP", "1")
+    ft = FaultTolerance(num_replica_groups=2)
+    assert (ft.lighthouse, ft.replica_group, ft.url) == ("127.0.0.1:9", 1, "http://127.0.0.1:9")
+    strategy = lmm.MultimodalParallelStrategy(fault_tolerance={"lighthouse": "localhost:7", "replica_group": 0})
+    assert strategy.fault_tolerance.lighthouse == "localhost:7" and strategy.ft is not None
+    with pytest.raises(TypeError, match="unknown fields"):
+        lmm.MultimodalParallelStrategy(fault_tolerance={"lighthouse": "localhost:7", "replica_group": 0, "x": 1})
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_an_unreachable_lighthouse_is_named_at_once():
+    ft = FaultTolerance(lighthouse=f"127.0.0.1:{_closed_port()}", replica_group=0)
+    t0 = time.perf_counter()
+    with pytest.raises(FaultToleranceError, match="lighthouse at 127.0.0.1:.* is unreachable.*lightning-mm lighthouse"):
+        check_reachable(ft)
+    assert time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("setting", ["unreachable", "accumulate", "balancing"])
+def test_bad_settings_fail_before_training(setting, tmp_path):
+    """In one process (devices=1): the error comes from the strategy's setup, before the model is built."""
+    import lightning as L
+
+    from tests.helpers.ft_case import build_module
+
+    lighthouse = None
+    if setting != "unreachable":
+        from torchft._torchft import LighthouseServer
+
+        lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    try:
+        address = lighthouse.address() if lighthouse else f"127.0.0.1:{_closed_port()}"
+        strategy = lmm.MultimodalParallelStrategy(
+            fault_tolerance=FaultTolerance(lighthouse=address, replica_group=0),
+            batch_balancing="entrain" if setting == "balancing" else None)
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            accumulate_grad_batches=2 if setting == "accumulate" else 1, default_root_dir=tmp_path)
+        data = lmm.data.SyntheticMultimodalDataModule(num_samples=8, batch_size=2)
+        match = {"unreachable": "unreachable", "accumulate": "accumulate_grad_batches=2",
+                 "balancing": "batch_balancing='entrain'"}[setting]
+        with pytest.raises(FaultToleranceError, match=match):
+            trainer.fit(build_module(), data)
+        assert strategy.engine is None  # nothing was built
+    finally:
+        if lighthouse is not None:
+            lighthouse.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- real failures
+@pytest.fixture
+def lighthouse():
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=3000,
+                              heartbeat_timeout_ms=int(HEARTBEAT_S * 1000))
+    yield parse_address(server.address())
+    server.shutdown()
+
+
+def _launch(cfg: dict, restarts: int, nnodes: int = 1, node_rank: int = 0, port: int | None = None,
+            nproc: int = 2) -> subprocess.Popen:
+    env = {**case_env(), "PYTHONFAULTHANDLER": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    rdzv = (["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port or _free_port()}"] if nnodes == 1 else
+            ["--master-addr", "127.0.0.1", "--master-port", str(port), "--node-rank", str(node_rank)])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+           "--max-restarts", str(restarts), "--monitor-interval", "0.5", *rdzv, CASE, json.dumps(cfg)]
+    log = open(os.path.join(cfg["out"], f"launch_{cfg.get('group', 0)}_{node_rank}.log"), "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cfg["out"],
+                            start_new_session=True)
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    deadline = time.time() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"the replica groups did not finish in {timeout:g} s")
+    return [p.returncode for p in procs]
+
+
+def _log(out, name) -> str:
+    return "".join(open(f).read()[-3000:] for f in sorted(glob.glob(os.path.join(out, name))))
+
+
+def _params(out, group) -> dict:
+    got = {}
+    for f in glob.glob(os.path.join(out, f"params_{group}_*.pt")):
+        got.update(torch.load(f))
+    return got
+
+
+def _reference(out, steps=STEPS) -> dict:
+    env = {**case_env()}
+    subprocess.run([sys.executable, CASE, json.dumps({"mode": "reference", "steps": steps, "out": str(out)})],
+                   check=True, env=env, cwd=out, capture_output=True, timeout=300)
+    return torch.load(os.path.join(out, "reference.pt"))
+
+
+def _assert_equal_to_reference(got: dict, ref: dict):
+    assert set(got) == set(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def _run_two_groups(tmp_path, address, kill, restarts_1, wait_rejoin, layouts=({}, {}), restarts_0=1):
+    out = str(tmp_path)
+    host, port = address
+    base = {"mode": "group", "lighthouse": f"{host}:{port}", "groups": 2, "steps": STEPS, "out": out, "kill": kill,
+            "wait_rejoin": wait_rejoin, "timeout": 10.0}
+    procs = [_launch({**base, "group": g, **layouts[g]}, restarts=restarts_0 if g == 0 else restarts_1) for g in (0, 1)]
+    codes = _wait(procs, 420)
+    results = {}
+    for g in (0, 1):
+        path = os.path.join(out, f"result_{g}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results[g] = json.load(f)
+    return out, codes, results
+
+
+def _check_group_0(out, codes, results, kill):
+    assert codes[0] == 0, _log(out, "launch_0_*.log")
+    r0 = results[0]
+    assert r0["restart"] == 0 and r0["global_step"] == STEPS
+    steps = [s for s, _ in r0["steps"]]
+    assert steps == list(range(1, STEPS + 1))  # one optimiser step per batch: none skipped, none applied twice
+    with open(os.path.join(out, "killed_at")) as f:
+        killed_at = float(f.read())
+    after = [t for s, t in r0["steps"] if s == kill["step"] + 1][0]
+    # group 0 waits for the lost group no longer than the lighthouse's heartbeat timeout (+ a step and slack)
+    assert after - killed_at < HEARTBEAT_S + 6.0, (after - killed_at, r0)
+    return r0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_group_restarts_heals_from_its_peer_and_the_math_is_the_uninterrupted_run(tmp_path, lighthouse):
+    kill = {"group": 1, "rank": 1, "step": 3, "where": "batch_end"}
+    out, codes, results = _run_two_groups(tmp_path, lighthouse, kill, restarts_1=1, wait_rejoin=True)
+    r0 = _check_group_0(out, codes, results, kill)
+    assert codes[1] == 0, _log(out, "launch_1_*.log")
+    r1 = results[1]
+    assert r1["restart"] == 1 and r1["stats"]["healed_steps"] == 1 and r1["global_step"] == STEPS
+    healed = [e for e in r1["events"] if e["event"] == "healed"][0]["step"]
+    assert kill["step"] < healed < STEPS and [s for s, _ in r1["steps"]] == list(range(healed + 1, STEPS + 1))
+    assert [e["participants"] for e in r0["events"] if e["event"] == "quorum"] == [2, 1, 2]
+    metrics = open(glob.glob(os.path.join(out, "logs_0", "**", "metrics.csv"), recursive=True)[0]).read()
+    assert "ft/participants" in metrics and "ft/quorum_changes" in metrics
+    ref = _reference(out)
+    _assert_equal_to_reference(_params(out, 0), ref)
+    _assert_equal_to_reference(_params(out, 1), ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_group_lost_inside_a_step_makes_its_peer_redo_that_step(tmp_path, lighthouse):
+    kill = {"group": 1, "rank": 1, "step": 3, "where": "backward"}  # before the cross-group gradient sum
+    out, codes, results = _run_two_groups(tmp_path, lighthouse, kill, restarts_1=1, wait_rejoin=True)
+    r0 = _check_group_0(out, codes, results, kill)
+    assert r0["stats"]["redone_steps"] >= 1
+    assert all(e["step"] == kill["step"] for e in r0["events"] if e["event"] == "redo")
+    assert codes[1] == 0, _log(out, "launch_1_*.log")
+    assert results[1]["stats"]["healed_steps"] == 1
+    ref = _reference(out)
+    _assert_equal_to_reference(_params(out, 0), ref)
+    _assert_equal_to_reference(_params(out, 1), ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_group_that_never_returns_leaves_its_share_to_the_survivor(tmp_path, lighthouse):
+    kill = {"group": 1, "rank": 1, "step": 3, "where": "batch_end"}
+    out, codes, results = _run_two_groups(tmp_path, lighthouse, kill, restarts_1=0, wait_rejoin=False)
+    r0 = _check_group_0(out, codes, results, kill)
+    assert codes[1] != 0 and 1 not in results
+    assert [e["participants"] for e in r0["events"] if e["event"] == "quorum"] == [2, 1]
+    _assert_equal_to_reference(_params(out, 0), _reference(out))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_replica_groups_with_different_layouts_stop_before_training(tmp_path, lighthouse):
+    out, codes, results = _run_two_groups(tmp_path, lighthouse, None, restarts_1=0, wait_rejoin=False,
+                                          layouts=({}, {"pp": 1}), restarts_0=0)  # group 1: LLM 1 stage, dp 2
+    assert codes[0] != 0 and codes[1] != 0 and not results
+    logs = _log(out, "launch_*.log")
+    assert "differ in their rank layout" in logs
+    assert not glob.glob(os.path.join(out, "params_*"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_nodes_on_localhost_train_like_one_process(tmp_path):
+    """One group over two torchrun launches (``--nnodes 2``, a node rank each, 1 rank per node, LLM pp 2)."""
+    out, port = str(tmp_path), _free_port()
+    cfg = {"mode": "group", "ft": False, "group": 0, "steps": 4, "out": out, "devices": 1, "num_nodes": 2}
+    procs = [_launch(cfg, restarts=0, nnodes=2, node_rank=r, port=port, nproc=1) for r in (0, 1)]
+    codes = _wait(procs, 300)
+    assert codes == [0, 0], _log(out, "launch_*.log")
+    _assert_equal_to_reference(_params(out, 0), _reference(out, steps=4))
