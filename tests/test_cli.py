@@ -76,3 +76,22 @@ def test_empty_init_builds_on_meta_and_trains_under_the_strategy(tmp_path):
 def test_empty_init_needs_the_strategy(tmp_path):
     proc = _empty_init_fit(tmp_path)
     assert proc.returncode != 0 and "only MultimodalParallelStrategy materialises" in proc.stderr
+
+
+def test_fault_tolerance_is_set_from_the_command_line(monkeypatch):
+    """The strategy's ``fault_tolerance`` fields as dotted flags (docs/fault_tolerance.md), parsed only; a YAML's
+    ``fault_tolerance`` mapping and the environment fill the rest."""
+    import torch
+
+    from lightning_mm.cli import MultimodalCLI
+    from lightning_mm.fault_tolerance import FaultTolerance
+
+    monkeypatch.setenv("LMM_REPLICA_GROUP", "1")
+    ft = "--trainer.strategy.init_args.fault_tolerance"
+    with torch.device("meta"):
+        cli = MultimodalCLI(args=["--config", "examples/tiny_valm_pp.yaml", "--trainer.logger=false",
+                                  f"{ft}.lighthouse=127.0.0.1:29510", f"{ft}.num_replica_groups=2",
+                                  f"{ft}.min_replicas=1", f"{ft}.timeout=12"], run=False, save_config_callback=None)
+    got = cli.trainer.strategy.fault_tolerance
+    assert isinstance(got, FaultTolerance) and cli.trainer.strategy.ft is not None
+    assert (got.lighthouse, got.replica_group, got.num_replica_groups, got.timeout) == ("127.0.0.1:29510", 1, 2, 12.0)

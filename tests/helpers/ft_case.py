@@ -6,10 +6,14 @@ devices (ranks of the group, default 2: the LLM in 2 pipeline stages, the encode
 (default 1), kill ({"group": g, "rank": r, "step": s, "where": "batch_end" | "backward"}: SIGKILL that rank in its
 first launch, after step s or inside step s before the cross-group reduction), pp (LLM stages, default 2),
 timeout (s), wait_rejoin (the surviving group waits 2 steps after the kill until the lost group restarted, so it
-rejoins before the run ends), ft (false: no fault tolerance, e.g. one group over two nodes). The reference reads the data settings a group wrote (``data.json``) and trains one
-process on the same global batches.
+rejoins before the run ends), ft (false: no fault tolerance, e.g. one group over two nodes), save_every (steps:
+ModelCheckpoint into ckpt_dir), resume ("last": a torchrun restart resumes from ckpt_dir's latest checkpoint with
+``trainer.fit(ckpt_path=...)``). Every group's rank 0 appends ``<step> <time> <restart>`` to ``steps_<group>.log``
+at each batch end and writes ``result_<group>.json`` (without fault tolerance: steps and timings only). The
+reference reads the data settings a group wrote (``data.json``) and trains one process on the same global batches.
 """
 
+import glob
 import json
 import os
 import signal
@@ -24,6 +28,7 @@ from lightning_mm.fault_tolerance import global_batch_indices
 from lightning_mm.model import tiny_encoder, tiny_language_model
 
 NUM_SAMPLES, BATCH = 48, 2  # per-replica batch 2: a global batch of 2 x groups
+STARTED = time.time()
 
 
 def build_module():
@@ -52,11 +57,16 @@ class Events(L.Callback):
         self._kill(trainer, "backward")
 
     def on_train_start(self, trainer, pl_module):
+        self.train_start = time.time()
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             open(os.path.join(self.cfg["out"], f"restarted_{self.cfg['group']}"), "w").close()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps.append((trainer.global_step, time.time()))
+        if trainer.global_rank == 0:
+            with open(os.path.join(self.cfg["out"], f"steps_{self.cfg['group']}.log"), "a") as f:
+                f.write(f"{trainer.global_step} {self.steps[-1][1]:.6f} "
+                        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
         self._kill(trainer, "batch_end")
         kill = self.cfg.get("kill")
         if self.cfg.get("wait_rejoin") and kill and self.cfg["group"] != kill["group"] \
@@ -75,20 +85,35 @@ def group(cfg):
         encoder_placement="replicated", num_microbatches=2, fault_timeout=cfg.get("fault_timeout", 20.0),
         fault_tolerance=ft, **({"process_group_backend": "gloo"}))
     events = Events(cfg)
+    callbacks = [events]
+    if cfg.get("save_every"):
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"], filename="{step}",
+                                                             every_n_train_steps=cfg["save_every"], save_top_k=-1))
+    ckpt_path = None
+    if cfg.get("resume") == "last" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        saved = glob.glob(os.path.join(cfg["ckpt_dir"], "step=*.ckpt"))
+        ckpt_path = max(saved, key=lambda p: int(p.rsplit("=", 1)[1].split(".")[0])) if saved else None
     trainer = L.Trainer(accelerator="cpu", devices=cfg.get("devices", 2), num_nodes=cfg.get("num_nodes", 1),
                         strategy=strategy, max_steps=cfg["steps"], logger=L.pytorch.loggers.CSVLogger(
                             os.path.join(cfg["out"], f"logs_{cfg['group']}")), enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, callbacks=[events])
+                        enable_model_summary=False, enable_checkpointing=bool(cfg.get("save_every")),
+                        callbacks=callbacks)
     module = build_module()
     data = lmm.data.SyntheticMultimodalDataModule(num_samples=NUM_SAMPLES, batch_size=BATCH)
-    trainer.fit(module, data)
+    fit_start = time.time()
+    trainer.fit(module, data, ckpt_path=ckpt_path)
     rank, g = trainer.global_rank, cfg["group"]
     torch.save({n: p.detach() for n, p in module.model.named_parameters() if p.requires_grad and n in
                 strategy.engine.owned}, os.path.join(cfg["out"], f"params_{g}_{rank}.pt"))
+    timing = {"started": STARTED, "fit_start": fit_start, "train_start": getattr(events, "train_start", None),
+              "resumed_from": ckpt_path}
     if rank == 0 and ft is None:  # Lightning's DistributedSampler (dp 1 here): the same order as the global sampler
         with open(os.path.join(cfg["out"], "data.json"), "w") as f:
             json.dump({"num_samples": NUM_SAMPLES, "global_batch": BATCH * strategy.layout.dp, "shuffle": True,
                        "seed": 0}, f)
+        with open(os.path.join(cfg["out"], f"result_{g}.json"), "w") as f:
+            json.dump({"steps": events.steps, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                       "global_step": trainer.global_step, **timing}, f)
         return
     if rank == 0:
         d = strategy.ft.data
@@ -97,7 +122,7 @@ def group(cfg):
         with open(os.path.join(cfg["out"], f"result_{g}.json"), "w") as f:
             json.dump({"events": strategy.ft.events, "stats": strategy.ft.stats, "steps": events.steps,
                        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                       "global_step": trainer.global_step}, f)
+                       "global_step": trainer.global_step, **timing}, f)
 
 
 def reference(cfg):
