@@ -6,12 +6,14 @@ import importlib.util
 import os
 import sys
 import warnings
+from typing import Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_mm  # noqa: F401  (registers the attention and the strategy)
+from lightning_mm.fault_tolerance import FaultTolerance
 
 # Lightning 2.6's own pytree helper builds torch's deprecated LeafSpec on every fit: nothing a user can change
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
@@ -56,6 +58,22 @@ class MultimodalCLI(LightningCLI):
         parser.add_argument("--empty_init", type=bool, default=False,
                             help="build the model on the meta device; each rank of MultimodalParallelStrategy "
                                  "materialises only its stage (needs that strategy)")
+        parser.add_argument("--fault_tolerance", type=Optional[FaultTolerance], default=None,
+                            help="torchft replica groups (docs/fault_tolerance.md): MultimodalParallelStrategy's "
+                                 "fault_tolerance, e.g. --fault_tolerance.lighthouse host:29510")
+
+    def before_instantiate_classes(self) -> None:
+        """``--fault_tolerance.*`` becomes the strategy's ``fault_tolerance`` argument."""
+        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        ft = config.get("fault_tolerance")
+        if ft is None:
+            return
+        strategy = config.get("trainer", {}).get("strategy")
+        if "MultimodalParallelStrategy" not in str(getattr(strategy, "class_path", "")):
+            raise ValueError(f"--fault_tolerance sets MultimodalParallelStrategy's fault_tolerance, but "
+                             f"trainer.strategy is {strategy!r}; give --trainer.strategy "
+                             "lightning_mm.MultimodalParallelStrategy (its class_path form, as the examples do)")
+        strategy.init_args.fault_tolerance = ft
 
     def instantiate_trainer(self, **kwargs):
         """Lightning's, except that ``trainer.logger`` left at its default without TensorBoard installed gets the

@@ -95,3 +95,13 @@ def test_fault_tolerance_is_set_from_the_command_line(monkeypatch):
     got = cli.trainer.strategy.fault_tolerance
     assert isinstance(got, FaultTolerance) and cli.trainer.strategy.ft is not None
     assert (got.lighthouse, got.replica_group, got.num_replica_groups, got.timeout) == ("127.0.0.1:29510", 1, 2, 12.0)
+    with torch.device("meta"):  # the top-level shortcut sets the same argument
+        cli = MultimodalCLI(args=["--config", "examples/tiny_valm_pp.yaml", "--trainer.logger=false",
+                                  "--fault_tolerance.lighthouse=127.0.0.1:29511", "--fault_tolerance.num_replica_groups=2"],
+                            run=False, save_config_callback=None)
+    got = cli.trainer.strategy.fault_tolerance
+    assert (got.lighthouse, got.replica_group, got.num_replica_groups) == ("127.0.0.1:29511", 1, 2)
+    with pytest.raises(ValueError, match="give --trainer.strategy lightning_mm.MultimodalParallelStrategy"), \
+            torch.device("meta"):
+        MultimodalCLI(args=["--config", "examples/tiny_vlm.yaml", "--trainer.logger=false",
+                            "--fault_tolerance.lighthouse=127.0.0.1:29511"], run=False, save_config_callback=None)
