@@ -185,7 +185,8 @@ def print_modes(work, traffic) -> None:
         print(f"{'kv':>3} {'tokens':>8} {'cp':>3} {'allgather':>10} {'ulysses':>9} {'hybrid':>9} {'K':>3}")
         for r in traffic:
             hybrid = "-" if r["hybrid_mib"] is None else f"{r['hybrid_mib']:.1f}"
-            print(f"{r['kv_heads']:3d} {r['tokens']:8d} {r['cp']:3d} {r['allgather_mib']:10.1f} {r['ulysses_mib']:9.1f} "
+            print(f"{r['kv_heads']:3d} {r['tokens']:8d} {r['cp']:3d} {r['allgather_mib']:10.1f} "
+                  f"{r['ulysses_mib']:9.1f} "
                   f"{hybrid:>9} {r['hybrid_ulysses'] or '-':>3}")
 
 

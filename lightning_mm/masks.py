@@ -223,25 +223,24 @@ class _Blocks:
         self.r_member = np.concatenate([self.stretch, self.piece_run])
 
     def attended(self):
-        """The blocks each query set may attend, as two ``(q, lo, length)`` lists of disjoint intervals sorted by
-        (q, lo): key blocks earlier (``before``) and later (``after``) than the query block."""
+        """The blocks each query set may attend, as disjoint intervals ``(q', lo, length)`` sorted by (q', lo):
+        ``q' = q`` for key blocks earlier than the query block (``before``), ``q' = num_q + q`` for later ones."""
         grp = self.group[self.r_member]
         n = self.gsize[grp]
         q = np.repeat(self.q_member, n)
         mem = np.repeat(self.widx[self.r_member], n)
         key = self.by_group[_spread(self.gstart[grp], n)]
-        out = []
-        for table in (self.before_tab, self.after_tab):
-            ok = table[mem, self.widx[key]]
-            code = _distinct(q[ok] * self.num_runs + key[ok])  # sorted by (q, run); runs are in token order
-            qq, kk = code // max(self.num_runs, 1), code % max(self.num_runs, 1)
-            fb, lb = self.fb[kk], self.lb[kk]
-            prev = np.empty_like(lb)
-            prev[:1] = -1
-            prev[1:] = np.where(qq[1:] == qq[:-1], lb[:-1], -1)  # lb grows along the runs of one q
-            lo = np.maximum(fb, prev + 1)
-            out.append((qq, lo, np.maximum(lb - lo + 1, 0)))
-        return out
+        wk = self.widx[key]
+        ok_b, ok_a = self.before_tab[mem, wk], self.after_tab[mem, wk]
+        r = max(self.num_runs, 1)
+        code = _distinct(np.concatenate([q[ok_b] * r + key[ok_b], (q[ok_a] + self.num_q) * r + key[ok_a]]))
+        qq, kk = code // r, code % r  # sorted by (q', run); runs are in token order
+        fb, lb = self.fb[kk], self.lb[kk]
+        prev = np.empty_like(lb)
+        prev[:1] = -1
+        prev[1:] = np.where(qq[1:] == qq[:-1], lb[:-1], -1)  # lb grows along the runs of one q'
+        lo = np.maximum(fb, prev + 1)
+        return qq, lo, np.maximum(lb - lo + 1, 0)
 
     def diagonal(self) -> np.ndarray:
         """Per query set, whether its own block holds an allowed pair. A run sees itself at equal positions; a
@@ -258,12 +257,14 @@ class _Blocks:
         wa, wk = self.widx[ra], self.widx[rk]
         ok = np.where(key_pos <= query_pos, self.before_tab[wa, wk], self.after_tab[wa, wk])
         ok &= self.group[ra] == self.group[rk]
-        return np.concatenate([self.before_tab[words, words], np.bincount(pm[a], weights=ok, minlength=self.mixed.size) > 0])
+        mixed = np.bincount(pm[a], weights=ok, minlength=self.mixed.size) > 0
+        return np.concatenate([self.before_tab[words, words], mixed])
 
     def segments(self):
         """The block ranges of the query sets: first block and length of every stretch, then the mixed blocks."""
         x0 = self.x0[self.stretch]
-        return np.concatenate([x0, self.mixed]), np.concatenate([self.x1[self.stretch] - x0 + 1, np.ones_like(self.mixed)])
+        length = np.concatenate([self.x1[self.stretch] - x0 + 1, np.ones_like(self.mixed)])
+        return np.concatenate([x0, self.mixed]), length
 
 
 def _as_batch(bam, segment_ids):
@@ -294,12 +295,12 @@ def block_pairs(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Ten
     bam2, seg2, squeeze = _as_batch(bam, segment_ids)
     bl = _Blocks(bam2, seg2, block_size)
     nbk, nb = bl.num_blocks, bl.nb
-    hits = []
-    for qq, lo, ln in bl.attended():
-        d = np.zeros((bl.num_q, nbk + 1), dtype=np.int64)
-        np.add.at(d, (qq, lo), 1)
-        np.add.at(d, (qq, lo + ln), -1)
-        hits.append(np.cumsum(d, axis=1)[:, :nbk] > 0)
+    qq, lo, ln = bl.attended()
+    d = np.zeros((2 * bl.num_q, nbk + 1), dtype=np.int64)
+    np.add.at(d, (qq, lo), 1)
+    np.add.at(d, (qq, lo + ln), -1)
+    hit = np.cumsum(d, axis=1)[:, :nbk] > 0
+    hits = hit[:bl.num_q], hit[bl.num_q:]  # key block earlier, later
     start, length = bl.segments()
     qid = np.full(nbk, -1)
     qid[_spread(start, length)] = np.repeat(np.arange(bl.num_q), length)
@@ -321,12 +322,14 @@ def block_pairs(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Ten
 def _block_workload(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int) -> np.ndarray:
     """``block_workload`` of a ``[B,S]`` batch as a numpy ``[B, nb]`` array."""
     bl = _Blocks(bam, segment_ids, block_size)
-    (qb, lob, lnb), (qa, loa, lna) = bl.attended()
+    qq, lo, ln = bl.attended()
     start, length = bl.segments()  # the first block of each query set, and how many blocks it spans
-    # attended blocks before and after the first block of each query set, plus its own block
-    before = np.bincount(qb, weights=np.minimum(np.maximum(start[qb] - lob, 0), lnb), minlength=bl.num_q)
-    after = np.bincount(qa, weights=np.minimum(np.maximum(loa + lna - 1 - start[qa], 0), lna), minlength=bl.num_q)
-    work = (before + after).astype(np.int64) + bl.diagonal()
+    # attended blocks before and after the first block x of each query set, plus its own block
+    later = qq >= bl.num_q
+    q = qq - later * bl.num_q
+    x = start[q]
+    count = np.minimum(np.maximum(np.where(later, lo + ln - 1 - x, x - lo), 0), ln)
+    work = np.bincount(q, weights=count, minlength=bl.num_q).astype(np.int64) + bl.diagonal()
     # one step along a stretch adds the block left behind if the run sees itself before, and drops the next
     # block if it sees itself after
     wr = bl.widx[bl.stretch]

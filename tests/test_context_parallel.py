@@ -116,6 +116,10 @@ def test_lpt_equals_one_heap_operation_per_block():
         else:
             work = torch.randint(0, 50, (max(1, n // 30),), generator=gen).repeat_interleave(30)[:n]
         assert [p.tolist() for p in cp.lpt_assign(work, size)] == [p.tolist() for p in ref.lpt_assign(work, size)]
+    for n, size in [(512, 8), (500, 16), (333, 3), (1000, 2)]:  # causal text: dealt as a snake, exactly
+        text = torch.arange(1, n + 1)
+        text[n // 3:] += 40  # a jump in the works: the snake may hold on, or break where LPT leaves it
+        assert [p.tolist() for p in cp.lpt_assign(text, size)] == [p.tolist() for p in ref.lpt_assign(text, size)]
     huge = torch.cat([torch.randint(0, 1 << 40, (60,), generator=gen), torch.full((40,), 1 << 39)])  # integer keys
     assert [p.tolist() for p in cp.lpt_assign(huge, 8)] == [p.tolist() for p in ref.lpt_assign(huge, 8)]
 
@@ -330,6 +334,8 @@ def _ulysses_worker(rank, world, init_file, mode, degree):
             groups = ContextParallelGroups("ulysses", None, None)
         block = 4
         for i, (layout, method) in enumerate(CASES):
+            if world > 2 and method not in ("lpt", "random"):  # uneven and scattered local lengths suffice here
+                continue
             for kv_heads in (2, 1):  # 1 < degree: each rank gets a copy of the one KV head
                 bam, seg, q, k, v, dout = _full_problem(layout, i, kv_heads=kv_heads)
                 s = bam.shape[1]
@@ -373,7 +379,7 @@ def test_ulysses_specs_and_plans():
     assert ParallelSpec(cp=4, cp_mode="ulysses").ulysses_degree == 4
     assert ParallelSpec(cp=8, cp_mode="hybrid", ulysses=2).ulysses_degree == 2
     assert ParallelSpec(cp=4).ulysses_degree == 1 and ParallelSpec(cp_mode="ulysses").ulysses_degree == 1
-    with pytest.raises(ValueError, match=r"needs ulysses = K with 1 < K < cp and K dividing cp=6.*choose K in \[2, 3\]"):
+    with pytest.raises(ValueError, match=r"1 < K < cp and K dividing cp=6.*choose K in \[2, 3\]"):
         ParallelSpec(cp=6, cp_mode="hybrid", ulysses=4)
     with pytest.raises(ValueError, match="cp=2 has no such divisor: use cp_mode='ulysses'"):
         ParallelSpec(cp=2, cp_mode="hybrid", ulysses=2)

@@ -33,15 +33,16 @@ CASES = [
     (1, 2, "ulysses", None, "replicated", 1, 2, "ep", "zigzag"),
     (1, 2, "ulysses", None, "replicated", 1, 1, "mp", "lpt"),
     (1, 4, "ulysses", None, "replicated", 1, 1, "mp", "lpt"),  # GQA: 2 KV heads < 4 Ulysses ranks
-    (1, 4, "hybrid", 2, "replicated", 1, 2, "mp", "lpt"),
+    (1, 4, "hybrid", 2, "replicated", 1, 1, "mp", "lpt"),
     (1, 4, "hybrid", 2, "replicated", 1, 1, "ee", "zigzag"),
     (2, 2, "ulysses", None, "replicated", 1, 2, "ep", "lpt"),  # LLM pp 2
-    (1, 2, "ulysses", None, "replicated", 2, 1, "mp", "lpt"),  # dp 2
+    (1, 2, "ulysses", None, "replicated", 2, 2, "ee", "lpt"),  # dp 2
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"llm{c[0]}-cp{c[1]}-{c[2]}{c[3] or ''}-{c[4]}-dp{c[5]}-{c[7]}-{c[8]}")
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"llm{c[0]}-cp{c[1]}-{c[2]}{c[3] or ''}-{c[4]}-dp{c[5]}-{c[7]}-{c[8]}")
 def test_ulysses_and_hybrid_train_like_one_process(case):
     llm_pp, cp, mode, ulysses, placement, dp, microbatches, layout, method = case
     mods, freeze, enc_pp, steps, rows = ("vision",), "llm", (1,), 2, 4 * dp

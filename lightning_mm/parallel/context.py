@@ -13,6 +13,7 @@ cuts cp chunks, ``"random"`` deals a seeded permutation round-robin.
 
 from __future__ import annotations
 
+import array
 import heapq
 
 import numpy as np
@@ -49,20 +50,63 @@ _EQUAL_RUN = 16  # runs of equal work at least this long (in LPT order) are deal
 
 def _deal_equal(heap: list, step, count: int, cp_size: int) -> tuple[np.ndarray, list]:
     """LPT on ``count`` blocks of equal increment ``step`` from the rank keys ``heap``: each goes to the least key,
-    which then grows by ``step``, so the keys popped are the ``count`` least of the progressions
-    ``key + j * step`` and come out of one partition. Returns the owners in order and the new keys."""
-    keys = np.array(heap)
-    # the count-th least candidate is at most max + (ceil(count / cp) - 1) * step, which candidate j of any rank
-    # exceeds from j = ceil(count / cp) + (max - min) // step + 1 on
-    jmax = min(count, -(-count // cp_size) + int((keys.max() - keys.min()) // step) + 1)
-    cand = (keys[:, None] + step * np.arange(jmax)).reshape(-1)
-    if cand.size > count:
-        cand = np.partition(cand, count - 1)[:count]
-    cand.sort()
-    owners = (cand % cp_size).astype(np.int64)
-    by_rank = np.empty_like(keys)
-    by_rank[(keys % cp_size).astype(np.int64)] = keys
-    new = by_rank + np.bincount(owners, minlength=cp_size) * step
+    which then grows by ``step``. The keys popped are the ``count`` least of the progressions ``key + j * step``;
+    with ``key = a * step + b`` (``0 <= b < step``) candidate ``j`` sorts by ``(a + j, b)``, so level ``L`` holds
+    the ranks with ``a <= L`` in ``b`` order, and from the largest ``a`` on every level holds all of them: after a
+    few short levels the owners repeat with period ``cp``. Returns the owners in order and the new keys."""
+    kind = type(heap[0])
+    key = [0] * cp_size
+    for k in heap:
+        key[int(k) % cp_size] = int(k)  # a key's residue is its rank
+    step = int(step)
+    a = [k // step for k in key]
+    by_b = sorted(range(cp_size), key=lambda r: key[r] % step)
+    first, level, top = [], min(a), max(a)
+    while level < top and len(first) < count:  # levels where some ranks are still ahead of the others
+        first += [r for r in by_b if a[r] <= level]
+        level += 1
+    rest = max(count - len(first), 0)
+    owners = np.concatenate([np.array(first, dtype=np.int64),
+                             np.tile(np.array(by_b, dtype=np.int64), -(-rest // cp_size))[:rest]])[:count]
+    got = np.bincount(owners, minlength=cp_size).tolist()
+    return owners, [kind(key[r] + got[r] * step) for r in range(cp_size)]
+
+
+def _snake_rounds(keys: np.ndarray, inc: np.ndarray, cp_size: int, rounds: int) -> tuple[int, np.ndarray]:
+    """How many of the first ``rounds`` whole rounds of ``inc`` LPT deals as a snake from the sorted ``keys``, and
+    what each key-order position receives in every round ``[cp, rounds]``."""
+    step = inc[:rounds * cp_size].reshape(rounds, cp_size).T.copy()  # [s, round]: the s-th block of each round
+    gets = step.copy()  # by position in key order: odd rounds run backwards
+    gets[:, 1::2] = step[::-1, 1::2]
+    start = keys[:, None] + np.cumsum(gets, 1) - gets  # keys at each round's start, by key-order position
+    a = start.copy()
+    a[:, 1::2] = start[::-1, 1::2]  # by position within the round
+    served = np.minimum.accumulate(a + step, 0)
+    to_come = np.minimum.accumulate(a[::-1], 0)[::-1]
+    ok = np.ones_like(a, dtype=bool)
+    ok[:-1] &= a[:-1] < to_come[1:]
+    ok[1:] &= a[1:] < served[:-1]
+    bad = np.flatnonzero(~ok.all(0))
+    return (int(bad[0]) if bad.size else rounds), gets
+
+
+def _snake_prefix(heap: list, inc: np.ndarray, cp_size: int) -> tuple[np.ndarray, list]:
+    """Owners of the longest prefix of whole rounds of the blocks ``inc`` (distinct works, LPT order) that LPT
+    deals as a snake: the ranks in key order, then in reverse, and so on. That is exact for causal text (works
+    falling by a constant step from equal loads). Checked for all rounds at once: in a round the ``s``-th block's
+    rank must hold the least key, i.e. its key at the round's start is below those of the ranks still to come in
+    the round and below the keys of those already served (plus what they got). Returns the owners and new keys."""
+    order = sorted(heap)
+    ranks = [int(k) % cp_size for k in order]
+    probe = list(heap)  # a short look first, two rounds on a copy of the heap: most runs that are no snake fail
+    if [int(heapq.heapreplace(probe, probe[0] + i)) % cp_size for i in inc[:2 * cp_size].tolist()] != \
+            ranks + ranks[::-1]:
+        return np.zeros(0, dtype=np.int64), list(heap)
+    keys, ranks = np.array(order), np.array(ranks, dtype=np.int64)
+    whole, gets = _snake_rounds(keys, inc, cp_size, inc.size // cp_size)
+    owners = np.tile(np.concatenate([ranks, ranks[::-1]]), -(-whole // 2))[:whole * cp_size]
+    new = np.empty(cp_size)
+    new[ranks] = keys + gets[:, :whole].sum(1)
     return owners, new.tolist()
 
 
@@ -71,21 +115,30 @@ def _lpt_owner(work: np.ndarray, cp_size: int) -> np.ndarray:
     n = work.size
     order = np.argsort(-work, kind="stable")
     ws = work[order]
-    if (int(ws.sum()) * (n + 1) + n + 2) * cp_size < 1 << 53:  # floats: exact here, and faster than big ints
+    floats = (int(ws.sum()) * (n + 1) + n + 2) * cp_size < 1 << 53
+    if floats:  # exact here, and faster than big ints
         inc = ((ws * (n + 1) + 1) * cp_size).astype(np.float64)
         heap = [float(r) for r in range(cp_size)]
     else:
         inc = np.array([(x * (n + 1) + 1) * cp_size for x in ws.tolist()], dtype=object)
         heap = list(range(cp_size))
-    start = np.flatnonzero(np.diff(ws, prepend=ws[:1] + 1))  # runs of equal work in LPT order
+    change = np.ones(n, dtype=bool)
+    change[1:] = ws[1:] != ws[:-1]
+    start = np.flatnonzero(change)  # runs of equal work in LPT order
     length = np.diff(np.append(start, n))
     long = np.flatnonzero(length >= max(_EQUAL_RUN, cp_size))
     owner = np.empty(n, dtype=np.int64)
     replace, pos = heapq.heapreplace, 0
     for s, m in zip(start[long].tolist() + [n], length[long].tolist() + [0]):
+        if floats and s - pos >= 8 * cp_size:  # a long run of distinct works: causal text is dealt as a snake
+            snake, heap = _snake_prefix(heap, inc[pos:s], cp_size)
+            owner[order[pos:pos + snake.size]] = snake
+            heapq.heapify(heap)
+            pos += snake.size
         if s > pos:  # one C-level heap operation per block; heapreplace returns the popped (least) key
             keys = [replace(heap, heap[0] + i) for i in inc[pos:s].tolist()]
-            owner[order[pos:s]] = np.array(keys) % cp_size
+            popped = np.frombuffer(array.array("d", keys)).astype(np.int64) if floats else np.array(keys)
+            owner[order[pos:s]] = popped % cp_size
         if m:
             owner[order[s:s + m]], heap = _deal_equal(heap, inc[s], m, cp_size)
             heapq.heapify(heap)
