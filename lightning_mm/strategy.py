@@ -38,7 +38,7 @@ from lightning_mm.parallel.sharding import SHARDING_STRATEGIES
 from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, dtensor_parameters_pinned
 from lightning_mm.parallel.context import check_context_parallel
 from lightning_mm.plan.balance import METHODS as BALANCING_METHODS, plan_batch
-from lightning_mm.plan.layout import ParallelSpec, RankLayout, build_layout
+from lightning_mm.plan.layout import ParallelSpec, RankLayout, build_layout, check_node_locality
 from lightning_mm.planner.model_costs import resolve_partition
 from lightning_mm.planner.heterogeneity import num_pipeline_stages
 from lightning_mm.planner.workload import WorkloadModel
@@ -155,6 +155,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         layout = build_layout(specs, self.language_model_spec, world, self.encoder_placement, list(model.encoders))
         check_tensor_parallel(model, {e: s.tp for e, s in specs.items()}, self.language_model_spec.tp)
         check_context_parallel(model, self.language_model_spec)
+        check_node_locality(layout, self.num_processes)
         return layout
 
     def setup_environment(self) -> None:

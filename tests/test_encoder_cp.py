@@ -66,3 +66,4 @@ def test_encoder_cp4_with_fewer_images_than_ranks(tmp_path):
     ref = run(case, tmp_path, "single")
     got = run({**case, "encoder_cp": [4], "llm_pp": 1}, tmp_path, "cp4")
     assert_same_training(got, ref)
+

@@ -13,7 +13,7 @@ import torch
 import lightning_mm as lmm
 from lightning_mm.model import tiny_encoder, tiny_language_model
 from lightning_mm.parallel.tensor_parallel import check_tensor_parallel
-from lightning_mm.plan.layout import ParallelSpec, build_layout
+from lightning_mm.plan.layout import ParallelSpec, build_layout, check_node_locality
 from tests.helpers.launch import run_script
 from tests.test_lightning_contracts import CASE, assert_same_training, run
 
@@ -41,6 +41,17 @@ def test_layout_places_tensor_parallel_ranks_and_pairs_them():
     layout = build_layout({"audio": ParallelSpec()}, ParallelSpec(tp=4), 5)
     assert layout.activation_sources("audio.0", "language_model.0", 0) == {1: 0, 2: 0, 3: 0, 4: 0}
     assert layout.gradient_sources("audio.0", "language_model.0", 0) == {0: [1]}
+
+
+def test_tensor_and_context_parallel_ranks_stay_inside_a_node():
+    layout = build_layout({"vision": ParallelSpec(tp=2)}, ParallelSpec(pp=2, cp=2, tp=2), 20)  # 10 ranks a replica
+    check_node_locality(layout, 10)  # one replica per node
+    check_node_locality(layout, 20)  # one node
+    for per_node in (8, 2):  # ranks 6-9 (LLM stage 1) over nodes 0 and 1; a 4-wide stage over nodes of 2
+        with pytest.raises(ValueError, match="must share a node"):
+            check_node_locality(layout, per_node)
+    layout = build_layout({"vision": ParallelSpec(tp=2)}, ParallelSpec(pp=1, cp=1, tp=2), 8)  # widths 2 + 2
+    check_node_locality(layout, 2)
 
 
 def lmm_coord(stage, dp, cp, tp):

@@ -170,6 +170,23 @@ class RankLayout:
         return list(range(dp * self.ranks_per_replica, (dp + 1) * self.ranks_per_replica))
 
 
+def check_node_locality(layout: RankLayout, ranks_per_node: int) -> None:
+    """Raise unless every stage's cp x tp ranks sit on one node: their collectives run every layer and need the
+    node's links (NVLink), while pipeline and data-parallel traffic may cross nodes."""
+    if ranks_per_node < 1 or layout.world_size <= ranks_per_node:
+        return
+    for d in range(layout.dp):
+        for stage in layout.stages:
+            ranks = layout.stage_ranks(stage, d)
+            if ranks[0] // ranks_per_node != ranks[-1] // ranks_per_node:
+                raise ValueError(
+                    f"stage {stage!r} of replica {d} spans ranks {ranks[0]}-{ranks[-1]}, across nodes "
+                    f"{ranks[0] // ranks_per_node} and {ranks[-1] // ranks_per_node} ({ranks_per_node} ranks per node); "
+                    "its tensor- and context-parallel ranks must share a node: change the ParallelSpecs so that each "
+                    f"replica's stage widths {layout.widths} pack into nodes of {ranks_per_node} ranks, or use a "
+                    "number of devices per node that a replica fills whole")
+
+
 def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec, world_size: int,
                  placement: str = "parallel", model_encoders: list[str] | None = None) -> RankLayout:
     """Lay out ranks, or raise (with the fix) when the specs do not fit ``world_size``."""
