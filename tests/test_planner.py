@@ -11,6 +11,7 @@ import torch
 from lightning_mm.plan.schedule import build_stage_graph
 from lightning_mm.planner import (
     CostModel,
+    LayerCost,
     LayerProfile,
     ModuleSpec,
     ModuleTimes,
@@ -540,3 +541,100 @@ def test_plan_cli_data_stats_on_conversation_data(tmp_path, capsys):
     assert "of 4 GPUs per replica" in out
     assert "costs scaled to the data's mean work: vision x" in out
     assert "auto search on 4 devices" in out and (tmp_path / "plan" / "auto.trace.json").exists()
+
+
+# ---------------------------------------------------------------- context-parallel modes
+
+
+def _cp_llm(heads, kv_heads, seq_len=1 << 20, layers=8):
+    from lightning_mm.planner import AttentionShape
+
+    costs = [LayerCost(1.0, 2.0, True, True) for _ in range(layers)]
+    return {LM: ModuleSpec(costs, attention=AttentionShape(seq_len, heads, kv_heads, 128, 2))}
+
+
+CP_BANDWIDTH = 100e9  # bytes/s per rank
+
+
+@pytest.mark.parametrize("heads, kv_heads, winner", [(64, 8, "allgather"), (64, 64, "ulysses")])
+def test_cp_mode_search_times_each_modes_bytes(heads, kv_heads, winner):
+    """1M tokens on 8 CP ranks: a GQA model with 8 KV heads moves fewest bytes with allgather (3584 MiB per rank
+    per layer forward, vs 3968 hybrid K=4 and 4032 ulysses); a 64-head MHA model with ulysses (7168 vs 28672).
+    Each candidate's CP time is its layers x (forward + backward) bytes of cp_communication_bytes / bandwidth."""
+    from lightning_mm.plan.cp_comm import cp_communication_bytes
+    from lightning_mm.parallel.context import cp_communication_bytes as runtime_bytes
+
+    assert runtime_bytes is cp_communication_bytes  # one formula, re-exported by the runtime
+    modules = _cp_llm(heads, kv_heads)
+    found = search(modules, 8, 8, data_parallel=False, cp_degrees=(8,), cp_modes=("allgather", "ulysses", "hybrid"),
+                   cp_bandwidth=CP_BANDWIDTH)
+    assert not found.rejected
+    by_mode = {(p.cp_mode, p.ulysses): p for p in found.candidates}
+    assert set(by_mode) == {("allgather", 1), ("ulysses", 8), ("hybrid", 2), ("hybrid", 4)}
+    for (mode, k), plan in by_mode.items():
+        b = cp_communication_bytes(mode, 1 << 20, 8, heads, kv_heads, 128, k if mode == "hybrid" else None, 2)
+        assert plan.cp_comm["language_model.0"] == pytest.approx(8 * (b["forward"] + b["backward"]) / CP_BANDWIDTH)
+        assert plan.forward["language_model.0"] == pytest.approx(8 * 1.0 / 8 + 8 * b["forward"] / CP_BANDWIDTH)
+        assert plan.devices == 8
+    mib = {m: cp_communication_bytes(m, 1 << 20, 8, heads, kv_heads, 128, 4 if m == "hybrid" else None)["forward"]
+           / 2 ** 20 for m in ("allgather", "ulysses", "hybrid")}
+    assert mib == ({"allgather": 3584, "ulysses": 4032, "hybrid": 3968} if kv_heads == 8 else
+                   {"allgather": 28672, "ulysses": 7168, "hybrid": 10240})
+    assert found.best.cp_mode == winner and min(mib, key=mib.get) == winner
+    # free links: the modes tie (compute is split cp ways alike)
+    free = search(modules, 8, 8, data_parallel=False, cp_degrees=(8,), cp_modes=("allgather", "ulysses"))
+    assert len({round(p.iteration_time, 9) for p in free.candidates}) == 1
+
+
+def test_cp_modes_the_heads_cannot_take_are_rejected_with_the_reason():
+    modules = _cp_llm(12, 4, seq_len=1 << 16)
+    found = search(modules, 8, 8, data_parallel=False, cp_degrees=(8,), cp_modes=("ulysses", "hybrid"))
+    assert any("cp=8 cp_mode='ulysses'" in r and "12 query heads are not divisible by the Ulysses degree 8" in r
+               for r in found.rejected)
+    assert {(p.cp_mode, p.ulysses) for p in found.candidates} == {("hybrid", 2), ("hybrid", 4)}
+    with pytest.raises(ValueError, match="not divisible by the Ulysses degree 8"):
+        evaluate_plan(modules, {LM: [8]}, "parallel", 8, cp=8, cp_mode="ulysses")
+    with pytest.raises(ValueError, match="ulysses in \\[2, 4\\]"):
+        evaluate_plan(modules, {LM: [8]}, "parallel", 8, cp=8, cp_mode="hybrid", ulysses=3)
+    with pytest.raises(ValueError, match="no layout.*rejected: cp=8 cp_mode='ulysses'"):
+        search(modules, 8, 8, data_parallel=False, cp_degrees=(8,), cp_modes=("ulysses",))
+    # tensor parallelism splits the heads first: 12 / 2 = 6 per tp rank, and Ulysses 4 no longer divides them
+    found = search(modules, 16, 8, data_parallel=False, cp_degrees=(8,), cp_modes=("hybrid",), tp_degrees=(2,))
+    assert {p.ulysses for p in found.candidates} == {2}
+    assert any("ulysses=4 tp=2" in r for r in found.rejected)
+
+
+def test_cp_llm_stages_take_cp_devices_and_the_table_and_yaml_show_the_mode():
+    from lightning_mm.plan.layout import ParallelSpec
+    from lightning_mm.planner.plan_cli import Units, stage_table, strategy_yaml
+    import yaml
+
+    modules = {"vision": ModuleSpec([LayerCost(1.0, 0.0, False, False)] * 4), **_cp_llm(64, 64)}
+    plan = evaluate_plan(modules, {"vision": [4], LM: [4, 4]}, "parallel", 4, cp=4, cp_mode="hybrid", ulysses=2,
+                         cp_bandwidth=CP_BANDWIDTH)
+    assert plan.devices == 1 + 2 * 4 and plan.cp_comm["vision.0"] == 0
+    table = stage_table(plan, "title", Units("ms", 1e3, True))
+    assert "cp mode" in table and "cp comm (ms)" in table
+    row = {line.split()[0]: line.split() for line in table.splitlines()[3:-1]}
+    assert row["language_model.0"][2] == "hybrid(K=2)" and row["vision.0"][2] == "-"
+    llm = yaml.safe_load(strategy_yaml(plan))["trainer"]["strategy"]["init_args"]["language_model"]["init_args"]
+    assert llm == {"pp": 2, "tp": 1, "cp": 4, "cp_mode": "hybrid", "ulysses": 2}
+    assert ParallelSpec(**llm).ulysses_degree == 2
+
+
+def test_plan_cli_searches_cp_modes_and_prints_the_mode_column(tmp_path, capsys):
+    from lightning_mm.cli import main
+
+    main(["plan", "--config", "examples/tiny_valm_pp.yaml", "--devices", "16", "--cp", "2,4", "--cp-mode",
+          "allgather,ulysses,hybrid", "--device-flops", "1e12", "--cp-bandwidth", "50", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "not searched: cp=2 cp_mode='hybrid': cp=2 has no divisor K with 1 < K < cp" in out
+    assert "CP attention traffic at 50 GB/s" in out
+    auto = out.split("auto search on 16 devices")[1]
+    assert "cp mode" in auto and "cp comm (ms)" in auto and "cp=" in auto.splitlines()[0]
+    cp = int(auto.splitlines()[0].split("cp=")[1].split(",")[0])
+    mode = auto.splitlines()[0].split("cp_mode=")[1].split(",")[0]
+    llm_row = next(line for line in auto.splitlines() if line.startswith("language_model.0"))
+    assert llm_row.split()[2] == mode
+    if cp > 1:
+        assert f"cp: {cp}, cp_mode: {mode.split('(')[0]}" in auto.split("put this in the fit YAML")[1]

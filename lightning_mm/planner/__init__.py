@@ -20,13 +20,23 @@ from lightning_mm.planner.costs import (
 from lightning_mm.planner.heterogeneity import BatchSimulation, MethodReport, compare_methods, simulate_batch
 from lightning_mm.planner.partition import partition, partition_module, stage_sums, uniform_partition
 from lightning_mm.planner.profiler import profile_layers
-from lightning_mm.planner.search import ModuleSpec, Plan, SearchResult, evaluate_plan, plan_graph, plan_summary, search
+from lightning_mm.planner.search import (
+    AttentionShape,
+    ModuleSpec,
+    Plan,
+    SearchResult,
+    evaluate_plan,
+    plan_graph,
+    plan_summary,
+    search,
+)
 from lightning_mm.planner.simulator import SimulationResult, chrome_trace, simulate, simulate_1f1b, timeline_png
 
 __all__ = [
     "CostModel", "LayerCost", "LayerProfile", "ModuleTimes", "fit_cost_model", "forward_only_costs", "layer_costs",
     "load_profile", "mllm_layer_costs", "module_times", "save_profile", "partition", "partition_module",
-    "stage_sums", "uniform_partition", "profile_layers", "ModuleSpec", "Plan", "SearchResult", "evaluate_plan",
+    "stage_sums", "uniform_partition", "profile_layers", "AttentionShape", "ModuleSpec", "Plan", "SearchResult",
+    "evaluate_plan",
     "plan_graph", "plan_summary", "search", "SimulationResult", "chrome_trace", "simulate", "simulate_1f1b",
     "timeline_png", "BatchSimulation", "MethodReport", "compare_methods", "simulate_batch",
 ]

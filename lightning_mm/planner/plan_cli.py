@@ -25,7 +25,8 @@ import torch
 from lightning_mm.plan.schedule import LANGUAGE_MODEL
 from lightning_mm.planner.costs import save_profile
 from lightning_mm.planner.model_costs import model_layer_costs, model_memory, profile_model
-from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan, search, stage_layers
+from lightning_mm.planner.search import AttentionShape, ModuleSpec, Plan, cp_mode_label, evaluate_plan, search, \
+    stage_layers
 from lightning_mm.planner.simulator import chrome_trace, timeline_png
 
 
@@ -45,6 +46,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="sharding strategies the search tries, comma-separated (NO_SHARD,SHARD_GRAD_OP,FULL_SHARD)")
     p.add_argument("--tp-bandwidth", type=float, default=math.inf,
                    help="GB/s per device for tensor-parallel all-reduces (default: free; NVLink ~ 300-450)")
+    p.add_argument("--cp", default=None,
+                   help="context-parallel degrees of the LLM stages the search tries, comma-separated (default: the "
+                        "YAML's language_model cp)")
+    p.add_argument("--cp-mode", default=None,
+                   help="CP modes the search tries, comma-separated (allgather,ulysses,hybrid; hybrid with every valid "
+                        "Ulysses degree K; default: the YAML's cp_mode)")
+    p.add_argument("--cp-bandwidth", type=float, default=math.inf,
+                   help="GB/s per rank for context-parallel attention traffic (default: free)")
     p.add_argument("--out", default=None,
                    help="folder for the timeline PNGs and Chrome traces (default: <the run's log dir>/plan)")
     p.add_argument("--data-stats", action="store_true",
@@ -66,22 +75,39 @@ def first_microbatch(module, datamodule, trainer, num_microbatches: int) -> dict
     return split_microbatches(batch, num_microbatches, module.model)[0]
 
 
+def attention_shape(model, batch: dict) -> AttentionShape:
+    """The LLM's attention as context parallelism moves it for ``batch``: tokens of the microbatch (rows x
+    sequence; every term of the byte model is linear in them), heads, KV heads, head dim, parameter bytes."""
+    lm = model.language_model
+    cfg = getattr(lm.config, "text_config", None) or lm.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    seq = batch.get("bam") if batch.get("bam") is not None else batch["input_ids"]
+    dtype_bytes = next(lm.parameters()).element_size()
+    return AttentionShape(int(seq.numel()), heads, kv_heads, head_dim, dtype_bytes)
+
+
 def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool = False) -> dict[str, ModuleSpec]:
     """Planner input per module: layer costs (scaled to the display unit), model-state bytes, activation
-    bytes per in-flight microbatch and gradient bytes per layer, measured on ``batch``."""
+    bytes per in-flight microbatch and gradient bytes per layer, measured on ``batch``; the LLM's attention
+    shape (what context parallelism communicates)."""
     from lightning_mm.planner.costs import LayerCost
 
     memory = model_memory(model, batch, recompute)
     specs = {}
     for module, layer_costs in costs.items():
         scaled = [LayerCost(c.forward * scale, c.backward * scale, c.trainable, c.in_backward) for c in layer_costs]
-        specs[module] = ModuleSpec(scaled, *memory[module])
+        attention = attention_shape(model, batch) if module == LANGUAGE_MODEL else None
+        specs[module] = ModuleSpec(scaled, *memory[module], attention=attention)
     return specs
 
 
 def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int, memory_limit: float = math.inf,
-                    allreduce_bandwidth: float = math.inf, tp_bandwidth: float = math.inf) -> Plan:
-    """The strategy's own layout and partition, simulated (with the largest tp of its stages)."""
+                    allreduce_bandwidth: float = math.inf, tp_bandwidth: float = math.inf,
+                    cp_bandwidth: float = math.inf) -> Plan:
+    """The strategy's own layout and partition, simulated (with the largest tp of its stages and the LLM's CP
+    degree and mode)."""
     from lightning_mm.plan.layout import ParallelSpec, build_layout
     from lightning_mm.planner.model_costs import resolve_partition
 
@@ -92,18 +118,26 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
     layers = resolve_partition(model, layout.module_stages, strategy.partition, strategy.activation_checkpointing)
     return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * layout.dp, layout.dp,
                          memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth,
-                         tp=max(layout.tp.values()), sharding=strategy.sharding_strategy, tp_bandwidth=tp_bandwidth)
+                         tp=max(layout.tp.values()), sharding=strategy.sharding_strategy, tp_bandwidth=tp_bandwidth,
+                         cp=strategy.language_model_spec.cp, cp_mode=layout.cp_mode, ulysses=layout.ulysses,
+                         cp_bandwidth=cp_bandwidth)
 
 
 def strategy_yaml(plan: Plan) -> str:
-    """The fit-YAML lines that run ``plan``: trainer devices and the strategy's specs, placement, microbatches
-    per replica and the planned boundaries (the search already timed them)."""
+    """The fit-YAML lines that run ``plan``: trainer devices and the strategy's specs (the LLM's with its cp,
+    cp_mode and hybrid's ulysses), placement, microbatches per replica and the planned boundaries (the search
+    already timed them)."""
     import yaml
 
     spec = lambda pp: {"class_path": "lightning_mm.ParallelSpec", "init_args": {"pp": pp, "tp": plan.tp}}  # noqa: E731
     pp = plan.pp()
+    llm = spec(pp[LANGUAGE_MODEL])
+    if plan.cp > 1:
+        llm["init_args"].update({"cp": plan.cp, "cp_mode": plan.cp_mode})
+        if plan.cp_mode == "hybrid":
+            llm["init_args"]["ulysses"] = plan.ulysses
     args = {"encoders": {m: spec(n) for m, n in pp.items() if m != LANGUAGE_MODEL},
-            "language_model": spec(pp[LANGUAGE_MODEL]), "encoder_placement": plan.placement,
+            "language_model": llm, "encoder_placement": plan.placement,
             "num_microbatches": plan.microbatches_per_replica, "sharding_strategy": plan.sharding,
             "partition": {m: list(v) for m, v in plan.layers.items()}}
     doc = {"trainer": {"devices": plan.devices,
@@ -125,23 +159,32 @@ GIB = 2 ** 30
 
 
 def stage_table(plan: Plan, title: str, units: Units) -> str:
-    """Per stage: layers, forward and backward per microbatch, busy time, bubble, peak in-flight microbatches,
-    memory (and the gradient all-reduce when it is costed), every number with its unit; then the iteration."""
+    """Per stage: layers, its CP mode (LLM stages with cp > 1; "hybrid(K=..)" with the Ulysses degree, "-"
+    without CP), forward and backward per microbatch, busy time, bubble, peak in-flight microbatches, memory (and
+    the gradient all-reduce and the CP communication when they are costed), every number with its unit; then the
+    iteration."""
     r, u = plan.result, units.name
     held = stage_layers(plan)
     sync = {s: sum(e.end - e.start for e in r.events if e.stage == s and e.kind == "sync") for s in r.stages}
-    cols = [f"forward ({u})", f"backward ({u})", f"busy ({u})", "bubble", "in flight", "memory (GiB)"]
+    cp_comm = {s: plan.cp_comm.get(s, 0.0) for s in r.stages}
+    cols = ["cp mode", f"forward ({u})", f"backward ({u})", f"busy ({u})", "bubble", "in flight", "memory (GiB)"]
     if any(sync.values()):
         cols.append(f"all-reduce ({u})")
-    widths = [max(10, len(c)) for c in cols]
+    if any(cp_comm.values()):
+        cols.append(f"cp comm ({u})")
+    widths = [max(12 if c == "cp mode" else 10, len(c)) for c in cols]
     header = f"{'stage':<20} {'layers':<34} " + " ".join(f"{c:>{w}}" for c, w in zip(cols, widths))
     lines = [title, header, "-" * len(header)]
     f = units.factor
     for stage in r.stages:
-        values = [f"{plan.forward[stage] * f:.4g}", f"{plan.backward[stage] * f:.4g}", f"{r.busy[stage] * f:.4g}",
-                  f"{r.bubble_fraction[stage]:.1%}", f"{r.peak_inflight[stage]:d}", f"{plan.memory[stage] / GIB:.3g}"]
-        if len(cols) > len(values):
+        mode = cp_mode_label(plan) if stage.startswith(LANGUAGE_MODEL + ".") else "-"
+        values = [mode, f"{plan.forward[stage] * f:.4g}", f"{plan.backward[stage] * f:.4g}",
+                  f"{r.busy[stage] * f:.4g}", f"{r.bubble_fraction[stage]:.1%}", f"{r.peak_inflight[stage]:d}",
+                  f"{plan.memory[stage] / GIB:.3g}"]
+        if any(sync.values()):
             values.append(f"{sync[stage] * f:.4g}")
+        if any(cp_comm.values()):
+            values.append(f"{cp_comm[stage] * f:.4g}")
         lines.append(f"{stage:<20} {held[stage]:<34} " + " ".join(f"{v:>{w}}" for v, w in zip(values, widths)))
     what = "predicted iteration time" if units.is_time else "predicted iteration (critical-path work per device)"
     lines.append(f"{what} {plan.iteration_time * f:.4g} {u} on {plan.devices} devices "
@@ -190,9 +233,10 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
     if not hasattr(strategy, "encoder_placement"):
         raise SystemExit("the YAML's trainer.strategy is not lightning_mm.MultimodalParallelStrategy; plan needs it")
     profile = args.profile or args.write_profile or getattr(strategy.partition, "profile", None)
-    if math.isfinite(args.allreduce_bandwidth) and not (profile or args.device_flops):
-        raise SystemExit("--allreduce-bandwidth needs costs in seconds: add --device-flops (FLOP/s per device) "
-                         "or --profile / --write-profile")
+    for flag, value in (("--allreduce-bandwidth", args.allreduce_bandwidth), ("--cp-bandwidth", args.cp_bandwidth)):
+        if math.isfinite(value) and not (profile or args.device_flops):
+            raise SystemExit(f"{flag} needs costs in seconds: add --device-flops (FLOP/s per device) "
+                             "or --profile / --write-profile")
     mb = first_microbatch(module, datamodule, trainer, strategy.num_microbatches)
     if args.write_profile:  # timed on the Trainer's device in its precision, as training runs
         save_profile(profile_model(prepared_for_profile(model, trainer),
@@ -224,23 +268,33 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
     bandwidth, tp_bandwidth = args.allreduce_bandwidth * 1e9, args.tp_bandwidth * 1e9
     tp_degrees = [int(t) for t in args.tp.split(",")]
     shardings = args.sharding.split(",")
+    llm_spec = strategy.language_model_spec
+    cp_degrees = [int(c) for c in args.cp.split(",")] if args.cp else [llm_spec.cp]
+    cp_modes = args.cp_mode.split(",") if args.cp_mode else [llm_spec.cp_mode]
+    cp_bandwidth = args.cp_bandwidth * 1e9
     source = f"profile {profile}" if profile else "FLOPs counted on the real layers" + (
         f" at {args.device_flops:.4g} FLOP/s per device" if args.device_flops else "")
     print(f"costs per microbatch in {units.name} ({source}); memory in GiB"
           + (f"; gradient all-reduce at {args.allreduce_bandwidth:g} GB/s" if math.isfinite(bandwidth) else "")
+          + (f"; CP attention traffic at {args.cp_bandwidth:g} GB/s" if math.isfinite(cp_bandwidth) else "")
           + "\n")
-    mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth, tp_bandwidth)
+    mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth, tp_bandwidth, cp_bandwidth)
     files = _write(mine, out, "configured", units)
     print(stage_table(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
-                            f"tp={mine.tp}, sharding={mine.sharding}, partition={strategy.partition!r}", units))
+                            f"tp={mine.tp}, cp={mine.cp}, cp_mode={cp_mode_label(mine)}, sharding={mine.sharding}, "
+                            f"partition={strategy.partition!r}", units))
     budget = args.devices or devices
-    best = search(specs, budget, mine.microbatches_per_replica * mine.dp, memory_limit,
-                  allreduce_bandwidth=bandwidth, tp_degrees=tp_degrees, sharding_strategies=shardings,
-                  tp_bandwidth=tp_bandwidth).best
+    found = search(specs, budget, mine.microbatches_per_replica * mine.dp, memory_limit,
+                   allreduce_bandwidth=bandwidth, tp_degrees=tp_degrees, sharding_strategies=shardings,
+                   tp_bandwidth=tp_bandwidth, cp_degrees=cp_degrees, cp_modes=cp_modes, cp_bandwidth=cp_bandwidth)
+    best = found.best
     files += _write(best, out, "auto", units)
     print()
+    for reason in found.rejected:
+        print(f"not searched: {reason}")
     print(stage_table(best, f"auto search on {budget} devices: placement={best.placement}, dp={best.dp}, "
-                            f"tp={best.tp}, sharding={best.sharding}, pp={best.pp()}", units))
+                            f"tp={best.tp}, cp={best.cp}, cp_mode={cp_mode_label(best)}, sharding={best.sharding}, "
+                            f"pp={best.pp()}", units))
     print(f"\nconfigured / auto predicted iteration time: {mine.iteration_time / best.iteration_time:.3f}x")
     print(f"\nto run the auto plan, put this in the fit YAML (the data module's batch_size is per replica: keep "
           f"batch_size x dp the same for the same global batch; dp = {best.dp}):\n")

@@ -15,6 +15,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from lightning_mm.plan.cp_comm import cp_communication_bytes
+from lightning_mm.plan.layout import CP_MODES
 from lightning_mm.plan.placement import LANGUAGE_MODEL, placement_table
 from lightning_mm.plan.schedule import StageGraph, build_stage_graph
 from lightning_mm.planner.costs import LayerCost
@@ -26,19 +28,67 @@ SEARCH_MODES = ("frozen-aware", "forward-only", "forward-variance")
 
 
 @dataclass(frozen=True)
+class AttentionShape:
+    """What the LLM's context-parallel attention moves depends on: tokens per microbatch sequence, query and
+    key/value heads (whole model, before tensor parallelism), head dimension and bytes per element."""
+
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+
+
+def cp_degrees_of(cp: int, mode: str) -> list[int]:
+    """The Ulysses degrees ``mode`` can run with on ``cp`` ranks: [1] for allgather (or cp 1), [cp] for ulysses,
+    every K with 1 < K < cp dividing cp for hybrid (none for a cp without such divisors)."""
+    if mode not in CP_MODES:
+        raise ValueError(f"unknown cp_mode {mode!r}; choose one of {CP_MODES}")
+    if cp == 1 or mode == "allgather":
+        return [1]
+    if mode == "ulysses":
+        return [cp]
+    return [k for k in range(2, cp) if cp % k == 0]
+
+
+def cp_heads_problem(attention: AttentionShape | None, tp: int, degree: int) -> str | None:
+    """Why the LLM's heads cannot run Ulysses over ``degree`` ranks at tensor parallelism ``tp`` (None if they
+    can): the runtime's own check (``check_ulysses_heads``) on the heads per tp rank."""
+    if degree == 1 or attention is None:
+        return None
+    from lightning_mm.attention.ulysses import check_ulysses_heads
+
+    if attention.heads % tp or attention.kv_heads % tp:
+        return (f"{attention.heads} query / {attention.kv_heads} key-value heads do not split over tp={tp}")
+    try:
+        check_ulysses_heads(attention.heads // tp, attention.kv_heads // tp, degree, f"language_model (tp={tp})")
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def cp_layer_bytes(attention: AttentionShape, cp: int, mode: str, ulysses: int | None, tp: int = 1) -> dict:
+    """``cp_communication_bytes`` for one LLM layer of one microbatch at these degrees (heads per tp rank)."""
+    return cp_communication_bytes(mode, attention.seq_len, cp, attention.heads // tp, attention.kv_heads // tp,
+                                  attention.head_dim, ulysses if mode == "hybrid" else None, attention.dtype_bytes)
+
+
+@dataclass(frozen=True)
 class ModuleSpec:
     """Planner input for one module: frozen-aware layer costs (projector last for an encoder), model-state
     bytes per layer (weights, plus grads and optimizer state where trainable), activation bytes per layer
     held for each in-flight microbatch (counted only for layers that take part in backward) and gradient
     bytes per layer (what data parallelism all-reduces every step). ``tp_bytes`` per layer: what one of its
     tensor-parallel all-reduces moves (its output hidden states for one microbatch; two in forward, two in
-    backward)."""
+    backward). ``attention`` (the LLM's): the shape context parallelism's communication is computed from;
+    without it CP communication is free."""
 
     costs: Sequence[LayerCost]
     param_bytes: Sequence[float] | float = 0.0
     activation_bytes: Sequence[float] | float = 0.0
     grad_bytes: Sequence[float] | float = 0.0
     tp_bytes: Sequence[float] | float = 0.0
+    attention: AttentionShape | None = None
 
     def per_layer(self, value) -> list[float]:
         return [float(value)] * len(self.costs) if isinstance(value, (int, float)) else [float(v) for v in value]
@@ -59,6 +109,10 @@ class Plan:
     fits_memory: bool = True
     tp: int = 1
     sharding: str = "NO_SHARD"
+    cp: int = 1  # the LLM stages' context-parallel degree (encoder stages have none)
+    cp_mode: str = "allgather"
+    ulysses: int = 1  # the Ulysses degree: 1 (allgather), cp (ulysses), K (hybrid)
+    cp_comm: dict[str, float] = field(default_factory=dict)  # per stage: CP seconds per microbatch (fwd + bwd)
 
     @property
     def iteration_time(self) -> float:
@@ -70,7 +124,8 @@ class Plan:
 
     @property
     def devices(self) -> int:
-        return self.stages_per_replica * self.dp * self.tp
+        llm = len(self.layers[LANGUAGE_MODEL])
+        return (self.stages_per_replica + llm * (self.cp - 1)) * self.dp * self.tp
 
     def pp(self) -> dict[str, int]:
         return {m: len(sizes) for m, sizes in self.layers.items()}
@@ -80,6 +135,7 @@ class Plan:
 class SearchResult:
     best: Plan
     candidates: list[Plan] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)  # CP modes / degrees the model's heads cannot take, why
 
 
 def _check_modules(modules: dict[str, ModuleSpec]) -> None:
@@ -163,15 +219,37 @@ def evaluate_plan(
     tp: int = 1,
     sharding: str = "NO_SHARD",
     tp_bandwidth: float = math.inf,
+    cp: int = 1,
+    cp_mode: str = "allgather",
+    ulysses: int | None = None,
+    cp_bandwidth: float = math.inf,
 ) -> Plan:
     """Simulate one layout on one DP replica (num_microbatches / dp microbatches) with the true costs. With
     dp > 1 each stage then all-reduces its gradients over its dp replicas: a ring moves 2 (dp-1)/dp of the
     bytes through each device's link of ``allreduce_bandwidth`` bytes/s (FSDP's FULL_SHARD moves 1.5 times that:
     two all-gathers and a reduce-scatter). With ``tp`` > 1 every stage's compute is split tp ways and each layer
-    all-reduces its output twice in forward and twice in backward over ``tp_bandwidth`` bytes/s."""
+    all-reduces its output twice in forward and twice in backward over ``tp_bandwidth`` bytes/s.
+
+    With ``cp`` > 1 every LLM stage spans cp x tp ranks: its LLM layers' compute and kept activations are split
+    cp ways, its gradients are reduced (and sharded) over dp x cp ranks, and every LLM layer moves
+    ``cp_communication_bytes`` per microbatch for ``cp_mode`` (``ulysses``: hybrid's K) in forward, and again
+    in backward where the layer takes part in it, over ``cp_bandwidth`` bytes/s per rank (the LLM's
+    ``ModuleSpec.attention`` gives the shape; without it CP communication is free). A mode the LLM's heads
+    cannot take raises, with the reason."""
     if sharding not in SHARDING_TRAFFIC:
         raise ValueError(f"unknown sharding {sharding!r}; use one of {tuple(SHARDING_TRAFFIC)}")
     _check_modules(modules)
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp must be an int >= 1, got {cp!r}")
+    degrees = cp_degrees_of(cp, cp_mode)
+    k = 1 if cp == 1 or cp_mode == "allgather" else (cp if cp_mode == "ulysses" else ulysses)
+    if k not in degrees:
+        raise ValueError(f"cp_mode={cp_mode!r} with cp={cp} runs with ulysses in {degrees}, got ulysses={ulysses!r}"
+                         + ("" if degrees else f"; cp={cp} has no divisor strictly between 1 and cp"))
+    attention = modules[LANGUAGE_MODEL].attention
+    problem = cp_heads_problem(attention, tp, k)
+    if problem:
+        raise ValueError(f"cp_mode={cp_mode!r} (Ulysses degree {k}) does not fit: {problem}")
     if num_microbatches % dp:
         raise ValueError(f"num_microbatches={num_microbatches} is not divisible by dp={dp}; pick dp dividing it")
     if placement == "colocated" and len({len(layers[e]) for e in _encoders(modules)}) > 1:
@@ -182,16 +260,47 @@ def evaluate_plan(
     table = _stage_table(modules, layers, placement)
     graph = plan_graph(modules, layers, placement)
     per_replica = num_microbatches // dp
+    llm = _llm_stage_parts(modules, layers, placement)  # stage -> (fwd, bwd, kept, layers, layers in backward)
+    split = {s: llm.get(s, (0.0, 0.0, 0.0, 0, 0)) for s in table}
+    ranks = {s: cp if s in llm else 1 for s in table}  # the ranks one stage's parameters are replicated over
+    per_layer = (cp_layer_bytes(attention, cp, cp_mode, k, tp) if cp > 1 and attention is not None
+                 else {"forward": 0.0, "backward": 0.0})
+    cp_fwd = {s: split[s][3] * per_layer["forward"] / cp_bandwidth if cp > 1 else 0.0 for s in table}
+    cp_bwd = {s: split[s][4] * per_layer["backward"] / cp_bandwidth if cp > 1 else 0.0 for s in table}
     tp_comm = {s: 2 * allreduce_seconds(r[6], tp, tp_bandwidth) for s, r in table.items()}
-    fwd = {s: r[0] / tp + tp_comm[s] for s, r in table.items()}
-    bwd = {s: r[1] / tp + (tp_comm[s] if r[1] > 0 else 0.0) for s, r in table.items()}
-    sync = {s: SHARDING_TRAFFIC[sharding] * allreduce_seconds(r[4] / tp, dp, allreduce_bandwidth)
+    compute_f = {s: r[0] - split[s][0] + split[s][0] / ranks[s] for s, r in table.items()}
+    compute_b = {s: r[1] - split[s][1] + split[s][1] / ranks[s] for s, r in table.items()}
+    fwd = {s: compute_f[s] / tp + tp_comm[s] + cp_fwd[s] for s, r in table.items()}
+    bwd = {s: compute_b[s] / tp + (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] for s, r in table.items()}
+    sync = {s: SHARDING_TRAFFIC[sharding] * allreduce_seconds(r[4] / tp, dp * ranks[s], allreduce_bandwidth)
             for s, r in table.items()}
     result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency, sync)
-    memory = {s: state_bytes_per_device(r[2], r[5], dp, tp, sharding) + r[3] * result.peak_inflight[s]
+    kept = {s: r[3] - split[s][2] + split[s][2] / ranks[s] for s, r in table.items()}
+    memory = {s: state_bytes_per_device(r[2], r[5], dp * ranks[s], tp, sharding) + kept[s] * result.peak_inflight[s]
               for s, r in table.items()}
     return Plan(placement, {m: list(v) for m, v in layers.items()}, dp, per_replica, fwd, bwd, memory, result,
-                all(v <= memory_limit for v in memory.values()), tp, sharding)
+                all(v <= memory_limit for v in memory.values()), tp, sharding, cp, cp_mode if cp > 1 else "allgather",
+                k, {s: cp_fwd[s] + cp_bwd[s] for s in table})
+
+
+def _llm_stage_parts(modules, layers, placement) -> dict[str, tuple[float, float, float, int, int]]:
+    """Per graph stage holding LLM layers: their forward, backward, kept activation bytes, layer count and count
+    of those taking part in backward (what context parallelism splits and what its attention communicates)."""
+    spec, out, start = modules[LANGUAGE_MODEL], {}, 0
+    ab = spec.per_layer(spec.activation_bytes)
+    rows = []
+    for size in layers[LANGUAGE_MODEL]:
+        costs = spec.costs[start:start + size]
+        kept = sum(a for a, c in zip(ab[start:start + size], costs) if c.in_backward)
+        rows.append((sum(c.forward for c in costs), sum(c.backward for c in costs), kept, size,
+                     sum(1 for c in costs if c.in_backward)))
+        start += size
+    encoder_stages = {e: len(layers[e]) for e in _encoders(modules)}
+    for stage, parts in placement_table(encoder_stages, len(layers[LANGUAGE_MODEL]), placement).items():
+        for module, i in parts:
+            if module == LANGUAGE_MODEL:
+                out[stage] = rows[i]
+    return out
 
 
 def forward_only_modules(modules: dict[str, ModuleSpec]) -> dict[str, ModuleSpec]:
@@ -201,7 +310,7 @@ def forward_only_modules(modules: dict[str, ModuleSpec]) -> dict[str, ModuleSpec
     for name, spec in modules.items():
         kept = [a if c.in_backward else 0.0 for a, c in zip(spec.per_layer(spec.activation_bytes), spec.costs)]
         believed = [LayerCost(c.forward, 2.0 * c.forward, True, True) for c in spec.costs]
-        out[name] = ModuleSpec(believed, spec.param_bytes, kept, spec.grad_bytes)
+        out[name] = ModuleSpec(believed, spec.param_bytes, kept, spec.grad_bytes, attention=spec.attention)
     return out
 
 
@@ -262,14 +371,15 @@ def _neighbours(count: int, limit: int) -> list[int]:
     return [c for c in (count - 1, count, count + 1) if 1 <= c <= limit]
 
 
-def candidate_layouts(modules: dict[str, ModuleSpec], budget: int, placements: Sequence[str]):
+def candidate_layouts(modules: dict[str, ModuleSpec], budget: int, placements: Sequence[str], llm_width: int = 1):
     """Yield (placement, layers per stage per module) for one replica's device budget (001 Algorithm 1):
     per LLM stage count, encoder stage counts matched to the LLM's slowest stage (and their neighbours),
-    plus the best share of the remaining devices when the matched counts do not fit."""
+    plus the best share of the remaining devices when the matched counts do not fit. An LLM stage takes
+    ``llm_width`` of the budget's units (its cp), an encoder stage one."""
     encoders = _encoders(modules)
     parts = _Partitions(modules)
     llm_layers = len(modules[LANGUAGE_MODEL].costs)
-    for llm_pp in range(1, min(llm_layers, budget) + 1):
+    for llm_pp in range(1, min(llm_layers, budget // llm_width) + 1):
         llm_sizes = parts.sizes(LANGUAGE_MODEL, llm_pp)
         target = max(parts.stage_weights(LANGUAGE_MODEL, llm_pp))
         if "replicated" in placements:
@@ -280,7 +390,7 @@ def candidate_layouts(modules: dict[str, ModuleSpec], budget: int, placements: S
             if "replicated" not in placements:
                 yield "parallel", {LANGUAGE_MODEL: llm_sizes}
             continue
-        spare = budget - llm_pp
+        spare = budget - llm_pp * llm_width
         if "parallel" in placements:
             options = [_neighbours(parts.fewest_stages_under(e, target), len(modules[e].costs)) for e in encoders]
             choices = [c for c in itertools.product(*options) if sum(c) <= spare]
@@ -354,6 +464,9 @@ def search(
     tp_degrees: Sequence[int] = (1,),
     sharding_strategies: Sequence[str] = ("NO_SHARD",),
     tp_bandwidth: float = math.inf,
+    cp_degrees: Sequence[int] = (1,),
+    cp_modes: Sequence[str] = ("allgather",),
+    cp_bandwidth: float = math.inf,
 ) -> SearchResult:
     """Pick DP degree, stage counts, boundaries and placement minimising the simulated time of one global
     batch of `num_microbatches`. Two frozen-unaware baselines believe backward = 2 x forward everywhere and
@@ -368,7 +481,11 @@ def search(
     Algorithm 1's matched counts are not used), and only dp with dp * S <= num_devices is tried.
     `allreduce_bandwidth` (bytes/s per device) times each stage's gradient all-reduce when dp > 1 (default:
     free, which favours data parallelism). ``tp_degrees`` and ``sharding_strategies`` are searched too (every
-    stage of a candidate gets the same tp); ``tp_bandwidth`` (bytes/s) times the tensor-parallel all-reduces."""
+    stage of a candidate gets the same tp); ``tp_bandwidth`` (bytes/s) times the tensor-parallel all-reduces.
+    ``cp_degrees`` (the LLM stages' context parallelism) and ``cp_modes`` are searched too, hybrid with every
+    valid Ulysses degree K; ``cp_bandwidth`` (bytes/s per rank) times each mode's ``cp_communication_bytes``
+    (``evaluate_plan``). Modes or degrees the LLM's heads cannot take are skipped, their reasons in
+    ``SearchResult.rejected``."""
     _check_modules(modules)
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
@@ -376,9 +493,28 @@ def search(
         raise ValueError(f"unknown search mode {mode!r}; use one of {SEARCH_MODES}")
     if stages is not None and not (isinstance(stages, int) and 1 <= stages <= num_devices):
         raise ValueError(f"stages must be an int in [1, num_devices={num_devices}], got {stages!r}")
+    for m in cp_modes:
+        cp_degrees_of(1, m)  # an unknown mode raises
     planning = modules if mode == "frozen-aware" else forward_only_modules(modules)
-    grid = [(d, t, sh) for t in tp_degrees for d in range(1, num_devices // t + 1)
-            for sh in (sharding_strategies if d > 1 else ("NO_SHARD",))
+    attention = modules[LANGUAGE_MODEL].attention
+    cp_grid, rejected = [], []
+    for c in dict.fromkeys(cp_degrees):
+        if not isinstance(c, int) or c < 1:
+            raise ValueError(f"cp degrees must be ints >= 1, got {c!r}")
+        for m in (("allgather",) if c == 1 else dict.fromkeys(cp_modes)):
+            ks = cp_degrees_of(c, m)
+            if not ks:
+                rejected.append(f"cp={c} cp_mode='hybrid': cp={c} has no divisor K with 1 < K < cp")
+            for t in tp_degrees:
+                for k in ks:
+                    problem = cp_heads_problem(attention, t, k)
+                    if problem:
+                        rejected.append(f"cp={c} cp_mode={m!r}" + (f" ulysses={k}" if m == "hybrid" else "")
+                                        + f" tp={t}: {problem}")
+                    else:
+                        cp_grid.append((c, m, k, t))
+    grid = [(d, t, sh, c, m, k) for c, m, k, t in cp_grid for d in range(1, num_devices // (t * c) + 1)
+            for sh in (sharding_strategies if d * c > 1 else ("NO_SHARD",))
             if num_microbatches % d == 0 and (data_parallel or d == 1)
             and (stages is None or d * t * stages <= num_devices)]
     # The frozen-aware search also times the layouts the forward-only belief would propose (true costs): the DP
@@ -386,20 +522,23 @@ def search(
     # time a little, so without them the aware search could lose to the unaware one by a fraction of a percent.
     proposers = [planning] if planning is not modules else [modules, forward_only_modules(modules)]
     candidates = []
-    for dp, tp, sharding in grid:
+    for dp, tp, sharding, cp, cp_mode, k in grid:
         seen = set()
         for proposer in proposers:
-            layouts = (candidate_layouts(proposer, num_devices // (dp * tp), placements) if stages is None
+            layouts = (candidate_layouts(proposer, num_devices // (dp * tp), placements, cp) if stages is None
                        else fixed_stage_layouts(proposer, stages, placements))
             for placement, layers in layouts:
                 key = (placement, tuple((m, tuple(v)) for m, v in layers.items()))
                 if key not in seen:
                     seen.add(key)
-                    candidates.append(evaluate_plan(planning, layers, placement, num_microbatches, dp, p2p_latency,
-                                                    memory_limit, allreduce_bandwidth, tp, sharding, tp_bandwidth))
+                    plan = evaluate_plan(planning, layers, placement, num_microbatches, dp, p2p_latency, memory_limit,
+                                         allreduce_bandwidth, tp, sharding, tp_bandwidth, cp, cp_mode, k, cp_bandwidth)
+                    if plan.devices <= num_devices:
+                        candidates.append(plan)
     if not candidates:
+        why = ("; rejected: " + "; ".join(rejected)) if rejected else ""
         raise ValueError(f"no layout with stages={stages} and placements={tuple(placements)} exists for these modules "
-                         "(every module needs at least one stage, and no more stages than layers)")
+                         "(every module needs at least one stage, and no more stages than layers)" + why)
     feasible = [p for p in candidates if p.fits_memory]
     if not feasible:
         need = min((max(p.memory.values()) for p in candidates), default=math.nan)
@@ -414,8 +553,16 @@ def search(
         best = min(feasible, key=lambda p: (p.iteration_time, p.devices))
     if planning is not modules:
         best = evaluate_plan(modules, best.layers, best.placement, num_microbatches, best.dp, p2p_latency, memory_limit,
-                             allreduce_bandwidth, best.tp, best.sharding, tp_bandwidth)
-    return SearchResult(best, candidates)
+                             allreduce_bandwidth, best.tp, best.sharding, tp_bandwidth, best.cp, best.cp_mode,
+                             best.ulysses, cp_bandwidth)
+    return SearchResult(best, candidates, rejected)
+
+
+def cp_mode_label(plan: Plan) -> str:
+    """The LLM's CP mode as the tables print it: "-" without CP, "hybrid(K=4)" with its Ulysses degree."""
+    if plan.cp == 1:
+        return "-"
+    return f"hybrid(K={plan.ulysses})" if plan.cp_mode == "hybrid" else plan.cp_mode
 
 
 def stage_layers(plan: Plan) -> dict[str, str]:
@@ -435,7 +582,8 @@ def plan_summary(plan: Plan, title: str | None = None) -> str:
     """A printable table: per stage its layers, forward + backward, busy, bubble and peak memory, then the
     predicted iteration time (what `lightning-mm plan` prints)."""
     r = plan.result
-    lines = [title or f"placement={plan.placement}  dp={plan.dp}  tp={plan.tp}  sharding={plan.sharding}  "
+    lines = [title or f"placement={plan.placement}  dp={plan.dp}  tp={plan.tp}  cp={plan.cp}  "
+                      f"cp_mode={cp_mode_label(plan)}  sharding={plan.sharding}  "
                       f"microbatches/replica={plan.microbatches_per_replica}"]
     held = stage_layers(plan)
     header = f"{'stage':<20} {'layers':<34} {'forward':>10} {'backward':>10} {'busy':>10} {'bubble':>7} {'inflight':>8} {'memory':>10}"
