@@ -6,7 +6,7 @@ and the backward of a sum over the gathered features. cp 1 runs the same in one 
 after --warmup; writes benchmarks/results/encoder_cp_cpu.json and prints a table. On 2 CPU cores the two ranks
 share the machine with nothing else, so the ratio is what splitting the images buys at best here.
 
-    python benchmarks/encoder_cp.py [--steps 5] [--warmup 2] [--hidden 256] [--layers 4]
+    python benchmarks/encoder_cp.py [--steps 7] [--warmup 2] [--hidden 512] [--layers 8]
 """
 
 from __future__ import annotations
@@ -73,10 +73,10 @@ def worker(rank: int, cp: int, args, port: int, out: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
     manager = mp.Manager()
     out = manager.dict()
