@@ -20,25 +20,11 @@ import time
 import torch
 
 from lightning_mm.plan.balance import METHODS, plan_batch
+from lightning_mm.planner.heterogeneity import llava_like_works
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 B, R, K, STAGES = 512, 4, 32, 4
 GOAL_PLAN_MS = 50.0
-
-
-def synthetic_works(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    enc, llm = torch.zeros(batch, dtype=torch.float64), torch.zeros(batch, dtype=torch.float64)
-    for i in range(batch):
-        images = int(torch.randint(1, 9, (1,), generator=g)) if torch.rand(1, generator=g) < 0.5 else 0
-        for _ in range(images):
-            h, w = torch.randint(224, 897, (2,), generator=g).tolist()
-            patches = (h // 14) * (w // 14)
-            enc[i] += patches + patches ** 2 / 4096
-            llm[i] += patches / 4
-        text = float(torch.exp(5 + 1.2 * torch.randn(1, generator=g)))
-        llm[i] += text + text ** 2 / 8192
-    return enc, llm
 
 
 def planning_ms(enc: torch.Tensor, llm: torch.Tensor, method: str, repeats: int, replicas: int = R,
@@ -57,7 +43,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
-    batches = [synthetic_works(B, s) for s in range(args.seeds)]
+    batches = [llava_like_works(B, s) for s in range(args.seeds)]
     rows = []
     for method in METHODS:
         stats = []

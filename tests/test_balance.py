@@ -9,24 +9,11 @@ import torch
 
 from lightning_mm.plan.balance import (METHODS, BatchPlan, Deferral, bottleneck_matching, interval_order,
                                        pairwise_deferral, plan_batch, stratified_microbatches)
+from lightning_mm.planner.heterogeneity import llava_like_works
 
 
 def heterogeneous_batch(B: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample (encoder, LLM) work of a LLaVA-like mix: about half the samples are text-only, the others carry
-    1-8 images of 224-896 px (14-px patches, attention quadratic per image, patches/4 tokens into the LLM); text
-    lengths are log-normal (heavy tail)."""
-    g = torch.Generator().manual_seed(seed)
-    enc, llm = torch.zeros(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)
-    for i in range(B):
-        images = int(torch.randint(1, 9, (1,), generator=g)) if torch.rand(1, generator=g) < 0.5 else 0
-        for _ in range(images):
-            h, w = torch.randint(224, 897, (2,), generator=g).tolist()
-            patches = (h // 14) * (w // 14)
-            enc[i] += patches + patches ** 2 / 4096
-            llm[i] += patches / 4
-        text = float(torch.exp(5 + 1.2 * torch.randn(1, generator=g)))
-        llm[i] += text + text ** 2 / 8192
-    return enc, llm
+    return llava_like_works(B, seed)
 
 
 def check_plan(plan: BatchPlan, enc, llm, R: int, K: int) -> None:

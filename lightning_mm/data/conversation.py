@@ -319,6 +319,20 @@ class ConversationDataset(Dataset):
             done = full
         return pieces, ends
 
+    def _kept(self, index: int, n_ids: int, counts: dict, bounds: list, tokens: dict) -> tuple[int, dict]:
+        """Where ``max_length`` cuts a sample: ``(ids kept, items kept per modality)``, at the last turn boundary
+        (``bounds``) whose expanded length fits; raises when even the first turn does not."""
+        def expanded(ids, items):
+            return ids + sum(sum(tokens[m][:k]) - k for m, k in items.items() if k)
+
+        if self.max_length is None or expanded(n_ids, counts) <= self.max_length:
+            return n_ids, counts
+        fits = [(n, c) for n, c in bounds if expanded(n, c) <= self.max_length]
+        if not fits:
+            raise self._bad(index, f"its first turn alone is {expanded(*bounds[0])} tokens after placeholder "
+                                   f"expansion, more than max_length={self.max_length}")
+        return fits[-1]
+
     def _load_media(self, index: int, name: str, files: list[Path]) -> dict:
         kind = modality_kind(self.model.encoders[name])
         items = []
@@ -361,16 +375,7 @@ class ConversationDataset(Dataset):
                 inputs[name] = self._load_media(index, name, files[:used])
                 tokens[name] = self.model.encoders[name].num_tokens(inputs[name])
 
-        def expanded(n_ids, n_items):
-            return n_ids + sum(sum(tokens[m][:k]) - k for m, k in n_items.items() if k)
-
-        end, kept = len(ids), counts
-        if self.max_length is not None and expanded(end, kept) > self.max_length:
-            fits = [(n, c) for n, c in bounds if expanded(n, c) <= self.max_length]
-            if not fits:
-                raise self._bad(index, f"its first turn alone is {expanded(*bounds[0])} tokens after placeholder "
-                                       f"expansion, more than max_length={self.max_length}")
-            end, kept = fits[-1]
+        end, kept = self._kept(index, len(ids), counts, bounds, tokens)
         sample = {"input_ids": torch.tensor(ids[:end], dtype=torch.long),
                   "labels": torch.tensor(labels[:end], dtype=torch.long)}
         for name, k in kept.items():
@@ -439,16 +444,7 @@ class ConversationDataset(Dataset):
         tokens = {name: self._item_tokens(index, name, files[: counts.get(name, 0)])
                   for name, files in media.items() if counts.get(name, 0)}
 
-        def expanded(n_ids, n_items):
-            return n_ids + sum(sum(tokens[m][:k]) - k for m, k in n_items.items() if k)
-
-        end, kept = len(ids), counts
-        if self.max_length is not None and expanded(end, kept) > self.max_length:
-            fits = [(n, c) for n, c in bounds if expanded(n, c) <= self.max_length]
-            if not fits:
-                raise self._bad(index, f"its first turn alone is {expanded(*bounds[0])} tokens after placeholder "
-                                       f"expansion, more than max_length={self.max_length}")
-            end, kept = fits[-1]
+        end, kept = self._kept(index, len(ids), counts, bounds, tokens)
         placeholders = set(self.model.placeholder_ids.values())
         items = {name: tuple((encoder_input_tokens(self.model.encoders[name], n), n) for n in tokens[name][:k])
                  for name, k in kept.items() if k}

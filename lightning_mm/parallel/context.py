@@ -205,12 +205,7 @@ def distribute(bam: torch.Tensor, cp_size: int, method: str = "lpt", block_size:
         return _grouped_plan(bam, cp_size, method, block_size, segment_ids, seed, ulysses)
     if method not in METHODS:
         raise ValueError(f"unknown CP distribution method {method!r}; choose one of {METHODS}")
-    if not isinstance(bam, torch.Tensor) or bam.dim() not in (1, 2):
-        raise ValueError(f"bam must be a [S] or [B,S] int64 tensor, got {getattr(bam, 'shape', type(bam))}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    num_blocks = -(-bam.shape[-1] // block_size)
-    _check_cp(num_blocks, cp_size, block_size)
+    num_blocks = _num_blocks(bam, cp_size, block_size)
     if method == "lpt":
         bam2, seg2, _ = masks._as_batch(bam, segment_ids)
         return _plan_from_owner(_lpt_owner(masks._block_workload(bam2, seg2, block_size).sum(0), cp_size), cp_size)
@@ -221,14 +216,20 @@ def distribute(bam: torch.Tensor, cp_size: int, method: str = "lpt", block_size:
     return random_plan(num_blocks, cp_size, seed)
 
 
-def _grouped_plan(bam, cp_size, method, block_size, segment_ids, seed, k) -> list[torch.Tensor]:
-    """``distribute`` with Ulysses groups of ``k`` ranks (see there)."""
+def _num_blocks(bam, cp_size, block_size) -> int:
+    """The sequence's block count, after checking the inputs every distribution takes."""
     if not isinstance(bam, torch.Tensor) or bam.dim() not in (1, 2):
         raise ValueError(f"bam must be a [S] or [B,S] int64 tensor, got {getattr(bam, 'shape', type(bam))}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     num_blocks = -(-bam.shape[-1] // block_size)
     _check_cp(num_blocks, cp_size, block_size)
+    return num_blocks
+
+
+def _grouped_plan(bam, cp_size, method, block_size, segment_ids, seed, k) -> list[torch.Tensor]:
+    """``distribute`` with Ulysses groups of ``k`` ranks (see there)."""
+    num_blocks = _num_blocks(bam, cp_size, block_size)
     groups = cp_size // k
     plan = distribute(bam, groups, method, block_size, segment_ids, seed) if groups > 1 else [torch.arange(num_blocks)]
     counts = [len(p) for p in plan]

@@ -243,3 +243,21 @@ def compare_methods(graph: StageGraph, batches: Sequence[tuple[Works, torch.Tens
             deferred_samples=statistics.fmean(sum(len(d.samples) for d in s.plan.deferred) for s in sims))
         kept[method] = sims
     return (reports, kept) if keep else reports
+
+
+def llava_like_works(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample (encoder, LLM) work of a LLaVA-like mix, for planning benchmarks and tests: about half the samples
+    are text-only, the others carry 1-8 images of 224-896 px (14-px patches, attention quadratic per image,
+    patches/4 tokens into the LLM); text lengths are log-normal (heavy tail). Seeded."""
+    g = torch.Generator().manual_seed(seed)
+    enc, llm = torch.zeros(batch, dtype=torch.float64), torch.zeros(batch, dtype=torch.float64)
+    for i in range(batch):
+        images = int(torch.randint(1, 9, (1,), generator=g)) if torch.rand(1, generator=g) < 0.5 else 0
+        for _ in range(images):
+            h, w = torch.randint(224, 897, (2,), generator=g).tolist()
+            patches = (h // 14) * (w // 14)
+            enc[i] += patches + patches ** 2 / 4096
+            llm[i] += patches / 4
+        text = float(torch.exp(5 + 1.2 * torch.randn(1, generator=g)))
+        llm[i] += text + text ** 2 / 8192
+    return enc, llm

@@ -12,7 +12,7 @@ import heapq
 import numpy as np
 import torch
 
-from lightning_mm.masks import allowed, validate
+from lightning_mm.masks import _as_batch, _check_block_size, allowed, validate
 
 
 def _check_cp(num_blocks, cp_size):
@@ -140,24 +140,6 @@ def _diagonal_multi(sm: dict, multi: np.ndarray, per_block: np.ndarray, chunk: i
         ok = _allowed_np(word, word, sm["piece_max"][idx], sm["piece_min"][idx], seg, seg)
         out[a:a + chunk] = ok.any(axis=(1, 2))
     return out
-
-
-def _as_batch(bam, segment_ids):
-    """``validate`` without its O(S) pass: ``_block_summary`` checks bit 63 on the run words instead."""
-    if not isinstance(bam, torch.Tensor) or bam.dtype != torch.int64:
-        raise TypeError(f"bam must be an int64 tensor (one word per token), got {getattr(bam, 'dtype', type(bam))}")
-    if segment_ids is not None and segment_ids.shape != bam.shape:
-        validate(bam, segment_ids)  # raises the shape error
-    if bam.dim() == 1:
-        return bam[None], None if segment_ids is None else segment_ids[None], True
-    if bam.dim() != 2:
-        raise ValueError(f"bam must be [S] or [B,S], got shape {tuple(bam.shape)}")
-    return bam, segment_ids, False
-
-
-def _check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
 def block_pairs(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Tensor | None = None,
