@@ -204,24 +204,27 @@ def single(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["disttrain", pytest.param("entrain", marks=pytest.mark.ci)])
+@pytest.mark.parametrize("method", ["none", "disttrain", pytest.param("entrain", marks=pytest.mark.ci)])
 def test_balanced_training_equals_one_process(method, single, tmp_path):
     """dp 2 x (vision pp 1 + LLM pp 2), 0-5 images of different sizes per sample (some text-only), everything
     trainable: the same parameters as one process on the same global batches."""
     got = run(balanced_case(method), tmp_path, method)
     assert_same_training(got, single)
-    assert len(got[0]["plans"]) == 2  # both steps ran balanced batches
+    assert len(got[0]["plans"]) == (0 if method == "none" else 2)  # balanced batches carry their plan
     if method == "entrain":
         assert got[0]["deferred_samples"] > 0, "nothing was deferred"
 
 
 @pytest.mark.slow
-def test_balanced_training_with_context_parallelism_equals_one_process(single, tmp_path):
-    """entrain under dp 2 x (vision pp 1 + LLM pp 2 x cp 2), 10 processes: deferred rows join the partner
-    microbatch's CP plan."""
-    got = run(balanced_case("entrain", llm_cp=2), tmp_path, "entrain_cp2")
+@pytest.mark.parametrize("method", ["none", "disttrain", "entrain"])
+def test_balanced_training_with_context_parallelism_equals_one_process(method, single, tmp_path):
+    """Each method under dp 2 x (vision pp 1 + LLM pp 2 x cp 2), 10 processes: under entrain, deferred rows join
+    the partner microbatch's CP plan."""
+    got = run(balanced_case(method, llm_cp=2), tmp_path, f"{method}_cp2")
     assert_same_training(got, single)
-    assert got[0]["deferred_samples"] > 0, "nothing was deferred"
+    assert len(got[0]["plans"]) == (0 if method == "none" else 2)
+    if method == "entrain":
+        assert got[0]["deferred_samples"] > 0, "nothing was deferred"
 
 
 @pytest.mark.slow
