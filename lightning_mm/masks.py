@@ -116,159 +116,35 @@ def _word_tables(words: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     return allowed(w, w, one, zero).numpy(), allowed(w, w, zero, one).numpy()
 
 
-def _run_starts(w: np.ndarray, g: np.ndarray | None, row_len: int) -> np.ndarray:
-    """Indices where a run of one (row, segment, word) starts in the flat token array: one comparison pass per
-    array (the only per-token work), then only the 8-token words of the change mask holding a change are read."""
-    n = w.size
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    change = np.empty(-(-n // 8) * 8, dtype=bool)  # change[i]: token i starts a run
-    change[0] = True
-    np.not_equal(w[1:], w[:-1], out=change[1:n])
-    change[n:] = False
-    if g is not None:
-        seg_change = np.empty_like(change)
-        np.not_equal(g[1:], g[:-1], out=seg_change[1:n])
-        seg_change[0] = False
-        seg_change[n:] = False
-        np.bitwise_or(change.view(np.uint64), seg_change.view(np.uint64), out=change.view(np.uint64))
-    change[row_len:n:row_len] = True  # a run never crosses a row end
-    hot = np.flatnonzero(change.view(np.uint64) != 0)
-    sub, bit = np.nonzero(change.reshape(-1, 8)[hot])
-    return hot[sub] * 8 + bit
+def _runs(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int):
+    """The runs of a ``[B,S]`` batch for the compiled block relations (``planning_loops.py``): each maximal
+    stretch of one (row, segment, word), padding dropped, in token order, with its first and last token on a grid
+    where rows are padded to whole blocks (so runs of different rows never share a block), its word's index in
+    the tables of ``allowed`` between the distinct words, and its group (row, segment). Finding the runs is the
+    only per-token work; the rest is O(runs)."""
+    from lightning_mm.planning_loops import run_starts  # compiled on first use
 
-
-def _distinct(x: np.ndarray) -> np.ndarray:
-    """Sorted distinct values (``np.unique`` without its overhead on small arrays)."""
-    x = np.sort(x)
-    keep = np.ones(x.size, dtype=bool)
-    keep[1:] = x[1:] != x[:-1]
-    return x[keep]
-
-
-def _dense_ids(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted distinct values and the index of each entry's value among them."""
-    values = _distinct(x)
-    return values, np.searchsorted(values, x)
-
-
-def _spread(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])`` without a Python loop."""
-    ends = np.cumsum(counts)
-    return np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]) if ends.size else 0)
-
-
-class _Blocks:
-    """What decides block-level attention, from the runs of the words.
-
-    Rows are padded to whole blocks and laid end to end (token ``p`` of row ``r`` at ``r * nb * block + p``), so
-    runs of different rows never share a block. A *run* is a maximal stretch of one (row, segment, word); finding
-    them is the only per-token work (one comparison pass over the words, one over the segment ids). Padding runs
-    (word 0) are dropped: they attend to nothing and nothing attends to them. A block is *mixed* when two runs
-    meet in it; every run of a mixed block starts or ends there, so there are fewer mixed blocks than runs. The
-    other blocks of a run are its *stretch*: blocks holding that run alone.
-
-    Between two different blocks every key of the earlier precedes every query of the later, so the rule only
-    depends on the words, on the segments and on which block comes first. A *query set* (a stretch's run, or
-    the runs of a mixed block) may attend the union of the block ranges of the runs of its segment whose word
-    one of its words allows (``before``: key block earlier, ``after``: later); only the diagonal block needs
-    positions. Everything after the comparison passes is O(runs + blocks).
-    """
-
-    def __init__(self, bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int):
-        b, s = bam.shape
-        nb = -(-s // block_size)
-        self.rows, self.nb, self.block, self.num_blocks = b, nb, block_size, b * nb
-        w = bam.detach().cpu().contiguous().numpy().reshape(-1)
-        g = None if segment_ids is None else segment_ids.detach().cpu().to(torch.int64).contiguous().numpy().reshape(-1)
-        start = _run_starts(w, g, s)
-        end = np.append(start[1:], w.size) - 1  # inclusive
-        word = w[start]
-        if word.size and word.min() < 0:  # every word is some run's word
-            validate(bam)  # raises the bit-63 error
-        keep = np.flatnonzero(word)
-        start, end, word = start[keep], end[keep], word[keep]
-        seg = None if g is None else g[start]
-        if b > 1:
-            row = start // s
-            start, end = start + row * (nb * block_size - s), end + row * (nb * block_size - s)
-            seg = row if seg is None else row * (len(_distinct(seg)) + 1) + _dense_ids(seg)[1]  # (row, segment)
-        self.first, self.last = start, end  # token range of each run on the padded grid
-        self.fb, self.lb = start // block_size, end // block_size
-        words, self.widx = _dense_ids(word)
-        self.before_tab, self.after_tab = _word_tables(tuple(words.tolist()))
-        self.num_runs = r = start.size
-        # the group (segment of a row) of every run, and each group's runs in token order
-        self.group = np.zeros(r, dtype=np.int64) if seg is None else _dense_ids(seg)[1]
-        gsize = np.bincount(self.group)
-        self.by_group = np.argsort(self.group, kind="stable")
-        self.gstart, self.gsize = np.cumsum(gsize) - gsize, gsize
-        # mixed blocks with their pieces (runs starting or ending there), listed in run order and within a run
-        # first block before last block, hence sorted by block
-        shared_first, shared_last = np.zeros(r, dtype=bool), np.zeros(r, dtype=bool)
-        shared_first[1:] = shared_last[:-1] = self.lb[:-1] == self.fb[1:]
-        tail = shared_last & ~(shared_first & (self.lb == self.fb))  # a run inside one block is one piece
-        is_piece = np.stack([shared_first, tail], 1).reshape(-1)
-        piece_blk = np.stack([self.fb, self.lb], 1).reshape(-1)[is_piece]
-        self.piece_run = np.flatnonzero(is_piece) // 2
-        new = np.ones(piece_blk.size, dtype=bool)
-        new[1:] = piece_blk[1:] != piece_blk[:-1]
-        self.mixed, self.piece_m = piece_blk[new], np.cumsum(new) - 1
-        self.x0, self.x1 = self.fb + shared_first, self.lb - shared_last
-        self.stretch = np.flatnonzero(self.x0 <= self.x1)
-        # query sets: one per stretch (its run), then one per mixed block (its pieces' runs)
-        ns = self.stretch.size
-        self.num_q = ns + self.mixed.size
-        self.q_member = np.concatenate([np.arange(ns), ns + self.piece_m])
-        self.r_member = np.concatenate([self.stretch, self.piece_run])
-
-    def attended(self):
-        """The blocks each query set may attend, as disjoint intervals ``(q', lo, length)`` sorted by (q', lo):
-        ``q' = q`` for key blocks earlier than the query block (``before``), ``q' = num_q + q`` for later ones."""
-        grp = self.group[self.r_member]
-        n = self.gsize[grp]
-        q = np.repeat(self.q_member, n)
-        mem = np.repeat(self.widx[self.r_member], n)
-        key = self.by_group[_spread(self.gstart[grp], n)]
-        wk = self.widx[key]
-        ok_b, ok_a = self.before_tab[mem, wk], self.after_tab[mem, wk]
-        r = max(self.num_runs, 1)
-        code = _distinct(np.concatenate([q[ok_b] * r + key[ok_b], (q[ok_a] + self.num_q) * r + key[ok_a]]))
-        qq, kk = code // r, code % r  # sorted by (q', run); runs are in token order
-        fb, lb = self.fb[kk], self.lb[kk]
-        prev = np.empty_like(lb)
-        prev[:1] = -1
-        prev[1:] = np.where(qq[1:] == qq[:-1], lb[:-1], -1)  # lb grows along the runs of one q'
-        lo = np.maximum(fb, prev + 1)
-        return qq, lo, np.maximum(lb - lo + 1, 0)
-
-    def diagonal(self) -> np.ndarray:
-        """Per query set, whether its own block holds an allowed pair. A run sees itself at equal positions; a
-        mixed block needs a (query piece, key piece) pair allowed with the query at its last token in the block
-        and the key at its first (the best case for the causal rule)."""
-        words = self.widx[self.stretch]
-        pr, pm, bs = self.piece_run, self.piece_m, self.block
-        cnt = np.bincount(pm, minlength=self.mixed.size)
-        a = np.repeat(np.arange(pr.size), cnt[pm])
-        k = _spread((np.cumsum(cnt) - cnt)[pm], cnt[pm])
-        ra, rk, blk = pr[a], pr[k], self.mixed[pm[a]]
-        key_pos = np.maximum(self.first[rk], blk * bs)
-        query_pos = np.minimum(self.last[ra], blk * bs + bs - 1)
-        wa, wk = self.widx[ra], self.widx[rk]
-        ok = np.where(key_pos <= query_pos, self.before_tab[wa, wk], self.after_tab[wa, wk])
-        ok &= self.group[ra] == self.group[rk]
-        mixed = np.bincount(pm[a], weights=ok, minlength=self.mixed.size) > 0
-        return np.concatenate([self.before_tab[words, words], mixed])
-
-    def segments(self):
-        """The block ranges of the query sets: first block and length of every stretch, then the mixed blocks."""
-        x0 = self.x0[self.stretch]
-        length = np.concatenate([self.x1[self.stretch] - x0 + 1, np.ones_like(self.mixed)])
-        return np.concatenate([x0, self.mixed]), length
+    b, s = bam.shape
+    nb = -(-s // block_size)
+    w = bam.detach().cpu().contiguous().numpy().reshape(-1)
+    g = None if segment_ids is None else segment_ids.detach().cpu().contiguous().numpy().reshape(-1)
+    start = run_starts(w, w if g is None else g, s)
+    word = w[start]
+    if word.size and word.min() < 0:  # every word is some run's word
+        validate(bam)  # raises the bit-63 error
+    keep = np.flatnonzero(word)
+    end = np.append(start[1:], w.size)[keep] - 1  # inclusive
+    start, word = start[keep], word[keep]
+    row = start // s
+    shift = row * (nb * block_size - s)
+    group = row if g is None else row * (1 << 32) + np.unique(g[start], return_inverse=True)[1]
+    words, widx = np.unique(word, return_inverse=True)
+    before, after = _word_tables(tuple(words.tolist()))
+    return (start + shift, end + shift, widx.astype(np.int64), group.astype(np.int64), b * nb, nb, before, after)
 
 
 def _as_batch(bam, segment_ids):
-    """``validate`` without its O(S) pass: ``_Blocks`` checks bit 63 on the run words instead."""
+    """``validate`` without its O(S) pass: ``_runs`` checks bit 63 on the run words instead."""
     if not isinstance(bam, torch.Tensor) or bam.dtype != torch.int64:
         raise TypeError(f"bam must be an int64 tensor (one word per token), got {getattr(bam, 'dtype', type(bam))}")
     if segment_ids is not None and segment_ids.shape != bam.shape:
@@ -291,61 +167,31 @@ def block_pairs(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Ten
     Exact (equal to reducing ``to_dense`` over blocks) without materialising token pairs. A 1-D ``bam`` gives
     ``[nq, nk]``.
     """
+    from lightning_mm import planning_loops as loops
+
     _check_block_size(block_size)
     bam2, seg2, squeeze = _as_batch(bam, segment_ids)
-    bl = _Blocks(bam2, seg2, block_size)
-    nbk, nb = bl.num_blocks, bl.nb
-    qq, lo, ln = bl.attended()
-    d = np.zeros((2 * bl.num_q, nbk + 1), dtype=np.int64)
-    np.add.at(d, (qq, lo), 1)
-    np.add.at(d, (qq, lo + ln), -1)
-    hit = np.cumsum(d, axis=1)[:, :nbk] > 0
-    hits = hit[:bl.num_q], hit[bl.num_q:]  # key block earlier, later
-    start, length = bl.segments()
-    qid = np.full(nbk, -1)
-    qid[_spread(start, length)] = np.repeat(np.arange(bl.num_q), length)
-    diag = bl.diagonal()
-    out = np.zeros((bl.rows, nb, nb), dtype=bool)
-    kb = np.arange(nb)
-    earlier = kb[None] < kb[:, None]
-    for r in range(bl.rows):
-        blocks = np.arange(r * nb, (r + 1) * nb)
-        has = qid[blocks] >= 0
-        q = qid[blocks][has]
-        rel = np.where(earlier[has], hits[0][q][:, blocks], hits[1][q][:, blocks] & (kb[None] > kb[has][:, None]))
-        rel[np.arange(q.size), kb[has]] = diag[q]
-        out[r, has] = rel
-    res = torch.from_numpy(out).to(bam.device)
+    first, last, word, group, num_blocks, nb, before, after = _runs(bam2, seg2, block_size)
+    res = torch.from_numpy(loops.block_pairs(first, last, word, group, num_blocks, nb, block_size, before, after))
+    res = res.reshape(bam2.shape[0], nb, nb).to(bam.device)
     return res[0] if squeeze else res
 
 
 def _block_workload(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int) -> np.ndarray:
     """``block_workload`` of a ``[B,S]`` batch as a numpy ``[B, nb]`` array."""
-    bl = _Blocks(bam, segment_ids, block_size)
-    qq, lo, ln = bl.attended()
-    start, length = bl.segments()  # the first block of each query set, and how many blocks it spans
-    # attended blocks before and after the first block x of each query set, plus its own block
-    later = qq >= bl.num_q
-    q = qq - later * bl.num_q
-    x = start[q]
-    count = np.minimum(np.maximum(np.where(later, lo + ln - 1 - x, x - lo), 0), ln)
-    work = np.bincount(q, weights=count, minlength=bl.num_q).astype(np.int64) + bl.diagonal()
-    # one step along a stretch adds the block left behind if the run sees itself before, and drops the next
-    # block if it sees itself after
-    wr = bl.widx[bl.stretch]
-    slope = np.zeros(bl.num_q, dtype=np.int64)
-    slope[:wr.size] = bl.before_tab[wr, wr].astype(np.int64) - bl.after_tab[wr, wr]
-    out = np.zeros(bl.num_blocks, dtype=np.int64)
-    idx = _spread(start, length)
-    out[idx] = np.repeat(work - slope * start, length) + np.repeat(slope, length) * idx
-    return out.reshape(bl.rows, bl.nb)
+    from lightning_mm import planning_loops as loops
+
+    first, last, word, group, num_blocks, nb, before, after = _runs(bam, segment_ids, block_size)
+    work = loops.block_work(first, last, word, group, num_blocks, nb, block_size, before, after)
+    return work.reshape(bam.shape[0], nb)
 
 
 def block_workload(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Work of each query block: the number of key blocks with at least one allowed pair (W_b), ``[B, nb]``.
 
-    Exact, from the runs of the words: one comparison pass over the words (and one over the segment ids), the
-    rest O(runs + blocks); a 1M-token row at block 128 takes well under a millisecond. A 1-D ``bam`` gives ``[nb]``.
+    Exact, from the runs of the words: one compiled pass over the words (and the segment ids), the rest
+    O(runs x runs of a segment); a 1M-token row at block 128 takes well under a millisecond. A 1-D ``bam`` gives
+    ``[nb]``.
     """
     _check_block_size(block_size)
     bam2, seg2, squeeze = _as_batch(bam, segment_ids)

@@ -78,6 +78,31 @@ def test_block_workload_equals_dense_on_arbitrary_words():
         assert torch.equal(masks.block_workload(bam, block, seg), ref.sum(-1)), trial
 
 
+def test_block_workload_equals_dense_with_more_words_than_a_mask_holds():
+    """Over 63 distinct words the workload scans runs instead of using word masks: still exact."""
+    gen = torch.Generator().manual_seed(5)
+    bits = torch.randint(1, 1 << 6, (150,), generator=gen)  # partial overlaps between modality sets
+    pool = torch.unique(torch.where(torch.arange(150) % 2 == 0, bits | masks.CAUSAL, bits))
+    for trial in range(6):
+        b, s, block = 1 + trial % 2, 800, 3 + trial
+        lengths = torch.randint(1, 5, (b, s), generator=gen)
+        bam = torch.stack([pool[torch.randint(0, len(pool), (s,), generator=gen)].repeat_interleave(row)[:s]
+                           for row in lengths])
+        assert torch.unique(bam).numel() > 63
+        seg = None if trial % 3 == 0 else torch.randint(0, 3, (b, s), generator=gen).sort(1).values
+        ref = dense_block_pairs(bam, seg, block)
+        assert torch.equal(masks.block_workload(bam, block, seg), ref.sum(-1)), trial
+        assert torch.equal(masks.block_pairs(bam, block, seg), ref), trial
+
+
+def test_block_workload_equals_dense_with_many_runs():
+    """Hundreds of items per row (images interleaved with text, packed samples): the per-group coverage counts."""
+    for layout, seed in itertools.product(masks.LAYOUTS, range(2)):
+        bam, seg = masks.random_bam(layout, 6000, 2, 2, seed, mean_item_tokens=12)
+        for block in (4, 16):
+            assert torch.equal(masks.block_workload(bam, block, seg), dense_block_pairs(bam, seg, block).sum(-1))
+
+
 @pytest.mark.parametrize("layout", masks.LAYOUTS)
 def test_block_workload_and_lpt_equal_the_previous_implementation_on_long_rows(layout):
     """The run-length workload and the LPT that deals equal-work runs in one step give exactly the numbers and
@@ -132,6 +157,15 @@ def test_block_workload_1d_and_hand_case():
     assert masks.block_workload(bam, 2).tolist() == [2, 2, 3, 4]
     # the image in block 2 also sees block 0's image, so block 0 is seen from block 2: pairs not symmetric
     assert masks.block_pairs(bam, 2)[0].tolist() == [True, False, True, False]
+
+
+def test_block_workload_reads_segment_ids_of_any_integer_type():
+    bam, seg = masks.random_bam("mp", 5000, 2, 2, 4)
+    work = masks.block_workload(bam, 64, seg)
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        assert torch.equal(masks.block_workload(bam, 64, seg.to(dtype)), work)
+        assert [p.tolist() for p in cp.distribute(bam, 4, "lpt", 64, seg.to(dtype))] == \
+            [p.tolist() for p in cp.distribute(bam, 4, "lpt", 64, seg)]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,6 +241,8 @@ def test_distribute_errors():
         cp.distribute(bam, 2, "ring", 128)
     with pytest.raises(ValueError, match="block_size"):
         cp.distribute(bam, 2, "lpt", 0)
+    with pytest.raises(ValueError, match="too large for LPT's int64 rank keys"):
+        cp.lpt_assign(torch.full((8,), 1 << 56), 2)
 
 
 def test_validate_plan_errors():

@@ -34,8 +34,9 @@ FORBIDDEN = {
     "lightning_mm.attention": ("lightning_mm.parallel", "lightning_mm.plan", "lightning_mm.planner",
                                "lightning_mm.strategy", "lightning_mm.model", "lightning_mm.data",
                                "lightning_mm.module", "lightning_mm.cli", "lightning_mm.checkpoint"),
-    "lightning_mm.kernels": "everything but lightning_mm.kernels and lightning_mm.masks",
-    "lightning_mm.masks": "everything",
+    "lightning_mm.kernels": "everything but lightning_mm.kernels and lightning_mm.masks (and its planning_loops)",
+    "lightning_mm.masks": "everything but lightning_mm.planning_loops",
+    "lightning_mm.planning_loops": "everything",
     "lightning_mm.loss": "everything",
     "lightning_mm.faults": "everything",
     "lightning_mm.parallel": ("lightning_mm.strategy", "lightning_mm.cli", "lightning_mm.checkpoint",
@@ -47,8 +48,9 @@ FORBIDDEN = {
     "lightning_mm.strategy": ("lightning_mm.cli",),
 }
 ALLOWED_ONLY = {"lightning_mm.plan": ("lightning_mm.plan",),
-                "lightning_mm.kernels": ("lightning_mm.kernels", "lightning_mm.masks"),
-                "lightning_mm.masks": (), "lightning_mm.loss": (), "lightning_mm.faults": ()}
+                "lightning_mm.kernels": ("lightning_mm.kernels", "lightning_mm.masks", "lightning_mm.planning_loops"),
+                "lightning_mm.masks": ("lightning_mm.planning_loops",), "lightning_mm.planning_loops": (),
+                "lightning_mm.loss": (), "lightning_mm.faults": ()}
 # third-party imports a part may not make itself: no process group in plan/ and planner/, no Lightning in the model
 EXTERNAL_FORBIDDEN = {"lightning_mm.plan": ("torch.distributed", "lightning"),
                       "lightning_mm.planner": ("torch.distributed",),

@@ -13,9 +13,6 @@ cuts cp chunks, ``"random"`` deals a seeded permutation round-robin.
 
 from __future__ import annotations
 
-import array
-import heapq
-
 import numpy as np
 import torch
 
@@ -46,105 +43,16 @@ def _check_cp(num_blocks: int, cp_size: int, block_size: int | None = None) -> N
                          "smaller cp")
 
 
-_EQUAL_RUN = 16  # runs of equal work at least this long (in LPT order) are dealt in one vectorised step
-
-
-def _deal_equal(heap: list, step, count: int, cp_size: int) -> tuple[np.ndarray, list]:
-    """LPT on ``count`` blocks of equal increment ``step`` from the rank keys ``heap``: each goes to the least key,
-    which then grows by ``step``. The keys popped are the ``count`` least of the progressions ``key + j * step``;
-    with ``key = a * step + b`` (``0 <= b < step``) candidate ``j`` sorts by ``(a + j, b)``, so level ``L`` holds
-    the ranks with ``a <= L`` in ``b`` order, and from the largest ``a`` on every level holds all of them: after a
-    few short levels the owners repeat with period ``cp``. Returns the owners in order and the new keys."""
-    kind = type(heap[0])
-    key = [0] * cp_size
-    for k in heap:
-        key[int(k) % cp_size] = int(k)  # a key's residue is its rank
-    step = int(step)
-    a = [k // step for k in key]
-    by_b = sorted(range(cp_size), key=lambda r: key[r] % step)
-    first, level, top = [], min(a), max(a)
-    while level < top and len(first) < count:  # levels where some ranks are still ahead of the others
-        first += [r for r in by_b if a[r] <= level]
-        level += 1
-    rest = max(count - len(first), 0)
-    owners = np.concatenate([np.array(first, dtype=np.int64),
-                             np.tile(np.array(by_b, dtype=np.int64), -(-rest // cp_size))[:rest]])[:count]
-    got = np.bincount(owners, minlength=cp_size).tolist()
-    return owners, [kind(key[r] + got[r] * step) for r in range(cp_size)]
-
-
-def _snake_rounds(keys: np.ndarray, inc: np.ndarray, cp_size: int, rounds: int) -> tuple[int, np.ndarray]:
-    """How many of the first ``rounds`` whole rounds of ``inc`` LPT deals as a snake from the sorted ``keys``, and
-    what each key-order position receives in every round ``[cp, rounds]``."""
-    step = inc[:rounds * cp_size].reshape(rounds, cp_size).T.copy()  # [s, round]: the s-th block of each round
-    gets = step.copy()  # by position in key order: odd rounds run backwards
-    gets[:, 1::2] = step[::-1, 1::2]
-    start = keys[:, None] + np.cumsum(gets, 1) - gets  # keys at each round's start, by key-order position
-    a = start.copy()
-    a[:, 1::2] = start[::-1, 1::2]  # by position within the round
-    served = np.minimum.accumulate(a + step, 0)
-    to_come = np.minimum.accumulate(a[::-1], 0)[::-1]
-    ok = np.ones_like(a, dtype=bool)
-    ok[:-1] &= a[:-1] < to_come[1:]
-    ok[1:] &= a[1:] < served[:-1]
-    bad = np.flatnonzero(~ok.all(0))
-    return (int(bad[0]) if bad.size else rounds), gets
-
-
-def _snake_prefix(heap: list, inc: np.ndarray, cp_size: int) -> tuple[np.ndarray, list]:
-    """Owners of the longest prefix of whole rounds of the blocks ``inc`` (distinct works, LPT order) that LPT
-    deals as a snake: the ranks in key order, then in reverse, and so on. That is exact for causal text (works
-    falling by a constant step from equal loads). Checked for all rounds at once: in a round the ``s``-th block's
-    rank must hold the least key, i.e. its key at the round's start is below those of the ranks still to come in
-    the round and below the keys of those already served (plus what they got). Returns the owners and new keys."""
-    order = sorted(heap)
-    ranks = [int(k) % cp_size for k in order]
-    probe = list(heap)  # a short look first, two rounds on a copy of the heap: most runs that are no snake fail
-    if [int(heapq.heapreplace(probe, probe[0] + i)) % cp_size for i in inc[:2 * cp_size].tolist()] != \
-            ranks + ranks[::-1]:
-        return np.zeros(0, dtype=np.int64), list(heap)
-    keys, ranks = np.array(order), np.array(ranks, dtype=np.int64)
-    whole, gets = _snake_rounds(keys, inc, cp_size, inc.size // cp_size)
-    owners = np.tile(np.concatenate([ranks, ranks[::-1]]), -(-whole // 2))[:whole * cp_size]
-    new = np.empty(cp_size)
-    new[ranks] = keys + gets[:, :whole].sum(1)
-    return owners, new.tolist()
-
-
 def _lpt_owner(work: np.ndarray, cp_size: int) -> np.ndarray:
-    """The rank of every block under ``lpt_assign``'s rule (see there)."""
+    """The rank of every block under ``lpt_assign``'s rule (compiled: ``planning_loops.py``)."""
+    from lightning_mm.planning_loops import lpt_owner
+
+    work = np.ascontiguousarray(work, dtype=np.int64)
     n = work.size
-    order = np.argsort(-work, kind="stable")
-    ws = work[order]
-    floats = (int(ws.sum()) * (n + 1) + n + 2) * cp_size < 1 << 53
-    if floats:  # exact here, and faster than big ints
-        inc = ((ws * (n + 1) + 1) * cp_size).astype(np.float64)
-        heap = [float(r) for r in range(cp_size)]
-    else:
-        inc = np.array([(x * (n + 1) + 1) * cp_size for x in ws.tolist()], dtype=object)
-        heap = list(range(cp_size))
-    change = np.ones(n, dtype=bool)
-    change[1:] = ws[1:] != ws[:-1]
-    start = np.flatnonzero(change)  # runs of equal work in LPT order
-    length = np.diff(np.append(start, n))
-    long = np.flatnonzero(length >= max(_EQUAL_RUN, cp_size))
-    owner = np.empty(n, dtype=np.int64)
-    replace, pos = heapq.heapreplace, 0
-    for s, m in zip(start[long].tolist() + [n], length[long].tolist() + [0]):
-        if floats and s - pos >= 8 * cp_size:  # a long run of distinct works: causal text is dealt as a snake
-            snake, heap = _snake_prefix(heap, inc[pos:s], cp_size)
-            owner[order[pos:pos + snake.size]] = snake
-            heapq.heapify(heap)
-            pos += snake.size
-        if s > pos:  # one C-level heap operation per block; heapreplace returns the popped (least) key
-            keys = [replace(heap, heap[0] + i) for i in inc[pos:s].tolist()]
-            popped = np.frombuffer(array.array("d", keys)).astype(np.int64) if floats else np.array(keys)
-            owner[order[pos:s]] = popped % cp_size
-        if m:
-            owner[order[s:s + m]], heap = _deal_equal(heap, inc[s], m, cp_size)
-            heapq.heapify(heap)
-        pos = s + m
-    return owner
+    if (float(work.sum(dtype=np.float64)) * (n + 1) + n + 1) * cp_size >= 2.0 ** 62:  # with room for rounding
+        raise ValueError(f"block work sums too large for LPT's int64 rank keys ({n} blocks, cp {cp_size}); "
+                         "use a larger block_size")
+    return lpt_owner(work, cp_size)
 
 
 def lpt_assign(work: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
@@ -152,8 +60,7 @@ def lpt_assign(work: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
     loaded rank (ties: the rank with fewer blocks, then the lower rank). Makespan <= sum/cp + max (Graham).
 
     The tie rule on block counts spreads zero-work blocks (padding) evenly, so every rank gets a block when
-    there are at least ``cp_size`` of them. Ranks are keyed ``(load * (n+1) + count) * cp + rank``; one C-level
-    heap operation per block, except that a long run of equal work (an image's blocks) is dealt in one step.
+    there are at least ``cp_size`` of them. A compiled heap of ranks (``planning_loops.py``).
     """
     work = torch.as_tensor(work).reshape(-1).to(torch.int64).cpu().numpy()
     _check_cp(work.size, cp_size)
@@ -163,10 +70,12 @@ def lpt_assign(work: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
 
 
 def _plan_from_owner(owner: np.ndarray, cp_size: int) -> list[torch.Tensor]:
-    """Block indices grouped by owner rank, each group ascending (a stable sort keeps block order)."""
-    blocks = np.argsort(owner.astype(np.int16) if cp_size < 1 << 15 else owner, kind="stable")
-    counts = np.bincount(owner, minlength=cp_size)
-    return [torch.from_numpy(part) for part in np.split(blocks, np.cumsum(counts)[:-1])]
+    """Block indices grouped by owner rank, each group ascending."""
+    from lightning_mm.planning_loops import blocks_by_owner
+
+    blocks, start = blocks_by_owner(np.ascontiguousarray(owner, dtype=np.int64), cp_size)
+    whole = torch.from_numpy(blocks)
+    return [whole[a:b] for a, b in zip(start[:-1].tolist(), start[1:].tolist())]
 
 
 def zigzag_plan(num_blocks: int, cp_size: int) -> list[torch.Tensor]:

@@ -1,0 +1,400 @@
+"""The context-parallel planner's loops, compiled with numba: the runs of the mask words, the block relations
+derived from the runs, and LPT.
+
+They are plain loops that numpy can only express as many passes and calls and Python can only run one element
+at a time; planning a 1M-token row should take under a millisecond (it runs for every microbatch), so they are
+compiled (``cache=True``: once per machine, then loaded from the cache). Imported lazily: importing
+``lightning_mm`` does not load numba. The attention rule itself stays in ``masks.allowed``: the loops get it as
+two word-by-word tables.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_CHUNK = 512  # tokens whose differences are OR-reduced (vectorised) before any run start is looked for
+
+
+@njit(inline="always")
+def _differs(x, lo, hi):
+    """Nonzero iff ``x[i] != x[i - 1]`` for some ``lo <= i < hi`` (an OR of XORs: a vectorised reduction)."""
+    a, b = x[lo:hi], x[lo - 1:hi - 1]
+    acc = 0
+    for j in range(a.size):
+        acc |= a[j] ^ b[j]
+    return acc
+
+
+@njit(cache=True, nogil=True)
+def run_starts(words, segments, row_len):
+    """Indices where a run of one (row, segment, word) starts in the flat token arrays ``words`` and
+    ``segments`` (same length; pass ``words`` twice when there are no segments); rows are ``row_len`` long.
+    One pass over both arrays together; only chunks holding a change are scanned token by token, and the row
+    starts are merged in afterwards (no division per token)."""
+    n = words.size
+    changes = np.empty(n, np.int64)  # uninitialised: only the pages written are touched
+    k = 0
+    for c in range(0, n, _CHUNK):
+        hi = min(c + _CHUNK, n)
+        lo = max(c, 1)
+        if lo >= hi or (_differs(words, lo, hi) | _differs(segments, lo, hi)) == 0:
+            continue
+        for i in range(lo, hi):
+            if words[i] != words[i - 1] or segments[i] != segments[i - 1]:
+                changes[k] = i
+                k += 1
+    rows = -(-n // row_len) if n else 0
+    out = np.empty(k + rows, np.int64)
+    m, j = 0, 0
+    for r in range(rows):  # merge the row starts into the changes (both ascending)
+        row_start = r * row_len
+        while j < k and changes[j] < row_start:
+            out[m] = changes[j]
+            m += 1
+            j += 1
+        if j < k and changes[j] == row_start:
+            j += 1
+        out[m] = row_start
+        m += 1
+    while j < k:
+        out[m] = changes[j]
+        m += 1
+        j += 1
+    return out[:m]
+
+
+@njit(cache=True, nogil=True)
+def lpt_owner(work, cp_size):
+    """The owning rank of every block under LPT: blocks by work descending (ties: lower block first), each to the
+    least-loaded rank (ties: fewer blocks, then lower rank). A binary heap of rank keys
+    ``(load * (n + 1) + count) * cp + rank`` (the caller checks they fit in int64); the descending order is a
+    counting sort when the works are small integers (block counts always are), else a stable merge sort."""
+    n = work.size
+    top = 0
+    for i in range(n):
+        top = max(top, work[i])
+    if top <= 4 * n + 1024:
+        start = np.zeros(top + 2, np.int64)  # start[top - w]: first position of work w in descending order
+        for i in range(n):
+            start[top - work[i] + 1] += 1
+        for v in range(1, top + 2):
+            start[v] += start[v - 1]
+        order = np.empty(n, np.int64)
+        for i in range(n):
+            v = top - work[i]
+            order[start[v]] = i
+            start[v] += 1
+    else:
+        order = np.argsort(-work, kind="mergesort")
+    heap = np.arange(cp_size)  # all loads equal: rank order is a heap
+    owner = np.empty(n, np.int64)
+    for i in range(n):
+        b = order[i]
+        key = heap[0]
+        owner[b] = key % cp_size
+        key += (work[b] * (n + 1) + 1) * cp_size
+        p = 0  # sift the root down
+        while True:
+            c = 2 * p + 1
+            if c >= cp_size:
+                break
+            if c + 1 < cp_size and heap[c + 1] < heap[c]:
+                c += 1
+            if heap[c] >= key:
+                break
+            heap[p] = heap[c]
+            p = c
+        heap[p] = key
+    return owner
+
+
+@njit(cache=True, nogil=True)
+def blocks_by_owner(owner, cp_size):
+    """Block indices grouped by owner (each group ascending) and where each group starts (``cp_size + 1``)."""
+    start = np.zeros(cp_size + 1, np.int64)
+    for b in range(owner.size):
+        start[owner[b] + 1] += 1
+    for r in range(cp_size):
+        start[r + 1] += start[r]
+    at = start[:-1].copy()
+    blocks = np.empty(owner.size, np.int64)
+    for b in range(owner.size):
+        blocks[at[owner[b]]] = b
+        at[owner[b]] += 1
+    return blocks, start
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Block relations from the runs. A run is a maximal stretch of one (row, segment, word), padding dropped, listed
+# in token order with its first and last block on a grid where row r's blocks are r*nb .. r*nb+nb-1. Between two
+# different blocks every key of the earlier precedes every query of the later, so whether a key block may be
+# attended from a query block depends only on the runs in each and on which comes first: ``before[q, k]`` /
+# ``after[q, k]`` say whether a query of word q may attend a key of word k before / after it (same segment).
+# A block holding one run belongs to that run's *stretch*; a block where runs meet is *mixed*.
+# ----------------------------------------------------------------------------------------------------------
+
+@njit(inline="always")
+def _allows(q, nq, c, tab, word, group):
+    for i in range(nq):
+        a = q[i]
+        if group[a] == group[c] and tab[word[a], word[c]]:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _key_intervals(q, nq, x, cands, lo, hi, fb, lb, word, group, before, after, out):
+    """The key blocks that the query runs ``q[:nq]`` in block ``x`` may attend, other than ``x``: disjoint
+    ascending intervals ``out[i] = (first, last)``, those before ``x`` then those after. ``cands[lo:hi]``: the
+    candidate key runs in token order (so first and last blocks never decrease). Returns the two counts."""
+    n, end = 0, -1
+    for t in range(lo, hi):
+        c = cands[t]
+        if fb[c] >= x:
+            break
+        if _allows(q, nq, c, before, word, group):
+            a, b = max(fb[c], end + 1), min(lb[c], x - 1)
+            if a <= b:
+                if n and out[n - 1, 1] == a - 1:
+                    out[n - 1, 1] = b
+                else:
+                    out[n, 0], out[n, 1] = a, b
+                    n += 1
+                end = b
+    m, end = n, x
+    for t in range(lo, hi):
+        c = cands[t]
+        if lb[c] <= x:
+            continue
+        if _allows(q, nq, c, after, word, group):
+            a, b = max(fb[c], end + 1), lb[c]
+            if a <= b:
+                if m > n and out[m - 1, 1] == a - 1:
+                    out[m - 1, 1] = b
+                else:
+                    out[m, 0], out[m, 1] = a, b
+                    m += 1
+                end = b
+    return n, m - n
+
+
+@njit(cache=True, nogil=True)
+def _query_sets(first, last, word, group, nb, block, before, after):
+    """Everything both block relations need: the runs' blocks, their groups in token order, and each mixed
+    block's runs (``mixed``: block, first and last run index) with whether it holds an allowed pair itself."""
+    r = first.size
+    fb, lb = first // block, last // block
+    order = np.argsort(group, kind="mergesort")  # runs of each group, in token order
+    gfirst, glast = np.empty(r, np.int64), np.empty(r, np.int64)
+    i = 0
+    while i < r:
+        j = i
+        while j + 1 < r and group[order[j + 1]] == group[order[i]]:
+            j += 1
+        for t in range(i, j + 1):
+            gfirst[order[t]], glast[order[t]] = i, j + 1
+        i = j + 1
+    mixed = np.empty((r, 4), np.int64)  # block, first run, last run + 1, diagonal allowed
+    k = 0
+    i = 0
+    while i < r:
+        j = i
+        while j + 1 < r and fb[j + 1] == lb[j] and (j == i or fb[j] == lb[j]):
+            j += 1  # runs i..j meet in block lb[i] (the inner ones lie inside it)
+        if j > i:
+            m = lb[i]
+            diag = 0
+            for a in range(i, j + 1):
+                for c in range(i, j + 1):
+                    if group[a] != group[c]:
+                        continue
+                    key_pos, query_pos = max(first[c], m * block), min(last[a], m * block + block - 1)
+                    tab = before if key_pos <= query_pos else after
+                    if tab[word[a], word[c]]:
+                        diag = 1
+            mixed[k, 0], mixed[k, 1], mixed[k, 2], mixed[k, 3] = m, i, j + 1, diag
+            k += 1
+            i = j
+        else:
+            i += 1
+    return fb, lb, order, gfirst, glast, mixed[:k]
+
+
+@njit(inline="always")
+def _candidates(i, j, group, order, gfirst, glast, row_runs):
+    """The key runs to look at for query runs ``i..j-1`` (consecutive): their group's runs, or, when they span
+    several groups, the runs from the first to the last run of those groups in token order."""
+    lo, hi, one = gfirst[i], glast[i], True
+    for t in range(i + 1, j):
+        if group[t] != group[i]:
+            one = False
+    if one:
+        return order, lo, hi
+    lo, hi = order[gfirst[i]], order[glast[i] - 1] + 1
+    for t in range(i + 1, j):
+        lo, hi = min(lo, order[gfirst[t]]), max(hi, order[glast[t] - 1] + 1)
+    return row_runs, lo, hi
+
+
+@njit(cache=True, nogil=True)
+def _coverage(fb, lb, word, order, gfirst):
+    """Each group's blocks as disjoint pieces in block order (``start``, ``end``, ``mask``: the words of the
+    group's runs in those blocks; a block shared by two runs is a piece of its own), the pieces ``lo..hi-1`` of
+    each run's group, the distinct masks, and ``length[p, d]``: the blocks of pieces before ``p`` with mask ``d``
+    (prefix sums, so that counting a group's blocks whose words a query allows costs O(masks))."""
+    r = fb.size
+    start, end, mask = np.empty(2 * r + 1, np.int64), np.empty(2 * r + 1, np.int64), np.empty(2 * r + 1, np.int64)
+    lo, hi = np.empty(r, np.int64), np.empty(r, np.int64)
+    n = 0
+    i = 0
+    while i < r:
+        first_piece = n
+        j = i
+        while True:
+            run = order[j]
+            f, bit = fb[run], np.int64(1) << word[run]
+            if n > first_piece and end[n - 1] == f:  # shares its first block with the piece before
+                if start[n - 1] == f:
+                    mask[n - 1] |= bit
+                else:
+                    end[n - 1] -= 1
+                    start[n], end[n], mask[n] = f, f, mask[n - 1] | bit
+                    n += 1
+                f += 1
+            if f <= lb[run]:
+                start[n], end[n], mask[n] = f, lb[run], bit
+                n += 1
+            if j + 1 == r or gfirst[order[j + 1]] != gfirst[run]:
+                break
+            j += 1
+        for t in range(i, j + 1):
+            lo[order[t]], hi[order[t]] = first_piece, n
+        i = j + 1
+    start, end, mask = start[:n].copy(), end[:n].copy(), mask[:n].copy()
+    masks = np.unique(mask)
+    length = np.zeros((n + 1, masks.size), np.int64)
+    for p in range(n):
+        length[p + 1] = length[p]
+        length[p + 1, np.searchsorted(masks, mask[p])] += end[p] - start[p] + 1
+    return start, end, mask, lo, hi, masks, length
+
+
+@njit(inline="always")
+def _covered(x, allow_before, allow_after, lo, hi, start, end, mask, masks, length):
+    """Blocks before and after block ``x`` among the pieces ``lo..hi-1`` of a group whose words are allowed."""
+    p = lo + np.searchsorted(end[lo:hi], x)  # the first piece ending at or after x
+    q = p + 1 if p < hi and start[p] <= x else p  # the first piece starting after x
+    before, after = 0, 0
+    for d in range(masks.size):
+        if masks[d] & allow_before:
+            before += length[p, d] - length[lo, d]
+        if masks[d] & allow_after:
+            after += length[hi, d] - length[q, d]
+    if q > p:  # piece p holds x: its blocks on either side
+        if mask[p] & allow_before:
+            before += x - start[p]
+        if mask[p] & allow_after:
+            after += end[p] - x
+    return before + after
+
+
+@njit(cache=True, nogil=True)
+def block_work(first, last, word, group, num_blocks, nb, block, before, after):
+    """Work of every query block (``num_blocks`` on the grid): key blocks holding at least one allowed pair.
+
+    The blocks a query set may attend are its group's blocks whose runs' words its words allow, so with the
+    group's pieces and their prefix sums per word mask (``_coverage``) a stretch or a mixed block costs O(masks)
+    (a mixed block spanning several segments scans their runs instead). Along a stretch the work changes by a
+    constant step: the block left behind counts if the run sees itself before, the next one drops if it sees
+    itself after. More than 63 distinct words do not fit the masks: then every query set scans its runs."""
+    r = first.size
+    fb, lb, order, gfirst, glast, mixed = _query_sets(first, last, word, group, nb, block, before, after)
+    num_words = before.shape[0]
+    masked = num_words <= 63
+    allow_b, allow_a = np.zeros(num_words, np.int64), np.zeros(num_words, np.int64)
+    for a in range(num_words if masked else 0):
+        for w in range(num_words):
+            allow_b[a] |= np.int64(before[a, w]) << w
+            allow_a[a] |= np.int64(after[a, w]) << w
+    if masked:
+        start, end, mask, lo, hi, masks, length = _coverage(fb, lb, word, order, gfirst)
+    else:
+        start = end = mask = lo = hi = masks = np.zeros(0, np.int64)
+        length = np.zeros((1, 0), np.int64)
+    row_runs = np.arange(r)
+    out = np.zeros(num_blocks, np.int64)
+    buf = np.empty((2 * r + 2, 2), np.int64)
+    q = np.empty(max(r, 1), np.int64)
+    for a in range(r):
+        x0 = fb[a] + (a > 0 and lb[a - 1] == fb[a])
+        x1 = lb[a] - (a + 1 < r and fb[a + 1] == lb[a])
+        if x0 > x1:
+            continue
+        if masked:
+            base = _covered(x0, allow_b[word[a]], allow_a[word[a]], lo[a], hi[a], start, end, mask, masks, length)
+        else:
+            q[0] = a
+            nbf, naf = _key_intervals(q, 1, x0, order, gfirst[a], glast[a], fb, lb, word, group, before, after, buf)
+            base = 0
+            for t in range(nbf + naf):
+                base += buf[t, 1] - buf[t, 0] + 1
+        self_before, self_after = before[word[a], word[a]], after[word[a], word[a]]
+        step = np.int64(self_before) - np.int64(self_after)
+        for x in range(x0, x1 + 1):
+            out[x] = base + self_before + step * (x - x0)
+    for k in range(mixed.shape[0]):
+        m, i, j = mixed[k, 0], mixed[k, 1], mixed[k, 2]
+        one_group = True
+        for t in range(i + 1, j):
+            one_group &= group[t] == group[i]
+        total = mixed[k, 3]
+        if masked and one_group:
+            ab, aa = 0, 0
+            for t in range(i, j):
+                ab |= allow_b[word[t]]
+                aa |= allow_a[word[t]]
+            total += _covered(m, ab, aa, lo[i], hi[i], start, end, mask, masks, length)
+        else:
+            for t in range(i, j):
+                q[t - i] = t
+            cands, c0, c1 = _candidates(i, j, group, order, gfirst, glast, row_runs)
+            nbf, naf = _key_intervals(q, j - i, m, cands, c0, c1, fb, lb, word, group, before, after, buf)
+            for t in range(nbf + naf):
+                total += buf[t, 1] - buf[t, 0] + 1
+        out[m] = total
+    return out
+
+
+@njit(cache=True, nogil=True)
+def block_pairs(first, last, word, group, num_blocks, nb, block, before, after):
+    """Whether each query block may attend each key block of its row: bool ``[num_blocks, nb]`` (key blocks
+    numbered within the row), by listing each query block's key intervals (O(runs of its segment) per block:
+    for tests and inspection; ``block_work`` counts without listing)."""
+    r = first.size
+    fb, lb, order, gfirst, glast, mixed = _query_sets(first, last, word, group, nb, block, before, after)
+    row_runs = np.arange(r)
+    out = np.zeros((num_blocks, nb), np.bool_)
+    buf = np.empty((2 * r + 2, 2), np.int64)
+    q = np.empty(max(r, 1), np.int64)
+    for a in range(r):
+        x0 = fb[a] + (a > 0 and lb[a - 1] == fb[a])
+        x1 = lb[a] - (a + 1 < r and fb[a + 1] == lb[a])
+        q[0] = a
+        for x in range(x0, x1 + 1):
+            n = _key_intervals(q, 1, x, order, gfirst[a], glast[a], fb, lb, word, group, before, after, buf)
+            row0 = x // nb * nb
+            for t in range(n[0] + n[1]):
+                out[x, buf[t, 0] - row0:buf[t, 1] - row0 + 1] = True
+            out[x, x - row0] = before[word[a], word[a]]
+    for k in range(mixed.shape[0]):
+        m, i, j = mixed[k, 0], mixed[k, 1], mixed[k, 2]
+        for t in range(i, j):
+            q[t - i] = t
+        cands, lo, hi = _candidates(i, j, group, order, gfirst, glast, row_runs)
+        n = _key_intervals(q, j - i, m, cands, lo, hi, fb, lb, word, group, before, after, buf)
+        row0 = m // nb * nb
+        for t in range(n[0] + n[1]):
+            out[m, buf[t, 0] - row0:buf[t, 1] - row0 + 1] = True
+        out[m, m - row0] = mixed[k, 3] == 1
+    return out
