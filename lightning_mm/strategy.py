@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.utils.data import DataLoader
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -26,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.data.balanced import (BalancedBatchSampler, BalancedCollate, BalancedDataset,
                                         balancing_obstacle, metadata_works)
+from lightning_mm.data.cp_plans import CPPlanCollate
 from lightning_mm.data.microbatch import PLAN_KEY
 from lightning_mm.data.resumable import ResumableDataLoader, loader_options, resumable
 from lightning_mm.faults import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
@@ -282,7 +284,7 @@ class MultimodalParallelStrategy(DDPStrategy):
     def run_pipeline(self, batch: dict, train: bool = True) -> torch.Tensor:
         """The schedule over the batch's microbatches (forward and backward); the global normalised loss."""
         check_same_batch(batch, self.engine.groups.replica)
-        if train and PLAN_KEY in batch:  # what each step's balancing did, for callbacks and tests
+        if train and "encoder" in (batch.get(PLAN_KEY) or {}):  # what each step's balancing did, for callbacks, tests
             self.batch_plans.append({k: list(batch[PLAN_KEY][k]) for k in ("encoder", "llm")})
         return self.engine.run(batch, train=train, sync=not self._accumulating,
                                loss_scale=1.0 / self.lightning_module.trainer.accumulate_grad_batches)
@@ -337,7 +339,8 @@ class MultimodalParallelStrategy(DDPStrategy):
     # ------------------------------------------------------------------ data order (exact resume)
     def process_dataloader(self, dataloader):
         """Batches resume where a checkpoint left off (Lightning saves and restores the loader's state); the
-        training batches are placed over replicas and microbatches by ``batch_balancing``."""
+        training batches are placed over replicas and microbatches by ``batch_balancing``; under context
+        parallelism every loader's batches carry this rank's CP plans (``with_cp_plans``)."""
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.ft is not None and trainer is not None and trainer.training:
@@ -345,10 +348,27 @@ class MultimodalParallelStrategy(DDPStrategy):
         if self.batch_balancing != "none" and trainer is not None and trainer.training:
             obstacle = balancing_obstacle(dataloader)
             if self.batch_balancing is not None or not obstacle:
-                return self.balanced_dataloader(dataloader, self.batch_balancing or DEFAULT_BALANCING)
+                return self.with_cp_plans(self.balanced_dataloader(dataloader,
+                                                                   self.batch_balancing or DEFAULT_BALANCING))
             rank_zero_info(f"batch_balancing: the training loader is not balanced ({obstacle}); its batches are cut "
                            "into contiguous microbatches")
-        return resumable(dataloader)
+        return self.with_cp_plans(resumable(dataloader))
+
+    def with_cp_plans(self, dataloader):
+        """``dataloader`` whose collate function also makes the context-parallel plans this rank's stage executes
+        (encoder item shards, LLM block owners; ``data/cp_plans.py``), in its workers instead of in the step. Only
+        where this stage runs CP and the loader is a torch DataLoader, and not under ``fault_tolerance`` (whose
+        steps change the microbatch count); other batches are planned in the step."""
+        engine = self.engine
+        if engine is None or not (engine.item_planners or engine.block_owners) or self.ft is not None or \
+                not isinstance(dataloader, DataLoader):
+            return dataloader
+        collate = dataloader.collate_fn
+        if isinstance(collate, CPPlanCollate):  # a loader this strategy processed before (fit, then validate)
+            collate = collate.collate
+        dataloader.collate_fn = CPPlanCollate(collate, engine.num_microbatches, engine.item_planners,
+                                              engine.block_owners)
+        return dataloader
 
     def balanced_dataloader(self, dataloader, method: str):
         """The training loader rebuilt over balanced global batches (``data/balanced.py``): the same samples per

@@ -4,6 +4,8 @@ its rows' items of every modality.
 A balanced batch (``MultimodalParallelStrategy(batch_balancing=...)``) carries ``batch["microbatches"]``, host
 lists made in the data loader: ``"encoder"`` (each row's encoder microbatch; rows come ordered by it) and
 ``"llm"`` (each row's LLM microbatch: the same, except rows whose LLM work is deferred to the next microbatch).
+Under context parallelism it also carries ``"cp"``, the CP plans of these microbatches (``data/cp_plans.py``); a
+plan without ``"encoder"`` means equal slices.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import torch
 
 ROW_KEYS = ("input_ids", "labels", "bam", "segment_ids", "position_ids", "attention_mask")
 PLAN_KEY = "microbatches"
+CP_PLAN_KEY = "cp"  # inside batch[PLAN_KEY]: the loader's context-parallel plans
 
 
-def item_counts(batch: dict, model) -> dict[str, torch.Tensor]:
-    """Items of each modality per row: the collator's ``item_counts``, else one item per row."""
+def item_counts(batch: dict, encoders) -> dict[str, torch.Tensor]:
+    """Items of each modality per row: the collator's ``item_counts``, else one item per row. ``encoders``: name ->
+    anything with the encoder's ``family`` (``model.encoders``)."""
     counts = dict(batch.get("item_counts") or {})
     rows = batch["input_ids"].shape[0]
-    for name, enc in model.encoders.items():
+    for name, enc in encoders.items():
         if name in batch and name not in counts:
             n = enc.family.num_items(batch[name])
             if n != rows:
@@ -43,7 +47,7 @@ def microbatch_rows(batch: dict, num_microbatches: int) -> tuple[list[list[int]]
     An LLM microbatch lists its own rows first, then the rows deferred into it from the previous microbatch."""
     rows = batch["input_ids"].shape[0]
     plan = batch.get(PLAN_KEY)
-    if plan is None:
+    if plan is None or "encoder" not in plan:
         same = equal_rows(rows, num_microbatches)
         return same, same
     enc, llm = list(plan["encoder"]), list(plan["llm"])
@@ -70,23 +74,35 @@ def deferrals(encoder_rows: list[list[int]], llm_rows: list[list[int]]) -> tuple
                  if any(r in encoder_rows[m] for r in llm_rows[m + 1]))
 
 
+def row_index(batch: dict, group: list[int]):
+    """What selects the rows ``group`` of the batch's tensors: a slice when they are contiguous, else an index."""
+    contiguous = group == list(range(group[0], group[0] + len(group)))
+    return slice(group[0], group[-1] + 1) if contiguous else torch.tensor(group, device=batch["input_ids"].device)
+
+
+def group_items(per_row: list[int], group: list[int]) -> list[int]:
+    """Indices (in the batch's item order) of the items of rows ``group``, row by row; ``per_row``: items per row."""
+    first = [0]
+    for n in per_row[:-1]:
+        first.append(first[-1] + n)
+    return [first[r] + i for r in group for i in range(per_row[r])]
+
+
 def split_microbatches(batch: dict, num_microbatches: int | list[list[int]], model) -> list[dict]:
     """One batch per microbatch, each with its own rows' encoder inputs. ``num_microbatches`` is a count (equal
     slices) or the row indices of each microbatch."""
     groups = (equal_rows(batch["input_ids"].shape[0], num_microbatches) if isinstance(num_microbatches, int)
               else num_microbatches)
-    counts = item_counts(batch, model)
+    counts = item_counts(batch, model.encoders)
     per_row = {name: c.tolist() for name, c in counts.items()}  # one small host read per modality
-    first = {name: [sum(n[:r]) for r in range(len(n))] for name, n in per_row.items()}
     out = []
     for group in groups:
-        contiguous = group == list(range(group[0], group[0] + len(group)))
-        rows = slice(group[0], group[-1] + 1) if contiguous else torch.tensor(group, device=batch["input_ids"].device)
+        rows = row_index(batch, group)
         mb = {k: batch[k][rows] for k in ROW_KEYS if k in batch}
         mb["item_counts"] = {}
         for name, c in counts.items():
             mb["item_counts"][name] = c[rows]
-            items = [first[name][r] + i for r in group for i in range(per_row[name][r])]
+            items = group_items(per_row[name], group)
             if items:
                 index = torch.tensor(items, device=c.device)
                 mb[name] = model.encoders[name].family.select_items(batch[name], index)

@@ -12,6 +12,10 @@ Communication (``comm.py``) is grouped per run of consecutive send/receive actio
 replicas (``grads.py``) overlaps the step's last backward. A stage with tp > 1 is split with DTensor
 (``tensor_parallel.py``), one with ``sharding_strategy`` other than NO_SHARD is sharded over its dp x cp ranks
 with FSDP2 (``sharding.py``, which then reduces its gradients). Every tensor the engine makes lives on ``device``.
+
+Context-parallel plans (encoder item shards, LLM block owners) are host data made by the data loader
+(``data/cp_plans.py``); the step only executes them, and plans with the same functions itself (reading the sizes
+and mask words to the host) only for a batch that carries none.
 """
 
 from __future__ import annotations
@@ -28,16 +32,16 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mm import loss as losses
+from lightning_mm.data.cp_plans import CPPlans, EncoderItems, batch_plans
 from lightning_mm.data.microbatch import PLAN_KEY, deferrals, microbatch_rows, split_microbatches
-from lightning_mm.data.metadata import encoder_input_tokens
 from lightning_mm.parallel.comm import StageComm, carries_device_tensors
-from lightning_mm.parallel.context import pad_for_context_parallel, token_index
+from lightning_mm.parallel.context import distribute, pad_for_context_parallel, token_index
 from lightning_mm.parallel.encoder_cp import gather_items
 from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
 from lightning_mm.parallel.sharding import apply_fsdp
 from lightning_mm.parallel.stages import owned_parameters, prune, tied_embedding_stages
 from lightning_mm.parallel.tensor_parallel import apply_tp, keep_grads_like_parameters
-from lightning_mm.plan.items import gather_order, shard_items
+from lightning_mm.plan.items import gather_order
 from lightning_mm.plan.layout import RankLayout
 from lightning_mm.plan.schedule import (LANGUAGE_MODEL, build_stage_graph, check_rendezvous, check_schedule,
                                         communication_groups, one_f_one_b)
@@ -45,6 +49,31 @@ from lightning_mm.plan.stages import StagePlan, stage_plans, uniform_partition
 
 
 MESH_DIMS = ("dp", "pp", "cp", "tp")
+ITEMS_KEY = "cp_items"  # in a microbatch: {encoder: (item indices per CP rank, LLM tokens per item)}
+
+
+class BlockOwners:
+    """What LLM CP plans with, in the data loader (``data/cp_plans.py``) and in the step alike: ``owner(mb)`` is the
+    CP rank of every block of the microbatch, padded to whole blocks first exactly as the step pads it, by
+    ``distribute`` with this method, block size and Ulysses degree. Picklable (loader workers)."""
+
+    def __init__(self, cp: int, method: str = "lpt", block_size: int = 128, ulysses: int = 1):
+        self.cp, self.method, self.block_size, self.ulysses = cp, method, block_size, ulysses
+
+    def num_blocks(self, seq_len: int) -> int:
+        """Blocks of a sequence of ``seq_len`` tokens after ``pad_for_context_parallel``."""
+        return max(-(-seq_len // self.block_size), self.cp)
+
+    def owner(self, mb: dict) -> torch.Tensor:
+        """``[num_blocks]`` int64 on the host (reads ``bam`` and ``segment_ids``: a host read where they are on a
+        device)."""
+        mb = pad_for_context_parallel(mb, self.cp, self.block_size)  # a no-op on the step's padded microbatches
+        plan = distribute(mb["bam"], self.cp, self.method, self.block_size, mb.get("segment_ids"),
+                          ulysses=self.ulysses)
+        owner = torch.empty(sum(len(p) for p in plan), dtype=torch.long)
+        for r, blocks in enumerate(plan):
+            owner[blocks] = r
+        return owner
 
 
 def module_meshes(layout: RankLayout, device_type: str) -> dict[str, DeviceMesh]:
@@ -161,6 +190,11 @@ class PipelineEngine:
             torch.device("cpu") if first is None or first.is_meta else first.device)
         self.cp_size = layout.cp[self.stage]
         self.encoder_cp = self.cp_size if self.plan.language_model is None else 1  # items split over CP ranks
+        # what this stage plans with: the data loader gets the same planners (CPPlanCollate)
+        self.item_planners = ({e: EncoderItems.of(model.encoders[e], self.encoder_cp) for e in self.plan.encoders}
+                              if self.encoder_cp > 1 else {})
+        self.block_owners = (BlockOwners(self.cp_size, cp_distribution, cp_block_size, layout.ulysses)
+                             if self.plan.language_model is not None and self.cp_size > 1 else None)
         mesh_device = self.device.type if carries_device_tensors(dist.get_backend(), self.device.type) else "cpu"
         self.groups = ProcessGroups(layout, rank, self.tie_stages, mesh_device, sharding_strategy != "NO_SHARD")
         self.tp_allreduce = apply_tp(model, self.plan, self.tp_meshes())
@@ -233,22 +267,43 @@ class PipelineEngine:
         modules = ([LANGUAGE_MODEL] if self.plan.language_model is not None else []) + list(self.plan.encoders)
         return {m: mesh for m in modules if self.layout.module_tp.get(m, 1) > 1}
 
-    def cp_owners(self, mbs: list[dict]) -> list[torch.Tensor] | None:
-        """Each microbatch's CP distribution as the owning rank of every block, made once at the LLM's first stage;
-        it travels down the LLM pipeline with the hidden states (``"cp_owner"``)."""
-        from lightning_mm.parallel.context import distribute
-
-        if self.cp_size == 1 or not self.plan.language_model.embed:
+    def cp_owners(self, mbs: list[dict], plans: CPPlans | None = None) -> list[torch.Tensor] | None:
+        """Each LLM microbatch's CP distribution as the owning rank of every block, on the host: the data loader's
+        (``plans``), else made here at the LLM's first stage (a host read of ``bam`` and ``segment_ids`` per
+        microbatch). The first stage sends it down the LLM pipeline with the hidden states (``"cp_owner"``); a later
+        stage without the loader's plan uses that one (None here)."""
+        if self.block_owners is None:
             return None
-        owners = []
-        for mb in mbs:
-            plan = distribute(mb["bam"], self.cp_size, self.cp_distribution, self.cp_block_size, mb.get("segment_ids"),
-                              ulysses=self.layout.ulysses)
-            owner = torch.empty(sum(len(p) for p in plan), dtype=torch.long)
-            for r, blocks in enumerate(plan):
-                owner[blocks] = r
-            owners.append(owner.to(self.device))
-        return owners
+        if plans is not None and plans.owners is not None:
+            got = [int(o.numel()) for o in plans.owners]
+            want = [self.block_owners.num_blocks(mb["input_ids"].shape[1]) for mb in mbs]
+            if got != want:
+                raise ValueError(f"the batch's CP plan (batch['{PLAN_KEY}']['cp']) gives block owners for {got} "
+                                 f"blocks per microbatch but this step runs {want}: it was made for another batch or "
+                                 "layout; let MultimodalParallelStrategy wrap the loader (it plans for its own "
+                                 "layout) or drop the plan from the batch")
+            return plans.owners
+        if not self.plan.language_model.embed:
+            return None
+        return [self.block_owners.owner(mb) for mb in mbs]
+
+    def item_shards(self, mbs: list[dict], plans: CPPlans | None = None) -> None:
+        """Put each microbatch's item plan of every encoder with CP in it (``mb[ITEMS_KEY]``): which CP rank encodes
+        which item, and each item's LLM tokens. The data loader's (``plans``) when the batch carries them, else made
+        here (``EncoderItems.plan``: a host read of the items' sizes per microbatch)."""
+        for name, planner in self.item_planners.items():
+            given = None if plans is None else plans.items.get(name)
+            for m, mb in enumerate(mbs):
+                if name not in mb:
+                    continue
+                plan = planner.plan(mb[name]) if given is None else given[m] if len(given) == len(mbs) else None
+                items = planner.family.num_items(mb[name])  # a shape: no device read
+                if plan is None or len(plan[1]) != items or len(plan[0]) != planner.ranks:
+                    raise ValueError(f"the batch's CP plan (batch['{PLAN_KEY}']['cp']) does not fit microbatch {m} "
+                                     f"of {len(mbs)} ({items} items of {name!r} over {planner.ranks} CP ranks): it "
+                                     "was made for another batch or layout; let MultimodalParallelStrategy wrap the "
+                                     "loader (it plans for its own layout) or drop the plan from the batch")
+                mb.setdefault(ITEMS_KEY, {})[name] = plan
 
     def forward_keys(self, stage: str) -> list[str]:
         """Keys of the activation message a stage sends (gradients come back for ``plans[stage].output_keys``)."""
@@ -275,7 +330,7 @@ class PipelineEngine:
             return torch.zeros(0, self.llm_hidden if sl.head else 0, device=self.device)
         items = mb[name]
         if self.encoder_cp > 1:  # this CP rank's items only; the last stage gathers every rank's features
-            shards, tokens = self.item_shards(enc, items)
+            shards, tokens = mb[ITEMS_KEY][name]
             mine = shards[self.coord.cp]
             if not mine:  # nothing to encode; the last stage still joins the gather
                 return self._gather_items(self._no_items(enc), shards, tokens) if sl.head else \
@@ -292,14 +347,6 @@ class PipelineEngine:
         feats = enc.head(hidden, ctx, items)
         return self._gather_items(feats, shards, tokens) if self.encoder_cp > 1 else feats
 
-    def item_shards(self, enc, inputs) -> tuple[list[list[int]], list[int]]:
-        """Items of each CP rank (LPT on per-item work) and each item's feature tokens. An item of ``t`` encoder
-        tokens costs about ``t (t + 6 d)`` (attention ~ 4 d t^2, weights ~ 24 d^2 t per layer of width ``d``)."""
-        tokens = enc.num_tokens(inputs)
-        width = getattr(enc.config, "hidden_size", 0) or getattr(enc.config, "embed_dim", 0)
-        work = [t * (t + 6 * width) for t in (encoder_input_tokens(enc, n) for n in tokens)]
-        return shard_items(work, self.encoder_cp), tokens
-
     def _no_items(self, enc) -> torch.Tensor:
         """The projected features of no item, in the dtype the projector gives (autocast included); it takes part
         in the gather and its backward like any rank's."""
@@ -315,7 +362,7 @@ class PipelineEngine:
 
     def _language_part(self, mb, received, num_label_tokens, owner):
         sl, model = self.plan.language_model, self.model
-        if not sl.embed and self.cp_size > 1:
+        if owner is None and self.cp_size > 1:  # a later stage without the loader's plan: the first stage's
             owner = received[self.graph.predecessors(self.stage)[0]]["cp_owner"]
         ctx = model.attention_context(mb["input_ids"], mb.get("bam"), mb.get("segment_ids"), mb.get("position_ids"),
                                       mb.get("attention_mask"))
@@ -335,7 +382,10 @@ class PipelineEngine:
             hidden = received[self.graph.predecessors(self.stage)[0]]["hidden"]
         hidden = self._run_layers(lambda h, a, b: model.run_llm_layers(h, ctx, a, b), hidden, sl.start, sl.end)
         if not sl.head:
-            return {"hidden": hidden} if owner is None else {"hidden": hidden, "cp_owner": owner}
+            if owner is None:
+                return {"hidden": hidden}
+            sent = owner if owner.device == self.device else owner.to(self.device, non_blocking=owner.is_pinned())
+            return {"hidden": hidden, "cp_owner": sent}
         logits = model.logits(hidden)
         with self.loss_context():
             loss_sum = losses.token_loss_sum(logits, local(targets))
@@ -348,7 +398,7 @@ class PipelineEngine:
         return loss_parallel() if self.vocab_parallel else contextlib.nullcontext()
 
     def _token_index(self, owner: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """Global indices of this CP rank's tokens."""
+        """Global indices of this CP rank's tokens (computed where ``owner`` is: on the host for a plan)."""
         blocks = torch.nonzero(owner == self.coord.cp).flatten()
         return token_index(blocks, self.cp_block_size, seq_len).to(self.device)
 
@@ -378,7 +428,9 @@ class PipelineEngine:
                                  self.model)
         if self.plan.language_model is not None:  # short CP sequences pad to whole blocks
             mbs = [pad_for_context_parallel(mb, self.cp_size, self.cp_block_size) for mb in mbs]
-        owners = self.cp_owners(mbs) if self.plan.language_model is not None else None
+        plans = batch_plans(batch)  # the data loader's CP plans (host data), if the batch carries them
+        owners = self.cp_owners(mbs, plans)
+        self.item_shards(mbs, plans)
         count = losses.count_label_tokens(batch["labels"]).reshape(1).to(self.device, torch.float32)
         if self.groups.dp is not None:
             dist.all_reduce(count, group=self.groups.dp)

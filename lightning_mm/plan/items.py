@@ -2,12 +2,23 @@
 
 LPT on per-item work (the seeds' Algorithm 1 at item granularity): items sorted by work, heaviest first, each to
 the least-loaded rank, ties to the lower index. A rank may get no item (fewer items than ranks); it still takes
-part in the gather. Pure: the runtime only executes the plan.
+part in the gather. Pure: the data loader makes the plan (``data/cp_plans.py``), the runtime only executes it.
 """
 
 from __future__ import annotations
 
 import heapq
+
+
+def encoder_width(config) -> int:
+    """The width ``item_work`` weighs an encoder's tokens with: its config's ``hidden_size`` (or ``embed_dim``)."""
+    return getattr(config, "hidden_size", 0) or getattr(config, "embed_dim", 0)
+
+
+def item_work(tokens: list[int], width: int) -> list[int]:
+    """Work of items that run ``tokens[i]`` tokens through encoder layers of width ``width``: ``t (t + 6 d)``
+    (attention ~ 4 d t^2, weights ~ 24 d^2 t per layer), the measure ``shard_items`` balances."""
+    return [t * (t + 6 * width) for t in tokens]
 
 
 def shard_items(work: list[float], ranks: int) -> list[list[int]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -113,7 +113,9 @@ class DataStats:
     per sample of each; ``ratio``: encoder:LLM work of the whole set (ratio of sums); ``ratio_mean``,
     ``ratio_std`` and ``ratio_percentiles`` of the per-sample ratios (samples with no LLM work left out);
     ``allocation``: the whole set's GPUs per component; ``profiling``: the Bernoulli test; ``population``: the data
-    set's size when the statistics are of a subset of it."""
+    set's size when the statistics are of a subset of it. ``microbatches`` (``plan_data_stats``): per encoder, the
+    items of random microbatches drawn from the data (``draw_microbatch_items``), what the planner's encoder
+    context parallelism is split on."""
 
     names: tuple[str, ...]
     num_samples: int
@@ -128,6 +130,7 @@ class DataStats:
     profiling: ProfilingBatch
     population: int | None = None
     note: str = ""
+    microbatches: dict[str, tuple] = field(default_factory=dict, repr=False)  # encoder CP's item split, see below
 
     def summary(self) -> str:
         """What ``lightning-mm plan --data-stats`` prints."""
@@ -200,15 +203,35 @@ def module_works(metas, workload, encoders: Sequence[str]) -> np.ndarray:
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(encoders) + 1)
 
 
+Item = tuple[int, float, int]  # one image / clip: (tokens through the encoder's layers, work, LLM tokens emitted)
+
+
+def microbatch_items(model, workload, batch: dict) -> dict[str, list[Item]]:
+    """Per encoder, the items of a collated microbatch: (encoder tokens, work by ``workload``, emitted tokens)."""
+    from lightning_mm.data.metadata import encoder_input_tokens
+
+    out = {}
+    for name, enc in model.encoders.items():
+        emitted = enc.num_tokens(batch[name]) if batch.get(name) is not None else []
+        tokens = [encoder_input_tokens(enc, n) for n in emitted]
+        out[name] = [(t, workload.encoders[name](t), n) for t, n in zip(tokens, emitted)]
+    return out
+
+
+def draw_microbatch_items(metas, workload, encoders: Sequence[str], samples: int, draws: int = 64,
+                          seed: int = 0) -> dict[str, tuple[tuple[Item, ...], ...]]:
+    """Per encoder, the items of ``draws`` seeded random microbatches of ``samples`` samples each (without
+    replacement within a microbatch), from per-sample ``SampleMeta``: how the data's items fall into microbatches."""
+    rng = np.random.default_rng(seed)
+    picks = [rng.choice(len(metas), min(samples, len(metas)), replace=False) for _ in range(draws)] if metas else []
+    return {e: tuple(tuple((t, workload.encoders[e](t), n) for i in pick for t, n in metas[i].items.get(e, ()))
+                     for pick in picks) for e in encoders}
+
+
 def microbatch_work(model, workload, batch: dict) -> tuple[np.ndarray, int]:
     """(work per module, samples) of a collated microbatch as the planner's costs counted it: each encoder on its
     items, the LLM on every row at its padded length; samples = rows, or packed segments."""
-    from lightning_mm.data.metadata import encoder_input_tokens
-
-    work = []
-    for name, enc in model.encoders.items():
-        items = enc.num_tokens(batch[name]) if batch.get(name) is not None else []
-        work.append(sum(workload.encoders[name](encoder_input_tokens(enc, n)) for n in items))
+    work = [sum(w for _, w, _ in items) for items in microbatch_items(model, workload, batch).values()]
     rows, length = batch["input_ids"].shape
     work.append(rows * workload.language_model(length))
     samples = rows
@@ -231,7 +254,9 @@ def plan_data_stats(model, datamodule, trainer, batch: dict, costs: dict, device
     sample, as the balancer plans. Memory estimates (activation bytes) stay those of ``batch``.
 
     ``gpus`` for the allocation = ``devices`` (default: the Trainer's) / the configured layout's data-parallel size,
-    in units of the language model's tp x cp. Returns (statistics, scaled costs, the factor per module)."""
+    in units of the language model's tp x cp. Returns (statistics, scaled costs, the factor per module); the
+    statistics' ``microbatches`` hold 64 seeded random microbatches of ``batch``'s sample count per encoder, for
+    the encoder CP split."""
     from lightning_mm.plan.layout import ParallelSpec, build_layout
     from lightning_mm.plan.placement import LANGUAGE_MODEL
     from lightning_mm.planner.costs import LayerCost
@@ -243,7 +268,8 @@ def plan_data_stats(model, datamodule, trainer, batch: dict, costs: dict, device
     dataset = metadata_dataset(datamodule)
     indices = sample_indices(len(dataset), max_samples, seed)
     workload = WorkloadModel.from_model(model)
-    works = module_works([dataset.sample_metadata(i) for i in indices], workload, encoders)
+    metas = [dataset.sample_metadata(i) for i in indices]
+    works = module_works(metas, workload, encoders)
     enc_specs = strategy.encoder_specs if strategy.encoder_specs is not None else {
         e: ParallelSpec() for e in encoders}
     llm_spec = strategy.language_model_spec
@@ -258,9 +284,10 @@ def plan_data_stats(model, datamodule, trainer, batch: dict, costs: dict, device
         note = (f"{gpus} GPU(s) per replica in units of {unit} cannot give every module one unit; allocations "
                 f"below are for {len(encoders) + 1} GPUs in units of 1 (pass --devices)")
         gpus, unit = len(encoders) + 1, 1
-    stats = replace(data_stats(works, gpus, unit, names=[*encoders, LANGUAGE_MODEL], seed=seed), note=note,
-                    population=len(dataset))
     counted, samples = microbatch_work(model, workload, batch)
+    stats = replace(data_stats(works, gpus, unit, names=[*encoders, LANGUAGE_MODEL], seed=seed), note=note,
+                    population=len(dataset),
+                    microbatches=draw_microbatch_items(metas, workload, encoders, samples, seed=seed))
     wanted = works.mean(0) * samples
     factors = {name: (float(w / c) if c > 0 else 1.0)
                for name, w, c in zip([*encoders, LANGUAGE_MODEL], wanted, counted)}

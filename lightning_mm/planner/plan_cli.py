@@ -11,6 +11,8 @@ GB/s. Files go to ``<the run's log dir>/plan`` (the folder ``fit`` would log to)
 ``--data-stats`` reads the training data's metadata (no tensors), reports its encoder:LLM workload ratio and
 Entrain's profiling batch size, and scales the costs to the data's mean work per sample
 (``lightning_mm.planner.data_stats.plan_data_stats``), so both plans are timed on the data, not the first batch.
+``--encoder-cp 1 2 4`` searches the encoders' context parallelism (items split over ranks, parallel placement);
+its split is that of the first microbatch's items, or of microbatches drawn from the data with ``--data-stats``.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from pathlib import Path
 
 import torch
 
+from lightning_mm.plan.items import encoder_width
 from lightning_mm.plan.schedule import LANGUAGE_MODEL
 from lightning_mm.planner.costs import save_profile
 from lightning_mm.planner.model_costs import model_layer_costs, model_memory, profile_model
-from lightning_mm.planner.search import AttentionShape, ModuleSpec, Plan, cp_mode_label, evaluate_plan, search, \
-    stage_layers
+from lightning_mm.planner.search import AttentionShape, ModuleSpec, Plan, cp_mode_label, encoder_cp_label, \
+    evaluate_plan, search, stage_cp, stage_layers
 from lightning_mm.planner.simulator import chrome_trace, timeline_png
 
 
@@ -53,7 +56,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="CP modes the search tries, comma-separated (allgather,ulysses,hybrid; hybrid with every valid "
                         "Ulysses degree K; default: the YAML's cp_mode)")
     p.add_argument("--cp-bandwidth", type=float, default=math.inf,
-                   help="GB/s per rank for context-parallel attention traffic (default: free)")
+                   help="GB/s per rank for context-parallel traffic: the LLM's attention and encoder CP's feature "
+                        "gather (default: free)")
+    p.add_argument("--encoder-cp", nargs="+", default=None,
+                   help="context-parallel degrees of the encoders the search tries (items split over ranks; parallel "
+                        "placement only), e.g. 1 2 4 or 1,2,4; every combination over the encoders (default: the "
+                        "YAML's encoder cps)")
     p.add_argument("--out", default=None,
                    help="folder for the timeline PNGs and Chrome traces (default: <the run's log dir>/plan)")
     p.add_argument("--data-stats", action="store_true",
@@ -88,26 +96,44 @@ def attention_shape(model, batch: dict) -> AttentionShape:
     return AttentionShape(int(seq.numel()), heads, kv_heads, head_dim, dtype_bytes)
 
 
-def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool = False) -> dict[str, ModuleSpec]:
+def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool = False,
+                 microbatches: dict | None = None) -> dict[str, ModuleSpec]:
     """Planner input per module: layer costs (scaled to the display unit), model-state bytes, activation
     bytes per in-flight microbatch and gradient bytes per layer, measured on ``batch``; the LLM's attention
-    shape (what context parallelism communicates)."""
+    shape (what context parallelism communicates); per encoder, the items encoder CP splits and the bytes of the
+    features it gathers: those of ``batch``, or with ``microbatches`` (``DataStats.microbatches``: per encoder,
+    microbatches of (encoder tokens, work, emitted tokens) items drawn from the data) theirs, the feature bytes at
+    their mean emitted tokens."""
     from lightning_mm.planner.costs import LayerCost
+    from lightning_mm.planner.data_stats import microbatch_items
+    from lightning_mm.planner.workload import WorkloadModel
 
     memory = model_memory(model, batch, recompute)
+    if microbatches is None:
+        microbatches = {e: (tuple(items),) for e, items in
+                        microbatch_items(model, WorkloadModel.from_model(model), batch).items()}
+    lm = model.language_model
+    cfg = getattr(lm.config, "text_config", None) or lm.config
+    token_bytes = cfg.hidden_size * next(lm.parameters()).element_size()  # one projected feature token
     specs = {}
     for module, layer_costs in costs.items():
         scaled = [LayerCost(c.forward * scale, c.backward * scale, c.trainable, c.in_backward) for c in layer_costs]
-        attention = attention_shape(model, batch) if module == LANGUAGE_MODEL else None
-        specs[module] = ModuleSpec(scaled, *memory[module], attention=attention)
+        if module == LANGUAGE_MODEL:
+            specs[module] = ModuleSpec(scaled, *memory[module], attention=attention_shape(model, batch))
+            continue
+        mbs = microbatches.get(module, ())
+        emitted = sum(n for mb in mbs for _, _, n in mb) / max(1, len(mbs))
+        specs[module] = ModuleSpec(scaled, *memory[module], items=[[(t, w) for t, w, _ in mb] for mb in mbs],
+                                   item_width=encoder_width(model.encoders[module].config),
+                                   feature_bytes=emitted * token_bytes)
     return specs
 
 
 def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int, memory_limit: float = math.inf,
                     allreduce_bandwidth: float = math.inf, tp_bandwidth: float = math.inf,
                     cp_bandwidth: float = math.inf) -> Plan:
-    """The strategy's own layout and partition, simulated (with the largest tp of its stages and the LLM's CP
-    degree and mode)."""
+    """The strategy's own layout and partition, simulated (with the largest tp of its stages, the LLM's CP
+    degree and mode and the encoders' CP degrees)."""
     from lightning_mm.plan.layout import ParallelSpec, build_layout
     from lightning_mm.planner.model_costs import resolve_partition
 
@@ -120,24 +146,28 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
                          memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth,
                          tp=max(layout.tp.values()), sharding=strategy.sharding_strategy, tp_bandwidth=tp_bandwidth,
                          cp=strategy.language_model_spec.cp, cp_mode=layout.cp_mode, ulysses=layout.ulysses,
-                         cp_bandwidth=cp_bandwidth)
+                         cp_bandwidth=cp_bandwidth, encoder_cp={e: s.cp for e, s in enc_specs.items()})
 
 
 def strategy_yaml(plan: Plan) -> str:
-    """The fit-YAML lines that run ``plan``: trainer devices and the strategy's specs (the LLM's with its cp,
-    cp_mode and hybrid's ulysses), placement, microbatches per replica and the planned boundaries (the search
-    already timed them)."""
+    """The fit-YAML lines that run ``plan``: trainer devices and the strategy's specs (``Plan.parallel_specs``: the
+    LLM's with its cp, cp_mode and hybrid's ulysses, an encoder's with its cp), placement, microbatches per replica
+    and the planned boundaries (the search already timed them)."""
     import yaml
 
-    spec = lambda pp: {"class_path": "lightning_mm.ParallelSpec", "init_args": {"pp": pp, "tp": plan.tp}}  # noqa: E731
-    pp = plan.pp()
-    llm = spec(pp[LANGUAGE_MODEL])
-    if plan.cp > 1:
-        llm["init_args"].update({"cp": plan.cp, "cp_mode": plan.cp_mode})
-        if plan.cp_mode == "hybrid":
-            llm["init_args"]["ulysses"] = plan.ulysses
-    args = {"encoders": {m: spec(n) for m, n in pp.items() if m != LANGUAGE_MODEL},
-            "language_model": llm, "encoder_placement": plan.placement,
+    def spec(s):  # pp and tp always, the CP fields where they differ from the defaults
+        args = {"pp": s.pp, "tp": s.tp}
+        if s.cp > 1:
+            args["cp"] = s.cp
+            if s.cp_mode != "allgather" or s is llm_spec:
+                args["cp_mode"] = s.cp_mode
+            if s.cp_mode == "hybrid":
+                args["ulysses"] = s.ulysses
+        return {"class_path": "lightning_mm.ParallelSpec", "init_args": args}
+
+    encoder_specs, llm_spec = plan.parallel_specs()
+    args = {"encoders": {m: spec(s) for m, s in encoder_specs.items()},
+            "language_model": spec(llm_spec), "encoder_placement": plan.placement,
             "num_microbatches": plan.microbatches_per_replica, "sharding_strategy": plan.sharding,
             "partition": {m: list(v) for m, v in plan.layers.items()}}
     doc = {"trainer": {"devices": plan.devices,
@@ -159,26 +189,28 @@ GIB = 2 ** 30
 
 
 def stage_table(plan: Plan, title: str, units: Units) -> str:
-    """Per stage: layers, its CP mode (LLM stages with cp > 1; "hybrid(K=..)" with the Ulysses degree, "-"
-    without CP), forward and backward per microbatch, busy time, bubble, peak in-flight microbatches, memory (and
-    the gradient all-reduce and the CP communication when they are costed), every number with its unit; then the
-    iteration."""
+    """Per stage: layers, its CP mode (LLM stages with cp > 1; "hybrid(K=..)" with the Ulysses degree; "items" for
+    an encoder with CP, which splits its items; "-" without CP) and CP degree (its ranks per replica / tp),
+    forward and backward per microbatch, busy time, bubble, peak in-flight microbatches, memory (and the gradient
+    all-reduce and the CP communication, encoder CP's gather included, when they are costed), every number with its
+    unit; then the iteration."""
     r, u = plan.result, units.name
     held = stage_layers(plan)
     sync = {s: sum(e.end - e.start for e in r.events if e.stage == s and e.kind == "sync") for s in r.stages}
     cp_comm = {s: plan.cp_comm.get(s, 0.0) for s in r.stages}
-    cols = ["cp mode", f"forward ({u})", f"backward ({u})", f"busy ({u})", "bubble", "in flight", "memory (GiB)"]
+    cols = ["cp mode", "cp", f"forward ({u})", f"backward ({u})", f"busy ({u})", "bubble", "in flight", "memory (GiB)"]
     if any(sync.values()):
         cols.append(f"all-reduce ({u})")
     if any(cp_comm.values()):
         cols.append(f"cp comm ({u})")
-    widths = [max(12 if c == "cp mode" else 10, len(c)) for c in cols]
+    widths = [max({"cp mode": 12, "cp": 3}.get(c, 10), len(c)) for c in cols]
     header = f"{'stage':<20} {'layers':<34} " + " ".join(f"{c:>{w}}" for c, w in zip(cols, widths))
     lines = [title, header, "-" * len(header)]
     f = units.factor
     for stage in r.stages:
-        mode = cp_mode_label(plan) if stage.startswith(LANGUAGE_MODEL + ".") else "-"
-        values = [mode, f"{plan.forward[stage] * f:.4g}", f"{plan.backward[stage] * f:.4g}",
+        degree = stage_cp(plan, stage)
+        mode = cp_mode_label(plan) if stage.startswith(LANGUAGE_MODEL + ".") else ("items" if degree > 1 else "-")
+        values = [mode, str(degree), f"{plan.forward[stage] * f:.4g}", f"{plan.backward[stage] * f:.4g}",
                   f"{r.busy[stage] * f:.4g}", f"{r.bubble_fraction[stage]:.1%}", f"{r.peak_inflight[stage]:d}",
                   f"{plan.memory[stage] / GIB:.3g}"]
         if any(sync.values()):
@@ -246,12 +278,14 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
         model.to("cpu")
         print(f"wrote {args.write_profile}")
     recompute = strategy.activation_checkpointing
+    microbatches = None  # encoder CP splits the first microbatch's items, or --data-stats' drawn microbatches
     costs = model_layer_costs(model, profile, batch=mb, recompute=recompute)
     if args.data_stats:  # costs scaled from this microbatch to the data's mean work (planner.data_stats)
         from lightning_mm.planner.data_stats import plan_data_stats
 
         stats, costs, factors = plan_data_stats(model, datamodule, trainer, mb, costs, args.devices,
                                                 args.data_stats_samples)
+        microbatches = stats.microbatches
         print("data statistics (work: the planner's FLOP model, per sample)\n" + stats.summary())
         print("costs scaled to the data's mean work: " + ", ".join(f"{m} x{f:.3g}" for m, f in factors.items())
               + "\n")
@@ -261,7 +295,7 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
         scale, units = 1.0 / args.device_flops, Units("ms", 1e3, True)
     else:  # planner costs in GFLOP
         scale, units = 1e-9, Units("GFLOP", 1.0, False)
-    specs = module_specs(model, costs, scale, mb, recompute)
+    specs = module_specs(model, costs, scale, mb, recompute, microbatches)
     devices = trainer.num_devices * trainer.num_nodes
     out = Path(args.out) if args.out else default_out(trainer)
     memory_limit = args.memory_limit * GIB
@@ -272,29 +306,34 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
     cp_degrees = [int(c) for c in args.cp.split(",")] if args.cp else [llm_spec.cp]
     cp_modes = args.cp_mode.split(",") if args.cp_mode else [llm_spec.cp_mode]
     cp_bandwidth = args.cp_bandwidth * 1e9
+    encoder_cp = ([int(c) for arg in args.encoder_cp for c in arg.split(",") if c] if args.encoder_cp else
+                  sorted({s.cp for s in (strategy.encoder_specs or {}).values()}) or [1])
     source = f"profile {profile}" if profile else "FLOPs counted on the real layers" + (
         f" at {args.device_flops:.4g} FLOP/s per device" if args.device_flops else "")
     print(f"costs per microbatch in {units.name} ({source}); memory in GiB"
           + (f"; gradient all-reduce at {args.allreduce_bandwidth:g} GB/s" if math.isfinite(bandwidth) else "")
           + (f"; CP attention traffic at {args.cp_bandwidth:g} GB/s" if math.isfinite(cp_bandwidth) else "")
+          + (" (and encoder CP's feature gather)" if math.isfinite(cp_bandwidth) and max(encoder_cp) > 1 else "")
           + "\n")
     mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth, tp_bandwidth, cp_bandwidth)
     files = _write(mine, out, "configured", units)
     print(stage_table(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
-                            f"tp={mine.tp}, cp={mine.cp}, cp_mode={cp_mode_label(mine)}, sharding={mine.sharding}, "
+                            f"tp={mine.tp}, cp={mine.cp}, cp_mode={cp_mode_label(mine)}, "
+                            f"encoder_cp={encoder_cp_label(mine)}, sharding={mine.sharding}, "
                             f"partition={strategy.partition!r}", units))
     budget = args.devices or devices
     found = search(specs, budget, mine.microbatches_per_replica * mine.dp, memory_limit,
                    allreduce_bandwidth=bandwidth, tp_degrees=tp_degrees, sharding_strategies=shardings,
-                   tp_bandwidth=tp_bandwidth, cp_degrees=cp_degrees, cp_modes=cp_modes, cp_bandwidth=cp_bandwidth)
+                   tp_bandwidth=tp_bandwidth, cp_degrees=cp_degrees, cp_modes=cp_modes, cp_bandwidth=cp_bandwidth,
+                   encoder_cp_degrees=encoder_cp)
     best = found.best
     files += _write(best, out, "auto", units)
     print()
     for reason in found.rejected:
         print(f"not searched: {reason}")
     print(stage_table(best, f"auto search on {budget} devices: placement={best.placement}, dp={best.dp}, "
-                            f"tp={best.tp}, cp={best.cp}, cp_mode={cp_mode_label(best)}, sharding={best.sharding}, "
-                            f"pp={best.pp()}", units))
+                            f"tp={best.tp}, cp={best.cp}, cp_mode={cp_mode_label(best)}, "
+                            f"encoder_cp={encoder_cp_label(best)}, sharding={best.sharding}, pp={best.pp()}", units))
     print(f"\nconfigured / auto predicted iteration time: {mine.iteration_time / best.iteration_time:.3f}x")
     print(f"\nto run the auto plan, put this in the fit YAML (the data module's batch_size is per replica: keep "
           f"batch_size x dp the same for the same global batch; dp = {best.dp}):\n")

@@ -4,11 +4,14 @@ For every data-parallel degree and every LLM stage count, the LLM is partitioned
 the target; each encoder gets the fewest stages whose slowest stage fits under it (encoder-parallel), or all
 encoders share one stage count fused stage by stage (encoder-colocated). Neighbouring encoder stage counts
 are tried too. Every candidate is timed by simulating the strategy's own 1F1B action lists with the true
-(frozen-aware) costs, and rejected if a stage exceeds the per-device memory limit.
+(frozen-aware) costs, and rejected if a stage exceeds the per-device memory limit. Tensor parallelism, sharding,
+the LLM's context parallelism (degree and mode) and the encoders' context parallelism (items split over ranks,
+parallel placement only) are searched around that.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
@@ -16,8 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lightning_mm.plan.cp_comm import cp_communication_bytes
-from lightning_mm.plan.layout import CP_MODES
-from lightning_mm.plan.placement import LANGUAGE_MODEL, placement_table
+from lightning_mm.plan.items import item_work, shard_items
+from lightning_mm.plan.layout import CP_MODES, ParallelSpec, RankLayout, build_layout
+from lightning_mm.plan.placement import LANGUAGE_MODEL, placement_table, stage_name
 from lightning_mm.plan.schedule import StageGraph, build_stage_graph
 from lightning_mm.planner.costs import LayerCost
 from lightning_mm.planner.partition import partition, partition_module, stage_sums
@@ -73,6 +77,41 @@ def cp_layer_bytes(attention: AttentionShape, cp: int, mode: str, ulysses: int |
                                   attention.head_dim, ulysses if mode == "hybrid" else None, attention.dtype_bytes)
 
 
+@functools.lru_cache(maxsize=1024)
+def _item_split(items, width: int, ranks: int) -> tuple[float, float]:
+    slowest = total = fullest = tokens = 0.0
+    for mb in items:
+        sizes, work = [t for t, _ in mb], [w for _, w in mb]
+        shards = shard_items(item_work(sizes, width), ranks)
+        slowest += max(sum(work[i] for i in s) for s in shards)
+        fullest += max(sum(sizes[i] for i in s) for s in shards)
+        total, tokens = total + sum(work), tokens + sum(sizes)
+    return (slowest / total if total > 0 else 1.0 / ranks), (fullest / tokens if tokens > 0 else 1.0 / ranks)
+
+
+def encoder_cp_split(spec: "ModuleSpec", ranks: int) -> tuple[float, float]:
+    """(work share, token share) of the busiest of an encoder's ``ranks`` CP ranks: what its stages' compute and
+    kept activations are multiplied by, and (tokens) how full the gather's padded per-rank slot is. With
+    ``spec.items`` the runtime's own split (``shard_items`` on ``item_work``) of each sample microbatch, then
+    sum over microbatches of the busiest rank's work / sum of the work (one image on 2 ranks: no gain); without
+    items, 1 / ranks (work assumed to split evenly)."""
+    if ranks == 1:
+        return 1.0, 1.0
+    if not spec.items:
+        return 1.0 / ranks, 1.0 / ranks
+    return _item_split(spec.items, spec.item_width, ranks)
+
+
+def encoder_gather_seconds(spec: "ModuleSpec", ranks: int, bandwidth: float, token_share: float) -> tuple[float, float]:
+    """(forward, backward) seconds of an encoder CP gather per microbatch on its last stage: the forward all-gather
+    receives (ranks - 1) slots of the busiest rank's features (``feature_bytes x token_share``; (ranks-1)/ranks of
+    the features when even), the backward all-reduces the whole feature gradient (ring: 2 (ranks-1)/ranks of it)."""
+    if ranks == 1 or spec.feature_bytes <= 0:
+        return 0.0, 0.0
+    return ((ranks - 1) * spec.feature_bytes * token_share / bandwidth,
+            allreduce_seconds(spec.feature_bytes, ranks, bandwidth))
+
+
 @dataclass(frozen=True)
 class ModuleSpec:
     """Planner input for one module: frozen-aware layer costs (projector last for an encoder), model-state
@@ -81,7 +120,13 @@ class ModuleSpec:
     bytes per layer (what data parallelism all-reduces every step). ``tp_bytes`` per layer: what one of its
     tensor-parallel all-reduces moves (its output hidden states for one microbatch; two in forward, two in
     backward). ``attention`` (the LLM's): the shape context parallelism's communication is computed from;
-    without it CP communication is free."""
+    without it CP communication is free.
+
+    An encoder's context parallelism (``evaluate_plan(encoder_cp=)``) reads two more: ``items``, per sample
+    microbatch the (encoder tokens, work) of each item (image, clip), from which the runtime's LPT split over the
+    CP ranks is recomputed (``item_width``: the tower's width, what ``plan.items.item_work`` weighs the tokens with;
+    without items the work is assumed to split evenly); ``feature_bytes``, the bytes of one microbatch's projected
+    features (feature tokens x LLM hidden size x bytes per element), what its last stage all-gathers."""
 
     costs: Sequence[LayerCost]
     param_bytes: Sequence[float] | float = 0.0
@@ -89,6 +134,13 @@ class ModuleSpec:
     grad_bytes: Sequence[float] | float = 0.0
     tp_bytes: Sequence[float] | float = 0.0
     attention: AttentionShape | None = None
+    items: Sequence[Sequence[tuple[float, float]]] | None = None
+    item_width: int = 0
+    feature_bytes: float = 0.0
+
+    def __post_init__(self):  # hashable items: the CP split is cached per (items, width, ranks)
+        if self.items is not None:
+            object.__setattr__(self, "items", tuple(tuple((int(t), float(w)) for t, w in mb) for mb in self.items))
 
     def per_layer(self, value) -> list[float]:
         return [float(value)] * len(self.costs) if isinstance(value, (int, float)) else [float(v) for v in value]
@@ -113,6 +165,7 @@ class Plan:
     cp_mode: str = "allgather"
     ulysses: int = 1  # the Ulysses degree: 1 (allgather), cp (ulysses), K (hybrid)
     cp_comm: dict[str, float] = field(default_factory=dict)  # per stage: CP seconds per microbatch (fwd + bwd)
+    encoder_cp: dict[str, int] = field(default_factory=dict)  # encoders with context parallelism: their degree
 
     @property
     def iteration_time(self) -> float:
@@ -122,10 +175,18 @@ class Plan:
     def stages_per_replica(self) -> int:
         return len(self.forward)
 
+    def parallel_specs(self) -> tuple[dict[str, ParallelSpec], ParallelSpec]:
+        """(encoder specs, LLM spec) that run this plan, as a user writes them in the strategy."""
+        return _parallel_specs(self.layers, self.tp, self.cp, self.cp_mode, self.ulysses, self.encoder_cp)
+
+    @functools.cached_property
+    def layout(self) -> RankLayout:
+        """The rank layout of this plan (``plan.layout.build_layout``, the one source of rank counts)."""
+        return _replica_layout(self.parallel_specs(), self.placement, self.dp)
+
     @property
     def devices(self) -> int:
-        llm = len(self.layers[LANGUAGE_MODEL])
-        return (self.stages_per_replica + llm * (self.cp - 1)) * self.dp * self.tp
+        return self.layout.world_size
 
     def pp(self) -> dict[str, int]:
         return {m: len(sizes) for m, sizes in self.layers.items()}
@@ -136,6 +197,21 @@ class SearchResult:
     best: Plan
     candidates: list[Plan] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)  # CP modes / degrees the model's heads cannot take, why
+
+
+def _parallel_specs(layers, tp, cp, cp_mode, ulysses, encoder_cp) -> tuple[dict[str, ParallelSpec], ParallelSpec]:
+    llm = ParallelSpec(pp=len(layers[LANGUAGE_MODEL]), cp=cp, tp=tp, cp_mode=cp_mode if cp > 1 else "allgather",
+                       ulysses=ulysses if cp > 1 and cp_mode == "hybrid" else None)
+    return {e: ParallelSpec(pp=len(v), cp=encoder_cp.get(e, 1), tp=tp) for e, v in layers.items()
+            if e != LANGUAGE_MODEL}, llm
+
+
+def _replica_layout(specs, placement: str, dp: int) -> RankLayout:
+    """``build_layout`` of ``dp`` replicas: it is laid out for 0 devices (one replica's widths, which divide 0, and
+    its checks, e.g. encoder CP only with parallel placement), then given ``dp``."""
+    layout = build_layout(*specs, 0, placement)
+    layout.dp = dp
+    return layout
 
 
 def _check_modules(modules: dict[str, ModuleSpec]) -> None:
@@ -223,6 +299,7 @@ def evaluate_plan(
     cp_mode: str = "allgather",
     ulysses: int | None = None,
     cp_bandwidth: float = math.inf,
+    encoder_cp: dict[str, int] | None = None,
 ) -> Plan:
     """Simulate one layout on one DP replica (num_microbatches / dp microbatches) with the true costs. With
     dp > 1 each stage then all-reduces its gradients over its dp replicas: a ring moves 2 (dp-1)/dp of the
@@ -235,7 +312,16 @@ def evaluate_plan(
     ``cp_communication_bytes`` per microbatch for ``cp_mode`` (``ulysses``: hybrid's K) in forward, and again
     in backward where the layer takes part in it, over ``cp_bandwidth`` bytes/s per rank (the LLM's
     ``ModuleSpec.attention`` gives the shape; without it CP communication is free). A mode the LLM's heads
-    cannot take raises, with the reason."""
+    cannot take raises, with the reason.
+
+    ``encoder_cp={encoder: N}`` (encoder context parallelism, parallel placement only: ``build_layout``'s check)
+    gives each of that encoder's stages N x tp ranks, each encoding a share of every microbatch's items: the
+    stages' compute and kept activations are multiplied by the busiest rank's share (``encoder_cp_split``: the
+    runtime's LPT item split when ``ModuleSpec.items`` holds the microbatches' items, else 1/N, work assumed to
+    split evenly); parameters and optimiser state stay whole on every CP rank (sharding, if any, spans dp x N, and
+    the gradients are reduced over dp x N ranks, as the runtime does). Its last stage adds the feature all-gather to
+    its forward and the feature-gradient all-reduce to its backward (``encoder_gather_seconds`` over
+    ``cp_bandwidth``; free without ``ModuleSpec.feature_bytes``), shown in ``Plan.cp_comm``."""
     if sharding not in SHARDING_TRAFFIC:
         raise ValueError(f"unknown sharding {sharding!r}; use one of {tuple(SHARDING_TRAFFIC)}")
     _check_modules(modules)
@@ -257,30 +343,47 @@ def evaluate_plan(
     for module, sizes in layers.items():
         if sum(sizes) != len(modules[module].costs) or min(sizes) < 1:
             raise ValueError(f"{module}: stage sizes {sizes} must be >= 1 and cover its {len(modules[module].costs)} layers")
+    encoder_cp = {e: n for e, n in (encoder_cp or {}).items() if n != 1}
+    unknown = [e for e in encoder_cp if e not in _encoders(modules)]
+    if unknown:
+        raise ValueError(f"encoder_cp names {unknown}, which are not encoders of these modules "
+                         f"({_encoders(modules)}); give a degree per encoder name")
+    _replica_layout(_parallel_specs(layers, tp, cp, cp_mode, k, encoder_cp), placement, dp)  # the layout's checks
     table = _stage_table(modules, layers, placement)
     graph = plan_graph(modules, layers, placement)
     per_replica = num_microbatches // dp
     llm = _llm_stage_parts(modules, layers, placement)  # stage -> (fwd, bwd, kept, layers, layers in backward)
     split = {s: llm.get(s, (0.0, 0.0, 0.0, 0, 0)) for s in table}
     ranks = {s: cp if s in llm else 1 for s in table}  # the ranks one stage's parameters are replicated over
+    share = {s: (1.0, 1.0) for s in table}  # encoder CP: (work, tokens) share of a stage's busiest CP rank
+    gather_f, gather_b = dict.fromkeys(table, 0.0), dict.fromkeys(table, 0.0)
+    for e, n in encoder_cp.items():
+        split_e = encoder_cp_split(modules[e], n)
+        for i in range(len(layers[e])):
+            ranks[stage_name(e, i)], share[stage_name(e, i)] = n, split_e
+        last = stage_name(e, len(layers[e]) - 1)
+        gather_f[last], backward = encoder_gather_seconds(modules[e], n, cp_bandwidth, split_e[1])
+        gather_b[last] = backward if graph.node(last).needs_backward else 0.0
     per_layer = (cp_layer_bytes(attention, cp, cp_mode, k, tp) if cp > 1 and attention is not None
                  else {"forward": 0.0, "backward": 0.0})
-    cp_fwd = {s: split[s][3] * per_layer["forward"] / cp_bandwidth if cp > 1 else 0.0 for s in table}
-    cp_bwd = {s: split[s][4] * per_layer["backward"] / cp_bandwidth if cp > 1 else 0.0 for s in table}
+    cp_fwd = {s: (split[s][3] * per_layer["forward"] / cp_bandwidth if cp > 1 else 0.0) + gather_f[s] for s in table}
+    cp_bwd = {s: (split[s][4] * per_layer["backward"] / cp_bandwidth if cp > 1 else 0.0) + gather_b[s] for s in table}
     tp_comm = {s: 2 * allreduce_seconds(r[6], tp, tp_bandwidth) for s, r in table.items()}
-    compute_f = {s: r[0] - split[s][0] + split[s][0] / ranks[s] for s, r in table.items()}
-    compute_b = {s: r[1] - split[s][1] + split[s][1] / ranks[s] for s, r in table.items()}
-    fwd = {s: compute_f[s] / tp + tp_comm[s] + cp_fwd[s] for s, r in table.items()}
+    compute_f = {s: (r[0] - split[s][0] + split[s][0] / ranks[s]) * share[s][0] for s, r in table.items()}
+    compute_b = {s: (r[1] - split[s][1] + split[s][1] / ranks[s]) * share[s][0] for s, r in table.items()}
+    comm_f = {s: tp_comm[s] + cp_fwd[s] for s in table}
+    comm_b = {s: (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] for s, r in table.items()}
+    fwd = {s: compute_f[s] / tp + tp_comm[s] + cp_fwd[s] for s in table}
     bwd = {s: compute_b[s] / tp + (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] for s, r in table.items()}
     sync = {s: SHARDING_TRAFFIC[sharding] * allreduce_seconds(r[4] / tp, dp * ranks[s], allreduce_bandwidth)
             for s, r in table.items()}
-    result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency, sync)
-    kept = {s: r[3] - split[s][2] + split[s][2] / ranks[s] for s, r in table.items()}
+    result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency, sync, comm_f, comm_b)
+    kept = {s: (r[3] - split[s][2] + split[s][2] / ranks[s]) * share[s][1] for s, r in table.items()}
     memory = {s: state_bytes_per_device(r[2], r[5], dp * ranks[s], tp, sharding) + kept[s] * result.peak_inflight[s]
               for s, r in table.items()}
     return Plan(placement, {m: list(v) for m, v in layers.items()}, dp, per_replica, fwd, bwd, memory, result,
                 all(v <= memory_limit for v in memory.values()), tp, sharding, cp, cp_mode if cp > 1 else "allgather",
-                k, {s: cp_fwd[s] + cp_bwd[s] for s in table})
+                k, {s: cp_fwd[s] + cp_bwd[s] for s in table}, encoder_cp)
 
 
 def _llm_stage_parts(modules, layers, placement) -> dict[str, tuple[float, float, float, int, int]]:
@@ -310,7 +413,8 @@ def forward_only_modules(modules: dict[str, ModuleSpec]) -> dict[str, ModuleSpec
     for name, spec in modules.items():
         kept = [a if c.in_backward else 0.0 for a, c in zip(spec.per_layer(spec.activation_bytes), spec.costs)]
         believed = [LayerCost(c.forward, 2.0 * c.forward, True, True) for c in spec.costs]
-        out[name] = ModuleSpec(believed, spec.param_bytes, kept, spec.grad_bytes, attention=spec.attention)
+        out[name] = ModuleSpec(believed, spec.param_bytes, kept, spec.grad_bytes, attention=spec.attention,
+                               items=spec.items, item_width=spec.item_width, feature_bytes=spec.feature_bytes)
     return out
 
 
@@ -353,17 +457,23 @@ class _Partitions:
                 return count
         return limit
 
-    def water_fill(self, names: list[str], devices: int) -> list[int] | None:
-        """Share `devices` stages among encoders, one at a time to the current slowest (None if too few)."""
-        if devices < len(names):
+    def water_fill(self, names: list[str], devices: int, widths: dict[str, int] | None = None,
+                   shares: dict[str, float] | None = None) -> list[int] | None:
+        """Share `devices` among encoder stages, one stage at a time to the current slowest (None if too few). A
+        stage of encoder e takes ``widths[e]`` devices (its CP degree) and its weight counts ``shares[e]`` (its
+        busiest CP rank's share)."""
+        widths, shares = widths or {}, shares or {}
+        left = devices - sum(widths.get(e, 1) for e in names)
+        if left < 0:
             return None
         counts = {e: 1 for e in names}
-        for _ in range(devices - len(names)):
-            growable = [e for e in names if counts[e] < len(self.weights[e])]
+        while True:
+            growable = [e for e in names if counts[e] < len(self.weights[e]) and widths.get(e, 1) <= left]
             if not growable:
                 break
-            slowest = max(growable, key=lambda e: max(self.stage_weights(e, counts[e])))
+            slowest = max(growable, key=lambda e: max(self.stage_weights(e, counts[e])) * shares.get(e, 1.0))
             counts[slowest] += 1
+            left -= widths.get(slowest, 1)
         return [counts[e] for e in names]
 
 
@@ -371,13 +481,19 @@ def _neighbours(count: int, limit: int) -> list[int]:
     return [c for c in (count - 1, count, count + 1) if 1 <= c <= limit]
 
 
-def candidate_layouts(modules: dict[str, ModuleSpec], budget: int, placements: Sequence[str], llm_width: int = 1):
+def candidate_layouts(modules: dict[str, ModuleSpec], budget: int, placements: Sequence[str], llm_width: int = 1,
+                      encoder_cp: dict[str, int] | None = None):
     """Yield (placement, layers per stage per module) for one replica's device budget (001 Algorithm 1):
     per LLM stage count, encoder stage counts matched to the LLM's slowest stage (and their neighbours),
     plus the best share of the remaining devices when the matched counts do not fit. An LLM stage takes
-    ``llm_width`` of the budget's units (its cp), an encoder stage one."""
+    ``llm_width`` of the budget's units (its cp), an encoder stage one, or its CP degree ``encoder_cp[e]`` (then
+    only parallel placement is proposed, and its stages are matched at the busiest CP rank's share of the work)."""
     encoders = _encoders(modules)
     parts = _Partitions(modules)
+    widths = {e: n for e, n in (encoder_cp or {}).items() if n > 1}
+    shares = {e: encoder_cp_split(modules[e], n)[0] for e, n in widths.items()}
+    if widths:
+        placements = [p for p in placements if p == "parallel"]
     llm_layers = len(modules[LANGUAGE_MODEL].costs)
     for llm_pp in range(1, min(llm_layers, budget // llm_width) + 1):
         llm_sizes = parts.sizes(LANGUAGE_MODEL, llm_pp)
@@ -392,9 +508,11 @@ def candidate_layouts(modules: dict[str, ModuleSpec], budget: int, placements: S
             continue
         spare = budget - llm_pp * llm_width
         if "parallel" in placements:
-            options = [_neighbours(parts.fewest_stages_under(e, target), len(modules[e].costs)) for e in encoders]
-            choices = [c for c in itertools.product(*options) if sum(c) <= spare]
-            filled = parts.water_fill(encoders, spare)
+            options = [_neighbours(parts.fewest_stages_under(e, target / shares.get(e, 1.0)), len(modules[e].costs))
+                       for e in encoders]
+            choices = [c for c in itertools.product(*options)
+                       if sum(n * widths.get(e, 1) for e, n in zip(encoders, c)) <= spare]
+            filled = parts.water_fill(encoders, spare, widths, shares)
             if filled is not None:
                 choices.append(tuple(filled))
             for counts in dict.fromkeys(choices):
@@ -467,6 +585,7 @@ def search(
     cp_degrees: Sequence[int] = (1,),
     cp_modes: Sequence[str] = ("allgather",),
     cp_bandwidth: float = math.inf,
+    encoder_cp_degrees: Sequence[int] = (1,),
 ) -> SearchResult:
     """Pick DP degree, stage counts, boundaries and placement minimising the simulated time of one global
     batch of `num_microbatches`. Two frozen-unaware baselines believe backward = 2 x forward everywhere and
@@ -485,7 +604,10 @@ def search(
     ``cp_degrees`` (the LLM stages' context parallelism) and ``cp_modes`` are searched too, hybrid with every
     valid Ulysses degree K; ``cp_bandwidth`` (bytes/s per rank) times each mode's ``cp_communication_bytes``
     (``evaluate_plan``). Modes or degrees the LLM's heads cannot take are skipped, their reasons in
-    ``SearchResult.rejected``."""
+    ``SearchResult.rejected``. ``encoder_cp_degrees``: the encoders' context-parallel degrees tried, every
+    combination over the encoders; a degree above 1 only with parallel placement (``build_layout`` refuses it
+    otherwise; the reason goes to ``rejected``), whose encoder stage counts are then matched at the busiest CP
+    rank's share of the work. The default ``(1,)`` searches no encoder CP."""
     _check_modules(modules)
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
@@ -513,6 +635,18 @@ def search(
                                         + f" tp={t}: {problem}")
                     else:
                         cp_grid.append((c, m, k, t))
+    encoders = _encoders(modules)
+    enc_degrees = list(dict.fromkeys(encoder_cp_degrees))
+    if not enc_degrees or any(not isinstance(n, int) or n < 1 for n in enc_degrees):
+        raise ValueError(f"encoder_cp_degrees must be ints >= 1, got {tuple(encoder_cp_degrees)!r}")
+    enc_grid = [dict(zip(encoders, c)) for c in itertools.product(enc_degrees, repeat=len(encoders))]
+    if any(n > 1 for n in enc_degrees) and encoders:
+        for p in placements:
+            if p != "parallel":
+                try:
+                    _replica_layout(({encoders[0]: ParallelSpec(cp=max(enc_degrees))}, ParallelSpec()), p, 1)
+                except ValueError as err:
+                    rejected.append(f"encoder cp > 1 with placement {p!r}: {err}")
     grid = [(d, t, sh, c, m, k) for c, m, k, t in cp_grid for d in range(1, num_devices // (t * c) + 1)
             for sh in (sharding_strategies if d * c > 1 else ("NO_SHARD",))
             if num_microbatches % d == 0 and (data_parallel or d == 1)
@@ -522,17 +656,18 @@ def search(
     # time a little, so without them the aware search could lose to the unaware one by a fraction of a percent.
     proposers = [planning] if planning is not modules else [modules, forward_only_modules(modules)]
     candidates = []
-    for dp, tp, sharding, cp, cp_mode, k in grid:
+    for (dp, tp, sharding, cp, cp_mode, k), ecp in itertools.product(grid, enc_grid):
         seen = set()
         for proposer in proposers:
-            layouts = (candidate_layouts(proposer, num_devices // (dp * tp), placements, cp) if stages is None
+            layouts = (candidate_layouts(proposer, num_devices // (dp * tp), placements, cp, ecp) if stages is None
                        else fixed_stage_layouts(proposer, stages, placements))
             for placement, layers in layouts:
                 key = (placement, tuple((m, tuple(v)) for m, v in layers.items()))
-                if key not in seen:
+                if key not in seen and (placement == "parallel" or all(n == 1 for n in ecp.values())):
                     seen.add(key)
                     plan = evaluate_plan(planning, layers, placement, num_microbatches, dp, p2p_latency, memory_limit,
-                                         allreduce_bandwidth, tp, sharding, tp_bandwidth, cp, cp_mode, k, cp_bandwidth)
+                                         allreduce_bandwidth, tp, sharding, tp_bandwidth, cp, cp_mode, k, cp_bandwidth,
+                                         ecp)
                     if plan.devices <= num_devices:
                         candidates.append(plan)
     if not candidates:
@@ -554,7 +689,7 @@ def search(
     if planning is not modules:
         best = evaluate_plan(modules, best.layers, best.placement, num_microbatches, best.dp, p2p_latency, memory_limit,
                              allreduce_bandwidth, best.tp, best.sharding, tp_bandwidth, best.cp, best.cp_mode,
-                             best.ulysses, cp_bandwidth)
+                             best.ulysses, cp_bandwidth, best.encoder_cp)
     return SearchResult(best, candidates, rejected)
 
 
@@ -563,6 +698,18 @@ def cp_mode_label(plan: Plan) -> str:
     if plan.cp == 1:
         return "-"
     return f"hybrid(K={plan.ulysses})" if plan.cp_mode == "hybrid" else plan.cp_mode
+
+
+def encoder_cp_label(plan: Plan) -> str:
+    """The encoders' CP degrees as the tables print them: "-" without encoder CP, else e.g. "vision:2,audio:1"."""
+    if not plan.encoder_cp:
+        return "-"
+    return ",".join(f"{e}:{plan.encoder_cp.get(e, 1)}" for e in plan.layers if e != LANGUAGE_MODEL)
+
+
+def stage_cp(plan: Plan, stage: str) -> int:
+    """The CP degree of one stage of ``plan``: the LLM's cp, an encoder's CP degree, 1 for colocated stages."""
+    return plan.layout.cp[stage]
 
 
 def stage_layers(plan: Plan) -> dict[str, str]:
@@ -583,7 +730,7 @@ def plan_summary(plan: Plan, title: str | None = None) -> str:
     predicted iteration time (what `lightning-mm plan` prints)."""
     r = plan.result
     lines = [title or f"placement={plan.placement}  dp={plan.dp}  tp={plan.tp}  cp={plan.cp}  "
-                      f"cp_mode={cp_mode_label(plan)}  sharding={plan.sharding}  "
+                      f"cp_mode={cp_mode_label(plan)}  encoder_cp={encoder_cp_label(plan)}  sharding={plan.sharding}  "
                       f"microbatches/replica={plan.microbatches_per_replica}"]
     held = stage_layers(plan)
     header = f"{'stage':<20} {'layers':<34} {'forward':>10} {'backward':>10} {'busy':>10} {'bubble':>7} {'inflight':>8} {'memory':>10}"

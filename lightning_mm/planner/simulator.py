@@ -2,7 +2,9 @@
 
 Each stage is one device executing its action list in order: compute takes the stage's forward/backward
 cost, sends are non-blocking and arrive `p2p_latency` later, receives block until the message arrived.
-Every stage starts at time 0; the iteration ends when the last stage finishes.
+Every stage starts at time 0; the iteration ends when the last stage finishes. The collectives a stage runs inside
+a forward or backward (tensor- and context-parallel traffic, encoder CP's feature gather) are part of that cost;
+``forward_comm`` / ``backward_comm`` say how much, so the timeline draws that share as communication.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ class Event:
     """One compute interval on one stage. ``deferred``: the share of the interval that batch balancing's deferral
     moved there (0 without deferral): on an LLM stage, the LLM work of samples deferred from the previous
     microbatch; on an encoder stage, the backward of a deferring microbatch (all of it, as it waits for the
-    deferred samples' gradients)."""
+    deferred samples' gradients). ``comm``: seconds of the interval spent in collectives (0 when none are costed),
+    drawn at the end of a forward and the start of a backward, where encoder CP's gather and its gradient
+    all-reduce run (per-layer collectives are spread through the interval; the drawing sums them)."""
 
     stage: str
     kind: str  # "forward" | "backward" | "sync" (gradient all-reduce, microbatch -1)
@@ -31,6 +35,7 @@ class Event:
     start: float
     end: float
     deferred: float = 0.0
+    comm: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -66,10 +71,14 @@ def simulate(
     backward_cost: dict[str, Cost],
     p2p_latency: float = 0.0,
     sync_cost: dict[str, float] | None = None,
+    forward_comm: dict[str, float] | None = None,
+    backward_comm: dict[str, float] | None = None,
 ) -> SimulationResult:
     """Time the action lists. Costs are per stage: one number, or one per microbatch. ``sync_cost``: seconds of
     each stage's gradient all-reduce over its replicas, run after its last action (an event of kind "sync",
-    microbatch -1); it lengthens the iteration but is not busy compute."""
+    microbatch -1); it lengthens the iteration but is not busy compute. ``forward_comm`` / ``backward_comm``:
+    seconds of each stage's forward / backward cost that are collectives (included in the cost, not added; they
+    set ``Event.comm``)."""
     clock = {s: 0.0 for s in actions}
     cursor = {s: 0 for s in actions}
     channels: dict[tuple[str, str, str], deque] = {}
@@ -92,10 +101,12 @@ def simulate(
                 elif a.kind.startswith("send"):
                     channels.setdefault((stage, a.peer, a.kind[-3:]), deque()).append((a.microbatch, clock[stage] + p2p_latency))
                 else:
-                    costs = forward_cost if a.kind == "forward" else backward_cost
+                    costs, comm = ((forward_cost, forward_comm) if a.kind == "forward" else
+                                   (backward_cost, backward_comm))
                     start = clock[stage]
                     clock[stage] += _cost_of(costs, stage, a.microbatch, a.kind)
-                    events.append(Event(stage, a.kind, a.microbatch, start, clock[stage]))
+                    share = min((comm or {}).get(stage, 0.0), clock[stage] - start)
+                    events.append(Event(stage, a.kind, a.microbatch, start, clock[stage], comm=share))
                     if graph.node(stage).needs_backward:
                         inflight[stage] += 1 if a.kind == "forward" else -1
                         peak[stage] = max(peak[stage], inflight[stage])
@@ -122,9 +133,12 @@ def simulate_1f1b(
     backward_cost: dict[str, Cost],
     p2p_latency: float = 0.0,
     sync_cost: dict[str, float] | None = None,
+    forward_comm: dict[str, float] | None = None,
+    backward_comm: dict[str, float] | None = None,
 ) -> SimulationResult:
     """Simulate the strategy's own 1F1B schedule for this graph."""
-    return simulate(graph, one_f_one_b(graph, num_microbatches), forward_cost, backward_cost, p2p_latency, sync_cost)
+    return simulate(graph, one_f_one_b(graph, num_microbatches), forward_cost, backward_cost, p2p_latency, sync_cost,
+                    forward_comm, backward_comm)
 
 
 def mark_deferred(result: SimulationResult, shares: dict[tuple[str, str, int], float]) -> SimulationResult:
@@ -155,15 +169,22 @@ def chrome_trace(result: SimulationResult, path: str | Path, time_scale: float =
             "tid": tid[e.stage],
             "ts": e.start * time_scale,
             "dur": (e.end - e.start) * time_scale,
-            "args": {"microbatch": e.microbatch, **({"deferred": round(e.deferred, 4)} if e.deferred else {})},
+            "args": {"microbatch": e.microbatch, **({"deferred": round(e.deferred, 4)} if e.deferred else {}),
+                     **({"comm": e.comm} if e.comm else {})},
         })
+        if e.comm > 0:  # nested slice: the collectives inside the compute step
+            start = e.end - e.comm if e.kind == "forward" else e.start
+            trace.append({"name": "comm", "cat": "comm", "ph": "X", "pid": 0, "tid": tid[e.stage],
+                          "ts": start * time_scale, "dur": e.comm * time_scale, "args": {"microbatch": e.microbatch}})
     Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
 
 def timeline_png(result: SimulationResult, path: str | Path, title: str | None = None, scale: float = 1.0,
                  xlabel: str = "time") -> None:
     """Draw the schedule as a Gantt chart (forward blue, backward orange, microbatch numbers inside; gradient
-    all-reduce grey; the share of an interval that deferral moved there hatched at its end). The x axis shows the
+    all-reduce grey; collectives inside a step (``Event.comm``: TP / CP traffic, encoder CP's gather) in a lighter
+    shade with dots, at the end of a forward and the start of a backward; the share of an interval that deferral
+    moved there hatched at its end). The x axis shows the
     result's units times ``scale`` (e.g. 1e3 for seconds shown in ms), labelled ``xlabel``."""
     try:
         import matplotlib
@@ -179,18 +200,27 @@ def timeline_png(result: SimulationResult, path: str | Path, title: str | None =
         color = {"forward": "#4C72B0", "backward": "#DD8452"}.get(e.kind, "#8C8C8C")
         ax.broken_barh([(e.start * scale, (e.end - e.start) * scale)], (y - 0.4, 0.8), facecolors=color,
                        edgecolor="white", linewidth=0.5)
+        if e.comm > 0:
+            start = e.end - e.comm if e.kind == "forward" else e.start
+            ax.broken_barh([(start * scale, e.comm * scale)], (y - 0.4, 0.8),
+                           facecolors={"forward": "#A6BDDB", "backward": "#F4C9A8"}.get(e.kind, "#C8C8C8"),
+                           edgecolor="black", hatch="..", linewidth=0.0)
         text = "AR" if e.kind == "sync" else str(e.microbatch)
         if e.deferred > 0:
             width = (e.end - e.start) * e.deferred
             ax.broken_barh([((e.end - width) * scale, width * scale)], (y - 0.4, 0.8), facecolors="none",
                            edgecolor="black", hatch="///", linewidth=0.0)
         ax.text((e.start + e.end) / 2 * scale, y, text, ha="center", va="center", fontsize=7, color="white")
-    if any(e.deferred > 0 for e in result.events):
+    deferred, comm = any(e.deferred > 0 for e in result.events), any(e.comm > 0 for e in result.events)
+    if deferred or comm:
         from matplotlib.patches import Patch
 
-        ax.legend(handles=[Patch(facecolor="#4C72B0", label="forward"), Patch(facecolor="#DD8452", label="backward"),
-                           Patch(facecolor="white", edgecolor="black", hatch="///", label="deferred")],
-                  loc="upper right", fontsize=7, ncol=3)
+        handles = [Patch(facecolor="#4C72B0", label="forward"), Patch(facecolor="#DD8452", label="backward")]
+        if comm:
+            handles.append(Patch(facecolor="#A6BDDB", edgecolor="black", hatch="..", label="communication"))
+        if deferred:
+            handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="deferred"))
+        ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles))
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{s} ({result.bubble_fraction[s]:.0%} idle)" for s in reversed(result.stages)])
     ax.set_xlim(0, result.iteration_time * scale)

@@ -17,6 +17,7 @@ names), so a test can compare any layout with one process. Keys of the JSON (all
 - ``consolidate``: save a checkpoint after fit and consolidate it on rank 0 while the group is alive
 - ``balancing`` (batch_balancing), ``items`` ([min, max] items per sample), ``modalities`` (default
   ["vision", "audio"]), ``plans``: rank 0 writes each step's batch plan (``plans.json``)
+- ``workers``: the loaders' ``num_workers`` (default 0)
 - ``accelerator`` ("cpu" default, "cuda"), ``backend`` (process_group_backend), ``share_gpu``: every rank on
   cuda:0 (the strategy's ``parallel_devices``); on CUDA each rank writes ``memory_<rank>.json`` (peak allocated)
 """
@@ -50,7 +51,7 @@ class Data(lmm.data.SyntheticMultimodalDataModule):
         data = self._dataset(n, seed)
         sampler = DistributedSampler(data, shuffle=shuffle, seed=seed, **kw)
         return DataLoader(data, batch_size=self.hparams.batch_size, sampler=sampler, collate_fn=self.collator(),
-                          drop_last=True)
+                          drop_last=True, num_workers=self.hparams.num_workers)
 
     def test_dataloader(self):
         return self._loader(self.hparams.val_samples, self.hparams.seed + 2, shuffle=False)
@@ -150,7 +151,8 @@ def main(spec: str, out: str):
     optimizer = torch.optim.SGD if case.get("optimizer") == "sgd" else torch.optim.AdamW
     module = Module(model, optimizer=lambda p: optimizer(p, lr=case.get("lr", 1e-2)),
                     nan_guard="skip" if "nan_at" in case else None, nan_at=case.get("nan_at"))
-    data = Data(num_samples=64, batch_size=dp_batch, val_samples=2 * dp_batch, items_per_sample=case.get("items", (1, 2)))
+    data = Data(num_samples=64, batch_size=dp_batch, val_samples=2 * dp_batch, items_per_sample=case.get("items", (1, 2)),
+                num_workers=case.get("workers", 0))
     trainer.fit(module, data)
     result = {"train": module.losses}
     if case.get("validate"):

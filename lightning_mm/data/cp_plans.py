@@ -1,0 +1,137 @@
+"""Context-parallel plans made in the data loader: host-side planning, so the training step only executes plans.
+
+For every microbatch the step will run (``microbatch_rows``: equal slices or a balanced batch's row lists):
+
+- per encoder with CP (``ParallelSpec(cp=N)`` on an encoder), each encoder microbatch's item shards (the items each
+  CP rank encodes, ``plan/items.py``) and its items' LLM tokens;
+- for the LLM with CP, each LLM microbatch's block owners (the CP rank of every block of ``cp_block_size`` tokens,
+  ``parallel.context.distribute``), for the sequence padded as the step pads it (``pad_for_context_parallel``).
+
+``CPPlanCollate`` wraps the loader's collate function (the strategy does this in ``process_dataloader``) and puts
+the plans, a ``CPPlans``, at ``batch["microbatches"]["cp"]``. ``CPPlans`` is no collection, so Lightning's
+``transfer_batch_to_device`` leaves it on the host, and ``pin_memory`` pins its owner tensors. The step
+(``PipelineEngine``) uses it when the batch carries it and otherwise plans with the same planners it hands the
+loader, ``EncoderItems`` (here) and ``BlockOwners`` (``parallel/engine.py``, next to ``distribute``, which data/ may
+not import): a batch from elsewhere costs one host read per microbatch, as before. Each rank plans what its own
+stage needs; everything here is picklable (loader workers, spawn or fork) as long as the encoders' ``preprocess`` /
+``num_tokens`` callbacks are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_mm.data.metadata import encoder_input_tokens
+from lightning_mm.data.microbatch import (CP_PLAN_KEY, PLAN_KEY, group_items, item_counts, microbatch_rows,
+                                          row_index)
+from lightning_mm.plan.items import encoder_width, item_work, shard_items
+
+ItemPlan = tuple[list[list[int]], list[int]]  # (item indices per CP rank, LLM tokens per item)
+
+
+class EncoderItems:
+    """What encoder CP plans with, of one encoder: its family, config and token callbacks (no weights).
+
+    ``plan(inputs)`` gives the item shards over ``ranks`` CP ranks (LPT on ``item_work`` of the tokens each item
+    runs through the encoder's layers) and each item's LLM tokens. The token count is ``ModalityEncoder.num_tokens``
+    itself, run on this view (it reads only ``preprocess``, ``_num_tokens``, ``family`` and ``config``)."""
+
+    def __init__(self, family, config, ranks: int, preprocess=None, num_tokens=None):
+        self.family, self.config, self.ranks = family, config, ranks
+        self.preprocess, self._num_tokens = preprocess, num_tokens
+
+    @classmethod
+    def of(cls, encoder, ranks: int) -> "EncoderItems":
+        """The view of a ``ModalityEncoder`` (whole, pruned to a stage or on the meta device alike)."""
+        return cls(encoder.family, encoder.config, ranks, encoder.preprocess, encoder._num_tokens)
+
+    @property
+    def width(self) -> int:
+        return encoder_width(self.config)
+
+    def num_tokens(self, inputs: dict) -> list[int]:
+        from lightning_mm.model.encoder import ModalityEncoder
+
+        return ModalityEncoder.num_tokens(self, inputs)
+
+    def shards(self, tokens: list[int]) -> list[list[int]]:
+        """Item indices per CP rank for items emitting ``tokens`` LLM tokens each."""
+        return shard_items(item_work([encoder_input_tokens(self, n) for n in tokens], self.width), self.ranks)
+
+    def plan(self, inputs: dict) -> ItemPlan:
+        """The plan of one microbatch's items (reads the items' sizes: a host read where they are on a device)."""
+        tokens = self.num_tokens(inputs)
+        return self.shards(tokens), tokens
+
+
+class CPPlans:
+    """One batch's CP plans: ``items[encoder]`` holds, per encoder microbatch, an ``ItemPlan`` (None where the
+    microbatch has no item of that encoder); ``owners`` holds, per LLM microbatch, the block owners (or is None).
+    Not a collection, so Lightning moves no part of it to the device."""
+
+    def __init__(self, items: dict[str, list[ItemPlan | None]], owners: list[torch.Tensor] | None):
+        self.items, self.owners = items, owners
+
+    def pin_memory(self, device=None) -> "CPPlans":
+        """Called by the DataLoader's ``pin_memory=True``: the owners then go to the device without blocking."""
+        owners = None if self.owners is None else [o.pin_memory() for o in self.owners]
+        return CPPlans(self.items, owners)
+
+    def __repr__(self) -> str:
+        return f"CPPlans(items={sorted(self.items)}, owners={None if self.owners is None else len(self.owners)})"
+
+
+def make_cp_plans(batch: dict, num_microbatches: int, encoders: dict[str, EncoderItems], blocks=None) -> CPPlans:
+    """The CP plans of every microbatch of a host batch, as the step would make them: encoder plans over the
+    encoder microbatches, LLM owners over the LLM microbatches (``microbatch_rows``), from the same rows and items
+    ``split_microbatches`` selects. ``blocks``: the LLM's planner (``parallel.engine.BlockOwners``: ``owner(mb)``),
+    or None. Raises ``ValueError`` for a batch the step would refuse."""
+    encoder_rows, llm_rows = microbatch_rows(batch, num_microbatches)
+    items = {}
+    counts = item_counts(batch, encoders)
+    for name, encoder in encoders.items():
+        if name not in batch or name not in counts:
+            items[name] = [None] * len(encoder_rows)
+            continue
+        per_row = counts[name].tolist()
+        tokens = encoder.num_tokens(batch[name])
+        if len(tokens) != sum(per_row):
+            raise ValueError(f"batch[{name!r}] has {len(tokens)} items but item_counts sums to {sum(per_row)}; give "
+                             "each row's item count (MultimodalCollator does)")
+        picked = [[tokens[i] for i in group_items(per_row, group)] for group in encoder_rows]
+        items[name] = [(encoder.shards(t), t) if t else None for t in picked]
+    owners = None
+    if blocks is not None:
+        if batch.get("bam") is None:
+            raise ValueError("LLM context parallelism plans from the batch's mask words, but it has no 'bam'; "
+                             "collate with MultimodalCollator, which builds them")
+        keys = [k for k in ("input_ids", "bam", "segment_ids") if batch.get(k) is not None]
+        owners = [blocks.owner({k: batch[k][row_index(batch, group)] for k in keys}) for group in llm_rows]
+    return CPPlans(items, owners)
+
+
+def batch_plans(batch: dict) -> CPPlans | None:
+    """The loader's CP plans a batch carries (None when it carries none)."""
+    plan = batch.get(PLAN_KEY)
+    return plan.get(CP_PLAN_KEY) if isinstance(plan, dict) else None
+
+
+class CPPlanCollate:
+    """``collate`` (the loader's collate function), then this rank's CP plans at ``batch["microbatches"]["cp"]``
+    (``make_cp_plans``). A batch that cannot be planned (its rows do not divide into the microbatches, its items do
+    not match its placeholders, ...) is returned without plans: the step validates it and raises the same error on
+    every rank before any collective, which an error in some ranks' loaders would not do."""
+
+    def __init__(self, collate, num_microbatches: int, encoders: dict[str, EncoderItems], blocks=None):
+        self.collate, self.num_microbatches, self.encoders, self.blocks = collate, num_microbatches, encoders, blocks
+
+    def __call__(self, samples):
+        batch = self.collate(samples)
+        if not isinstance(batch, dict) or "input_ids" not in batch:
+            return batch
+        try:
+            plans = make_cp_plans(batch, self.num_microbatches, self.encoders, self.blocks)
+        except Exception:  # noqa: BLE001  (left to the step, which raises it on every rank alike; see above)
+            return batch
+        batch[PLAN_KEY] = {**(batch.get(PLAN_KEY) or {}), CP_PLAN_KEY: plans}
+        return batch
