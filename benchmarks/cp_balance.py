@@ -5,7 +5,8 @@
    (mean over seeds).
 2. Planning time: the wall time of ``distribute(..., "lpt")`` for one 1M-token row at cp 8, block 128, per layout
    (goal: at most 1 ms), with its two parts (block workload, LPT); single thread, median and minimum of repeats,
-   and the load average while it ran (the machine is shared).
+   and the load average while it ran (the machine is shared). Segment ids are int32 as the collator makes them;
+   MP is timed again with int64 ones, and EE with 256-token items (about 4k runs) shows the cost per run.
 3. Per-rank attention work of the CP modes at 64k..1M tokens, cp 2..16: allgather with the LPT plan (a rank's
    queries against all keys, all heads), ulysses (every rank: the whole sequence, heads / cp of the heads) and
    hybrid (Ulysses in groups of 2, or 4 from cp 8; LPT over the groups): the slowest rank's work over the ideal
@@ -74,16 +75,25 @@ def _time_ms(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(ts), min(ts)
 
 
+PLANNING_CASES = [(layout, "", None) for layout in masks.LAYOUTS] + [
+    ("mp", "int64 segment ids", None),  # what a user's own int64 segment ids cost (the collator's are int32)
+    ("ee", "256-token items", 256),  # ~4k runs: images interleaved with text
+]
+
+
 def planning_times(repeats: int, tokens: int = 1 << 20, size: int = 8) -> list[dict]:
     rows = []
-    for layout in masks.LAYOUTS:
-        bam, seg = masks.random_bam(layout, tokens, 2, 1, 0)
+    for layout, variant, item in PLANNING_CASES:
+        bam, seg = masks.random_bam(layout, tokens, 2, 1, 0, mean_item_tokens=item)
+        if seg is not None and variant.startswith("int64"):
+            seg = seg.to(torch.int64)
         work = masks.block_workload(bam, BLOCK, seg)[0]
         load = os.getloadavg()[0]
         total = _time_ms(lambda: cp.distribute(bam, size, "lpt", BLOCK, seg), repeats)
         wl = _time_ms(lambda: masks.block_workload(bam, BLOCK, seg), repeats)
         lpt = _time_ms(lambda: cp.lpt_assign(work, size), repeats)
-        rows.append(dict(layout=layout, tokens=tokens, cp=size, plan_ms_median=total[0], plan_ms_min=total[1],
+        rows.append(dict(layout=layout, variant=variant, tokens=tokens, cp=size, runs=int(masks._runs(
+                             *masks._as_batch(bam, seg)[:2], BLOCK)[0].size), plan_ms_median=total[0], plan_ms_min=total[1],
                          workload_ms_median=wl[0], workload_ms_min=wl[1], lpt_ms_median=lpt[0], lpt_ms_min=lpt[1],
                          load_average=load, met=total[0] <= GOAL_PLAN_MS))
     return rows
@@ -208,10 +218,12 @@ def print_balance(balance) -> None:
 
 def print_planning(planning) -> None:
     print(f"\nplanning one 1M-token row, block {BLOCK}, cp 8 (goal <= {GOAL_PLAN_MS} ms; 1 thread, shared machine)")
-    print(f"{'layout':6} {'plan median':>12} {'plan min':>9} {'workload':>9} {'lpt':>7} {'load avg':>9}")
+    print(f"{'layout':26} {'runs':>5} {'plan median':>12} {'plan min':>9} {'workload':>9} {'lpt':>7} {'load avg':>9}")
     for r in planning:
-        print(f"{r['layout']:6} {r['plan_ms_median']:12.3f} {r['plan_ms_min']:9.3f} {r['workload_ms_median']:9.3f} "
-              f"{r['lpt_ms_median']:7.3f} {r['load_average']:9.2f}  {'met' if r['met'] else 'MISSED'}")
+        name = r["layout"] + (f" ({r['variant']})" if r.get("variant") else "")
+        print(f"{name:26} {r.get('runs', 0):5d} {r['plan_ms_median']:12.3f} {r['plan_ms_min']:9.3f} "
+              f"{r['workload_ms_median']:9.3f} {r['lpt_ms_median']:7.3f} {r['load_average']:9.2f}  "
+              f"{'met' if r['met'] else 'MISSED'}")
 
 
 def print_gpu(gpu) -> None:

@@ -56,6 +56,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeline import _rss_reset, _status_kb  # benchmarks/pipeline.py: peak-RSS helpers
+
 RESULTS = pathlib.Path(__file__).parent / "results"
 # name -> (cp, cp_mode, ulysses)
 MODES = {"cp1": (1, "allgather", None), "allgather2": (2, "allgather", None), "ulysses2": (2, "ulysses", None),
@@ -65,28 +67,11 @@ BLOCK = 128
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    """Reset this process's peak resident set (Linux ``clear_refs`` 5); False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _available_mib() -> float:
+def _meminfo_mib(key: str) -> float:
+    """A /proc/meminfo field (MemTotal, MemAvailable) in MiB."""
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     return float("inf")
 
@@ -193,7 +178,7 @@ def _run(rank: int, world: int, name: str, args, out_path: str, deadline: float)
                 step_next = predict_step(done, length)
                 mem_next = sum(b + (p - b) * grow for b, p in zip(prev["rss_before_mib"], prev["peak_rss_mib"]))
                 mem_now = sum(prev["rss_before_mib"])
-                room = args.mem_fraction * (_available_mib() + mem_now)
+                room = args.mem_fraction * (_meminfo_mib("MemAvailable") + mem_now)
                 left = deadline - time.time()
                 steps_next = timed_steps(args, step_next) + (args.warmup if args.warmup_each else 0)
                 if step_next > args.cap:
@@ -216,7 +201,7 @@ def _run(rank: int, world: int, name: str, args, out_path: str, deadline: float)
         local_tokens = [len(token_index(p, BLOCK, padded["bam"].shape[1])) for p in plan]
         times, cpu = [], []
         before = _status_kb("VmRSS") / 1024
-        reset = _reset_peak()
+        reset = _rss_reset()
         warmup = args.warmup if (args.warmup_each or prev is None) else 0
         steps = [args.steps if not done else timed_steps(args, predict_step(done, length))]  # rank 0 predicts
         if world > 1:
@@ -315,25 +300,30 @@ def _k(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def _table(result: dict) -> list[str]:
+def _grid(result: dict, title, cell, ratio_of) -> list[str]:
+    """Mode x length table: ``cell(row)`` per measured length and the speed-up over cp 1 of ``ratio_of(row)``."""
     lengths = sorted({r["tokens"] for m in result["modes"].values() for r in m["lengths"]})
-    base = {r["tokens"]: r["step_s"] for r in result["modes"].get("cp1", {"lengths": []})["lengths"]}
-    lines = [f"{'mode':>11} {'procs':>5} " + " ".join(f"{f'{_k(n)} s | MiB | x cp1':>24}" for n in lengths)
-             + "  longest  memory-bound (projected)"]
+    base = {r["tokens"]: ratio_of(r) for r in result["modes"].get("cp1", {"lengths": []})["lengths"]}
+    lines = [f"{'mode':>11} {'procs':>5} " + " ".join(f"{f'{_k(n)} {title}':>24}" for n in lengths)]
     for name, m in result["modes"].items():
         cells = {r["tokens"]: r for r in m["lengths"]}
         row = []
         for n in lengths:
             r = cells.get(n)
-            if r is None:
-                row.append(f"{'-':>24}")
-                continue
-            ratio = f"{base[n] / r['step_s']:.2f}" if n in base and name != "cp1" else "-"
-            row.append(f"{r['step_s']:>9.2f} | {max(r['peak_rss_mib']):>5.0f} | {ratio:>5}")
-        longest = max(cells) if cells else 0
+            ratio = f"{base[n] / ratio_of(r):.2f}" if r is not None and n in base and name != "cp1" else "-"
+            row.append(f"{'-':>24}" if r is None else f"{cell(r)} | {ratio:>5}")
+        lines.append(f"{name:>11} {m['processes']:>5} " + " ".join(row))
+    return lines
+
+
+def _table(result: dict) -> list[str]:
+    lines = _grid(result, "s | MiB | x cp1", lambda r: f"{r['step_s']:>9.2f} | {max(r['peak_rss_mib']):>5.0f}",
+                  lambda r: r["step_s"])
+    lines[0] += "  longest  memory-bound (projected)"
+    for i, (name, m) in enumerate(result["modes"].items(), 1):
         proj = m.get("projected_memory_limit_tokens")
-        lines.append(f"{name:>11} {m['processes']:>5} " + " ".join(row) + f"  {_k(longest):>7}  "
-                     + (f"~{proj / 1024:.0f}k" if proj else "-"))
+        lines[i] += f"  {_k(max((r['tokens'] for r in m['lengths']), default=0)):>7}  " + \
+            (f"~{proj / 1024:.0f}k" if proj else "-")
     return lines
 
 
@@ -345,14 +335,6 @@ def command(args) -> str:
         flag = "--" + k.replace("_", "-")
         parts.append(flag if v is True else f"{flag} {','.join(map(str, v)) if isinstance(v, list) else v}")
     return "python benchmarks/cp_modes.py " + " ".join(parts)
-
-
-def _mem_total_mib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 1024
-    return float("inf")
 
 
 def memory_projection(mode: dict, limit_mib: float) -> int | None:
@@ -369,21 +351,8 @@ def memory_projection(mode: dict, limit_mib: float) -> int | None:
 def _cpu_table(result: dict) -> list[str]:
     """CPU seconds of a step: the busiest rank (a step's time with a free core per rank and free communication)
     and the sum over ranks (the work the mode costs in all, communication copies included)."""
-    lengths = sorted({r["tokens"] for m in result["modes"].values() for r in m["lengths"]})
-    base = {r["tokens"]: max(r["cpu_s"]) for r in result["modes"].get("cp1", {"lengths": []})["lengths"]}
-    lines = [f"{'mode':>11} " + " ".join(f"{f'{_k(n)} max | sum | x cp1':>24}" for n in lengths)]
-    for name, m in result["modes"].items():
-        cells = {r["tokens"]: r for r in m["lengths"]}
-        row = []
-        for n in lengths:
-            r = cells.get(n)
-            if r is None:
-                row.append(f"{'-':>24}")
-                continue
-            ratio = f"{base[n] / max(r['cpu_s']):.2f}" if n in base and name != "cp1" else "-"
-            row.append(f"{max(r['cpu_s']):>8.2f} | {sum(r['cpu_s']):>7.2f} | {ratio:>5}")
-        lines.append(f"{name:>11} " + " ".join(row))
-    return lines
+    return _grid(result, "max | sum | x cp1", lambda r: f"{max(r['cpu_s']):>8.2f} | {sum(r['cpu_s']):>7.2f}",
+                 lambda r: max(r["cpu_s"]))
 
 
 def main() -> None:
@@ -415,7 +384,7 @@ def main() -> None:
 
     load_before = os.getloadavg()
     print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}; "
-          f"{os.cpu_count()} cores, {_available_mib() / 1024:.1f} GiB available", flush=True)
+          f"{os.cpu_count()} cores, {_meminfo_mib('MemAvailable') / 1024:.1f} GiB available", flush=True)
     tmp = RESULTS / ".cp_modes_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -432,7 +401,7 @@ def main() -> None:
         f.unlink()
     tmp.rmdir()
     load_after = os.getloadavg()
-    limit = args.mem_fraction * _mem_total_mib()
+    limit = args.mem_fraction * _meminfo_mib("MemTotal")
     for m in modes.values():
         m["projected_memory_limit_tokens"] = memory_projection(m, limit)
     result = {
@@ -445,7 +414,7 @@ def main() -> None:
                   "head_dim": args.hidden // 8, "vocab": 1024, "encoder": "SigLIP tiny (frozen, 64 tokens/image), "
                   "MLP projector", "placement": "replicated", "data": "synthetic, MP (EE samples packed)",
                   "cp_distribution": "lpt", "cp_block_size": BLOCK, "precision": "fp32", "optimizer": "SGD"},
-        "memory_total_mib": round(_mem_total_mib()),
+        "memory_total_mib": round(_meminfo_mib("MemTotal")),
         "projected_memory_limit": f"summed peak RSS of a mode's ranks, linear in the length through its last two "
                                   f"lengths, reaching {args.mem_fraction:.0%} of the machine's memory (projected, "
                                   "not run)",

@@ -241,8 +241,8 @@ def layout_mp(samples: list[torch.Tensor], seq_len: int) -> tuple[torch.Tensor, 
     if total > seq_len:
         raise ValueError(f"packed samples hold {total} tokens, more than seq_len={seq_len}")
     mods = torch.cat(samples + [torch.full((seq_len - total,), -1, dtype=torch.int64)])
-    segs = torch.cat([torch.full((len(s),), i, dtype=torch.int64) for i, s in enumerate(samples)]
-                     + [torch.full((seq_len - total,), len(samples), dtype=torch.int64)])
+    segs = torch.cat([torch.full((len(s),), i, dtype=torch.int32) for i, s in enumerate(samples)]
+                     + [torch.full((seq_len - total,), len(samples), dtype=torch.int32)])
     return mods, segs
 
 

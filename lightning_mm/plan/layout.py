@@ -190,6 +190,20 @@ def check_node_locality(layout: RankLayout, ranks_per_node: int) -> None:
 def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec, world_size: int,
                  placement: str = "parallel", model_encoders: list[str] | None = None) -> RankLayout:
     """Lay out ranks, or raise (with the fix) when the specs do not fit ``world_size``."""
+    layout = replica_layout(encoders, language_model, placement, model_encoders)
+    per_replica = layout.ranks_per_replica
+    if world_size % per_replica:
+        raise ValueError(f"{world_size} devices cannot hold whole replicas of {per_replica} ranks "
+                         f"({' + '.join(f'{s}x{layout.widths[s]}' for s in layout.stages)}); use a multiple of "
+                         f"{per_replica} devices or change the ParallelSpecs")
+    layout.dp = world_size // per_replica
+    return layout
+
+
+def replica_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec, placement: str = "parallel",
+                   model_encoders: list[str] | None = None, replicas: int = 1) -> RankLayout:
+    """The layout of ``replicas`` data-parallel replicas of the specs (``build_layout`` without a world size),
+    or raise (with the fix) when the specs cannot run."""
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown encoder_placement {placement!r}; choose one of {PLACEMENTS}")
     if model_encoders is not None:
@@ -222,12 +236,5 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
             raise ValueError(f"stage {s!r} holds {modules}, which must share its tensor-parallel ranks: give "
                              f"{wrong} tp={tp[s]}" + (" (or tp=1: run whole on every rank)" if in_llm_stage else "")
                              + ", or use encoder_placement='parallel'")
-    layout = RankLayout(stages, cp, tp, 0, placement, {n: s.pp for n, s in specs.items()},
-                        {n: s.tp for n, s in specs.items()}, language_model.cp_mode, language_model.ulysses_degree)
-    per_replica = layout.ranks_per_replica
-    if world_size % per_replica:
-        raise ValueError(f"{world_size} devices cannot hold whole replicas of {per_replica} ranks "
-                         f"({' + '.join(f'{s}x{layout.widths[s]}' for s in stages)}); use a multiple of "
-                         f"{per_replica} devices or change the ParallelSpecs")
-    layout.dp = world_size // per_replica
-    return layout
+    return RankLayout(stages, cp, tp, replicas, placement, {n: s.pp for n, s in specs.items()},
+                      {n: s.tp for n, s in specs.items()}, language_model.cp_mode, language_model.ulysses_degree)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from lightning_mm.plan.cp_comm import cp_communication_bytes
 from lightning_mm.plan.items import item_work, shard_items
-from lightning_mm.plan.layout import CP_MODES, ParallelSpec, RankLayout, build_layout
+from lightning_mm.plan.layout import CP_MODES, ParallelSpec, RankLayout, replica_layout
 from lightning_mm.plan.placement import LANGUAGE_MODEL, placement_table, stage_name
 from lightning_mm.plan.schedule import StageGraph, build_stage_graph
 from lightning_mm.planner.costs import LayerCost
@@ -181,8 +181,8 @@ class Plan:
 
     @functools.cached_property
     def layout(self) -> RankLayout:
-        """The rank layout of this plan (``plan.layout.build_layout``, the one source of rank counts)."""
-        return _replica_layout(self.parallel_specs(), self.placement, self.dp)
+        """The rank layout of this plan (``plan.layout.replica_layout``, the one source of rank counts)."""
+        return replica_layout(*self.parallel_specs(), self.placement, replicas=self.dp)
 
     @property
     def devices(self) -> int:
@@ -204,14 +204,6 @@ def _parallel_specs(layers, tp, cp, cp_mode, ulysses, encoder_cp) -> tuple[dict[
                        ulysses=ulysses if cp > 1 and cp_mode == "hybrid" else None)
     return {e: ParallelSpec(pp=len(v), cp=encoder_cp.get(e, 1), tp=tp) for e, v in layers.items()
             if e != LANGUAGE_MODEL}, llm
-
-
-def _replica_layout(specs, placement: str, dp: int) -> RankLayout:
-    """``build_layout`` of ``dp`` replicas: it is laid out for 0 devices (one replica's widths, which divide 0, and
-    its checks, e.g. encoder CP only with parallel placement), then given ``dp``."""
-    layout = build_layout(*specs, 0, placement)
-    layout.dp = dp
-    return layout
 
 
 def _check_modules(modules: dict[str, ModuleSpec]) -> None:
@@ -314,7 +306,7 @@ def evaluate_plan(
     ``ModuleSpec.attention`` gives the shape; without it CP communication is free). A mode the LLM's heads
     cannot take raises, with the reason.
 
-    ``encoder_cp={encoder: N}`` (encoder context parallelism, parallel placement only: ``build_layout``'s check)
+    ``encoder_cp={encoder: N}`` (encoder context parallelism, parallel placement only: the layout's check)
     gives each of that encoder's stages N x tp ranks, each encoding a share of every microbatch's items: the
     stages' compute and kept activations are multiplied by the busiest rank's share (``encoder_cp_split``: the
     runtime's LPT item split when ``ModuleSpec.items`` holds the microbatches' items, else 1/N, work assumed to
@@ -348,7 +340,7 @@ def evaluate_plan(
     if unknown:
         raise ValueError(f"encoder_cp names {unknown}, which are not encoders of these modules "
                          f"({_encoders(modules)}); give a degree per encoder name")
-    _replica_layout(_parallel_specs(layers, tp, cp, cp_mode, k, encoder_cp), placement, dp)  # the layout's checks
+    replica_layout(*_parallel_specs(layers, tp, cp, cp_mode, k, encoder_cp), placement)  # the layout's checks
     table = _stage_table(modules, layers, placement)
     graph = plan_graph(modules, layers, placement)
     per_replica = num_microbatches // dp
@@ -605,7 +597,7 @@ def search(
     valid Ulysses degree K; ``cp_bandwidth`` (bytes/s per rank) times each mode's ``cp_communication_bytes``
     (``evaluate_plan``). Modes or degrees the LLM's heads cannot take are skipped, their reasons in
     ``SearchResult.rejected``. ``encoder_cp_degrees``: the encoders' context-parallel degrees tried, every
-    combination over the encoders; a degree above 1 only with parallel placement (``build_layout`` refuses it
+    combination over the encoders; a degree above 1 only with parallel placement (``replica_layout`` refuses it
     otherwise; the reason goes to ``rejected``), whose encoder stage counts are then matched at the busiest CP
     rank's share of the work. The default ``(1,)`` searches no encoder CP."""
     _check_modules(modules)
@@ -644,7 +636,7 @@ def search(
         for p in placements:
             if p != "parallel":
                 try:
-                    _replica_layout(({encoders[0]: ParallelSpec(cp=max(enc_degrees))}, ParallelSpec()), p, 1)
+                    replica_layout({encoders[0]: ParallelSpec(cp=max(enc_degrees))}, ParallelSpec(), p)
                 except ValueError as err:
                     rejected.append(f"encoder cp > 1 with placement {p!r}: {err}")
     grid = [(d, t, sh, c, m, k) for c, m, k, t in cp_grid for d in range(1, num_devices // (t * c) + 1)
