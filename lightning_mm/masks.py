@@ -190,8 +190,7 @@ def block_workload(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.
     """Work of each query block: the number of key blocks with at least one allowed pair (W_b), ``[B, nb]``.
 
     Exact, from the runs of the words: one compiled pass over the words (and the segment ids), the rest
-    O(runs x runs of a segment); a 1M-token row at block 128 takes well under a millisecond. A 1-D ``bam`` gives
-    ``[nb]``.
+    O(runs x distinct word masks + blocks) (``planning_loops.block_work``). A 1-D ``bam`` gives ``[nb]``.
     """
     _check_block_size(block_size)
     bam2, seg2, squeeze = _as_batch(bam, segment_ids)

@@ -180,7 +180,7 @@ def _key_intervals(q, nq, x, cands, lo, hi, fb, lb, word, group, before, after, 
 
 
 @njit(cache=True, nogil=True)
-def _query_sets(first, last, word, group, nb, block, before, after):
+def _query_sets(first, last, word, group, block, before, after):
     """Everything both block relations need: the runs' blocks, their groups in token order, and each mixed
     block's runs (``mixed``: block, first and last run index) with whether it holds an allowed pair itself."""
     r = first.size
@@ -309,7 +309,7 @@ def block_work(first, last, word, group, num_blocks, nb, block, before, after):
     constant step: the block left behind counts if the run sees itself before, the next one drops if it sees
     itself after. More than 63 distinct words do not fit the masks: then every query set scans its runs."""
     r = first.size
-    fb, lb, order, gfirst, glast, mixed = _query_sets(first, last, word, group, nb, block, before, after)
+    fb, lb, order, gfirst, glast, mixed = _query_sets(first, last, word, group, block, before, after)
     num_words = before.shape[0]
     masked = num_words <= 63
     allow_b, allow_a = np.zeros(num_words, np.int64), np.zeros(num_words, np.int64)
@@ -372,7 +372,7 @@ def block_pairs(first, last, word, group, num_blocks, nb, block, before, after):
     numbered within the row), by listing each query block's key intervals (O(runs of its segment) per block:
     for tests and inspection; ``block_work`` counts without listing)."""
     r = first.size
-    fb, lb, order, gfirst, glast, mixed = _query_sets(first, last, word, group, nb, block, before, after)
+    fb, lb, order, gfirst, glast, mixed = _query_sets(first, last, word, group, block, before, after)
     row_runs = np.arange(r)
     out = np.zeros((num_blocks, nb), np.bool_)
     buf = np.empty((2 * r + 2, 2), np.int64)
