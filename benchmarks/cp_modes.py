@@ -46,8 +46,6 @@ import json
 import os
 import pathlib
 import platform
-import random
-import socket
 import statistics
 import time
 import traceback
@@ -74,18 +72,6 @@ def _meminfo_mib(key: str) -> float:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     return float("inf")
-
-
-def _free_port() -> int:
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
 
 
 def build_model(hidden: int, layers: int, max_len: int):
@@ -122,11 +108,10 @@ def packed_row(model, length: int, seed: int = 0) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- one rank
-def _worker(rank: int, world: int, name: str, args, port: int, out_path: str, deadline: float) -> None:
+def _worker(rank: int, world: int, name: str, args, rendezvous: str, out_path: str, deadline: float) -> None:
     torch.set_num_threads(args.threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        _run(rank, world, name, args, out_path, deadline)
+        _run(rank, world, name, args, rendezvous, out_path, deadline)
     except BaseException:  # noqa: BLE001  (kept in the results, the parent ends the others)
         with open(f"{out_path}.err{rank}", "w") as f:
             f.write(traceback.format_exc())
@@ -154,14 +139,15 @@ def predict_step(done: list[tuple[int, float]], length: int) -> float:
     return max(a * length + b * length ** 2, t2)
 
 
-def _run(rank: int, world: int, name: str, args, out_path: str, deadline: float) -> None:
+def _run(rank: int, world: int, name: str, args, rendezvous: str, out_path: str, deadline: float) -> None:
     from lightning_mm.parallel.context import (check_context_parallel, distribute, pad_for_context_parallel,
                                                token_index)
     from lightning_mm.parallel.engine import PipelineEngine
     from lightning_mm.plan.layout import ParallelSpec, build_layout
 
     cp, mode, ulysses = MODES[name]
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.cap * 10))
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.cap * 10))
     lengths = sorted(args.lengths)
     model = build_model(args.hidden, args.layers, max(lengths))
     spec = ParallelSpec(cp=cp, cp_mode=mode, ulysses=ulysses)
@@ -259,9 +245,10 @@ def run_mode(name: str, args, tmp: pathlib.Path, share: float) -> dict:
     out_path = tmp / f"{name}.jsonl"
     out_path.unlink(missing_ok=True)
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    rendezvous = tmp / f"{name}.rendezvous"  # a file rendezvous: no port to pick
+    rendezvous.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    procs = [ctx.Process(target=_worker, args=(r, cp, name, args, port, str(out_path), time.time() + share))
+    procs = [ctx.Process(target=_worker, args=(r, cp, name, args, str(rendezvous), str(out_path), time.time() + share))
              for r in range(cp)]
     for p in procs:
         p.start()
