@@ -5,8 +5,10 @@
    (mean over seeds).
 2. Planning time: the wall time of ``distribute(..., "lpt")`` for one 1M-token row at cp 8, block 128, per layout
    (goal: at most 1 ms), with its two parts (block workload, LPT); single thread, median and minimum of repeats,
-   and the load average while it ran (the machine is shared). Segment ids are int32 as the collator makes them;
-   MP is timed again with int64 ones, and EE with 256-token items (about 4k runs) shows the cost per run.
+   and the load average while it ran (the machine is shared). Segment ids are int16 as the collator makes them;
+   MP is timed again with int32 and int64 ones, EE with 256-token items (about 4k runs) shows the cost per run,
+   and EP and MP once more from a cold cache (64 MB read before every repeat, untimed) and just written (the
+   cache emptied, then the arrays copied, as a collator plans them).
 3. Per-rank attention work of the CP modes at 64k..1M tokens, cp 2..16: allgather with the LPT plan (a rank's
    queries against all keys, all heads), ulysses (every rank: the whole sequence, heads / cp of the heads) and
    hybrid (Ulysses in groups of 2, or 4 from cp 8; LPT over the groups): the slowest rank's work over the ideal
@@ -65,10 +67,13 @@ def balance_table(seeds: int) -> list[dict]:
     return rows
 
 
-def _time_ms(fn, repeats: int) -> tuple[float, float]:
+def _time_ms(fn, repeats: int, before=None) -> tuple[float, float]:
+    """Median and minimum wall time of ``fn`` in ms; ``before`` runs untimed ahead of every repeat."""
     fn()
     ts = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         t = time.perf_counter()
         fn()
         ts.append((time.perf_counter() - t) * 1e3)
@@ -76,21 +81,36 @@ def _time_ms(fn, repeats: int) -> tuple[float, float]:
 
 
 PLANNING_CASES = [(layout, "", None) for layout in masks.LAYOUTS] + [
-    ("mp", "int64 segment ids", None),  # what a user's own int64 segment ids cost (the collator's are int32)
+    ("mp", "int32 segment ids", None),  # wider ids than the collator's (int16, masks.segment_dtype)
+    ("mp", "int64 segment ids", None),
     ("ee", "256-token items", 256),  # ~4k runs: images interleaved with text
+    ("ep", "cold cache", None),  # the words read from memory, not from the L3 cache (a batch from elsewhere)
+    ("mp", "cold cache", None),
+    ("ep", "just written", None),  # the cache emptied, then the arrays copied: what the collator plans on
+    ("mp", "just written", None),
 ]
+_EVICT = 64 << 20  # bytes read before each cold-cache repeat: four times this machine's L3
 
 
 def planning_times(repeats: int, tokens: int = 1 << 20, size: int = 8) -> list[dict]:
     rows = []
+    evict = np.ones(_EVICT // 8, dtype=np.int64)
     for layout, variant, item in PLANNING_CASES:
         bam, seg = masks.random_bam(layout, tokens, 2, 1, 0, mean_item_tokens=item)
-        if seg is not None and variant.startswith("int64"):
-            seg = seg.to(torch.int64)
+        if seg is not None and variant.startswith("int"):
+            seg = seg.to(getattr(torch, variant.split()[0]))
         work = masks.block_workload(bam, BLOCK, seg)[0]
         load = os.getloadavg()[0]
-        total = _time_ms(lambda: cp.distribute(bam, size, "lpt", BLOCK, seg), repeats)
-        wl = _time_ms(lambda: masks.block_workload(bam, BLOCK, seg), repeats)
+        arrays = [bam, seg]
+
+        def before():
+            evict.sum()
+            if variant == "just written":
+                arrays[:] = [bam.clone(), None if seg is None else seg.clone()]
+
+        before = before if variant in ("cold cache", "just written") else None
+        total = _time_ms(lambda: cp.distribute(arrays[0], size, "lpt", BLOCK, arrays[1]), repeats, before)
+        wl = _time_ms(lambda: masks.block_workload(arrays[0], BLOCK, arrays[1]), repeats, before)
         lpt = _time_ms(lambda: cp.lpt_assign(work, size), repeats)
         rows.append(dict(layout=layout, variant=variant, tokens=tokens, cp=size, runs=int(masks._runs(
                              *masks._as_batch(bam, seg)[:2], BLOCK)[0].size), plan_ms_median=total[0], plan_ms_min=total[1],

@@ -49,6 +49,13 @@ def modality_word(k: int, num_encoders: int, causal: bool = False) -> int:
     return text_word(num_encoders) if causal else modality_bit(k)
 
 
+def segment_dtype(num_segments: int) -> torch.dtype:
+    """The dtype for per-token segment ids ``0..num_segments`` (padding included): int16 where they fit, else
+    int32. CP planning reads them once per token and microbatch, so fewer bytes plan faster; the attention
+    converts them to int64 once per microbatch."""
+    return torch.int16 if num_segments <= torch.iinfo(torch.int16).max else torch.int32
+
+
 def check_num_encoders(num_encoders: int) -> None:
     if num_encoders > MAX_ENCODERS:
         raise ValueError(f"{num_encoders} encoders do not fit the attention mask: it has bits for at most "
@@ -117,30 +124,20 @@ def _word_tables(words: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _runs(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int):
-    """The runs of a ``[B,S]`` batch for the compiled block relations (``planning_loops.py``): each maximal
-    stretch of one (row, segment, word), padding dropped, in token order, with its first and last token on a grid
-    where rows are padded to whole blocks (so runs of different rows never share a block), its word's index in
-    the tables of ``allowed`` between the distinct words, and its group (row, segment). Finding the runs is the
-    only per-token work; the rest is O(runs)."""
-    from lightning_mm.planning_loops import run_starts  # compiled on first use
+    """The runs of a ``[B,S]`` batch for the compiled block relations (``planning_loops.runs``), the block
+    counts, and the tables of ``allowed`` between the runs' distinct words. Finding the runs is the only
+    per-token work; the rest is O(runs)."""
+    from lightning_mm.planning_loops import runs  # compiled on first use
 
     b, s = bam.shape
-    nb = -(-s // block_size)
     w = bam.detach().cpu().contiguous().numpy().reshape(-1)
     g = None if segment_ids is None else segment_ids.detach().cpu().contiguous().numpy().reshape(-1)
-    start = run_starts(w, w if g is None else g, s)
-    word = w[start]
-    if word.size and word.min() < 0:  # every word is some run's word
+    first, last, widx, group, words = runs(w, g, s, block_size)
+    if words.size and words[0] < 0:  # every word is some run's word
         validate(bam)  # raises the bit-63 error
-    keep = np.flatnonzero(word)
-    end = np.append(start[1:], w.size)[keep] - 1  # inclusive
-    start, word = start[keep], word[keep]
-    row = start // s
-    shift = row * (nb * block_size - s)
-    group = row if g is None else row * (1 << 32) + np.unique(g[start], return_inverse=True)[1]
-    words, widx = np.unique(word, return_inverse=True)
     before, after = _word_tables(tuple(words.tolist()))
-    return (start + shift, end + shift, widx.astype(np.int64), group.astype(np.int64), b * nb, nb, before, after)
+    nb = -(-s // block_size)
+    return first, last, widx, group, b * nb, nb, before, after
 
 
 def _as_batch(bam, segment_ids):
@@ -240,8 +237,9 @@ def layout_mp(samples: list[torch.Tensor], seq_len: int) -> tuple[torch.Tensor, 
     if total > seq_len:
         raise ValueError(f"packed samples hold {total} tokens, more than seq_len={seq_len}")
     mods = torch.cat(samples + [torch.full((seq_len - total,), -1, dtype=torch.int64)])
-    segs = torch.cat([torch.full((len(s),), i, dtype=torch.int32) for i, s in enumerate(samples)]
-                     + [torch.full((seq_len - total,), len(samples), dtype=torch.int32)])
+    dtype = segment_dtype(len(samples))
+    segs = torch.cat([torch.full((len(s),), i, dtype=dtype) for i, s in enumerate(samples)]
+                     + [torch.full((seq_len - total,), len(samples), dtype=dtype)])
     return mods, segs
 
 

@@ -13,37 +13,48 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-_CHUNK = 512  # tokens whose differences are OR-reduced (vectorised) before any run start is looked for
+_CHUNK = 512  # tokens compared with the token before them (vectorised) before any run start is looked for
+_SUBCHUNK = 32  # the same within a chunk that holds a change, before scanning token by token
 
 
 @njit(inline="always")
-def _differs(x, lo, hi):
-    """Nonzero iff ``x[i] != x[i - 1]`` for some ``lo <= i < hi`` (an OR of XORs: a vectorised reduction)."""
-    a, b = x[lo:hi], x[lo - 1:hi - 1]
+def _chunk_changes(words, segments, lo, hi):
+    """Nonzero iff a word or a segment id in ``[lo, hi)`` differs from the one at ``lo - 1``: one vectorised
+    reduction reading each element once (as fast as reading the arrays)."""
+    vw, aw = words[lo - 1], words[lo:hi]
     acc = 0
-    for j in range(a.size):
-        acc |= a[j] ^ b[j]
+    if segments is None:
+        for j in range(aw.size):
+            acc |= aw[j] ^ vw
+    else:
+        vs, as_ = segments[lo - 1], segments[lo:hi]
+        for j in range(aw.size):
+            acc |= (aw[j] ^ vw) | (as_[j] ^ vs)
     return acc
 
 
 @njit(cache=True, nogil=True)
-def run_starts(words, segments, row_len):
+def _run_starts(words, segments, row_len):
     """Indices where a run of one (row, segment, word) starts in the flat token arrays ``words`` and
-    ``segments`` (same length; pass ``words`` twice when there are no segments); rows are ``row_len`` long.
-    One pass over both arrays together; only chunks holding a change are scanned token by token, and the row
-    starts are merged in afterwards (no division per token)."""
+    ``segments`` (same length, or ``None``); rows are ``row_len`` long. One pass over both arrays together;
+    only chunks (and within them, subchunks) holding a change are scanned token by token, and the row starts
+    are merged in afterwards (no division per token)."""
     n = words.size
     changes = np.empty(n, np.int64)  # uninitialised: only the pages written are touched
     k = 0
     for c in range(0, n, _CHUNK):
         hi = min(c + _CHUNK, n)
         lo = max(c, 1)
-        if lo >= hi or (_differs(words, lo, hi) | _differs(segments, lo, hi)) == 0:
+        if lo >= hi or _chunk_changes(words, segments, lo, hi) == 0:
             continue
-        for i in range(lo, hi):
-            if words[i] != words[i - 1] or segments[i] != segments[i - 1]:
-                changes[k] = i
-                k += 1
+        for c2 in range(lo, hi, _SUBCHUNK):  # where runs are short, most chunks hold a change
+            hi2 = min(c2 + _SUBCHUNK, hi)
+            if _chunk_changes(words, segments, c2, hi2) == 0:
+                continue
+            for i in range(c2, hi2):
+                if words[i] != words[i - 1] or (segments is not None and segments[i] != segments[i - 1]):
+                    changes[k] = i
+                    k += 1
     rows = -(-n // row_len) if n else 0
     out = np.empty(k + rows, np.int64)
     m, j = 0, 0
@@ -65,53 +76,95 @@ def run_starts(words, segments, row_len):
 
 
 @njit(cache=True, nogil=True)
-def lpt_owner(work, cp_size):
-    """The owning rank of every block under LPT: blocks by work descending (ties: lower block first), each to the
-    least-loaded rank (ties: fewer blocks, then lower rank). A binary heap of rank keys
-    ``(load * (n + 1) + count) * cp + rank`` (the caller checks they fit in int64); the descending order is a
-    counting sort when the works are small integers (block counts always are), else a stable merge sort."""
+def runs(words, segments, row_len, block):
+    """The runs of flat ``[B * row_len]`` token arrays ``words`` and ``segments`` (``None``: one segment per
+    row), padding (word 0) dropped, in token order: first and last token on a grid where rows are padded to whole
+    blocks (so runs of different rows never share a block), the index of the run's word
+    among ``distinct`` (the ascending distinct words), and the group (row, segment), as int64 arrays."""
+    start = _run_starts(words, segments, row_len)
+    stride = -(-row_len // block) * block
+    r = 0
+    for i in range(start.size):
+        r += words[start[i]] != 0
+    first, last = np.empty(r, np.int64), np.empty(r, np.int64)
+    word, seg = np.empty(r, np.int64), np.empty(r, np.int64)
+    k = 0
+    for i in range(start.size):
+        a = start[i]
+        if words[a] == 0:
+            continue
+        row = a // row_len
+        first[k] = a + row * (stride - row_len)
+        last[k] = (start[i + 1] if i + 1 < start.size else words.size) - 1 + row * (stride - row_len)
+        word[k] = words[a]
+        seg[k] = 0 if segments is None else segments[a]
+        k += 1
+    distinct, segs = np.unique(word), np.unique(seg)
+    widx, group = np.empty(r, np.int64), np.empty(r, np.int64)
+    for k in range(r):
+        widx[k] = np.searchsorted(distinct, word[k])
+        group[k] = first[k] // stride * segs.size + np.searchsorted(segs, seg[k])
+    return first, last, widx, group, distinct
+
+
+@njit(cache=True, nogil=True)
+def _descending(work):
+    """Block order by work descending, ties by lower block: a counting sort when the works are small integers
+    (block counts always are), else a stable merge sort."""
     n = work.size
     top = 0
     for i in range(n):
         top = max(top, work[i])
-    if top <= 4 * n + 1024:
-        start = np.zeros(top + 2, np.int64)  # start[top - w]: first position of work w in descending order
-        for i in range(n):
-            start[top - work[i] + 1] += 1
-        for v in range(1, top + 2):
-            start[v] += start[v - 1]
-        order = np.empty(n, np.int64)
-        for i in range(n):
-            v = top - work[i]
-            order[start[v]] = i
-            start[v] += 1
-    else:
-        order = np.argsort(-work, kind="mergesort")
-    heap = np.arange(cp_size)  # all loads equal: rank order is a heap
+    if top > 4 * n + 1024:
+        return np.argsort(-work, kind="mergesort")
+    start = np.zeros(top + 2, np.int64)  # start[top - w]: first position of work w in descending order
+    for i in range(n):
+        start[top - work[i] + 1] += 1
+    for v in range(1, top + 2):
+        start[v] += start[v - 1]
+    order = np.empty(n, np.int64)
+    for i in range(n):
+        v = top - work[i]
+        order[start[v]] = i
+        start[v] += 1
+    return order
+
+
+@njit(cache=True, nogil=True)
+def lpt_owner(work, cp_size):
+    """The owning rank of every block under LPT: blocks by work descending (ties: lower block first), each to the
+    least-loaded rank (ties: fewer blocks, then lower rank). A binary heap of rank keys
+    ``(load * (n + 1) + count) * cp + rank`` (the caller checks they fit in int64), with the ranks alongside
+    (no division per block)."""
+    n = work.size
+    order = _descending(work)
+    keys, ranks = np.arange(cp_size), np.arange(cp_size)  # all loads equal: rank order is a heap
     owner = np.empty(n, np.int64)
     for i in range(n):
         b = order[i]
-        key = heap[0]
-        owner[b] = key % cp_size
+        key, rank = keys[0], ranks[0]
+        owner[b] = rank
         key += (work[b] * (n + 1) + 1) * cp_size
-        p = 0  # sift the root down
-        while True:
+        p = 0
+        while True:  # sift the root down
             c = 2 * p + 1
             if c >= cp_size:
                 break
-            if c + 1 < cp_size and heap[c + 1] < heap[c]:
+            if c + 1 < cp_size and keys[c + 1] < keys[c]:
                 c += 1
-            if heap[c] >= key:
+            if keys[c] >= key:
                 break
-            heap[p] = heap[c]
+            keys[p], ranks[p] = keys[c], ranks[c]
             p = c
-        heap[p] = key
+        keys[p], ranks[p] = key, rank
     return owner
 
 
 @njit(cache=True, nogil=True)
-def blocks_by_owner(owner, cp_size):
-    """Block indices grouped by owner (each group ascending) and where each group starts (``cp_size + 1``)."""
+def lpt_blocks(work, cp_size):
+    """LPT's plan for the column sums of ``[B, n]`` work: the block indices grouped by owner (each group
+    ascending) and where each group starts (``cp_size + 1``)."""
+    owner = lpt_owner(work.sum(axis=0) if work.shape[0] > 1 else work[0], cp_size)
     start = np.zeros(cp_size + 1, np.int64)
     for b in range(owner.size):
         start[owner[b] + 1] += 1
@@ -185,7 +238,10 @@ def _query_sets(first, last, word, group, block, before, after):
     block's runs (``mixed``: block, first and last run index) with whether it holds an allowed pair itself."""
     r = first.size
     fb, lb = first // block, last // block
-    order = np.argsort(group, kind="mergesort")  # runs of each group, in token order
+    ordered = True
+    for i in range(1, r):
+        ordered &= group[i - 1] <= group[i]
+    order = np.arange(r) if ordered else np.argsort(group, kind="mergesort")  # runs of each group, in token order
     gfirst, glast = np.empty(r, np.int64), np.empty(r, np.int64)
     i = 0
     while i < r:

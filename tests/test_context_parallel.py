@@ -106,7 +106,7 @@ def test_block_workload_equals_dense_with_many_runs():
 @pytest.mark.parametrize("layout", masks.LAYOUTS)
 def test_block_workload_and_lpt_equal_the_previous_implementation_on_long_rows(layout):
     """The run-length workload and the LPT that deals equal-work runs in one step give exactly the numbers and
-    plans of the per-block-summary workload and the one-heap-operation-per-block LPT they replaced."""
+    plans of the per-block-summary workload and the Python-heap LPT they replaced."""
     from tests.helpers import block_workload_reference as ref
 
     for seed, (s, block, batch) in enumerate([(65536, 128, 1), (40000, 100, 2), (30001, 64, 3), (9000, 7, 1)]):

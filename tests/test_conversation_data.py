@@ -209,6 +209,7 @@ def test_packing_segment_ids(tmp_path, proc_dir):
     lengths = [26, 54, 6]  # expanded: one image + 10 text; two images + 22 text; text only
     assert batch["input_ids"].shape == (2, 64)  # first fit: [26, 6] and [59]
     seg = batch["segment_ids"]
+    assert seg.dtype == torch.int16  # masks.segment_dtype: what CP planning reads per token
     assert seg[0, :26].eq(0).all() and seg[0, 26:32].eq(1).all() and seg[0, 32:].eq(2).all()
     assert seg[1, :54].eq(0).all() and seg[1, 54:].eq(1).all()
     assert batch["position_ids"][0, 26:32].tolist() == list(range(6))

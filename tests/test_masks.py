@@ -72,6 +72,15 @@ def test_default_words_and_layouts():
     dense = masks.to_dense(masks.words_from_modalities(mods[None], n), segs[None])[0]
     assert dense[2].tolist() == [False, False, True, False, False, False]  # new segment starts fresh
     assert not dense[4:].any()  # padding rows and columns are empty
+    assert segs.dtype == torch.int16 and segs.tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_segment_ids_take_the_narrowest_dtype_that_holds_them():
+    assert masks.segment_dtype(0) == masks.segment_dtype(32767) == torch.int16  # ids 0..32767 incl. padding
+    assert masks.segment_dtype(32768) == torch.int32
+    many = [torch.tensor([0])] * 40000  # 40k one-token samples: ids up to 40000 need int32
+    _, segs = masks.layout_mp(many, 40001)
+    assert segs.dtype == torch.int32 and segs[-2:].tolist() == [39999, 40000]
 
 
 def test_validation_errors():

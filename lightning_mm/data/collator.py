@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from lightning_mm import masks
 from lightning_mm.loss import IGNORE_INDEX
 
 
@@ -29,9 +30,10 @@ def concat_inputs(dicts: list[dict]) -> dict:
 class MultimodalCollator:
     """Turn samples into a batch for ``model`` (a MultimodalModel: its placeholder ids and token counts).
 
-    ``pack=True`` packs samples first-fit into rows of ``seq_len`` tokens (multimodal packing, MP) with int32
-    ``segment_ids`` (what context-parallel planning reads per token: half of int64's bytes); position ids restart in every segment and no position predicts the next segment's first
-    token. Otherwise rows are padded to the longest sample, rounded up to ``pad_to_multiple_of``.
+    ``pack=True`` packs samples first-fit into rows of ``seq_len`` tokens (multimodal packing, MP) with
+    ``segment_ids`` of ``masks.segment_dtype`` (int16 unless a row holds more samples: what context-parallel
+    planning reads per token); position ids restart in every segment and no position predicts the next
+    segment's first token. Otherwise rows are padded to the longest sample, rounded up to ``pad_to_multiple_of``.
     ``causal_modalities`` gives modality tokens the text word (plain causal, LLaVA style); default: the model's
     (``model.causal_modalities``, True for composite checkpoints). A model with its own positions
     (``model.position_ids_fn``, Qwen2-VL's M-RoPE) gets them per sample: ``position_ids`` ``[B, S, 3]``.
@@ -107,7 +109,7 @@ class MultimodalCollator:
                  "labels": torch.full((b, length), IGNORE_INDEX, dtype=torch.long),
                  "attention_mask": torch.zeros(b, length, dtype=torch.long),
                  "position_ids": torch.zeros((b, length) if positions is None else (b, length, 3), dtype=torch.long)}
-        segs = torch.full((b, length), -1, dtype=torch.int32)  # half the bytes CP planning reads
+        segs = torch.full((b, length), -1, dtype=masks.segment_dtype(max(map(len, rows))))
         counts = {name: torch.zeros(b, dtype=torch.long) for name in self.model.encoders}
         items = {name: [] for name in self.model.encoders}
         for r, row in enumerate(rows):

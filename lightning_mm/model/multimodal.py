@@ -241,7 +241,7 @@ class MultimodalModel(nn.Module):
         masks.validate(bam, segment_ids)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        if segment_ids is not None:  # the collator's are int32 (less for CP planning to read); kernels take int64
+        if segment_ids is not None:  # the collator's are narrow (masks.segment_dtype); kernels take int64
             segment_ids = segment_ids.to(torch.int64)
         return AttentionContext(position_ids=position_ids, bam=bam, segment_ids=segment_ids)
 

@@ -43,16 +43,17 @@ def _check_cp(num_blocks: int, cp_size: int, block_size: int | None = None) -> N
                          "smaller cp")
 
 
-def _lpt_owner(work: np.ndarray, cp_size: int) -> np.ndarray:
-    """The rank of every block under ``lpt_assign``'s rule (compiled: ``planning_loops.py``)."""
-    from lightning_mm.planning_loops import lpt_owner
+def _lpt_plan(work: np.ndarray, cp_size: int) -> list[torch.Tensor]:
+    """``lpt_assign``'s plan for the column sums of int64 ``[B, n]`` block work (compiled:
+    ``planning_loops.lpt_blocks``)."""
+    from lightning_mm.planning_loops import lpt_blocks
 
-    work = np.ascontiguousarray(work, dtype=np.int64)
-    n = work.size
+    n = work.shape[1]
     if (float(work.sum(dtype=np.float64)) * (n + 1) + n + 1) * cp_size >= 2.0 ** 62:  # with room for rounding
         raise ValueError(f"block work sums too large for LPT's int64 rank keys ({n} blocks, cp {cp_size}); "
                          "use a larger block_size")
-    return lpt_owner(work, cp_size)
+    blocks, start = lpt_blocks(work, cp_size)
+    return list(torch.from_numpy(blocks).split(np.diff(start).tolist()))
 
 
 def lpt_assign(work: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
@@ -60,22 +61,13 @@ def lpt_assign(work: torch.Tensor, cp_size: int) -> list[torch.Tensor]:
     loaded rank (ties: the rank with fewer blocks, then the lower rank). Makespan <= sum/cp + max (Graham).
 
     The tie rule on block counts spreads zero-work blocks (padding) evenly, so every rank gets a block when
-    there are at least ``cp_size`` of them. A compiled heap of ranks (``planning_loops.py``).
+    there are at least ``cp_size`` of them. Compiled (``planning_loops.py``).
     """
     work = torch.as_tensor(work).reshape(-1).to(torch.int64).cpu().numpy()
     _check_cp(work.size, cp_size)
     if work.size and work.min() < 0:
         raise ValueError("block work must be non-negative")
-    return _plan_from_owner(_lpt_owner(work, cp_size), cp_size)
-
-
-def _plan_from_owner(owner: np.ndarray, cp_size: int) -> list[torch.Tensor]:
-    """Block indices grouped by owner rank, each group ascending."""
-    from lightning_mm.planning_loops import blocks_by_owner
-
-    blocks, start = blocks_by_owner(np.ascontiguousarray(owner, dtype=np.int64), cp_size)
-    whole = torch.from_numpy(blocks)
-    return [whole[a:b] for a, b in zip(start[:-1].tolist(), start[1:].tolist())]
+    return _lpt_plan(work[None], cp_size)
 
 
 def zigzag_plan(num_blocks: int, cp_size: int) -> list[torch.Tensor]:
@@ -117,7 +109,7 @@ def distribute(bam: torch.Tensor, cp_size: int, method: str = "lpt", block_size:
     num_blocks = _num_blocks(bam, cp_size, block_size)
     if method == "lpt":
         bam2, seg2, _ = masks._as_batch(bam, segment_ids)
-        return _plan_from_owner(_lpt_owner(masks._block_workload(bam2, seg2, block_size).sum(0), cp_size), cp_size)
+        return _lpt_plan(masks._block_workload(bam2, seg2, block_size), cp_size)
     if method == "zigzag":
         return zigzag_plan(num_blocks, cp_size)
     if method == "contiguous":
