@@ -174,7 +174,13 @@ def test_context_parallel_refuses_strategies_it_cannot_serve():
     _callback_refusal(lambda: cb.check_strategy(FSDPStrategy()), "switch to ModelParallelStrategy")
     _callback_refusal(lambda: cb.check_strategy(SingleDeviceStrategy("cpu")), "DDPStrategy")
     cb.check_strategy(DDPStrategy())  # served
-    _callback_refusal(lambda: ContextParallel(2, mode="ulysses"), "mode='allgather'")
+    _callback_refusal(lambda: ContextParallel(2, mode="hybrid"), r"cp=2 has no such divisor")
+    _callback_refusal(lambda: ContextParallel(8, mode="hybrid", ulysses=3), r"choose K in \[2, 4\]")
+    _callback_refusal(lambda: ContextParallel(2, mode="ring"), "choose one of")
+    assert ContextParallel(4, mode="hybrid", ulysses=2).degree == 2 and ContextParallel(4, mode="ulysses").degree == 4
+    heads = "4 query heads are not divisible by the Ulysses degree 8"  # the tiny LLaVA: 4 heads, 2 KV heads
+    _callback_refusal(lambda: ContextParallel(8, mode="ulysses").check_heads(tiny_model("llava")), heads)
+    ContextParallel(4, mode="ulysses").check_heads(tiny_model("llava"))  # 2 KV heads divide 4: repeated
     _callback_refusal(lambda: ContextParallel(2, distribution="best"), "lpt")
     _callback_refusal(lambda: ContextParallel(0), "positive int")
 
@@ -233,16 +239,17 @@ def test_context_parallel_refuses_a_call_without_labels():
     ContextParallel(2, gather_logits=True).top(model, dict(kwargs), dict(call))  # its own loss from the logits
 
 
-def _trains_alike(tmp_path, case: dict, name: str):
-    """dp 2 without the callback vs dp 2 x cp 2 with it, same global batches: same losses and parameters."""
+def _trains_alike(tmp_path, case: dict, name: str, dp: int = 2, cp: int = 2):
+    """dp ranks without the callback vs dp x cp with it, same global batches: same losses and parameters."""
     from tests.helpers.launch import run_trainer_case
 
     script = __import__("tests.helpers.existing_project_case", fromlist=["x"]).__file__
-    ref, ref_params = run_trainer_case(script, dict(case, devices=2, cp=0), tmp_path, name + "_dp")
-    got, params = run_trainer_case(script, dict(case, devices=4, cp=2), tmp_path, name + "_cp")
+    ref, ref_params = run_trainer_case(script, dict(case, devices=dp, cp=0), tmp_path, name + "_dp")
+    got, params = run_trainer_case(script, dict(case, devices=dp * cp, cp=cp), tmp_path, name + "_cp")
     assert len(got["train"]) == case["steps"]
     assert got["train"] == pytest.approx(ref["train"], rel=1e-5, abs=1e-6)
-    assert len(got["work"]) == 2 and min(got["work"]) > 0
+    assert len(got["work"]) == cp and min(got["work"]) > 0
+    assert got["attention_modes"] == ([case["mode"]] if case.get("mode", "allgather") != "allgather" else [])
     initial = tiny_model(case["kind"]).state_dict()
     assert any(not torch.allclose(ref_params[n], initial[n]) for n in ref_params)  # it trained
     assert ref_params.keys() == params.keys()
@@ -269,6 +276,19 @@ def test_context_parallel_gathered_logits_for_a_module_computing_its_own_loss(tm
     """The module computes its cross-entropy from outputs.logits (gather_logits=True), zigzag plan, FSDP2."""
     _trains_alike(tmp_path, {"kind": "llava", "strategy": "fsdp2", "steps": 2, "gather_logits": True,
                              "distribution": "zigzag"}, "llava_gather")
+
+
+@pytest.mark.slow
+def test_context_parallel_ulysses_under_ddp_trains_like_data_parallel(tmp_path):
+    """Ulysses over 2 ranks (4 query heads, 2 KV heads) in the callback: the all-to-all attention trains like DDP."""
+    _trains_alike(tmp_path, {"kind": "llava", "strategy": "ddp", "steps": 2, "mode": "ulysses"}, "llava_ulysses")
+
+
+@pytest.mark.slow
+def test_context_parallel_hybrid_under_fsdp2_trains_like_one_process(tmp_path):
+    """Hybrid 2 x 2 (Ulysses inside pairs, keys and values gathered across them), Qwen2-VL, FSDP2 over 4 ranks."""
+    _trains_alike(tmp_path, {"kind": "qwen2_vl", "strategy": "fsdp2", "steps": 2, "max_length": 48,
+                             "mode": "hybrid", "ulysses": 2}, "qwen_hybrid", dp=1, cp=4)
 
 
 @pytest.mark.slow

@@ -11,7 +11,9 @@ logging and checkpoints, and Lightning's own ``DDPStrategy`` or ``ModelParallelS
 * during each training step, in the model call: derives the words of the whole (replica) batch, plans the
   token blocks with ``distribution`` (LPT by default) and keeps the labels, shifted on the whole sequence;
   the vision tower, projector and embedding run on the whole batch; the text decoder's inputs are cut to this
-  rank's blocks (global positions kept) and its attention gathers keys and values over the CP group;
+  rank's blocks (global positions kept) and its attention gathers keys and values over the CP group
+  (``mode="allgather"``), or exchanges heads for the sequence with all-to-alls (``"ulysses"``; ``"hybrid"``:
+  Ulysses inside groups of ``ulysses`` ranks, keys and values gathered across the groups);
 * replaces ``outputs.loss`` by the loss of the unsharded batch: its value is HF's (mean over the batch's label
   tokens, or over ``num_items_in_batch`` when given) on every CP rank, and its gradient is ``cp`` times this
   rank's share, which DDP's / FSDP2's average over all ``dp x cp`` ranks turns into exactly the gradient of
@@ -19,8 +21,9 @@ logging and checkpoints, and Lightning's own ``DDPStrategy`` or ``ModelParallelS
   module computing its own cross-entropy), with the same gradient scaling.
 
 Validation, test and prediction run unsharded (every CP rank computes the whole batch; the numbers are the
-same). The per-rank attention work of each step's plan is logged as ``cp/work_imbalance`` (max over mean) and
-``cp/work_rank`` (this rank's over mean), and kept in ``last_work``.
+same). The per-rank attention work of each step's plan (Ulysses: its group's work shared by the group's ranks)
+is logged as ``cp/work_imbalance`` (max over mean) and ``cp/work_rank`` (this rank's over mean), and kept in
+``last_work``.
 """
 
 from __future__ import annotations
@@ -35,9 +38,8 @@ from lightning_mm import masks
 from lightning_mm.attention.bitfield_hf import (BitfieldAdapter, UnsupportedModelError, bitfield_adapter,
                                                 ADAPTER_ATTR, _is_hf_model)
 from lightning_mm.loss import IGNORE_INDEX, shift_labels
-from lightning_mm.parallel.context import METHODS, distribute, gather_sequence, token_index
-
-MODES = ("allgather",)
+from lightning_mm.parallel.context import METHODS, distribute, gather_sequence, hybrid_groups, token_index
+from lightning_mm.plan.layout import CP_MODES, ParallelSpec
 
 
 class _GatherLogits(torch.autograd.Function):
@@ -101,7 +103,10 @@ class ContextParallel(pl.Callback):
         distribution: ``"lpt"`` (balance the attention work of the mask, the default), ``"zigzag"``,
             ``"contiguous"`` or ``"random"``.
         block_size: tokens per block of the plan (shortened for a sequence with fewer than ``cp_size`` blocks).
-        mode: ``"allgather"`` (keys and values all-gathered over the CP group).
+        mode: ``"allgather"`` (keys and values all-gathered over the CP group, any head count), ``"ulysses"``
+            (all-to-alls over the CP group: query heads, and key/value heads or their divisor, must split over
+            ``cp_size``) or ``"hybrid"`` (Ulysses inside groups of ``ulysses`` ranks, all-gather across them).
+        ulysses: the Ulysses degree of ``"hybrid"`` (a divisor of ``cp_size`` strictly between 1 and it).
         modality_attention: ``"causal"`` (the model's own attention: default) or ``"bidirectional"`` placeholder
             spans (see :func:`lightning_mm.attention.bitfield_hf.hf_words`).
         gather_logits: give ``outputs.logits`` of the whole sequence (the module computes its own loss from
@@ -111,24 +116,26 @@ class ContextParallel(pl.Callback):
     """
 
     def __init__(self, cp_size: int, distribution: str = "lpt", block_size: int = 128, mode: str = "allgather", *,
-                 modality_attention: str = "causal", gather_logits: bool = False, model_attr: str | None = None,
-                 check_batches: bool = True):
+                 ulysses: int | None = None, modality_attention: str = "causal", gather_logits: bool = False,
+                 model_attr: str | None = None, check_batches: bool = True):
         if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
             raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
         if distribution not in METHODS:
             raise ValueError(f"distribution={distribution!r} is not a CP distribution; choose one of {METHODS}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int (tokens per block), got {block_size!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r} is not supported by the ContextParallel callback; use mode='allgather' "
-                             "(Ulysses and hybrid CP run under MultimodalParallelStrategy(language_model="
-                             "ParallelSpec(cp_mode=...)))")
+        if mode not in CP_MODES:
+            raise ValueError(f"mode={mode!r} is not a CP mode; choose one of {CP_MODES}")
+        try:  # the mode and degree rules of ParallelSpec
+            self.degree = ParallelSpec(cp=cp_size, cp_mode=mode, ulysses=ulysses).ulysses_degree
+        except ValueError as e:
+            raise ValueError(f"ContextParallel(cp_size={cp_size}, mode={mode!r}, ulysses={ulysses!r}): {e}") from None
         self.cp_size, self.distribution, self.block_size, self.mode = cp_size, distribution, block_size, mode
         self.modality_attention, self.gather_logits = modality_attention, gather_logits
         self.model_attr, self.check_batches = model_attr, check_batches
-        self.group = None
-        self.cp_rank, self.dp_rank, self.dp_size = 0, 0, 1
-        self.last_work: list[int] = []
+        self.group = self.attention_group = None
+        self.cp_rank, self.dp_rank, self.dp_size, self.tp_size = 0, 0, 1, 1
+        self.last_work: list[float] = []
         self._adapter: BitfieldAdapter | None = None
         self._original_class = None
         self._in_step = False
@@ -172,19 +179,46 @@ class ContextParallel(pl.Callback):
             raise ValueError(f"cp_size={self.cp_size} does not divide the {size} data-parallel ranks; choose cp_size "
                              f"among {divisors}, or run on a multiple of {self.cp_size} data-parallel devices")
         rank = dist.get_rank()
+        hybrid = {}
         for column in columns:  # every rank creates every group, in the same order
             for start in range(0, size, self.cp_size):
                 members = column[start:start + self.cp_size]
                 group = dist.new_group(members) if self.cp_size > 1 else None
+                if self.mode == "hybrid":
+                    hybrid.update(hybrid_groups(members, self.degree, rank))
                 if rank in members:
                     self.group, self.cp_rank = group, members.index(rank)
                     self.dp_rank, self.dp_size = start // self.cp_size, size // self.cp_size
+        self.tp_size = len(columns)
+        self.attention_group = self._attention_group(hybrid)
         self._override_sampler(strategy)
         try:
             self._install(pl_module)
         except UnsupportedModelError:
             if not _has_configure_model(pl_module):
                 raise  # no model can appear later; else on_fit_start tries again after configure_model
+
+    def _attention_group(self, hybrid: dict):
+        """What the attention takes as ``cp_group``: the CP group (allgather), else a ``ContextParallelGroups``."""
+        from lightning_mm.attention.ulysses import ContextParallelGroups
+
+        if self.mode == "allgather" or self.group is None:
+            return self.group
+        if self.mode == "ulysses":
+            return ContextParallelGroups("ulysses", self.group, ulysses=self.group)
+        return ContextParallelGroups("hybrid", self.group, ulysses=hybrid["ulysses"], gather=hybrid["gather"])
+
+    def check_heads(self, model) -> None:
+        """Raise, naming the fix, when Ulysses cannot split ``model``'s text heads over ``degree`` ranks (with
+        tensor parallelism the heads per rank depend on the project's plan: the attention checks them then)."""
+        if self.degree == 1 or self.tp_size > 1:
+            return
+        from lightning_mm.attention.ulysses import check_ulysses_heads
+
+        cfg = getattr(model.config, "text_config", None) or model.config
+        heads = cfg.num_attention_heads
+        check_ulysses_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads, self.degree,
+                            f"ContextParallel(cp_size={self.cp_size}, mode={self.mode!r}) on {type(model).__name__}")
 
     def _override_sampler(self, strategy) -> None:
         if self._original_class is not None:
@@ -200,6 +234,7 @@ class ContextParallel(pl.Callback):
         if self._adapter is not None:
             return
         model = _find_hf_model(pl_module, self.model_attr)
+        self.check_heads(model)
         adapter = bitfield_adapter(model)
         if adapter is None:
             adapter = BitfieldAdapter(model, self.modality_attention)
@@ -271,10 +306,12 @@ class ContextParallel(pl.Callback):
         if seq_len < self.cp_size:
             raise ValueError(f"a sequence of {seq_len} tokens cannot be split over cp_size={self.cp_size} ranks; "
                              "use longer rows (pack_multimodal max_length) or a smaller cp_size")
-        plan = distribute(bam.cpu(), self.cp_size, self.distribution, block,
-                          None if segs is None else segs.cpu())
-        work = masks.block_workload(bam.cpu(), block, None if segs is None else segs.cpu()).sum(0)
-        self.last_work = [int(work[p].sum()) for p in plan]
+        segs = None if segs is None else segs.cpu()
+        plan = distribute(bam.cpu(), self.cp_size, self.distribution, block, segs, ulysses=self.degree)
+        work = masks.block_workload(bam.cpu(), block, segs).sum(0)
+        k = self.degree  # a Ulysses group's ranks share its blocks' work
+        groups = [float(sum(work[p].sum() for p in plan[g:g + k])) / k for g in range(0, self.cp_size, k)]
+        self.last_work = [groups[r // k] for r in range(self.cp_size)]
         index = token_index(plan[self.cp_rank], block, seq_len).to(bam.device)
         call.update(plan=plan, block=block, index=index, seq_len=seq_len)
         if labels is not None or shifted is not None:
@@ -301,8 +338,9 @@ class ContextParallel(pl.Callback):
         kwargs["use_cache"] = False
         for key in ("past_key_values", "cache"):
             kwargs.pop(key, None)
-        kwargs.update(bam=call["bam"].index_select(1, index), token_index=local, cp_group=self.group, cp_cache={},
-                      segment_ids=None if call["segment_ids"] is None else call["segment_ids"].index_select(1, index))
+        segs = call["segment_ids"]
+        kwargs.update(bam=call["bam"].index_select(1, index), token_index=local, cp_group=self.attention_group,
+                      cp_cache={}, segment_ids=None if segs is None else segs.index_select(1, index))
         return kwargs
 
     def output(self, module, kwargs: dict, output, call: dict):

@@ -26,7 +26,7 @@ METHODS = ("lpt", "random", "zigzag", "contiguous")
 __all__ = ["METHODS", "IGNORE_INDEX", "distribute", "lpt_assign", "zigzag_plan", "contiguous_plan", "random_plan",
            "plan_workload", "validate_plan", "token_index", "shard", "unshard", "shift_labels", "shard_batch",
            "gather_sequence", "context_parallel_attention", "pad_for_context_parallel", "check_context_parallel",
-           "context_parallel_groups", "cp_communication_bytes"]
+           "context_parallel_groups", "hybrid_groups", "cp_communication_bytes"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -171,7 +171,6 @@ def context_parallel_groups(layout, rank: int, cp_group):
     groups (CP ranks ``j, K+j, 2K+j, ...``) of every LLM stage, replica and tp rank are created with ``new_group``,
     in the same order on every rank: call it on every rank."""
     from lightning_mm.attention.ulysses import ContextParallelGroups
-    import torch.distributed as dist
 
     mode, k = layout.cp_mode, layout.ulysses
     if mode == "allgather" or (mode == "ulysses" and cp_group is None):
@@ -180,19 +179,31 @@ def context_parallel_groups(layout, rank: int, cp_group):
         return ContextParallelGroups("ulysses", cp_group, ulysses=cp_group)
     mine = {}
     for stage in [s for s in layout.stages if layout.cp[s] > 1]:
-        n = layout.cp[stage]
         for d in range(layout.dp):
             for t in range(layout.tp[stage]):
-                ranks = [layout.rank(stage, d, c, t) for c in range(n)]
-                for name, members in [("ulysses", [ranks[g * k:(g + 1) * k] for g in range(n // k)]),
-                                      ("gather", [ranks[j::k] for j in range(k)])]:
-                    for m in members:
-                        group = dist.new_group(m)
-                        if rank in m:
-                            mine[name] = group
+                ranks = [layout.rank(stage, d, c, t) for c in range(layout.cp[stage])]
+                mine.update(hybrid_groups(ranks, k, rank))
     if layout.cp[layout.coordinate(rank).stage] == 1:
         return cp_group
     return ContextParallelGroups("hybrid", cp_group, ulysses=mine["ulysses"], gather=mine["gather"])
+
+
+def hybrid_groups(ranks: list[int], k: int, rank: int) -> dict:
+    """Create the hybrid groups of one CP group (global ``ranks`` in CP-rank order) with ``new_group``: the
+    Ulysses groups of CP ranks ``g*K .. g*K+K-1`` and the gather groups of CP ranks ``j, K+j, 2K+j, ...``; returns
+    ``{"ulysses": ..., "gather": ...}`` for ``rank`` (empty when it is not in ``ranks``). Every rank calls it for
+    every CP group, in the same order."""
+    import torch.distributed as dist
+
+    mine = {}
+    n = len(ranks)
+    for name, members in [("ulysses", [ranks[g * k:(g + 1) * k] for g in range(n // k)]),
+                          ("gather", [ranks[j::k] for j in range(k)])]:
+        for m in members:
+            group = dist.new_group(m)
+            if rank in m:
+                mine[name] = group
+    return mine
 
 
 def plan_workload(plan: list[torch.Tensor], work: torch.Tensor) -> torch.Tensor:

@@ -148,11 +148,23 @@ def main(spec: str, out: str):
     config = tiny_model(kind).config
     collate = PackingCollator(config, max_length, num_rows=case.get("rows"))
     callbacks = []
+    attention_modes: list[str] = []  # the CP mode each Ulysses attention call ran
+    if case.get("mode", "allgather") != "allgather":
+        from lightning_mm.attention import ulysses
+
+        run = ulysses.ulysses_attention
+
+        def counted(*args, **kwargs):
+            attention_modes.append(args[6].mode)
+            return run(*args, **kwargs)
+
+        ulysses.ulysses_attention = counted
     if cp:
         from lightning_mm.callbacks import ContextParallel
 
         callbacks.append(ContextParallel(cp, distribution=case.get("distribution", "lpt"),
-                                         block_size=case.get("block_size", 8), gather_logits=gather))
+                                         block_size=case.get("block_size", 8), gather_logits=gather,
+                                         mode=case.get("mode", "allgather"), ulysses=case.get("ulysses")))
     if case["strategy"] == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
         strategy = DDPStrategy(process_group_backend="gloo", find_unused_parameters=True)  # CLIP post_layernorm
@@ -175,6 +187,7 @@ def main(spec: str, out: str):
         result = {"train": losses}
         if cp:
             result["work"] = callbacks[0].last_work
+            result["attention_modes"] = sorted(set(attention_modes))
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f)
 
