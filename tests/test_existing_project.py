@@ -250,6 +250,7 @@ def _trains_alike(tmp_path, case: dict, name: str, dp: int = 2, cp: int = 2):
     assert got["train"] == pytest.approx(ref["train"], rel=1e-5, abs=1e-6)
     assert len(got["work"]) == cp and min(got["work"]) > 0
     assert got["attention_modes"] == ([case["mode"]] if case.get("mode", "allgather") != "allgather" else [])
+    return got
     initial = tiny_model(case["kind"]).state_dict()
     assert any(not torch.allclose(ref_params[n], initial[n]) for n in ref_params)  # it trained
     assert ref_params.keys() == params.keys()
@@ -257,18 +258,43 @@ def _trains_alike(tmp_path, case: dict, name: str, dp: int = 2, cp: int = 2):
         torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+def _every_image_once(shards, ranks: int):
+    """Each step's images were split over ``ranks`` CP ranks, each encoding at least one, every image once."""
+    assert shards and all(s is not None and len(s) == ranks and min(map(len, s)) > 0 for s in shards), shards
+    for step in shards:
+        images = sorted(i for rank in step for i in rank)
+        assert images == list(range(len(images)))
+
+
 @pytest.mark.slow
 @pytest.mark.ci
 def test_context_parallel_under_ddp_trains_like_data_parallel(tmp_path):
-    """LLaVA in a plain LightningModule (training_step returns outputs.loss), DDPStrategy, packed rows."""
-    _trains_alike(tmp_path, {"kind": "llava", "strategy": "ddp", "steps": 2}, "llava_ddp")
+    """LLaVA in a plain LightningModule (training_step returns outputs.loss), DDPStrategy, packed rows; the
+    batch's images are split over the 2 CP ranks."""
+    got = _trains_alike(tmp_path, {"kind": "llava", "strategy": "ddp", "steps": 2}, "llava_ddp")
+    _every_image_once(got["image_shards"], 2)
 
 
 @pytest.mark.slow
 def test_context_parallel_under_fsdp2_trains_like_data_parallel(tmp_path):
-    """Qwen2-VL (M-RoPE positions of packed samples) under ModelParallelStrategy, FSDP2 over all dp x cp ranks."""
-    _trains_alike(tmp_path, {"kind": "qwen2_vl", "strategy": "fsdp2", "steps": 2, "max_length": 48},
-                  "qwen_fsdp2")
+    """Qwen2-VL (M-RoPE positions of packed samples, images of different patch counts) under
+    ModelParallelStrategy, FSDP2 over all dp x cp ranks; the images split over the CP ranks."""
+    got = _trains_alike(tmp_path, {"kind": "qwen2_vl", "strategy": "fsdp2", "steps": 2, "max_length": 48},
+                        "qwen_fsdp2")
+    _every_image_once(got["image_shards"], 2)
+
+
+@pytest.mark.slow
+def test_context_parallel_encodes_every_image_on_every_rank_when_images_are_fewer_than_ranks(tmp_path):
+    """One image per batch of 4 samples at cp 2: each rank encodes it (no split), still like data parallelism;
+    and shard_images=False keeps every image on every rank."""
+    one = [1, 0, 0, 0] * 4
+    got = _trains_alike(tmp_path, {"kind": "qwen2_vl", "strategy": "fsdp2", "steps": 2, "max_length": 48,
+                                   "n_images": one}, "qwen_one_image")
+    assert got["image_shards"] == [None, None]
+    got = _trains_alike(tmp_path, {"kind": "llava", "strategy": "ddp", "steps": 1, "shard_images": False},
+                        "llava_whole")
+    assert got["image_shards"] == [None]
 
 
 @pytest.mark.slow

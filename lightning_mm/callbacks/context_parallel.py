@@ -10,10 +10,13 @@ logging and checkpoints, and Lightning's own ``DDPStrategy`` or ``ModelParallelS
   the HF inputs, packed samples from ``segment_ids`` or ``position_ids`` restarts);
 * during each training step, in the model call: derives the words of the whole (replica) batch, plans the
   token blocks with ``distribution`` (LPT by default) and keeps the labels, shifted on the whole sequence;
-  the vision tower, projector and embedding run on the whole batch; the text decoder's inputs are cut to this
-  rank's blocks (global positions kept) and its attention gathers keys and values over the CP group
-  (``mode="allgather"``), or exchanges heads for the sequence with all-to-alls (``"ulysses"``; ``"hybrid"``:
-  Ulysses inside groups of ``ulysses`` ranks, keys and values gathered across the groups);
+  the batch's images are split over the CP ranks by LPT on their work, each rank encodes its share (vision
+  tower and projector) and the features are all-gathered (``shard_images``; LLaVA- and Qwen2-VL-style inputs
+  with at least ``cp_size`` images, else every rank encodes every image); the embedding runs on the whole
+  batch; the text decoder's inputs are cut to this rank's blocks (global positions kept) and its attention
+  gathers keys and values over the CP group (``mode="allgather"``), or exchanges heads for the sequence with
+  all-to-alls (``"ulysses"``; ``"hybrid"``: Ulysses inside groups of ``ulysses`` ranks, keys and values
+  gathered across the groups);
 * replaces ``outputs.loss`` by the loss of the unsharded batch: its value is HF's (mean over the batch's label
   tokens, or over ``num_items_in_batch`` when given) on every CP rank, and its gradient is ``cp`` times this
   rank's share, which DDP's / FSDP2's average over all ``dp x cp`` ranks turns into exactly the gradient of
@@ -39,6 +42,8 @@ from lightning_mm.attention.bitfield_hf import (BitfieldAdapter, UnsupportedMode
                                                 ADAPTER_ATTR, _is_hf_model)
 from lightning_mm.loss import IGNORE_INDEX, shift_labels
 from lightning_mm.parallel.context import METHODS, distribute, gather_sequence, hybrid_groups, token_index
+from lightning_mm.parallel.encoder_cp import gather_items
+from lightning_mm.plan.items import encoder_width, gather_order, item_work, shard_items
 from lightning_mm.plan.layout import CP_MODES, ParallelSpec
 
 
@@ -107,6 +112,10 @@ class ContextParallel(pl.Callback):
             (all-to-alls over the CP group: query heads, and key/value heads or their divisor, must split over
             ``cp_size``) or ``"hybrid"`` (Ulysses inside groups of ``ulysses`` ranks, all-gather across them).
         ulysses: the Ulysses degree of ``"hybrid"`` (a divisor of ``cp_size`` strictly between 1 and it).
+        shard_images: split each training batch's images over the CP ranks (LPT on their encoder work), encode
+            each share once and all-gather the features, instead of encoding every image on every CP rank.
+            Served inputs: one ``pixel_values`` row per image (LLaVA) or patches with ``image_grid_thw``
+            (Qwen2-VL); a batch with fewer images than ``cp_size`` is encoded whole on every rank.
         modality_attention: ``"causal"`` (the model's own attention: default) or ``"bidirectional"`` placeholder
             spans (see :func:`lightning_mm.attention.bitfield_hf.hf_words`).
         gather_logits: give ``outputs.logits`` of the whole sequence (the module computes its own loss from
@@ -116,8 +125,8 @@ class ContextParallel(pl.Callback):
     """
 
     def __init__(self, cp_size: int, distribution: str = "lpt", block_size: int = 128, mode: str = "allgather", *,
-                 ulysses: int | None = None, modality_attention: str = "causal", gather_logits: bool = False,
-                 model_attr: str | None = None, check_batches: bool = True):
+                 ulysses: int | None = None, shard_images: bool = True, modality_attention: str = "causal",
+                 gather_logits: bool = False, model_attr: str | None = None, check_batches: bool = True):
         if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
             raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
         if distribution not in METHODS:
@@ -131,11 +140,12 @@ class ContextParallel(pl.Callback):
         except ValueError as e:
             raise ValueError(f"ContextParallel(cp_size={cp_size}, mode={mode!r}, ulysses={ulysses!r}): {e}") from None
         self.cp_size, self.distribution, self.block_size, self.mode = cp_size, distribution, block_size, mode
-        self.modality_attention, self.gather_logits = modality_attention, gather_logits
+        self.modality_attention, self.gather_logits, self.shard_images = modality_attention, gather_logits, shard_images
         self.model_attr, self.check_batches = model_attr, check_batches
         self.group = self.attention_group = None
         self.cp_rank, self.dp_rank, self.dp_size, self.tp_size = 0, 0, 1, 1
         self.last_work: list[float] = []
+        self.last_image_shards: list[list[int]] | None = None  # images each CP rank encoded in the last step
         self._adapter: BitfieldAdapter | None = None
         self._original_class = None
         self._in_step = False
@@ -300,6 +310,12 @@ class ContextParallel(pl.Callback):
                              "none: pass labels=... to the model (HF convention: aligned with input_ids, -100 = no "
                              "loss), or use ContextParallel(gather_logits=True) when the module computes its own "
                              "loss from outputs.logits")
+        self.last_image_shards = None
+        if self.shard_images and self.group is not None and kwargs.get("mm_encoder_outputs") is None:
+            images = self._encode_image_shards(module, kwargs)
+            if images is not None:  # the model takes the features instead of the pixels
+                kwargs["mm_encoder_outputs"] = {"image": images}
+                kwargs.pop("pixel_values")
         bam, segs = call["bam"], call["segment_ids"]
         seq_len = bam.shape[1]
         block = min(self.block_size, math.ceil(seq_len / self.cp_size))
@@ -319,6 +335,50 @@ class ContextParallel(pl.Callback):
             call["targets"] = targets.index_select(1, index)
             call["count"] = (targets != IGNORE_INDEX).sum() if count is None else count
         return kwargs
+
+    def _encode_image_shards(self, module, kwargs: dict):
+        """This rank's share of the call's images encoded by the model's own ``get_image_features`` and every
+        rank's features all-gathered in image order (backward returns each image's gradient, summed over the CP
+        ranks, to the rank that encoded it), as the model's precomputed ``mm_encoder_outputs["image"]``; None
+        when the inputs are not served or there are fewer images than CP ranks (then every rank encodes all)."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        inner, pixels = getattr(module, "model", None), kwargs.get("pixel_values")
+        if pixels is None or not hasattr(inner, "get_image_features"):
+            return None
+        grid = kwargs.get("image_grid_thw")
+        vision = getattr(module.config, "vision_config", None)
+        if grid is not None:  # Qwen2-VL: every image's patches in one [P, D] tensor
+            patches = grid.prod(-1).tolist()
+            merge = getattr(vision, "spatial_merge_size", 1) ** 2
+            tokens = [p // merge for p in patches]
+            starts = [0]
+            for p in patches:
+                starts.append(starts[-1] + p)
+
+            def encode(items):
+                rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in items]).to(pixels.device)
+                return inner.get_image_features(pixels.index_select(0, rows), grid[items], return_dict=True)
+        elif kwargs.get("image_sizes") is None and pixels.dim() == 4:  # LLaVA: one row per image, one size
+            patches = tokens = [1] * pixels.shape[0]  # every image alike; its token count comes from encoding
+
+            def encode(items):
+                return inner.get_image_features(
+                    pixel_values=pixels[items], vision_feature_layer=kwargs.get("vision_feature_layer"),
+                    vision_feature_select_strategy=kwargs.get("vision_feature_select_strategy"), return_dict=True)
+        else:
+            return None
+        if len(patches) < self.cp_size:
+            return None
+        shards = shard_items(item_work(patches, encoder_width(vision)), self.cp_size)
+        local = list(encode(shards[self.cp_rank]).pooler_output)
+        if grid is None:
+            tokens = [local[0].shape[0]] * len(tokens)
+        counts = [sum(tokens[i] for i in shard) for shard in shards]
+        order = torch.tensor(gather_order(shards, tokens), dtype=torch.long, device=local[0].device)
+        whole = gather_items(torch.cat(local), counts, order, self.group)
+        self.last_image_shards = shards
+        return BaseModelOutputWithPooling(pooler_output=tuple(torch.split(whole, tokens)))
 
     def decoder(self, module, kwargs: dict, call: dict) -> dict:
         index, seq_len = call["index"], call["seq_len"]

@@ -8,7 +8,9 @@ the callback's work per CP rank) and ``<out_dir>/params_<rank>.pt`` (full parame
 Batches are packed rows (``PackingCollator``); without the callback the module calls ``use_bitfield_attention``
 itself. JSON keys: ``kind`` ("llava" | "qwen2_vl"), ``strategy`` ("ddp" | "fsdp2"), ``devices``, ``cp`` (0: no
 callback), ``steps``, ``max_length``, ``distribution``, ``block_size``, ``gather_logits`` (the module computes
-its own cross-entropy over ``outputs.logits``).
+its own cross-entropy over ``outputs.logits``), ``mode``, ``ulysses``, ``shard_images``, ``n_images`` (images per
+sample, one entry per sample). Rank 0 also writes the attention modes the Ulysses calls ran and, per step, the
+images each CP rank encoded.
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ def main(spec: str, out: str):
 
         def training_step(self, batch, batch_idx):
             outputs = self.model(**batch)
+            if cp:
+                image_shards.append(callbacks[0].last_image_shards)
             if gather:  # the module's own cross-entropy over the logits
                 logits, labels = outputs.logits[:, :-1], batch["labels"][:, 1:]
                 loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
@@ -144,7 +148,9 @@ def main(spec: str, out: str):
     from lightning_mm.data import PackingCollator
 
     losses: list[float] = []
-    samples = [sample(kind, i) for i in range(case.get("num_samples", 16))]
+    image_shards: list = []  # the images each CP rank encoded, per step (None: every rank encoded all)
+    n_images = case.get("n_images") or [None] * case.get("num_samples", 16)
+    samples = [sample(kind, i, n) for i, n in enumerate(n_images)]
     config = tiny_model(kind).config
     collate = PackingCollator(config, max_length, num_rows=case.get("rows"))
     callbacks = []
@@ -164,7 +170,8 @@ def main(spec: str, out: str):
 
         callbacks.append(ContextParallel(cp, distribution=case.get("distribution", "lpt"),
                                          block_size=case.get("block_size", 8), gather_logits=gather,
-                                         mode=case.get("mode", "allgather"), ulysses=case.get("ulysses")))
+                                         mode=case.get("mode", "allgather"), ulysses=case.get("ulysses"),
+                                         shard_images=case.get("shard_images", True)))
     if case["strategy"] == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
         strategy = DDPStrategy(process_group_backend="gloo", find_unused_parameters=True)  # CLIP post_layernorm
@@ -188,6 +195,7 @@ def main(spec: str, out: str):
         if cp:
             result["work"] = callbacks[0].last_work
             result["attention_modes"] = sorted(set(attention_modes))
+            result["image_shards"] = image_shards
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f)
 
