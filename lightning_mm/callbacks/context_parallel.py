@@ -357,7 +357,7 @@ class ContextParallel(pl.Callback):
                 starts.append(starts[-1] + p)
 
             def encode(items):
-                rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in items]).to(pixels.device)
+                rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=pixels.device) for i in items])
                 return inner.get_image_features(pixels.index_select(0, rows), grid[items], return_dict=True)
         elif kwargs.get("image_sizes") is None and pixels.dim() == 4:  # LLaVA: one row per image, one size
             patches = tokens = [1] * pixels.shape[0]  # every image alike; its token count comes from encoding
