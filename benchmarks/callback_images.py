@@ -119,9 +119,9 @@ def child(spec: dict) -> None:
 
 def run_variant(name: str, cp: int, shard: bool, frozen: bool, args, tmp: pathlib.Path) -> dict:
     out = tmp / f"{name.replace(' ', '_').replace(',', '')}_{frozen}.json"
-    spec = dict(cp=cp, shard_images=shard, frozen_vision=frozen, images=args.images, steps=args.steps, warmup=args.warmup,
-                image_size=args.image_size, vision_width=args.vision_width, vision_layers=args.vision_layers,
-                out=str(out))
+    spec = dict(cp=cp, shard_images=shard, frozen_vision=frozen, images=args.images, steps=args.steps,
+                warmup=args.warmup, image_size=args.image_size, vision_width=args.vision_width,
+                vision_layers=args.vision_layers, out=str(out))
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], check=True, env=env,
                    stdout=subprocess.DEVNULL)
