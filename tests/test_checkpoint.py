@@ -67,8 +67,7 @@ def test_reshard_to_context_parallel_and_back():
     _continue_elsewhere(reference(), "cp2", "pp2", {"vision.0": 1, "language_model.0": 2})
 
 
-@pytest.mark.slow
-@pytest.mark.ci
+@pytest.mark.slow  # not in the CI subset (87 s there); test_reshard_to_tensor_parallel_and_back reshards in CI
 def test_reshard_context_parallel_with_pipeline_and_data_parallel():
     """pp2 -> LLM pp2 x cp2 (5 ranks, two CP-sharded LLM stages) -> LLM cp2 x dp2 (6 ranks)."""
     _continue_elsewhere(reference(), "pp2cp2", "cp2dp2", {"vision.0": 1, "language_model.0": 2, "language_model.1": 2})
