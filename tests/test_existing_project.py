@@ -250,12 +250,12 @@ def _trains_alike(tmp_path, case: dict, name: str, dp: int = 2, cp: int = 2):
     assert got["train"] == pytest.approx(ref["train"], rel=1e-5, abs=1e-6)
     assert len(got["work"]) == cp and min(got["work"]) > 0
     assert got["attention_modes"] == ([case["mode"]] if case.get("mode", "allgather") != "allgather" else [])
-    return got
     initial = tiny_model(case["kind"]).state_dict()
     assert any(not torch.allclose(ref_params[n], initial[n]) for n in ref_params)  # it trained
     assert ref_params.keys() == params.keys()
     for n in ref_params:
         torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6, msg=n)
+    return got
 
 
 def _every_image_once(shards, ranks: int):
