@@ -24,13 +24,16 @@ class ParallelSpec:
     head count), ``"ulysses"`` (all-to-all: each rank attends the whole sequence for heads / cp heads) or
     ``"hybrid"`` (Ulysses inside groups of ``ulysses`` ranks, all-gather across the cp / ulysses groups).
     ``ulysses``: the Ulysses degree of ``"hybrid"`` (a divisor of cp strictly between 1 and cp); ``"ulysses"``
-    implies cp and ``"allgather"`` 1. See docs/context_parallel.md for when each wins."""
+    implies cp and ``"allgather"`` 1. See docs/context_parallel.md for when each wins.
+    ``dp``: this module's own data-parallel degree (DistTrain's per-module widths, docs/per_module_dp.md); None on
+    every module keeps one degree derived from the device count, otherwise every module gives one."""
 
     pp: int = 1
     cp: int = 1
     tp: int = 1
     cp_mode: str = "allgather"
     ulysses: int | None = None
+    dp: int | None = None
 
     def __post_init__(self):
         for k in ("pp", "cp", "tp"):
@@ -39,6 +42,8 @@ class ParallelSpec:
                 raise ValueError(f"ParallelSpec.{k} must be an int >= 1, got {v!r}")
         if self.cp_mode not in CP_MODES:
             raise ValueError(f"unknown cp_mode {self.cp_mode!r}; choose one of {CP_MODES}")
+        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+            raise ValueError(f"ParallelSpec.dp must be an int >= 1 or None, got {self.dp!r}")
         k = self.ulysses
         if k is not None and (not isinstance(k, int) or k < 1):
             raise ValueError(f"ParallelSpec.ulysses must be an int >= 1 or None, got {k!r}")
