@@ -21,6 +21,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -30,6 +31,7 @@ from lightning_mm.data.balanced import (BalancedBatchSampler, BalancedCollate, B
 from lightning_mm.data.cp_plans import CPPlanCollate
 from lightning_mm.data.microbatch import PLAN_KEY
 from lightning_mm.data.resumable import ResumableDataLoader, loader_options, resumable
+from lightning_mm.launch import CheckedLauncher
 from lightning_mm.faults import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
 from lightning_mm.fault_tolerance import FaultTolerance, FaultTolerantTraining, as_fault_tolerance
 from lightning_mm.model.loading import materialise
@@ -172,6 +174,13 @@ class MultimodalParallelStrategy(DDPStrategy):
         if self.fault_timeout is not None and self.world_size > 1:
             self.watchdog = FaultWatchdog(self.global_rank, self.world_size, self.fault_timeout,
                                           labels=rank_labels(self.layout)).start()
+
+    def _configure_launcher(self) -> None:
+        """Lightning's launcher, with the layout checked before it spawns any rank (``lightning_mm.launch``)."""
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:
+            self._launcher = CheckedLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                             check=self.plan_layout)
 
     def check_launch_environment(self) -> None:
         """LOCAL_RANK without WORLD_SIZE in the environment (left over from an earlier Trainer run in this process

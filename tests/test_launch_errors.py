@@ -1,0 +1,83 @@
+"""Launch failures end cleanly: a layout the devices cannot hold fails in the launching process before any rank is
+spawned (one traceback, no child left), and ranks never outlive the process that launched them."""
+
+import os
+import subprocess
+import sys
+import time
+
+import yaml
+
+HERE = os.path.dirname(__file__)
+EXAMPLE = os.path.join(HERE, "..", "examples", "tiny_valm_pp.yaml")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of the running processes whose command line contains ``text``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_layout_error_raised_before_any_rank_is_spawned(tmp_path):
+    config = yaml.safe_load(open(EXAMPLE))
+    config["trainer"]["devices"] = 5  # the layout needs a multiple of 4 ranks
+    path = tmp_path / "five_devices.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_mm.cli", "fit", "--config", str(path)], cwd=tmp_path,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode != 0
+    assert "5 devices cannot hold whole replicas of 4 ranks" in err, err[-3000:]
+    assert err.count("Traceback") == 1, err[-3000:]
+    assert not (tmp_path / "lightning_logs").exists()  # no rank got as far as logging
+    assert processes_mentioning(str(path)) == []
+
+
+def run_case(mode: str, folder) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(HERE, "helpers", "launcher_case.py"), mode, str(folder)],
+                          capture_output=True, text=True, timeout=120, env=ENV, cwd=folder)
+
+
+def wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_children_ended_when_the_launching_process_raises(tmp_path):
+    proc = run_case("raise", tmp_path)
+    assert proc.returncode != 0 and "the launching rank failed" in proc.stderr, proc.stderr[-3000:]
+    assert wait_gone(int((tmp_path / "child.pid").read_text()), 5)
+
+
+def test_children_die_with_their_launcher(tmp_path):
+    proc = run_case("orphan", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert wait_gone(int((tmp_path / "child.pid").read_text()), 5)
+
+
+def test_a_rank_started_after_its_launcher_died_stops():
+    code = "from lightning_mm.launch import end_with_launcher; end_with_launcher(); print('waited')"
+    env = {**ENV, "LMM_LAUNCHER_PID": "1", "LOCAL_RANK": "1"}  # pid 1 is never this process's parent here
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 1 and "waited" not in proc.stdout
+    assert "the launching process (pid 1) has exited" in proc.stderr
