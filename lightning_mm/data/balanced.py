@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from lightning_mm.data.microbatch import PLAN_KEY
+from lightning_mm.data.microbatch import PLAN_KEY, ROUTE_KEY
 
 
 class MetadataError(ValueError):
@@ -28,9 +28,12 @@ class MetadataError(ValueError):
 class BalancedBatchSampler:
     """Yields this replica's part of every global batch as ``[(index, encoder mb, LLM mb), ...]``, ordered by
     encoder microbatch. ``work(indices) -> (encoder_work, llm_work)``; ``plan(enc, llm, replicas, microbatches)``
-    returns a ``BatchPlan``. Resumes mid-epoch by skipping ``skip`` batches without loading them."""
+    returns a ``BatchPlan``. Resumes mid-epoch by skipping ``skip`` batches without loading them.
 
-    def __init__(self, dataset, batch_size: int, num_replicas: int, replica: int, num_microbatches: int,
+    ``replica`` may list several replicas (a group of per-module data parallelism): their parts come one after the
+    other, each sample as ``(index, encoder mb, LLM mb, position of its replica in the list)``."""
+
+    def __init__(self, dataset, batch_size: int, num_replicas: int, replica: int | list[int], num_microbatches: int,
                  plan: Callable, work: Callable, shuffle: bool = True, seed: int = 0, drop_last: bool = True):
         if batch_size < num_microbatches:
             raise ValueError(f"batch_size={batch_size} per replica is smaller than num_microbatches="
@@ -68,9 +71,13 @@ class BalancedBatchSampler:
             encoder_work, llm_work = self.work(indices)
             plan = self.plan(encoder_work, llm_work, self.num_replicas, self.num_microbatches)
             self.deferred_samples += sum(len(d.samples) for d in plan.deferred)
-            later = {s for d in plan.deferred if d.replica == self.replica for s in d.samples}
-            yield [(indices[s], m, m + 1 if s in later else m)
-                   for m, samples in enumerate(plan.assignment[self.replica]) for s in samples]
+            later = {s for d in plan.deferred for s in d.samples}
+            if isinstance(self.replica, int):
+                yield [(indices[s], m, m + 1 if s in later else m)
+                       for m, samples in enumerate(plan.assignment[self.replica]) for s in samples]
+            else:
+                yield [(indices[s], m, m + 1 if s in later else m, j) for j, r in enumerate(self.replica)
+                       for m, samples in enumerate(plan.assignment[r]) for s in samples]
 
 
 class _EpochSetter:
@@ -91,30 +98,41 @@ class BalancedDataset(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key):
-        index, encoder_mb, llm_mb = key
-        return self.dataset[index], encoder_mb, llm_mb
+        index, *microbatches = key
+        return (self.dataset[index], *microbatches)
 
 
 class BalancedCollate:
     """The loader's collate function over the samples, plus the plan as host lists: each row's encoder and LLM
-    microbatch and its feature tokens per modality. A packing collator packs each microbatch on its own (rows
-    then hold several samples of one microbatch) and runs no deferral."""
+    microbatch (and replica, for a group's batch) and its feature tokens per modality. A packing collator packs
+    each microbatch on its own (rows then hold several samples of one microbatch) and runs no deferral.
+    ``router(batch)``: per-module data parallelism's routing (``data.cp_plans.GroupRouter``), added as the plan's
+    ``"route"``."""
 
-    def __init__(self, collate, placeholder_ids: dict[str, int]):
-        self.collate, self.placeholder_ids = collate, dict(placeholder_ids)
+    def __init__(self, collate, placeholder_ids: dict[str, int], router: Callable | None = None):
+        self.collate, self.placeholder_ids, self.router = collate, dict(placeholder_ids), router
 
     def __call__(self, items):
-        samples, encoder_mb, llm_mb = (list(x) for x in zip(*items))
+        samples, encoder_mb, llm_mb, *replica = (list(x) for x in zip(*items))
+        replica = replica[0] if replica else [0] * len(samples)
         if getattr(self.collate, "pack", False):
-            parts = [self.collate([s for s, e in zip(samples, encoder_mb) if e == m])
-                     for m in sorted(set(encoder_mb))]
-            encoder_mb = [m for m, p in zip(sorted(set(encoder_mb)), parts) for _ in range(len(p["input_ids"]))]
-            batch, llm_mb = concat_batches(parts), list(encoder_mb)
+            keys = sorted(set(zip(replica, encoder_mb)))
+            parts = [self.collate([s for s, e, j in zip(samples, encoder_mb, replica) if (j, e) == key])
+                     for key in keys]
+            rows = [key for key, p in zip(keys, parts) for _ in range(len(p["input_ids"]))]
+            batch = concat_batches(parts)
+            replica, encoder_mb, llm_mb = [j for j, _ in rows], [m for _, m in rows], [m for _, m in rows]
         else:
             batch = self.collate(samples)
         ids = batch["input_ids"]
         batch[PLAN_KEY] = {"encoder": encoder_mb, "llm": llm_mb,
                            "tokens": {name: (ids == pid).sum(1).tolist() for name, pid in self.placeholder_ids.items()}}
+        if self.router is not None:
+            batch[PLAN_KEY]["replica"] = replica
+            try:
+                batch[PLAN_KEY][ROUTE_KEY] = self.router(batch)
+            except Exception:  # noqa: BLE001  (left to the step, which raises it on every rank alike)
+                pass
         return batch
 
 
@@ -142,6 +160,12 @@ def balancing_obstacle(loader) -> str:
     if not callable(getattr(sampler.dataset, "sample_metadata", None)):
         return f"its data set {type(sampler.dataset).__name__} has no sample_metadata(i)"
     return ""
+
+
+def no_work(indices) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero work for every sample: what ``batch_balancing="none"`` plans with (it reads no metadata)."""
+    zeros = torch.zeros(len(indices), dtype=torch.float64)
+    return zeros, zeros
 
 
 def metadata_works(dataset, workload) -> Callable:

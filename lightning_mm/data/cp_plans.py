@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 
 from lightning_mm.data.metadata import encoder_input_tokens
-from lightning_mm.data.microbatch import (CP_PLAN_KEY, PLAN_KEY, group_items, item_counts, microbatch_rows,
-                                          row_index)
+from lightning_mm.data.microbatch import (CP_PLAN_KEY, PLAN_KEY, ROUTE_KEY, group_items, item_counts,
+                                          microbatch_rows, replica_microbatch_rows, row_index)
 from lightning_mm.plan.items import encoder_width, item_work, shard_items
+from lightning_mm.plan.routing import Routing, route
 
 ItemPlan = tuple[list[list[int]], list[int]]  # (item indices per CP rank, LLM tokens per item)
 
@@ -54,9 +55,13 @@ class EncoderItems:
 
         return ModalityEncoder.num_tokens(self, inputs)
 
+    def work(self, tokens: list[int]) -> list[int]:
+        """``item_work`` of items emitting ``tokens`` LLM tokens each."""
+        return item_work([encoder_input_tokens(self, n) for n in tokens], self.width)
+
     def shards(self, tokens: list[int]) -> list[list[int]]:
         """Item indices per CP rank for items emitting ``tokens`` LLM tokens each."""
-        return shard_items(item_work([encoder_input_tokens(self, n) for n in tokens], self.width), self.ranks)
+        return shard_items(self.work(tokens), self.ranks)
 
     def plan(self, inputs: dict) -> ItemPlan:
         """The plan of one microbatch's items (reads the items' sizes: a host read where they are on a device)."""
@@ -108,6 +113,48 @@ def make_cp_plans(batch: dict, num_microbatches: int, encoders: dict[str, Encode
         keys = [k for k in ("input_ids", "bam", "segment_ids") if batch.get(k) is not None]
         owners = [blocks.owner({k: batch[k][row_index(batch, group)] for k in keys}) for group in llm_rows]
     return CPPlans(items, owners)
+
+
+def row_work(batch: dict, encoders: dict[str, EncoderItems]) -> dict[str, list[int]]:
+    """Each encoder's work per row of a batch: the ``item_work`` of the row's items (0 for a row without any),
+    what per-module data parallelism balances encoder replicas on (reads the items' sizes: a host read where they
+    are on a device)."""
+    rows = batch["input_ids"].shape[0]
+    counts = item_counts(batch, encoders)
+    out = {}
+    for name, encoder in encoders.items():
+        if name not in batch or name not in counts:
+            out[name] = [0] * rows
+            continue
+        per_row = counts[name].tolist()
+        work = encoder.work(encoder.num_tokens(batch[name]))
+        if len(work) != sum(per_row):
+            raise ValueError(f"batch[{name!r}] has {len(work)} items but item_counts sums to {sum(per_row)}; give "
+                             "each row's item count (MultimodalCollator does)")
+        out[name] = [sum(work[i] for i in group_items(per_row, [r])) for r in range(rows)]
+    return out
+
+
+class GroupRouter:
+    """Per-module data parallelism's routing of a group's batch (``plan/routing.py``), made in the data loader
+    and, for a batch that carries none, in the step: which encoder replica encodes which rows of each microbatch.
+    ``encoder_replicas``: replicas of each encoder in a group; ``llm_replicas``: language-model replicas in a group.
+    Picklable."""
+
+    def __init__(self, encoders: dict[str, EncoderItems], encoder_replicas: dict[str, int], llm_replicas: int,
+                 num_microbatches: int):
+        self.encoders, self.encoder_replicas = encoders, encoder_replicas
+        self.llm_replicas, self.num_microbatches = llm_replicas, num_microbatches
+
+    def rows(self, batch: dict) -> list[tuple[list[list[int]], list[list[int]]]]:
+        """Encoder and LLM microbatch rows of each language-model replica (``replica_microbatch_rows``)."""
+        return replica_microbatch_rows(batch, self.num_microbatches, self.llm_replicas)
+
+    def __call__(self, batch: dict) -> Routing:
+        plan = batch.get(PLAN_KEY)
+        if isinstance(plan, dict) and isinstance(plan.get(ROUTE_KEY), Routing):
+            return plan[ROUTE_KEY]
+        return route([enc for enc, _ in self.rows(batch)], row_work(batch, self.encoders), self.encoder_replicas)
 
 
 def batch_plans(batch: dict) -> CPPlans | None:

@@ -4,6 +4,9 @@ its rows' items of every modality.
 A balanced batch (``MultimodalParallelStrategy(batch_balancing=...)``) carries ``batch["microbatches"]``, host
 lists made in the data loader: ``"encoder"`` (each row's encoder microbatch; rows come ordered by it) and
 ``"llm"`` (each row's LLM microbatch: the same, except rows whose LLM work is deferred to the next microbatch).
+Under per-module data parallelism a batch holds the samples of several language-model replicas: ``"replica"``
+gives each row's replica (rows ordered by it) and ``"route"`` the routing of its rows between modules
+(``plan/routing.py``).
 Under context parallelism it also carries ``"cp"``, the CP plans of these microbatches (``data/cp_plans.py``); a
 plan without ``"encoder"`` means equal slices.
 """
@@ -15,6 +18,7 @@ import torch
 ROW_KEYS = ("input_ids", "labels", "bam", "segment_ids", "position_ids", "attention_mask")
 PLAN_KEY = "microbatches"
 CP_PLAN_KEY = "cp"  # inside batch[PLAN_KEY]: the loader's context-parallel plans
+ROUTE_KEY = "route"  # inside batch[PLAN_KEY]: per-module data parallelism's routing (plan/routing.py)
 
 
 def item_counts(batch: dict, encoders) -> dict[str, torch.Tensor]:
@@ -45,12 +49,44 @@ def microbatch_rows(batch: dict, num_microbatches: int) -> tuple[list[list[int]]
     """Rows of each encoder microbatch and of each LLM microbatch (equal slices when the batch has no plan).
 
     An LLM microbatch lists its own rows first, then the rows deferred into it from the previous microbatch."""
-    rows = batch["input_ids"].shape[0]
     plan = batch.get(PLAN_KEY)
-    if plan is None or "encoder" not in plan:
+    plan = plan if plan is not None and "encoder" in plan else None
+    return plan_rows(batch["input_ids"].shape[0], plan and plan["encoder"], plan and plan["llm"], num_microbatches)
+
+
+def replica_microbatch_rows(batch: dict, num_microbatches: int, replicas: int
+                            ) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """``microbatch_rows`` of each language-model replica of a group's batch (per-module data parallelism), as row
+    indices of the whole batch. The plan's ``"replica"`` gives each row's replica; without it the batch is
+    ``replicas`` equal slices."""
+    rows = batch["input_ids"].shape[0]
+    plan = batch.get(PLAN_KEY) or {}
+    owner = plan.get("replica")
+    if owner is None:
+        if rows % replicas:
+            raise ValueError(f"a batch of {rows} rows cannot be split over {replicas} language-model replicas; give "
+                             f"batch['{PLAN_KEY}']['replica'] or a multiple of {replicas} rows")
+        owner = [r * replicas // rows for r in range(rows)]
+    out = []
+    for j in range(replicas):
+        mine = [r for r in range(rows) if owner[r] == j]
+        if not mine:
+            raise ValueError(f"language-model replica {j} of {replicas} has no row in this batch")
+        enc, llm = (None, None) if "encoder" not in plan else ([plan["encoder"][r] for r in mine],
+                                                                [plan["llm"][r] for r in mine])
+        enc_rows, llm_rows = plan_rows(len(mine), enc, llm, num_microbatches)
+        out.append(([[mine[i] for i in g] for g in enc_rows], [[mine[i] for i in g] for g in llm_rows]))
+    return out
+
+
+def plan_rows(rows: int, enc: list[int] | None, llm: list[int] | None, num_microbatches: int
+              ) -> tuple[list[list[int]], list[list[int]]]:
+    """Encoder and LLM microbatch rows of ``rows`` rows from each row's microbatches (``enc``, ``llm``), or equal
+    slices when ``enc`` is None."""
+    if enc is None:
         same = equal_rows(rows, num_microbatches)
         return same, same
-    enc, llm = list(plan["encoder"]), list(plan["llm"])
+    enc, llm = list(enc), list(llm)
     if len(enc) != rows or len(llm) != rows:
         raise ValueError(f"batch['{PLAN_KEY}'] gives {len(enc)}/{len(llm)} rows for a batch of {rows}")
     if sorted(enc) != enc or set(enc) != set(range(num_microbatches)):
@@ -97,6 +133,9 @@ def split_microbatches(batch: dict, num_microbatches: int | list[list[int]], mod
     per_row = {name: c.tolist() for name, c in counts.items()}  # one small host read per modality
     out = []
     for group in groups:
+        if not group:  # an encoder replica with no row in this microbatch (per-module data parallelism)
+            out.append({"item_counts": {}})
+            continue
         rows = row_index(batch, group)
         mb = {k: batch[k][rows] for k in ROW_KEYS if k in batch}
         mb["item_counts"] = {}

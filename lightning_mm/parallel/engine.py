@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mm import loss as losses
-from lightning_mm.data.cp_plans import CPPlans, EncoderItems, batch_plans
+from lightning_mm.data.cp_plans import CPPlans, EncoderItems, GroupRouter, batch_plans
 from lightning_mm.data.microbatch import PLAN_KEY, deferrals, microbatch_rows, split_microbatches
 from lightning_mm.parallel.comm import StageComm, carries_device_tensors
 from lightning_mm.parallel.context import distribute, pad_for_context_parallel, token_index
@@ -43,6 +43,7 @@ from lightning_mm.parallel.stages import owned_parameters, prune, tied_embedding
 from lightning_mm.parallel.tensor_parallel import apply_tp, keep_grads_like_parameters
 from lightning_mm.plan.items import gather_order
 from lightning_mm.plan.layout import RankLayout
+from lightning_mm.plan.routing import Routing, expand_replicas
 from lightning_mm.plan.schedule import (LANGUAGE_MODEL, build_stage_graph, check_rendezvous, check_schedule,
                                         communication_groups, one_f_one_b)
 from lightning_mm.plan.stages import StagePlan, stage_plans, uniform_partition
@@ -88,7 +89,8 @@ class ProcessGroups:
 
     ``mesh``: the DeviceMesh of this rank's module chain; ``dp`` / ``cp`` / ``tp`` are its dims' groups (None when
     of size 1), ``tp_mesh`` the 1-D tp mesh DTensor takes. ``grad``: every rank holding this rank's parameter shards
-    (replicas x CP ranks of the same tp rank); ``replica``: every rank of this replica; ``headers``: a gloo group
+    (replicas x CP ranks of the same tp rank); ``replica``: every rank that sees this rank's batch (its replica;
+    under per-module data parallelism its group of replicas); ``headers``: a gloo group
     over every rank for message headers; ``tie``: the LLM's first and last stage of this replica (same cp and tp
     rank) when they share tied embeddings."""
 
@@ -98,7 +100,8 @@ class ProcessGroups:
         chain = coord.stage.rsplit(".", 1)[0]
         self.meshes = module_meshes(layout, device_type)
         self.mesh = self.meshes[chain]
-        self.dp = self.mesh["dp"].get_group() if layout.dp > 1 else None
+        replicas = layout.replicas(chain)
+        self.dp = self.mesh["dp"].get_group() if replicas > 1 else None
         self.cp = self.mesh["cp"].get_group() if layout.cp[coord.stage] > 1 else None
         from lightning_mm.parallel.context import context_parallel_groups  # hybrid CP: sub-groups, on every rank
         self.cp_attention = context_parallel_groups(layout, rank, self.cp)  # what the CP attention takes
@@ -107,7 +110,7 @@ class ProcessGroups:
             shard_meshes = {c: DeviceMesh(device_type, torch.tensor(layout.shard_mesh_ranks(c)),
                                           mesh_dim_names=("pp", "dp_cp", "tp")) for c in layout.chains()}
             tp_source = shard_meshes[chain]
-            self.shard_mesh = tp_source["dp_cp"] if layout.dp * layout.cp[coord.stage] > 1 else None
+            self.shard_mesh = tp_source["dp_cp"] if replicas * layout.cp[coord.stage] > 1 else None
         self.tp_mesh = tp_source["tp"] if layout.tp[coord.stage] > 1 else None
         self.tp = self.tp_mesh.get_group() if self.tp_mesh is not None else None
         self.grad, self.grad_size = None, 1
@@ -118,10 +121,10 @@ class ProcessGroups:
                 if stage == coord.stage and t == coord.tp:
                     self.grad, self.grad_size = group, len(ranks)
         self.headers = dist.new_group(backend="gloo")  # host-side message headers (comm.py)
-        self.replica = None
-        for d in range(layout.dp):
-            group = dist.new_group(layout.replica_ranks(d)) if layout.ranks_per_replica > 1 else None
-            if d == coord.dp:
+        self.replica = None  # every rank that sees this rank's batch: its replica, or its group of replicas
+        for g in range(layout.num_groups):
+            group = dist.new_group(layout.group_ranks(g)) if layout.group_size > 1 else None
+            if g == layout.group_of(rank):
                 self.replica = group
         self.tie = None
         if tie_stages is not None:
@@ -184,6 +187,11 @@ class PipelineEngine:
         if self.tie_stages and self.stage == self.tie_stages[1]:  # the head keeps the tied weight, by its name
             embed = model.lm_family.embed_tokens(model.language_model).weight
             self.owned |= {n for n, p in model.named_parameters(remove_duplicate=False) if p is embed}
+        self.disaggregated, self.router = layout.disaggregated, None
+        if self.disaggregated:  # per-module data parallelism: the routing of a group's rows between modules
+            self.router = GroupRouter({e: EncoderItems.of(model.encoders[e], 1) for e in encoder_names},
+                                      {e: layout.per_group(e) for e in encoder_names},
+                                      layout.per_group(LANGUAGE_MODEL), num_microbatches)
         prune(model, self.owned)
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (
@@ -221,6 +229,9 @@ class PipelineEngine:
             actions = one_f_one_b(graph, self.num_microbatches, deferred)
             check_schedule(graph, actions, self.num_microbatches)
             check_rendezvous(actions)
+            if self.layout.disaggregated:  # the many-to-many exchanges of per-module data parallelism too
+                check_rendezvous(expand_replicas(actions, {s: self.layout.per_group(self.layout.chain_of(s))
+                                                           for s in actions}, self.layout.peer_replicas))
             self.schedules[key] = actions
         return self.schedules[key]
 
@@ -420,8 +431,11 @@ class PipelineEngine:
         Lightning accumulates). ``keep_logits``: the last stage keeps each microbatch's (logits, global token
         indices or None) in ``self.logits`` (predict)."""
         self.model.check_placeholders(batch["input_ids"], {e: batch[e] for e in self.model.encoders if e in batch})
-        encoder_rows, llm_rows = microbatch_rows(batch, self.num_microbatches)
-        deferred = deferrals(encoder_rows, llm_rows)
+        if self.disaggregated:
+            encoder_rows, llm_rows, deferred = self.group_rows(batch)
+        else:
+            encoder_rows, llm_rows = microbatch_rows(batch, self.num_microbatches)
+            deferred = deferrals(encoder_rows, llm_rows)
         held = deferred if self.feeds_on_encoders else ()  # encoder features kept for the next microbatch
         rows = (encoder_rows, llm_rows, self.feature_tokens(batch)) if held else None
         mbs = split_microbatches(batch, llm_rows if self.plan.language_model is not None else encoder_rows,
@@ -432,12 +446,17 @@ class PipelineEngine:
         owners = self.cp_owners(mbs, plans)
         self.item_shards(mbs, plans)
         count = losses.count_label_tokens(batch["labels"]).reshape(1).to(self.device, torch.float32)
-        if self.groups.dp is not None:
+        if self.disaggregated:  # every rank of a group counts the group's batch: one rank per group adds it
+            if self.rank != self.layout.group_ranks(self.layout.group_of(self.rank))[0]:
+                count.zero_()
+            dist.all_reduce(count)
+        elif self.groups.dp is not None:
             dist.all_reduce(count, group=self.groups.dp)
         actions = self.schedule(train, deferred)[self.stage]
         needs_grad = train and self.node.needs_backward
         last_backward = max((i for i, a in enumerate(actions) if a.kind == "backward"), default=None)
         received, outputs, input_grads = {}, {}, {}
+        self.chunks = {}  # (microbatch, peer) -> [(sender replica, message)]: features received per replica
         loss_sum = torch.zeros((), device=self.device)
         self.timings, self.logits = [], []
         at = 0
@@ -458,7 +477,8 @@ class PipelineEngine:
                 outputs[m] = out
                 if not needs_grad:  # features of a deferring microbatch serve the next one too
                     for done in ([m - 1] if m - 1 in held else []) + ([] if m in held else [m]):
-                        received.pop(done, None)
+                        for peer in received.pop(done, {}):
+                            self.chunks.pop((done, peer), None)
             elif act.kind == "backward":
                 if sync and at == last_backward:
                     self.reducer.arm()
@@ -467,9 +487,9 @@ class PipelineEngine:
                 for done in ([m - 1] if m - 1 in held else []) + ([] if m in held else [m]):
                     for peer, msg in received.pop(done, {}).items():
                         if self.graph.node(peer).needs_backward:
-                            input_grads[(peer, done)] = {
-                                k: (t.grad if t.grad is not None else torch.zeros_like(t))
-                                for k, t in msg.items() if t.is_floating_point()}
+                            parts = self.chunks.pop((done, peer), None)
+                            input_grads[(peer, done)] = input_gradients(msg) if parts is None else \
+                                [(i, input_gradients(part)) for i, part in parts]
             else:
                 self._communicate(group, outputs, received, input_grads, needs_grad)
             t1 = time.perf_counter()
@@ -513,39 +533,112 @@ class PipelineEngine:
         return {"logits": logits, "predicted_ids": ids}
 
     def _communicate(self, group, outputs, received, input_grads, needs_grad) -> None:
-        """Post one group of sends and receives together (``comm.StageComm.exchange``) and file the results."""
+        """Post one group of sends and receives together (``comm.StageComm.exchange``) and file the results.
+
+        Under per-module data parallelism an encoder's last stage and the LLM's first stage exchange one message
+        with every replica of the other in their group each microbatch (``routed``): the features of the rows the
+        routing sends there, and back their gradients."""
         sends, recvs, targets = [], [], []
-        me, d = self.rank, self.coord.dp
+        me, d, layout = self.rank, self.coord.dp, self.layout
         for a in group:
             m = a.microbatch
+            routed = self.routed(a.peer)
             if a.kind == "send_fwd":
-                sends += [(outputs[m], self.forward_keys(self.stage), dst)
-                          for dst, src in self.layout.activation_sources(self.stage, a.peer, d).items() if src == me]
+                for j in layout.peer_replicas(self.stage, a.peer, d):
+                    msg = outputs[m]
+                    if routed:
+                        index = self.feature_index(m, j)
+                        msg = {k: t.index_select(0, index) for k, t in msg.items()}
+                    sends += [(msg, self.forward_keys(self.stage), dst) for dst, src in
+                              layout.activation_sources(self.stage, a.peer, j, sender_dp=d).items() if src == me]
                 if not needs_grad:
                     outputs.pop(m)
             elif a.kind == "send_bwd":
                 grads = input_grads.pop((a.peer, m))
-                sends += [(grads, self.plans[a.peer].output_keys, dst)
-                          for dst, srcs in self.layout.gradient_sources(a.peer, self.stage, d).items() if me in srcs]
+                for i, part in (grads if routed else [(d, grads)]):
+                    sends += [(part, self.plans[a.peer].output_keys, dst) for dst, srcs in
+                              layout.gradient_sources(a.peer, self.stage, i, receiver_dp=d).items() if me in srcs]
             elif a.kind == "recv_fwd":
-                recvs.append((self.forward_keys(a.peer), self.layout.activation_sources(a.peer, self.stage, d)[me]))
-                targets.append(a)
+                for i in layout.peer_replicas(self.stage, a.peer, d):
+                    recvs.append((self.forward_keys(a.peer), layout.activation_sources(a.peer, self.stage, d,
+                                                                                       sender_dp=i)[me]))
+                    targets.append((a, i))
             else:  # recv_bwd: one gradient per CP shard of the peer (every CP rank of the LLM's first stage), summed
-                peers = self.layout.gradient_sources(self.stage, a.peer, d)[me]
-                recvs += [(self.plan.output_keys, src) for src in peers]
-                targets += [a] * len(peers)
+                for j in layout.peer_replicas(self.stage, a.peer, d):
+                    peers = layout.gradient_sources(self.stage, a.peer, d, receiver_dp=j)[me]
+                    recvs += [(self.plan.output_keys, src) for src in peers]
+                    targets += [(a, j)] * len(peers)
         got = self.comm.exchange(sends, recvs)
-        for a, msg in zip(targets, got):
+        for (a, peer_replica), msg in zip(targets, got):
             m = a.microbatch
             if a.kind == "recv_fwd":
                 if needs_grad and self.graph.node(a.peer).needs_backward:
                     for t in msg.values():
                         if t.is_floating_point():
                             t.requires_grad_(True)
-                received.setdefault(m, {})[a.peer] = msg
+                if self.routed(a.peer):
+                    self.chunks.setdefault((m, a.peer), []).append((peer_replica, msg))
+                else:
+                    received.setdefault(m, {})[a.peer] = msg
             else:
+                if self.routed(a.peer):  # this replica's share of the features sent there
+                    index = self.feature_index(m, peer_replica)
+                    msg = {k: torch.zeros_like(outputs[m][k]).index_add_(0, index, g) for k, g in msg.items()}
                 prev = input_grads.get(("out", m))
                 input_grads[("out", m)] = msg if prev is None else {k: prev[k] + msg[k] for k in msg}
+        for a in group:  # the features of every sender replica, in this replica's row order
+            if a.kind == "recv_fwd" and self.routed(a.peer) and (a.microbatch, a.peer) in self.chunks:
+                received.setdefault(a.microbatch, {})[a.peer] = self.assemble(a.microbatch, a.peer)
+
+    # ------------------------------------------------------------------ per-module data parallelism
+    def routed(self, peer: str) -> bool:
+        """Whether messages with ``peer`` follow the routing (an edge between chains of different degrees)."""
+        return self.disaggregated and self.layout.chain_of(peer) != self.layout.chain_of(self.stage)
+
+    def group_rows(self, batch: dict) -> tuple[list[list[int]], list[list[int]], tuple[int, ...]]:
+        """This stage's encoder and LLM microbatch rows in its group's batch, and the deferrals every stage of the
+        group schedules with (those of any of its language-model replicas), from the batch's routing; checks that
+        every rank of the group routes alike."""
+        per_replica = self.router.rows(batch)
+        self.routing: Routing = self.router(batch)
+        self.row_tokens = self.feature_tokens(batch)
+        check_same_routing(self.routing, self.groups.replica, self.device)
+        deferred = tuple(sorted({m for enc, llm in per_replica for m in deferrals(enc, llm)}))
+        chain = self.layout.chain_of(self.stage)
+        j = self.coord.dp % self.layout.per_group(chain)
+        if self.plan.language_model is not None:
+            return (*per_replica[j], deferred)
+        rows = self.routing.encoder_rows[chain][j]
+        return rows, rows, deferred
+
+    def feature_index(self, m: int, llm_replica: int) -> torch.Tensor:
+        """Rows (feature tokens) of this encoder replica's microbatch ``m`` output that go to ``llm_replica``."""
+        name = self.layout.chain_of(self.stage)
+        per_group = self.layout.per_group
+        i, j = self.coord.dp % per_group(name), llm_replica % per_group(LANGUAGE_MODEL)
+        tokens = self.row_tokens[name]
+        start, at = {}, 0
+        for r in self.routing.encoder_rows[name][i][m]:
+            start[r] = at
+            at += tokens[r]
+        index = [start[r] + t for r in self.routing.sent_rows(name, i, j, m) for t in range(tokens[r])]
+        return torch.tensor(index, dtype=torch.long, device=self.device)
+
+    def assemble(self, m: int, peer: str) -> dict:
+        """Microbatch ``m``'s features from every replica of ``peer``'s encoder, in this replica's row order."""
+        name = self.layout.chain_of(peer)
+        per_group = self.layout.per_group
+        j = self.coord.dp % per_group(LANGUAGE_MODEL)
+        tokens = self.row_tokens[name]
+        parts = self.chunks[(m, peer)]
+        start, at = {}, 0
+        for i, _ in parts:
+            for r in self.routing.sent_rows(name, i % per_group(name), j, m):
+                start[r] = at
+                at += tokens[r]
+        order = torch.tensor([start[r] + t for r in self.routing.llm_rows[j][m] if r in start
+                              for t in range(tokens[r])], dtype=torch.long, device=self.device)
+        return {k: torch.cat([part[k] for _, part in parts]).index_select(0, order) for k in parts[0][1]}
 
     def _backward(self, out: dict, grads: dict | None, loss_scale: float) -> None:
         if "loss" in out:
@@ -583,6 +676,26 @@ class PipelineEngine:
         norm = self.global_grad_norm()
         clip_(self.trainable_parameters(), max_norm, norm)
         return norm
+
+
+def check_same_routing(routing: Routing, group, device) -> None:
+    """Raise on every rank of ``group`` unless all of them route the batch alike (``Routing.fingerprint``)."""
+    if group is None:
+        return
+    mine = routing.fingerprint()
+    both = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if both.tolist() != [mine, -mine]:
+        raise RuntimeError(f"the ranks {dist.get_process_group_ranks(group)} that share a batch routed it differently "
+                           "between the modules' replicas (per-module data parallelism); every rank of a group must "
+                           "see the same batch and the same routing: let MultimodalParallelStrategy build the "
+                           "training loader, with the same seed on every rank")
+
+
+def input_gradients(message: dict) -> dict:
+    """The gradients of a received message's floating-point tensors (zeros where autograd left none)."""
+    return {k: (t.grad if t.grad is not None else torch.zeros_like(t)) for k, t in message.items()
+            if t.is_floating_point()}
 
 
 def batch_fingerprint(batch: dict) -> list[int]:

@@ -8,6 +8,7 @@ has one coordinate (stage, dp, cp, tp). Pure: no process group, so every check r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lightning_mm.plan.placement import LANGUAGE_MODEL, PLACEMENTS, placement_table
@@ -83,8 +84,14 @@ class Coordinate:
 
 @dataclass
 class RankLayout:
-    """Stages of one replica, in order, with their context- and tensor-parallel sizes, and the derived
-    data-parallel size. ``widths[stage] = cp[stage] * tp[stage]`` ranks."""
+    """Stages of the pipeline DAG, in order, with their context- and tensor-parallel sizes, and how many
+    data-parallel replicas each module chain has. ``widths[stage] = cp[stage] * tp[stage]`` ranks.
+
+    ``dp`` is the language model's data-parallel degree (the replicas the sampler serves). ``chain_dp`` gives each
+    chain its own degree (per-module data parallelism) or is empty (every chain at ``dp``). Ranks come in
+    ``num_groups = gcd(chain degrees)`` equal groups; group ``k`` holds ``replicas(chain) / num_groups`` consecutive
+    replicas of each chain, chain after chain in stage order, and every rank of a group sees the same batch: the
+    samples of the group's language-model replicas. With one degree a group is one replica of the whole DAG."""
 
     stages: list[str]
     cp: dict[str, int]
@@ -95,59 +102,121 @@ class RankLayout:
     module_tp: dict[str, int] = field(default_factory=dict)  # tp per module (encoders in an LLM stage: 1 or its tp)
     cp_mode: str = "allgather"  # the LLM's CP attention (ParallelSpec.cp_mode)
     ulysses: int = 1  # its Ulysses degree: 1 for allgather, cp for ulysses, K for hybrid
+    chain_dp: dict[str, int] = field(default_factory=dict)  # per-module data parallelism: replicas per chain
 
     @property
     def widths(self) -> dict[str, int]:
         return {s: self.cp[s] * self.tp[s] for s in self.stages}
 
     @property
+    def disaggregated(self) -> bool:
+        """Whether chains differ in data-parallel degree (modules exchange samples across replicas)."""
+        return len(set(self.replicas(c) for c in self.chains())) > 1
+
+    def replicas(self, chain: str) -> int:
+        """Data-parallel replicas of a chain (``chain_of(stage)``)."""
+        return self.chain_dp.get(chain, self.dp)
+
+    @staticmethod
+    def chain_of(stage: str) -> str:
+        return stage.rsplit(".", 1)[0]
+
+    @property
+    def num_groups(self) -> int:
+        return math.gcd(*(self.replicas(c) for c in self.chains()))
+
+    def per_group(self, chain: str) -> int:
+        """Replicas of ``chain`` in each group."""
+        return self.replicas(chain) // self.num_groups
+
+    def chain_width(self, chain: str) -> int:
+        return sum(self.widths[s] for s in self.chains()[chain])
+
+    @property
     def ranks_per_replica(self) -> int:
+        """Ranks of one replica of every chain: the ranks of one group when all chains share one degree."""
         return sum(self.widths[s] for s in self.stages)
 
     @property
-    def world_size(self) -> int:
-        return self.ranks_per_replica * self.dp
+    def group_size(self) -> int:
+        return sum(self.per_group(c) * self.chain_width(c) for c in self.chains())
 
-    def _offsets(self) -> dict[str, int]:
-        out, at = {}, 0
-        for s in self.stages:
-            out[s] = at
-            at += self.widths[s]
+    @property
+    def world_size(self) -> int:
+        return self.group_size * self.num_groups
+
+    def _offsets(self) -> dict[str, tuple[int, int]]:
+        """``{stage: (offset of its chain in a group, offset of the stage in one replica of its chain)}``."""
+        out, chain_at = {}, 0
+        for chain, stages in self.chains().items():
+            at = 0
+            for s in stages:
+                out[s] = (chain_at, at)
+                at += self.widths[s]
+            chain_at += self.per_group(chain) * at
         return out
 
     def rank(self, stage: str, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
-        return dp * self.ranks_per_replica + self._offsets()[stage] + cp * self.tp[stage] + tp
+        chain = self.chain_of(stage)
+        group, j = divmod(dp, self.per_group(chain))
+        chain_at, at = self._offsets()[stage]
+        return group * self.group_size + chain_at + j * self.chain_width(chain) + at + cp * self.tp[stage] + tp
 
     def coordinate(self, rank: int) -> Coordinate:
-        dp, local = divmod(rank, self.ranks_per_replica)
-        for s, off in self._offsets().items():
-            if off <= local < off + self.widths[s]:
-                cp, tp = divmod(local - off, self.tp[s])
-                return Coordinate(s, dp, cp, tp)
+        group, local = divmod(rank, self.group_size)
+        for s, (chain_at, at) in self._offsets().items():
+            chain = self.chain_of(s)
+            width = self.chain_width(chain)
+            if not chain_at <= local < chain_at + self.per_group(chain) * width:
+                continue
+            j, inner = divmod(local - chain_at, width)
+            if at <= inner < at + self.widths[s]:
+                cp, tp = divmod(inner - at, self.tp[s])
+                return Coordinate(s, group * self.per_group(chain) + j, cp, tp)
         raise AssertionError(rank)
+
+    def group_of(self, rank: int) -> int:
+        """The group (of ranks that see the same batch) a rank belongs to."""
+        return rank // self.group_size
+
+    def group_ranks(self, group: int) -> list[int]:
+        return list(range(group * self.group_size, (group + 1) * self.group_size))
+
+    def peer_replicas(self, stage: str, peer: str, dp: int) -> list[int]:
+        """The replicas of ``peer``'s chain that replica ``dp`` of ``stage``'s chain exchanges messages with: the same
+        replica within a chain, every replica of the group across chains of different degrees."""
+        chain, other = self.chain_of(stage), self.chain_of(peer)
+        if self.per_group(chain) == self.per_group(other):
+            return [dp]
+        group = dp // self.per_group(chain)
+        return list(range(group * self.per_group(other), (group + 1) * self.per_group(other)))
 
     def stage_ranks(self, stage: str, dp: int) -> list[int]:
         return [self.rank(stage, dp, c, t) for c in range(self.cp[stage]) for t in range(self.tp[stage])]
 
     def grad_group_ranks(self, stage: str, tp: int = 0) -> list[int]:
         """Every rank holding the same parameters (the same tensor-parallel shard) as ``stage``'s tp rank ``tp``:
-        all replicas and CP ranks."""
-        return [self.rank(stage, d, c, tp) for d in range(self.dp) for c in range(self.cp[stage])]
+        all replicas of its chain and CP ranks."""
+        return [self.rank(stage, d, c, tp) for d in range(self.replicas(self.chain_of(stage)))
+                for c in range(self.cp[stage])]
 
-    def activation_sources(self, sender: str, receiver: str, dp: int) -> dict[int, int]:
-        """``{receiver rank: sender rank}`` for the activations ``sender`` passes to ``receiver``: CP rank
-        ``c % cp[sender]`` (the same CP rank between stages of equal cp; an encoder's CP ranks all hold the whole
-        gathered features), tp rank ``t % tp[sender]``. Tensor-parallel ranks hold whole (replicated) activations,
-        so any one of them is a source."""
-        return {self.rank(receiver, dp, c, t): self.rank(sender, dp, c % self.cp[sender], t % self.tp[sender])
+    def activation_sources(self, sender: str, receiver: str, dp: int, sender_dp: int | None = None) -> dict[int, int]:
+        """``{receiver rank: sender rank}`` for the activations replica ``sender_dp`` (default ``dp``) of ``sender``
+        passes to replica ``dp`` of ``receiver``: CP rank ``c % cp[sender]`` (the same CP rank between stages of
+        equal cp; an encoder's CP ranks all hold the whole gathered features), tp rank ``t % tp[sender]``.
+        Tensor-parallel ranks hold whole (replicated) activations, so any one of them is a source."""
+        sd = dp if sender_dp is None else sender_dp
+        return {self.rank(receiver, dp, c, t): self.rank(sender, sd, c % self.cp[sender], t % self.tp[sender])
                 for c in range(self.cp[receiver]) for t in range(self.tp[receiver])}
 
-    def gradient_sources(self, sender: str, receiver: str, dp: int) -> dict[int, list[int]]:
-        """``{sender rank: [receiver ranks]}`` whose input gradients (of ``sender``'s activations) it receives and
-        sums: those of the receiver's CP ranks that read from it (every CP rank when ``sender`` has no CP; none for
-        an encoder CP rank no LLM rank reads from), from the tp rank ``t % tp[receiver]`` (tp ranks of a stage
-        compute the same input gradient)."""
-        return {self.rank(sender, dp, c, t): [self.rank(receiver, dp, rc, t % self.tp[receiver])
+    def gradient_sources(self, sender: str, receiver: str, dp: int, receiver_dp: int | None = None
+                         ) -> dict[int, list[int]]:
+        """``{sender rank: [receiver ranks]}`` whose input gradients (of replica ``dp`` of ``sender``'s activations)
+        replica ``receiver_dp`` (default ``dp``) of ``receiver`` returns and the sender sums: those of the receiver's CP
+        ranks that read from it (every CP rank when ``sender`` has no CP; none for an encoder CP rank no LLM rank
+        reads from), from the tp rank ``t % tp[receiver]`` (tp ranks of a stage compute the same input gradient)."""
+        rd = dp if receiver_dp is None else receiver_dp
+        return {self.rank(sender, dp, c, t): [self.rank(receiver, rd, rc, t % self.tp[receiver])
                                               for rc in range(self.cp[receiver]) if rc % self.cp[sender] == c]
                 for c in range(self.cp[sender]) for t in range(self.tp[sender])}
 
@@ -156,23 +225,32 @@ class RankLayout:
         ("colocated"), and the LLM's. Each chain gets one device mesh."""
         out: dict[str, list[str]] = {}
         for stage in self.stages:
-            out.setdefault(stage.rsplit(".", 1)[0], []).append(stage)
+            out.setdefault(self.chain_of(stage), []).append(stage)
         return out
 
     def mesh_ranks(self, chain: str) -> list[list[list[list[int]]]]:
         """Global ranks of a chain as a [dp][pp][cp][tp] array (the dims of its DeviceMesh)."""
         stages = self.chains()[chain]
         return [[[[self.rank(s, d, c, t) for t in range(self.tp[s])] for c in range(self.cp[s])] for s in stages]
-                for d in range(self.dp)]
+                for d in range(self.replicas(chain))]
 
     def shard_mesh_ranks(self, chain: str) -> list[list[list[int]]]:
         """Global ranks of a chain as a [pp][dp x cp][tp] array: the mesh of sharded data parallelism, whose
         "dp_cp" dim holds the ranks with the same parameters and whose "tp" dim TP shares with it."""
-        return [[[self.rank(s, d, c, t) for t in range(self.tp[s])] for d in range(self.dp) for c in range(self.cp[s])]
-                for s in self.chains()[chain]]
+        return [[[self.rank(s, d, c, t) for t in range(self.tp[s])] for d in range(self.replicas(chain))
+                 for c in range(self.cp[s])] for s in self.chains()[chain]]
 
     def replica_ranks(self, dp: int) -> list[int]:
-        return list(range(dp * self.ranks_per_replica, (dp + 1) * self.ranks_per_replica))
+        """Every rank that sees the same batch as replica ``dp`` of the language model (its group)."""
+        return self.group_ranks(dp // self.per_group(self.chain_of(self.stages[-1])))
+
+    def to_dict(self) -> dict:
+        """The layout as plain data (checkpoints, fingerprints); ``chain_dp`` only when chains differ."""
+        out = {"stages": self.stages, "cp": self.cp, "tp": self.tp, "dp": self.dp, "placement": self.placement,
+               "module_stages": self.module_stages}
+        if self.disaggregated:
+            out["chain_dp"] = {c: self.replicas(c) for c in self.chains()}
+        return out
 
 
 def check_node_locality(layout: RankLayout, ranks_per_node: int) -> None:
@@ -180,8 +258,8 @@ def check_node_locality(layout: RankLayout, ranks_per_node: int) -> None:
     node's links (NVLink), while pipeline and data-parallel traffic may cross nodes."""
     if ranks_per_node < 1 or layout.world_size <= ranks_per_node:
         return
-    for d in range(layout.dp):
-        for stage in layout.stages:
+    for stage in layout.stages:
+        for d in range(layout.replicas(layout.chain_of(stage))):
             ranks = layout.stage_ranks(stage, d)
             if ranks[0] // ranks_per_node != ranks[-1] // ranks_per_node:
                 raise ValueError(
@@ -196,6 +274,13 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
                  placement: str = "parallel", model_encoders: list[str] | None = None) -> RankLayout:
     """Lay out ranks, or raise (with the fix) when the specs do not fit ``world_size``."""
     layout = replica_layout(encoders, language_model, placement, model_encoders)
+    if layout.chain_dp:
+        if layout.world_size != world_size:
+            parts = " + ".join(f"{c} {layout.replicas(c)}x{layout.chain_width(c)}" for c in layout.chains())
+            raise ValueError(f"the ParallelSpecs' data-parallel degrees need {layout.world_size} devices ({parts}: "
+                             f"dp x ranks of one replica per module), got {world_size}; change the devices or the "
+                             "modules' dp")
+        return layout
     per_replica = layout.ranks_per_replica
     if world_size % per_replica:
         raise ValueError(f"{world_size} devices cannot hold whole replicas of {per_replica} ranks "
@@ -227,6 +312,7 @@ def replica_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSp
             raise ValueError(f"encoder {name!r}: encoder context parallelism splits items (images, clips) over ranks "
                              f"and gathers the features; cp_mode={spec.cp_mode!r} is for the language model: leave "
                              "the encoder's cp_mode unset")
+    chain_dp = module_dp(encoders, language_model, placement)
     table = placement_table({n: s.pp for n, s in encoders.items()}, language_model.pp, placement)
     specs = {**encoders, LANGUAGE_MODEL: language_model}
     stages = list(table)
@@ -241,5 +327,27 @@ def replica_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSp
             raise ValueError(f"stage {s!r} holds {modules}, which must share its tensor-parallel ranks: give "
                              f"{wrong} tp={tp[s]}" + (" (or tp=1: run whole on every rank)" if in_llm_stage else "")
                              + ", or use encoder_placement='parallel'")
-    return RankLayout(stages, cp, tp, replicas, placement, {n: s.pp for n, s in specs.items()},
-                      {n: s.tp for n, s in specs.items()}, language_model.cp_mode, language_model.ulysses_degree)
+    if chain_dp and len(set(chain_dp.values())) == 1:  # one degree: today's layout, at that degree
+        replicas, chain_dp = language_model.dp, {}
+    return RankLayout(stages, cp, tp, language_model.dp if chain_dp else replicas, placement,
+                      {n: s.pp for n, s in specs.items()}, {n: s.tp for n, s in specs.items()},
+                      language_model.cp_mode, language_model.ulysses_degree, chain_dp)
+
+
+def module_dp(encoders: dict[str, ParallelSpec], language_model: ParallelSpec, placement: str) -> dict[str, int]:
+    """Each module chain's data-parallel degree from the specs' ``dp`` (empty when no spec gives one), or raise
+    (with the fix) when per-module degrees cannot run."""
+    specs = {**encoders, LANGUAGE_MODEL: language_model}
+    given = {n: s.dp for n, s in specs.items() if s.dp is not None}
+    if not given:
+        return {}
+    if len(given) < len(specs):
+        missing = [n for n in specs if n not in given]
+        raise ValueError(f"ParallelSpec.dp is given for {sorted(given)} but not for {missing}: per-module data "
+                         "parallelism needs dp on every module (encoders and language_model), or on none (one "
+                         "degree derived from the device count)")
+    if len(set(given.values())) > 1 and placement != "parallel":
+        raise ValueError(f"per-module data-parallel degrees {given} need encoder_placement='parallel' (each encoder "
+                         f"its own ranks); with {placement!r} the encoders share the language model's ranks, so give "
+                         "every module the same dp")
+    return given

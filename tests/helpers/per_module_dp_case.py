@@ -1,0 +1,106 @@
+"""Per-module data parallelism cases: each rank trains its group's batch through a PipelineEngine; the reference
+trains the unparallelised model in one process on the global batches."""
+
+from __future__ import annotations
+
+import torch
+
+import lightning_mm as lmm
+from lightning_mm.data.microbatch import split_microbatches
+from lightning_mm.model import tiny_encoder, tiny_language_model
+from lightning_mm.parallel.engine import PipelineEngine
+from lightning_mm.plan.layout import ParallelSpec, build_layout
+
+from helpers.pipeline_case import FREEZE, train_reference
+
+KINDS = {"vision": ("qwen2_vl", "linear"), "audio": ("whisper", "linear")}  # Qwen2-VL: images of different sizes
+
+
+def build_model(modalities: tuple[str, ...], freeze: str):
+    torch.manual_seed(0)
+    encoders = {m: lmm.ModalityEncoder(tiny_encoder(KINDS[m][0]), projector=KINDS[m][1]) for m in modalities}
+    return lmm.MultimodalModel(encoders, tiny_language_model("llama")).freeze(**FREEZE[freeze])
+
+
+def global_batches(model, steps: int, rows: int, seed: int = 0, probe: bool = False):
+    """Samples of 0 to 5 items of each modality (some text-only), images of different sizes; ``probe``: every
+    item's inputs carry its sample's index (``probe_value``)."""
+    data = lmm.data.SyntheticMultimodalDataset(model, num_samples=steps * rows, seed=seed, items_per_sample=(0, 5))
+    collate = lmm.data.MultimodalCollator(model)
+    out = []
+    for s in range(steps):
+        samples = [data[s * rows + r] for r in range(rows)]
+        if probe:
+            for r, sample in enumerate(samples):
+                for name in model.encoders:
+                    if name in sample:
+                        key = model.encoders[name].family.input_key if name == "vision" else "input_features"
+                        main = "pixel_values" if name == "vision" else key
+                        sample[name] = {**sample[name], main: torch.full_like(sample[name][main], probe_value(s, r))}
+        out.append(collate(samples))
+    return out
+
+
+def probe_value(step: int, row: int) -> float:
+    return float(1 + step * 100 + row)
+
+
+def layout_of(modalities, encoder_specs, llm_spec, world=None):
+    specs = {m: ParallelSpec(**encoder_specs[m]) for m in modalities}
+    llm = ParallelSpec(**llm_spec)
+    if world is None:
+        world = sum(s.dp * s.size for s in [*specs.values(), llm])
+    return build_layout(specs, llm, world, "parallel", list(modalities))
+
+
+def group_batch(batch: dict, model, layout, rank: int) -> dict:
+    """The batch of ``rank``'s group: its language-model replicas' shares of the global batch, in order."""
+    return split_microbatches(batch, layout.num_groups, model)[layout.group_of(rank)]
+
+
+def run_rank(rank, world, modalities, freeze, encoder_specs, llm_spec, microbatches, steps, rows, lr=0.5,
+             probe=False):
+    model = build_model(modalities, freeze)
+    batches = global_batches(model, steps, rows, probe=probe)
+    layout = layout_of(modalities, encoder_specs, llm_spec, world)
+    engine = PipelineEngine(model, layout, rank, microbatches, cp_block_size=8)
+    seen = []
+    if probe and engine.feeds_on_encoders:  # the first LLM stage checks every row got its own sample's features
+        original = engine.model.embed
+
+        def embed(input_ids, features, _step=[0]):
+            seen.append({k: v.detach().clone() for k, v in features.items()})
+            return original(input_ids, features)
+        engine.model.embed = embed
+    params = engine.trainable_parameters()
+    opt = torch.optim.SGD(params, lr=lr) if params else None
+    losses = []
+    for batch in batches:
+        losses.append(float(engine.run(group_batch(batch, model, layout, rank))))
+        engine.sync_gradients()
+        if opt:
+            opt.step()
+            opt.zero_grad()
+    owned = {n: p.detach().clone() for n, p in model.named_parameters() if n in engine.owned and p.requires_grad}
+    return losses, owned, seen, engine.coord.dp, engine.stage
+
+
+def run_reference(modalities, freeze, steps, rows, lr=0.5):
+    model = build_model(modalities, freeze)
+    return train_reference(model, global_batches(model, steps, rows), lr)
+
+
+def check_like_reference(results, ref_losses, ref_params):
+    """Every rank's losses equal one process's; replicas of a stage agree bit for bit; the parameters of every
+    stage equal one process's after the steps."""
+    merged = {}
+    for losses, params, *_ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name, p in params.items():
+            if name in merged:
+                torch.testing.assert_close(p, merged[name], rtol=0, atol=0)
+            merged[name] = p
+    assert set(merged) == set(ref_params)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
+    assert ref_losses[0] != ref_losses[-1]
