@@ -33,6 +33,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _machine  # noqa: E402
+import tables  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 IMPLS = ("ours", "flex", "sdpa_dense", "sdpa_causal")
 FWD_BWD_FACTOR = 3.5  # forward + backward = 2 + 5 matmuls of the forward's 2
@@ -289,6 +293,7 @@ def main(argv=None) -> int:
     out = args.out or RESULTS / f"attention_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     cases = []
+    machine = _machine.record()
 
     def write() -> dict:  # after every case: a run stopped by a time limit keeps what it measured
         report = dict(benchmark="attention", device=name, torch=torch.__version__, triton=triton.__version__,
@@ -296,7 +301,7 @@ def main(argv=None) -> int:
                       kv_heads=args.kv_heads, head_dims=args.head_dims, encoders=args.encoders, seed=args.seed,
                       flops="allowed pairs x 4 x D x heads (fwd), x3.5 (fwd+bwd); causal flash counts causal pairs",
                       complete=len(cases) == len(args.seq_lens) * len(args.head_dims) * len(args.layouts),
-                      cases=cases, goals=goals(cases))
+                      cases=cases, goals=goals(cases), machine=_machine.finish(machine))
         out.write_text(json.dumps(report, indent=2))
         return report
 

@@ -3,7 +3,8 @@
 A LLaVA-like synthetic global batch (about half text-only samples, the others 1-8 images of 224-896 px; log-normal
 text lengths). For B=512 samples, 4 replicas, 32 microbatches (Entrain's Table 4.1 setting): the median and min
 wall time of ``plan_batch`` over --repeats runs, and per method (mean over seeds) max/mean and std of the
-microbatch encoder and LLM loads, and the number of deferrals. Writes benchmarks/results/balance_planning.json.
+microbatch encoder and LLM loads, and the number of deferrals. Writes benchmarks/results/balance_planning.json
+(with the machine and the command) and rewrites the tables README.md and docs/ quote from it (benchmarks/tables.py).
 
     python benchmarks/balance_planning.py [--seeds 5] [--repeats 20]
 """
@@ -13,14 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
 import statistics
+import sys
 import time
 
 import torch
 
 from lightning_mm.plan.balance import METHODS, plan_batch
 from lightning_mm.planner.heterogeneity import llava_like_works
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _machine  # noqa: E402
+import tables  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 B, R, K, STAGES = 512, 4, 32, 4
@@ -43,6 +48,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
+    start = _machine.record()
     batches = [llava_like_works(B, s) for s in range(args.seeds)]
     rows = []
     for method in METHODS:
@@ -65,9 +71,9 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / "balance_planning.json"
     out.write_text(json.dumps(dict(batch=B, replicas=R, microbatches=K, stages=STAGES, seeds=args.seeds,
-                                   repeats=args.repeats, machine=platform.processor() or platform.machine(),
-                                   torch=torch.__version__, rows=rows), indent=1))
+                                   repeats=args.repeats, machine=_machine.finish(start), rows=rows), indent=1))
     print(f"wrote {out}")
+    tables.main(["--quiet"])
 
 
 if __name__ == "__main__":

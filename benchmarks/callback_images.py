@@ -32,6 +32,10 @@ import time
 
 import torch
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _machine  # noqa: E402
+import tables  # noqa: E402
+
 RESULTS = pathlib.Path(__file__).parent / "results"
 IMAGE = 100  # the image placeholder id of the config
 VARIANTS = [("cp 1", 1, True), ("cp 2, images on every rank", 2, False), ("cp 2, images split", 2, True)]
@@ -140,6 +144,7 @@ def main() -> None:
     parser.add_argument("--vision-layers", type=int, default=8)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    start = _machine.record()
     if args.child:
         child(json.loads(args.child))
         return
@@ -158,8 +163,9 @@ def main() -> None:
     path = RESULTS / "callback_images_cpu.json"
     path.write_text(json.dumps(dict(device=f"CPU ({platform.processor() or platform.machine()}, "
                                            f"{os.cpu_count()} cores), gloo", load_average=os.getloadavg()[0],
-                                    args=vars(args), rows=rows), indent=2))
+                                    args=vars(args), rows=rows, machine=_machine.finish(start)), indent=2))
     print(f"wrote {path}")
+    tables.main(["--quiet"])
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _machine  # noqa: E402
+import tables  # noqa: E402
+
 HERE = Path(__file__).resolve()
 
 
@@ -196,6 +200,7 @@ def main() -> None:
     ap.add_argument("--pg-timeout", type=float, default=60.0)
     ap.add_argument("--results", default=str(HERE.parent / "results"))
     args = ap.parse_args()
+    start = _machine.record()
     if args.worker == "checkpoint":
         return worker_checkpoint(args)
     if args.worker == "fault":
@@ -218,7 +223,8 @@ def main() -> None:
         "freeze rank 1, no watchdog": time_fault(args, "hang", 1, None),
     }
     result = {"model": {"hidden": args.hidden, "layers": args.layers, "devices": 4, "backend": "gloo (CPU)"},
-              "checkpoint": rows, "fault_to_exit_s": faults, "pg_timeout_s": args.pg_timeout}
+              "checkpoint": rows, "fault_to_exit_s": faults, "pg_timeout_s": args.pg_timeout,
+              "machine": _machine.finish(start)}
     Path(args.results).mkdir(parents=True, exist_ok=True)
     Path(args.results, "checkpoint.json").write_text(json.dumps(result, indent=1))
     o, f = rows["ours"], rows["fsdp"]

@@ -7,8 +7,8 @@
    (goal: at most 1 ms), with its two parts (block workload, LPT); single thread, median and minimum of repeats,
    and the load average while it ran (the machine is shared). Segment ids are int16 as the collator makes them;
    MP is timed again with int32 and int64 ones, EE with 256-token items (about 4k runs) shows the cost per run,
-   and EP and MP once more from a cold cache (64 MB read before every repeat, untimed) and just written (the
-   cache emptied, then the arrays copied, as a collator plans them).
+   and EP and MP once more from a cold cache (four times the machine's L3 read before every repeat, untimed:
+   ``evict_bytes``) and just written (the cache emptied, then the arrays copied, as a collator plans them).
 3. Per-rank attention work of the CP modes at 64k..1M tokens, cp 2..16: allgather with the LPT plan (a rank's
    queries against all keys, all heads), ulysses (every rank: the whole sequence, heads / cp of the heads) and
    hybrid (Ulysses in groups of 2, or 4 from cp 8; LPT over the groups): the slowest rank's work over the ideal
@@ -17,7 +17,8 @@
    heads, head dim 128, bf16) and for the same layer without GQA (64 KV heads), each mode, 64k..1M tokens.
 5. With CUDA: the per-rank attention time of one 70B-shaped layer, rank by rank on the one device, lpt vs zigzag.
 
-Writes benchmarks/results/cp_balance.json (+ .png chart).
+Writes benchmarks/results/cp_balance.json (+ .png chart; with the machine and the command) and rewrites the tables
+README.md and docs/ quote from it (benchmarks/tables.py).
 
     python benchmarks/cp_balance.py [--seeds 3] [--repeats 200] [--gpu-tokens 65536] [--only planning]
 """
@@ -28,8 +29,8 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -37,6 +38,10 @@ import torch
 
 from lightning_mm import masks
 from lightning_mm.parallel import context as cp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _machine  # noqa: E402
+import tables  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 LENGTHS = (16384, 32768, 65536, 131072)
@@ -89,12 +94,16 @@ PLANNING_CASES = [(layout, "", None) for layout in masks.LAYOUTS] + [
     ("ep", "just written", None),  # the cache emptied, then the arrays copied: what the collator plans on
     ("mp", "just written", None),
 ]
-_EVICT = 64 << 20  # bytes read before each cold-cache repeat: four times this machine's L3
+
+
+def evict_bytes() -> int:
+    """Bytes read before each cold-cache repeat: four times the machine's L3 (32 MB assumed when it does not say)."""
+    return 4 * (_machine.l3_bytes() or _machine.L3_FALLBACK)
 
 
 def planning_times(repeats: int, tokens: int = 1 << 20, size: int = 8) -> list[dict]:
     rows = []
-    evict = np.ones(_EVICT // 8, dtype=np.int64)
+    evict = np.ones(evict_bytes() // 8, dtype=np.int64)
     for layout, variant, item in PLANNING_CASES:
         bam, seg = masks.random_bam(layout, tokens, 2, 1, 0, mean_item_tokens=item)
         if seg is not None and variant.startswith("int"):
@@ -256,15 +265,6 @@ def print_gpu(gpu) -> None:
               + " ".join(f"{t:.1f}" for t in r["rank_ms"]))
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.processor() or platform.machine()
-    return f"{name}, {os.cpu_count()} cores"
-
-
 def plot(balance, path: pathlib.Path) -> str | None:
     try:
         import matplotlib
@@ -297,6 +297,7 @@ def main() -> None:
     parser.add_argument("--gpu-tokens", type=int, default=65536)
     parser.add_argument("--only", choices=("planning",), help="time the planning only (keeps the other results)")
     args = parser.parse_args()
+    start = _machine.record()
     torch.set_num_threads(1)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "cp_balance.json"
@@ -313,10 +314,11 @@ def main() -> None:
         out["chart"] = plot(out["balance"], RESULTS / "cp_balance.png")
         out["seeds"] = args.seeds
     out.update(block_size=BLOCK, goals=dict(lpt_imbalance_64k_cp8=GOAL_IMBALANCE, plan_1m_ms=GOAL_PLAN_MS),
-               machine=dict(python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
-                            threads=1, cpu=_cpu_name()), layer_70b=LAYER_70B)
+               machine=dict(_machine.finish(start), numpy=np.__version__, threads=1, repeats=args.repeats,
+                            evict_bytes=evict_bytes()), layer_70b=LAYER_70B)
     path.write_text(json.dumps(out, indent=1))
     print(f"\nwrote {path}" + (f" and {out['chart']}" if out.get("chart") else ""))
+    tables.main(["--quiet"])
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import _machine  # benchmarks/_machine.py: the machine record
+
 from pipeline import _rss_reset, _status_kb  # benchmarks/pipeline.py: peak-RSS helpers
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -363,6 +365,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "cp_modes_cpu.json"))
     args = parser.parse_args()
+    start = _machine.record()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.modes = args.modes.split(",")
     unknown = [m for m in args.modes if m not in MODES]
@@ -406,7 +409,7 @@ def main() -> None:
                                   f"lengths, reaching {args.mem_fraction:.0%} of the machine's memory (projected, "
                                   "not run)",
         "steps": args.steps, "warmup": args.warmup, "cap_s": args.cap, "budget_s": args.budget,
-        "wall_s": time.perf_counter() - t0, "modes": modes}
+        "wall_s": time.perf_counter() - t0, "modes": modes, "machine": _machine.finish(start)}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -17,11 +17,16 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _machine  # noqa: E402
+import tables  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 SIDES = [(8, 8), (16, 16), (4, 8), (12, 12), (8, 16), (4, 4), (16, 8), (12, 4)]  # patch grids of 8 images
@@ -78,6 +83,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     args = parser.parse_args()
+    start = _machine.record()
     manager = mp.Manager()
     out = manager.dict()
     for i, cp in enumerate((1, 2)):
@@ -86,13 +92,14 @@ def main() -> None:
     result = {"device": f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), gloo",
               "how": "measured", "images": SIDES, "hidden": args.hidden, "layers": args.layers,
               "step_s": {f"cp{cp}": t for cp, t in rows.items()}, "all_steps_s": {f"cp{cp}": list(out[cp]) for cp in (1, 2)},
-              "speedup_cp2": rows[1] / rows[2]}
+              "speedup_cp2": rows[1] / rows[2], "machine": _machine.finish(start)}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "encoder_cp_cpu.json").write_text(json.dumps(result, indent=1))
     print(f"encoder step on 8 images (measured, {result['device']}), median of {args.steps}:")
     print(f"{'cp':>4} {'step s':>8} {'vs cp 1':>8}")
     for cp, t in rows.items():
         print(f"{cp:>4} {t:8.3f} {rows[1] / t:8.2f}")
+    tables.main(["--quiet"])
 
 
 if __name__ == "__main__":

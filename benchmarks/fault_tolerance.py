@@ -32,6 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _machine  # noqa: E402
+import tables  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -113,6 +117,7 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fault_tolerance_cpu.json"))
     ap.add_argument("--timeout", type=float, default=540)
     a = ap.parse_args()
+    start = _machine.record()
     base = tempfile.mkdtemp(prefix="lmm-ft-bench-")
     common = {"mode": "group", "timeout": 10.0, "wait_rejoin": False}
     res: dict = {"label": LABEL, "device": f"CPU ({os.cpu_count()} cores, shared), gloo, {platform.machine()}",
@@ -226,11 +231,13 @@ def main():
                             "lost_steps x step time; expected lost_steps = save_every / 2")
             c["expected_lost_s_formula"] = (c["kill_to_first_step_after_resume_s"] - c["step_s_before"]
                                             + (a.save_every / 2) * c["step_s_before"])
+    res["machine"] = _machine.finish(start)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=2)
     _table(res)
     print(f"wrote {a.out} (run folders under {base})")
+    tables.main(["--quiet"])
 
 
 def _table(res: dict):

@@ -46,6 +46,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _machine  # noqa: E402
+import tables  # noqa: E402
+
 from lightning_mm.planner.model_costs import part_activation_bytes
 from lightning_mm.planner.profiler import profile_layer
 
@@ -410,11 +414,13 @@ def main(argv=None) -> int:
         return 0
     device = torch.device(args.device)
     started = time.perf_counter()
+    machine = _machine.record()
     audio = "Phi4MultimodalAudioConformerEncoderLayer" if phi4_audio_available() else "torch.nn.TransformerEncoderLayer"
     print(f"profiling one layer per family and size on {device_name(device)}{' (tiny)' if args.tiny else ''}, "
           f"audio layer: {audio}")
     doc = profile_all(device, DTYPES[args.dtype], args.tiny, args.warmup, args.repeats)
     doc["seconds"] = time.perf_counter() - started
+    doc["machine"] = _machine.finish(machine)
     out = args.out or RESULTS / f"layer_profile_{slug(doc['device'])}{'_tiny' if args.tiny else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))

@@ -73,6 +73,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _machine  # noqa: E402
+import tables  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -392,7 +396,8 @@ def setup_main(args, argv: list[str]) -> None:
         r.pop("folders", None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None}, "rows": rows}
+    doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None, "machine": None}, "rows": rows,
+           "machine": _machine.finish(args.machine)}
     (out / f"pipeline_setup_p{args.procs}_{args.accelerator}.json").write_text(json.dumps(doc, indent=1))
     print(setup_table(rows, args.accelerator))
 
@@ -642,8 +647,8 @@ def sharding_main(args, argv: list[str]) -> None:
         print(f"{cfg['name']}: {what} ({time.time() - start:.0f} s with launch)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None},
-           "baseline": "no_shard", "rows": rows}
+    doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None, "machine": None},
+           "baseline": "no_shard", "rows": rows, "machine": _machine.finish(args.machine)}
     (out / f"pipeline_sharding_p{args.procs}_{args.accelerator}.json").write_text(json.dumps(doc, indent=1))
     print(sharding_table(rows, args.accelerator))
 
@@ -729,6 +734,7 @@ def main(argv=None) -> None:
     if args.worker:
         run = sharding_worker if args.sharding else setup_worker if args.setup else worker
         return run(json.loads(args.worker), args, args.result)
+    args.machine = _machine.record()
     if args.setup:
         return setup_main(args, argv)
     if args.sharding:
@@ -750,8 +756,8 @@ def main(argv=None) -> None:
         rows.append({**best, "all_samples_per_s": [d["samples_per_s"] for d in runs[cfg["name"]]]})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None},
-           "baseline": rows[0]["name"], "rows": rows}
+    doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None, "machine": None},
+           "baseline": rows[0]["name"], "rows": rows, "machine": _machine.finish(args.machine)}
     (out / f"pipeline_p{args.procs}_{args.accelerator}.json").write_text(json.dumps(doc, indent=1))
     print(table(rows, args.accelerator))
 

@@ -173,6 +173,15 @@ class BatchSimulation:
         values = [t for row in self.forward[stage] for t in row]
         return statistics.stdev(values) if len(values) > 1 else 0.0
 
+    def module_forward_std(self, module: str) -> float:
+        """Standard deviation over every microbatch of every replica of the module's forward seconds summed over
+        its stages (Entrain's Table 4.3 statistic: a microbatch's forward time is the sum over the module's
+        stages, so it does not depend on how many stages the module is split into)."""
+        stages = [s for s in self.forward if s.rsplit(".", 1)[0] == module]
+        values = [sum(self.forward[s][r][m] for s in stages)
+                  for r in range(len(self.replicas)) for m in range(len(self.forward[stages[0]][r]))]
+        return statistics.stdev(values) if len(values) > 1 else 0.0
+
 
 def simulate_plan(graph: StageGraph, plan: BatchPlan, encoder_work: Works, llm_work: torch.Tensor,
                   rates: Mapping[str, Rate], method: str = "", p2p_latency: float = 0.0) -> BatchSimulation:

@@ -1,0 +1,425 @@
+"""Regenerate every figure README.md and docs/*.md quote from a benchmark's results JSON, or check them.
+
+A quoted figure or table sits between two markers; what is between them is generated from the JSON:
+
+    <!-- results:benchmarks/results/cp_balance.json:planning -->
+    | layout | ... |
+    <!-- /results -->
+
+Inline quotes work the same way (``... takes <!-- results:...:x -->0.41 ms<!-- /results --> ...``). Each benchmark
+script calls ``main()`` after writing its JSON, so re-running it rewrites the quoted tables;
+``python benchmarks/tables.py --check`` (and tests/test_figures.py) fails when a quote disagrees with its JSON.
+
+    python benchmarks/tables.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCUMENTS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+MARKER = re.compile(r"<!-- results:(?P<json>[^:\s]+):(?P<name>[\w.-]+) -->(?P<body>.*?)<!-- /results -->", re.S)
+
+RENDERERS: dict[tuple[str, str], Callable[[dict], str]] = {}
+
+
+def renderer(json_name: str, name: str):
+    """Register ``fn(data) -> text`` as the quote ``name`` of ``benchmarks/results/<json_name>``."""
+    def register(fn):
+        RENDERERS[(f"benchmarks/results/{json_name}", name)] = fn
+        return fn
+    return register
+
+
+def table(header: list[str], rows: list[list], align: str | None = None) -> str:
+    """A markdown table; ``align`` is one letter per column ('l' or 'r')."""
+    align = align or "l" * len(header)
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = [header, rule, *[[str(c) for c in row] for row in rows]]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def _machine_line(data: dict) -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _machine
+
+    m = data.get("machine")
+    return f"{_machine.describe(m)}; `{m['command']}`" if isinstance(m, dict) and m.get("command") else \
+        _machine.describe(m)
+
+
+def _range(values, spec=".2f", unit="") -> str:
+    lo, hi = min(values), max(values)
+    a, b = format(lo, spec), format(hi, spec)
+    return f"{a}{unit}" if a == b else f"{a}-{b}{unit}"
+
+
+# ------------------------------------------------------------------------------------------------ cp_balance.json
+
+_CP_NAMES = {("ep", ""): "EP", ("ee", ""): "EE", ("mp", ""): "MP (int16 segment ids, as the collator makes them)",
+             ("mp", "int32 segment ids"): "MP with int32 segment ids",
+             ("mp", "int64 segment ids"): "MP with int64 segment ids",
+             ("ee", "256-token items"): "EE with 256-token items", ("ep", "cold cache"): "EP, cold cache",
+             ("mp", "cold cache"): "MP, cold cache", ("ep", "just written"): "EP, just written",
+             ("mp", "just written"): "MP, just written"}
+
+
+def _planning_row(data: dict, layout: str, variant: str = "") -> dict:
+    return next(r for r in data["planning_1m"] if r["layout"] == layout and r.get("variant", "") == variant)
+
+
+@renderer("cp_balance.json", "planning")
+def cp_planning(data: dict) -> str:
+    rows = [[_CP_NAMES.get((r["layout"], r.get("variant", "")), r["layout"]), r["runs"], f"{r['plan_ms_median']:.2f}",
+             f"{r['plan_ms_min']:.2f}", f"{r['workload_ms_median']:.2f}", f"{r['lpt_ms_median']:.2f}",
+             f"{r['load_average']:.1f}", "met" if r["met"] else "missed"] for r in data["planning_1m"]]
+    m = data["machine"]
+    return (f"Measured on {_machine_line(data)} (1 thread, median and minimum of "
+            f"{m.get('repeats', 'the')} repeats of one call; load average at each case's start in the table):\n\n"
+            + table(["layout (1M tokens, cp 8)", "runs", "distribute median ms", "min ms", "workload median ms",
+                     "LPT median ms", "load avg", "goal 1 ms"], rows, "lrrrrrrl"))
+
+
+@renderer("cp_balance.json", "planning-inline")
+def cp_planning_inline(data: dict) -> str:
+    ms = [_planning_row(data, layout)["plan_ms_median"] for layout in ("ep", "ee", "mp")]
+    cold = [_planning_row(data, layout, "cold cache")["plan_ms_median"] for layout in ("ep", "mp")]
+    return (f"{ms[0]:.2f} / {ms[1]:.2f} / {ms[2]:.2f} ms (EP / EE / MP medians with the arrays in the cache, "
+            f"measured by `benchmarks/cp_balance.py --only planning` on {data['machine']['cpu']}, "
+            f"{data['machine']['cores']} cores), but {_range(cold)} ms when the words and segment ids come from "
+            f"memory (EP / MP, cold cache)")
+
+
+@renderer("cp_balance.json", "evict")
+def cp_evict(data: dict) -> str:
+    m = data["machine"]
+    return (f"{m['evict_bytes'] >> 20} MB (four times the {m['l3']} L3 this machine reports"
+            f"{'' if m.get('l3_bytes') else ', assumed'})")
+
+
+@renderer("cp_balance.json", "imbalance")
+def cp_imbalance(data: dict) -> str:
+    index = {(r["layout"], r["tokens"], r["cp"], r["method"]): r["imbalance"] for r in data["balance"]}
+    methods = ["lpt", "random", "zigzag", "contiguous"]
+    keys = sorted({k[:3] for k in index}, key=lambda k: (["ep", "ee", "mp"].index(k[0]), k[1], k[2]))
+    rows = [[layout.upper(), f"{tokens >> 10}k", cp, *[f"{index[(layout, tokens, cp, m)]:.4f}" for m in methods]]
+            for layout, tokens, cp in keys]
+    return table(["layout", "tokens", "cp", *methods], rows, "lrrrrrr")
+
+
+@renderer("cp_balance.json", "goal")
+def cp_goal(data: dict) -> str:
+    index = {(r["layout"], r["tokens"], r["cp"], r["method"]): r["imbalance"] for r in data["balance"]}
+    lpt = [index[(x, 65536, 8, "lpt")] for x in ("ee", "mp")]
+    zz = [index[(x, 65536, 8, "zigzag")] for x in ("ee", "mp")]
+    met = all(v <= data["goals"]["lpt_imbalance_64k_cp8"] for v in lpt)
+    return (f"**{'met' if met else 'missed'}** (EE {lpt[0]:.4f}, MP {lpt[1]:.4f}; zigzag {zz[0]:.4f} and "
+            f"{zz[1]:.4f}; deterministic, computed by `benchmarks/cp_balance.py`)")
+
+
+# ------------------------------------------------------------------------------------------------ balance_planning.json
+
+@renderer("balance_planning.json", "table")
+def balance_planning(data: dict) -> str:
+    rows = [[r["method"], f"{r['plan_ms_median']:.2f}", f"{r['plan_ms_min']:.2f}", f"{r['enc_max_over_mean']:.3f}",
+             f"{r['llm_max_over_mean']:.3f}", f"{r['deferrals']:.1f}"] for r in data["rows"]]
+    return (f"Measured on {_machine_line(data)}; {data['repeats']} timed runs of one batch, loads over "
+            f"{data['seeds']} seeds:\n\n"
+            + table(["method", "plan median ms", "plan min ms", "encoder max/mean", "LLM max/mean", "deferrals"],
+                    rows, "lrrrrr"))
+
+
+@renderer("balance_planning.json", "inline")
+def balance_planning_inline(data: dict) -> str:
+    ms = {r["method"]: r["plan_ms_median"] for r in data["rows"]}
+    return (f"{ms['disttrain']:.1f} ms (disttrain) and {ms['entrain']:.1f} ms (entrain) per 512-sample batch, "
+            f"medians measured by `benchmarks/balance_planning.py` on {data['machine']['cpu']} "
+            f"({data['machine']['cores']} cores, load average {data['machine']['load_average_start'][0]:.1f})")
+
+
+# ------------------------------------------------------------------------------------------------ heterogeneity.json
+
+def _set(d: str, llm: str) -> list[str]:
+    return [d, llm.replace("llama-", "").upper()]
+
+
+@renderer("heterogeneity.json", "calibration")
+def het_calibration(data: dict) -> str:
+    cal = data["setting"]["calibration"]
+    names = list(cal)
+    figures = [q["figure"] for q in cal[names[0]]["checks"]]
+    rows = []
+    for i, fig in enumerate(figures):
+        q0 = cal[names[0]]["checks"][i]
+        target = q0["target"]
+        target = f"{target:.2f}" if isinstance(target, float) else f"{target[0]:.2f}-{target[1]:.2f}"
+        rows.append([fig, q0["statistic"].replace("_", " "), target,
+                     *[f"{cal[n]['checks'][i]['value']:.2f} {'met' if cal[n]['checks'][i]['met'] else 'MISSED'}"
+                       for n in names]])
+    rows.append(["vision seconds per FLOP / Llama-1B's (fitted)", "", "",
+                 *[f"{cal[n]['kappa']:.2f}" for n in names]])
+    rows.append(["Llama-3B seconds per FLOP / Llama-1B's (fitted)", "", "",
+                 *[f"{cal[n]['llm_3b_factor']:.2f}" for n in names]])
+    return table(["published figure", "statistic", "published (a split: the interval it implies)",
+                  *[f"calibration \"{n}\"" for n in names]], rows, "lllrrr")
+
+
+@renderer("heterogeneity.json", "calibration-inline")
+def het_calibration_inline(data: dict) -> str:
+    s = data["setting"]
+    return (f"the vision tower's seconds per FLOP are {s['vision_slowdown']:.2f} x Llama-1B's and Llama-3B's "
+            f"{s['llm_3b_factor']:.2f} x Llama-1B's (fitted to the published splits and the 1.27 ratio, table below)")
+
+
+@renderer("heterogeneity.json", "mean-over-sum")
+def het_mean_over_sum(data: dict) -> str:
+    s = data["setting"]
+    return (f"the mean of per-sample ratios is {s['llava_1b_mean_over_sum']:.3f} x the ratio of sums on the "
+            f"LLaVA-like set (computed from the generated samples), while 2.43 beside 9:7 needs at least "
+            f"{s['fig_4_5_needs_mean_over_sum']:.2f} x")
+
+
+@renderer("heterogeneity.json", "vs-disttrain")
+def het_vs_disttrain(data: dict) -> str:
+    pub = data["published"]["table_4_3"]
+    rows = []
+    for q in data["summary"]:
+        if q["dataset"] == "mixed":
+            continue
+        spl = q["published_entrain_split"]
+        dist = ", ".join(f"{k} ({v:.0%})" for k, v in q["disttrain_splits"].items())
+        rows.append([*_set(q["dataset"], q["llm"]), f"{q['vision_text_workload_ratio']:.2f}",
+                     f"{q['entrain_split'][0]}/{q['entrain_split'][1]}", f"{spl[0]}/{spl[1]}" if spl else "-", dist,
+                     f"{q['entrain_over_disttrain']:.3f}", f"{q['entrain_over_disttrain_best']:.3f}"])
+    assert pub  # Table 4.3 sits in its own table; Fig. 4.12 prints no per-set value
+    return table(["set", "LLM", "vision:LLM workload (simulated)", "entrain split (simulated)",
+                  "entrain split (published)", "disttrain splits from 1-sample profiles (simulated)",
+                  "entrain over disttrain, profiled splits (simulated)",
+                  "entrain over disttrain, best split each (simulated)"], rows, "llrllrrr")
+
+
+@renderer("heterogeneity.json", "vs-disttrain-inline")
+def het_vs_disttrain_inline(data: dict) -> str:
+    paper = [q["entrain_over_disttrain"] for q in data["summary"] if q["dataset"] != "mixed"]
+    best = [q["entrain_over_disttrain_best"] for q in data["summary"] if q["dataset"] != "mixed"]
+    return (f"entrain over disttrain {_range(paper, '.2f', 'x')} with each method's split chosen by its own "
+            f"profile, {_range(best, '.2f', 'x')} with each at its best split (simulated at the seeds' scale on "
+            f"the LLaVA- and SynthChart-like sets; published: up to 1.40x over DistTrain and DIP, Fig. 4.12)")
+
+
+@renderer("heterogeneity.json", "std")
+def het_std(data: dict) -> str:
+    pub = data["published"]["table_4_3"]
+    get = {(r["dataset"], r["llm"], r["method"]): r for r in data["simulated"]}
+    rows = []
+    for d in ("synthchart", "llava"):
+        for llm in ("llama-1b", "llama-3b"):
+            for module, key, pkey in (("vision", "vision_forward_std_ms", "vision"), ("LLM", "llm_forward_std_ms", llm)):
+                dt, en, no = (get[(d, llm, m)][key] for m in ("disttrain", "entrain", "none"))
+                p = pub[d][pkey]
+                rows.append([*_set(d, llm), module, f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f}", f"{p[0] / p[2]:.2f}",
+                             f"{dt:.2f} / {en:.2f}", f"{no:.2f}", f"{dt / max(en, 1e-12):.2f}"])
+    return table(["set", "LLM", "module", "published std DistTrain / DIP / Entrain (Table 4.3)",
+                  "published DistTrain / Entrain", "simulated std ms disttrain / entrain", "simulated std ms none",
+                  "simulated disttrain / entrain"], rows, "lllrrrrr")
+
+
+@renderer("heterogeneity.json", "iterations")
+def het_iterations(data: dict) -> str:
+    rows = []
+    for r in data["simulated"]:
+        rows.append([*_set(r["dataset"], r["llm"]), r["method"], f"{r['iteration_s']:.3f}", r["best_split"],
+                     f"{r['iteration_s_best']:.3f}", f"{r['speedup_vs_none']:.3f}", f"{r['mean_idle_fraction']:.2f}",
+                     f"{r['deferred_samples']:.1f}"])
+    return table(["set", "LLM", "method", "iteration s, profiled split", "best split", "iteration s, best split",
+                  "over none, both at entrain's split", "idle", "deferred samples"], rows, "lllrlrrrr")
+
+
+@renderer("heterogeneity.json", "vs-none-inline")
+def het_vs_none_inline(data: dict) -> str:
+    seeds = [q for q in data["summary"] if q["dataset"] != "mixed"]
+    mixed = [q for q in data["summary"] if q["dataset"] == "mixed"]
+    return (f"entrain {_range([q['entrain_over_none'] for q in seeds], '.2f', 'x')} and disttrain "
+            f"{_range([q['disttrain_over_none'] for q in seeds], '.2f', 'x')} over contiguous microbatches (\"none\", "
+            f"which the paper does not run) on the seeds' sets, {_range([q['entrain_over_none'] for q in mixed], '.2f', 'x')}"
+            f" (entrain) on the mixed set the paper does not have (simulated)")
+
+
+@renderer("heterogeneity.json", "ablation")
+def het_ablation(data: dict) -> str:
+    rows = [[*_set(r["dataset"], r["llm"]), f"{r['iteration_s_without_deferral']:.3f} s", f"{r['iteration_s_at_entrain_split']:.3f} s"]
+            for r in data["simulated"] if r["method"] == "entrain" and r["deferred_samples"] > 0]
+    return table(["set", "LLM", "without deferral (simulated)", "with deferral (simulated)"], rows, "llrr")
+
+
+@renderer("heterogeneity.json", "planning")
+def het_planning(data: dict) -> str:
+    rows = []
+    for method in ("none", "disttrain", "entrain"):
+        got = [r for r in data["planning"] if r["method"] == method]
+        med = [r["plan_ms_median"] for r in got]
+        rows.append([method, f"{statistics.median(med):.2f}", f"{max(med):.2f}", f"{max(r['plan_ms_max'] for r in got):.2f}"])
+    return (f"Measured on {_machine_line(data)}; `plan_batch` timed with `benchmarks/balance_planning.py`'s "
+            f"`planning_ms` on 2 batches of each set and LLM:\n\n"
+            + table(["method", "median of medians ms", "worst median ms", "slowest single run ms"], rows, "lrrr"))
+
+
+@renderer("heterogeneity.json", "measured")
+def het_measured(data: dict) -> str:
+    rows = [[r["method"], f"{r['samples_per_s']:.2f}", f"{r['step_s_median']:.3f}",
+             _range(r["step_s"][r["warmup"]:], ".2f"), f"{r['encoder_forward_std_ms']:.2f}"] for r in data["measured"]]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _machine
+
+    return (f"Measured on {_machine.describe(data.get('measured_machine'))} (`python benchmarks/heterogeneity.py "
+            f"--measure`):\n\n"
+            + table(["method", "samples/s", "median step s", "measured steps s", "encoder microbatch forward std ms"],
+                    rows, "lrrrr"))
+
+
+# ------------------------------------------------------------------------------------------------ fault_tolerance_cpu.json
+
+@renderer("fault_tolerance_cpu.json", "table")
+def ft_table(data: dict) -> str:
+    runs = data["runs"]
+    ft, dp, f, c = runs["ft"], runs["dp"], runs["ft_fail"], runs["ckpt_fail"]
+    pairs = [(a, b) for a, b in zip(ft["earlier_samples_per_s"] + [ft["samples_per_s"]],
+                                    dp["earlier_samples_per_s"] + [dp["samples_per_s"]])]
+    rows = [
+        ["samples/s, no failure, FT on / FT off (paired runs)",
+         " and ".join(f"{a:.1f} / {b:.1f}" for a, b in pairs) + ": ratio "
+         + " and ".join(f"{a / b:.2f}" for a, b in pairs)],
+        ["FT: SIGKILL -> the surviving group's next committed step",
+         f"{f['kill_to_next_commit_s']:.2f} s (step time {f['step_s_before']:.2f} s)"],
+        ["FT: SIGKILL -> restarted group's ranks up (torchrun restart + imports)",
+         f"{f['kill_to_restarted_process_start_s']:.1f} s"],
+        ["FT: heal of the restarted group (copy from its peer)", f"{f['heal_s']:.2f} s"],
+        [f"FT: SIGKILL -> restarted group commits again (step {f['healed_at_step'] + 1})",
+         f"{f['kill_to_rejoined_s']:.1f} s"],
+        ["FT: samples/s before / during / after the failure (survivor's commits)",
+         f"{f['samples_per_s_before']:.1f} / {f['samples_per_s_during']:.1f} / {f['samples_per_s_after']:.1f}"],
+        ["ckpt-restart: steps since the last checkpoint",
+         f"{c['lost_steps']} (kill after step {c['kill']['step']}, checkpoint at {c['last_checkpoint_step']})"],
+        ["ckpt-restart: SIGKILL -> restarted ranks up (torchrun restart + imports)",
+         f"{c['kill_to_restarted_process_start_s']:.1f} s"],
+        ["ckpt-restart: `fit()` -> training starts (setup + checkpoint load)",
+         f"{c['fit_to_train_start_s (setup + checkpoint load)']:.2f} s"],
+        [f"ckpt-restart: SIGKILL -> first step after resume (step {c['first_step_after_resume']}) / back at step "
+         f"{c['kill']['step']}", f"{c['kill_to_first_step_after_resume_s']:.1f} s / {c['kill_to_same_step_again_s']:.1f} s"],
+    ]
+    return (f"Measured on {_machine_line(data)}:\n\n"
+            + table(["measured, 2-core CPU, gloo", "value"], rows))
+
+
+@renderer("fault_tolerance_cpu.json", "compare")
+def ft_compare(data: dict) -> str:
+    ft, ck = data["runs"]["ft_fail"], data["runs"]["ckpt_fail"]
+    stall_ft, stall_ck = ft["kill_to_next_commit_s"], ck["kill_to_first_step_after_resume_s"]
+    degraded = ft["kill_to_rejoined_s"] - stall_ft
+    groups = 2
+    total_ft = stall_ft + degraded / groups  # the survivor of G groups runs at (G - 1) / G with a device per rank
+    total_ck = ck["lost_s"]
+    rows = [["stall: the job makes no step (measured)", f"{stall_ft:.1f} s (kill -> next committed step)",
+             f"{stall_ck:.1f} s (kill -> first step after resume)", f"{stall_ck / stall_ft:.1f}x"],
+            ["total time lost (stall + degraded steps; computed from the formula below)",
+             f"{total_ft:.1f} s ({stall_ft:.1f} s stall + {degraded:.1f} s degraded at {groups - 1}/{groups} "
+             f"throughput, costing {degraded / groups:.1f} s)",
+             f"{total_ck:.1f} s (measured; no degraded phase)", f"{total_ck / total_ft:.1f}x"]]
+    return table(["like with like", "FT", "checkpoint-restart", "checkpoint-restart / FT"], rows, "lllr")
+
+
+@renderer("fault_tolerance_cpu.json", "inline")
+def ft_inline(data: dict) -> str:
+    ft, ck = data["runs"]["ft_fail"], data["runs"]["ckpt_fail"]
+    return (f"kill to the next committed step {ft['kill_to_next_commit_s']:.1f} s and heal {ft['heal_s']:.1f} s vs "
+            f"{ck['kill_to_first_step_after_resume_s']:.1f} s to the first step after a checkpoint-restart (stall vs "
+            f"stall), measured on {_where(data)} with gloo")
+
+
+# ------------------------------------------------------------------------------------------------ the others
+
+def _where(data: dict) -> str:
+    m = data["machine"]
+    return f"{m['cpu']} ({m['cores']} cores)"
+
+
+@renderer("encoder_cp_cpu.json", "inline")
+def encoder_cp_inline(data: dict) -> str:
+    return f"{data['speedup_cp2']:.2f}x measured on {_where(data)} with gloo"
+
+
+@renderer("encoder_cp_cpu.json", "sentence")
+def encoder_cp_sentence(data: dict) -> str:
+    t = data["step_s"]
+    return (f"takes {t['cp1']:.3f} s at cp 1 and {t['cp2']:.3f} s at cp 2 ({data['speedup_cp2']:.2f}x; medians, "
+            f"measured on {_machine_line(data)})")
+
+
+@renderer("callback_images_cpu.json", "inline")
+def callback_images_inline(data: dict) -> str:
+    by = {(r["vision"], r["cp"], r["shard_images"]): r["step_s_median"] for r in data["rows"]}
+    ratios = [by[(v, 2, False)] / by[(v, 2, True)] for v in ("frozen", "trained")]
+    return f"{_range(ratios, '.2f', 'x')} faster than encoding every image on every rank, measured on {_where(data)}"
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+def render(json_path: str, name: str, cache: dict) -> str:
+    if (json_path, name) not in RENDERERS:
+        raise KeyError(f"no table {name!r} for {json_path} (known: {sorted(RENDERERS)})")
+    if json_path not in cache:
+        cache[json_path] = json.loads((ROOT / json_path).read_text())
+    return RENDERERS[(json_path, name)](cache[json_path])
+
+
+def regenerate(text: str, cache: dict | None = None, only: str | None = None) -> tuple[str, list[str]]:
+    """``text`` with every quote regenerated (or only those of the JSON ``only``), and the quotes that changed."""
+    cache = {} if cache is None else cache
+    changed = []
+
+    def sub(match):
+        if only is not None and match["json"] != only:
+            return match[0]
+        body = render(match["json"], match["name"], cache)
+        old = match["body"]
+        if old.startswith("\n"):  # a block: keep the blank-line layout around it
+            body = "\n" + body + "\n"
+        if body != old:
+            changed.append(f"{match['json']}:{match['name']}")
+        start, end = match.start("body") - match.start(), match.end("body") - match.start()
+        return match[0][:start] + body + match[0][end:]
+
+    return MARKER.sub(sub, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="fail when a quoted figure disagrees with its JSON")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    cache, stale = {}, []
+    for doc in DOCUMENTS:
+        path = ROOT / doc
+        text = path.read_text()
+        new, changed = regenerate(text, cache)
+        stale += [f"{doc}: {c}" for c in changed]
+        if changed and not args.check:
+            path.write_text(new)
+    if args.check and stale:
+        print("quoted figures that disagree with their results JSON (run python benchmarks/tables.py):")
+        print("\n".join("  " + s for s in stale))
+        return 1
+    if not args.quiet:
+        print("\n".join(f"regenerated {s}" for s in stale) or "every quoted figure agrees with its JSON")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
