@@ -24,6 +24,8 @@ EXTRA_COMMANDS = {
     "plan": "Predict a fit YAML's iteration time, bubbles and memory per stage, and search the best layout for N "
             "devices (lightning-mm plan --help).",
     "export": "Write a checkpoint as HuggingFace folders loadable with from_pretrained (lightning-mm export --help).",
+    "lighthouse": "Run the torchft quorum service of fault-tolerant replica groups (lightning-mm lighthouse --help; "
+                  "docs/fault_tolerance.md).",
 }
 
 
@@ -39,8 +41,8 @@ class MultimodalCLI(LightningCLI):
                          subclass_mode_data=True, **kwargs)
 
     def _add_subcommands(self, parser, **kwargs) -> None:
-        """Lightning's fit/validate/test/predict, plus a help line each for ``plan`` and ``export`` (``main``
-        routes those two before LightningCLI parses anything)."""
+        """Lightning's fit/validate/test/predict, plus a help line each for ``plan``, ``export`` and
+        ``lighthouse`` (``main`` routes those before LightningCLI parses anything)."""
         from jsonargparse import ArgumentParser
 
         super()._add_subcommands(parser, **kwargs)
@@ -78,13 +80,22 @@ class MultimodalCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         """Lightning's, except that ``trainer.logger`` left at its default without TensorBoard installed gets the
         ``CSVLogger`` Lightning falls back to there, named here (so no warning about tensorboardX): metrics go to
-        ``<default_root_dir>/lightning_logs/version_N/metrics.csv`` as before."""
+        ``<default_root_dir>/lightning_logs/version_N/metrics.csv`` as before. A replica group of a fault-tolerant
+        job logs to ``lightning_logs/group_<g>/version_N`` (groups on one host would share the folder)."""
         trainer = self._get(self.config_init, "trainer", default={})
-        if "logger" not in kwargs and trainer.get("logger") in (None, True) and not (
-                importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
+        if "logger" in kwargs or trainer.get("logger") not in (None, True):
+            return super().instantiate_trainer(**kwargs)
+        ft = getattr(trainer.get("strategy"), "fault_tolerance", None)
+        name = "lightning_logs" if ft is None else os.path.join("lightning_logs", f"group_{ft.replica_group}")
+        save_dir = trainer.get("default_root_dir") or os.getcwd()
+        if not (importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
             from lightning.pytorch.loggers import CSVLogger
 
-            kwargs["logger"] = CSVLogger(save_dir=trainer.get("default_root_dir") or os.getcwd())
+            kwargs["logger"] = CSVLogger(save_dir=save_dir, name=name)
+        elif ft is not None:
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            kwargs["logger"] = TensorBoardLogger(save_dir=save_dir, name=name)
         return super().instantiate_trainer(**kwargs)
 
     def instantiate_classes(self) -> None:

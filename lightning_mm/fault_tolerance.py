@@ -39,6 +39,7 @@ import threading
 import time
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -162,7 +163,22 @@ def check_reachable(config: FaultTolerance) -> None:
             f"`torchft_lighthouse`) and check fault_tolerance.lighthouse / ${LIGHTHOUSE_ENV}") from None
 
 
+class _NoNcclNotes(logging.Filter):
+    """Drops torchft's note that it cannot reset NCCL's flight recorder: a gloo run has no NCCL to trace."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NCCL flight recorder" not in record.getMessage()
+
+
+def quiet_torchft() -> None:
+    """torchft's Rust side logs ~9 INFO lines per step and group (quorum, commit votes) to stderr; it reads
+    ``RUST_LOG`` once, when first imported. Default it to warnings; ``RUST_LOG=info`` brings the lines back. The
+    project's own lines (``fault tolerance: {"event": ...}``, lost groups) are unaffected."""
+    os.environ.setdefault("RUST_LOG", "warn")
+
+
 def import_torchft():
+    quiet_torchft()
     try:
         import torchft  # noqa: F401
         from torchft.manager import Manager
@@ -320,6 +336,8 @@ class FaultTolerantTraining:
         c = self.config
         timeout = timedelta(seconds=c.timeout)
         pg = ProcessGroupNCCL(timeout) if s.root_device.type == "cuda" else ProcessGroupGloo(timeout)
+        if s.root_device.type != "cuda":
+            logging.getLogger("torchft.manager").addFilter(_NoNcclNotes())
         env = s.cluster_environment
         kw = dict(pg=pg, load_state_dict=self.load_state_dict, state_dict=self.state_dict,
                   min_replica_size=c.min_replicas, use_async_quorum=False, timeout=timeout,
@@ -480,13 +498,30 @@ class FaultTolerantTraining:
         """Every group of a new quorum must run the same layout, model and data: compared over the quorum."""
         m = self.manager
         h = self.fingerprint()
-        t = torch.tensor([h, -h], dtype=torch.int64, device=self.strategy.root_device)
+        present = [0] * self.config.num_replica_groups  # which groups are in the quorum: a MAX of one-hot rows
+        present[self.config.replica_group] = 1
+        t = torch.tensor([h, -h, *present], dtype=torch.int64, device=self.strategy.root_device)
         m.allreduce(t, reduce_op=dist.ReduceOp.MAX).wait()
-        if m.errored() is None and int(t[0]) != -int(t[1]):
+        if m.errored() is not None:
+            return
+        if int(t[0]) != -int(t[1]):
             raise FaultToleranceError(
                 f"replica group {self.config.replica_group}: the replica groups of quorum {self._quorum_id} differ in "
                 "their rank layout, model, global batch or data order; every group must run the same strategy "
                 "settings, devices, model and data (only replica_group differs)")
+        self.warn_missing([g for g, p in enumerate(t[2:].tolist()) if not p])
+
+    def warn_missing(self, missing: list[int]) -> None:
+        """A warning (group rank 0) naming the planned replica groups absent from the quorum."""
+        if not missing or self.strategy.global_rank != 0:
+            return
+        c = self.config
+        when = (f"did not join within quorum_timeout={c.quorum_timeout:g} s" if self.manager.current_step() == 0
+                else "left the quorum")
+        log.warning("fault tolerance: replica group(s) %s of %d %s; training goes on with %d group(s), each taking "
+                    "a larger share of the global batch (a group joins at the next quorum once it reaches the "
+                    "lighthouse %s)", ", ".join(map(str, missing)), c.num_replica_groups, when,
+                    c.num_replica_groups - len(missing), c.lighthouse)
 
     def reduce_and_commit(self) -> bool:
         """Sum the gradients across the quorum's groups (weighted by label tokens), then torchft's commit vote."""
@@ -599,6 +634,18 @@ def set_lightning_step(trainer, step: int) -> None:
         loop._batches_that_stepped += delta
 
 
+def lighthouse_banner(bind: str, announced: str, min_replicas: int) -> str:
+    """What the lighthouse is bound to and the ``fault_tolerance.lighthouse`` value groups give to reach it
+    (torchft announces this host's name, which a server bound to a loopback address does not answer on)."""
+    host, port = parse_address(bind)
+    if host in ("::", "0.0.0.0", ""):
+        reach, where = f"{urlparse(announced).hostname or socket.gethostname()}:{port}", "every interface"
+    else:
+        reach, where = f"{'[' + host + ']' if ':' in host else host}:{port}", "this address only"
+    return (f"lighthouse bound to {bind} ({where}), min_replicas={min_replicas}; replica groups reach it with "
+            f"fault_tolerance.lighthouse={reach} (or TORCHFT_LIGHTHOUSE={reach})")
+
+
 def lighthouse_main(args: list[str] | None = None) -> None:
     """``lightning-mm lighthouse``: run a torchft lighthouse (the quorum service every replica group reaches)."""
     import argparse
@@ -613,13 +660,14 @@ def lighthouse_main(args: list[str] | None = None) -> None:
                         help="a group silent this long is dead: the others go on without it")
     parser.add_argument("--quorum_tick_ms", type=int, default=100)
     a = parser.parse_args(args)
+    quiet_torchft()
     try:
         from torchft._torchft import LighthouseServer
     except ImportError as e:
         raise SystemExit(f"lightning-mm lighthouse needs torchft: pip install 'lightning-mm[ft]' ({e})")
     server = LighthouseServer(bind=a.bind, min_replicas=a.min_replicas, join_timeout_ms=a.join_timeout_ms,
                               quorum_tick_ms=a.quorum_tick_ms, heartbeat_timeout_ms=a.heartbeat_timeout_ms)
-    print(f"lighthouse listening at {server.address()} (min_replicas={a.min_replicas})", flush=True)
+    print(lighthouse_banner(a.bind, server.address(), a.min_replicas), flush=True)
     stop = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     try:
