@@ -343,6 +343,97 @@ def ft_inline(data: dict) -> str:
             f"stall), measured on {_where(data)} with gloo")
 
 
+# ------------------------------------------------------------------------------------------------ checkpoint.json
+
+@renderer("checkpoint.json", "table")
+def checkpoint_table(data: dict) -> str:
+    o, f = data["checkpoint"]["ours"], data["checkpoint"]["fsdp"]
+    rows = [["size (MB)", f"{o['bytes'] / 1e6:.2f}", f"{f['bytes'] / 1e6:.2f}", f"{o['bytes'] / f['bytes']:.2f}"],
+            ["save (s)", f"{o['save_s']:.3f}", f"{f['save_s']:.3f}", f"{o['save_s'] / f['save_s']:.2f}"],
+            ["load (s)", f"{o['load_s']:.3f}", f"{f['load_s']:.3f}", f"{o['load_s'] / f['load_s']:.2f}"]]
+    return (f"Measured on {_machine_line(data)}:\n\n"
+            + table(["", "ours", "FSDP2 (Lightning)", "ours/FSDP2"], rows, "lrrr"))
+
+
+@renderer("checkpoint.json", "faults")
+def checkpoint_faults(data: dict) -> str:
+    t = data["fault_to_exit_s"]
+    rows = [["SIGKILL rank 1", f"{t['kill rank 1, watchdog 5 s']:.2f} s",
+             f"{t['kill rank 1, no watchdog']:.2f} s (gloo sees the closed socket; Lightning's child observer)"],
+            ["SIGSTOP rank 1 (frozen, sockets open: a lost node / hung device)",
+             f"{t['freeze rank 1, watchdog 5 s']:.2f} s",
+             f"{t['freeze rank 1, no watchdog']:.2f} s (the process-group timeout)"]]
+    return table(["fault (measured, same run)", "watchdog (fault_timeout 5 s)", "no watchdog"], rows, "lrr")
+
+
+# ------------------------------------------------------------------------------------------------ pipeline_p2_cpu.json
+
+def _short(name: str) -> str:
+    return name.replace("language_model", "llm").replace("encoders", "enc")
+
+
+@renderer("pipeline_p2_cpu.json", "table")
+def pipeline_table(data: dict) -> str:
+    rows, base = [], data["rows"][0]["samples_per_s"]
+    for r in data["rows"]:
+        stages = "whole model" if r["strategy"] != "multimodal" else ", ".join(
+            f"{_short(m)}{v}" for m, v in r.get("partition", {}).items())
+        mem = ", ".join(f"{x['peak_mb']:.0f} (+{x['peak_mb'] - x['rss_start_mb']:.0f})" for x in r["ranks"])
+        bubble = ", ".join(f"{_short(s)} {v:.0%}" for s, v in r.get("bubble", {}).items())
+        ratio = r["iteration_s"] / r["predicted_iteration_s"] if r.get("predicted_iteration_s") else None
+        rows.append([r["name"] + (" (baseline)" if r is data["rows"][0] else ""), f"{stages} ({r['dp']})",
+                     f"{r['samples_per_s']:.2f}", f"{r['samples_per_s'] / base:.2f}x", mem, bubble,
+                     "" if ratio is None else f"{ratio:.2f}", ", ".join(f"{v:.2f}" for v in r["all_samples_per_s"])])
+    return (f"Measured on {_machine_line(data)}:\n\n"
+            + table(["layout", "stages (dp)", "samples/s (best)", "vs DDP", "peak RSS MB per rank (growth in training)",
+                     "bubble per rank", "measured / simulated", "all runs"], rows, "llrrllrl"))
+
+
+# ------------------------------------------------------------------------------------------------ cp_modes_cpu.json
+
+_CP_MODES = {"cp1": "cp 1", "allgather2": "allgather cp 2", "ulysses2": "ulysses cp 2", "allgather4": "allgather cp 4",
+             "ulysses4": "ulysses cp 4", "hybrid2x2": "hybrid 2x2"}
+
+
+@renderer("cp_modes_cpu.json", "table")
+def cp_modes_table(data: dict, tokens: int = 8192) -> str:
+    at = {k: next(x for x in m["lengths"] if x["tokens"] == tokens) for k, m in data["modes"].items()}
+    one = at["cp1"]
+    rows = [[_CP_MODES.get(k, k) if k != "cp1" else "cp 1",
+             f"{x['step_s']:.1f}" + ("" if k == "cp1" else f" ({one['step_s'] / x['step_s']:.2f})"),
+             f"{max(x['cpu_s']):.1f}" + ("" if k == "cp1" else f" ({max(one['cpu_s']) / max(x['cpu_s']):.2f})"),
+             f"{sum(x['cpu_s']):.1f}", f"{max(x['peak_rss_mib']):.0f}", f"{x['load_1min']:.1f}"] for k, x in at.items()]
+    return (f"Measured on {_machine_line(data)}:\n\n"
+            + table([f"mode ({tokens >> 10}k tokens)", "step s (x cp 1)", "busiest rank CPU s (x cp 1)",
+                     "CPU s, all ranks", "peak RSS MiB / rank", "load average"], rows, "lrrrrr"))
+
+
+# ------------------------------------------------------------------------------------------------ quickstart_cpu.json
+
+def _loaded(data: dict) -> str:
+    m = data["machine"]
+    return f"{m['cpu']}, {m['cores']} cores, load average {m['load_average_start'][0]:.1f} at start"
+
+
+@renderer("quickstart_cpu.json", "main-job")
+def quickstart_main_job(data: dict) -> str:
+    return (f"{data['main_job_s']:.0f} s of wall time (measured by `benchmarks/quickstart.py` on {_loaded(data)}; "
+            f"less on an idle machine)")
+
+
+@renderer("quickstart_cpu.json", "make-data")
+def quickstart_make_data(data: dict) -> str:
+    return (f"`make_conversation_data.py` took {data['make_conversation_data_s']:.0f} s (measured by "
+            f"`benchmarks/quickstart.py` on {_loaded(data)})")
+
+
+@renderer("quickstart_cpu.json", "scan")
+def quickstart_scan(data: dict) -> str:
+    rate = data["scan"]["records_per_s"]
+    return (f"about {round(rate, -3):,.0f} records per second on one CPU core (measured by `benchmarks/quickstart.py` "
+            f"on {data['scan']['records']:,} copies of the example's records, {_loaded(data)})")
+
+
 # ------------------------------------------------------------------------------------------------ the others
 
 def _where(data: dict) -> str:

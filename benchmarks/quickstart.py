@@ -1,0 +1,102 @@
+"""Wall times of the README's first commands, and the conversation data scan rate.
+
+1. ``lightning-mm fit --config examples/tiny_valm_pp.yaml`` (the main job: 4 CPU processes, 30 steps) and
+   ``python examples/make_conversation_data.py``: wall seconds of the whole command, start to exit.
+2. The scan of ``ConversationDataset(scan=True)`` (structure and media files of every record, checked up front):
+   the examples' records repeated to --records, one torch thread, records per second = records / (construction
+   with the scan - construction without it), median of --repeats.
+
+Writes benchmarks/results/quickstart_cpu.json (with the machine and the command) and rewrites the figures README.md
+quotes from it (benchmarks/tables.py).
+
+    python benchmarks/quickstart.py [--records 20000] [--repeats 3] [--skip-fit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _machine  # noqa: E402
+import tables  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+MAIN_JOB = ["lightning-mm", "fit", "--config", "examples/tiny_valm_pp.yaml"]
+
+
+def wall(cmd: list[str], cwd: Path) -> float:
+    """Seconds from start to exit of ``cmd`` (which must succeed)."""
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - t
+
+
+def scan_rate(folder: Path, records: int, repeats: int) -> dict:
+    """Records per second of the dataset's up-front scan on ``records`` copies of the example's records."""
+    import lightning_mm as lmm
+    from lightning_mm.data.conversation import ConversationDataset, load_processor
+    from lightning_mm.model import tiny_encoder, tiny_language_model
+
+    torch.set_num_threads(1)
+    base = json.loads((folder / "train.json").read_text())
+    data = folder / "scan.json"
+    data.write_text(json.dumps([base[i % len(base)] for i in range(records)]))
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"), projector="mlp")},
+                                tiny_language_model("llama", vocab_size=128))
+    processor = load_processor(folder / "processor", model)
+    ConversationDataset(data, processor, media_root=folder / "images", scan=False)  # the records' Arrow cache, built once
+    times = {}
+    for scan in (True, False):
+        runs = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            ConversationDataset(data, processor, media_root=folder / "images", scan=scan)
+            runs.append(time.perf_counter() - t)
+        times[scan] = statistics.median(runs)
+    return dict(records=records, repeats=repeats, construct_with_scan_s=times[True],
+                construct_without_scan_s=times[False], records_per_s=records / (times[True] - times[False]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=20000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-fit", action="store_true", help="keep the main job's time from the JSON")
+    args = ap.parse_args()
+    start = _machine.record()
+    out = RESULTS / "quickstart_cpu.json"
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "conversation_data"
+        doc["make_conversation_data_s"] = wall([sys.executable, "examples/make_conversation_data.py", str(folder)],
+                                               ROOT)
+        doc["scan"] = scan_rate(folder, args.records, args.repeats)
+        if not args.skip_fit:
+            logs = Path(tmp) / "logs"
+            shutil.copytree(ROOT / "examples", Path(tmp) / "examples")
+            doc["main_job_s"] = wall([*MAIN_JOB, f"--trainer.default_root_dir={logs}"], Path(tmp))
+            doc["main_job_command"] = " ".join(MAIN_JOB)
+    doc["machine"] = _machine.finish(start)
+    RESULTS.mkdir(exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"main job {doc.get('main_job_s', float('nan')):.1f} s, make_conversation_data "
+          f"{doc['make_conversation_data_s']:.1f} s, scan {doc['scan']['records_per_s']:.0f} records/s")
+    print(f"wrote {out}")
+    tables.main(["--quiet"])
+
+
+if __name__ == "__main__":
+    main()
