@@ -100,7 +100,7 @@ def cp_planning_inline(data: dict) -> str:
 @renderer("cp_balance.json", "evict")
 def cp_evict(data: dict) -> str:
     m = data["machine"]
-    return (f"{m['evict_bytes'] >> 20} MB (four times the {m['l3']} L3 this machine reports"
+    return (f"{m['evict_bytes'] >> 20} MB (four times the {m['l3']} L3 the measuring machine reports"
             f"{'' if m.get('l3_bytes') else ', assumed'})")
 
 
@@ -458,6 +458,18 @@ def callback_images_inline(data: dict) -> str:
     by = {(r["vision"], r["cp"], r["shard_images"]): r["step_s_median"] for r in data["rows"]}
     ratios = [by[(v, 2, False)] / by[(v, 2, True)] for v in ("frozen", "trained")]
     return f"{_range(ratios, '.2f', 'x')} faster than encoding every image on every rank, measured on {_where(data)}"
+
+
+@renderer("callback_images_cpu.json", "sentence")
+def callback_images_sentence(data: dict) -> str:
+    by = {(r["vision"], r["cp"], r["shard_images"]): r["step_s_median"] for r in data["rows"]}
+    split = {v: (by[(v, 2, True)], by[(v, 2, False)]) for v in ("frozen", "trained")}
+    gain = [whole / part for part, whole in split.values()]
+    vs_one = [by[(v, 1, True)] / by[(v, 2, True)] for v in ("frozen", "trained")]
+    return (f"a cp 2 step takes {_range(gain, '.2f', 'x')} less time with the images split than with every image "
+            f"on every rank, with the vision tower frozen ({split['frozen'][0]:.2f} vs {split['frozen'][1]:.2f} s) "
+            f"or trained ({split['trained'][0]:.2f} vs {split['trained'][1]:.2f} s). The row is short, so cp 2 "
+            f"itself is slower than one process there ({_range(vs_one, '.2f', 'x')})")
 
 
 # ------------------------------------------------------------------------------------------------ driver
