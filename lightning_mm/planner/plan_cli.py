@@ -13,6 +13,8 @@ Entrain's profiling batch size, and scales the costs to the data's mean work per
 (``lightning_mm.planner.data_stats.plan_data_stats``), so both plans are timed on the data, not the first batch.
 ``--encoder-cp 1 2 4`` searches the encoders' context parallelism (items split over ranks, parallel placement);
 its split is that of the first microbatch's items, or of microbatches drawn from the data with ``--data-stats``.
+``--per-module-dp`` searches each module's own (dp, tp, pp) instead (DistTrain's orchestration,
+``lightning_mm.planner.orchestration``; encoders on their own devices) and prints a YAML with ``dp`` on every spec.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "profiling batch size, and plan on the data's mean work per sample instead of the first batch")
     p.add_argument("--data-stats-samples", type=int, default=2000,
                    help="samples --data-stats reads (a seeded subset of larger data sets; default 2000)")
+    p.add_argument("--per-module-dp", action="store_true",
+                   help="search each module's own dp, tp (from --tp) and pp on --devices (DistTrain's per-module data "
+                        "parallelism; encoder_placement parallel) and print a YAML with dp on every ParallelSpec")
     return p.parse_args(argv)
 
 
@@ -131,32 +136,67 @@ def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool 
 
 def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int, memory_limit: float = math.inf,
                     allreduce_bandwidth: float = math.inf, tp_bandwidth: float = math.inf,
-                    cp_bandwidth: float = math.inf) -> Plan:
+                    cp_bandwidth: float = math.inf, samples_per_microbatch: int = 1) -> Plan:
     """The strategy's own layout and partition, simulated (with the largest tp of its stages, the LLM's CP
-    degree and mode and the encoders' CP degrees)."""
+    degree and mode and the encoders' CP degrees; with ``dp`` on the specs, each module's own dp and tp, an
+    encoder's microbatch position holding LLM dp x ``samples_per_microbatch`` samples)."""
     from lightning_mm.plan.layout import ParallelSpec, build_layout
     from lightning_mm.planner.model_costs import resolve_partition
 
     enc_specs = strategy.encoder_specs if strategy.encoder_specs is not None else {
         e: ParallelSpec() for e in model.encoders}
-    layout = build_layout(enc_specs, strategy.language_model_spec, devices, strategy.encoder_placement,
-                          list(model.encoders))
+    llm_spec = strategy.language_model_spec
+    if llm_spec.dp is not None:  # per-module data parallelism: every module's own dp and tp
+        return _configured_per_module(model, strategy, specs, enc_specs, memory_limit, allreduce_bandwidth,
+                                      tp_bandwidth, cp_bandwidth, samples_per_microbatch)
+    layout = build_layout(enc_specs, llm_spec, devices, strategy.encoder_placement, list(model.encoders))
     layers = resolve_partition(model, layout.module_stages, strategy.partition, strategy.activation_checkpointing)
     return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * layout.dp, layout.dp,
                          memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth,
                          tp=max(layout.tp.values()), sharding=strategy.sharding_strategy, tp_bandwidth=tp_bandwidth,
-                         cp=strategy.language_model_spec.cp, cp_mode=layout.cp_mode, ulysses=layout.ulysses,
+                         cp=llm_spec.cp, cp_mode=layout.cp_mode, ulysses=layout.ulysses,
                          cp_bandwidth=cp_bandwidth, encoder_cp={e: s.cp for e, s in enc_specs.items()})
+
+
+def _configured_per_module(model, strategy, specs, enc_specs, memory_limit, allreduce_bandwidth, tp_bandwidth,
+                           cp_bandwidth, samples) -> Plan:
+    """A YAML whose ParallelSpecs carry ``dp``, simulated with each module's own dp and tp."""
+    from dataclasses import replace
+
+    from lightning_mm.plan.layout import replica_layout
+    from lightning_mm.planner.model_costs import resolve_partition
+
+    llm_spec = strategy.language_model_spec
+    missing = [e for e, s in enc_specs.items() if s.dp is None]
+    if missing:
+        raise SystemExit(f"language_model has dp={llm_spec.dp} but encoders {missing} have none: per-module data "
+                         "parallelism needs dp on every ParallelSpec (or on none)")
+    layout = replica_layout({e: replace(s, dp=None) for e, s in enc_specs.items()}, replace(llm_spec, dp=None),
+                            strategy.encoder_placement, list(model.encoders))
+    layers = resolve_partition(model, layout.module_stages, strategy.partition, strategy.activation_checkpointing)
+    return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * llm_spec.dp,
+                         {**{e: s.dp for e, s in enc_specs.items()}, LANGUAGE_MODEL: llm_spec.dp},
+                         memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth,
+                         tp={**{e: s.tp for e, s in enc_specs.items()}, LANGUAGE_MODEL: llm_spec.tp},
+                         sharding=strategy.sharding_strategy, tp_bandwidth=tp_bandwidth, cp=llm_spec.cp,
+                         cp_mode=layout.cp_mode, ulysses=layout.ulysses, cp_bandwidth=cp_bandwidth,
+                         encoder_cp={e: s.cp for e, s in enc_specs.items()}, samples_per_microbatch=samples)
 
 
 def strategy_yaml(plan: Plan) -> str:
     """The fit-YAML lines that run ``plan``: trainer devices and the strategy's specs (``Plan.parallel_specs``: the
-    LLM's with its cp, cp_mode and hybrid's ulysses, an encoder's with its cp), placement, microbatches per replica
-    and the planned boundaries (the search already timed them)."""
+    LLM's with its cp, cp_mode and hybrid's ulysses, an encoder's with its cp; every module's dp under per-module
+    data parallelism), placement, microbatches per replica and the planned boundaries (the search already timed
+    them). Unequal dps outside parallel placement raise (the runtime does not serve them)."""
     import yaml
 
-    def spec(s):  # pp and tp always, the CP fields where they differ from the defaults
-        args = {"pp": s.pp, "tp": s.tp}
+    from lightning_mm.planner.search import check_module_dp
+
+    if plan.module_dp:
+        check_module_dp(plan.module_dp, plan.placement, plan.samples_per_microbatch)
+
+    def spec(s):  # pp and tp always (and dp under per-module data parallelism), CP fields where not the defaults
+        args = {"pp": s.pp, "tp": s.tp, **({"dp": s.dp} if s.dp is not None else {})}
         if s.cp > 1:
             args["cp"] = s.cp
             if s.cp_mode != "allgather" or s is llm_spec:
@@ -315,13 +355,16 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
           + (f"; CP attention traffic at {args.cp_bandwidth:g} GB/s" if math.isfinite(cp_bandwidth) else "")
           + (" (and encoder CP's feature gather)" if math.isfinite(cp_bandwidth) and max(encoder_cp) > 1 else "")
           + "\n")
-    mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth, tp_bandwidth, cp_bandwidth)
+    rows = int(mb["input_ids"].shape[0])  # samples per planner microbatch
+    mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth, tp_bandwidth, cp_bandwidth, rows)
     files = _write(mine, out, "configured", units)
     print(stage_table(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
                             f"tp={mine.tp}, cp={mine.cp}, cp_mode={cp_mode_label(mine)}, "
                             f"encoder_cp={encoder_cp_label(mine)}, sharding={mine.sharding}, "
                             f"partition={strategy.partition!r}", units))
     budget = args.devices or devices
+    if args.per_module_dp:
+        return _per_module(args, specs, mine, budget, rows, tp_degrees, shardings, out, units, files)
     found = search(specs, budget, mine.microbatches_per_replica * mine.dp, memory_limit,
                    allreduce_bandwidth=bandwidth, tp_degrees=tp_degrees, sharding_strategies=shardings,
                    tp_bandwidth=tp_bandwidth, cp_degrees=cp_degrees, cp_modes=cp_modes, cp_bandwidth=cp_bandwidth,
@@ -337,5 +380,36 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
     print(f"\nconfigured / auto predicted iteration time: {mine.iteration_time / best.iteration_time:.3f}x")
     print(f"\nto run the auto plan, put this in the fit YAML (the data module's batch_size is per replica: keep "
           f"batch_size x dp the same for the same global batch; dp = {best.dp}):\n")
+    print(strategy_yaml(best))
+    print("wrote " + ", ".join(str(f) for f in files))
+
+
+def module_degrees(plan: Plan) -> str:
+    """Every module's dp x tp x pp, e.g. ``vision 3x1x1, language_model 2x1x2``."""
+    return ", ".join(f"{m} {plan.module_dp[m]}x{plan.module_tp[m]}x{pp}" for m, pp in plan.pp().items())
+
+
+def _per_module(args, specs, mine: Plan, budget: int, rows: int, tp_degrees, shardings, out: Path, units: Units,
+                files: list) -> None:
+    """``--per-module-dp``: DistTrain's orchestration on ``budget`` devices (each sharding tried), its table, the
+    configured / per-module ratio and the YAML with dp on every ParallelSpec."""
+    from lightning_mm.planner.orchestration import search_per_module_dp
+
+    memory_limit, bandwidth = args.memory_limit * GIB, args.allreduce_bandwidth * 1e9
+    found = min((search_per_module_dp(specs, budget, mine.microbatches_per_replica * mine.dp,
+                                      samples_per_microbatch=rows, tp_degrees=tp_degrees, memory_limit=memory_limit,
+                                      allreduce_bandwidth=bandwidth, tp_bandwidth=args.tp_bandwidth * 1e9,
+                                      sharding=sharding) for sharding in shardings),
+                key=lambda r: (r.best.iteration_time, r.best.devices))
+    best = found.best
+    files += _write(best, out, "auto", units)
+    print()
+    print(stage_table(best, f"per-module dp search on {budget} devices (dp x tp x pp): {module_degrees(best)}, "
+                            f"sharding={best.sharding}; Eq. 1-2 estimate {found.estimate * units.factor:.4g} "
+                            f"{units.name}, {found.subproblems} subproblems solved in "
+                            f"{found.solve_seconds * 1e3:.1f} ms", units))
+    print(f"\nconfigured / per-module predicted iteration time: {mine.iteration_time / best.iteration_time:.3f}x")
+    print(f"\nto run the per-module plan, put this in the fit YAML (the data module's batch_size is per LLM "
+          f"replica: keep batch_size x {best.dp} the same for the same global batch):\n")
     print(strategy_yaml(best))
     print("wrote " + ", ".join(str(f) for f in files))

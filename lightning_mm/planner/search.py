@@ -16,7 +16,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_mm.plan.cp_comm import cp_communication_bytes
 from lightning_mm.plan.items import item_work, shard_items
@@ -166,6 +166,9 @@ class Plan:
     ulysses: int = 1  # the Ulysses degree: 1 (allgather), cp (ulysses), K (hybrid)
     cp_comm: dict[str, float] = field(default_factory=dict)  # per stage: CP seconds per microbatch (fwd + bwd)
     encoder_cp: dict[str, int] = field(default_factory=dict)  # encoders with context parallelism: their degree
+    module_dp: dict[str, int] = field(default_factory=dict)  # per-module data parallelism: every module's dp, or {}
+    module_tp: dict[str, int] = field(default_factory=dict)  # per-module tensor parallelism: every module's tp, or {}
+    samples_per_microbatch: int = 1  # samples in one planner microbatch (what the encoder split is counted in)
 
     @property
     def iteration_time(self) -> float:
@@ -176,17 +179,34 @@ class Plan:
         return len(self.forward)
 
     def parallel_specs(self) -> tuple[dict[str, ParallelSpec], ParallelSpec]:
-        """(encoder specs, LLM spec) that run this plan, as a user writes them in the strategy."""
-        return _parallel_specs(self.layers, self.tp, self.cp, self.cp_mode, self.ulysses, self.encoder_cp)
+        """(encoder specs, LLM spec) that run this plan, as a user writes them in the strategy (with every module's
+        ``dp`` under per-module data parallelism)."""
+        return _parallel_specs(self.layers, self.tp, self.cp, self.cp_mode, self.ulysses, self.encoder_cp,
+                               self.module_tp, self.module_dp)
 
     @functools.cached_property
     def layout(self) -> RankLayout:
-        """The rank layout of this plan (``plan.layout.replica_layout``, the one source of rank counts)."""
-        return replica_layout(*self.parallel_specs(), self.placement, replicas=self.dp)
+        """The rank layout of this plan (``plan.layout.replica_layout``, the one source of rank counts). Under
+        per-module data parallelism: one replica of every chain's stages at the LLM's dp (stage widths); ``devices``
+        counts each chain's own replicas."""
+        encoders, llm = self.parallel_specs()
+        if self.module_dp:
+            encoders, llm = {e: replace(s, dp=None) for e, s in encoders.items()}, replace(llm, dp=None)
+        return replica_layout(encoders, llm, self.placement, replicas=self.dp)
 
     @property
     def devices(self) -> int:
-        return self.layout.world_size
+        """World size: sum over stages of its width x its chain's dp (replicas x ranks per replica when uniform)."""
+        if not self.module_dp:
+            return self.layout.world_size
+        widths, table = self.layout.widths, self.stage_modules()
+        return sum(w * self.module_dp[table[s]] for s, w in widths.items())
+
+    def stage_modules(self) -> dict[str, str]:
+        """The module whose dp and tp each stage takes (the first module it holds)."""
+        encoders = {e: len(v) for e, v in self.layers.items() if e != LANGUAGE_MODEL}
+        return {s: parts[0][0] for s, parts in
+                placement_table(encoders, len(self.layers[LANGUAGE_MODEL]), self.placement).items()}
 
     def pp(self) -> dict[str, int]:
         return {m: len(sizes) for m, sizes in self.layers.items()}
@@ -199,11 +219,44 @@ class SearchResult:
     rejected: list[str] = field(default_factory=list)  # CP modes / degrees the model's heads cannot take, why
 
 
-def _parallel_specs(layers, tp, cp, cp_mode, ulysses, encoder_cp) -> tuple[dict[str, ParallelSpec], ParallelSpec]:
-    llm = ParallelSpec(pp=len(layers[LANGUAGE_MODEL]), cp=cp, tp=tp, cp_mode=cp_mode if cp > 1 else "allgather",
-                       ulysses=ulysses if cp > 1 and cp_mode == "hybrid" else None)
-    return {e: ParallelSpec(pp=len(v), cp=encoder_cp.get(e, 1), tp=tp) for e, v in layers.items()
-            if e != LANGUAGE_MODEL}, llm
+def _parallel_specs(layers, tp, cp, cp_mode, ulysses, encoder_cp, module_tp=None,
+                    module_dp=None) -> tuple[dict[str, ParallelSpec], ParallelSpec]:
+    module_tp, module_dp = module_tp or {}, module_dp or {}
+    llm = ParallelSpec(pp=len(layers[LANGUAGE_MODEL]), cp=cp, tp=module_tp.get(LANGUAGE_MODEL, tp),
+                       cp_mode=cp_mode if cp > 1 else "allgather",
+                       ulysses=ulysses if cp > 1 and cp_mode == "hybrid" else None, dp=module_dp.get(LANGUAGE_MODEL))
+    return {e: ParallelSpec(pp=len(v), cp=encoder_cp.get(e, 1), tp=module_tp.get(e, tp), dp=module_dp.get(e))
+            for e, v in layers.items() if e != LANGUAGE_MODEL}, llm
+
+
+def _module_degrees(value, modules: dict[str, "ModuleSpec"], what: str) -> dict[str, int]:
+    """A per-module ``dp`` / ``tp`` dict, checked: one int >= 1 for every module, no other names."""
+    if set(value) != set(modules) or any(not isinstance(v, int) or v < 1 for v in value.values()):
+        raise ValueError(f"per-module {what} needs one int >= 1 for every module {list(modules)}, got {value!r}")
+    return dict(value)
+
+
+def encoder_samples(llm_dp: int, encoder_dp: int, samples_per_microbatch: int = 1) -> int:
+    """Samples the busiest encoder replica encodes per microbatch position m: G_m = the ``llm_dp`` LLM replicas'
+    microbatch m (``samples_per_microbatch`` each), split over ``encoder_dp`` replicas: ceil(|G_m| / dp_e)."""
+    return -(-llm_dp * samples_per_microbatch // encoder_dp)
+
+
+def check_module_dp(module_dp: dict[str, int], placement: str, samples_per_microbatch: int = 1) -> None:
+    """Raise (with the fix) for per-module dps the runtime does not serve: unequal dps outside parallel placement,
+    and an encoder with more replicas than samples at one microbatch position (one would get none)."""
+    if len(set(module_dp.values())) > 1 and placement != "parallel":
+        raise ValueError(f"per-module dp {module_dp} needs encoder_placement='parallel': colocated encoders share "
+                         "stages and replicated encoders run inside the LLM's first stage, so they have the LLM's dp; "
+                         "give every module the same dp or use encoder_placement='parallel'")
+    llm_dp = module_dp[LANGUAGE_MODEL]
+    for e, d in module_dp.items():
+        if d > llm_dp * samples_per_microbatch:
+            need = -(-d // llm_dp)
+            raise ValueError(f"encoder {e!r} has dp={d} but each microbatch position holds {llm_dp} x "
+                             f"{samples_per_microbatch} samples (language_model dp x samples per microbatch), so a "
+                             f"replica would get none; use {e} dp <= {llm_dp * samples_per_microbatch}, or LLM "
+                             f"microbatches of >= {need} samples")
 
 
 def _check_modules(modules: dict[str, ModuleSpec]) -> None:
@@ -280,11 +333,11 @@ def evaluate_plan(
     layers: dict[str, list[int]],
     placement: str,
     num_microbatches: int,
-    dp: int = 1,
+    dp: int | dict[str, int] = 1,
     p2p_latency: float = 0.0,
     memory_limit: float = math.inf,
     allreduce_bandwidth: float = math.inf,
-    tp: int = 1,
+    tp: int | dict[str, int] = 1,
     sharding: str = "NO_SHARD",
     tp_bandwidth: float = math.inf,
     cp: int = 1,
@@ -292,6 +345,7 @@ def evaluate_plan(
     ulysses: int | None = None,
     cp_bandwidth: float = math.inf,
     encoder_cp: dict[str, int] | None = None,
+    samples_per_microbatch: int = 1,
 ) -> Plan:
     """Simulate one layout on one DP replica (num_microbatches / dp microbatches) with the true costs. With
     dp > 1 each stage then all-reduces its gradients over its dp replicas: a ring moves 2 (dp-1)/dp of the
@@ -313,10 +367,27 @@ def evaluate_plan(
     split evenly); parameters and optimiser state stay whole on every CP rank (sharding, if any, spans dp x N, and
     the gradients are reduced over dp x N ranks, as the runtime does). Its last stage adds the feature all-gather to
     its forward and the feature-gradient all-reduce to its backward (``encoder_gather_seconds`` over
-    ``cp_bandwidth``; free without ``ModuleSpec.feature_bytes``), shown in ``Plan.cp_comm``."""
+    ``cp_bandwidth``; free without ``ModuleSpec.feature_bytes``), shown in ``Plan.cp_comm``.
+
+    Per-module data parallelism (DistTrain): ``dp={module: degree}`` for every module (``tp`` may be such a dict
+    too). The LLM's dp replicas each run ``num_microbatches / dp[language_model]`` microbatches; microbatch
+    position m of all of them (G_m, ``samples_per_microbatch`` samples each) is split over an encoder's replicas, so
+    that encoder's stages cost ``encoder_samples(...) / samples_per_microbatch`` times a microbatch (compute,
+    collectives and kept activations: its busiest replica, which gates G_m). Each chain reduces (and shards) its
+    gradients over its own dp. One replica per chain is simulated: all replicas of a chain run the same work, so
+    this is exact for per-microbatch costs. Equal degrees give exactly the single-dp numbers. Unequal degrees
+    outside parallel placement, or an encoder replica left without samples, raise (``check_module_dp``)."""
     if sharding not in SHARDING_TRAFFIC:
         raise ValueError(f"unknown sharding {sharding!r}; use one of {tuple(SHARDING_TRAFFIC)}")
     _check_modules(modules)
+    module_dp = _module_degrees(dp, modules, "dp") if isinstance(dp, dict) else {}
+    module_tp = _module_degrees(tp, modules, "tp") if isinstance(tp, dict) else {}
+    if module_dp:
+        if not isinstance(samples_per_microbatch, int) or samples_per_microbatch < 1:
+            raise ValueError(f"samples_per_microbatch must be an int >= 1, got {samples_per_microbatch!r}")
+        check_module_dp(module_dp, placement, samples_per_microbatch)
+        dp = module_dp[LANGUAGE_MODEL]
+    llm_tp = module_tp.get(LANGUAGE_MODEL, tp)
     if not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be an int >= 1, got {cp!r}")
     degrees = cp_degrees_of(cp, cp_mode)
@@ -325,7 +396,7 @@ def evaluate_plan(
         raise ValueError(f"cp_mode={cp_mode!r} with cp={cp} runs with ulysses in {degrees}, got ulysses={ulysses!r}"
                          + ("" if degrees else f"; cp={cp} has no divisor strictly between 1 and cp"))
     attention = modules[LANGUAGE_MODEL].attention
-    problem = cp_heads_problem(attention, tp, k)
+    problem = cp_heads_problem(attention, llm_tp, k)
     if problem:
         raise ValueError(f"cp_mode={cp_mode!r} (Ulysses degree {k}) does not fit: {problem}")
     if num_microbatches % dp:
@@ -340,10 +411,16 @@ def evaluate_plan(
     if unknown:
         raise ValueError(f"encoder_cp names {unknown}, which are not encoders of these modules "
                          f"({_encoders(modules)}); give a degree per encoder name")
-    replica_layout(*_parallel_specs(layers, tp, cp, cp_mode, k, encoder_cp), placement)  # the layout's checks
+    replica_layout(*_parallel_specs(layers, llm_tp, cp, cp_mode, k, encoder_cp, module_tp), placement)  # its checks
     table = _stage_table(modules, layers, placement)
     graph = plan_graph(modules, layers, placement)
     per_replica = num_microbatches // dp
+    owner = {s: parts[0][0] for s, parts in placement_table({e: len(layers[e]) for e in _encoders(modules)},
+                                                               len(layers[LANGUAGE_MODEL]), placement).items()}
+    stage_tp = {s: module_tp.get(owner[s], tp) for s in table}
+    stage_dp = {s: module_dp.get(owner[s], dp) for s in table}
+    samples = {s: encoder_samples(dp, stage_dp[s], samples_per_microbatch) / samples_per_microbatch
+               for s in table} if module_dp else {}
     llm = _llm_stage_parts(modules, layers, placement)  # stage -> (fwd, bwd, kept, layers, layers in backward)
     split = {s: llm.get(s, (0.0, 0.0, 0.0, 0, 0)) for s in table}
     ranks = {s: cp if s in llm else 1 for s in table}  # the ranks one stage's parameters are replicated over
@@ -356,26 +433,30 @@ def evaluate_plan(
         last = stage_name(e, len(layers[e]) - 1)
         gather_f[last], backward = encoder_gather_seconds(modules[e], n, cp_bandwidth, split_e[1])
         gather_b[last] = backward if graph.node(last).needs_backward else 0.0
-    per_layer = (cp_layer_bytes(attention, cp, cp_mode, k, tp) if cp > 1 and attention is not None
+    per_layer = (cp_layer_bytes(attention, cp, cp_mode, k, llm_tp) if cp > 1 and attention is not None
                  else {"forward": 0.0, "backward": 0.0})
     cp_fwd = {s: (split[s][3] * per_layer["forward"] / cp_bandwidth if cp > 1 else 0.0) + gather_f[s] for s in table}
     cp_bwd = {s: (split[s][4] * per_layer["backward"] / cp_bandwidth if cp > 1 else 0.0) + gather_b[s] for s in table}
-    tp_comm = {s: 2 * allreduce_seconds(r[6], tp, tp_bandwidth) for s, r in table.items()}
+    tp_comm = {s: 2 * allreduce_seconds(r[6], stage_tp[s], tp_bandwidth) for s, r in table.items()}
     compute_f = {s: (r[0] - split[s][0] + split[s][0] / ranks[s]) * share[s][0] for s, r in table.items()}
     compute_b = {s: (r[1] - split[s][1] + split[s][1] / ranks[s]) * share[s][0] for s, r in table.items()}
     comm_f = {s: tp_comm[s] + cp_fwd[s] for s in table}
     comm_b = {s: (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] for s, r in table.items()}
-    fwd = {s: compute_f[s] / tp + tp_comm[s] + cp_fwd[s] for s in table}
-    bwd = {s: compute_b[s] / tp + (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] for s, r in table.items()}
-    sync = {s: SHARDING_TRAFFIC[sharding] * allreduce_seconds(r[4] / tp, dp * ranks[s], allreduce_bandwidth)
-            for s, r in table.items()}
-    result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency, sync, comm_f, comm_b)
+    fwd = {s: compute_f[s] / stage_tp[s] + tp_comm[s] + cp_fwd[s] for s in table}
+    bwd = {s: compute_b[s] / stage_tp[s] + (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] for s, r in table.items()}
     kept = {s: (r[3] - split[s][2] + split[s][2] / ranks[s]) * share[s][1] for s, r in table.items()}
-    memory = {s: state_bytes_per_device(r[2], r[5], dp * ranks[s], tp, sharding) + kept[s] * result.peak_inflight[s]
-              for s, r in table.items()}
+    for s, n in samples.items():  # per-module dp: an encoder stage's work per microbatch position
+        for values in (fwd, bwd, comm_f, comm_b, kept, cp_fwd, cp_bwd):
+            values[s] *= n
+    sync = {s: SHARDING_TRAFFIC[sharding] * allreduce_seconds(r[4] / stage_tp[s], stage_dp[s] * ranks[s],
+                                                              allreduce_bandwidth) for s, r in table.items()}
+    result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency, sync, comm_f, comm_b)
+    memory = {s: state_bytes_per_device(r[2], r[5], stage_dp[s] * ranks[s], stage_tp[s], sharding)
+              + kept[s] * result.peak_inflight[s] for s, r in table.items()}
     return Plan(placement, {m: list(v) for m, v in layers.items()}, dp, per_replica, fwd, bwd, memory, result,
-                all(v <= memory_limit for v in memory.values()), tp, sharding, cp, cp_mode if cp > 1 else "allgather",
-                k, {s: cp_fwd[s] + cp_bwd[s] for s in table}, encoder_cp)
+                all(v <= memory_limit for v in memory.values()), llm_tp, sharding, cp,
+                cp_mode if cp > 1 else "allgather", k, {s: cp_fwd[s] + cp_bwd[s] for s in table}, encoder_cp,
+                module_dp, module_tp, samples_per_microbatch)
 
 
 def _llm_stage_parts(modules, layers, placement) -> dict[str, tuple[float, float, float, int, int]]:

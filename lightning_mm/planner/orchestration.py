@@ -1,0 +1,462 @@
+"""Per-module data parallelism: DistTrain's disaggregated model orchestration (004 §5: Eq. 1-2, Algorithm 1).
+
+Every module (each encoder, the LLM) gets its own (dp, tp, pp). For each outer choice of Algorithm 1 (the LLM's tp,
+its dp among the divisors of the global microbatch count, every encoder's tp) the device split is Eq. 2's inner
+problem
+
+    min max_i a_i / x_i   s.t.  sum_i x_i <= N,  l_i <= x_i <= u_i        (l_i: the fewest devices memory allows)
+
+whose continuous optimum is water-filling, x_i = clip(a_i / t, l_i, u_i) (``water_fill``, no solver). It is made
+integral exactly on the real step functions (``integer_min_max``: LLM stage bottlenecks of the frozen-aware
+partition, an encoder replica's ceil(|G_m| / dp_e) samples), ranked by Eq. 1 + Eq. 2 (``eq12_time``), and the best
+few are replayed in the discrete-event simulator (``evaluate_plan`` with per-module dp). Pure: no process group.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lightning_mm.plan.placement import LANGUAGE_MODEL
+from lightning_mm.planner.partition import partition_module
+from lightning_mm.planner.search import SHARDING_TRAFFIC, ModuleSpec, Plan, _check_modules, _encoders, \
+    allreduce_seconds, encoder_samples, evaluate_plan, state_bytes_per_device
+
+_TOL = 1e-12  # relative slack when packing layers under a bottleneck computed from prefix sums
+
+
+# ------------------------------------------------------------------------------------------------ the inner problem
+def water_fill(work: Sequence[float], lower: Sequence[float], budget: float,
+               upper: Sequence[float] | None = None) -> tuple[float, list[float]]:
+    """Continuous min max_i work_i / x_i s.t. sum x_i <= budget, lower_i <= x_i <= upper_i (lower_i > 0).
+
+    Closed form: x_i = clip(work_i / t, lower_i, upper_i) at the smallest level t whose allocation fits the budget
+    (t >= work_i / upper_i for every i); t is the optimum. sum_i clip(work_i / t, .) is piecewise A / t + C between
+    the breakpoints work_i / upper_i and work_i / lower_i, so t = A / (budget - C) on the right piece. Returns
+    (t, x)."""
+    n = len(work)
+    upper = [math.inf] * n if upper is None else [float(u) for u in upper]
+    if len(lower) != n or len(upper) != n:
+        raise ValueError(f"work, lower and upper need one entry per module, got {n}, {len(lower)}, {len(upper)}")
+    if any(a < 0 for a in work) or any(not 0 < lo <= hi for lo, hi in zip(lower, upper)):
+        raise ValueError(f"need work >= 0 and 0 < lower <= upper, got work={list(work)}, lower={list(lower)}, "
+                         f"upper={upper}")
+    if sum(lower) > budget:
+        raise ValueError(f"the modules need at least {sum(lower):g} devices (memory), more than the {budget:g} given")
+
+    def allocation(t):
+        return [min(hi, max(lo, a / t)) if t > 0 else hi for a, lo, hi in zip(work, lower, upper)]
+
+    floor = max((a / hi for a, hi in zip(work, upper) if hi < math.inf), default=0.0)
+    if max(work, default=0.0) == 0.0:
+        return 0.0, [float(lo) for lo in lower]
+    if floor > 0 and sum(allocation(floor)) <= budget:
+        return floor, allocation(floor)
+    points = sorted({p for a, lo, hi in zip(work, lower, upper) for p in (a / lo, a / hi) if p > floor})
+    lo_t = floor
+    for hi_t in points:
+        if sum(allocation(hi_t)) <= budget:
+            break
+        lo_t = hi_t
+    mid, clipped, free = (lo_t + hi_t) / 2, 0.0, 0.0  # on this piece each module is pinned or at a / t
+    for a, lo, hi in zip(work, lower, upper):
+        if a / mid < lo or a / mid > hi:
+            clipped += lo if a / mid < lo else hi
+        else:
+            free += a
+    t = min(hi_t, max(lo_t, free / (budget - clipped))) if free > 0 and budget > clipped else hi_t
+    return t, allocation(t)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One module of the integer inner problem: with n units of ``weight`` devices (lower <= n <= upper) its
+    slowest stage takes ``time(n)`` per microbatch, non-increasing in n."""
+
+    time: Callable[[int], float]
+    weight: int
+    lower: int
+    upper: int
+
+
+def _fewest(unit: Unit, level: float) -> int:
+    """The fewest units whose time is <= level (binary search; level >= time(upper))."""
+    lo, hi = unit.lower, unit.upper
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if unit.time(mid) <= level:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def integer_min_max(units: Sequence[Unit], budget: int, start: float = 0.0) -> tuple[float, list[int]] | None:
+    """Exact integer min max_i time_i(n_i) s.t. sum_i weight_i n_i <= budget: raise the level from ``start`` (a lower
+    bound, e.g. ``water_fill``'s t) through the breakpoints time_i(n_i - 1) until the fewest units meeting it fit.
+    Returns (the optimum, units per module), or None when even the lower bounds do not fit."""
+    if sum(u.weight * u.lower for u in units) > budget:
+        return None
+    level = max([start] + [u.time(u.upper) for u in units])
+    while True:
+        counts = [_fewest(u, level) for u in units]
+        if sum(u.weight * n for u, n in zip(units, counts)) <= budget:
+            return max((u.time(n) for u, n in zip(units, counts)), default=0.0), counts
+        level = min(u.time(n - 1) for u, n in zip(units, counts) if n > u.lower)
+
+
+# ------------------------------------------------------------------------------------------------- module cost tables
+class _Chain:
+    """One module's per-layer cost (F + B per microbatch at one tp) and its exact stage bottlenecks."""
+
+    def __init__(self, weights: Sequence[float]):
+        self.weights = [float(w) for w in weights]
+        self.total = sum(self.weights)
+        self.prefix = np.concatenate([[0.0], np.cumsum(self.weights)])
+        self._candidates: list[float] | None = None
+        self._bottleneck: dict[int, float] = {}
+
+    def stages_under(self, level: float) -> int:
+        """Fewest contiguous stages each at most ``level`` (greedy packing is exact)."""
+        count, load, cap = 1, 0.0, level * (1 + _TOL)
+        for w in self.weights:
+            if w > cap:
+                return len(self.weights) + 1
+            if load + w > cap and load > 0:
+                count, load = count + 1, 0.0
+            load += w
+        return count
+
+    def bottleneck(self, stages: int) -> float:
+        """The least possible slowest stage over ``stages`` contiguous stages (= ``partition``'s optimum): the
+        smallest contiguous-sum value that greedy packing fits into that many stages."""
+        if stages not in self._bottleneck:
+            if self._candidates is None:
+                p = self.prefix
+                sums = (p[None, :] - p[:, None])[np.triu_indices(len(p), 1)]
+                self._candidates = np.unique(sums[sums >= max(self.weights) * (1 - _TOL)]).tolist()
+            c = self._candidates
+            lo, hi = 0, len(c) - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self.stages_under(c[mid]) <= stages:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            self._bottleneck[stages] = c[lo]
+        return self._bottleneck[stages]
+
+    def sizes(self, stages: int) -> list[int]:
+        """Layers per stage of an optimal split, packed from the last stage (early stages, which hold the most
+        in-flight microbatches, get the fewest layers), single layers split off the front to reach ``stages``."""
+        cap, sizes, load = self.bottleneck(stages) * (1 + _TOL), [0], 0.0
+        for w in reversed(self.weights):
+            if load + w > cap and sizes[-1] > 0:
+                sizes.append(0)
+                load = 0.0
+            sizes[-1] += 1
+            load += w
+        sizes.reverse()
+        while len(sizes) < stages:
+            i = next(i for i, n in enumerate(sizes) if n > 1)
+            sizes[i:i + 1] = [1, sizes[i] - 1]
+        return sizes
+
+
+@dataclass
+class _Module:
+    spec: ModuleSpec
+    chains: dict[int, _Chain] = field(default_factory=dict)
+
+    @property
+    def layers(self) -> int:
+        return len(self.spec.costs)
+
+    def chain(self, tp: int, tp_bandwidth: float) -> _Chain:
+        """Per-layer F + B at ``tp`` with its tensor-parallel all-reduces (two in forward, two in backward)."""
+        if tp not in self.chains:
+            tb = self.spec.per_layer(self.spec.tp_bytes)
+            self.chains[tp] = _Chain([c.total / tp + 2 * allreduce_seconds(b, tp, tp_bandwidth) * (1 + (c.backward > 0))
+                                      for c, b in zip(self.spec.costs, tb)])
+        return self.chains[tp]
+
+    def __post_init__(self):
+        self._stage_cache: dict[tuple[int, int], list[tuple[float, float, bool]]] = {}
+        s = self.spec
+        kept = sum(a for a, c in zip(s.per_layer(s.activation_bytes), s.costs) if c.in_backward)
+        self.totals = (sum(s.per_layer(s.param_bytes)), kept, sum(s.per_layer(s.grad_bytes)),
+                       any(c.trainable for c in s.costs))
+        """(model-state bytes, activation bytes kept per microbatch, gradient bytes, holds a trainable parameter)"""
+
+    def memory(self, tp: int, pp: int, dp: int, inflight: int, samples: float, sharding: str) -> float:
+        """Bytes per device of an average stage (DistTrain's memory model: state / (pp tp), ZeRO over dp, the first
+        stage's ``inflight`` microbatches of 1/pp of the activations, scaled by the samples per microbatch)."""
+        state, kept, _, trainable = self.totals
+        return state_bytes_per_device(state / pp, trainable, dp, tp, sharding) + kept / pp * inflight * samples
+
+    def stage_memory(self, chain: _Chain, tp: int, pp: int, dp: int, depth: int, k: int, samples: float,
+                     sharding: str) -> float:
+        """Bytes per device of the fullest stage of ``chain.sizes(pp)``: stage i holds min(pp - i + depth, k)
+        in-flight microbatches (``depth``: stages after the module), as ``evaluate_plan`` counts them."""
+        return max(state_bytes_per_device(state, trainable, dp, tp, sharding) + kept * samples * min(pp - i + depth, k)
+                   for i, (state, kept, trainable) in enumerate(self._stages(chain, pp)))
+
+    def _stages(self, chain: _Chain, pp: int) -> list[tuple[float, float, bool]]:
+        """(state bytes, kept activation bytes, trainable) of each stage of ``chain.sizes(pp)``."""
+        key = (id(chain), pp)
+        if key not in self._stage_cache:
+            s, start, out = self.spec, 0, []
+            params, acts = s.per_layer(s.param_bytes), s.per_layer(s.activation_bytes)
+            for n in chain.sizes(pp):
+                costs = s.costs[start:start + n]
+                out.append((sum(params[start:start + n]),
+                            sum(a for a, c in zip(acts[start:start + n], costs) if c.in_backward),
+                            any(c.trainable for c in costs)))
+                start += n
+            self._stage_cache[key] = out
+        return self._stage_cache[key]
+
+
+# ------------------------------------------------------------------------------------------------------ the estimate
+@dataclass(frozen=True)
+class Orchestration:
+    """One per-module layout: dp, tp and pp of every module, its devices and its Eq. 1 + Eq. 2 estimate."""
+
+    dp: dict[str, int]
+    tp: dict[str, int]
+    pp: dict[str, int]
+    devices: int
+    estimate: float
+
+
+def eq12_time(warm: float, steady: float, microbatches: int, sync: float = 0.0, p2p: float = 0.0) -> float:
+    """T_iter = T_warm + T_steady (Eq. 1 + Eq. 2) + the gradient sync: ``warm`` is one microbatch's F + B along the
+    path (C_lm + (DP_lm / DP_me) C_me), ``steady`` the slowest stage, run ``microbatches`` - 1 more times."""
+    return warm + steady * (microbatches - 1) + sync + p2p
+
+
+@dataclass(frozen=True)
+class OrchestrationResult:
+    """``best``: the replayed plan with the least simulated time; ``candidates``: every outer choice's integer
+    optimum, by estimate; ``replayed``: the plans simulated; times of the search and of the replay (seconds)."""
+
+    best: Plan
+    estimate: float
+    candidates: list[Orchestration]
+    replayed: list[Plan]
+    solve_seconds: float
+    replay_seconds: float
+    subproblems: int
+
+
+class _Problem:
+    def __init__(self, modules, num_devices, num_microbatches, samples, tp_degrees, memory_limit,
+                 allreduce_bandwidth, tp_bandwidth, sharding, p2p_latency):
+        self.modules = {m: _Module(s) for m, s in modules.items()}
+        self.encoders = _encoders(modules)
+        self.n, self.m, self.b = num_devices, num_microbatches, samples
+        self.tps, self.limit, self.ar_bw, self.tp_bw = tp_degrees, memory_limit, allreduce_bandwidth, tp_bandwidth
+        self.sharding, self.p2p = sharding, p2p_latency
+
+    @functools.lru_cache(maxsize=None)
+    def fewest_stages(self, module: str, tp: int, dp: int, samples: float, extra_depth: int, k: int) -> int | None:
+        """The fewest stages whose average stage fits memory (None: none does)."""
+        mod = self.modules[module]
+        for pp in range(1, mod.layers + 1):
+            if mod.memory(tp, pp, dp, min(pp + extra_depth, k), samples, self.sharding) <= self.limit:
+                return pp
+        return None
+
+    def estimate(self, dp, tp, pp) -> float:
+        lm, k = self.modules[LANGUAGE_MODEL], self.m // dp[LANGUAGE_MODEL]
+        chain = lm.chain(tp[LANGUAGE_MODEL], self.tp_bw)
+        warm_enc, steady = 0.0, chain.bottleneck(pp[LANGUAGE_MODEL])
+        for e in self.encoders:
+            share = encoder_samples(dp[LANGUAGE_MODEL], dp[e], self.b) / self.b
+            c = self.modules[e].chain(tp[e], self.tp_bw)
+            warm_enc = max(warm_enc, share * c.total)
+            steady = max(steady, share * c.bottleneck(pp[e]))
+        sync = max(SHARDING_TRAFFIC[self.sharding] * allreduce_seconds(
+            self.modules[m].totals[2] / (pp[m] * tp[m]), dp[m], self.ar_bw) for m in self.modules)
+        depth = pp[LANGUAGE_MODEL] + max((pp[e] for e in self.encoders), default=0)
+        return eq12_time(chain.total + warm_enc, steady, k, sync, 2 * self.p2p * depth)
+
+    def too_full(self, dp, tp, pp) -> list[str]:
+        """The modules whose fullest stage exceeds the memory limit."""
+        if self.limit == math.inf:
+            return []
+        lm_dp, k, out = dp[LANGUAGE_MODEL], self.m // dp[LANGUAGE_MODEL], []
+        for m, mod in self.modules.items():
+            depth = 0 if m == LANGUAGE_MODEL else pp[LANGUAGE_MODEL]
+            share = 1.0 if m == LANGUAGE_MODEL else encoder_samples(lm_dp, dp[m], self.b) / self.b
+            chain = mod.chain(tp[m], self.tp_bw)
+            if mod.stage_memory(chain, tp[m], pp[m], dp[m], depth, k, share, self.sharding) > self.limit:
+                out.append(m)
+        return out
+
+    def solve(self, lm_tp: int, lm_dp: int, enc_tp: dict[str, int]) -> Orchestration | None:
+        """The integer optimum of one outer choice (Eq. 2's min max), encoder stages added where an encoder is the
+        bottleneck with every replica it can use or does not fit memory, spare devices spent on Eq. 1's warm-up."""
+        k, group = self.m // lm_dp, lm_dp * self.b
+        lm = self.modules[LANGUAGE_MODEL]
+        lm_pp = self.fewest_stages(LANGUAGE_MODEL, lm_tp, lm_dp, 1.0, 0, k)
+        if lm_pp is None:
+            return None
+        enc_pp = {}
+        for e in self.encoders:
+            enc_pp[e] = self.fewest_stages(e, enc_tp[e], group, 1.0 / self.b, 1, k)
+            if enc_pp[e] is None:
+                return None
+        lm_chain = lm.chain(lm_tp, self.tp_bw)
+        best = None
+        for _ in range(sum(mod.layers for mod in self.modules.values()) + 1):
+            units = [Unit(lm_chain.bottleneck, lm_dp * lm_tp, lm_pp, lm.layers)]
+            work = [lm_dp * lm_tp * lm_chain.total]  # time_i(n) >= work_i / (weight_i n): water_fill's t is a bound
+            for e in self.encoders:
+                c, p = self.modules[e].chain(enc_tp[e], self.tp_bw), enc_pp[e]
+                units.append(Unit(lambda n, c=c, p=p: encoder_samples(lm_dp, n, self.b) / self.b * c.bottleneck(p),
+                                  enc_tp[e] * p, 1, group))
+                work.append(enc_tp[e] * p * group / self.b * c.bottleneck(p))
+            if sum(u.weight * u.lower for u in units) > self.n:
+                break
+            start = water_fill(work, [u.weight * u.lower for u in units], self.n,
+                               [u.weight * u.upper for u in units])[0]
+            found = integer_min_max(units, self.n, start)
+            if found is None:
+                break
+            level, counts = found
+            dp = {LANGUAGE_MODEL: lm_dp, **dict(zip(self.encoders, counts[1:]))}
+            tp = {LANGUAGE_MODEL: lm_tp, **enc_tp}
+            pp = {LANGUAGE_MODEL: counts[0], **enc_pp}
+            estimate = self._spend_spare(dp, tp, pp)
+            full = self.too_full(dp, tp, pp)
+            if not full:
+                plan = Orchestration(dp, tp, pp, self.devices(dp, tp, pp), estimate)
+                if best is None or (plan.estimate, plan.devices) < (best.estimate, best.devices):
+                    best = plan
+            grow = [e for u, e, n in zip(units[1:], self.encoders, counts[1:]) if enc_pp[e] < self.modules[e].layers
+                    and ((n == u.upper and u.time(n) >= level) or e in full)]
+            if LANGUAGE_MODEL in full and counts[0] < lm.layers:
+                lm_pp = counts[0] + 1
+            elif not grow:
+                break
+            for e in grow:
+                enc_pp[e] += 1
+        return best
+
+    def devices(self, dp, tp, pp) -> int:
+        return sum(dp[m] * tp[m] * pp[m] for m in self.modules)
+
+    def _spend_spare(self, dp, tp, pp) -> float:
+        """Spare devices buy replicas of the encoder with the longest warm-up (Eq. 1: fewer samples per replica per
+        m) while that lowers the estimate; returns the estimate."""
+        group, current = dp[LANGUAGE_MODEL] * self.b, self.estimate(dp, tp, pp)
+        while self.encoders:
+            e = max(self.encoders, key=lambda e: encoder_samples(dp[LANGUAGE_MODEL], dp[e], self.b)
+                    * self.modules[e].chain(tp[e], self.tp_bw).total)
+            per = encoder_samples(dp[LANGUAGE_MODEL], dp[e], self.b)
+            more = -(-group // (per - 1)) if per > 1 else 0  # the fewest replicas with one sample less each
+            if not more or (more - dp[e]) * tp[e] * pp[e] > self.n - self.devices(dp, tp, pp):
+                break
+            better = self.estimate({**dp, e: more}, tp, pp)
+            if better >= current:
+                break
+            dp[e], current = more, better
+        return current
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_per_module_dp(
+    modules: dict[str, ModuleSpec],
+    num_devices: int,
+    num_microbatches: int,
+    *,
+    samples_per_microbatch: int = 1,
+    tp_degrees: Sequence[int] = (1, 2, 4, 8),
+    memory_limit: float = math.inf,
+    allreduce_bandwidth: float = math.inf,
+    tp_bandwidth: float = math.inf,
+    sharding: str = "NO_SHARD",
+    p2p_latency: float = 0.0,
+    placement: str = "parallel",
+    replay: int = 3,
+) -> OrchestrationResult:
+    """Each module's (dp, tp, pp) on at most ``num_devices`` devices for a global batch of ``num_microbatches``
+    microbatches of ``samples_per_microbatch`` samples (DistTrain Algorithm 1 with the closed-form inner problem).
+
+    Outer loop: the LLM's tp and its dp (a divisor of ``num_microbatches``, so that every replica runs the same
+    count), each encoder's tp, all from ``tp_degrees``. Inner: the LLM's stage count and each encoder's replicas
+    (at the fewest stages its memory allows, more where it stays the bottleneck) minimising the slowest stage
+    (Eq. 2), exactly on the frozen-aware costs, then spare devices for Eq. 1. Candidates are ranked by
+    Eq. 1 + Eq. 2 + gradient sync; the ``replay`` best that fit ``memory_limit`` (bytes per device) are simulated
+    (``evaluate_plan``, the frozen-aware partition at their stage counts) and the fastest is ``best``. Encoders run
+    on their own devices (``placement`` must be "parallel": the runtime refuses unequal dps otherwise)."""
+    _check_modules(modules)
+    if placement != "parallel":
+        raise ValueError(f"per-module data parallelism needs encoder_placement='parallel' (got {placement!r}): "
+                         "colocated encoders share stages and replicated ones run inside the LLM's first stage, so "
+                         "neither can have its own dp; use encoder_placement='parallel' or the uniform search")
+    if sharding not in SHARDING_TRAFFIC:
+        raise ValueError(f"unknown sharding {sharding!r}; use one of {tuple(SHARDING_TRAFFIC)}")
+    for name, value in (("num_devices", num_devices), ("num_microbatches", num_microbatches),
+                        ("samples_per_microbatch", samples_per_microbatch), ("replay", replay)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    tps = sorted(set(tp_degrees))
+    if not tps or any(not isinstance(t, int) or t < 1 for t in tps):
+        raise ValueError(f"tp_degrees must be ints >= 1, got {tuple(tp_degrees)!r}")
+    started = time.perf_counter()
+    problem = _Problem(modules, num_devices, num_microbatches, samples_per_microbatch, tps, memory_limit,
+                       allreduce_bandwidth, tp_bandwidth, sharding, p2p_latency)
+    encoders, candidates, subproblems = problem.encoders, [], 0
+    for lm_tp, lm_dp in itertools.product(tps, _divisors(num_microbatches)):
+        if lm_dp * lm_tp + len(encoders) > num_devices:
+            continue
+        for combo in itertools.product(tps, repeat=len(encoders)):
+            subproblems += 1
+            found = problem.solve(lm_tp, lm_dp, dict(zip(encoders, combo)))
+            if found is not None:
+                candidates.append(found)
+    candidates.sort(key=lambda c: (c.estimate, c.devices))
+    solved = time.perf_counter()
+    if not candidates:
+        raise ValueError(f"no per-module layout of these modules fits {num_devices} devices with "
+                         f"memory_limit={memory_limit:.3g} bytes (tp in {tps}); add devices, allow larger tp, or "
+                         "recompute activations")
+    replayed, sizes = [], functools.lru_cache(maxsize=None)(lambda m, pp: partition_module(modules[m].costs, pp))
+    for c in candidates:
+        layers = {m: sizes(m, c.pp[m]) for m in modules}
+        plan = evaluate_plan(modules, layers, "parallel", num_microbatches, dict(c.dp), p2p_latency, memory_limit,
+                             allreduce_bandwidth, dict(c.tp), sharding, tp_bandwidth,
+                             samples_per_microbatch=samples_per_microbatch)
+        if plan.fits_memory:
+            replayed.append(plan)
+            if len(replayed) == replay:
+                break
+    if not replayed:
+        raise ValueError(f"none of the {len(candidates)} per-module layouts fits {memory_limit:.3g} bytes per device "
+                         "once simulated; add devices or recompute activations")
+    best = min(replayed, key=lambda p: (p.iteration_time, p.devices))
+    estimate = next(c.estimate for c in candidates if dict(c.dp) == best.module_dp and dict(c.tp) == best.module_tp
+                    and c.pp == best.pp())
+    return OrchestrationResult(best, estimate, candidates, replayed, solved - started,
+                               time.perf_counter() - solved, subproblems)
+
+
+def flop_ratio_split(work: dict[str, float], num_devices: int) -> dict[str, float]:
+    """The strawman DistTrain compares against (§5.1, §8.2.1): devices in proportion to each module's work."""
+    total = sum(work.values())
+    return {m: num_devices * w / total for m, w in work.items()}
+
+
+__all__ = ["Orchestration", "OrchestrationResult", "Unit", "eq12_time", "flop_ratio_split", "integer_min_max",
+           "search_per_module_dp", "water_fill"]
