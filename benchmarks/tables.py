@@ -408,6 +408,30 @@ def cp_modes_table(data: dict, tokens: int = 8192) -> str:
                      "CPU s, all ranks", "peak RSS MiB / rank", "load average"], rows, "lrrrrr"))
 
 
+# ------------------------------------------------------------------------------------------------ frozen_aware.json
+
+_SOURCES = {"flops": "FLOP costs", "per_layer_loo": "leave-one-config-out", "seed_fitted": "seed-fitted profile"}
+
+
+@renderer("frozen_aware.json", "table")
+def frozen_aware_table(data: dict) -> str:
+    sources = [s for s in _SOURCES if s in data["seed_setting_rows"][0]]
+    rows = []
+    for r in data["seed_setting_rows"]:
+        cells = []
+        for s in sources:
+            x = r[s]
+            cells += [f"{x['aware_split']}/{x['forward-variance']['split']}", f"{x['forward-variance']['ratio']:.2f}x",
+                      "yes" if r["meets_seed"][s] else "NO"]
+        rows.append([r["config"], f"{r['seed_ratio']:.2f}x", *cells])
+    met = data["meets_seed_speedup"]
+    rows.append(["meets", "", *[c for s in sources for c in ("", "", met[s])]])
+    header = ["config", "seeds' speedup (published)"]
+    for s in sources:
+        header += [f"{_SOURCES[s]}: a/u", "speedup (simulated)", "meets"]
+    return table(header, rows, "lr" + "lrl" * len(sources))
+
+
 # ------------------------------------------------------------------------------------------------ quickstart_cpu.json
 
 def _loaded(data: dict) -> str:
