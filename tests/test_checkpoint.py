@@ -67,6 +67,12 @@ def test_reshard_to_context_parallel_and_back():
     _continue_elsewhere(reference(), "cp2", "pp2", {"vision.0": 1, "language_model.0": 2})
 
 
+@pytest.mark.slow
+def test_reshard_per_module_data_parallel_and_back():
+    """pp2 -> vision dp 2 + LLM dp 1 pp 2 (per-module data parallelism, 4 ranks) -> pp2 (one degree)."""
+    _continue_elsewhere(reference(), "vdp2pp2", "pp2")
+
+
 @pytest.mark.slow  # not in the CI subset (87 s there); test_reshard_to_tensor_parallel_and_back reshards in CI
 def test_reshard_context_parallel_with_pipeline_and_data_parallel():
     """pp2 -> LLM pp2 x cp2 (5 ranks, two CP-sharded LLM stages) -> LLM cp2 x dp2 (6 ranks)."""

@@ -436,6 +436,7 @@ class PipelineEngine:
         else:
             encoder_rows, llm_rows = microbatch_rows(batch, self.num_microbatches)
             deferred = deferrals(encoder_rows, llm_rows)
+        self.llm_rows = llm_rows
         held = deferred if self.feeds_on_encoders else ()  # encoder features kept for the next microbatch
         rows = (encoder_rows, llm_rows, self.feature_tokens(batch)) if held else None
         mbs = split_microbatches(batch, llm_rows if self.plan.language_model is not None else encoder_rows,
@@ -456,7 +457,7 @@ class PipelineEngine:
         needs_grad = train and self.node.needs_backward
         last_backward = max((i for i, a in enumerate(actions) if a.kind == "backward"), default=None)
         received, outputs, input_grads = {}, {}, {}
-        self.chunks = {}  # (microbatch, peer) -> [(sender replica, message)]: features received per replica
+        self.chunks = {}  # (microbatch, peer) -> the features received from each replica, then how they were joined
         loss_sum = torch.zeros((), device=self.device)
         self.timings, self.logits = [], []
         at = 0
@@ -487,9 +488,9 @@ class PipelineEngine:
                 for done in ([m - 1] if m - 1 in held else []) + ([] if m in held else [m]):
                     for peer, msg in received.pop(done, {}).items():
                         if self.graph.node(peer).needs_backward:
-                            parts = self.chunks.pop((done, peer), None)
-                            input_grads[(peer, done)] = input_gradients(msg) if parts is None else \
-                                [(i, input_gradients(part)) for i, part in parts]
+                            grads = input_gradients(msg)
+                            input_grads[(peer, done)] = self.split_gradients(done, peer, grads) \
+                                if self.routed(peer) else grads
             else:
                 self._communicate(group, outputs, received, input_grads, needs_grad)
             t1 = time.perf_counter()
@@ -503,7 +504,9 @@ class PipelineEngine:
 
     def predict(self, batch: dict) -> dict:
         """Forward only. ``logits`` [B, S, V] on the ranks holding the LLM head without CP (None elsewhere) and
-        the greedy next-token ids [B, S] on every rank of the replica (broadcast from the head)."""
+        the greedy next-token ids [B, S] on every rank of the replica (broadcast from the head). Under per-module
+        data parallelism ``logits`` holds the head's own replica's rows (in its microbatch order) and the ids
+        every row of the group's batch."""
         batch = dict(batch)
         if "labels" not in batch:
             batch["labels"] = torch.full_like(batch["input_ids"], losses.IGNORE_INDEX)
@@ -527,6 +530,14 @@ class PipelineEngine:
             if self.cp_size == 1:
                 logits = torch.cat([mb_logits for mb_logits, _ in self.logits])[:, :seq]
         self.logits = []
+        if self.disaggregated:  # each language-model replica's head fills its own rows of the group's batch
+            full = torch.zeros(rows, seq, dtype=torch.long, device=self.device)
+            if head and self.coord.cp == 0 and self.coord.tp == 0:
+                mine = [r for mb in self.llm_rows for r in mb]
+                full[torch.tensor(mine, device=self.device)] = ids
+            if self.groups.replica is not None:
+                dist.all_reduce(full, group=self.groups.replica)
+            return {"logits": logits, "predicted_ids": full}
         if self.groups.replica is not None:
             last = self.layout.stages[-1]
             dist.broadcast(ids, self.layout.rank(last, self.coord.dp), group=self.groups.replica)
@@ -572,14 +583,14 @@ class PipelineEngine:
         for (a, peer_replica), msg in zip(targets, got):
             m = a.microbatch
             if a.kind == "recv_fwd":
+                if self.routed(a.peer):
+                    self.chunks.setdefault((m, a.peer), []).append((peer_replica, msg))
+                    continue
                 if needs_grad and self.graph.node(a.peer).needs_backward:
                     for t in msg.values():
                         if t.is_floating_point():
                             t.requires_grad_(True)
-                if self.routed(a.peer):
-                    self.chunks.setdefault((m, a.peer), []).append((peer_replica, msg))
-                else:
-                    received.setdefault(m, {})[a.peer] = msg
+                received.setdefault(m, {})[a.peer] = msg
             else:
                 if self.routed(a.peer):  # this replica's share of the features sent there
                     index = self.feature_index(m, peer_replica)
@@ -588,7 +599,12 @@ class PipelineEngine:
                 input_grads[("out", m)] = msg if prev is None else {k: prev[k] + msg[k] for k in msg}
         for a in group:  # the features of every sender replica, in this replica's row order
             if a.kind == "recv_fwd" and self.routed(a.peer) and (a.microbatch, a.peer) in self.chunks:
-                received.setdefault(a.microbatch, {})[a.peer] = self.assemble(a.microbatch, a.peer)
+                msg = self.assemble(a.microbatch, a.peer)
+                if needs_grad and self.graph.node(a.peer).needs_backward:
+                    for t in msg.values():
+                        if t.is_floating_point():
+                            t.requires_grad_(True)
+                received.setdefault(a.microbatch, {})[a.peer] = msg
 
     # ------------------------------------------------------------------ per-module data parallelism
     def routed(self, peer: str) -> bool:
@@ -625,7 +641,9 @@ class PipelineEngine:
         return torch.tensor(index, dtype=torch.long, device=self.device)
 
     def assemble(self, m: int, peer: str) -> dict:
-        """Microbatch ``m``'s features from every replica of ``peer``'s encoder, in this replica's row order."""
+        """Microbatch ``m``'s features from every replica of ``peer``'s encoder, in this replica's row order (new
+        tensors: a deferring microbatch's features serve two backwards, so they are leaves like any message;
+        ``split_gradients`` takes their gradients back apart)."""
         name = self.layout.chain_of(peer)
         per_group = self.layout.per_group
         j = self.coord.dp % per_group(LANGUAGE_MODEL)
@@ -638,7 +656,18 @@ class PipelineEngine:
                 at += tokens[r]
         order = torch.tensor([start[r] + t for r in self.routing.llm_rows[j][m] if r in start
                               for t in range(tokens[r])], dtype=torch.long, device=self.device)
+        self.chunks[(m, peer)] = (order, [(i, {k: t.shape[0] for k, t in part.items()}) for i, part in parts])
         return {k: torch.cat([part[k] for _, part in parts]).index_select(0, order) for k in parts[0][1]}
+
+    def split_gradients(self, m: int, peer: str, grads: dict) -> list[tuple[int, dict]]:
+        """The gradients of ``assemble``'s features as one message per sender replica."""
+        order, parts = self.chunks.pop((m, peer))
+        out = [(i, {}) for i, _ in parts]
+        for k, g in grads.items():
+            pieces = torch.zeros_like(g).index_copy_(0, order, g).split([sizes[k] for _, sizes in parts])
+            for (_, msg), piece in zip(out, pieces):
+                msg[k] = piece
+        return out
 
     def _backward(self, out: dict, grads: dict | None, loss_scale: float) -> None:
         if "loss" in out:

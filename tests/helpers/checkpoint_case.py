@@ -4,6 +4,7 @@
 "dp2": vision + LLM 1 stage each, dp 2 on 4 ranks; "cp2": vision 1 stage + LLM 1 stage of 2 context-parallel
 ranks (blocks of 8 tokens) on 3 ranks, dp 1; "pp2cp2": vision + LLM 2 stages of 2 CP ranks each on 5 ranks;
 "cp2dp2": "cp2" replicated twice on 6 ranks; "tp2": vision + LLM 1 stage of 2 tensor-parallel ranks on 3 ranks;
+"vdp2pp2": per-module data parallelism, vision dp 2 + LLM dp 1 of 2 stages on 4 ranks;
 "single": one process), steps, out (losses JSON, rank 0),
 ckpt_dir, save_every (steps), resume (a checkpoint folder), kill ({"rank": r, "step": s}: SIGKILL that rank
 after step s), weights (single: file for the trained parameters), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
@@ -30,6 +31,7 @@ LAYOUTS = {"pp2": dict(devices=3, llm_pp=2, microbatches=2), "dp2": dict(devices
            "pp2cp2": dict(devices=5, llm_pp=2, llm_cp=2, microbatches=2),
            "cp2dp2": dict(devices=6, llm_pp=1, llm_cp=2, microbatches=1),
            "tp2": dict(devices=3, llm_pp=1, llm_tp=2, microbatches=2),
+           "vdp2pp2": dict(devices=4, llm_pp=2, microbatches=2, encoder_dp=2, llm_dp=1),
            "single": dict(devices=1, llm_pp=None, microbatches=1)}
 
 
@@ -75,12 +77,12 @@ def main(cfg: dict):
     else:
         cp, tp = layout.get("llm_cp", 1), layout.get("llm_tp", 1)
         strategy = lmm.MultimodalParallelStrategy(
-            encoders={"vision": lmm.ParallelSpec()},
-            language_model=lmm.ParallelSpec(pp=layout["llm_pp"], cp=cp, tp=tp),
+            encoders={"vision": lmm.ParallelSpec(dp=layout.get("encoder_dp"))},
+            language_model=lmm.ParallelSpec(pp=layout["llm_pp"], cp=cp, tp=tp, dp=layout.get("llm_dp")),
             num_microbatches=layout["microbatches"], cp_block_size=8, fault_timeout=cfg.get("fault_timeout", 60.0),
             batch_balancing=cfg.get("balancing"))
         trainer = L.Trainer(devices=layout["devices"], strategy=strategy, **kw)
-        per_rank = global_batch // (layout["devices"] // (1 + layout["llm_pp"] * cp * tp))
+        per_rank = global_batch // (layout.get("llm_dp") or layout["devices"] // (1 + layout["llm_pp"] * cp * tp))
     if cfg.get("pids"):
         with open(os.path.join(cfg["pids"], f"{trainer.global_rank}.pid"), "w") as f:
             f.write(str(os.getpid()))

@@ -22,27 +22,11 @@ def build_model(modalities: tuple[str, ...], freeze: str):
     return lmm.MultimodalModel(encoders, tiny_language_model("llama")).freeze(**FREEZE[freeze])
 
 
-def global_batches(model, steps: int, rows: int, seed: int = 0, probe: bool = False):
-    """Samples of 0 to 5 items of each modality (some text-only), images of different sizes; ``probe``: every
-    item's inputs carry its sample's index (``probe_value``)."""
+def global_batches(model, steps: int, rows: int, seed: int = 0):
+    """Samples of 0 to 5 items of each modality (some text-only), images of different sizes."""
     data = lmm.data.SyntheticMultimodalDataset(model, num_samples=steps * rows, seed=seed, items_per_sample=(0, 5))
     collate = lmm.data.MultimodalCollator(model)
-    out = []
-    for s in range(steps):
-        samples = [data[s * rows + r] for r in range(rows)]
-        if probe:
-            for r, sample in enumerate(samples):
-                for name in model.encoders:
-                    if name in sample:
-                        key = model.encoders[name].family.input_key if name == "vision" else "input_features"
-                        main = "pixel_values" if name == "vision" else key
-                        sample[name] = {**sample[name], main: torch.full_like(sample[name][main], probe_value(s, r))}
-        out.append(collate(samples))
-    return out
-
-
-def probe_value(step: int, row: int) -> float:
-    return float(1 + step * 100 + row)
+    return [collate([data[s * rows + r] for r in range(rows)]) for s in range(steps)]
 
 
 def layout_of(modalities, encoder_specs, llm_spec, world=None):
@@ -60,29 +44,31 @@ def group_batch(batch: dict, model, layout, rank: int) -> dict:
 
 def run_rank(rank, world, modalities, freeze, encoder_specs, llm_spec, microbatches, steps, rows, lr=0.5,
              probe=False):
+    """(losses, owned trainable parameters, probe) of one rank. ``probe``: on the language model's first stage, the
+    features its embedding got in the first step, per microbatch, with the global rows of each microbatch."""
     model = build_model(modalities, freeze)
-    batches = global_batches(model, steps, rows, probe=probe)
+    batches = global_batches(model, steps, rows)
     layout = layout_of(modalities, encoder_specs, llm_spec, world)
     engine = PipelineEngine(model, layout, rank, microbatches, cp_block_size=8)
     seen = []
-    if probe and engine.feeds_on_encoders:  # the first LLM stage checks every row got its own sample's features
-        original = engine.model.embed
-
-        def embed(input_ids, features, _step=[0]):
-            seen.append({k: v.detach().clone() for k, v in features.items()})
-            return original(input_ids, features)
-        engine.model.embed = embed
+    if probe and engine.feeds_on_encoders:
+        embed = engine.model.embed
+        engine.model.embed = lambda ids, features: (seen.append({k: v.detach().clone() for k, v in features.items()}),
+                                                    embed(ids, features))[1]
     params = engine.trainable_parameters()
     opt = torch.optim.SGD(params, lr=lr) if params else None
-    losses = []
+    losses, probed = [], None
     for batch in batches:
         losses.append(float(engine.run(group_batch(batch, model, layout, rank))))
+        if probe and probed is None and engine.feeds_on_encoders:
+            first = layout.group_of(rank) * (rows // layout.num_groups)
+            probed = [(features, [first + r for r in mb]) for features, mb in zip(seen, engine.llm_rows)]
         engine.sync_gradients()
         if opt:
             opt.step()
             opt.zero_grad()
     owned = {n: p.detach().clone() for n, p in model.named_parameters() if n in engine.owned and p.requires_grad}
-    return losses, owned, seen, engine.coord.dp, engine.stage
+    return losses, owned, probed
 
 
 def run_reference(modalities, freeze, steps, rows, lr=0.5):

@@ -17,6 +17,8 @@ names), so a test can compare any layout with one process. Keys of the JSON (all
 - ``consolidate``: save a checkpoint after fit and consolidate it on rank 0 while the group is alive
 - ``balancing`` (batch_balancing), ``items`` ([min, max] items per sample), ``modalities`` (default
   ["vision", "audio"]), ``plans``: rank 0 writes each step's batch plan (``plans.json``)
+- ``encoder_dp`` / ``llm_dp``: per-module data parallelism (every module's ``ParallelSpec.dp``); ``batch_size`` stays
+  per language-model replica
 - ``workers``: the loaders' ``num_workers`` (default 0)
 - ``accelerator`` ("cpu" default, "cuda"), ``backend`` (process_group_backend), ``share_gpu``: every rank on
   cuda:0 (the strategy's ``parallel_devices``); on CUDA each rank writes ``memory_<rank>.json`` (peak allocated)
@@ -118,10 +120,14 @@ def main(spec: str, out: str):
     else:
         enc, enc_tp, enc_cp = case.get("encoder_pp", [1, 1]), case.get("encoder_tp", [1, 1]), case.get("encoder_cp", [1, 1])
         modalities = case.get("modalities", ["vision", "audio"])
+        enc_dp = case.get("encoder_dp", [None, None])
         llm = lmm.ParallelSpec(pp=case.get("llm_pp", 1), cp=case.get("llm_cp", 1), tp=case.get("llm_tp", 1),
-                               cp_mode=case.get("cp_mode", "allgather"), ulysses=case.get("ulysses"))
+                               cp_mode=case.get("cp_mode", "allgather"), ulysses=case.get("ulysses"),
+                               dp=case.get("llm_dp"))
+        specs = {m: lmm.ParallelSpec(pp=enc[i], tp=enc_tp[i], cp=enc_cp[i], dp=enc_dp[i])
+                 for i, m in enumerate(modalities)}
         strategy = lmm.MultimodalParallelStrategy(
-            encoders={m: lmm.ParallelSpec(pp=enc[i], tp=enc_tp[i], cp=enc_cp[i]) for i, m in enumerate(modalities)},
+            encoders=specs,
             batch_balancing=case.get("balancing"),
             language_model=llm, num_microbatches=case.get("microbatches", 1), cp_block_size=8,
             sharding_strategy=case.get("sharding", "NO_SHARD"), encoder_placement=case.get("placement", "parallel"),
@@ -130,6 +136,8 @@ def main(spec: str, out: str):
         encoder_ranks = {"replicated": 0, "colocated": enc[0] * enc_tp[0]}.get(  # colocated: one fused chain
             case.get("placement"), sum(enc[i] * enc_tp[i] * enc_cp[i] for i in range(len(modalities))))
         devices = case.get("devices") or (encoder_ranks + llm.size) * dp
+        if llm.dp is not None:  # per-module data parallelism: each module's replicas
+            devices = case.get("devices") or sum(s.dp * s.size for s in [*specs.values(), llm])
         dp_batch = case.get("batch_size", 4)
     callbacks = [StateBytes(out)] if case.get("state_bytes") else []
     accelerator = case.get("accelerator", "cpu")
@@ -173,7 +181,8 @@ def main(spec: str, out: str):
             json.dump({"peak_allocated": torch.cuda.max_memory_allocated()}, f)
     if case.get("plans"):
         result["plans"] = getattr(trainer.strategy, "batch_plans", [])
-        result["deferred_samples"] = getattr(trainer.train_dataloader.batch_sampler, "deferred_samples", 0)
+        result["deferred_samples"] = getattr(getattr(trainer.train_dataloader, "batch_sampler", None),
+                                             "deferred_samples", 0)
     if case.get("consolidate"):
         path = os.path.join(out, "ckpt")
         trainer.save_checkpoint(path)
