@@ -561,8 +561,9 @@ def main() -> None:
     measured, measured_machine = previous.get("measured", []), previous.get("measured_machine")
     if args.measure:
         print("b) measured, 2-core CPU, gloo: 6 processes (vision pp 1 + LLM pp 2, dp 2), tiny models")
+        measure_start = _machine.record()
         measured = measure(args.steps, args.warmup)
-        measured_machine = _machine.finish(_machine.record())
+        measured_machine = _machine.finish(measure_start)
         for r in measured:
             print(f"  {r['method']:9} {r['samples_per_s']:7.2f} samples/s  step {r['step_s_median']:.3f} s  "
                   f"encoder microbatch forward std {_fmt(r['encoder_forward_std_ms'], '.2f')} ms")

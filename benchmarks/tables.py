@@ -290,8 +290,8 @@ def het_measured(data: dict) -> str:
 def ft_table(data: dict) -> str:
     runs = data["runs"]
     ft, dp, f, c = runs["ft"], runs["dp"], runs["ft_fail"], runs["ckpt_fail"]
-    pairs = [(a, b) for a, b in zip(ft["earlier_samples_per_s"] + [ft["samples_per_s"]],
-                                    dp["earlier_samples_per_s"] + [dp["samples_per_s"]])]
+    pairs = list(zip(ft.get("earlier_samples_per_s", []) + [ft["samples_per_s"]],
+                     dp.get("earlier_samples_per_s", []) + [dp["samples_per_s"]]))
     rows = [
         ["samples/s, no failure, FT on / FT off (paired runs)",
          " and ".join(f"{a:.1f} / {b:.1f}" for a, b in pairs) + ": ratio "

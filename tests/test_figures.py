@@ -65,3 +65,13 @@ def test_every_results_json_names_its_machine_and_command(path):
     assert isinstance(machine, dict), f"{path} has no machine record (benchmarks/_machine.py)"
     assert MACHINE_KEYS <= set(machine), f"{path}: machine record lacks {MACHINE_KEYS - set(machine)}"
     assert machine["command"].startswith("python benchmarks/")
+
+
+def test_machine_record_names_cpu_cache_and_command():
+    import _machine
+
+    assert _machine._size("32768K") == 32 << 20 and _machine._size("16 MiB") == 16 << 20
+    record = _machine.finish(_machine.record())
+    assert MACHINE_KEYS | {"load_average_end", "duration_s"} <= set(record) and "_t0" not in record
+    assert record["cores"] >= 1 and record["cpu"]
+    assert "cores" in _machine.describe(record) and _machine.describe(None) == "an unrecorded machine"
