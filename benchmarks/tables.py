@@ -343,6 +343,59 @@ def ft_inline(data: dict) -> str:
             f"stall), measured on {_where(data)} with gloo")
 
 
+# ------------------------------------------------------------------------------------------------ pipeline --setup / --sharding
+
+_SETUP_NAMES = {"eager": "eager (random, every rank)", "lazy": "lazy (random, meta)",
+                "folder-eager": "folder, eager on every rank", "folder-lazy": "folder, lazy (meta)",
+                "from_pretrained": "HF `from_pretrained`, one process"}
+
+
+@renderer("pipeline_setup_p4_cpu.json", "table")
+def pipeline_setup_table(data: dict) -> str:
+    rows = []
+    for r in data["rows"]:
+        ranks = r["ranks"]
+        rows.append([_SETUP_NAMES.get(r["name"], r["name"]), len(ranks),
+                     " ".join(f"{x['peak_first_step_mb']:.0f}" for x in ranks),
+                     " ".join(f"{x['peak_end_mb']:.0f}" for x in ranks), f"{max(x['build_s'] for x in ranks):.2f}",
+                     f"{max(x['setup_s'] for x in ranks):.2f}", f"{ranks[0]['to_first_step_s']:.1f}",
+                     f"{ranks[0]['to_first_step_end_s']:.1f}"])
+    return (f"Measured on {_machine_line(data)}:\n\n"
+            + table(["build", "processes", "peak MiB per rank at the first step", "peak MiB per rank at the end",
+                     "build s", "setup s", "rank 0 to 1st step s", "to its end s"], rows, "lrllrrrr"))
+
+
+_SHARDING_NAMES = {"no_shard": ("lightning-mm NO_SHARD", "dp 4"), "shard_grad_op": ("lightning-mm SHARD_GRAD_OP", "dp 4"),
+                   "full_shard": ("lightning-mm FULL_SHARD", "dp 4"),
+                   "tp2_no_shard": ("lightning-mm NO_SHARD", "tp 2 x dp 2"),
+                   "tp2_full_shard": ("lightning-mm FULL_SHARD", "tp 2 x dp 2"),
+                   "lightning_fsdp": ("Lightning `FSDPStrategy` FULL_SHARD", "dp 4"),
+                   "lightning_fsdp2": ("Lightning `ModelParallelStrategy` + `fully_shard`", "dp 4")}
+
+
+@renderer("pipeline_sharding_p4_cpu.json", "table")
+def pipeline_sharding_table(data: dict) -> str:
+    repeat = json.loads((ROOT / "benchmarks/results/pipeline_sharding_p4_cpu_repeat.json").read_text())
+    runs = [{r["name"]: r for r in d["rows"]} for d in (data, repeat)]
+    rows = []
+    for name, (strategy, layout) in _SHARDING_NAMES.items():
+        r = runs[0].get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            line = r["error"].strip().splitlines()[-1].split(". ")[0]
+            rows.append([strategy, layout, f"error (both runs): `` {line} ``", "", "", ""])
+            continue
+        ratio = " / ".join(f"{run[name]['samples_per_s'] / run['no_shard']['samples_per_s']:.2f}" for run in runs)
+        st = r["ranks"][0]["state_mb"]
+        loss = statistics.fmean(x["loss"] for x in r["ranks"])
+        rows.append([strategy, layout, ratio, f"{loss:.4f}", " ".join(f"{x['peak_end_mb']:.0f}" for x in r["ranks"]),
+                     f"{st['total']:.0f} ({st['params']:.0f} + {st['grads']:.0f} + {st['optimizer']:.0f})"])
+    return (f"Measured on {_machine_line(data)} (run 1) and `pipeline_sharding_p4_cpu_repeat.json` (run 2):\n\n"
+            + table(["strategy", "layout", "samples/s vs NO_SHARD dp 4 (run 1 / run 2)", "loss",
+                     "peak growth MiB per rank", "state MiB per rank (params + grads + AdamW)"], rows, "llrrll"))
+
+
 # ------------------------------------------------------------------------------------------------ checkpoint.json
 
 @renderer("checkpoint.json", "table")
