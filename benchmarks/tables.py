@@ -124,6 +124,28 @@ def cp_goal(data: dict) -> str:
             f"{zz[1]:.4f}; deterministic, computed by `benchmarks/cp_balance.py`)")
 
 
+@renderer("cp_balance.json", "modes-bytes")
+def cp_modes_bytes(data: dict) -> str:
+    pick = [(1 << 20, cp, kv) for kv in (8, 64) for cp in (4, 8, 16)] + [(1 << 16, 8, 8)]
+    index = {(r["tokens"], r["cp"], r["kv_heads"]): r for r in data["modes_bytes"]}
+    rows = []
+    for tokens, cp, kv in pick:
+        r = index[(tokens, cp, kv)]
+        hybrid = "-" if r["hybrid_mib"] is None else f"{r['hybrid_mib']:.0f} ({r['hybrid_ulysses']})"
+        rows.append([f"{tokens >> 20}M" if tokens >= 1 << 20 else f"{tokens >> 10}k", cp, kv,
+                     f"{r['allgather_mib']:.0f}", f"{r['ulysses_mib']:.0f}", hybrid])
+    return table(["tokens", "cp", "KV heads", "allgather", "ulysses", "hybrid (K)"], rows, "rrrrrr")
+
+
+@renderer("cp_balance.json", "modes-work")
+def cp_modes_work(data: dict) -> str:
+    rows = data["modes_work"]
+    worst = max(r["allgather_lpt"] for r in rows)
+    hybrid = max(r["hybrid"] for r in rows if r["hybrid"] is not None)
+    return (f"at most {worst:.4f} for allgather-LPT, exactly 1 for Ulysses, and at most {hybrid:.4f} for hybrid over "
+            f"EP/EE/MP at 64k-1M tokens and cp 2-16 (computed by `benchmarks/cp_balance.py`)")
+
+
 # ------------------------------------------------------------------------------------------------ balance_planning.json
 
 @renderer("balance_planning.json", "table")
