@@ -396,8 +396,8 @@ def setup_main(args, argv: list[str]) -> None:
         r.pop("folders", None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None, "machine": None}, "rows": rows,
-           "machine": _machine.finish(args.machine)}
+    doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None, "machine": None},
+           "rows": rows, "machine": _machine.finish(args.machine)}
     (out / f"pipeline_setup_p{args.procs}_{args.accelerator}.json").write_text(json.dumps(doc, indent=1))
     print(setup_table(rows, args.accelerator))
 

@@ -57,7 +57,7 @@ def scan_rate(folder: Path, records: int, repeats: int) -> dict:
     model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"), projector="mlp")},
                                 tiny_language_model("llama", vocab_size=128))
     processor = load_processor(folder / "processor", model)
-    ConversationDataset(data, processor, media_root=folder / "images", scan=False)  # the records' Arrow cache, built once
+    ConversationDataset(data, processor, media_root=folder / "images", scan=False)  # builds the records' Arrow cache
     times = {}
     for scan in (True, False):
         runs = []

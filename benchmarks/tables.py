@@ -61,7 +61,7 @@ def _range(values, spec=".2f", unit="") -> str:
     return f"{a}{unit}" if a == b else f"{a}-{b}{unit}"
 
 
-# ------------------------------------------------------------------------------------------------ cp_balance.json
+# ---------------------------------------- cp_balance.json
 
 _CP_NAMES = {("ep", ""): "EP", ("ee", ""): "EE", ("mp", ""): "MP (int16 segment ids, as the collator makes them)",
              ("mp", "int32 segment ids"): "MP with int32 segment ids",
@@ -146,7 +146,7 @@ def cp_modes_work(data: dict) -> str:
             f"EP/EE/MP at 64k-1M tokens and cp 2-16 (computed by `benchmarks/cp_balance.py`)")
 
 
-# ------------------------------------------------------------------------------------------------ balance_planning.json
+# ---------------------------------------- balance_planning.json
 
 @renderer("balance_planning.json", "table")
 def balance_planning(data: dict) -> str:
@@ -166,7 +166,7 @@ def balance_planning_inline(data: dict) -> str:
             f"({data['machine']['cores']} cores, load average {data['machine']['load_average_start'][0]:.1f})")
 
 
-# ------------------------------------------------------------------------------------------------ heterogeneity.json
+# ---------------------------------------- heterogeneity.json
 
 def _set(d: str, llm: str) -> list[str]:
     return [d, llm.replace("llama-", "").upper()]
@@ -243,7 +243,8 @@ def het_std(data: dict) -> str:
     rows = []
     for d in ("synthchart", "llava"):
         for llm in ("llama-1b", "llama-3b"):
-            for module, key, pkey in (("vision", "vision_forward_std_ms", "vision"), ("LLM", "llm_forward_std_ms", llm)):
+            for module, key, pkey in (("vision", "vision_forward_std_ms", "vision"),
+                                      ("LLM", "llm_forward_std_ms", llm)):
                 dt, en, no = (get[(d, llm, m)][key] for m in ("disttrain", "entrain", "none"))
                 p = pub[d][pkey]
                 rows.append([*_set(d, llm), module, f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f}", f"{p[0] / p[2]:.2f}",
@@ -270,13 +271,15 @@ def het_vs_none_inline(data: dict) -> str:
     mixed = [q for q in data["summary"] if q["dataset"] == "mixed"]
     return (f"entrain {_range([q['entrain_over_none'] for q in seeds], '.2f', 'x')} and disttrain "
             f"{_range([q['disttrain_over_none'] for q in seeds], '.2f', 'x')} over contiguous microbatches (\"none\", "
-            f"which the paper does not run) on the seeds' sets, {_range([q['entrain_over_none'] for q in mixed], '.2f', 'x')}"
+            f"which the paper does not run) on the seeds' sets, "
+            f"{_range([q['entrain_over_none'] for q in mixed], '.2f', 'x')}"
             f" (entrain) on the mixed set the paper does not have (simulated)")
 
 
 @renderer("heterogeneity.json", "ablation")
 def het_ablation(data: dict) -> str:
-    rows = [[*_set(r["dataset"], r["llm"]), f"{r['iteration_s_without_deferral']:.3f} s", f"{r['iteration_s_at_entrain_split']:.3f} s"]
+    rows = [[*_set(r["dataset"], r["llm"]), f"{r['iteration_s_without_deferral']:.3f} s",
+             f"{r['iteration_s_at_entrain_split']:.3f} s"]
             for r in data["simulated"] if r["method"] == "entrain" and r["deferred_samples"] > 0]
     return table(["set", "LLM", "without deferral (simulated)", "with deferral (simulated)"], rows, "llrr")
 
@@ -287,7 +290,8 @@ def het_planning(data: dict) -> str:
     for method in ("none", "disttrain", "entrain"):
         got = [r for r in data["planning"] if r["method"] == method]
         med = [r["plan_ms_median"] for r in got]
-        rows.append([method, f"{statistics.median(med):.2f}", f"{max(med):.2f}", f"{max(r['plan_ms_max'] for r in got):.2f}"])
+        rows.append([method, f"{statistics.median(med):.2f}", f"{max(med):.2f}",
+                     f"{max(r['plan_ms_max'] for r in got):.2f}"])
     return (f"Measured on {_machine_line(data)}; `plan_batch` timed with `benchmarks/balance_planning.py`'s "
             f"`planning_ms` on 2 batches of each set and LLM:\n\n"
             + table(["method", "median of medians ms", "worst median ms", "slowest single run ms"], rows, "lrrr"))
@@ -306,7 +310,7 @@ def het_measured(data: dict) -> str:
                     rows, "lrrrr"))
 
 
-# ------------------------------------------------------------------------------------------------ fault_tolerance_cpu.json
+# ---------------------------------------- fault_tolerance_cpu.json
 
 @renderer("fault_tolerance_cpu.json", "table")
 def ft_table(data: dict) -> str:
@@ -334,7 +338,8 @@ def ft_table(data: dict) -> str:
         ["ckpt-restart: `fit()` -> training starts (setup + checkpoint load)",
          f"{c['fit_to_train_start_s (setup + checkpoint load)']:.2f} s"],
         [f"ckpt-restart: SIGKILL -> first step after resume (step {c['first_step_after_resume']}) / back at step "
-         f"{c['kill']['step']}", f"{c['kill_to_first_step_after_resume_s']:.1f} s / {c['kill_to_same_step_again_s']:.1f} s"],
+         f"{c['kill']['step']}",
+         f"{c['kill_to_first_step_after_resume_s']:.1f} s / {c['kill_to_same_step_again_s']:.1f} s"],
     ]
     return (f"Measured on {_machine_line(data)}:\n\n"
             + table(["measured, 2-core CPU, gloo", "value"], rows))
@@ -365,7 +370,7 @@ def ft_inline(data: dict) -> str:
             f"stall), measured on {_where(data)} with gloo")
 
 
-# ------------------------------------------------------------------------------------------------ pipeline --setup / --sharding
+# ---------------------------------------- pipeline --setup / --sharding
 
 _SETUP_NAMES = {"eager": "eager (random, every rank)", "lazy": "lazy (random, meta)",
                 "folder-eager": "folder, eager on every rank", "folder-lazy": "folder, lazy (meta)",
@@ -387,7 +392,8 @@ def pipeline_setup_table(data: dict) -> str:
                      "build s", "setup s", "rank 0 to 1st step s", "to its end s"], rows, "lrllrrrr"))
 
 
-_SHARDING_NAMES = {"no_shard": ("lightning-mm NO_SHARD", "dp 4"), "shard_grad_op": ("lightning-mm SHARD_GRAD_OP", "dp 4"),
+_SHARDING_NAMES = {"no_shard": ("lightning-mm NO_SHARD", "dp 4"),
+                   "shard_grad_op": ("lightning-mm SHARD_GRAD_OP", "dp 4"),
                    "full_shard": ("lightning-mm FULL_SHARD", "dp 4"),
                    "tp2_no_shard": ("lightning-mm NO_SHARD", "tp 2 x dp 2"),
                    "tp2_full_shard": ("lightning-mm FULL_SHARD", "tp 2 x dp 2"),
@@ -418,7 +424,7 @@ def pipeline_sharding_table(data: dict) -> str:
                      "peak growth MiB per rank", "state MiB per rank (params + grads + AdamW)"], rows, "llrrll"))
 
 
-# ------------------------------------------------------------------------------------------------ checkpoint.json
+# ---------------------------------------- checkpoint.json
 
 @renderer("checkpoint.json", "table")
 def checkpoint_table(data: dict) -> str:
@@ -441,7 +447,7 @@ def checkpoint_faults(data: dict) -> str:
     return table(["fault (measured, same run)", "watchdog (fault_timeout 5 s)", "no watchdog"], rows, "lrr")
 
 
-# ------------------------------------------------------------------------------------------------ pipeline_p2_cpu.json
+# ---------------------------------------- pipeline_p2_cpu.json
 
 def _short(name: str) -> str:
     return name.replace("language_model", "llm").replace("encoders", "enc")
@@ -464,7 +470,7 @@ def pipeline_table(data: dict) -> str:
                      "bubble per rank", "measured / simulated", "all runs"], rows, "llrrllrl"))
 
 
-# ------------------------------------------------------------------------------------------------ cp_modes_cpu.json
+# ---------------------------------------- cp_modes_cpu.json
 
 _CP_MODES = {"cp1": "cp 1", "allgather2": "allgather cp 2", "ulysses2": "ulysses cp 2", "allgather4": "allgather cp 4",
              "ulysses4": "ulysses cp 4", "hybrid2x2": "hybrid 2x2"}
@@ -483,7 +489,7 @@ def cp_modes_table(data: dict, tokens: int = 8192) -> str:
                      "CPU s, all ranks", "peak RSS MiB / rank", "load average"], rows, "lrrrrr"))
 
 
-# ------------------------------------------------------------------------------------------------ frozen_aware.json
+# ---------------------------------------- frozen_aware.json
 
 _SOURCES = {"flops": "FLOP costs", "per_layer_loo": "leave-one-config-out", "seed_fitted": "seed-fitted profile"}
 
@@ -507,7 +513,7 @@ def frozen_aware_table(data: dict) -> str:
     return table(header, rows, "lr" + "lrl" * len(sources))
 
 
-# ------------------------------------------------------------------------------------------------ quickstart_cpu.json
+# ---------------------------------------- quickstart_cpu.json
 
 def _loaded(data: dict) -> str:
     m = data["machine"]
@@ -533,7 +539,7 @@ def quickstart_scan(data: dict) -> str:
             f"on {data['scan']['records']:,} copies of the example's records, {_loaded(data)})")
 
 
-# ------------------------------------------------------------------------------------------------ the others
+# ---------------------------------------- the others
 
 def _where(data: dict) -> str:
     m = data["machine"]
@@ -571,7 +577,7 @@ def callback_images_sentence(data: dict) -> str:
             f"itself is slower than one process there ({_range(vs_one, '.2f', 'x')})")
 
 
-# ------------------------------------------------------------------------------------------------ driver
+# ---------------------------------------- driver
 
 def render(json_path: str, name: str, cache: dict) -> str:
     if (json_path, name) not in RENDERERS:
