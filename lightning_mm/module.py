@@ -126,7 +126,17 @@ class MultimodalLightningModule(pl.LightningModule):
             # changes no parameter (their gradients are None, which optimisers skip)
             return torch.full((), float("nan"), device=loss.device, requires_grad=True)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        self.log_balance()
         return loss
+
+    def log_balance(self) -> None:
+        """Where batch balancing runs, this step's global batch as the balanced sampler planned it: replica
+        imbalance before and after, deferred samples (``balance/*``; ``data/balanced.py``)."""
+        loader = getattr(self._trainer, "train_dataloader", None) if self._trainer is not None else None
+        planned = getattr(getattr(loader, "batch_sampler", None), "planned", None)
+        if planned:
+            for key, value in planned.popleft().items():
+                self.log(f"balance/{key}", value)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.train_metrics.batch_end(self, batch)

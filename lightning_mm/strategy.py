@@ -392,8 +392,11 @@ class MultimodalParallelStrategy(DDPStrategy):
         batches = BalancedBatchSampler(
             sampler.dataset, dataloader.batch_size, self.layout.dp, self.layout.coordinate(self.global_rank).dp,
             self.num_microbatches, plan=lambda enc, llm, r, k: plan_batch(enc, llm, r, k, method, num_stages=depth),
-            work=metadata_works(sampler.dataset, self.workload), shuffle=sampler.shuffle,
+            work=metadata_works(sampler.dataset, self.workload, model), shuffle=sampler.shuffle,
             seed=sampler.seed, drop_last=sampler.drop_last)
+        rank_zero_info(f"batch balancing: {method!r} places each global batch over {self.layout.dp} replicas x "
+                       f"{self.num_microbatches} microbatches (logged: balance/imbalance_before, "
+                       "balance/imbalance_after, balance/deferred_samples)")
         kw = {**loader_options(dataloader), "collate_fn": BalancedCollate(dataloader.collate_fn, model.placeholder_ids)}
         return ResumableDataLoader(BalancedDataset(sampler.dataset), batch_sampler=batches, **kw)
 

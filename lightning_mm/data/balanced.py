@@ -13,11 +13,14 @@ the plan to the batch as host lists (``batch["microbatches"]``, see ``data/micro
 from __future__ import annotations
 
 import itertools
+import time
+from collections import deque
 from typing import Callable
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
+from lightning_mm.data.metadata import metadata_of
 from lightning_mm.data.microbatch import PLAN_KEY, ROUTE_KEY
 
 
@@ -43,6 +46,7 @@ class BalancedBatchSampler:
         self.batch_size, self.replica, self.num_microbatches = batch_size, replica, num_microbatches
         self.plan, self.work, self.skip = plan, work, 0
         self.deferred_samples = 0  # over every replica, since this sampler was made
+        self.planned = deque(maxlen=1024)  # each yielded batch's balance_stats, in order (the module logs them)
 
     @property
     def num_replicas(self) -> int:
@@ -71,6 +75,7 @@ class BalancedBatchSampler:
             encoder_work, llm_work = self.work(indices)
             plan = self.plan(encoder_work, llm_work, self.num_replicas, self.num_microbatches)
             self.deferred_samples += sum(len(d.samples) for d in plan.deferred)
+            self.planned.append(balance_stats(plan, encoder_work, llm_work))
             later = {s for d in plan.deferred for s in d.samples}
             if isinstance(self.replica, int):
                 yield [(indices[s], m, m + 1 if s in later else m)
@@ -78,6 +83,18 @@ class BalancedBatchSampler:
             else:
                 yield [(indices[s], m, m + 1 if s in later else m, j) for j, r in enumerate(self.replica)
                        for m, samples in enumerate(plan.assignment[r]) for s in samples]
+
+
+def balance_stats(plan, encoder_work: torch.Tensor, llm_work: torch.Tensor) -> dict[str, float]:
+    """One global batch's replica imbalance (the most loaded replica's encoder + LLM work over the mean) before
+    balancing (each replica its contiguous slice, as the DistributedSampler gives it) and after ``plan``, and the
+    samples whose LLM work the plan deferred."""
+    enc, llm = torch.as_tensor(encoder_work, dtype=torch.float64), torch.as_tensor(llm_work, dtype=torch.float64)
+    before = (enc + llm).view(plan.num_replicas, -1).sum(1)
+    after = (plan.encoder_loads(enc) + plan.llm_loads(llm)).sum(1)
+    ratio = lambda loads: float(loads.max() / loads.mean()) if float(loads.mean()) > 0 else 1.0  # noqa: E731
+    return {"imbalance_before": ratio(before), "imbalance_after": ratio(after),
+            "deferred_samples": float(sum(len(d.samples) for d in plan.deferred))}
 
 
 class _EpochSetter:
@@ -157,8 +174,15 @@ def balancing_obstacle(loader) -> str:
         return f"its sampler is a {type(sampler).__name__}, not a DistributedSampler"
     if getattr(loader, "batch_size", None) is None:
         return "it has no batch_size (a custom batch_sampler)"
-    if not callable(getattr(sampler.dataset, "sample_metadata", None)):
-        return f"its data set {type(sampler.dataset).__name__} has no sample_metadata(i)"
+    dataset = sampler.dataset
+    if callable(getattr(dataset, "sample_metadata", None)):
+        return ""
+    if not len(dataset):
+        return f"its data set {type(dataset).__name__} is empty"
+    first = dataset[0]
+    if not isinstance(first, dict) or "input_ids" not in first:
+        return (f"its data set {type(dataset).__name__} has no sample_metadata(i) and its samples are not in the "
+                f"collator's format (a dict with input_ids; got {type(first).__name__})")
     return ""
 
 
@@ -168,13 +192,18 @@ def no_work(indices) -> tuple[torch.Tensor, torch.Tensor]:
     return zeros, zeros
 
 
-def metadata_works(dataset, workload) -> Callable:
-    """``work(indices)`` from ``dataset.sample_metadata(i)`` and a ``WorkloadModel``, cached per sample."""
+def metadata_works(dataset, workload, model=None) -> Callable:
+    """``work(indices)`` from per-sample metadata and a ``WorkloadModel``, cached per sample. The metadata comes
+    from ``dataset.sample_metadata(i)``; without it (and with ``model``), from the samples themselves, read once
+    (``read_metadata``)."""
     if not callable(getattr(dataset, "sample_metadata", None)):
-        raise TypeError(f"batch balancing needs each sample's metadata before loading it, but "
-                        f"{type(dataset).__name__} has no sample_metadata(i); use ConversationDataset / "
-                        "SyntheticMultimodalDataset, implement sample_metadata(i) -> lightning_mm.data.SampleMeta, "
-                        "or set batch_balancing='none'")
+        if model is None:
+            raise TypeError(f"batch balancing needs each sample's metadata before loading it, but "
+                            f"{type(dataset).__name__} has no sample_metadata(i); use ConversationDataset / "
+                            "SyntheticMultimodalDataset, implement sample_metadata(i) -> lightning_mm.data.SampleMeta, "
+                            "or set batch_balancing='none'")
+        metas = read_metadata(dataset, model)
+        return lambda indices: workload.works([metas[i] for i in indices])
     cache: dict[int, tuple[float, float]] = {}
 
     def work(indices):
@@ -186,3 +215,30 @@ def metadata_works(dataset, workload) -> Callable:
                 torch.tensor([cache[i][1] for i in indices], dtype=torch.float64))
 
     return work
+
+
+def read_metadata(dataset, model) -> list:
+    """Every sample's ``SampleMeta`` read from the sample itself (``metadata_of``: one placeholder per item, the
+    items' encoder inputs), with a progress bar and one info line naming the cost (rank 0)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+    from tqdm.auto import tqdm
+
+    start, name = time.perf_counter(), type(dataset).__name__
+    samples = tqdm(range(len(dataset)), desc=f"batch balancing: metadata of {name}", unit="sample",
+                   disable=rank_zero_only.rank != 0, leave=False)
+    metas = []
+    for i in samples:
+        try:
+            metas.append(metadata_of(dataset[i], model))
+        except Exception as e:  # noqa: BLE001  (named with its sample below)
+            raise MetadataError(f"batch balancing reads the metadata of {name}'s sample {i} from the sample itself, "
+                                f"which failed ({type(e).__name__}: {e}); samples must be in the collator's format "
+                                "(input_ids with one placeholder per item, one dict of encoder inputs per modality), "
+                                "or give the data set a sample_metadata(i) -> SampleMeta method, or set "
+                                "batch_balancing='none'") from e
+    rank_zero_info(f"batch balancing: {name} has no sample_metadata(i), so the metadata of its {len(metas)} samples "
+                   f"was read from the samples themselves ({time.perf_counter() - start:.1f} s, once per run and "
+                   "rank, each sample loaded once); a sample_metadata(i) method returning "
+                   "lightning_mm.data.SampleMeta (or lightning_mm.data.WithSampleMetadata(dataset, sample_metadata=fn) "
+                   "for a data set you cannot change) skips this pass")
+    return metas

@@ -2,13 +2,17 @@
 
 ``SampleMeta`` counts the tokens each modality item feeds its encoder and the LLM, and the sample's text tokens.
 Data sets give it through ``sample_metadata(i)`` (the balanced batch sampler and ``lightning-mm plan
---data-stats`` read it); the planner's cost model turns it into encoder and LLM work
+--data-stats`` read it; ``WithSampleMetadata`` adds one to a data set, and ``metadata_of`` reads it from a
+sample); the planner's cost model turns it into encoder and LLM work
 (``lightning_mm.planner.workload``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
+from torch.utils.data import Dataset
 
 
 @dataclass(frozen=True)
@@ -40,3 +44,20 @@ def metadata_of(sample: dict, model) -> SampleMeta:
             items[name] = tuple((encoder_input_tokens(enc, n), n) for n in enc.num_tokens(sample[name]))
     placeholders = set(model.placeholder_ids.values())
     return SampleMeta(sum(1 for t in ids if t not in placeholders), items)
+
+
+class WithSampleMetadata(Dataset):
+    """``dataset`` with ``sample_metadata(i)`` given as a callable (``sample_metadata(i) -> SampleMeta``), for a
+    data set that cannot be subclassed: batch balancing then reads no sample to plan."""
+
+    def __init__(self, dataset, sample_metadata: Callable[[int], SampleMeta]):
+        self.dataset, self._sample_metadata = dataset, sample_metadata
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset[i]
+
+    def sample_metadata(self, i: int) -> SampleMeta:
+        return self._sample_metadata(i)

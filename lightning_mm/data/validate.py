@@ -2,8 +2,9 @@
 the fix on every rank identically, before any collective (a rank stuck in a collective would hang its peers).
 
 Catalogue: missing or misplaced keys, wrong shapes or dtypes, an empty batch, placeholder tokens that do not
-match the features the encoders will emit, sequences longer than the language model's positions, mask words
-with bit 63, segment ids of the wrong shape, and rows that do not divide into the microbatches.
+match the features the encoders will emit, token ids outside the vocabulary, sequences longer than the
+language model's positions, mask words with bit 63, segment ids of the wrong shape, and rows that do not
+divide into the microbatches.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lightning_mm import masks
-from lightning_mm.data.microbatch import PLAN_KEY, microbatch_rows
+from lightning_mm.data.microbatch import PLAN_KEY, replica_microbatch_rows
 from lightning_mm.model.multimodal import SEQUENCE_KEYS
 
 REQUIRED_KEYS = ("input_ids", "labels")
@@ -80,9 +81,31 @@ def check_position_dims(batch: dict, model) -> None:
                          f"{'' if dims == 1 else f' or [B, S, {dims}]'} position ids)")
 
 
+def check_vocabulary(batch: dict, model) -> None:
+    """Token ids (other than placeholders) and labels (other than -100) inside the language model's vocabulary:
+    the embedding would raise a bare IndexError, and a label past the head a CUDA assertion."""
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is None:
+        return
+    ids = batch["input_ids"]
+    text = ids[~torch.isin(ids, torch.tensor(sorted(model.placeholder_ids.values()), dtype=ids.dtype))]
+    labels = batch["labels"]
+    labels = labels[labels != -100] if isinstance(labels, torch.Tensor) else labels
+    for key, values in (("input_ids", text), ("labels", labels)):
+        if not isinstance(values, torch.Tensor) or not values.numel():
+            continue
+        high, low = int(values.max()), int(values.min())
+        if high >= vocab or low < 0:
+            raise ValueError(f"{key} holds token id {high if high >= vocab else low}, outside the language model's "
+                             f"vocabulary of {vocab} ids (0..{vocab - 1}); the tokenizer does not match the model: use "
+                             "the model's own tokenizer, or grow its embeddings first "
+                             "(language_model.resize_token_embeddings(len(tokenizer)))")
+
+
 def check_microbatches(batch: dict, num_microbatches: int) -> None:
-    """Equal slices, or a balanced batch's plan that names every microbatch (``microbatch_rows`` raises)."""
-    microbatch_rows(batch, num_microbatches)
+    """Equal slices, or a balanced batch's plan that names every microbatch (``microbatch_rows`` raises), for
+    each language-model replica of a batch that holds several (per-module data parallelism)."""
+    replica_microbatch_rows(batch, num_microbatches)
 
 
 def validate_batch(batch: dict, model, num_microbatches: int = 1) -> None:
@@ -92,6 +115,7 @@ def validate_batch(batch: dict, model, num_microbatches: int = 1) -> None:
     check_position_dims(batch, model)
     check_microbatches(batch, num_microbatches)
     check_positions(batch, model.max_positions)
+    check_vocabulary(batch, model)
     if batch.get("bam") is not None:
         masks.validate(batch["bam"], batch.get("segment_ids"))
     model.check_placeholders(batch["input_ids"], {e: batch[e] for e in model.encoders if e in batch})
