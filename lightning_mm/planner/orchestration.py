@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_mm.plan.placement import LANGUAGE_MODEL
-from lightning_mm.planner.partition import partition_module
 from lightning_mm.planner.search import SHARDING_TRAFFIC, ModuleSpec, Plan, _check_modules, _encoders, \
     allreduce_seconds, encoder_samples, evaluate_plan, state_bytes_per_device
 
@@ -188,6 +187,7 @@ class _Module:
 
     def __post_init__(self):
         self._stage_cache: dict[tuple[int, int], list[tuple[float, float, bool]]] = {}
+        self._memory_cache: dict[tuple, float] = {}
         s = self.spec
         kept = sum(a for a, c in zip(s.per_layer(s.activation_bytes), s.costs) if c.in_backward)
         self.totals = (sum(s.per_layer(s.param_bytes)), kept, sum(s.per_layer(s.grad_bytes)),
@@ -204,8 +204,12 @@ class _Module:
                      sharding: str) -> float:
         """Bytes per device of the fullest stage of ``chain.sizes(pp)``: stage i holds min(pp - i + depth, k)
         in-flight microbatches (``depth``: stages after the module), as ``evaluate_plan`` counts them."""
-        return max(state_bytes_per_device(state, trainable, dp, tp, sharding) + kept * samples * min(pp - i + depth, k)
-                   for i, (state, kept, trainable) in enumerate(self._stages(chain, pp)))
+        key = (id(chain), tp, pp, dp, depth, k, samples, sharding)
+        if key not in self._memory_cache:
+            self._memory_cache[key] = max(
+                state_bytes_per_device(state, trainable, dp, tp, sharding) + kept * samples * min(pp - i + depth, k)
+                for i, (state, kept, trainable) in enumerate(self._stages(chain, pp)))
+        return self._memory_cache[key]
 
     def _stages(self, chain: _Chain, pp: int) -> list[tuple[float, float, bool]]:
         """(state bytes, kept activation bytes, trainable) of each stage of ``chain.sizes(pp)``."""
@@ -266,10 +270,13 @@ class _Problem:
 
     @functools.lru_cache(maxsize=None)
     def fewest_stages(self, module: str, tp: int, dp: int, samples: float, extra_depth: int, k: int) -> int | None:
-        """The fewest stages whose average stage fits memory (None: none does)."""
+        """The fewest stages whose fullest stage fits memory (None: none does), from the first whose average stage
+        fits (``_Module.memory``, a bound that skips the hopeless counts)."""
         mod = self.modules[module]
+        chain = mod.chain(tp, self.tp_bw)
         for pp in range(1, mod.layers + 1):
-            if mod.memory(tp, pp, dp, min(pp + extra_depth, k), samples, self.sharding) <= self.limit:
+            if mod.memory(tp, pp, dp, min(pp + extra_depth, k), samples, self.sharding) <= self.limit and (
+                    mod.stage_memory(chain, tp, pp, dp, extra_depth, k, samples, self.sharding) <= self.limit):
                 return pp
         return None
 
@@ -304,7 +311,7 @@ class _Problem:
         """The integer optimum of one outer choice (Eq. 2's min max), encoder stages added where an encoder is the
         bottleneck with every replica it can use or does not fit memory, spare devices spent on Eq. 1's warm-up."""
         k, group = self.m // lm_dp, lm_dp * self.b
-        lm = self.modules[LANGUAGE_MODEL]
+        lm, self.strained = self.modules[LANGUAGE_MODEL], set(self.encoders)  # strained unless solved below
         lm_pp = self.fewest_stages(LANGUAGE_MODEL, lm_tp, lm_dp, 1.0, 0, k)
         if lm_pp is None:
             return None
@@ -314,7 +321,7 @@ class _Problem:
             if enc_pp[e] is None:
                 return None
         lm_chain = lm.chain(lm_tp, self.tp_bw)
-        best = None
+        best, strained = None, set()
         for _ in range(sum(mod.layers for mod in self.modules.values()) + 1):
             units = [Unit(lm_chain.bottleneck, lm_dp * lm_tp, lm_pp, lm.layers)]
             work = [lm_dp * lm_tp * lm_chain.total]  # time_i(n) >= work_i / (weight_i n): water_fill's t is a bound
@@ -340,14 +347,27 @@ class _Problem:
                 plan = Orchestration(dp, tp, pp, self.devices(dp, tp, pp), estimate)
                 if best is None or (plan.estimate, plan.devices) < (best.estimate, best.devices):
                     best = plan
-            grow = [e for u, e, n in zip(units[1:], self.encoders, counts[1:]) if enc_pp[e] < self.modules[e].layers
-                    and ((n == u.upper and u.time(n) >= level) or e in full)]
+            times = [u.time(n) for u, n in zip(units, counts)]
+            strained |= {e for e, u, n in zip(self.encoders, units[1:], counts[1:]) if n == u.upper}
+            grow = {}  # encoders to deepen: to the stage count that brings them under the others' slowest stage
+            for i, e in enumerate(self.encoders, 1):
+                mod = self.modules[e]
+                capped = counts[i] == units[i].upper and times[i] >= level
+                if enc_pp[e] < mod.layers and (capped or e in full):
+                    others = max(times[:i] + times[i + 1:])
+                    target = mod.chain(enc_tp[e], self.tp_bw).stages_under(others * self.b) if capped else 0
+                    if e in full:
+                        share = encoder_samples(lm_dp, counts[i], self.b) / self.b
+                        target = max(target, self.fewest_stages(e, enc_tp[e], counts[i], share, counts[0], k) or 0)
+                    grow[e] = min(mod.layers, max(enc_pp[e] + 1, target))
             if LANGUAGE_MODEL in full and counts[0] < lm.layers:
                 lm_pp = counts[0] + 1
             elif not grow:
                 break
-            for e in grow:
-                enc_pp[e] += 1
+            enc_pp.update(grow)
+            strained |= set(grow)
+        if best is not None:
+            self.strained = strained
         return best
 
     def devices(self, dp, tp, pp) -> int:
@@ -388,7 +408,7 @@ def search_per_module_dp(
     sharding: str = "NO_SHARD",
     p2p_latency: float = 0.0,
     placement: str = "parallel",
-    replay: int = 3,
+    replay: int = 1,
 ) -> OrchestrationResult:
     """Each module's (dp, tp, pp) on at most ``num_devices`` devices for a global batch of ``num_microbatches``
     microbatches of ``samples_per_microbatch`` samples (DistTrain Algorithm 1 with the closed-form inner problem).
@@ -398,8 +418,10 @@ def search_per_module_dp(
     (at the fewest stages its memory allows, more where it stays the bottleneck) minimising the slowest stage
     (Eq. 2), exactly on the frozen-aware costs, then spare devices for Eq. 1. Candidates are ranked by
     Eq. 1 + Eq. 2 + gradient sync; the ``replay`` best that fit ``memory_limit`` (bytes per device) are simulated
-    (``evaluate_plan``, the frozen-aware partition at their stage counts) and the fastest is ``best``. Encoders run
-    on their own devices (``placement`` must be "parallel": the runtime refuses unequal dps otherwise)."""
+    (``evaluate_plan``; each module split into its stages at the least slowest stage, packed from the last stage so
+    that early stages, which hold the most in-flight microbatches, get the fewest layers) and the fastest is
+    ``best``. Encoders run on their own devices (``placement`` must be "parallel": the runtime refuses unequal dps
+    otherwise)."""
     _check_modules(modules)
     if placement != "parallel":
         raise ValueError(f"per-module data parallelism needs encoder_placement='parallel' (got {placement!r}): "
@@ -421,20 +443,27 @@ def search_per_module_dp(
     for lm_tp, lm_dp in itertools.product(tps, _divisors(num_microbatches)):
         if lm_dp * lm_tp + len(encoders) > num_devices:
             continue
-        for combo in itertools.product(tps, repeat=len(encoders)):
-            subproblems += 1
-            found = problem.solve(lm_tp, lm_dp, dict(zip(encoders, combo)))
-            if found is not None:
-                candidates.append(found)
+        # An encoder's larger tp only pays where it is strained at the smallest (no fit, its replicas capped at the
+        # samples of a microbatch position, or more stages for memory): otherwise tp x C(tp) >= C(smallest tp)
+        # makes the same devices as replicas at least as fast for Eq. 2 and Eq. 1.
+        subproblems += 1
+        found = problem.solve(lm_tp, lm_dp, dict.fromkeys(encoders, tps[0]))
+        candidates += [found] if found is not None else []
+        strained = [e for e in encoders if e in problem.strained]
+        for combo in itertools.product(tps, repeat=len(strained)):
+            if any(t != tps[0] for t in combo):
+                subproblems += 1
+                found = problem.solve(lm_tp, lm_dp, {**dict.fromkeys(encoders, tps[0]), **dict(zip(strained, combo))})
+                candidates += [found] if found is not None else []
     candidates.sort(key=lambda c: (c.estimate, c.devices))
     solved = time.perf_counter()
     if not candidates:
         raise ValueError(f"no per-module layout of these modules fits {num_devices} devices with "
                          f"memory_limit={memory_limit:.3g} bytes (tp in {tps}); add devices, allow larger tp, or "
                          "recompute activations")
-    replayed, sizes = [], functools.lru_cache(maxsize=None)(lambda m, pp: partition_module(modules[m].costs, pp))
+    replayed = []
     for c in candidates:
-        layers = {m: sizes(m, c.pp[m]) for m in modules}
+        layers = {m: problem.modules[m].chain(c.tp[m], tp_bandwidth).sizes(c.pp[m]) for m in modules}
         plan = evaluate_plan(modules, layers, "parallel", num_microbatches, dict(c.dp), p2p_latency, memory_limit,
                              allreduce_bandwidth, dict(c.tp), sharding, tp_bandwidth,
                              samples_per_microbatch=samples_per_microbatch)
