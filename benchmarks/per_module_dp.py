@@ -31,22 +31,21 @@ Writes benchmarks/results/per_module_dp.json and prints the table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from lightning_mm.planner.costs import LayerCost, ModuleTimes, mllm_layer_costs
 from lightning_mm.planner.orchestration import flop_ratio_split, search_per_module_dp
 from lightning_mm.planner.partition import partition_module
 from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _machine  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEAK = 312e12  # A800 bf16 dense FLOP/s
@@ -209,18 +208,6 @@ def table_2(repeats: int) -> list[dict]:
     return out
 
 
-def machine(command: str) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__, python=platform.python_version(),
-                load_average=os.getloadavg(), date=datetime.datetime.now().isoformat(timespec="seconds"),
-                command=command)
-
-
 def print_tables(doc: dict) -> None:
     head = (f"{'scale':<6} {'model':<10} {'setting':<15} {'row':<11} {'GPUs':>5} {'dp x tp x pp':<28} {'iter s':>7} "
             f"{'samples/s':>9} {'MFU':>6} {'bubble':>6} {'MFU x':>6} {'tput x':>6} {'Eq.1-2 s':>8} {'plan ms':>7}")
@@ -251,6 +238,7 @@ def main(argv=None) -> dict:
     if args.measured:
         raise SystemExit("--measured needs the per-module data-parallel runtime (per-chain dp in the rank layout "
                          "and the engine's routing); it is not implemented in this script yet")
+    start = _machine.record()
     models = args.models.split(",")
     work = [(scale, m, setting) for scale in SCALES for m in models
             for setting in (SETTINGS if scale == "8.2.1" else ("trained",))]
@@ -268,7 +256,7 @@ def main(argv=None) -> dict:
         cases=cases, table_2=table_2(args.repeats),
         published=dict(mfu_disttrain="51.8-54.7% (§8.1)", ratios=PUBLISHED, table_2_ms={g: s * 1e3 for g, (_, s) in
                                                                                      TABLE_2.items()}),
-        machine=machine("python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])))
+        machine=_machine.finish(start))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print_tables(doc)
