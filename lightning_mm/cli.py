@@ -81,21 +81,23 @@ class MultimodalCLI(LightningCLI):
         """Lightning's, except that ``trainer.logger`` left at its default without TensorBoard installed gets the
         ``CSVLogger`` Lightning falls back to there, named here (so no warning about tensorboardX): metrics go to
         ``<default_root_dir>/lightning_logs/version_N/metrics.csv`` as before. A replica group of a fault-tolerant
-        job logs to ``lightning_logs/group_<g>/version_N`` (groups on one host would share the folder)."""
+        job logs to ``lightning_logs/group_<g>/version_N`` (groups on one host would share the folder); a version
+        folder that ``lightning-mm plan`` wrote for this run is reused (``planned_version``)."""
         trainer = self._get(self.config_init, "trainer", default={})
         if "logger" in kwargs or trainer.get("logger") not in (None, True):
             return super().instantiate_trainer(**kwargs)
         ft = getattr(trainer.get("strategy"), "fault_tolerance", None)
         name = "lightning_logs" if ft is None else os.path.join("lightning_logs", f"group_{ft.replica_group}")
         save_dir = trainer.get("default_root_dir") or os.getcwd()
+        version = planned_version(os.path.join(save_dir, name))
         if not (importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
             from lightning.pytorch.loggers import CSVLogger
 
-            kwargs["logger"] = CSVLogger(save_dir=save_dir, name=name)
-        elif ft is not None:
+            kwargs["logger"] = CSVLogger(save_dir=save_dir, name=name, version=version)
+        elif ft is not None or version is not None:
             from lightning.pytorch.loggers import TensorBoardLogger
 
-            kwargs["logger"] = TensorBoardLogger(save_dir=save_dir, name=name)
+            kwargs["logger"] = TensorBoardLogger(save_dir=save_dir, name=name, version=version)
         return super().instantiate_trainer(**kwargs)
 
     def instantiate_classes(self) -> None:
@@ -111,6 +113,18 @@ class MultimodalCLI(LightningCLI):
                              f"materialises (per stage); the trainer's strategy is "
                              f"{type(self.trainer.strategy).__name__}: set trainer.strategy to "
                              "lightning_mm.MultimodalParallelStrategy (or 'multimodal'), or drop --empty_init")
+
+
+def planned_version(folder: str) -> int | None:
+    """The newest ``version_N`` under ``folder`` when it holds only ``plan/`` (``lightning-mm plan`` wrote it for
+    the run to come): ``plan`` and the ``fit`` after it then share that folder. None otherwise (a new version)."""
+    if not os.path.isdir(folder):
+        return None
+    versions = [int(d[8:]) for d in os.listdir(folder) if d.startswith("version_") and d[8:].isdigit()]
+    if not versions:
+        return None
+    newest = max(versions)
+    return newest if os.listdir(os.path.join(folder, f"version_{newest}")) == ["plan"] else None
 
 
 def load_fit_config(configs: list[str], extra: list[str] = ()):

@@ -283,7 +283,8 @@ def _write(plan: Plan, out: Path, name: str, units: Units) -> list[Path]:
 
 
 def default_out(trainer) -> Path:
-    """``<trainer.log_dir>/plan``: the folder the YAML's ``fit`` logs to (or its ``default_root_dir``)."""
+    """``<trainer.log_dir>/plan``: the folder the YAML's ``fit`` logs to (or its ``default_root_dir``). A version
+    folder holding only ``plan/`` is the one the next ``lightning-mm fit`` takes (``cli.next_log_version``)."""
     return Path(trainer.log_dir or trainer.default_root_dir) / "plan"
 
 
@@ -378,10 +379,38 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
                             f"tp={best.tp}, cp={best.cp}, cp_mode={cp_mode_label(best)}, "
                             f"encoder_cp={encoder_cp_label(best)}, sharding={best.sharding}, pp={best.pp()}", units))
     print(f"\nconfigured / auto predicted iteration time: {mine.iteration_time / best.iteration_time:.3f}x")
+    why = fewer_devices_reason(best, found.candidates, budget)
+    if why:
+        print(f"\n{why}")
     print(f"\nto run the auto plan, put this in the fit YAML (the data module's batch_size is per replica: keep "
           f"batch_size x dp the same for the same global batch; dp = {best.dp}):\n")
     print(strategy_yaml(best))
+    print(NOTATION)
     print("wrote " + ", ".join(str(f) for f in files))
+
+
+NOTATION = ("partition lists each module's layers per pipeline stage: [4] is one stage holding all 4 layers, "
+            "[2, 2] two stages of 2 layers (pp = the list's length); in the tables, 'busy' is a stage's forward + "
+            "backward per iteration, 'bubble' the share of the iteration it waits, 'in flight' the microbatches "
+            "whose activations it holds at once")
+
+
+def fewer_devices_reason(best: Plan, candidates: list[Plan], budget: int) -> str:
+    """Why the best plan leaves devices idle: replicas are whole, and (where one was searched) the fastest plan
+    using every device is predicted slower."""
+    if best.devices >= budget:
+        return ""
+    ranks = best.devices // best.dp if not best.module_dp else best.devices
+    text = (f"why {best.devices} of {budget} devices: a replica of this layout spans {ranks} ranks, and data "
+            f"parallelism copies whole replicas ({best.dp} x {ranks} = {best.devices}); ")
+    full = [c for c in candidates if c.devices == budget]
+    if not full:
+        return text + f"no layout searched fills all {budget} devices, so {budget - best.devices} stay idle"
+    other = min(full, key=lambda c: c.iteration_time)
+    return text + (f"the fastest layout that uses all {budget} (dp={other.dp}, pp={other.pp()}, tp={other.tp}, "
+                   f"placement={other.placement}) is predicted to take "
+                   f"{other.iteration_time / best.iteration_time:.3f}x this plan's iteration time, no less, so the "
+                   "smaller layout is proposed (ties go to fewer devices)")
 
 
 def module_degrees(plan: Plan) -> str:

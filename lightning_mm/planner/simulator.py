@@ -211,16 +211,19 @@ def timeline_png(result: SimulationResult, path: str | Path, title: str | None =
             ax.broken_barh([((e.end - width) * scale, width * scale)], (y - 0.4, 0.8), facecolors="none",
                            edgecolor="black", hatch="///", linewidth=0.0)
         ax.text((e.start + e.end) / 2 * scale, y, text, ha="center", va="center", fontsize=7, color="white")
-    deferred, comm = any(e.deferred > 0 for e in result.events), any(e.comm > 0 for e in result.events)
-    if deferred or comm:
-        from matplotlib.patches import Patch
+    from matplotlib.patches import Patch
 
-        handles = [Patch(facecolor="#4C72B0", label="forward"), Patch(facecolor="#DD8452", label="backward")]
-        if comm:
-            handles.append(Patch(facecolor="#A6BDDB", edgecolor="black", hatch="..", label="communication"))
-        if deferred:
-            handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="deferred"))
-        ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles))
+    kinds = {e.kind for e in result.events}
+    handles = [Patch(facecolor="#4C72B0", label="forward (number: microbatch)"),
+               Patch(facecolor="#DD8452", label="backward (number: microbatch)")]
+    if "sync" in kinds:
+        handles.append(Patch(facecolor="#8C8C8C", label="AR: gradient all-reduce"))
+    if any(e.comm > 0 for e in result.events):
+        handles.append(Patch(facecolor="#A6BDDB", edgecolor="black", hatch="..", label="communication"))
+    if any(e.deferred > 0 for e in result.events):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="deferred LLM work"))
+    handles.append(Patch(facecolor="white", edgecolor="none", label="blank: idle (bubble)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"{s} ({result.bubble_fraction[s]:.0%} idle)" for s in reversed(result.stages)])
     ax.set_xlim(0, result.iteration_time * scale)
