@@ -93,8 +93,8 @@ def cp_planning_inline(data: dict) -> str:
     cold = [_planning_row(data, layout, "cold cache")["plan_ms_median"] for layout in ("ep", "mp")]
     return (f"{ms[0]:.2f} / {ms[1]:.2f} / {ms[2]:.2f} ms (EP / EE / MP medians with the arrays in the cache, "
             f"measured by `benchmarks/cp_balance.py --only planning` on {data['machine']['cpu']}, "
-            f"{data['machine']['cores']} cores), but {_range(cold)} ms when the words and segment ids come from "
-            f"memory (EP / MP, cold cache)")
+            f"{data['machine']['cores']} cores, load average {data['machine']['load_average_start'][0]:.1f}), but "
+            f"{_range(cold)} ms when the words and segment ids come from memory (EP / MP, cold cache)")
 
 
 @renderer("cp_balance.json", "evict")
