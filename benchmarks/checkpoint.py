@@ -227,6 +227,7 @@ def main() -> None:
               "machine": _machine.finish(start)}
     Path(args.results).mkdir(parents=True, exist_ok=True)
     Path(args.results, "checkpoint.json").write_text(json.dumps(result, indent=1))
+    tables.main(["--quiet"])
     o, f = rows["ours"], rows["fsdp"]
     print(f"{'':12}{'ours':>12}{'FSDP':>12}{'ours/FSDP':>12}")
     print(f"{'size (MB)':12}{o['bytes'] / 1e6:12.2f}{f['bytes'] / 1e6:12.2f}{o['bytes'] / f['bytes']:12.2f}")

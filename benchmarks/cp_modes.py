@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import _machine  # benchmarks/_machine.py: the machine record
+import tables  # benchmarks/tables.py: the figures the docs quote
 
 from pipeline import _rss_reset, _status_kb  # benchmarks/pipeline.py: peak-RSS helpers
 
@@ -413,6 +414,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
+    tables.main(["--quiet"])
     print(f"\none training step per mode (measured, {result['device']}, {args.threads} thread(s) per rank; "
           f"median of {args.steps} after {args.warmup} warm-up, 1 step where one takes over {args.long_step:.0f} s):")
     print("cell: step seconds | peak RSS MiB (largest rank) | speed-up over cp 1 at that length")

@@ -69,6 +69,7 @@ from lightning_mm.planner.costs import fit_cost_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _machine  # noqa: E402
+import tables  # noqa: E402
 
 LM = "language_model"
 # 003 Table 3.1: (layers, hidden, parameters)
@@ -655,6 +656,7 @@ def main(argv=None):
         name = "frozen_aware_measured.json"
     doc["machine"] = dict(_machine.finish(args.machine), note="simulated: the machine does not change these figures")
     (args.out / name).write_text(json.dumps(doc, indent=1))
+    tables.main(["--quiet"])
     return seed_rows, rows
 
 

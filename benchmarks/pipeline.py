@@ -400,6 +400,7 @@ def setup_main(args, argv: list[str]) -> None:
            "rows": rows, "machine": _machine.finish(args.machine)}
     (out / f"pipeline_setup_p{args.procs}_{args.accelerator}.json").write_text(json.dumps(doc, indent=1))
     print(setup_table(rows, args.accelerator))
+    tables.main(["--quiet"])
 
 
 # ----------------------------------------------------------------------------------------------- --sharding
@@ -651,6 +652,7 @@ def sharding_main(args, argv: list[str]) -> None:
            "baseline": "no_shard", "rows": rows, "machine": _machine.finish(args.machine)}
     (out / f"pipeline_sharding_p{args.procs}_{args.accelerator}.json").write_text(json.dumps(doc, indent=1))
     print(sharding_table(rows, args.accelerator))
+    tables.main(["--quiet"])
 
 
 # ----------------------------------------------------------------------------------------------- the driver
@@ -760,6 +762,7 @@ def main(argv=None) -> None:
            "baseline": rows[0]["name"], "rows": rows, "machine": _machine.finish(args.machine)}
     (out / f"pipeline_p{args.procs}_{args.accelerator}.json").write_text(json.dumps(doc, indent=1))
     print(table(rows, args.accelerator))
+    tables.main(["--quiet"])
 
 
 if __name__ == "__main__":
