@@ -20,7 +20,8 @@ from lightning_mm.fault_tolerance import lighthouse_banner  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 EXAMPLE = os.path.join(ROOT, "examples", "fault_tolerance")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",  # this tree's lightning_mm first (an editable install may point elsewhere)
+       "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
 ENV.pop("RUST_LOG", None)
 
 

@@ -10,7 +10,8 @@ import yaml
 
 HERE = os.path.dirname(__file__)
 EXAMPLE = os.path.join(HERE, "..", "examples", "tiny_valm_pp.yaml")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1",  # this tree's lightning_mm first (an editable install may point elsewhere)
+       "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(HERE, ".."), os.environ.get("PYTHONPATH")]))}
 
 
 def processes_mentioning(text: str) -> list[int]:
