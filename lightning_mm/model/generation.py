@@ -41,11 +41,13 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                                          else segment_ids).ne(segment_ids[:, :1]).any()):
         raise ValueError("generate takes one prompt per row; these rows are packed (segment_ids): collate the "
                          "prompts without pack=True")
-    cache = kwargs.get("past_key_values")
+    if "past_key_values" in kwargs:  # the name transformers 5 deprecates for generate's ``cache``
+        kwargs["cache"] = kwargs.pop("past_key_values")
+    cache = kwargs.get("cache")
     if kwargs.get("cache_implementation") is not None or (cache is not None and type(cache) is not DynamicCache):
         raise ValueError("MultimodalModel.generate keeps the KV cache itself (a full transformers DynamicCache, "
                          "which bitfield attention indexes by token position); drop cache_implementation / "
-                         "past_key_values")
+                         "cache")
     if getattr(model, "position_ids_fn", None) is not None:
         raise NotImplementedError("generate counts 1-D positions as transformers' text generation does; this model "
                                   "computes its own (multimodal rotary positions), which decoding does not follow yet")
@@ -68,7 +70,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         if not torch.equal(given[real], expected[real]):
             raise ValueError("generate counts positions 0, 1, ... over each row's non-padding tokens (as "
                              "transformers does); these position_ids differ: drop them")
-    kwargs.setdefault("past_key_values", DynamicCache())
+    kwargs.setdefault("cache", DynamicCache())
     with torch.no_grad():
         features = {name: model.encoders[name](inputs) for name, inputs in modality_inputs.items()}
         embeds = model.embed(input_ids, features)
