@@ -1,8 +1,10 @@
 """Per-module data parallelism in the planner (DistTrain's orchestration) against brute-force references."""
 
+import importlib.util
 import itertools
 import math
 import random
+from pathlib import Path
 
 import pytest
 import yaml
@@ -14,6 +16,7 @@ from lightning_mm.planner.partition import partition_module
 from lightning_mm.planner.plan_cli import strategy_yaml
 
 LM = "language_model"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------------------------- the inner problem
@@ -235,3 +238,197 @@ def test_plan_cli_per_module_dp_writes_a_yaml_with_dp(tmp_path, capsys):
     assert all(s.dp is not None for s in specs) and set(args["encoders"]) == {"vision", "audio"}
     assert yaml.safe_load(text)["trainer"]["devices"] == sum(s.dp * s.size for s in specs) <= 8
     assert (tmp_path / "auto.png").exists() or (tmp_path / "auto.trace.json").exists()
+
+
+# --------------------------------------------------------------------------------------------- chosen layouts kept
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("per_module_dp_benchmark", ROOT / "benchmarks" / "per_module_dp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def benchmark_cases():
+    """The benchmark's searches: (specs, GPUs, batch, options) by "model/setting/GPUs/batch"."""
+    bench, out = _benchmark(), {}
+    for model, frozen in itertools.product(("9B", "15B", "72B"), (False, True)):
+        specs, _ = bench.module_specs(model, frozen)
+        scales = {(98, bench.SCALES["8.2.1"][model][1])} | (set() if frozen else {(1296, 1920)})
+        if model == "72B" and not frozen:
+            scales |= {(g, b) for g, (b, _) in bench.TABLE_2.items()}
+        for gpus, batch in scales:
+            out[f"{model}/{'frozen' if frozen else 'trained'}/{gpus}/{batch}"] = (specs, gpus, batch, bench.COMMON)
+    return out
+
+
+def random_case(seed):
+    """A small random search: 1-2 encoders (frozen, trained or partly trained layers) and an LLM of 2-8 layers,
+    memory limits that force stages or refuse, tp, sharding, bandwidths, samples per microbatch, replay."""
+    rng = random.Random(seed)
+    names, modules, upstream = ["vision", "audio"][:rng.randint(1, 2)] + [LM], {}, False
+    for name in names:
+        n = rng.randint(2, 8)
+        train = [rng.random() < 0.7 for _ in range(n)] if name != LM else [True] * n
+        base = rng.uniform(0.2, 3.0) * (3.0 if name == LM else 1.0)
+        costs, seen = [], upstream if name == LM else False
+        for t in train:
+            seen = seen or t
+            f = base * rng.uniform(0.5, 1.5)
+            costs.append(LayerCost(f, (f if t else 0.0) + (f if seen else 0.0), t, seen))
+        upstream = upstream or (name != LM and any(train))
+        params = [rng.uniform(1e6, 2e7) * (8 if t else 1) for t in train]
+        modules[name] = ModuleSpec(costs, param_bytes=params, activation_bytes=[rng.uniform(1e6, 1e7) for _ in train],
+                                   grad_bytes=[p / 8 if t else 0.0 for p, t in zip(params, train)],
+                                   tp_bytes=rng.uniform(1e5, 2e6))
+    footprint = max(sum(s.param_bytes) + 4 * sum(s.activation_bytes) for s in modules.values())
+    kwargs = dict(samples_per_microbatch=rng.choice([1, 1, 2]), tp_degrees=rng.choice([(1,), (1, 2), (1, 2, 4)]),
+                  memory_limit=rng.choice([math.inf, rng.uniform(0.05, 0.6) * footprint]),
+                  allreduce_bandwidth=rng.choice([math.inf, rng.uniform(1e8, 1e10)]),
+                  tp_bandwidth=rng.choice([math.inf, rng.uniform(1e9, 1e10)]),
+                  sharding=rng.choice(["NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD"]),
+                  p2p_latency=rng.choice([0.0, 1e-3]), replay=rng.choice([1, 1, 2]))
+    return modules, rng.randint(3, 40), rng.choice([2, 4, 6, 8, 12, 16]), kwargs
+
+
+# Every module's "dp x tp x pp" (modules in order), the Eq. 1-2 estimate and the simulated iteration time of the
+# layout each case chose, recorded before the search was made faster (None: refused, no layout fits).
+CHOSEN = {
+    '15B/frozen/98/64': ("2x1x1 4x8x3", 5.131449531295722, 5.124400322297434),
+    '15B/trained/1296/1920': ("96x1x1 96x4x3", 11.13521346997607, 11.07457833047521),
+    '15B/trained/98/64': ("1x2x1 2x8x6", 5.231944338160679, 5.179126579199997),
+    '72B/frozen/98/40': ("2x1x1 4x8x3", 15.872336138064965, 15.873435977780506),
+    '72B/trained/112/240': ("3x1x1 3x4x9", 69.18962881842323, 69.12550257060093),
+    '72B/trained/1296/1920': ("16x1x1 32x8x5", 51.25974924961935, 51.12135585897028),
+    '72B/trained/324/480': ("4x1x1 8x8x5", 51.20841096865935, 51.07001757801029),
+    '72B/trained/648/960': ("8x1x1 16x8x5", 51.24263648929935, 51.10424309865029),
+    '72B/trained/98/40': ("2x1x1 4x8x3", 16.003938341109066, 15.873435977780506),
+    '9B/frozen/98/128': ("2x1x1 2x4x12", 5.25733995266187, 5.24219636429675),
+    '9B/trained/1296/1920': ("30x2x1 60x4x5", 6.072237840709568, 6.066968246219484),
+    '9B/trained/98/128': ("4x4x1 4x4x5", 5.971212500991989, 5.942873130360338),
+    0: None,
+    1: ("6x1x1 12x1x1", 134.0294098242116, 134.01160287825826),
+    2: ("6x1x1 6x1x3", 136.8345216767107, 136.8325216767107),
+    3: ("1x4x2 1x4x3", 136.55275554208052, 136.4660614817329),
+    4: ("12x1x1 12x1x1", 40.913331208753974, 40.632598298611434),
+    5: None,
+    6: ("4x2x1 2x4x3", 75.37825735592102, 74.85852457302629),
+    7: ("1x1x1 2x2x1 2x2x5", 45.11203092907796, 45.248669894677676),
+    8: None,
+    9: None,
+    10: ("4x1x1 4x2x3", 133.48962359575498, 133.48762359575503),
+    11: ("6x2x1 3x1x1 6x4x1", 58.840188938524136, 58.840188938524136),
+    12: ("1x4x1 1x4x2 2x4x1", 18.552312191155895, 19.28830527103382),
+    13: ("1x1x1 1x2x1 1x2x1", 263.79562016995516, 263.79362016995515),
+    14: ("1x4x1 1x4x1", 46.44012931866808, 46.43827370356688),
+    15: ("4x1x1 8x4x1", 45.98137434427029, 45.98137434427029),
+    16: None,
+    17: ("8x2x1 4x2x1 4x2x1", 70.730914341493, 66.5026501966537),
+    18: None,
+    19: ("6x1x1 6x4x1", 65.45431118203092, 65.45431118203092),
+    20: ("4x1x1 8x1x1", 132.60549449623574, 132.59329982217872),
+    21: ("4x1x1 4x1x4", 94.6836733920436, 94.68167339204359),
+    22: ("3x1x1 6x1x6", 144.9580887051993, 144.95711249709308),
+    23: ("1x2x1 1x1x1 1x2x3", 242.19342052446748, 240.46112958770908),
+    24: None,
+    25: ("3x1x1 2x1x1 6x2x2", 125.45560994186908, 129.14090661339728),
+    26: ("4x1x2 4x1x2", 66.81645677346637, 66.81645677346638),
+    27: ("8x1x1 8x1x1 8x1x1", 209.78664324554518, 209.70047759202737),
+    28: ("8x1x1 12x2x1", 83.72346037074276, 83.72146037074275),
+    29: ("1x1x1 1x1x3", 330.7105164841845, 330.3949014067038),
+    30: None,
+    31: ("2x1x1 3x1x1", 59.37906819603691, 59.37619755891785),
+    32: ("4x1x1 6x2x2", 9.436579000825008, 9.436579000825008),
+    33: ("3x2x1 3x1x1", 85.10620014798494, 85.10620014798494),
+    34: ("2x4x1 3x1x3 3x4x1", 62.11542205429818, 62.11542205429818),
+    35: ("1x1x1 1x1x1 1x4x1", 528.8305389956413, 505.971810365896),
+    36: ("1x1x1 2x1x5 1x1x7", 418.63152922982874, 422.6660764180346),
+    37: ("4x1x1 4x1x1", 152.42314919498605, 152.4211491949861),
+    38: ("2x4x1 2x4x1 2x4x2", 118.08908052900577, 118.08708052900577),
+    39: ("2x2x1 2x2x1", 73.03008534515568, 73.00935580486532),
+    40: None,
+    41: ("4x1x3 1x1x4 2x1x7", 227.43681255736726, 227.43281255736733),
+    42: ("1x1x1 2x1x3", 19.98825036252924, 19.95285492180161),
+    43: ("4x1x1 2x1x1", 23.848096019742513, 23.84809601974251),
+    44: ("1x1x1 1x1x1 1x1x1", 868.6276753604276, 868.627675360428),
+    45: ("2x1x2 1x1x1 2x1x3", 41.09582938366554, 41.09682867442828),
+    46: ("2x4x1 2x4x3", 92.42617748492748, 90.07746493682845),
+    47: ("1x1x1 4x2x1 8x2x1", 163.8036013781184, 163.79917330621186),
+    48: None,
+    49: ("4x1x1 2x2x2", 27.557459988061908, 27.557459988061915),
+    50: ("4x1x1 8x2x1 8x2x1", 148.790146200568, 148.788146200568),
+    51: ("1x1x3 1x1x5", 889.1758862161661, 870.2738209162429),
+    52: ("3x1x1 4x1x1 4x2x1", 43.15757864314391, 45.20306984788086),
+    53: ("1x2x2 2x2x1", 14.4374984973022, 14.433340283072255),
+    54: ("6x1x1 6x1x4", 98.61225586205963, 98.61225586205963),
+    55: ("3x1x1 8x1x1", 268.3462247440343, 268.34622474403426),
+    56: ("2x1x1 8x1x3", 67.73635581560964, 67.73435581560965),
+    57: None,
+    58: ("4x1x1 2x2x1", 28.249021912061195, 28.249021912061192),
+    59: ("4x1x1 16x1x2", 62.497475978708955, 62.49747597870895),
+    60: ("3x1x1 6x1x1 6x1x1", 205.44647875842338, 205.4464787584234),
+    61: ("2x2x1 2x4x1 2x4x1", 18.879752097384493, 16.023128068912218),
+    62: ("3x4x1 3x2x1", 9.133069620434602, 9.129500545184584),
+    63: ("1x1x4 4x2x1 8x2x1", 139.80513593551464, 139.78076118786964),
+    64: ("4x1x1 8x1x1 4x1x2", 83.04224098726378, 83.04024098726377),
+    65: ("2x1x1 4x1x1 4x2x1", 210.872471326494, 210.85448687666766),
+    66: ("6x1x2 6x1x2", 56.625466610519425, 56.61544721185174),
+    67: ("4x2x1 2x4x2", 3.5046241714979915, 3.5046241714979915),
+    68: ("2x1x1 3x1x1 6x1x4", 274.4208542339951, 275.0937207602476),
+    69: ("2x1x1 2x1x3", 197.15811600806384, 191.11329060919698),
+    70: ("1x4x1 2x4x2", 76.05658099897353, 73.54169103521649),
+    71: ("2x1x1 3x1x1 6x1x4", 153.75054393700378, 153.74772381512076),
+    72: ("4x2x1 2x2x2", 40.165595825262635, 40.16359582526264),
+    73: ("2x4x1 4x2x1 4x4x1", 14.250121858618666, 14.249214801784342),
+    74: ("1x4x1 1x4x1", 34.85648192883436, 34.85448192883435),
+    75: None,
+    76: None,
+    77: ("16x1x1 4x1x1 8x1x1", 28.48059896227671, 28.48059896227671),
+    78: ("4x2x1 2x4x3", 18.613196920647738, 18.61319692064774),
+    79: None,
+}
+
+
+def test_chosen_layouts_are_those_recorded_on_the_benchmark_and_random_cases():
+    cases = {**benchmark_cases(), **{seed: random_case(seed) for seed in range(80)}}
+    assert set(cases) == set(CHOSEN)
+    for key, (modules, devices, microbatches, kwargs) in cases.items():
+        if CHOSEN[key] is None:
+            with pytest.raises(ValueError, match="no per-module layout"):
+                search_per_module_dp(modules, devices, microbatches, **kwargs)
+            continue
+        found = search_per_module_dp(modules, devices, microbatches, **kwargs)
+        best, pp = found.best, found.best.pp()
+        layout = " ".join(f"{best.module_dp[m]}x{best.module_tp[m]}x{pp[m]}" for m in modules)
+        assert (layout, found.estimate, best.iteration_time) == (
+            CHOSEN[key][0], pytest.approx(CHOSEN[key][1], rel=1e-9), pytest.approx(CHOSEN[key][2], rel=1e-9)), key
+
+
+def test_plan_cli_times_a_yaml_whose_specs_carry_dp_with_each_modules_own_dp(tmp_path, capsys):
+    """`lightning-mm plan` on the example with dp on every ParallelSpec (the "configured" plan): vision's 2 replicas
+    each encode half of a microbatch position's samples, the devices are sum of dp x ranks; dp on the LLM alone is
+    refused with the fix."""
+    from lightning_mm.cli import main
+
+    def configured(vision_dp, audio_dp=1):
+        override = tmp_path / f"dp{vision_dp}.yaml"
+        specs = {"vision": vision_dp, "audio": audio_dp}
+        override.write_text(yaml.safe_dump({"trainer": {"devices": vision_dp + 3, "strategy": {"init_args": {
+            "encoders": {e: {"class_path": "lightning_mm.ParallelSpec", "init_args": {"pp": 1, **(
+                {"dp": dp} if dp else {})}} for e, dp in specs.items()},
+            "language_model": {"class_path": "lightning_mm.ParallelSpec", "init_args": {"pp": 2, "dp": 1}}}}}}))
+        main(["plan", "--config", "examples/tiny_valm_pp.yaml", "--config", str(override), "--per-module-dp",
+              "--device-flops", "1e12", "--out", str(tmp_path / str(vision_dp))])
+        out = capsys.readouterr().out
+        table = out.split("configured: ")[1].split("\n\n")[0]
+        rows = {line.split()[0]: line.split() for line in table.splitlines() if line.startswith(("vision", "audio"))}
+        return table, {s: float(r[4]) for s, r in rows.items()}, out  # forward (ms) per stage
+
+    table, forward, out = configured(2)  # 2 rows per microbatch: one per vision replica
+    assert table.startswith("5 devices, placement=parallel, dp=1") and "ms on 5 devices (fits memory)" in table
+    assert "configured / per-module predicted iteration time: " in out
+    single_table, single, _ = configured(1)
+    assert "ms on 4 devices" in single_table
+    assert forward["vision.0"] == pytest.approx(single["vision.0"] / 2, rel=1e-3)  # the table prints 4 digits
+    assert forward["audio.0"] == single["audio.0"]
+    with pytest.raises(SystemExit, match=r"encoders \['audio'\] have none"):
+        configured(1, audio_dp=None)
