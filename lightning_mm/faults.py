@@ -30,6 +30,7 @@ only some ranks, mismatched operations), the message lists each rank's wait inst
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -54,6 +55,15 @@ def default_store(timeout: float):
                            "SLURM launches); pass fault_timeout=None to disable it")
     return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout),
                          wait_for_workers=False)
+
+
+LAUNCHER_ENV = "LMM_LAUNCHER_PID"  # set by lightning_mm.launch.CheckedLauncher for the ranks it spawns
+
+
+def parent_death_signal(sig: int) -> None:
+    """Linux: ask the kernel to send ``sig`` to this process when its parent dies (0: withdraw the request)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
 
 
 def exit_process(message: str) -> None:
@@ -214,6 +224,8 @@ class FaultWatchdog:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "FaultWatchdog":
         self.store.add(self.key(f"beat/{self.rank}"), 1)
+        if os.environ.get(LAUNCHER_ENV, str(os.getpid())) != str(os.getpid()):
+            parent_death_signal(0)  # a lost launcher (rank 0) is now reported by name, not killed silently
         self._thread = threading.Thread(target=self._run, name="lightning-mm-fault-watchdog", daemon=True)
         self._thread.start()
         return self

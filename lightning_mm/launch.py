@@ -4,12 +4,12 @@ Lightning's subprocess launcher starts local ranks 1..N-1 as copies of the comma
 the layout: an impossible layout printed N tracebacks, and a launcher that died before the rendezvous left its
 children waiting in it. :class:`CheckedLauncher` runs the strategy's checks in the launching process first, marks
 its children with ``LMM_LAUNCHER_PID``, and ends them when it raises; each child asks the kernel to kill it when
-its launcher dies (Linux ``PR_SET_PDEATHSIG``) and exits at once if the launcher is already gone.
+its launcher dies (Linux ``PR_SET_PDEATHSIG``) and exits at once if the launcher is already gone, until the fault
+watchdog takes over (it names a lost launcher like any lost rank).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -19,8 +19,8 @@ from typing import Callable
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-LAUNCHER_ENV = "LMM_LAUNCHER_PID"
-_PR_SET_PDEATHSIG = 1
+from lightning_mm.faults import LAUNCHER_ENV, parent_death_signal
+
 
 
 def end_with_launcher(environ=os.environ) -> None:
@@ -28,8 +28,7 @@ def end_with_launcher(environ=os.environ) -> None:
     launcher = environ.get(LAUNCHER_ENV)
     if not launcher or int(launcher) == os.getpid():
         return
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    parent_death_signal(signal.SIGKILL)
     if os.getppid() != int(launcher):  # it died before the request above could take effect
         sys.stderr.write(f"lightning-mm: the launching process (pid {launcher}) has exited; this rank "
                          f"(LOCAL_RANK={environ.get('LOCAL_RANK')}) stops instead of waiting for it\n")
