@@ -6,7 +6,7 @@ import torch
 from helpers.distributed import run_distributed
 from helpers.per_module_dp_case import check_like_reference, run_rank, run_reference
 
-# (modalities, freeze, encoder specs, llm spec, microbatches, rows per global batch)
+# (modalities, freeze, encoder specs, llm spec, microbatches, rows per global batch[, sharding_strategy])
 CASES = [
     pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=1, pp=2), 2, 4), marks=pytest.mark.ci,
                  id="vision-dp2-llm-dp1-pp2"),
@@ -15,17 +15,24 @@ CASES = [
                  id="vision-dp2-audio-dp1-llm-dp1"),
     pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=1, cp=2), 2, 4), id="vision-dp2-llm-cp2"),
     pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=3), 2, 12), id="vision-dp2-llm-dp3"),
+    # with the other pieces: encoder stages, a frozen tower, LLM tensor parallelism; encoder CP, the LLM under FSDP2
+    pytest.param((("vision",), "projectors", {"vision": dict(dp=2, pp=2)}, dict(dp=1, tp=2), 2, 4),
+                 id="vision-dp2-pp2-frozen-llm-tp2"),
+    pytest.param((("vision",), "encoder", {"vision": dict(dp=1, cp=2)}, dict(dp=2), 2, 8, "FULL_SHARD"),
+                 id="vision-dp1-cp2-llm-dp2-fsdp"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_per_module_dp_trains_like_one_process(case):
-    mods, freeze, encoder_specs, llm_spec, microbatches, rows = case
+    mods, freeze, encoder_specs, llm_spec, microbatches, rows, *sharding = case
     steps = 3
     ref_losses, ref_params = run_reference(mods, freeze, steps, rows)
-    world = sum(s.get("dp", 1) * s.get("pp", 1) * s.get("cp", 1) for s in [*encoder_specs.values(), llm_spec])
-    results = run_distributed(run_rank, world, mods, freeze, encoder_specs, llm_spec, microbatches, steps, rows)
+    world = sum(s.get("dp", 1) * s.get("pp", 1) * s.get("cp", 1) * s.get("tp", 1)
+                for s in [*encoder_specs.values(), llm_spec])
+    results = run_distributed(run_rank, world, mods, freeze, encoder_specs, llm_spec, microbatches, steps, rows,
+                              0.5, False, *sharding)
     check_like_reference(results, ref_losses, ref_params)
 
 

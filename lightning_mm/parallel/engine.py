@@ -208,7 +208,9 @@ class PipelineEngine:
         self.tp_allreduce = apply_tp(model, self.plan, self.tp_meshes())
         self.vocab_parallel = self.groups.tp_mesh is not None and self.plan.language_model is not None
         self.run_stage, self.fsdp_params = self.forward_stage, set()  # under FSDP: its root unit around it
-        if self.groups.shard_mesh is not None:
+        if self.groups.shard_mesh is not None and not (self.disaggregated and self.plan.language_model is None):
+            # per-module data parallelism shards the language model only: an encoder replica may have no rows in
+            # a microbatch, and FSDP needs every rank of a shard group to run every unit
             self.run_stage = apply_fsdp(model, self.plan, self.groups.shard_mesh, sharding_strategy,
                                         self.forward_stage, precision)
             self.fsdp_params = {id(p) for p in model.parameters()}

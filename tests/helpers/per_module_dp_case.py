@@ -4,6 +4,7 @@ trains the unparallelised model in one process on the global batches."""
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import lightning_mm as lmm
 from lightning_mm.data.microbatch import split_microbatches
@@ -43,13 +44,13 @@ def group_batch(batch: dict, model, layout, rank: int) -> dict:
 
 
 def run_rank(rank, world, modalities, freeze, encoder_specs, llm_spec, microbatches, steps, rows, lr=0.5,
-             probe=False):
+             probe=False, sharding="NO_SHARD"):
     """(losses, owned trainable parameters, probe) of one rank. ``probe``: on the language model's first stage, the
     features its embedding got in the first step, per microbatch, with the global rows of each microbatch."""
     model = build_model(modalities, freeze)
     batches = global_batches(model, steps, rows)
     layout = layout_of(modalities, encoder_specs, llm_spec, world)
-    engine = PipelineEngine(model, layout, rank, microbatches, cp_block_size=8)
+    engine = PipelineEngine(model, layout, rank, microbatches, cp_block_size=8, sharding_strategy=sharding)
     seen = []
     if probe and engine.feeds_on_encoders:
         embed = engine.model.embed
@@ -67,7 +68,8 @@ def run_rank(rank, world, modalities, freeze, encoder_specs, llm_spec, microbatc
         if opt:
             opt.step()
             opt.zero_grad()
-    owned = {n: p.detach().clone() for n, p in model.named_parameters() if n in engine.owned and p.requires_grad}
+    full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731  (collective over its mesh)
+    owned = {n: full(p.detach()).clone() for n, p in model.named_parameters() if n in engine.owned and p.requires_grad}
     return losses, owned, probed
 
 
