@@ -1,9 +1,9 @@
 """Per-module data parallelism measured on CPU processes: one degree for every module vs a degree per module, with
 a heavy vision encoder, on the same number of gloo processes and the same global batches.
 
-Model: a trainable tiny SigLIP made heavy (``--encoder-layers`` layers of width ``--encoder-hidden``, 196 tokens
-per 224-pixel image) + MLP projector + a trainable 2-layer Llama (width 64): the encoder does most of the work,
-as with a 0.6B tower on high-resolution images in front of a small LLM. Data: the synthetic data set, 2-4 images
+Model: a trainable tiny SigLIP made heavy (``--encoder-layers`` layers of width ``--encoder-hidden``, 49 tokens per
+112-pixel image, ``--image-size``) + MLP projector + a trainable 2-layer Llama (width 64): the encoder does most of
+the work, as with a 0.6B tower on high-resolution images in front of a small LLM. Data: the synthetic data set, 2-4 images
 per sample, ``--batch`` samples per global batch in ``--microbatches`` microbatches. Layouts (``--world`` ranks):
 
 - ``uniform``: vision 1 rank + LLM 1 rank per replica, dp = world / 2 (every module at one degree);
@@ -46,7 +46,8 @@ def build_model(args):
 
     torch.manual_seed(0)
     vision = tiny_encoder("siglip", hidden_size=args.encoder_hidden, intermediate_size=4 * args.encoder_hidden,
-                          num_hidden_layers=args.encoder_layers, num_attention_heads=4, image_size=224, patch_size=16)
+                          num_hidden_layers=args.encoder_layers, num_attention_heads=4, image_size=args.image_size,
+                          patch_size=16)
     return lmm.MultimodalModel({"vision": lmm.ModalityEncoder(vision, projector="mlp")},
                                tiny_language_model("llama", num_hidden_layers=2))
 
@@ -117,8 +118,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--encoder-layers", type=int, default=4)
-    parser.add_argument("--encoder-hidden", type=int, default=128)
+    parser.add_argument("--encoder-layers", type=int, default=6)
+    parser.add_argument("--encoder-hidden", type=int, default=384)
+    parser.add_argument("--image-size", type=int, default=112)
     args = parser.parse_args(argv)
     start = _machine.record()
     rows = [run_layout(name, args) for name in layouts(args.world)]

@@ -577,6 +577,15 @@ def callback_images_sentence(data: dict) -> str:
             f"itself is slower than one process there ({_range(vs_one, '.2f', 'x')})")
 
 
+@renderer("per_module_dp_cpu.json", "table")
+def per_module_dp_cpu_table(data: dict) -> str:
+    rows = [[r["layout"], f"{r['step_s']:.3f}", f"{r['busiest_cpu_s']:.3f}", f"{r['step_speedup']:.2f}x",
+             f"{r['busiest_cpu_speedup']:.2f}x",
+             ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s_per_rank"].items())] for r in data["rows"]]
+    return (table(["layout", "step (s)", "busiest rank CPU (s)", "step vs uniform", "busiest CPU vs uniform",
+                   "CPU s per rank"], rows, "lrrrrl") + f"\n\nMeasured on {_machine_line(data)}.")
+
+
 # ---------------------------------------- driver
 
 def render(json_path: str, name: str, cache: dict) -> str:

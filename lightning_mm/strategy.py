@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.data.balanced import (BalancedBatchSampler, BalancedCollate, BalancedDataset,
-                                        balancing_obstacle, metadata_works)
+                                        balancing_obstacle, metadata_works, no_work)
 from lightning_mm.data.cp_plans import CPPlanCollate
 from lightning_mm.data.microbatch import PLAN_KEY
 from lightning_mm.data.resumable import ResumableDataLoader, loader_options, resumable
@@ -43,6 +43,8 @@ from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, dtensor
 from lightning_mm.parallel.context import check_context_parallel
 from lightning_mm.plan.balance import METHODS as BALANCING_METHODS, plan_batch
 from lightning_mm.plan.layout import ParallelSpec, RankLayout, build_layout, check_node_locality
+from lightning_mm.plan.placement import LANGUAGE_MODEL
+from lightning_mm.plan.routing import check_group_batch
 from lightning_mm.planner.model_costs import resolve_partition
 from lightning_mm.planner.heterogeneity import num_pipeline_stages
 from lightning_mm.planner.workload import WorkloadModel
@@ -157,6 +159,10 @@ class MultimodalParallelStrategy(DDPStrategy):
             return build_layout({e: ParallelSpec() for e in specs}, ParallelSpec(), 1, "replicated",
                                 list(model.encoders))
         layout = build_layout(specs, self.language_model_spec, world, self.encoder_placement, list(model.encoders))
+        if layout.disaggregated and self.fault_tolerance is not None:
+            raise ValueError("fault_tolerance runs replica groups of one data-parallel degree; per-module degrees "
+                             f"({ {c: layout.replicas(c) for c in layout.chains()} }) are not served with it: give "
+                             "every module the same dp (or none), or drop fault_tolerance")
         check_tensor_parallel(model, {e: s.tp for e, s in specs.items()}, self.language_model_spec.tp)
         check_context_parallel(model, self.language_model_spec)
         check_node_locality(layout, self.num_processes)
@@ -197,6 +203,11 @@ class MultimodalParallelStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
+        """The language model's replicas; a rank of per-module data parallelism names its group's first replica
+        (``process_dataloader`` then loads every replica of the group)."""
+        if self.layout.disaggregated:
+            first = self.layout.group_of(self.global_rank) * self.layout.per_group(LANGUAGE_MODEL)
+            return {"num_replicas": self.layout.dp, "rank": first}
         return {"num_replicas": self.layout.dp, "rank": self.layout.coordinate(self.global_rank).dp}
 
     # ------------------------------------------------------------------ building
@@ -354,6 +365,8 @@ class MultimodalParallelStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if self.ft is not None and trainer is not None and trainer.training:
             return self.ft.training_loader(dataloader)  # samples are chosen per step, after the quorum
+        if self.layout is not None and self.layout.disaggregated and trainer is not None:
+            return self.group_dataloader(dataloader, trainer.training)
         if self.batch_balancing != "none" and trainer is not None and trainer.training:
             obstacle = balancing_obstacle(dataloader)
             if self.batch_balancing is not None or not obstacle:
@@ -379,6 +392,35 @@ class MultimodalParallelStrategy(DDPStrategy):
                                               engine.block_owners)
         return dataloader
 
+    def group_dataloader(self, dataloader, training: bool):
+        """Per-module data parallelism: ``dataloader`` rebuilt to give every rank its group's batch, the batches
+        its DistributedSampler gives each language-model replica of the group, one after the other, placed by
+        ``batch_balancing`` (training) or in contiguous microbatches, with the routing of their rows between the
+        modules' replicas (``plan/routing.py``) made in the loader."""
+        sampler, batch_size = getattr(dataloader, "sampler", None), getattr(dataloader, "batch_size", None)
+        inner = getattr(dataloader.batch_sampler, "_batch_sampler", None)  # Lightning's predict index wrapper
+        if not isinstance(sampler, DistributedSampler) and inner is not None:
+            sampler, batch_size = getattr(inner, "sampler", None), getattr(inner, "batch_size", None)
+        if not isinstance(sampler, DistributedSampler) or batch_size is None:
+            raise TypeError("per-module data parallelism (ParallelSpec(dp=...)) loads the samples of several "
+                            "language-model replicas on every rank, from the loader's DistributedSampler and "
+                            f"batch_size; this loader has a {type(sampler).__name__} and batch_size "
+                            f"{batch_size}: keep Lightning's use_distributed_sampler=True "
+                            "and give the DataLoader a batch_size")
+        layout, model = self.layout, self.multimodal_model()
+        replicas = layout.per_group(LANGUAGE_MODEL)
+        check_group_batch(batch_size, self.num_microbatches, replicas,
+                          {e: layout.per_group(e) for e in model.encoders})
+        method = (self.batch_balancing or DEFAULT_BALANCING) if training else "none"
+        if method != "none" and balancing_obstacle(dataloader):
+            if self.batch_balancing is not None:
+                raise TypeError(f"batch_balancing={method!r} cannot serve this training loader: "
+                                f"{balancing_obstacle(dataloader)}; set batch_balancing='none'")
+            method = "none"
+        first = layout.group_of(self.global_rank) * replicas
+        return self.planned_loader(dataloader, sampler, batch_size, method, list(range(first, first + replicas)),
+                                   self.engine.router)
+
     def balanced_dataloader(self, dataloader, method: str):
         """The training loader rebuilt over balanced global batches (``data/balanced.py``): the same samples per
         step as its DistributedSampler gives every replica, placed by ``plan_batch(method=batch_balancing)``."""
@@ -387,18 +429,26 @@ class MultimodalParallelStrategy(DDPStrategy):
             raise TypeError(f"batch_balancing={method!r} cannot serve this training loader: {obstacle}; keep "
                             "Lightning's use_distributed_sampler=True, a map-style data set with sample_metadata(i) "
                             "and a batch_size, or set batch_balancing='none'")
-        sampler, model = dataloader.sampler, self.multimodal_model()
-        depth = num_pipeline_stages(self.engine.graph)  # DistTrain orders microbatches to fill this pipeline
-        batches = BalancedBatchSampler(
-            sampler.dataset, dataloader.batch_size, self.layout.dp, self.layout.coordinate(self.global_rank).dp,
-            self.num_microbatches, plan=lambda enc, llm, r, k: plan_batch(enc, llm, r, k, method, num_stages=depth),
-            work=metadata_works(sampler.dataset, self.workload, model), shuffle=sampler.shuffle,
-            seed=sampler.seed, drop_last=sampler.drop_last)
         rank_zero_info(f"batch balancing: {method!r} places each global batch over {self.layout.dp} replicas x "
                        f"{self.num_microbatches} microbatches (logged: balance/imbalance_before, "
                        "balance/imbalance_after, balance/deferred_samples)")
-        kw = {**loader_options(dataloader), "collate_fn": BalancedCollate(dataloader.collate_fn, model.placeholder_ids)}
-        return ResumableDataLoader(BalancedDataset(sampler.dataset), batch_sampler=batches, **kw)
+        return self.planned_loader(dataloader, dataloader.sampler, dataloader.batch_size, method,
+                                   self.layout.coordinate(self.global_rank).dp)
+
+    def planned_loader(self, dataloader, sampler, batch_size: int, method: str, replica, router=None):
+        """``dataloader`` rebuilt over the global batches of its DistributedSampler (``data/balanced.py``): the
+        samples of ``replica`` (an index, or the list of a group's replicas), placed by ``plan_batch(method)``
+        ("none": contiguous), with ``router``'s routing (per-module data parallelism) in each batch."""
+        model = self.multimodal_model()
+        depth = num_pipeline_stages(self.engine.graph)  # DistTrain orders microbatches to fill this pipeline
+        work = metadata_works(sampler.dataset, self.workload, model) if method != "none" else no_work
+        batches = BalancedBatchSampler(
+            sampler.dataset, batch_size, self.layout.dp, replica, self.num_microbatches,
+            plan=lambda enc, llm, r, k: plan_batch(enc, llm, r, k, method, num_stages=depth), work=work,
+            shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
+        collate = BalancedCollate(dataloader.collate_fn, model.placeholder_ids, router=router)
+        return ResumableDataLoader(BalancedDataset(sampler.dataset), batch_sampler=batches,
+                                   **{**loader_options(dataloader), "collate_fn": collate})
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -433,9 +483,7 @@ class MultimodalParallelStrategy(DDPStrategy):
             groups.append(state["param_groups"])
         tensors.update(ckpt.rng_tensors(self.global_rank))
         meta = ckpt.plain({**checkpoint, "optimizer_param_groups": groups})
-        layout = {"stages": self.layout.stages, "cp": self.layout.cp, "tp": self.layout.tp, "dp": self.layout.dp,
-                  "placement": self.layout.placement,
-                  "module_stages": self.layout.module_stages, "world_size": self.world_size,
+        layout = {**self.layout.to_dict(), "world_size": self.world_size,
                   "parameters": self.model_fingerprint, "trainable": self.trainable_names,
                   "frozen_saved": self.save_frozen_parameters}
         ckpt.save_sharded(path, tensors, meta, layout, self.global_rank)
@@ -463,7 +511,8 @@ class MultimodalParallelStrategy(DDPStrategy):
                            "the values the model was built with")
         target.update(ckpt.optimizer_targets(md, self.optimizers, names))
         same_ranks = (layout["world_size"] == self.world_size and layout["stages"] == self.layout.stages
-                      and layout.get("cp") == self.layout.cp and layout.get("tp") == self.layout.tp)
+                      and layout.get("cp") == self.layout.cp and layout.get("tp") == self.layout.tp
+                      and layout.get("chain_dp") == self.layout.to_dict().get("chain_dp"))
         rng = {k: ckpt.empty_like_entry(md, k) for k in md.state_dict_metadata
                if same_ranks and k.startswith(f"rng/{self.global_rank}/")}
         if not same_ranks:

@@ -75,7 +75,7 @@ def stage_parts(model) -> list[dict]:
     return [r for r in rows if r is not None]
 
 
-def whole_model_table(records: list[dict], dp: int) -> str:
+def whole_model_table(records: list[dict], dp: int | str) -> str:
     """The table from every rank's ``{"rank", "stage", "dp", "cp", "parts"}`` (stages in rank order)."""
     stages: dict[str, dict] = {}
     for rec in sorted(records, key=lambda r: r["rank"]):
@@ -126,7 +126,9 @@ class WholeModelSummary(ModelSummary):
             records = [None] * dist.get_world_size()
             dist.all_gather_object(records, mine)
         if trainer.is_global_zero:
-            rank_zero_info(whole_model_table(records, strategy.layout.dp))
+            layout = strategy.layout
+            dp = ", ".join(f"{c} {layout.replicas(c)}" for c in layout.chains()) if layout.disaggregated else layout.dp
+            rank_zero_info(whole_model_table(records, dp))
         return None
 
 

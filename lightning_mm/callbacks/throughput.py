@@ -160,12 +160,14 @@ class TrainingMetrics(nn.Module):
 
     @staticmethod
     def _counts_tokens(module) -> bool:
-        """One rank per replica counts the replica's batch (every rank when each process is a replica)."""
+        """One rank per replica counts the replica's batch (every rank when each process is a replica); under
+        per-module data parallelism one rank per group counts the group's batch."""
         strategy = module.pipeline
         if strategy is None or strategy.engine is None:
             return True
         layout, coord = strategy.layout, strategy.engine.coord
-        return coord.stage == layout.stages[-1] and coord.cp == 0
+        first = not layout.disaggregated or coord.dp % layout.per_group(layout.chain_of(coord.stage)) == 0
+        return coord.stage == layout.stages[-1] and coord.cp == 0 and first
 
     def batch_end(self, module, batch: dict) -> None:
         from lightning_mm.loss import count_label_tokens

@@ -26,7 +26,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch.distributed as dist
 
-from lightning_mm.data.microbatch import deferrals, microbatch_rows
+from lightning_mm.data.microbatch import deferrals, replica_microbatch_rows
 from lightning_mm.plan.placement import LANGUAGE_MODEL
 from lightning_mm.plan.schedule import one_f_one_b
 from lightning_mm.planner.simulator import Event, SimulationResult, chrome_trace, mark_deferred, simulate, timeline_png
@@ -53,12 +53,12 @@ def deferral_of(batch: dict, num_microbatches: int) -> tuple[tuple[int, ...], tu
     from the microbatch before (the engine's own split: ``data.microbatch``)."""
     if not isinstance(batch, dict) or "input_ids" not in batch:
         return (), ()
-    encoder_rows, llm_rows = microbatch_rows(batch, num_microbatches)
-    held = deferrals(encoder_rows, llm_rows)
+    replicas = replica_microbatch_rows(batch, num_microbatches)  # one, or a group's (per-module data parallelism)
+    held = tuple(sorted({m for enc, llm in replicas for m in deferrals(enc, llm)}))
     if not held:
         return (), ()
-    share = tuple(0.0 if m == 0 else sum(r in set(encoder_rows[m - 1]) for r in rows) / len(rows)
-                  for m, rows in enumerate(llm_rows))
+    share = tuple(0.0 if m == 0 else sum(r in set(enc[m - 1]) for enc, llm in replicas for r in llm[m]) /
+                  sum(len(llm[m]) for _, llm in replicas) for m in range(num_microbatches))
     return held, share
 
 

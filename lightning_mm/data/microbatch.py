@@ -54,14 +54,16 @@ def microbatch_rows(batch: dict, num_microbatches: int) -> tuple[list[list[int]]
     return plan_rows(batch["input_ids"].shape[0], plan and plan["encoder"], plan and plan["llm"], num_microbatches)
 
 
-def replica_microbatch_rows(batch: dict, num_microbatches: int, replicas: int
+def replica_microbatch_rows(batch: dict, num_microbatches: int, replicas: int | None = None
                             ) -> list[tuple[list[list[int]], list[list[int]]]]:
     """``microbatch_rows`` of each language-model replica of a group's batch (per-module data parallelism), as row
     indices of the whole batch. The plan's ``"replica"`` gives each row's replica; without it the batch is
-    ``replicas`` equal slices."""
+    ``replicas`` equal slices (default: the plan's replicas, else one)."""
     rows = batch["input_ids"].shape[0]
     plan = batch.get(PLAN_KEY) or {}
     owner = plan.get("replica")
+    if replicas is None:
+        replicas = 1 if owner is None else max(owner) + 1
     if owner is None:
         if rows % replicas:
             raise ValueError(f"a batch of {rows} rows cannot be split over {replicas} language-model replicas; give "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lightning_mm import masks
-from lightning_mm.data.microbatch import PLAN_KEY, microbatch_rows
+from lightning_mm.data.microbatch import PLAN_KEY, replica_microbatch_rows
 from lightning_mm.model.multimodal import SEQUENCE_KEYS
 
 REQUIRED_KEYS = ("input_ids", "labels")
@@ -103,8 +103,9 @@ def check_vocabulary(batch: dict, model) -> None:
 
 
 def check_microbatches(batch: dict, num_microbatches: int) -> None:
-    """Equal slices, or a balanced batch's plan that names every microbatch (``microbatch_rows`` raises)."""
-    microbatch_rows(batch, num_microbatches)
+    """Equal slices, or a balanced batch's plan that names every microbatch (``microbatch_rows`` raises), for
+    each language-model replica of a batch that holds several (per-module data parallelism)."""
+    replica_microbatch_rows(batch, num_microbatches)
 
 
 def validate_batch(batch: dict, model, num_microbatches: int = 1) -> None:
