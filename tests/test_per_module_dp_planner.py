@@ -1,5 +1,6 @@
 """Per-module data parallelism in the planner (DistTrain's orchestration) against brute-force references."""
 
+import dataclasses
 import importlib.util
 import itertools
 import math
@@ -10,9 +11,10 @@ import pytest
 import yaml
 
 from lightning_mm.plan.layout import ParallelSpec
-from lightning_mm.planner import LayerCost, ModuleSpec, evaluate_plan
-from lightning_mm.planner.orchestration import Unit, integer_min_max, search_per_module_dp, water_fill
-from lightning_mm.planner.partition import partition_module
+from lightning_mm.planner import LayerCost, ModuleSpec, Unit, evaluate_plan, integer_min_max, search_per_module_dp, \
+    water_fill
+from lightning_mm.planner.orchestration import _Chain, _Problem
+from lightning_mm.planner.partition import partition, partition_module, stage_sums
 from lightning_mm.planner.plan_cli import strategy_yaml
 
 LM = "language_model"
@@ -407,14 +409,16 @@ def test_plan_cli_times_a_yaml_whose_specs_carry_dp_with_each_modules_own_dp(tmp
     """`lightning-mm plan` on the example with dp on every ParallelSpec (the "configured" plan): vision's 2 replicas
     each encode half of a microbatch position's samples, the devices are sum of dp x ranks; dp on the LLM alone is
     refused with the fix."""
-    from lightning_mm.cli import main
+    from types import SimpleNamespace
 
-    def configured(vision_dp, audio_dp=1):
+    from lightning_mm.cli import main
+    from lightning_mm.planner.plan_cli import configured_plan
+
+    def configured(vision_dp):
         override = tmp_path / f"dp{vision_dp}.yaml"
-        specs = {"vision": vision_dp, "audio": audio_dp}
         override.write_text(yaml.safe_dump({"trainer": {"devices": vision_dp + 3, "strategy": {"init_args": {
-            "encoders": {e: {"class_path": "lightning_mm.ParallelSpec", "init_args": {"pp": 1, **(
-                {"dp": dp} if dp else {})}} for e, dp in specs.items()},
+            "encoders": {e: {"class_path": "lightning_mm.ParallelSpec", "init_args": {"pp": 1, "dp": dp}}
+                         for e, dp in (("vision", vision_dp), ("audio", 1))},
             "language_model": {"class_path": "lightning_mm.ParallelSpec", "init_args": {"pp": 2, "dp": 1}}}}}}))
         main(["plan", "--config", "examples/tiny_valm_pp.yaml", "--config", str(override), "--per-module-dp",
               "--device-flops", "1e12", "--out", str(tmp_path / str(vision_dp))])
@@ -430,5 +434,72 @@ def test_plan_cli_times_a_yaml_whose_specs_carry_dp_with_each_modules_own_dp(tmp
     assert "ms on 4 devices" in single_table
     assert forward["vision.0"] == pytest.approx(single["vision.0"] / 2, rel=1e-3)  # the table prints 4 digits
     assert forward["audio.0"] == single["audio.0"]
+    strategy = SimpleNamespace(encoder_specs={"vision": ParallelSpec(dp=2), "audio": ParallelSpec()},
+                               language_model_spec=ParallelSpec(pp=2, dp=1))
     with pytest.raises(SystemExit, match=r"encoders \['audio'\] have none"):
-        configured(1, audio_dp=None)
+        configured_plan(None, strategy, {}, 5)
+
+
+def test_pruned_search_ranks_the_same_top_candidates_and_the_bound_holds_for_every_candidate():
+    """Outer choices whose bound exceeds the replay-th best estimate are skipped: with replay = every candidate
+    nothing is skipped, and the top ``replay`` candidates are the same; no candidate beats its choice's bound."""
+    for seed in range(40):
+        modules, devices, microbatches, kwargs = random_case(seed)
+        try:
+            found = search_per_module_dp(modules, devices, microbatches, **kwargs)
+        except ValueError:
+            continue
+        full = search_per_module_dp(modules, devices, microbatches, **{**kwargs, "replay": 10**6})
+        assert found.subproblems <= full.subproblems
+        assert found.candidates[:kwargs["replay"]] == full.candidates[:kwargs["replay"]], seed
+        problem = _Problem(modules, devices, microbatches, kwargs["samples_per_microbatch"],
+                           sorted(kwargs["tp_degrees"]), kwargs["memory_limit"], kwargs["allreduce_bandwidth"],
+                           kwargs["tp_bandwidth"], kwargs["sharding"], kwargs["p2p_latency"])
+        for c in full.candidates:
+            bound = problem.lower_bound(c.tp[LM], c.dp[LM], {e: t for e, t in c.tp.items() if e != LM})
+            assert bound <= c.estimate * (1 + 1e-12), (seed, c)
+
+
+def test_a_top_candidate_that_does_not_fit_once_simulated_falls_back_to_every_outer_choice(monkeypatch):
+    """Where the replayed candidates do not fit, the pruned choices are solved too: the next candidate of the full
+    ranking is replayed, as without pruning."""
+    from lightning_mm.planner import orchestration
+
+    tested = fell_back = 0
+    for seed in range(20):
+        modules, devices, microbatches, kwargs = random_case(seed)
+        kwargs["replay"] = 1
+        try:
+            found = search_per_module_dp(modules, devices, microbatches, **kwargs)
+        except ValueError:
+            continue
+        full = search_per_module_dp(modules, devices, microbatches, **{**kwargs, "replay": 10**6})
+        if found.subproblems == full.subproblems or len(full.candidates) < 2:
+            continue
+        top, real = full.candidates[0], orchestration.evaluate_plan
+
+        def misfit(*args, **kw):
+            plan = real(*args, **kw)
+            same = plan.module_dp == top.dp and plan.module_tp == top.tp and plan.pp() == top.pp
+            return dataclasses.replace(plan, fits_memory=False) if same else plan
+
+        monkeypatch.setattr(orchestration, "evaluate_plan", misfit)
+        again = search_per_module_dp(modules, devices, microbatches, **kwargs)
+        monkeypatch.undo()
+        nxt = full.candidates[1]
+        assert (again.best.module_dp, again.best.module_tp, again.best.pp()) == (nxt.dp, nxt.tp, nxt.pp), seed
+        if again.subproblems > found.subproblems:  # the next candidate had been pruned: every choice solved
+            assert again.subproblems == full.subproblems and again.candidates == full.candidates
+            fell_back += 1
+        tested += 1
+    assert tested >= 5 and fell_back >= 2
+
+
+def test_stage_bottleneck_equals_the_optimal_partition():
+    rng = random.Random(11)
+    for _ in range(200):
+        weights = [rng.choice([rng.uniform(0.1, 5.0), 1.0]) for _ in range(rng.randint(1, 24))]
+        chain = _Chain(weights)
+        for stages in range(1, len(weights) + 1):
+            assert chain.bottleneck(stages) == pytest.approx(
+                max(stage_sums(weights, partition(weights, stages))), rel=1e-12)

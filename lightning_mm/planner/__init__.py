@@ -2,6 +2,7 @@
 
 Pure planning code (no process groups): the strategy calls `partition_module` / `search`, the CLI prints
 `plan_summary`, and the simulator times the schedule's own action lists (`lightning_mm.plan.schedule`).
+`search_per_module_dp` gives each module its own (dp, tp, pp) (DistTrain's orchestration, `orchestration.py`).
 """
 
 from lightning_mm.planner.costs import (
@@ -18,6 +19,16 @@ from lightning_mm.planner.costs import (
     save_profile,
 )
 from lightning_mm.planner.heterogeneity import BatchSimulation, MethodReport, compare_methods, simulate_batch
+from lightning_mm.planner.orchestration import (
+    Orchestration,
+    OrchestrationResult,
+    Unit,
+    eq12_time,
+    flop_ratio_split,
+    integer_min_max,
+    search_per_module_dp,
+    water_fill,
+)
 from lightning_mm.planner.partition import partition, partition_module, stage_sums, uniform_partition
 from lightning_mm.planner.profiler import profile_layers
 from lightning_mm.planner.search import (
@@ -25,6 +36,8 @@ from lightning_mm.planner.search import (
     ModuleSpec,
     Plan,
     SearchResult,
+    check_module_dp,
+    encoder_samples,
     evaluate_plan,
     plan_graph,
     plan_summary,
@@ -38,5 +51,7 @@ __all__ = [
     "stage_sums", "uniform_partition", "profile_layers", "AttentionShape", "ModuleSpec", "Plan", "SearchResult",
     "evaluate_plan",
     "plan_graph", "plan_summary", "search", "SimulationResult", "chrome_trace", "simulate", "simulate_1f1b",
-    "timeline_png", "BatchSimulation", "MethodReport", "compare_methods", "simulate_batch",
+    "timeline_png", "BatchSimulation", "MethodReport", "compare_methods", "simulate_batch", "check_module_dp",
+    "encoder_samples", "Orchestration", "OrchestrationResult", "Unit", "eq12_time", "flop_ratio_split",
+    "integer_min_max", "search_per_module_dp", "water_fill",
 ]

@@ -9,11 +9,14 @@ problem
 whose continuous optimum is water-filling, x_i = clip(a_i / t, l_i, u_i) (``water_fill``, no solver). It is made
 integral exactly on the real step functions (``integer_min_max``: LLM stage bottlenecks of the frozen-aware
 partition, an encoder replica's ceil(|G_m| / dp_e) samples), ranked by Eq. 1 + Eq. 2 (``eq12_time``), and the best
-few are replayed in the discrete-event simulator (``evaluate_plan`` with per-module dp). Pure: no process group.
+few are replayed in the discrete-event simulator (``evaluate_plan`` with per-module dp). Outer choices are solved
+from the lowest lower bound up and skipped once their bound exceeds the estimates already found
+(``_Problem.lower_bound``), which leaves the replayed layouts unchanged. Pure: no process group.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -134,14 +137,17 @@ class _Chain:
 
     def bottleneck(self, stages: int) -> float:
         """The least possible slowest stage over ``stages`` contiguous stages (= ``partition``'s optimum): the
-        smallest contiguous-sum value that greedy packing fits into that many stages."""
+        smallest contiguous-sum value that greedy packing fits into that many stages. It lies between
+        max(heaviest layer, total / stages) and total / stages + the heaviest layer (greedy packing at that cap closes
+        each stage above total / stages), so only the contiguous sums in between are tried."""
         if stages not in self._bottleneck:
             if self._candidates is None:
                 p = self.prefix
                 sums = (p[None, :] - p[:, None])[np.triu_indices(len(p), 1)]
                 self._candidates = np.unique(sums[sums >= max(self.weights) * (1 - _TOL)]).tolist()
-            c = self._candidates
-            lo, hi = 0, len(c) - 1
+            c, heaviest, average = self._candidates, max(self.weights), self.total / stages
+            lo = bisect.bisect_left(c, max(heaviest, average) * (1 - 1e-9))
+            hi = min(len(c) - 1, bisect.bisect_left(c, (average + heaviest) * (1 + 1e-9)))
             while lo < hi:
                 mid = (lo + hi) // 2
                 if self.stages_under(c[mid]) <= stages:
@@ -247,8 +253,9 @@ def eq12_time(warm: float, steady: float, microbatches: int, sync: float = 0.0, 
 
 @dataclass(frozen=True)
 class OrchestrationResult:
-    """``best``: the replayed plan with the least simulated time; ``candidates``: every outer choice's integer
-    optimum, by estimate; ``replayed``: the plans simulated; times of the search and of the replay (seconds)."""
+    """``best``: the replayed plan with the least simulated time; ``candidates``: the integer optimum of every outer
+    choice solved (not skipped by its bound), by estimate; ``replayed``: the plans simulated; times of the search and
+    of the replay (seconds); ``subproblems``: the outer choices solved."""
 
     best: Plan
     estimate: float
@@ -373,6 +380,23 @@ class _Problem:
     def devices(self, dp, tp, pp) -> int:
         return sum(dp[m] * tp[m] * pp[m] for m in self.modules)
 
+    def lower_bound(self, lm_tp: int, lm_dp: int, enc_tp: dict[str, int]) -> float:
+        """A bound no layout of this outer choice beats on ``estimate``: the LLM's slowest stage at the most stages
+        its devices allow, each encoder's slowest layer on one sample, and the total work over all devices
+        (n units at p stages of a module hold n p tp devices for a slowest stage >= its work / (n p)) for Eq. 2,
+        one pass of the LLM and of the slowest encoder for Eq. 1, the LLM's sync at its most stages."""
+        lm = self.modules[LANGUAGE_MODEL]
+        chain, k = lm.chain(lm_tp, self.tp_bw), self.m // lm_dp
+        stages = min(lm.layers, (self.n - sum(enc_tp.values())) // (lm_dp * lm_tp))
+        if stages < 1:
+            return math.inf
+        chains = {e: self.modules[e].chain(enc_tp[e], self.tp_bw) for e in self.encoders}
+        work = lm_dp * (lm_tp * chain.total + sum(enc_tp[e] * c.total for e, c in chains.items()))
+        steady = max([chain.bottleneck(stages), work / self.n] + [max(c.weights) / self.b for c in chains.values()])
+        warm = chain.total + max((c.total / self.b for c in chains.values()), default=0.0)
+        sync = SHARDING_TRAFFIC[self.sharding] * allreduce_seconds(lm.totals[2] / (stages * lm_tp), lm_dp, self.ar_bw)
+        return eq12_time(warm, steady, k, sync, 2 * self.p2p * (1 + bool(self.encoders)))
+
     def _spend_spare(self, dp, tp, pp) -> float:
         """Spare devices buy replicas of the encoder with the longest warm-up (Eq. 1: fewer samples per replica per
         m) while that lowers the estimate; returns the estimate."""
@@ -420,8 +444,10 @@ def search_per_module_dp(
     Eq. 1 + Eq. 2 + gradient sync; the ``replay`` best that fit ``memory_limit`` (bytes per device) are simulated
     (``evaluate_plan``; each module split into its stages at the least slowest stage, packed from the last stage so
     that early stages, which hold the most in-flight microbatches, get the fewest layers) and the fastest is
-    ``best``. Encoders run on their own devices (``placement`` must be "parallel": the runtime refuses unequal dps
-    otherwise)."""
+    ``best``. Outer choices run from the lowest lower bound up; one whose bound exceeds the ``replay``-th best estimate
+    found is skipped (and solved after all if too few replayed candidates fit), so the result is that of solving
+    every choice. Encoders run on their own devices (``placement`` must be "parallel": the runtime refuses unequal
+    dps otherwise)."""
     _check_modules(modules)
     if placement != "parallel":
         raise ValueError(f"per-module data parallelism needs encoder_placement='parallel' (got {placement!r}): "
@@ -439,38 +465,89 @@ def search_per_module_dp(
     started = time.perf_counter()
     problem = _Problem(modules, num_devices, num_microbatches, samples_per_microbatch, tps, memory_limit,
                        allreduce_bandwidth, tp_bandwidth, sharding, p2p_latency)
-    encoders, candidates, subproblems = problem.encoders, [], 0
-    for lm_tp, lm_dp in itertools.product(tps, _divisors(num_microbatches)):
-        if lm_dp * lm_tp + len(encoders) > num_devices:
-            continue
-        # An encoder's larger tp only pays where it is strained at the smallest (no fit, its replicas capped at the
-        # samples of a microbatch position, or more stages for memory): otherwise tp x C(tp) >= C(smallest tp)
-        # makes the same devices as replicas at least as fast for Eq. 2 and Eq. 1.
+    encoders, base = problem.encoders, dict.fromkeys(problem.encoders, tps[0])
+    outer = [(lm_tp, lm_dp) for lm_tp, lm_dp in itertools.product(tps, _divisors(num_microbatches))
+             if lm_dp * lm_tp + len(encoders) <= num_devices]
+    found_at: list[tuple[tuple, Orchestration]] = []  # (enumeration order, candidate)
+    pruned: list[tuple[float, tuple, int, int, dict[str, int]]] = []  # (bound, order, outer choice)
+    subproblems = 0
+
+    def threshold() -> float:  # the replay-th best estimate so far: a layout whose bound exceeds it cannot be replayed
+        if len(found_at) < replay:
+            return math.inf
+        return sorted(c.estimate for _, c in found_at)[replay - 1] * (1 + 1e-9) + 1e-300
+
+    def run(order, lm_tp, lm_dp, enc_tp):
+        nonlocal subproblems
         subproblems += 1
-        found = problem.solve(lm_tp, lm_dp, dict.fromkeys(encoders, tps[0]))
-        candidates += [found] if found is not None else []
+        found = problem.solve(lm_tp, lm_dp, enc_tp)
+        if found is not None:
+            found_at.append((order, found))
+
+    def solve_choice(i, lm_tp, lm_dp, prune):
+        """Outer choice ``i`` at the smallest encoder tp, then at every larger tp of the encoders strained there
+        (each skipped, with ``prune``, where its bound exceeds the threshold). An encoder's larger tp only pays where
+        it is strained at the smallest (no fit, its replicas capped at the samples of a microbatch position, or more
+        stages for memory): otherwise tp x C(tp) >= C(smallest tp) makes the same devices as replicas at least as
+        fast for Eq. 2 and Eq. 1."""
+        run((i, 0), lm_tp, lm_dp, base)
         strained = [e for e in encoders if e in problem.strained]
-        for combo in itertools.product(tps, repeat=len(strained)):
+        for j, combo in enumerate(itertools.product(tps, repeat=len(strained))):
             if any(t != tps[0] for t in combo):
-                subproblems += 1
-                found = problem.solve(lm_tp, lm_dp, {**dict.fromkeys(encoders, tps[0]), **dict(zip(strained, combo))})
-                candidates += [found] if found is not None else []
-    candidates.sort(key=lambda c: (c.estimate, c.devices))
-    solved = time.perf_counter()
+                enc_tp = {**base, **dict(zip(strained, combo))}
+                bound = problem.lower_bound(lm_tp, lm_dp, enc_tp) if prune else -math.inf
+                if bound > threshold():
+                    pruned.append((bound, (i, j), lm_tp, lm_dp, enc_tp))
+                else:
+                    run((i, j), lm_tp, lm_dp, enc_tp)
+
+    # Outer choices from the lowest bound up, each skipped when its bound (and that of every larger encoder tp)
+    # exceeds the replay-th best estimate found: the same layouts are replayed as when every choice is solved.
+    combos = [c for c in itertools.product(tps, repeat=len(encoders)) if any(t != tps[0] for t in c)]
+    bounds = {o: problem.lower_bound(*o, base) for o in outer}
+    for i, (lm_tp, lm_dp) in sorted(enumerate(outer), key=lambda io: bounds[io[1]]):
+        if bounds[lm_tp, lm_dp] > threshold():
+            bound = min([bounds[lm_tp, lm_dp]] + [problem.lower_bound(lm_tp, lm_dp, dict(zip(encoders, c)))
+                                                  for c in combos])
+            if bound > threshold():
+                pruned.append((bound, (i,), lm_tp, lm_dp, base))
+                continue
+        solve_choice(i, lm_tp, lm_dp, prune=True)
+
+    def ranked() -> list[Orchestration]:  # by estimate, then devices, then the order of the full enumeration
+        return [c for _, c in sorted(found_at, key=lambda oc: (oc[1].estimate, oc[1].devices, oc[0]))]
+
+    def replayed_plans(candidates, floor) -> list[Plan] | None:
+        """The first ``replay`` that fit once simulated; None where the list runs into the estimates a pruned choice
+        may reach (``floor``, the least of their bounds) first."""
+        plans = []
+        for c in candidates:
+            if c.estimate * (1 + 1e-9) >= floor:
+                return None
+            layers = {m: problem.modules[m].chain(c.tp[m], tp_bandwidth).sizes(c.pp[m]) for m in modules}
+            plan = evaluate_plan(modules, layers, "parallel", num_microbatches, dict(c.dp), p2p_latency, memory_limit,
+                                 allreduce_bandwidth, dict(c.tp), sharding, tp_bandwidth,
+                                 samples_per_microbatch=samples_per_microbatch)
+            if plan.fits_memory:
+                plans.append(plan)
+                if len(plans) == replay:
+                    break
+        return plans
+
+    candidates, solved = ranked(), time.perf_counter()
     if not candidates:
         raise ValueError(f"no per-module layout of these modules fits {num_devices} devices with "
                          f"memory_limit={memory_limit:.3g} bytes (tp in {tps}); add devices, allow larger tp, or "
                          "recompute activations")
-    replayed = []
-    for c in candidates:
-        layers = {m: problem.modules[m].chain(c.tp[m], tp_bandwidth).sizes(c.pp[m]) for m in modules}
-        plan = evaluate_plan(modules, layers, "parallel", num_microbatches, dict(c.dp), p2p_latency, memory_limit,
-                             allreduce_bandwidth, dict(c.tp), sharding, tp_bandwidth,
-                             samples_per_microbatch=samples_per_microbatch)
-        if plan.fits_memory:
-            replayed.append(plan)
-            if len(replayed) == replay:
-                break
+    replayed = replayed_plans(candidates, min((p[0] for p in pruned), default=math.inf))
+    if replayed is None or (len(replayed) < replay and pruned):  # a pruned choice may rank first: solve them all
+        for _, order, lm_tp, lm_dp, enc_tp in pruned:
+            if len(order) == 2:
+                run(order, lm_tp, lm_dp, enc_tp)
+            else:
+                solve_choice(order[0], lm_tp, lm_dp, prune=False)
+        candidates = ranked()
+        replayed = replayed_plans(candidates, math.inf)
     if not replayed:
         raise ValueError(f"none of the {len(candidates)} per-module layouts fits {memory_limit:.3g} bytes per device "
                          "once simulated; add devices or recompute activations")
