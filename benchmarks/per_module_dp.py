@@ -20,12 +20,13 @@ Reported: GPUs, every module's dp x tp x pp, iteration time, samples/s, MFU (mod
 the search's time on the 72B at Table 2's GPU counts (median of --repeats runs). The generator (SD-2.1) and StepCCL
 are not modelled: compare ratios, not absolute MFU.
 
-``--measured`` is the hook for a row measured on CPU processes with the per-module dp runtime; it is not implemented
-here and exits with a message until that runtime exists.
+``--measured`` also runs ``benchmarks/per_module_dp_cpu.py`` (uniform vs per-module dp trained on CPU processes,
+its own JSON).
 
-Writes benchmarks/results/per_module_dp.json and prints the table.
+Writes benchmarks/results/per_module_dp.json, prints the table and rewrites the figures README.md and docs/ quote
+from it (benchmarks/tables.py).
 
-    python benchmarks/per_module_dp.py [--repeats 5] [--models 9B,15B,72B]
+    python benchmarks/per_module_dp.py [--repeats 5] [--models 9B,15B,72B] [--measured]
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _machine  # noqa: E402
+import tables  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEAK = 312e12  # A800 bf16 dense FLOP/s
@@ -233,11 +235,8 @@ def main(argv=None) -> dict:
     p.add_argument("--models", default="9B,15B,72B")
     p.add_argument("--out", default=str(RESULTS / "per_module_dp.json"))
     p.add_argument("--measured", action="store_true",
-                   help="a row measured on CPU processes with the per-module dp runtime (not implemented yet)")
+                   help="also measure uniform vs per-module dp on CPU processes (benchmarks/per_module_dp_cpu.py)")
     args = p.parse_args(argv)
-    if args.measured:
-        raise SystemExit("--measured needs the per-module data-parallel runtime (per-chain dp in the rank layout "
-                         "and the engine's routing); it is not implemented in this script yet")
     start = _machine.record()
     models = args.models.split(",")
     work = [(scale, m, setting) for scale in SCALES for m in models
@@ -261,6 +260,11 @@ def main(argv=None) -> dict:
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print_tables(doc)
     print(f"\nwrote {args.out}")
+    if args.measured:
+        import per_module_dp_cpu
+
+        per_module_dp_cpu.main([])
+    tables.main(["--quiet"])
     return doc
 
 

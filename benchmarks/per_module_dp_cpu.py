@@ -18,7 +18,8 @@ On a 2-core machine 4 processes share 2 cores, so wall times show contention as 
 
     python benchmarks/per_module_dp_cpu.py [--world 4] [--batch 12] [--microbatches 2] [--steps 4] [--warmup 1]
 
-Writes benchmarks/results/per_module_dp_cpu.json and prints a table.
+Writes benchmarks/results/per_module_dp_cpu.json, prints a table and rewrites the table docs/per_module_dp.md quotes
+from it (benchmarks/tables.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import _machine  # benchmarks/_machine.py: the machine record
+import tables  # benchmarks/tables.py: the figures docs quote
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -136,6 +138,7 @@ def main(argv=None) -> dict:
     for row in rows:
         print(f"{row['layout']:<12} {row['step_s']:>9.3f} {row['busiest_cpu_s']:>21.3f} {row['step_speedup']:>7.2f} "
               f"{row['busiest_cpu_speedup']:>14.2f}")
+    tables.main(["--quiet"])
     return result
 
 

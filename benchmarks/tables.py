@@ -577,6 +577,52 @@ def callback_images_sentence(data: dict) -> str:
             f"itself is slower than one process there ({_range(vs_one, '.2f', 'x')})")
 
 
+def _pm_rows(data: dict, scale: str | None = None, row: str = "per-module") -> list[dict]:
+    return [c["rows"][row] | {"case": c} for c in data["cases"] if scale is None or c["scale"] == scale]
+
+
+@renderer("per_module_dp.json", "cases")
+def per_module_dp_cases(data: dict) -> str:
+    rows = []
+    for c in data["cases"]:
+        for name, r in c["rows"].items():
+            est = f"{r['estimate_s']:.2f}" if "estimate_s" in r else ""
+            plan = f"{r['planning_ms']:.0f}" if "planning_ms" in r else ""
+            rows.append([f"§{c['scale']}", c["model"].removeprefix("MLLM-"), c["setting"], name, r["gpus"],
+                         r["layout"], f"{r['iteration_s']:.2f}", f"{r['samples_per_s']:.1f}", f"{r['mfu']:.1%}",
+                         f"{r['bubble']:.1%}", f"{r['mfu_vs_uniform']:.2f}", f"{r['throughput_vs_uniform']:.2f}", est,
+                         plan])
+    return (table(["scale", "LLM", "setting", "row", "GPUs", "dp x tp x pp", "iteration (s)", "samples/s", "MFU",
+                   "bubble", "MFU x", "throughput x", "Eq. 1-2 (s)", "planning (ms)"], rows, "llllrlrrrrrrrr")
+            + f"\n\nSimulated by {_machine_line(data)} (planning: this CPU's wall time).")
+
+
+@renderer("per_module_dp.json", "gains")
+def per_module_dp_gains(data: dict) -> str:
+    at = {c["model"]: c["rows"]["per-module"] for c in data["cases"] if c["scale"] == "8.1"}
+    small = _pm_rows(data, "8.2.1")
+    g = lambda m: f"{at[m]['mfu_vs_uniform']:.2f}x / {at[m]['throughput_vs_uniform']:.2f}x"  # noqa: E731
+    return (f"At 1296 GPUs, simulated per-module gains over the rigid layout are {g('MLLM-9B')} (MFU / throughput, "
+            f"9B), {g('MLLM-15B')} (15B) and {g('MLLM-72B')} (72B); at 98 GPUs they are "
+            f"{_range([r['mfu_vs_uniform'] for r in small], '.2f', 'x')} MFU and "
+            f"{_range([r['throughput_vs_uniform'] for r in small], '.2f', 'x')} throughput")
+
+
+@renderer("per_module_dp.json", "table-2")
+def per_module_dp_table_2(data: dict) -> str:
+    rows = [[t["gpus"], t["batch"], f"{t['search_ms']:.0f}", f"{t['published_ms']:.0f}", t["subproblems"],
+             t["layout"]] for t in data["table_2"]]
+    return (table(["GPUs", "batch", "search (ms)", "published (ms)", "subproblems", "layout"], rows, "rrrrrl")
+            + f"\n\nSearch times measured on {_machine_line(data)}; layouts simulated.")
+
+
+@renderer("per_module_dp.json", "search-1296")
+def per_module_dp_search_1296(data: dict) -> str:
+    at = {c["model"]: c["rows"]["per-module"]["planning_ms"] for c in data["cases"] if c["scale"] == "8.1"}
+    return (f"{at['MLLM-9B']:.0f}, {at['MLLM-15B']:.0f} and {at['MLLM-72B']:.0f} ms (measured on "
+            f"{_where(data)})")
+
+
 @renderer("per_module_dp_cpu.json", "table")
 def per_module_dp_cpu_table(data: dict) -> str:
     rows = [[r["layout"], f"{r['step_s']:.3f}", f"{r['busiest_cpu_s']:.3f}", f"{r['step_speedup']:.2f}x",

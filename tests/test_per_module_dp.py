@@ -13,6 +13,8 @@ CASES = [
     pytest.param((("vision",), "encoder", {"vision": dict(dp=1)}, dict(dp=2), 2, 8), id="vision-dp1-llm-dp2"),
     pytest.param((("vision", "audio"), "encoder", {"vision": dict(dp=2), "audio": dict(dp=1)}, dict(dp=1), 2, 4),
                  id="vision-dp2-audio-dp1-llm-dp1"),
+    pytest.param((("vision", "audio"), "encoder", {"vision": dict(dp=2), "audio": dict(dp=1)}, dict(dp=2), 2, 8),
+                 id="vision-dp2-audio-dp1-llm-dp2"),
     pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=1, cp=2), 2, 4), id="vision-dp2-llm-cp2"),
     pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=3), 2, 12), id="vision-dp2-llm-dp3"),
     # with the other pieces: encoder stages, a frozen tower, LLM tensor parallelism; encoder CP, the LLM under FSDP2
@@ -120,7 +122,8 @@ def test_bad_per_module_degrees_fail_with_the_fix():
 def test_routing_encodes_each_row_once_and_both_ends_agree():
     """Random groups: every row with items is encoded once, in its own microbatch, by one replica; LPT keeps the
     replicas within one row of the optimum's bound; what each encoder replica sends language-model replica j is
-    exactly j's rows it encoded, and the rows j assembles are its rows with items."""
+    exactly j's rows it encoded, and the rows j assembles are its rows with items; an encoder with as many replicas
+    as the language model pairs them."""
     import random
 
     from lightning_mm.plan.routing import route
@@ -133,7 +136,7 @@ def test_routing_encodes_each_row_once_and_both_ends_agree():
                     for j in range(replicas)]
         work = {"vision": [rng.choice([0, 0, rng.randint(1, 100)]) for _ in range(rows)],
                 "audio": [rng.randint(0, 5) for _ in range(rows)]}
-        enc = {"vision": rng.randint(1, 5), "audio": rng.randint(1, 3)}
+        enc = {"vision": rng.randint(1, 5), "audio": replicas if rng.random() < 0.3 else rng.randint(1, 3)}
         routing = route(llm_rows, work, enc)
         for name, n in enc.items():
             for m in range(micro):
@@ -141,10 +144,13 @@ def test_routing_encodes_each_row_once_and_both_ends_agree():
                 got = [r for i in range(n) for r in routing.encoder_rows[name][i][m]]
                 assert sorted(got) == sorted(g_m) and len(got) == len(set(got))
                 loads = [sum(work[name][r] for r in routing.encoder_rows[name][i][m]) for i in range(n)]
-                assert max(loads) <= sum(loads) / n + max([work[name][r] for r in g_m], default=0)
+                if n != replicas:  # LPT's list-scheduling bound
+                    assert max(loads) <= sum(loads) / n + max([work[name][r] for r in g_m], default=0)
                 for j in range(replicas):
                     sent = [r for i in range(n) for r in routing.sent_rows(name, i, j, m)]
                     assert sorted(sent) == [r for r in llm_rows[j][m] if work[name][r]]
+                    if n == replicas:  # paired replicas (peer_replicas gives one peer): j encodes j's rows only
+                        assert routing.encoder_rows[name][j][m] == [r for r in llm_rows[j][m] if work[name][r]]
         assert routing.fingerprint() == route(llm_rows, work, enc).fingerprint()
 
 

@@ -2,10 +2,11 @@
 
 Every rank of a group (``RankLayout.num_groups``) sees the same batch: the samples of the group's language-model
 replicas, replica after replica. Language-model replica ``j`` trains its own rows, cut into microbatches as today.
-Microbatch ``m`` of every replica together forms ``G_m``; each encoder splits the rows of ``G_m`` that hold its
-items over its replicas in the group by LPT on their work (the encoder context parallelism's item work, summed
-per row), heaviest first, ties to the lower replica, each replica's rows ascending. A row without items of an
-encoder routes nothing to it. Encoder replica ``i`` then sends language-model replica ``j`` the features of the
+Microbatch ``m`` of every replica together forms ``G_m``; each encoder with another number of replicas in the group
+splits the rows of ``G_m`` that hold its items over its replicas by LPT on their work (the encoder context parallelism's item work, summed
+per row), heaviest first, ties to the lower replica, each replica's rows ascending; an encoder with as many
+replicas as the language model pairs replica ``j`` with replica ``j`` (``RankLayout.peer_replicas``). A row without
+items of an encoder routes nothing to it. Encoder replica ``i`` then sends language-model replica ``j`` the features of the
 rows of ``G_m`` it encoded that ``j`` trains (possibly none: every pair exchanges a message each microbatch), and
 the feature gradients return the same way.
 
@@ -57,8 +58,11 @@ def route(llm_rows: list[list[list[int]]], work: dict[str, list[float]], encoder
         w = work[name]
         out[name] = [[] for _ in range(replicas)]
         for m in range(num_microbatches):
-            rows = [r for replica in llm_rows for r in replica[m] if w[r] > 0]
-            for i, mine in enumerate(lpt(rows, w, replicas)):
+            if replicas == len(llm_rows):  # as many as the LLM's: replica j encodes LLM replica j's rows
+                shares = [[r for r in replica[m] if w[r] > 0] for replica in llm_rows]
+            else:
+                shares = lpt([r for replica in llm_rows for r in replica[m] if w[r] > 0], w, replicas)
+            for i, mine in enumerate(shares):
                 out[name][i].append(mine)
     return Routing([[list(rows) for rows in replica] for replica in llm_rows], out)
 
