@@ -8,8 +8,7 @@ from helpers.per_module_dp_case import check_like_reference, run_rank, run_refer
 
 # (modalities, freeze, encoder specs, llm spec, microbatches, rows per global batch[, sharding_strategy])
 CASES = [
-    pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=1, pp=2), 2, 4), marks=pytest.mark.ci,
-                 id="vision-dp2-llm-dp1-pp2"),
+    pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=1, pp=2), 2, 4), id="vision-dp2-llm-dp1-pp2"),
     pytest.param((("vision",), "encoder", {"vision": dict(dp=1)}, dict(dp=2), 2, 8), id="vision-dp1-llm-dp2"),
     pytest.param((("vision", "audio"), "encoder", {"vision": dict(dp=2), "audio": dict(dp=1)}, dict(dp=1), 2, 4),
                  id="vision-dp2-audio-dp1-llm-dp1"),
