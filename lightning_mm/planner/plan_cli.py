@@ -389,10 +389,10 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
     print("wrote " + ", ".join(str(f) for f in files))
 
 
-NOTATION = ("partition lists each module's layers per pipeline stage: [4] is one stage holding all 4 layers, "
-            "[2, 2] two stages of 2 layers (pp = the list's length); in the tables, 'busy' is a stage's forward + "
-            "backward per iteration, 'bubble' the share of the iteration it waits, 'in flight' the microbatches "
-            "whose activations it holds at once")
+NOTATION = ("# partition lists each module's layers per pipeline stage: [4] is one stage holding all 4 layers,\n"
+            "# [2, 2] two stages of 2 layers (pp = the list's length). In the tables, 'busy' is a stage's forward\n"
+            "# + backward per iteration, 'bubble' the share of the iteration it waits, 'in flight' the microbatches\n"
+            "# whose activations it holds at once.")
 
 
 def fewer_devices_reason(best: Plan, candidates: list[Plan], budget: int) -> str:
