@@ -4,7 +4,8 @@ like the unparallelised model in one process (gloo, CPU, fp32, SGD); the layout,
 import pytest
 import torch
 from helpers.distributed import run_distributed
-from helpers.per_module_dp_case import check_like_reference, run_rank, run_reference
+from helpers.per_module_dp_case import run_rank, run_reference
+from helpers.pipeline_case import check_like_reference
 
 # (modalities, freeze, encoder specs, llm spec, microbatches, rows per global batch[, sharding_strategy])
 CASES = [

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from helpers.distributed import run_distributed
-from helpers.pipeline_case import run_rank, run_reference
+from helpers.pipeline_case import check_like_reference, run_rank, run_reference
 
 from lightning_mm.plan.layout import ParallelSpec, build_layout
 
@@ -34,17 +34,7 @@ def test_layout_trains_like_one_process(case):
     ref_losses, ref_params = run_reference(mods, freeze, steps, rows)
     results = run_distributed(run_rank, world_of(case), mods, freeze, enc_pp, llm_pp, placement, microbatches,
                               steps, rows)
-    merged = {}
-    for losses, params in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-        for name, p in params.items():
-            if name in merged:  # replicas of one stage agree
-                torch.testing.assert_close(p, merged[name], rtol=0, atol=0)
-            merged[name] = p
-    assert set(merged) == set(ref_params)
-    for name, p in ref_params.items():
-        torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
-    assert ref_losses[0] != ref_losses[2]  # the steps changed the model
+    check_like_reference(results, ref_losses, ref_params)
 
 
 def test_bad_specs_fail_before_any_process_group():
@@ -91,16 +81,7 @@ def test_context_parallel_layout_trains_like_one_process(case):
     world = build_layout(specs, ParallelSpec(pp=llm_pp, cp=cp), 720720, placement).ranks_per_replica * dp
     results = run_distributed(run_rank, world, mods, freeze, enc_pp, llm_pp, placement, microbatches, steps, rows,
                               layout, 0.5, cp, method, 8)
-    merged = {}
-    for losses, params in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-        for name, p in params.items():
-            if name in merged:
-                torch.testing.assert_close(p, merged[name], rtol=0, atol=0)
-            merged[name] = p
-    assert set(merged) == set(ref_params)
-    for name, p in ref_params.items():
-        torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
+    check_like_reference(results, ref_losses, ref_params)
 
 
 # (modalities, freeze, encoder pp, llm pp, llm cp, microbatches)

@@ -103,3 +103,19 @@ def run_rank_checkpointed(rank, world, modalities, freeze, encoder_pp, llm_pp, m
             layer.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
     losses, params = train_engine(engine, model, batches, lr=0.5)
     return losses, params, calls
+
+
+def check_like_reference(results, ref_losses, ref_params):
+    """Every rank's losses equal one process's; replicas of a stage agree bit for bit; the parameters of every
+    stage equal one process's after the steps."""
+    merged = {}
+    for losses, params, *_ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name, p in params.items():
+            if name in merged:
+                torch.testing.assert_close(p, merged[name], rtol=0, atol=0)
+            merged[name] = p
+    assert set(merged) == set(ref_params)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
+    assert ref_losses[0] != ref_losses[-1]
