@@ -69,7 +69,13 @@ run_part() {
         timeout 150 lightning-mm fit --config examples/gpu_vlm.yaml --trainer.default_root_dir="$root/one_gpu";
         echo "== 3 ranks sharing the GPU (gloo): vision 1 stage, LLM 2 stages";
         timeout 200 lightning-mm fit --config examples/gpu_vlm.yaml --config examples/gpu_vlm_shared_gpu.yaml \
-          --trainer.default_root_dir="$root/shared"; } 2>&1 | tee "$root/fit.log"
+          --trainer.default_root_dir="$root/shared";
+        echo "== per-module data parallelism, 4 ranks sharing the GPU (gloo): vision dp 2 + LLM dp 1 of 2 stages";
+        mkdir -p "$root/per_module_dp";
+        timeout 120 python3 tests/helpers/trainer_case.py '{"modalities": ["vision"], "vision": "qwen2_vl",
+          "encoder_dp": [2], "llm_dp": 1, "llm_pp": 2, "microbatches": 2, "items": [0, 5], "freeze": "all",
+          "balancing": "entrain", "steps": 3, "accelerator": "cuda", "backend": "gloo", "share_gpu": true}' \
+          "$root/per_module_dp" && cat "$root/per_module_dp/result.json"; } 2>&1 | tee "$root/fit.log"
       pack fit "$root" ;;
     attention)
       local log=$RESULTS/attention_$dev.log
