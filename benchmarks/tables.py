@@ -9,6 +9,9 @@ A quoted figure or table sits between two markers; what is between them is gener
 Inline quotes work the same way (``... takes <!-- results:...:x -->0.41 ms<!-- /results --> ...``). Each benchmark
 script calls ``main()`` after writing its JSON, so re-running it rewrites the quoted tables;
 ``python benchmarks/tables.py --check`` (and tests/test_figures.py) fails when a quote disagrees with its JSON.
+The prose that reads a table ("Reading: ...") is generated the same way, so a re-run leaves no stale number in it;
+tests/test_figures.py also flags a figure with a unit whose sentence neither quotes a JSON nor says how it was
+obtained (measured where, simulated, published, fitted, computed, assumed, estimated).
 
     python benchmarks/tables.py [--check]
 """
@@ -20,6 +23,7 @@ import json
 import re
 import statistics
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -370,6 +374,19 @@ def ft_inline(data: dict) -> str:
             f"stall), measured on {_where(data)} with gloo")
 
 
+
+@renderer("fault_tolerance_cpu.json", "lost")
+def ft_lost(data: dict) -> str:
+    c, f = data["runs"]["ckpt_fail"], data["runs"]["ft_fail"]
+    return (f"{c['expected_lost_s_formula']:.1f} s in the JSON's `expected_lost_s_formula`, computed from the measured "
+            f"phases above")
+
+
+@renderer("fault_tolerance_cpu.json", "step")
+def ft_step(data: dict) -> str:
+    steps = [data["runs"][k]["step_s_before"] for k in ("ft_fail", "ckpt_fail")]
+    return f"its measured step times are {_range(steps)} s"
+
 # ---------------------------------------- pipeline --setup / --sharding
 
 _SETUP_NAMES = {"eager": "eager (random, every rank)", "lazy": "lazy (random, meta)",
@@ -489,6 +506,51 @@ def cp_modes_table(data: dict, tokens: int = 8192) -> str:
                      "CPU s, all ranks", "peak RSS MiB / rank", "load average"], rows, "lrrrrr"))
 
 
+
+def _at(mode: dict, tokens: int) -> dict | None:
+    return next((x for x in mode["lengths"] if x["tokens"] == tokens), None)
+
+
+@renderer("cp_modes_cpu.json", "machine")
+def cp_modes_machine(data: dict) -> str:
+    m = data["machine"]
+    return (f"The runs were measured on the {m['cores']}-core {m['cpu']} machine ({m['l3']} L3) with gloo, "
+            f"{data['threads_per_rank']} thread per rank, load average {data['load_average_before'][0]:.1f} before "
+            f"and {data['load_average_after'][0]:.1f} after (other jobs shared it)")
+
+
+@renderer("cp_modes_cpu.json", "stopped")
+def cp_modes_stopped(data: dict) -> str:
+    modes = data["modes"]
+    stopped = {k: m["stopped"] for k, m in modes.items() if m.get("stopped")}
+    reached = min(max(x["tokens"] for x in m["lengths"]) for m in modes.values())
+    guess = {k: float(re.search(r"~([\d.]+) s", v["skipped"])[1]) for k, v in stopped.items()}
+    cp2 = [v for k, v in guess.items() if modes[k]["cp"] == 2]
+    cp4_load = [_at(m, reached)["load_1min"] for m in modes.values() if m["cp"] == 4]
+    first = {v["tokens"] for v in stopped.values()}
+    return (f"Every mode reached {reached >> 10}k tokens (measured). "
+            f"{'/'.join(f'{t >> 10}k' for t in sorted(first))} stopped at the {data['cap_s']:.0f} s step cap "
+            f"(about {_range(cp2, '.0f')} s estimated by the benchmark at cp 2, about {guess['cp1']:.0f} s at cp 1), "
+            f"not at memory; the load average was {_range(cp4_load, '.1f')} during the cp 4 {reached >> 10}k steps")
+
+
+@renderer("cp_modes_cpu.json", "reading")
+def cp_modes_reading(data: dict) -> str:
+    modes, one = data["modes"], data["modes"]["cp1"]
+    gain = [_at(one, t)["step_s"] / _at(m, t)["step_s"] for t in (2048, 4096)
+            for m in modes.values() if m["cp"] == 2]
+    extra = {cp: [sum(_at(m, 8192)["cpu_s"]) / sum(_at(one, 8192)["cpu_s"]) - 1 for m in modes.values()
+                  if m["cp"] == cp] for cp in (2, 4)}
+    limit = {k: round(m["projected_memory_limit_tokens"] / 1024) for k, m in modes.items()}
+    named = ("allgather4", "hybrid2x2", "allgather2")
+    rest = [v for k, v in limit.items() if k not in named]
+    return (f"At 2k and 4k, cp 2 gave {_range(gain)}x in wall time (measured). At 8k the communication and the "
+            f"split add {_pct(extra[2])} to the total CPU time at cp 2 and {_pct(extra[4])} at cp 4 (measured). "
+            f"With the {data['projected_memory_limit'].split('reaching ')[1].split(' of')[0]} memory limit that the "
+            f"benchmark applies, a straight line through the summed peaks projects (estimated, not run) the memory "
+            f"bound at about {limit['allgather4']}k tokens for allgather cp 4, {limit['hybrid2x2']}k for hybrid, "
+            f"{limit['allgather2']}k for allgather cp 2 and {_range(rest, '.0f')}k for the others")
+
 # ---------------------------------------- frozen_aware.json
 
 _SOURCES = {"flops": "FLOP costs", "per_layer_loo": "leave-one-config-out", "seed_fitted": "seed-fitted profile"}
@@ -512,6 +574,70 @@ def frozen_aware_table(data: dict) -> str:
         header += [f"{_SOURCES[s]}: a/u", "speedup (simulated)", "meets"]
     return table(header, rows, "lr" + "lrl" * len(sources))
 
+
+
+def _cfg(row: dict) -> str:
+    return row["config"].removeprefix("MLLM-")
+
+
+@renderer("frozen_aware.json", "ratios")
+def frozen_aware_ratios(data: dict) -> str:
+    flops = [r["flops"]["aware_stages_ms"]["llm_bwd_ms"] / r["flops"]["aware_stages_ms"]["llm_fwd_ms"]
+             for r in data["seed_setting_rows"]]
+    p = data["seed_fitted_profile"]
+    back = p["llm_backward_ratio"]
+    return (f"FLOPs give a frozen LLM backward of {_range(flops, '.1f')}x its forward (computed; B_d ~ F plus one "
+            f"recomputed F); the seeds' published times give {back['S']:.1f}x (LLM-S) and "
+            f"{_range([back['M'], back['L']], '.1f')}x (LLM-M/L), and their encoders run at "
+            f"{_range(p['encoder_forward'].values(), '.1f')}x their FLOP time while their LLM runs at "
+            f"{_range(p['llm_forward'].values(), '.1f')}x (fitted)")
+
+
+@renderer("frozen_aware.json", "loo-mmm")
+def frozen_aware_loo_mmm(data: dict) -> str:
+    r = next(r for r in data["seed_setting_rows"] if _cfg(r) == "MMM")
+    return (f"MMM gets {r['per_layer_loo']['forward-variance']['ratio']:.2f}x (simulated; seeds "
+            f"{r['seed_ratio']:.2f}x, published)")
+
+
+@renderer("frozen_aware.json", "seed-fitted-faster")
+def frozen_aware_seed_fitted_faster(data: dict) -> str:
+    faster = [r for r in data["seed_setting_rows"] if r["ours_vs_seed_aware_layout"] > 1.005]
+    return (f"faster on {len(faster)} configs ("
+            + ", ".join(f"{_cfg(r)} {r['ours_vs_seed_aware_layout']:.2f}x" for r in faster) + "; simulated)")
+
+
+@renderer("frozen_aware.json", "retimed")
+def frozen_aware_retimed(data: dict) -> str:
+    rows = {_cfg(r): r for r in data["seed_setting_rows"]}
+    extra = [pub - sim for r in rows.values()
+             for pub, sim in zip((r["seed_aware_s"], r["seed_unaware_s"]), r["seed_layouts_simulated_s"])]
+    lls = rows["LLS"]
+    return (f"The simulator over-predicts the seeds' ratios when it re-times their two inferred layouts (e.g. "
+            + ", ".join(f"{k} {rows[k]['seed_layouts_simulated_ratio']:.2f}x simulated vs {rows[k]['seed_ratio']:.2f}x "
+                        f"published" for k in ("SSS", "MMM"))
+            + f"): their published iteration times carry {_range(extra, '.0f')} s that 1F1B over their per-stage "
+            f"times does not explain (LLS: {lls['seed_layouts_simulated_s'][0]:.0f} s simulated vs "
+            f"{lls['seed_aware_s']:.0f} s published)")
+
+
+@renderer("frozen_aware.json", "auto-vs-hand")
+def frozen_aware_auto_vs_hand(data: dict) -> str:
+    sources = [s for s in _SOURCES if s in data["seed_setting_rows"][0]]
+    best = {s: max(r[s]["auto_vs_best_hand"] for r in data["seed_setting_rows"]) for s in sources}
+    return ("the free auto search beats the best 6-stage hand split by up to "
+            + ", ".join(f"{v:.2f}x ({_SOURCES[s]})" for s, v in best.items()) + ", simulated")
+
+
+@renderer("frozen_aware.json", "free")
+def frozen_aware_free(data: dict) -> str:
+    plans = [p for r in data["rows"] for p in (r["aware_plan"], r["unaware_plan"])]
+    dp = [int(re.search(r"dp(\d+)", p)[1]) for p in plans]
+    llm = [int(re.search(r"l(\d+)$", p)[1]) for p in plans]
+    gains = sorted(data["rows"], key=lambda r: -r["speedup"])[:2]
+    return (f"with dp allowed the best layouts are dp {_range(dp, '.0f')} with {_range(llm, '.0f')} LLM stages for "
+            f"both modes, and the gain stays {_range([r['speedup'] for r in data['rows']])}x ("
+            + ", ".join(f"{r['config']} {r['speedup']:.2f}x" for r in gains) + "; simulated)")
 
 # ---------------------------------------- quickstart_cpu.json
 
@@ -608,6 +734,26 @@ def per_module_dp_gains(data: dict) -> str:
             f"{_range([r['throughput_vs_uniform'] for r in small], '.2f', 'x')} throughput")
 
 
+@renderer("per_module_dp.json", "mfu")
+def per_module_dp_mfu(data: dict) -> str:
+    return f"{_pct([r['mfu'] for r in _pm_rows(data)])} (simulated, the per-module rows)"
+
+
+@renderer("per_module_dp.json", "estimate")
+def per_module_dp_estimate(data: dict) -> str:
+    gap = max(abs(r["estimate_s"] / r["iteration_s"] - 1) for c in data["cases"] for r in c["rows"].values()
+              if "estimate_s" in r)
+    return f"within {gap:.1%} of the simulated time in every row (computed from the table)"
+
+
+@renderer("per_module_dp.json", "replay")
+def per_module_dp_replay(data: dict) -> str:
+    t = max(data["table_2"], key=lambda x: x["gpus"])
+    return (f"the 72B at {t['gpus']} GPUs solves {t['subproblems']} inner problems (the subproblems column), and its "
+            f"replay, one simulation, takes {t['replay_ms']:.0f} ms of the {t['search_ms']:.0f} (measured on "
+            f"{_where(data)})")
+
+
 @renderer("per_module_dp.json", "table-2")
 def per_module_dp_table_2(data: dict) -> str:
     rows = [[t["gpus"], t["batch"], f"{t['search_ms']:.0f}", f"{t['published_ms']:.0f}", t["subproblems"],
@@ -630,6 +776,136 @@ def per_module_dp_cpu_table(data: dict) -> str:
              ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s_per_rank"].items())] for r in data["rows"]]
     return (table(["layout", "step (s)", "busiest rank CPU (s)", "step vs uniform", "busiest CPU vs uniform",
                    "CPU s per rank"], rows, "lrrrrl") + f"\n\nMeasured on {_machine_line(data)}.")
+
+
+# ---------------------------------------- pipeline "Reading" notes (the figures in the prose under each table)
+
+def _wrap(text: str) -> str:
+    """Prose at most 120 characters a line; a line starting with "- " is a bullet (continued indented)."""
+    return "\n".join(textwrap.fill(p, 120, subsequent_indent="  " if p.startswith("- ") else "",
+                                   break_long_words=False, break_on_hyphens=False) for p in text.split("\n"))
+
+
+def _pct(values) -> str:
+    return _range([100 * v for v in values], ".0f", "%")
+
+
+def _growth(rows) -> list[float]:
+    return [x["peak_mb"] - x["rss_start_mb"] for r in rows for x in r["ranks"]]
+
+
+@renderer("pipeline_p2_cpu.json", "reading")
+def pipeline_reading(data: dict) -> str:
+    by = {r["name"]: r for r in data["rows"]}
+    base = data["rows"][0]
+    split = [by[n] for n in ("parallel", "colocated")]
+    idle = [max(r["bubble"].values()) for r in split]
+    rep = by["replicated"]
+    sim = [r["iteration_s"] / r["predicted_iteration_s"] for r in data["rows"] if r.get("predicted_iteration_s")]
+    noise = max(max(r["all_samples_per_s"]) / min(r["all_samples_per_s"]) for r in data["rows"])
+    return _wrap(f"Reading (measured): on 2 devices a model that fits one device trains fastest with plain data "
+                 f"parallelism (no bubbles). Parallel/colocated put the frozen encoder alone on rank 0 "
+                 f"(idle {_pct(idle)}, measured) and the "
+            f"whole LLM on rank 1, so they run at "
+            f"{_range([r['samples_per_s'] / base['samples_per_s'] for r in split])}x"
+            f" of DDP's samples/s, as the simulator predicts (measured / simulated iteration time "
+            f"{_range(sim)} over the pipeline rows); replicated balances the LLM over both ranks (frozen-aware "
+            f"boundaries {rep['partition']['language_model']}) and loses its {_pct(rep['bubble'].values())}"
+            f" 1F1B bubble (measured by `PipelineTimeline`). With one encoder, parallel and colocated are the same "
+            f"graph. Memory is the robust result: training grows each pipeline rank's RSS by "
+            f"{_range(_growth(data['rows'][1:]), '.0f')} MB against {_range(_growth([base]), '.0f')} MB for DDP "
+            f"(measured), which keeps gradients and optimiser state of the whole trainable LLM on every rank. The two "
+            f"measured runs of one layout differ by up to {noise:.1f}x (the last column): on that machine only larger "
+            f"differences are meaningful.")
+
+
+@renderer("pipeline_setup_p4_cpu.json", "reading")
+def pipeline_setup_reading(data: dict) -> str:
+    by = {r["name"]: r["ranks"] for r in data["rows"]}
+    first = lambda name, i: by[name][i]["peak_first_step_mb"]  # noqa: E731
+    eager = [x["peak_first_step_mb"] for x in by["eager"]]
+    folder = [x["peak_first_step_mb"] for x in by["folder-eager"]]
+    ends = [first("lazy", 1), first("lazy", 3)]
+    setup = [x["build_s"] + x["setup_s"] for r in data["rows"] for x in r["ranks"]]
+    launch = [r["ranks"][0]["to_first_step_s"] for r in data["rows"] if len(r["ranks"]) > 1]
+    hf = by["from_pretrained"][0]
+    return _wrap("Reading (every figure measured, from the table above):\n"
+            f"- Memory: eager builds put the whole model on every rank ({_range(eager, '.0f')} MiB; from folders "
+            f"{_range(folder, '.0f')}, about the model plus the largest tensor being read, the embedding or head). "
+            f"Lazy builds hold the stage: {_range([first('lazy', 0), first('folder-lazy', 0)], '.0f')} MiB on the "
+            f"encoder rank, {_range([first('lazy', 2), first('folder-lazy', 2)], '.0f')} on the middle LLM stage, "
+            f"{_range(ends, '.0f')} on the stages with the embeddings or the head (from folders: plus the tensor "
+            f"being read, {first('folder-lazy', 1):.0f} and {first('folder-lazy', 3):.0f}). At the end the last "
+            f"stage reaches {_range([by[n][3]['peak_end_mb'] for n in ('lazy', 'folder-lazy')], '.0f')} MiB in both "
+            f"lazy variants: the step's logits over the vocabulary and their gradient, not parameters (the eager peak "
+            f"already covered it).\n"
+            f"- Time: at this size build + setup take at most {max(setup):.1f} s per rank in every variant. Rank 0's "
+            f"{_range(launch, '.0f')} s to the first step is launching the {len(by['eager']) - 1} other processes "
+            f"(interpreter start, torch/Lightning/transformers imports, their builds) on "
+            f"{data['machine']['cores']} shared cores. `from_pretrained` (transformers 5, CPU) leaves the weights "
+            f"memory-mapped from the safetensors files: they are read when first used, in the first step "
+            f"({hf['to_first_step_s']:.1f} s to its start, {hf['to_first_step_end_s']:.1f} s to its end, "
+            f"{hf['peak_end_mb']:.0f} MiB at the end: the whole model plus the whole model's activations in one "
+            f"process).")
+
+
+@renderer("pipeline_sharding_p4_cpu.json", "reading")
+def pipeline_sharding_reading(data: dict) -> str:
+    repeat = json.loads((ROOT / "benchmarks/results/pipeline_sharding_p4_cpu_repeat.json").read_text())
+    runs = [{r["name"]: r for r in d["rows"]} for d in (data, repeat)]
+    by = runs[0]
+    state = {n: r["ranks"][0]["state_mb"]["total"] for n, r in by.items() if "ranks" in r}
+    peak = lambda n: [x["peak_end_mb"] for x in by[n]["ranks"]]  # noqa: E731
+    ratio = lambda n, d="no_shard": [run[n]["samples_per_s"] / run[d]["samples_per_s"] for run in runs]  # noqa: E731
+    sharded = peak("shard_grad_op") + peak("full_shard")
+    cut = [1 - max(sharded) / min(peak("no_shard")), 1 - min(sharded) / max(peak("no_shard"))]
+    losses = [x["loss"] for x in by["lightning_fsdp2"]["ranks"]]
+    first = [x["peak_first_step_mb"] for n in ("shard_grad_op", "full_shard") for x in by[n]["ranks"]]
+    more = [a - b for a, b in zip(peak("lightning_fsdp2"), peak("full_shard"))]
+    return _wrap("Reading (every figure measured, from the table above):\n"
+            f"- State: sharding over 4 ranks leaves each a quarter of NO_SHARD's {state['no_shard']:.0f} MiB "
+            f"({state['full_shard']:.0f}), tp 2 half ({state['tp2_no_shard']:.0f}: the replicated encoder and norms "
+            f"make it slightly more), tp 2 x FULL_SHARD over dp 2 a quarter again ({state['tp2_full_shard']:.0f}: the "
+            f"tp shards sharded once more). Lightning's FSDP2 row holds the same {state['lightning_fsdp2']:.0f} MiB.\n"
+            f"- Loss: the three dp 4 rows give the same loss, and Lightning's FSDP2 row the same value as the mean of "
+            f"its 4 ranks' losses ({', '.join(f'{x:.4f}' for x in losses)}): the same model, initial values and data "
+            f"order. The tp 2 rows train on a global batch of 2, hence another loss.\n"
+            f"- Peak memory: sharding lowers the resident-set peak by {_pct(cut)} "
+            f"({_range(sharded, '.0f')} MiB against {_range(peak('no_shard'), '.0f')}), much less than the state's "
+            f"{1 - state['full_shard'] / state['no_shard']:.0%}: at this size the peak on a CPU also holds the "
+            f"activations and logits, each unit's gathered parameters and unsharded gradients while they are in use, "
+            f"gloo's buffers, and memory the allocator keeps after a free. At the first step (after setup) the "
+            f"sharded rows stand at {_range(first, '.0f')} MiB against "
+            f"{_range([x['peak_first_step_mb'] for x in by['no_shard']['ranks']], '.0f')} for NO_SHARD although they "
+            f"hold a quarter of the parameters: materialising a shard draws the full tensor's initial values first "
+            f"(so that they equal one process's). The state column is the allocator-independent number; a GPU's peak "
+            f"allocated would show the difference more directly.\n"
+            f"- Throughput: on that CPU the sharded dp 4 rows are not slower than NO_SHARD "
+            f"({_range(ratio('shard_grad_op') + ratio('full_shard'))}x in both runs; each rank's AdamW step covers a "
+            f"quarter of the parameters, against the extra gathers of FSDP). Lightning's FSDP2 row reaches "
+            f"{_range(ratio('lightning_fsdp2', 'full_shard'))}x of lightning-mm's FULL_SHARD with the same state per "
+            f"rank and a {_range(more, '.0f')} MiB higher peak per rank: its root unit holds the embedding, the head "
+            f"and the SigLIP, gathered at once, which lightning-mm shards as units of their own. The tp 2 rows: "
+            f"{_range(ratio('tp2_no_shard'))}x (NO_SHARD) and {_range(ratio('tp2_full_shard'))}x (FULL_SHARD) of "
+            f"dp 4's samples/s on the same 4 processes.")
+
+
+def _model_mib(data: dict) -> str:
+    return f"{data['rows'][0]['model_mb']:.0f} MiB"
+
+
+renderer("pipeline_setup_p4_cpu.json", "model")(_model_mib)
+renderer("pipeline_sharding_p4_cpu.json", "model")(_model_mib)
+
+
+@renderer("cp_modes_cpu.json", "wall")
+def cp_modes_wall(data: dict) -> str:
+    return f"{data['wall_s'] / 60:.0f} min of wall time, measured (`wall_s` in the JSON)"
+
+
+@renderer("frozen_aware.json", "duration")
+def frozen_aware_duration(data: dict) -> str:
+    return f"{data['machine']['duration_s']:.0f} s of wall time measured on {_where(data)} (`duration_s` in the JSON)"
 
 
 # ---------------------------------------- driver
@@ -660,6 +936,34 @@ def regenerate(text: str, cache: dict | None = None, only: str | None = None) ->
         return match[0][:start] + body + match[0][end:]
 
     return MARKER.sub(sub, text), changed
+
+
+# ---------------------------------------- oobleck.py (simulated re-forming, template planning)
+
+@renderer("oobleck.json", "throughput")
+def oobleck_throughput(data: dict) -> str:
+    rows = []
+    for freq in ("6h", "1h", "10m"):
+        for model, m in data["throughput"].items():
+            c = m["cells"][freq]
+            rows.append([freq, model, f"{c['oobleck']:.2f}", f"{c['identical']:.2f}", f"{c['checkpoint']:.2f}",
+                         f"{c['seed_oobleck']:.2f}", f"{c['seed_varuna']:.2f}"])
+    head = ["failure every", "model", "re-forming (sim.)", "identical groups (sim.)", "checkpoint-restart (sim.)",
+            "Oobleck (seed)", "Varuna (seed)"]
+    return table(head, rows, "llrrrrr")
+
+
+@renderer("oobleck.json", "planning")
+def oobleck_planning(data: dict) -> str:
+    rows = [[r["nodes"], r["gpus_per_node"], r["layers"], f"{r['seconds']:.3g}", f"{r['seed_seconds']:,.2f}",
+             f"{r['speedup']:,.0f}x"] for r in data["planning"]]
+    return table(["nodes", "GPUs per node", "layers", "this planner (s, measured)", "seed (s)", "faster"], rows,
+                 "rrrrrr") + f"\n\nMeasured on {_machine_line(data)}."
+
+
+@renderer("oobleck.json", "speedup")
+def oobleck_speedup(data: dict) -> str:
+    return _range([r["speedup"] for r in data["planning"]], ",.0f", "x")
 
 
 def main(argv: list[str] | None = None) -> int:

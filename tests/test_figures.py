@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -76,3 +77,66 @@ def test_machine_record_names_cpu_cache_and_command():
     assert MACHINE_KEYS | {"load_average_end", "duration_s"} <= set(record) and "_t0" not in record
     assert record["cores"] >= 1 and record["cpu"]
     assert "cores" in _machine.describe(record) and _machine.describe(None) == "an unrecorded machine"
+
+
+# ---------------------------------------- every figure with a unit says where it came from
+#
+# A figure is a number followed by a time, size, speed or ratio unit ("0.41 ms", "874 MiB", "1.2x", "36%",
+# "12.5 GB/s", "3.1 samples/s"). Each sentence that holds one must either quote a results JSON (a results marker,
+# whose renderer names the machine) or say how the number was obtained (SOURCE_WORDS), or say that it is a setting
+# or a requirement rather than a result (SETTING_WORDS: "default 60 s", "heartbeat timeout 2 s", "the goal is
+# < 50 ms"). Fenced code blocks, code spans and HTML comments are not prose and are skipped; a table counts as one
+# sentence together with the paragraph just above it (its caption), and text in double quotes is a quotation (of a
+# published source, named beside it). Sentences are split at ". " before a capital,
+# "(", "*" or "`" (after common abbreviations), and list items and headings stand alone.
+
+SOURCE_WORDS = ("measured", "simulated", "published", "fitted", "computed", "assumed", "estimated")
+SETTING_WORDS = ("default", "timeout", "goals?", "set to", "asserts")
+_FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:-\d[\d,]*(?:\.\d+)?)?"
+                     r"(?:\s?(?:[mµu]?s|min|minutes?|seconds?|hours?|[KMGT]i?B|[KMGT]b|[KMGT]i?B/s|[KMGT]b/s|TF/s"
+                     r"|TFLOP/s|(?:[a-z]+)/s)|x|%)(?![\w/])")
+_LABEL = re.compile(r"\b(?:" + "|".join(SOURCE_WORDS + SETTING_WORDS) + r")\b", re.I)
+_ABBREVIATIONS = ("e.g.", "i.e.", "Fig.", "Figs.", "Eq.", "Eqs.", "vs.", "cf.", "l.", "ll.", "No.")
+
+
+def unlabelled_figures(text: str) -> list[str]:
+    """The sentences of a markdown text that hold a figure with a unit but say nowhere how it was obtained."""
+    text = tables.MARKER.sub(" RESULTS ", text)
+    text = re.sub(r"^```.*?^```[^\n]*$", "", text, flags=re.S | re.M)
+    text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
+    text = re.sub(r"``.*?``|`[^`]*`", "CODE", text, flags=re.S)
+    text = re.sub(r'"[^"\n]*(?:\n[^"\n]*)*"', "QUOTE", text)  # a quotation: its source is named beside it
+    for a in _ABBREVIATIONS:
+        text = text.replace(" " + a, " " + a.replace(".", ""))
+    found, previous = [], ""
+    for block in re.split(r"\n\s*\n", text):
+        if block.lstrip().startswith("|"):
+            units = [previous + "\n" + block]  # a table with its caption
+        else:
+            units = [s for item in re.split(r"\n(?=\s*(?:[-*+]|\d+\.|#+) )", block)
+                     for s in re.split(r"(?<=[.!?])\s+(?=[A-Z(*`])", item)]
+        previous = block
+        for sentence in units:
+            if _FIGURE.search(sentence) and "RESULTS" not in sentence and not _LABEL.search(sentence):
+                found.append(" ".join(sentence.split()))
+    return found
+
+
+@pytest.mark.parametrize("doc", tables.DOCUMENTS)
+def test_every_figure_with_a_unit_says_where_it_came_from(doc):
+    found = unlabelled_figures((ROOT / doc).read_text())
+    assert not found, (f"{doc}: figures with a unit whose sentence says neither how they were obtained "
+                       f"({', '.join(SOURCE_WORDS)}) nor that they are a setting, and quote no results JSON:\n  "
+                       + "\n  ".join(s[:200] for s in found))
+
+
+def test_the_figure_lint_flags_only_unlabelled_figures():
+    assert unlabelled_figures("A step takes 0.41 ms. It is fast.") == ["A step takes 0.41 ms."]
+    assert unlabelled_figures("Ours is 1.2x faster and 30% smaller (estimated).") == []
+    assert unlabelled_figures("Measured: 3 GiB per rank, e.g. 12.5 GB/s over the link.") == []
+    assert unlabelled_figures("The default is 60 s. A stage = 4 GPUs, hybrid 2x2, dp 2 x tp 2.") == []
+    assert unlabelled_figures("```bash\nrun   # 4 min\n```\nRun `sleep 5s`.") == []
+    quote = "<!-- results:benchmarks/results/encoder_cp_cpu.json:inline -->1.50x<!-- /results -->"
+    assert unlabelled_figures(f"It is {quote} faster.") == []
+    assert unlabelled_figures("Throughput:\n\n| mode | samples/s |\n| --- | ---: |\n| a | 2.1x |") != []
+    assert unlabelled_figures("Simulated:\n\n| mode | samples/s |\n| --- | ---: |\n| a | 2.1x |") == []
