@@ -74,6 +74,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--per-module-dp", action="store_true",
                    help="search each module's own dp, tp (from --tp) and pp on --devices (DistTrain's per-module data "
                         "parallelism; encoder_placement parallel) and print a YAML with dp on every ParallelSpec")
+    p.add_argument("--templates", action="store_true",
+                   help="write Oobleck pipeline templates (one layout per node count n0 .. N - f x n0) to --out "
+                        "(default <the run's log dir>/plan/templates.yaml); needs --nodes and --devices-per-node")
+    p.add_argument("--nodes", type=int, default=None, help="with --templates: nodes of the cluster (N)")
+    p.add_argument("--devices-per-node", type=int, default=None, help="with --templates: devices per node (M)")
+    p.add_argument("--failures", type=int, default=1,
+                   help="with --templates: simultaneous node failures to survive (f, default 1)")
     return p.parse_args(argv)
 
 
@@ -357,6 +364,8 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
           + (" (and encoder CP's feature gather)" if math.isfinite(cp_bandwidth) and max(encoder_cp) > 1 else "")
           + "\n")
     rows = int(mb["input_ids"].shape[0])  # samples per planner microbatch
+    if args.templates:
+        return _templates(args, specs, strategy.num_microbatches, tp_degrees, units, out)
     mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth, tp_bandwidth, cp_bandwidth, rows)
     files = _write(mine, out, "configured", units)
     print(stage_table(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
@@ -442,3 +451,101 @@ def _per_module(args, specs, mine: Plan, budget: int, rows: int, tp_degrees, sha
           f"replica: keep batch_size x {best.dp} the same for the same global batch):\n")
     print(strategy_yaml(best))
     print("wrote " + ", ".join(str(f) for f in files))
+
+
+def plan_template(specs: dict[str, ModuleSpec], nodes: int, devices_per_node: int, num_microbatches: int,
+                  memory_limit: float = math.inf, **search_kwargs):
+    """The fastest layout ``search`` finds that uses all ``nodes`` x ``devices_per_node`` devices within
+    ``memory_limit``, every stage's tp x cp ranks on one node, as a ``PipelineTemplate`` timed at N =
+    ``num_microbatches`` and 2N: its fill and time per microbatch (where only a dp that N does not divide fills the
+    devices, N becomes the next multiple of the device count). None when none fits."""
+    import time
+
+    from lightning_mm.plan.layout import check_node_locality
+    from lightning_mm.plan.templates import PipelineTemplate
+
+    def node_local(plan):
+        try:
+            check_node_locality(plan.layout, devices_per_node)
+        except ValueError:
+            return False
+        return True
+
+    def fastest(microbatches):
+        try:
+            found = search(specs, devices, microbatches, memory_limit, **search_kwargs)
+        except ValueError:
+            return None
+        fit = [p for p in found.candidates if p.devices == devices and p.fits_memory and node_local(p)]
+        return min(fit, key=lambda p: p.iteration_time, default=None)
+
+    start, devices = time.perf_counter(), nodes * devices_per_node
+    best = fastest(num_microbatches)
+    if best is None and num_microbatches % devices:  # a dp that fills the devices may not divide the batch
+        num_microbatches = -(-num_microbatches // devices) * devices
+        best = fastest(num_microbatches)
+    if best is None:
+        return None
+    twice = evaluate_plan(specs, best.layers, best.placement, 2 * num_microbatches, best.dp,
+                          memory_limit=memory_limit, tp=best.tp, sharding=best.sharding, cp=best.cp,
+                          cp_mode=best.cp_mode, ulysses=best.ulysses, encoder_cp=best.encoder_cp,
+                          **{k: v for k, v in search_kwargs.items() if k.endswith("bandwidth")})
+    per_mb = max((twice.iteration_time - best.iteration_time) / num_microbatches, 1e-30)
+    encoders, llm = best.parallel_specs()
+    return PipelineTemplate(nodes, devices_per_node, {**encoders, LANGUAGE_MODEL: llm},
+                            {m: tuple(v) for m, v in best.layers.items()}, best.placement, best.dp, per_mb,
+                            max(best.iteration_time - num_microbatches * per_mb, 0.0), time.perf_counter() - start)
+
+
+def build_templates(specs: dict[str, ModuleSpec], nodes: int, devices_per_node: int, failures: int,
+                    num_microbatches: int, memory_limit: float = math.inf, progress=None, **search_kwargs):
+    """Oobleck's pipeline templates: ``plan_template`` for each node count n from n0 (the fewest nodes whose
+    devices hold the model within ``memory_limit``) to ``nodes`` - ``failures`` x n0. ``progress(template)`` is
+    called after each."""
+    from lightning_mm.plan.templates import Templates
+
+    def template(n):
+        t = plan_template(specs, n, devices_per_node, num_microbatches, memory_limit, **search_kwargs)
+        if t is not None and progress:
+            progress(t)
+        return t
+
+    templates = []
+    for n in range(1, nodes // (failures + 1) + 1):  # n0: the fewest nodes that hold the model
+        first = template(n)
+        if first is not None:
+            templates.append(first)
+            break
+    if not templates:
+        raise SystemExit(f"the model does not fit {nodes // (failures + 1)} nodes x {devices_per_node} devices "
+                         f"within the memory limit, so {failures + 1} groups cannot run on {nodes} nodes: add nodes, "
+                         "lower --failures, raise --memory-limit or recompute activations")
+    for n in range(templates[0].nodes + 1, nodes - failures * templates[0].nodes + 1):
+        t = template(n)
+        if t is None:
+            raise SystemExit(f"no layout fills {n} nodes x {devices_per_node} devices within the memory limit, "
+                             f"though {templates[0].nodes} nodes fit; try other --tp degrees")
+        templates.append(t)
+    return Templates(tuple(templates), failures, {"nodes": nodes, "num_microbatches": num_microbatches})
+
+
+def _templates(args, specs, num_microbatches: int, tp_degrees, units: Units, out: Path) -> None:
+    """``--templates``: build, print one row per template (with its planning time) and write the YAML."""
+    if not args.nodes or not args.devices_per_node:
+        raise SystemExit("--templates needs --nodes N and --devices-per-node M")
+    templates = build_templates(specs, args.nodes, args.devices_per_node, args.failures, num_microbatches,
+                                args.memory_limit * GIB, tp_degrees=tp_degrees,
+                                allreduce_bandwidth=args.allreduce_bandwidth * 1e9,
+                                tp_bandwidth=args.tp_bandwidth * 1e9)
+    path = Path(args.out) if args.out else out / "templates.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    templates.save(path)
+    print(f"pipeline templates for {args.nodes} nodes x {args.devices_per_node} devices, f={args.failures} "
+          f"(times of one step of {num_microbatches} microbatches, {units.name})")
+    header = f"{'nodes':>5} {'dp':>3} {'tp':>3} {'layers per stage':<40} {'step':>10} {'planning (s)':>12}"
+    print(header + "\n" + "-" * len(header))
+    for t in templates.templates:
+        cut = "; ".join(f"{m} {list(v)}" for m, v in t.partition.items())
+        print(f"{t.nodes:>5} {t.dp:>3} {t.specs[LANGUAGE_MODEL].tp:>3} {cut:<40} "
+              f"{t.step_time(num_microbatches) * units.factor:>10.4g} {t.planning_seconds:>12.3f}")
+    print(f"wrote {path}")
