@@ -39,7 +39,6 @@ def test_per_module_dp_trains_like_one_process(case):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_every_row_gets_its_own_samples_features():
     """Probe: vision dp 2 feeding LLM dp 3 (rows of 3 replicas over 2 encoder replicas): in the first step the
     features each row of each LLM microbatch receives are exactly the one-process encoder's features of that
