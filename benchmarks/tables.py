@@ -956,14 +956,14 @@ def oobleck_throughput(data: dict) -> str:
 @renderer("oobleck.json", "planning")
 def oobleck_planning(data: dict) -> str:
     rows = [[r["nodes"], r["gpus_per_node"], r["layers"], f"{r['seconds']:.3g}", f"{r['seed_seconds']:,.2f}",
-             f"{r['speedup']:,.0f}x"] for r in data["planning"]]
+             f"{r['speedup']:,.1f}x"] for r in data["planning"]]
     return table(["nodes", "GPUs per node", "layers", "this planner (s, measured)", "seed (s)", "faster"], rows,
                  "rrrrrr") + f"\n\nMeasured on {_machine_line(data)}."
 
 
 @renderer("oobleck.json", "speedup")
 def oobleck_speedup(data: dict) -> str:
-    return _range([r["speedup"] for r in data["planning"]], ",.0f", "x")
+    return _range([r["speedup"] for r in data["planning"]], ",.1f", "x")
 
 
 def main(argv: list[str] | None = None) -> int:
