@@ -19,8 +19,9 @@ cell, and every other cell follows from the same model. Per method:
   state written at ``--storage-gbps``); a failure loses the steps since the last checkpoint, then the job
   restarts and loads the checkpoint.
 
-Planning (beside Table 2.3): seconds to plan one template (``plan_template``: ``search`` on nodes x GPUs per node
-devices, kept to layouts that use them all) for a GPT-3 2.7b-wide model of 24-96 layers, measured on this CPU.
+Planning (beside Table 2.3): seconds to plan one template (``plan_template``: the search's candidate layouts that
+fill nodes x GPUs per node devices, tp 1-8 within a node, each simulated at N_b = 4 x nodes microbatches) for a
+GPT-3 2.7b-wide model of 24-96 layers, measured on this CPU.
 
     python benchmarks/oobleck.py [--trials 200] [--planning-grid full|small] [--measured]
 """

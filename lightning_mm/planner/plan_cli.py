@@ -454,15 +454,18 @@ def _per_module(args, specs, mine: Plan, budget: int, rows: int, tp_degrees, sha
 
 
 def plan_template(specs: dict[str, ModuleSpec], nodes: int, devices_per_node: int, num_microbatches: int,
-                  memory_limit: float = math.inf, **search_kwargs):
-    """The fastest layout ``search`` finds that uses all ``nodes`` x ``devices_per_node`` devices within
-    ``memory_limit``, every stage's tp x cp ranks on one node, as a ``PipelineTemplate`` timed at N =
+                  memory_limit: float = math.inf, tp_degrees=(1,), allreduce_bandwidth: float = math.inf,
+                  tp_bandwidth: float = math.inf, placements=("parallel", "colocated")):
+    """The fastest of the search's candidate layouts (``candidate_layouts`` per tp and dp; NO_SHARD, no CP) that
+    fill ``nodes`` x ``devices_per_node`` devices within ``memory_limit``, every stage's tp ranks on one node,
+    simulated (``evaluate_plan``), as a ``PipelineTemplate`` timed at N =
     ``num_microbatches`` and 2N: its fill and time per microbatch (where only a dp that N does not divide fills the
     devices, N becomes the next multiple of the device count). None when none fits."""
     import time
 
-    from lightning_mm.plan.layout import check_node_locality
+    from lightning_mm.plan.layout import ParallelSpec, check_node_locality, replica_layout
     from lightning_mm.plan.templates import PipelineTemplate
+    from lightning_mm.planner.search import candidate_layouts
 
     def node_local(plan):
         try:
@@ -471,13 +474,19 @@ def plan_template(specs: dict[str, ModuleSpec], nodes: int, devices_per_node: in
             return False
         return True
 
-    def fastest(microbatches):
-        try:
-            found = search(specs, devices, microbatches, memory_limit, **search_kwargs)
-        except ValueError:
-            return None
-        fit = [p for p in found.candidates if p.devices == devices and p.fits_memory and node_local(p)]
-        return min(fit, key=lambda p: p.iteration_time, default=None)
+    def fastest(microbatches):  # search's candidate layouts, only those that fill the devices, each timed
+        plans = []
+        for tp in (t for t in tp_degrees if devices % t == 0):
+            for dp in (d for d in range(1, devices // tp + 1) if (devices // tp) % d == 0 and microbatches % d == 0):
+                for placement, layers in candidate_layouts(specs, devices // (dp * tp), placements):
+                    encoders = {m: ParallelSpec(pp=len(v), tp=tp) for m, v in layers.items() if m != LANGUAGE_MODEL}
+                    llm = ParallelSpec(pp=len(layers[LANGUAGE_MODEL]), tp=tp)
+                    if replica_layout(encoders, llm, placement, replicas=dp).world_size == devices:
+                        plans.append(evaluate_plan(specs, layers, placement, microbatches, dp, tp=tp,
+                                                   memory_limit=memory_limit, tp_bandwidth=tp_bandwidth,
+                                                   allreduce_bandwidth=allreduce_bandwidth))
+        fit = [p for p in plans if p.devices == devices and p.fits_memory and node_local(p)]
+        return min(fit, key=lambda p: (p.iteration_time, p.dp), default=None)
 
     start, devices = time.perf_counter(), nodes * devices_per_node
     best = fastest(num_microbatches)
@@ -486,10 +495,8 @@ def plan_template(specs: dict[str, ModuleSpec], nodes: int, devices_per_node: in
         best = fastest(num_microbatches)
     if best is None:
         return None
-    twice = evaluate_plan(specs, best.layers, best.placement, 2 * num_microbatches, best.dp,
-                          memory_limit=memory_limit, tp=best.tp, sharding=best.sharding, cp=best.cp,
-                          cp_mode=best.cp_mode, ulysses=best.ulysses, encoder_cp=best.encoder_cp,
-                          **{k: v for k, v in search_kwargs.items() if k.endswith("bandwidth")})
+    twice = evaluate_plan(specs, best.layers, best.placement, 2 * num_microbatches, best.dp, memory_limit=memory_limit,
+                          tp=best.tp, allreduce_bandwidth=allreduce_bandwidth, tp_bandwidth=tp_bandwidth)
     per_mb = max((twice.iteration_time - best.iteration_time) / num_microbatches, 1e-30)
     encoders, llm = best.parallel_specs()
     return PipelineTemplate(nodes, devices_per_node, {**encoders, LANGUAGE_MODEL: llm},
