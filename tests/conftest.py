@@ -18,8 +18,8 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("--full") or os.environ.get("LMM_FULL_TESTS", "") not in ("", "0"):
         return
     skip = pytest.mark.skip(reason="slow case outside the representative subset; `--full` runs it")
-    for item in items:
-        if "slow" in item.keywords and "ci" not in item.keywords:
+    for item in items:  # markers, not keywords: a keyword also matches a folder name (a clone in ".../ci/")
+        if item.get_closest_marker("slow") and not item.get_closest_marker("ci"):
             item.add_marker(skip)
 
 
