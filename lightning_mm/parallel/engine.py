@@ -2,7 +2,9 @@
 
 Every rank of a replica sees the same batch (the sampler runs over replicas), so anything derivable from the
 batch (encoder contexts, mask words, positions, labels) is recomputed where it is needed and only hidden
-states and features travel between stages. Frozen-aware: a stage with nothing trainable in or upstream of it
+states and features travel between stages. Under per-module data parallelism every rank of a group of replicas
+sees the group's batch, and features and their gradients travel between replicas of different modules as the
+batch's routing says (``plan/routing.py``). Frozen-aware: a stage with nothing trainable in or upstream of it
 runs forward under ``no_grad`` and takes no part in backward; a frozen stage with trainable parameters upstream
 computes input gradients only (autograd builds no weight-gradient graph for frozen parameters). With
 ``activation_checkpointing`` every encoder and LLM layer that records autograd keeps only its input and runs its
