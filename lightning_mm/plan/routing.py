@@ -2,13 +2,13 @@
 
 Every rank of a group (``RankLayout.num_groups``) sees the same batch: the samples of the group's language-model
 replicas, replica after replica. Language-model replica ``j`` trains its own rows, cut into microbatches as today.
-Microbatch ``m`` of every replica together forms ``G_m``; each encoder with another number of replicas in the group
-splits the rows of ``G_m`` that hold its items over its replicas by LPT on their work (the encoder context parallelism's item work, summed
-per row), heaviest first, ties to the lower replica, each replica's rows ascending; an encoder with as many
-replicas as the language model pairs replica ``j`` with replica ``j`` (``RankLayout.peer_replicas``). A row without
-items of an encoder routes nothing to it. Encoder replica ``i`` then sends language-model replica ``j`` the features of the
-rows of ``G_m`` it encoded that ``j`` trains (possibly none: every pair exchanges a message each microbatch), and
-the feature gradients return the same way.
+Microbatch ``m`` of every replica together forms ``G_m``. An encoder with another number of replicas in the group
+splits the rows of ``G_m`` that hold its items over its replicas by LPT on their work (the item work of encoder
+context parallelism, summed per row): heaviest first, ties to the lower replica, each replica's rows ascending. An
+encoder with as many replicas as the language model pairs replica ``j`` with replica ``j``
+(``RankLayout.peer_replicas``). A row without items of an encoder routes nothing to it. Encoder replica ``i`` sends
+language-model replica ``j`` the features of the rows of ``G_m`` it encoded that ``j`` trains (possibly none: every
+pair exchanges a message each microbatch), and the feature gradients return the same way.
 
 Pure: the sender and the receiver compute the same ``Routing`` from the batch alone (``fingerprint`` lets the
 runtime check that they did). Choices where the seed is open are in docs/per_module_dp.md.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+
 from lightning_mm.plan.schedule import Action
 
 
