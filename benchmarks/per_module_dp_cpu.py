@@ -3,8 +3,9 @@ a heavy vision encoder, on the same number of gloo processes and the same global
 
 Model: a trainable tiny SigLIP made heavy (``--encoder-layers`` layers of width ``--encoder-hidden``, 49 tokens per
 112-pixel image, ``--image-size``) + MLP projector + a trainable 2-layer Llama (width 64): the encoder does most of
-the work, as with a 0.6B tower on high-resolution images in front of a small LLM. Data: the synthetic data set, 2-4 images
-per sample, ``--batch`` samples per global batch in ``--microbatches`` microbatches. Layouts (``--world`` ranks):
+the work, as with a 0.6B tower on high-resolution images in front of a small LLM. Data: the synthetic data set,
+2-4 images per sample, ``--batch`` samples per global batch in ``--microbatches`` microbatches. Layouts
+(``--world`` ranks):
 
 - ``uniform``: vision 1 rank + LLM 1 rank per replica, dp = world / 2 (every module at one degree);
 - ``per-module``: vision dp = world - 1 + LLM dp 1 (the encoder gets the ranks its work needs).

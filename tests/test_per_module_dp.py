@@ -185,8 +185,8 @@ def test_trainer_fit_validate_test_predict_like_one_process(tmp_path, balancing)
     base = dict(modalities=["vision"], vision="qwen2_vl", freeze="all", items=[0, 5], optimizer="sgd", lr=0.5,
                 steps=2, batch_size=4, validate=True, test=True, predict=True)
     ref = run(base, tmp_path, "single")
-    got = run({**base, "llm_pp": 2, "microbatches": 2, "encoder_dp": [2], "llm_dp": 1, "balancing": balancing, "plans": True},
-              tmp_path, balancing)
+    got = run({**base, "llm_pp": 2, "microbatches": 2, "encoder_dp": [2], "llm_dp": 1, "balancing": balancing,
+               "plans": True}, tmp_path, balancing)
     assert_same_training(got, ref)
     for key in ("val", "test"):
         assert got[0][key] == pytest.approx(ref[0][key], rel=1e-5)
