@@ -254,6 +254,10 @@ class ContextParallel(pl.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._install(pl_module)  # a model built in configure_model exists now
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        rank_zero_info(f"ContextParallel: each sequence is split over cp_size={self.cp_size} ranks "
+                       f"(mode={self.mode!r}), {self.dp_size} data-parallel groups of them")
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         if self._original_class is not None and self._strategy is not None:
