@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from torch.utils.data import Dataset
 
 import lightning_mm as lmm
 from lightning_mm.data.balanced import balance_stats, metadata_works
@@ -16,21 +15,11 @@ from lightning_mm.model import tiny_encoder, tiny_language_model
 from lightning_mm.plan.balance import BatchPlan, Deferral, plan_batch
 from lightning_mm.planner.workload import WorkloadModel
 from tests.helpers.launch import run_trainer_case
+from tests.helpers.plain_dataset import PlainDataset
 from tests.test_balancing import BALANCED, balanced_case
 from tests.test_lightning_contracts import assert_same_training, run
 
 CASE = os.path.join(os.path.dirname(__file__), "helpers", "plain_data_case.py")
-
-
-class Plain(Dataset):
-    def __init__(self, samples):
-        self.samples = samples
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i):
-        return self.samples[i]
 
 
 def tiny_model():
@@ -44,17 +33,17 @@ def test_metadata_read_from_samples_equals_sample_metadata(caplog):
     workload = WorkloadModel.from_model(model)
     indices = list(range(12))
     with caplog.at_level(logging.INFO):
-        from_samples = metadata_works(Plain([data[i] for i in indices]), workload, model)(indices)
+        from_samples = metadata_works(PlainDataset([data[i] for i in indices]), workload, model)(indices)
     expected = workload.works([data.sample_metadata(i) for i in indices])
     torch.testing.assert_close(from_samples, expected, rtol=0, atol=0)
     assert "has no sample_metadata(i), so the metadata of its 12 samples was read" in caplog.text
-    given = lmm.data.WithSampleMetadata(Plain([data[i] for i in indices]), sample_metadata=data.sample_metadata)
+    given = lmm.data.WithSampleMetadata(PlainDataset([data[i] for i in indices]), sample_metadata=data.sample_metadata)
     torch.testing.assert_close(metadata_works(given, workload)(indices), expected, rtol=0, atol=0)
 
 
 def test_a_sample_not_in_the_collator_format_is_named():
     with pytest.raises(ValueError, match="sample 0 from the sample itself"):
-        metadata_works(Plain([{"input_ids": "abc", "vision": 3}]), WorkloadModel.from_model(tiny_model()),
+        metadata_works(PlainDataset([{"input_ids": "abc", "vision": 3}]), WorkloadModel.from_model(tiny_model()),
                        tiny_model())([0])
 
 

@@ -240,10 +240,6 @@ class RankLayout:
         return [[[self.rank(s, d, c, t) for t in range(self.tp[s])] for d in range(self.replicas(chain))
                  for c in range(self.cp[s])] for s in self.chains()[chain]]
 
-    def replica_ranks(self, dp: int) -> list[int]:
-        """Every rank that sees the same batch as replica ``dp`` of the language model (its group)."""
-        return self.group_ranks(dp // self.per_group(self.chain_of(self.stages[-1])))
-
     def to_dict(self) -> dict:
         """The layout as plain data (checkpoints, fingerprints); ``chain_dp`` only when chains differ."""
         out = {"stages": self.stages, "cp": self.cp, "tp": self.tp, "dp": self.dp, "placement": self.placement,

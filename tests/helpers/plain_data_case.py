@@ -6,21 +6,8 @@ import logging
 import os
 import sys
 
-from torch.utils.data import Dataset
-
 import trainer_case
-
-
-class PlainDataset(Dataset):
-    def __init__(self, samples):
-        self.samples = samples
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i):
-        return self.samples[i]
-
+from plain_dataset import PlainDataset
 
 _dataset = trainer_case.Data._dataset
 trainer_case.Data._dataset = lambda self, n, seed: PlainDataset(_dataset(self, n, seed))
