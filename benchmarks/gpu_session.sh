@@ -2,6 +2,7 @@
 # Everything that needs a GPU, in parts that each fit one 10-minute command on a one-GPU machine (each part's
 # steps run under time limits that sum to about 6 minutes, so four parts fit in 30 minutes of machine time):
 #
+#   bash benchmarks/gpu_session.sh setup quick            # the most important step of each part, in 9 minutes
 #   bash benchmarks/gpu_session.sh setup tests            # native kernel tests, then pytest -m gpu
 #   bash benchmarks/gpu_session.sh setup fit              # the ~0.6B VLM: one GPU, then 3 ranks sharing it
 #   bash benchmarks/gpu_session.sh setup attention        # benchmarks/attention.py, the goal sizes first
@@ -53,6 +54,21 @@ run_part() {
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       fi
       python3 -m pip install -q --no-deps --no-build-isolation -e . && versions ;;
+    quick)  # the most important checks of every part, in one 9-minute command
+      local log=$RESULTS/quick_$dev.log root=$RESULTS/fit_$dev
+      rm -rf "$root"; mkdir -p "$root"
+      { versions; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+        echo "== native kernel tests (TRITON_INTERPRET unset)";
+        env -u TRITON_INTERPRET timeout 120 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_kernels.py \
+          --junitxml="$RESULTS/kernels_$dev.xml";
+        echo "== pytest -m gpu";
+        timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests --junitxml="$RESULTS/gpu_$dev.xml";
+        echo "== one GPU, NCCL, bf16-mixed";
+        timeout 110 lightning-mm fit --config examples/gpu_vlm.yaml --trainer.default_root_dir="$root/one_gpu";
+        echo "== attention, head dim 128, 16k and 64k";
+        timeout 140 python3 benchmarks/attention.py --head-dims 128 --seq-lens 16384 65536 \
+          --out "$RESULTS/attention_${dev}_d128.json"; } 2>&1 | tee "$log"
+      pack quick "$log" "$RESULTS"/*_"$dev".xml "$root" "$RESULTS"/attention_"${dev}"_d128.json ;;
     tests)
       local log=$RESULTS/tests_$dev.log
       { versions; echo "== native kernel tests (TRITON_INTERPRET unset)";
@@ -97,11 +113,11 @@ run_part() {
           --out "$RESULTS/plan_$dev"; } 2>&1 | tee "$log"
       pack profile "$log" "$RESULTS/layer_profile_$dev.json" "$RESULTS/frozen_aware_$dev" \
         "$RESULTS/plan_profile_$dev.json" "$RESULTS/plan_$dev" ;;
-    *) echo "unknown part '$part': setup, tests, fit, attention, profile" >&2; return 2 ;;
+    *) echo "unknown part '$part': setup, quick, tests, fit, attention, profile" >&2; return 2 ;;
   esac
 }
 
-[ $# -gt 0 ] || { echo "usage: $0 setup|tests|fit|attention|profile ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 setup|quick|tests|fit|attention|profile ..." >&2; exit 2; }
 status=0
 for part in "$@"; do
   echo "=== $part"

@@ -18,11 +18,11 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def _check_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions):
+def _check_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions, cache=None):
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: the Triton kernels take one of {DTYPES} "
                         "for all three; cast them to the same dtype")
-    check_attention_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions)
+    check_attention_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions, cache)
     if q_positions is None or k_positions is None:
         raise ValueError("the Triton kernels need q_positions and k_positions (global token indices [B, S]); "
                          "call lightning_mm.attention.bitfield_attention, which defaults them")
@@ -141,11 +141,28 @@ def attention_backward(q, k, v, out, lse, dout, words, maps: TileMaps, scale: fl
     return dq, dk, dv
 
 
+def tile_maps(words, originals, cfg: KernelConfig, cache: dict | None) -> TileMaps:
+    """The tile maps of ``words``, reused from ``cache`` when an earlier call had the same mask tensors.
+
+    Classifying the tiles costs host round trips and many small launches, more than the attention itself at
+    short sequence lengths, and every layer of a microbatch has the same mask. The cache holds the tensors it
+    compared, so none of them can be freed and its memory reused while the entry lives.
+    """
+    if cache is None:
+        return TileMaps(words, cfg)
+    entries = cache.setdefault("tile_maps", [])
+    for held, held_cfg, maps in entries:
+        if held_cfg == cfg and len(held) == len(originals) and all(a is b for a, b in zip(held, originals)):
+            return maps
+    maps = TileMaps(words, cfg)
+    entries.append((originals, cfg, maps))
+    return maps
+
+
 class _BitfieldAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qw, kw, qp, kp, qs, ks, scale, cfg, kv_split):
+    def forward(ctx, q, k, v, qw, kw, qp, kp, qs, ks, scale, cfg, kv_split, maps):
         words = (qw, kw, qp, kp, qs, ks)
-        maps = TileMaps(words, cfg)
         out, lse = attention_forward(q, k, v, words, maps, scale, cfg, kv_split)
         ctx.save_for_backward(q, k, v, out, lse, qw, kw, qp, kp, qs, ks)
         ctx.maps, ctx.scale, ctx.cfg = maps, scale, cfg
@@ -156,31 +173,34 @@ class _BitfieldAttention(torch.autograd.Function):
         q, k, v, out, lse, qw, kw, qp, kp, qs, ks = ctx.saved_tensors
         dq, dk, dv = attention_backward(q, k, v, out, lse, dout, (qw, kw, qp, kp, qs, ks), ctx.maps, ctx.scale,
                                         ctx.cfg)
-        return (dq, dk, dv) + (None,) * 9
+        return (dq, dk, dv) + (None,) * 10
 
 
 def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=None, q_positions=None,
                        k_positions=None, scale=None, kv_split: int | None = None,
-                       config: KernelConfig | None = None) -> torch.Tensor:
+                       config: KernelConfig | None = None, cache: dict | None = None) -> torch.Tensor:
     """Bitfield attention with the Triton kernels: q [B,Hq,Sq,D], k/v [B,Hkv,Sk,D] -> [B,Hq,Sq,D].
 
     Same semantics as :func:`lightning_mm.attention.bitfield_attention` (the mask rule of
     :func:`lightning_mm.masks.allowed`; rows with no allowed key give zeros and zero gradients).
     ``kv_split``: key tiles per split-KV piece, ``None`` = chosen from the block workload, ``0`` = never split.
-    ``config``: tile sizes (default from the device and head dim).
+    ``config``: tile sizes (default from the device and head dim). ``cache``: a dict shared by calls with the same
+    mask tensors (the layers of one microbatch): their tiles are classified once (:func:`tile_maps`).
     """
     b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
     if q_positions is None:
         q_positions = torch.arange(sq, device=q.device).expand(b, sq)
     if k_positions is None:
         k_positions = torch.arange(sk, device=q.device).expand(b, sk)
-    _check_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions)
+    _check_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions, cache)
     if kv_split is not None and kv_split < 0:
         raise ValueError(f"kv_split={kv_split}: give None (automatic), 0 (off) or a positive number of key tiles")
     cfg = config or default_config(q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    return _BitfieldAttention.apply(_rows(q), _rows(k), _rows(v), _int64(q_bam), _int64(k_bam),
-                                    _int64(q_positions), _int64(k_positions), _int64(q_segments),
-                                    _int64(k_segments), scale, cfg, kv_split)
+    originals = (q_bam, k_bam, q_positions, k_positions, q_segments, k_segments)
+    words = (_int64(q_bam), _int64(k_bam), _int64(q_positions), _int64(k_positions), _int64(q_segments),
+             _int64(k_segments))
+    maps = tile_maps(words, originals, cfg, cache)
+    return _BitfieldAttention.apply(_rows(q), _rows(k), _rows(v), *words, scale, cfg, kv_split, maps)

@@ -75,9 +75,12 @@ def validate(bam: torch.Tensor, segment_ids: torch.Tensor | None = None) -> None
 
 
 def check_attention_inputs(q, k, v, q_bam, k_bam, q_segments=None, k_segments=None, q_positions=None,
-                           k_positions=None) -> None:
+                           k_positions=None, cache: dict | None = None) -> None:
     """q ``[B,Hq,Sq,D]``, k/v ``[B,Hkv,Sk,D]`` with Hq a multiple of Hkv; words, segments and positions one per
-    token (``[B,Sq]`` / ``[B,Sk]``); segments for both sides or neither."""
+    token (``[B,Sq]`` / ``[B,Sk]``); segments for both sides or neither.
+
+    Reading the words' values waits for the device; with a ``cache`` shared by the layers of a microbatch, each
+    words tensor is read once, not in every layer."""
     if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] \
             or q.shape[1] % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need q [B,Hq,Sq,D], k and v "
@@ -88,8 +91,11 @@ def check_attention_inputs(q, k, v, q_bam, k_bam, q_segments=None, k_segments=No
                        ("k_positions", k_positions, sk)):
         if t is not None and tuple(t.shape) != (b, s):
             raise ValueError(f"{name} must be a [B, S] = ({b}, {s}) tensor, got {tuple(t.shape)}")
-    validate(q_bam, q_segments)
-    validate(k_bam, k_segments)
+    checked = [] if cache is None else cache.setdefault("checked_words", [])
+    for bam, segments in ((q_bam, q_segments), (k_bam, k_segments)):
+        if not any(bam is t for t in checked):
+            validate(bam, segments)
+            checked.append(bam)
     if (q_segments is None) != (k_segments is None):
         raise ValueError("give segment ids for both queries and keys, or for neither")
 

@@ -11,12 +11,13 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import numpy as np
 import pytest
-import soundfile
 import torch
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (CLIPImageProcessor, PreTrainedTokenizerFast, Qwen2VLImageProcessor, SiglipImageProcessor,
                           WhisperFeatureExtractor)
+
+soundfile = pytest.importorskip("soundfile")
 
 import lightning_mm as lmm
 from lightning_mm.data import BadRecordError, ConversationDataModule

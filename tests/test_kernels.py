@@ -240,6 +240,64 @@ def test_dispatcher_uses_the_kernels():
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
 
 
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operations that read a tensor's value on the host (each one waits for a GPU)."""
+
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_layers_sharing_a_cache_classify_tiles_and_read_the_words_once(monkeypatch):
+    """The layers of a microbatch pass the same mask tensors and one cache: the tile maps are built by the first
+    layer only, the words are read on the host by it only, and the results and gradients are unchanged. A new
+    mask tensor (another microbatch) is classified again."""
+    built = []
+
+    class CountingMaps(kernels.attention.TileMaps):
+        def __init__(self, *args):
+            built.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(kernels.attention, "TileMaps", CountingMaps)
+    bam, seg = masks.random_bam("mp", 45, num_encoders=2, batch=2, seed=21, mean_item_tokens=7)
+    words = _words(bam, seg)
+    q, k, v, dout = _inputs(2, 4, 2, 45, 45, 32, torch.float32, seed=8)
+    plain = _run("triton", q, k, v, dout, words)
+    assert len(built) == 1
+    cache, reads = {}, []
+    for layer in range(3):
+        with _HostReads() as mode:
+            cached = _run("triton", q, k, v, dout, words, cache=cache)
+        reads.append(mode.count)
+        for a, b in zip(plain, cached):
+            torch.testing.assert_close(b, a, atol=0, rtol=0)
+    assert len(built) == 2, "the layers after the first reuse the cached tile maps"
+    assert reads[1] == reads[2] < reads[0], f"host reads per layer {reads}: the later layers read no words"
+    other = dict(bam=tuple(t.clone() for t in words["bam"]), extra=words["extra"])
+    _run("triton", q, k, v, dout, other, cache=cache)
+    assert len(built) == 3, "new mask tensors are classified again"
+
+
+def test_autocast_gives_the_kernels_one_dtype():
+    """Rotary embeddings leave q and k in fp32 beside a bf16 v under bf16 autocast (found on an H200): the
+    dispatcher casts the three to the autocast dtype, as SDPA does."""
+    bam, seg = masks.random_bam("ee", 33, num_encoders=1, batch=1, seed=4, mean_item_tokens=6)
+    q, k, v, _ = _inputs(1, 2, 1, 33, 33, 32, torch.float32, seed=9)
+    w = _words(bam, seg)
+    expected = bitfield_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), *w["bam"], backend="triton", **w["extra"])
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got = bitfield_attention(q, k, v.bfloat16(), *w["bam"], backend="triton", **w["extra"])
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------------ errors
 
 def test_bad_inputs_raise_clear_errors():

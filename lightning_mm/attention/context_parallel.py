@@ -135,7 +135,8 @@ class _ContextParallelAttention(torch.autograd.Function):
             with torch.set_grad_enabled(track), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                 leaves = [t.detach().requires_grad_(track) for t in (q_g, k_all, v_all)]
                 out = bitfield_attention(*leaves, bam, k_bam, q_segments=segment_ids, k_segments=k_seg,
-                                         q_positions=token_index, k_positions=k_pos, scale=scale, backend=backend)
+                                         q_positions=token_index, k_positions=k_pos, scale=scale, backend=backend,
+                                         cache=cache)
             outs.append(out.detach())
             graphs.append((leaves, out) if track else None)
         ctx.graphs, ctx.smax, ctx.local, ctx.group, ctx.meta = graphs, smax, s, group, (per, rep, head_groups)

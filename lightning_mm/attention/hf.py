@@ -24,7 +24,7 @@ import torch
 
 ATTENTION_NAME = "bitfield"
 SEPARATOR = "|"  # "bitfield|sdpa": bitfield attention when a call carries words, else sdpa
-_OWN_KWARGS = ("bam", "segment_ids", "token_index", "cp_group", "cp_cache")
+_OWN_KWARGS = ("bam", "segment_ids", "token_index", "cp_group", "attn_cache")
 
 
 def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -57,14 +57,15 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
         from lightning_mm.attention.ulysses import ContextParallelGroups, ulysses_attention
         if isinstance(cp_group, ContextParallelGroups) and cp_group.mode != "allgather":  # Ulysses / hybrid
             out = ulysses_attention(query, key, value, bam, segment_ids, token_index, cp_group, scale=scaling,
-                                    cache=kwargs.get("cp_cache"))
+                                    cache=kwargs.get("attn_cache"))
         else:
             group = cp_group.group if isinstance(cp_group, ContextParallelGroups) else cp_group
             out = context_parallel_attention(query, key, value, bam, segment_ids, token_index, group, scale=scaling,
-                                             cache=kwargs.get("cp_cache"))
+                                             cache=kwargs.get("attn_cache"))
     else:
         out = bitfield_attention(query, key, value, bam, k_bam, q_segments=segment_ids, k_segments=segment_ids,
-                                 q_positions=q_positions, k_positions=k_positions, scale=scaling)
+                                 q_positions=q_positions, k_positions=k_positions, scale=scaling,
+                                 cache=kwargs.get("attn_cache"))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -178,14 +178,17 @@ def ulysses_attention(q, k, v, bam, segment_ids, token_index, groups: ContextPar
     width = degree * smax
     first = dist.get_rank(groups.group) // degree * width
     mine = slice(first, first + width)
-    q_bam, q_seg, q_pos = k_bam[:, mine], None if k_seg is None else k_seg[:, mine], k_pos[:, mine]
+    if cache is None or "ulysses_words" not in cache:  # the same tensors for every layer: the kernels reuse tile maps
+        q_words = (k_bam[:, mine], None if k_seg is None else k_seg[:, mine], k_pos[:, mine])
+        k_words = (k_bam, k_seg, k_pos) if groups.mode == "hybrid" else q_words
+        if cache is not None:
+            cache["ulysses_words"] = q_words, k_words
+    (q_bam, q_seg, q_pos), (k_bam, k_seg, k_pos) = (q_words, k_words) if cache is None else cache["ulysses_words"]
     if groups.mode == "hybrid":
         k, v = _GatherSequence.apply(groups.gather, k, v)  # every group's keys of this head subset
-    else:
-        k_bam, k_seg, k_pos = q_bam, q_seg, q_pos
     from lightning_mm.attention.dispatch import bitfield_attention
 
     out = bitfield_attention(q, k, v, q_bam, k_bam, q_segments=q_seg, k_segments=k_seg, q_positions=q_pos,
-                             k_positions=k_pos, scale=scale, backend=backend)
+                             k_positions=k_pos, scale=scale, backend=backend, cache=cache)
     (out,) = _SequenceToHeads.apply(groups.ulysses, out)
     return out[:, :, :s]

@@ -404,7 +404,7 @@ class ContextParallel(pl.Callback):
             kwargs.pop(key, None)
         segs = call["segment_ids"]
         kwargs.update(bam=call["bam"].index_select(1, index), token_index=local, cp_group=self.attention_group,
-                      cp_cache={}, segment_ids=None if segs is None else segs.index_select(1, index))
+                      attn_cache={}, segment_ids=None if segs is None else segs.index_select(1, index))
         return kwargs
 
     def output(self, module, kwargs: dict, output, call: dict):

@@ -88,13 +88,14 @@ def check_vocabulary(batch: dict, model) -> None:
     if vocab is None:
         return
     ids = batch["input_ids"]
-    text = ids[~torch.isin(ids, torch.tensor(sorted(model.placeholder_ids.values()), dtype=ids.dtype))]
+    text = ids[~torch.isin(ids, torch.tensor(sorted(model.placeholder_ids.values()), dtype=ids.dtype,
+                                                  device=ids.device))]
     labels = batch["labels"]
     labels = labels[labels != -100] if isinstance(labels, torch.Tensor) else labels
     for key, values in (("input_ids", text), ("labels", labels)):
         if not isinstance(values, torch.Tensor) or not values.numel():
             continue
-        high, low = int(values.max()), int(values.min())
+        high, low = torch.stack([values.max(), values.min()]).tolist()  # one host sync
         if high >= vocab or low < 0:
             raise ValueError(f"{key} holds token id {high if high >= vocab else low}, outside the language model's "
                              f"vocabulary of {vocab} ids (0..{vocab - 1}); the tokenizer does not match the model: use "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -36,13 +36,14 @@ class AttentionContext:
     segment_ids: torch.Tensor | None = None
     token_index: torch.Tensor | None = None  # global token indices of the local tokens (context parallelism)
     cp_group: object = None
-    cp_cache: dict | None = None  # what every layer's CP attention shares (gathered mask metadata), per microbatch
+    # what every layer's attention of one microbatch shares: the kernels' tile maps, CP's gathered mask metadata
+    attn_cache: dict = field(default_factory=dict)
 
     def attn_kwargs(self) -> dict:
-        kw = {"bam": self.bam, "segment_ids": self.segment_ids, "token_index": self.token_index}
+        kw = {"bam": self.bam, "segment_ids": self.segment_ids, "token_index": self.token_index,
+              "attn_cache": self.attn_cache}
         if self.cp_group is not None:
             kw["cp_group"] = self.cp_group
-            kw["cp_cache"] = self.cp_cache
         return kw
 
 

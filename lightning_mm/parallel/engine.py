@@ -388,7 +388,7 @@ class PipelineEngine:
             seq = torch.arange(mb["input_ids"].shape[1], device=mb["input_ids"].device).expand_as(mb["input_ids"])
             ctx = type(ctx)(position_ids=local(ctx.position_ids), bam=local(ctx.bam),
                             segment_ids=None if ctx.segment_ids is None else local(ctx.segment_ids),
-                            token_index=local(seq), cp_group=self.groups.cp_attention, cp_cache={})
+                            token_index=local(seq), cp_group=self.groups.cp_attention)
         if sl.embed:
             features = {k: v for msg in received.values() for k, v in msg.items()}
             features.update({e: self._encoder_part(e, s, mb, {}) for e, s in self.plan.encoders.items()})
