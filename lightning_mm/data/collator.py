@@ -22,9 +22,22 @@ from lightning_mm.loss import IGNORE_INDEX
 
 
 def concat_inputs(dicts: list[dict]) -> dict:
-    """Concatenate per-item encoder inputs along dim 0 (works for images, audio and Qwen2-VL patch lists)."""
+    """Concatenate per-item encoder inputs along dim 0 (works for images, audio and Qwen2-VL patch lists). Tensors
+    whose other dims differ between samples (AnyRes tiles, padded per sample by the image processor to its
+    longest image) are zero-padded to the largest, as the processor pads a batch."""
     keys = dicts[0].keys()
-    return {k: torch.cat([d[k] for d in dicts]) for k in keys}
+    return {k: _cat_padded([torch.as_tensor(d[k]) for d in dicts]) for k in keys}
+
+
+def _cat_padded(tensors: list[torch.Tensor]) -> torch.Tensor:
+    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    padded = []
+    for t in tensors:
+        if list(t.shape[1:]) != shape:
+            pad = [p for d in reversed(range(1, t.dim())) for p in (0, shape[d - 1] - t.shape[d])]
+            t = torch.nn.functional.pad(t, pad)
+        padded.append(t)
+    return torch.cat(padded)
 
 
 class MultimodalCollator:
@@ -73,6 +86,14 @@ class MultimodalCollator:
         return {"input_ids": torch.tensor(out_ids), "labels": torch.tensor(out_labels),
                 "inputs": {name: sample[name] for name in self.model.encoders if name in sample}}
 
+    def _expand_named(self, index: int, sample: dict) -> dict:
+        """``expand``, its errors naming the sample (its index in the batch, and ``sample["index"]`` if given)."""
+        try:
+            return self.expand(sample)
+        except ValueError as err:
+            name = f"sample {index} of the batch" + (f" (index {sample['index']})" if "index" in sample else "")
+            raise ValueError(f"{name}: {err}") from err
+
     # -------------------------------------------------------------- rows
     def _rows(self, expanded: list[dict]) -> list[list[dict]]:
         if not self.pack:
@@ -96,7 +117,7 @@ class MultimodalCollator:
     def __call__(self, samples: list[dict]) -> dict:
         if not samples:
             raise ValueError("empty batch: the data loader produced no samples")
-        rows = self._rows([self.expand(s) for s in samples])
+        rows = self._rows([self._expand_named(i, s) for i, s in enumerate(samples)])
         longest = max(sum(len(e["input_ids"]) for e in row) for row in rows)
         length = self.seq_len if self.pack else longest
         if self.seq_len and not self.pack and longest > self.seq_len:

@@ -36,7 +36,8 @@ class MultimodalProcessor:
         proc = self.processors[name]
         kw = {"return_tensors": "pt", **self.call_kwargs(name)}
         out = proc(images=items, **kw) if hasattr(proc, "image_mean") else proc(items, **kw)
-        keep = {"pixel_values", "image_grid_thw", "input_features", "feature_attention_mask"}
+        keep = {"pixel_values", "image_grid_thw", "input_features", "feature_attention_mask",
+                "image_sizes", "batch_num_images", "num_patches"}  # AnyRes sizes, OneVision / InternVL tiles
         if "input_features" in out and "attention_mask" in out:  # a feature extractor's frame mask (asked for with
             out["feature_attention_mask"] = out["attention_mask"]  # return_attention_mask): Qwen2-Audio's clip lengths
         return {k: v for k, v in out.items() if k in keep}

@@ -1,4 +1,5 @@
-"""HF composite multimodal checkpoints in and out: LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen2-Audio.
+"""HF composite multimodal checkpoints in and out: LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen2-Audio; LLaVA-NeXT,
+LLaVA-OneVision and InternVL through their tile adapters (``lightning_mm.model.tiles``).
 
 ``from_pretrained(MultimodalModel, folder)`` (what ``MultimodalModel.from_pretrained`` calls) builds a model whose
 forward is the composite class's own: its vision or audio tower (LLaVA's cut after ``vision_feature_layer``, the
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_mm.model import loading
+from lightning_mm.model import loading, tiles
 from lightning_mm.model.encoder import ModalityEncoder
 from lightning_mm.model.families import ENCODER_FAMILIES, LANGUAGE_FAMILIES, MROPE_FAMILIES, encoder_family
 from lightning_mm.model.loading import ModelFolderError, PretrainedSource
@@ -44,6 +45,8 @@ class CompositeSpec:
     tower: str                   # key prefix of the encoder
     projector: str | None        # key prefix of the projector (None: the tower's own merger projects)
     mrope: bool = False
+    feature_layer: bool = False  # the tower is cut after ``vision_feature_layer`` (LLaVA and its successors)
+    adapter: object = None       # tiled images (lightning_mm.model.tiles): the encoder view and projector extras
 
     def hf_class(self):
         import transformers
@@ -53,7 +56,14 @@ class CompositeSpec:
 
 SPECS = {s.class_name: s for s in (
     CompositeSpec("LlavaForConditionalGeneration", "llava", "vision", "vision_config", "image_token_id",
-                  "model.vision_tower.", "model.multi_modal_projector."),
+                  "model.vision_tower.", "model.multi_modal_projector.", feature_layer=True),
+    CompositeSpec("LlavaNextForConditionalGeneration", "llava_next", "vision", "vision_config", "image_token_id",
+                  "model.vision_tower.", "model.multi_modal_projector.", feature_layer=True, adapter=tiles.LLAVA_NEXT),
+    CompositeSpec("LlavaOnevisionForConditionalGeneration", "llava_onevision", "vision", "vision_config",
+                  "image_token_id", "model.vision_tower.", "model.multi_modal_projector.", feature_layer=True,
+                  adapter=tiles.LLAVA_ONEVISION),
+    CompositeSpec("InternVLForConditionalGeneration", "internvl", "vision", "vision_config", "image_token_id",
+                  "model.vision_tower.", "model.multi_modal_projector.", feature_layer=True, adapter=tiles.INTERNVL),
     CompositeSpec("Qwen2VLForConditionalGeneration", "qwen2_vl", "vision", "vision_config", "image_token_id",
                   "model.visual.", None, mrope=True),
     CompositeSpec("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "vision", "vision_config", "image_token_id",
@@ -74,7 +84,9 @@ def composite_spec(config) -> CompositeSpec | None:
 
 def _prefix_table(spec: CompositeSpec) -> list[tuple[str, str]]:
     """(composite key prefix, our full-name prefix) pairs."""
-    table = list(LM_PREFIXES) + [(spec.tower, f"encoders.{spec.modality}.module.")]
+    extra = [(theirs, f"encoders.{spec.modality}.{ours}") for theirs, ours in
+             (spec.adapter.extra_prefixes if spec.adapter else ())]  # first: they may sit inside another prefix
+    table = extra + list(LM_PREFIXES) + [(spec.tower, f"encoders.{spec.modality}.module.")]
     if spec.projector:
         table.append((spec.projector, f"encoders.{spec.modality}.projector."))
     return table
@@ -264,7 +276,7 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
     text_config.tie_word_embeddings = tied
     tower_config = copy.deepcopy(getattr(config, spec.tower_config))
     drop_first = None
-    if spec.model_type == "llava":
+    if spec.feature_layer:
         layer = config.vision_feature_layer
         if not isinstance(layer, int):
             raise ModelFolderError(f"{folder.path}: vision_feature_layer={layer!r} (several layers concatenated) is "
@@ -281,6 +293,8 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
         tower = _encoder_class(tower_config)(tower_config)
         projector = type(hf.get_submodule(spec.projector[:-1]))(copy.deepcopy(config)) if spec.projector else \
             nn.Identity()
+        if spec.adapter is not None:
+            projector = spec.adapter.build_projector(projector, config)
     used: set[str] = set()
     _record_sources(lm, "language_model", spec, stored, folder, used)
     _record_sources(tower, f"encoders.{spec.modality}.module", spec, stored, folder, used)
@@ -291,7 +305,9 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
             loading.materialise(part, torch.get_default_device())
 
     enc = ModalityEncoder(tower, projector=projector)
-    if drop_first is not None:
+    if spec.adapter is not None:
+        enc.family = spec.adapter.family(encoder_family(tower), copy.deepcopy(config), drop_first)
+    elif drop_first is not None:
         enc.family = FeatureSelectFamily(encoder_family(tower), drop_first)
     placeholder = getattr(config, spec.token_id)
     model = model_class({spec.modality: enc}, lm, placeholder_ids={spec.modality: placeholder})

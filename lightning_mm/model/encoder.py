@@ -98,7 +98,7 @@ class ModalityEncoder(nn.Module):
             feats = self.postprocess_encoder(inputs, feats)
         if self.projector is None:
             raise RuntimeError("the projector is not built yet: put the encoder in a MultimodalModel first")
-        feats = self.projector(feats)
+        feats = self.family.project(self.projector, feats, ctx)  # AnyRes packs its items after projecting
         if self.postprocess_projector:
             feats = self.postprocess_projector(inputs, feats)
         return feats

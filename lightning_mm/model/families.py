@@ -205,6 +205,10 @@ class EncoderFamily:
     def final(self, enc, hidden, ctx) -> torch.Tensor:
         return hidden.reshape(-1, hidden.shape[-1])
 
+    def project(self, projector, feats, ctx) -> torch.Tensor:
+        """The projector on ``final``'s features (a family that packs items after projecting overrides it)."""
+        return projector(feats)
+
     def select_items(self, inputs, items: torch.Tensor) -> dict:
         """The inputs of a subset of items (for microbatching): every tensor indexed on its first dim."""
         n = self.num_items(inputs)
@@ -573,9 +577,39 @@ class Qwen25VisionFamily(Qwen2VisionFamily):
         return super().random_inputs(config, num_items, generator, grids=grids or [(1, 8, 8)] * num_items)
 
 
+class InternVLVisionFamily(_ViTFamily):
+    """InternVL's InternViT tower: a class token, layers with layer scale, a final LayerNorm (Identity with mean
+    pooling)."""
+
+    name, class_names, class_token = "InternVL vision", ("InternVLVisionModel",), 1
+    folder_model_types = {"internvl_vision": None, "internvl": "vision_config"}
+
+    def num_tokens(self, config, inputs):
+        pv, patch = inputs["pixel_values"], config.patch_size
+        ph, pw = patch if isinstance(patch, (list, tuple)) else (patch, patch)
+        return [(pv.shape[-2] // ph) * (pv.shape[-1] // pw) + 1] * pv.shape[0]
+
+    def layers(self, enc):
+        return enc.encoder.layer
+
+    def embed(self, enc, inputs):
+        return enc.embeddings(inputs["pixel_values"]), {}
+
+    def run_layer(self, enc, layer, hidden, ctx):
+        return layer(hidden)
+
+    def final(self, enc, hidden, ctx):
+        return enc.layernorm(hidden).flatten(0, 1)
+
+    def tiny_spec(self):
+        return "InternVLVisionConfig", "InternVLVisionModel", dict(hidden_size=32, intermediate_size=64,
+                                                                   num_hidden_layers=4, num_attention_heads=4,
+                                                                   image_size=[32, 32], patch_size=[8, 8])
+
+
 ENCODER_FAMILIES: dict[str, EncoderFamily] = {f.class_names[0]: f for f in (
     ClipFamily(), SiglipFamily(), Dinov2Family(), Qwen2VisionFamily(), Qwen25VisionFamily(), WhisperFamily(),
-    Qwen2AudioFamily())}
+    Qwen2AudioFamily(), InternVLVisionFamily())}
 TINY_ENCODERS = {"clip": "CLIPVisionModel", "siglip": "SiglipVisionModel", "dinov2": "Dinov2Model",
                  "qwen2_vl": "Qwen2VisionTransformerPretrainedModel",
                  "qwen2_5_vl": "Qwen2_5_VisionTransformerPretrainedModel", "whisper": "WhisperEncoder",
