@@ -254,6 +254,8 @@ def test_items_and_microbatches_cut_like_the_whole_batch(kind, tmp_path):
             assert enc.num_tokens(part) == [counts[i] for i in items]
             expected = torch.cat([whole[starts[i]:starts[i] + counts[i]] for i in items])
             torch.testing.assert_close(enc(part), expected, atol=1e-5, rtol=1e-5)
+        # a rank with no item (encoder CP) projects an empty [0, output_dim] block
+        assert enc.projector(torch.zeros(0, enc.output_dim)).shape == (0, model.hidden_size)
         full = model(**{k: v for k, v in batch.items() if k != "item_counts"})
         total = int((batch["labels"] != -100).sum())
         parts = [model(**{k: v for k, v in mb.items() if k != "item_counts"}, num_label_tokens=total).loss

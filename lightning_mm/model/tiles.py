@@ -192,6 +192,10 @@ class InternVLTilesFamily(_TowerView):
     def num_items(self, inputs) -> int:
         return len(self.tile_count(inputs))
 
+    def output_dim(self, enc) -> int:
+        """The width ``final`` gives the projector: the pixel shuffle folds ``1/downsample_ratio``^2 positions."""
+        return self.base.output_dim(enc) * int(1 / self.config.downsample_ratio) ** 2
+
     def tile_tokens(self) -> int:
         vc = self.config.vision_config
         size = vc.image_size[0] if isinstance(vc.image_size, (list, tuple)) else vc.image_size
