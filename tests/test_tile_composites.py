@@ -329,3 +329,20 @@ def test_sample_metadata_counts_tokens_from_image_headers(kind, tmp_path, monkey
     assert metas == [metadata_of(ds[i], model) for i in range(len(ds))]
     emitted = [n for meta in metas for _, n in meta.items["vision"]]
     assert len(emitted) == 3 and len(set(emitted)) > 1, emitted
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lazy_build_on_meta_materialises_to_the_eager_model(kind, tmp_path):
+    """Built on the meta device nothing is read (``image_newline`` included); ``materialise`` reads the folder's
+    tensors, equal to the eager build."""
+    from lightning_mm.model.loading import is_meta, materialise
+
+    folder = save_composite(kind, tmp_path / "src")
+    eager = lmm.MultimodalModel.from_pretrained(folder)
+    with torch.device("meta"):
+        lazy = lmm.MultimodalModel.from_pretrained(folder)
+    assert is_meta(lazy)
+    materialise(lazy, "cpu", seed=0)
+    assert not is_meta(lazy)
+    for (n, a), (m, b) in zip(lazy.state_dict().items(), eager.state_dict().items()):
+        assert n == m and torch.equal(a, b), n
