@@ -332,6 +332,26 @@ def test_sample_metadata_counts_tokens_from_image_headers(kind, tmp_path, monkey
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_header_inputs_have_the_processors_shapes_and_index_tensors(kind):
+    """The processor's output for images of the headers' sizes, without pixels: the same keys and shapes, the same
+    ``image_sizes`` / ``batch_num_images`` / ``num_patches``."""
+    from PIL import Image
+
+    from lightning_mm.data.media_meta import image_inputs
+
+    proc = image_processor(kind)
+    sizes = [(40, 20), (17, 33), (45, 16), (16, 16), (20, 50), (70, 15)]
+    got = image_inputs(proc, sizes)
+    real = proc(images=[Image.new("RGB", s) for s in sizes], return_tensors="pt")
+    keep = ("pixel_values", "image_sizes", "batch_num_images", "num_patches")
+    assert set(got) == {k for k in real if k in keep}
+    for key, value in got.items():
+        assert tuple(value.shape) == tuple(torch.as_tensor(real[key]).shape), key
+        if key != "pixel_values":
+            assert torch.equal(value, torch.as_tensor(real[key]).long()), key
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_lazy_build_on_meta_materialises_to_the_eager_model(kind, tmp_path):
     """Built on the meta device nothing is read (``image_newline`` included); ``materialise`` reads the folder's
     tensors, equal to the eager build."""

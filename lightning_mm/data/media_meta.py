@@ -12,6 +12,7 @@ and the small index tensors (``image_grid_thw``, ``feature_attention_mask``) rea
   ``[N, 3, H, W]``;
 - Qwen2-VL-like processors: transformers' ``smart_resize`` with the processor's min/max pixels (``size``'s
   ``shortest_edge`` / ``longest_edge``), factor patch size x merge size, then a ``[1, h/p, w/p]`` grid;
+- tiling processors (LLaVA-NeXT, LLaVA-OneVision, InternVL's GotOcr2): ``lightning_mm.model.tiles.header_inputs``;
 - Whisper feature extractors (also Qwen2-Audio's): padded or cut to ``n_samples``, ``n_samples // hop_length``
   frames, and the attention mask the call returns (frame-level when asked for with ``return_attention_mask``,
   else the padding's sample-level mask when the extractor's config returns one).
@@ -89,6 +90,11 @@ def image_inputs(proc, sizes: list[tuple[int, int]], kwargs: dict | None = None)
     if kwargs or not sizes:
         return None
     name = base_name(proc)
+    from lightning_mm.model.tiles import header_inputs
+
+    tiled = header_inputs(name, proc, sizes)  # AnyRes (LLaVA-NeXT, OneVision) and InternVL tiles
+    if tiled is not None:
+        return tiled
     if name in QWEN2_VL_IMAGE_PROCESSORS:
         try:
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize

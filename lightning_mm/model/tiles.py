@@ -243,10 +243,57 @@ class InternVLAdapter:
         return InternVLTilesFamily(base, config, drop_first=False)
 
 
+# ---------------------------------------------------------------------------------------------- media headers
+ANYRES_IMAGE_PROCESSORS = ("LlavaNextImageProcessor", "LlavaOnevisionImageProcessor")
+TILING_IMAGE_PROCESSORS = ("GotOcr2ImageProcessor",)
+
+
+def _get(size, key):
+    return None if size is None else (size.get(key) if isinstance(size, dict) else getattr(size, key, None))
+
+
+def header_inputs(name: str, proc, sizes: list[tuple[int, int]]) -> dict | None:
+    """What a tiling image processor (class ``name``, backend suffix dropped) returns for images of ``sizes``
+    ((width, height) each, as the headers give them), pixel tensors on the meta device; None when it is not one.
+
+    AnyRes: every image's tile count is HF's ``image_size_to_num_patches`` (the best of ``image_grid_pinpoints``
+    cut into tiles of the crop size, plus the base image), ``image_sizes`` the original (height, width) and, as the
+    processor gives it for a flat list of images, ``batch_num_images`` one per image. InternVL's
+    ``GotOcr2ImageProcessor``: the processor's own ``get_number_of_image_patches``."""
+    if name in ANYRES_IMAGE_PROCESSORS:
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        size, crop = getattr(proc, "size", None), getattr(proc, "crop_size", None)
+        tile = _get(crop, "height") or _get(size, "height") or _get(size, "shortest_edge")
+        if getattr(proc, "do_center_crop", False) and _get(crop, "height"):
+            side = (_get(crop, "height"), _get(crop, "width"))
+        elif _get(size, "height") and _get(size, "width"):
+            side = (_get(size, "height"), _get(size, "width"))
+        else:
+            side = (_get(size, "shortest_edge"),) * 2
+        if not tile or None in side:
+            return None
+        hw = [(h, w) for w, h in sizes]
+        tiles = max(image_size_to_num_patches(s, [list(p) for p in proc.image_grid_pinpoints], tile) for s in hw)
+        out = {"pixel_values": torch.empty(len(hw), tiles, 3, *side, device="meta"),
+               "image_sizes": torch.tensor(hw, dtype=torch.long)}
+        if name == "LlavaOnevisionImageProcessor":
+            out[BATCH_NUM_IMAGES] = torch.ones(len(hw), dtype=torch.long)
+        return out
+    if name in TILING_IMAGE_PROCESSORS and getattr(proc, "crop_to_patches", False):
+        size = getattr(proc, "size", None)
+        if not (_get(size, "height") and _get(size, "width")):
+            return None
+        counts = [proc.get_number_of_image_patches(h, w, {}) for w, h in sizes]
+        return {"pixel_values": torch.empty(sum(counts), 3, _get(size, "height"), _get(size, "width"), device="meta"),
+                "num_patches": torch.tensor(counts, dtype=torch.long)}
+    return None
+
+
 LLAVA_NEXT = AnyResAdapter("LLaVA-NeXT", "transformers.models.llava_next.modeling_llava_next", "LlavaNextModel")
 LLAVA_ONEVISION = AnyResAdapter("LLaVA-OneVision", "transformers.models.llava_onevision.modeling_llava_onevision",
                                 "LlavaOnevisionModel", per_sample_tiling=True)
 INTERNVL = InternVLAdapter()
 
 __all__ = ["AnyResAdapter", "AnyResFamily", "InternVLAdapter", "InternVLTilesFamily", "LLAVA_NEXT",
-           "LLAVA_ONEVISION", "INTERNVL", "TILED"]
+           "LLAVA_ONEVISION", "INTERNVL", "TILED", "header_inputs"]
