@@ -30,7 +30,11 @@ class SampleMeta:
 
 def encoder_input_tokens(encoder, emitted: int) -> int:
     """Tokens an encoder's layers see for an item that emits ``emitted`` LLM tokens: Qwen-VL towers merge
-    ``spatial_merge_size``^2 patches into one token; the other families emit one token per position."""
+    ``spatial_merge_size``^2 patches into one token; a family may say how many positions it folds into one
+    (``positions_per_token``: InternVL's pixel shuffle); the other families emit one token per position."""
+    folded = getattr(encoder.family, "positions_per_token", None)
+    if folded is not None:
+        return emitted * folded
     merge = getattr(encoder.config, "spatial_merge_size", 1) if encoder.family.input_key == "image_grid_thw" else 1
     return emitted * merge * merge
 

@@ -192,9 +192,15 @@ class InternVLTilesFamily(_TowerView):
     def num_items(self, inputs) -> int:
         return len(self.tile_count(inputs))
 
+    @property
+    def positions_per_token(self) -> int:
+        """Tower positions the pixel shuffle folds into one LLM token (``1/downsample_ratio``^2; the encoder's cost
+        per emitted token, ``lightning_mm.data.metadata.encoder_input_tokens``)."""
+        return int(1 / self.config.downsample_ratio) ** 2
+
     def output_dim(self, enc) -> int:
-        """The width ``final`` gives the projector: the pixel shuffle folds ``1/downsample_ratio``^2 positions."""
-        return self.base.output_dim(enc) * int(1 / self.config.downsample_ratio) ** 2
+        """The width ``final`` gives the projector: the pixel shuffle folds ``positions_per_token`` positions."""
+        return self.base.output_dim(enc) * self.positions_per_token
 
     def tile_tokens(self) -> int:
         vc = self.config.vision_config
