@@ -7,7 +7,7 @@ import math
 import torch
 import triton
 
-from lightning_mm.masks import check_attention_inputs
+from lightning_mm.masks import check_attention_inputs, check_window
 from lightning_mm.kernels import split, tiles
 from lightning_mm.kernels.backward import dkdv_kernel, dq_kernel
 from lightning_mm.kernels.config import KernelConfig, default_config, interpreting, num_sms
@@ -53,6 +53,11 @@ def _dot_flags(q) -> dict:
                 UPCAST_DOT=bool(not q.is_cuda and q.dtype == torch.bfloat16))
 
 
+def _window_arg(maps) -> int:
+    """The window as the kernels' int argument (unused without ``HAS_WINDOW``), clamped to int32."""
+    return 0 if maps.window is None else min(maps.window, 2 ** 31 - 1)
+
+
 def _grid_launch(kernel, grid, *args, **meta):
     kernel[grid](*args, **meta)
 
@@ -60,15 +65,16 @@ def _grid_launch(kernel, grid, *args, **meta):
 class TileMaps:
     """The per-launch tile tables: forward/dq lists over key tiles and dk/dv lists over query tiles."""
 
-    def __init__(self, words, cfg: KernelConfig):
+    def __init__(self, words, cfg: KernelConfig, window: int | None = None):
         qw, kw, qp, kp, qs, ks = words
-        fwd = tiles.tile_classes(qw, kw, qp, kp, qs, ks, cfg.fwd_m, cfg.fwd_n)
+        self.window = window
+        fwd = tiles.tile_classes(qw, kw, qp, kp, qs, ks, cfg.fwd_m, cfg.fwd_n, window)
         self.fwd = tiles.tile_lists(fwd)
         dq = fwd if (cfg.dq_m, cfg.dq_n) == (cfg.fwd_m, cfg.fwd_n) else \
-            tiles.tile_classes(qw, kw, qp, kp, qs, ks, cfg.dq_m, cfg.dq_n)
+            tiles.tile_classes(qw, kw, qp, kp, qs, ks, cfg.dq_m, cfg.dq_n, window)
         self.dq = self.fwd if dq is fwd else tiles.tile_lists(dq)
         kv = dq if (cfg.dkdv_m, cfg.dkdv_n) == (cfg.dq_m, cfg.dq_n) else \
-            tiles.tile_classes(qw, kw, qp, kp, qs, ks, cfg.dkdv_m, cfg.dkdv_n)
+            tiles.tile_classes(qw, kw, qp, kp, qs, ks, cfg.dkdv_m, cfg.dkdv_n, window)
         self.dkdv = tiles.tile_lists(kv.transpose(1, 2).contiguous())
 
 
@@ -93,8 +99,8 @@ def attention_forward(q, k, v, words, maps: TileMaps, scale: float, cfg: KernelC
         items, kv_idx, kv_cls,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        hq, hq // hkv, sq, sk, d, nqt, nkt, scale * LOG2E,
-        HAS_SEG=has_seg, **_dot_flags(q),
+        hq, hq // hkv, sq, sk, d, nqt, nkt, scale * LOG2E, _window_arg(maps),
+        HAS_SEG=has_seg, HAS_WINDOW=maps.window is not None, **_dot_flags(q),
         BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, BLOCK_D=block_d, num_warps=cfg.fwd_warps, num_stages=cfg.stages)
     if merges.shape[0]:
         merge_kernel[(merges.shape[0], hq)](
@@ -113,7 +119,7 @@ def attention_backward(q, k, v, out, lse, dout, words, maps: TileMaps, scale: fl
     block_d = max(16, triton.next_power_of_2(d))
     has_seg = qs is not None
     seg_q, seg_k = (qs, ks) if has_seg else (qw, kw)
-    common = dict(HAS_SEG=has_seg, **_dot_flags(q), BLOCK_D=block_d,
+    common = dict(HAS_SEG=has_seg, HAS_WINDOW=maps.window is not None, **_dot_flags(q), BLOCK_D=block_d,
                   num_warps=cfg.bwd_warps, num_stages=cfg.stages)
 
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -125,7 +131,7 @@ def attention_backward(q, k, v, out, lse, dout, words, maps: TileMaps, scale: fl
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
-        hq, hq // hkv, sq, sk, d, q_idx.shape[2], q_idx.shape[1], scale, scale * LOG2E,
+        hq, hq // hkv, sq, sk, d, q_idx.shape[2], q_idx.shape[1], scale, scale * LOG2E, _window_arg(maps),
         BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, **common)
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -136,26 +142,28 @@ def attention_backward(q, k, v, out, lse, dout, words, maps: TileMaps, scale: fl
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        hq, hq // hkv, sq, sk, d, kv_idx.shape[1], kv_idx.shape[2], scale, scale * LOG2E,
+        hq, hq // hkv, sq, sk, d, kv_idx.shape[1], kv_idx.shape[2], scale, scale * LOG2E, _window_arg(maps),
         BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, **common)
     return dq, dk, dv
 
 
-def tile_maps(words, originals, cfg: KernelConfig, cache: dict | None) -> TileMaps:
-    """The tile maps of ``words``, reused from ``cache`` when an earlier call had the same mask tensors.
+def tile_maps(words, originals, cfg: KernelConfig, cache: dict | None, window: int | None = None) -> TileMaps:
+    """The tile maps of ``words``, reused from ``cache`` when an earlier call had the same mask tensors, kernel
+    config and window (Gemma's local and global layers share a cache and keep one map each).
 
     Classifying the tiles costs host round trips and many small launches, more than the attention itself at
     short sequence lengths, and every layer of a microbatch has the same mask. The cache holds the tensors it
     compared, so none of them can be freed and its memory reused while the entry lives.
     """
     if cache is None:
-        return TileMaps(words, cfg)
+        return TileMaps(words, cfg, window)
     entries = cache.setdefault("tile_maps", [])
-    for held, held_cfg, maps in entries:
-        if held_cfg == cfg and len(held) == len(originals) and all(a is b for a, b in zip(held, originals)):
+    for held, held_key, maps in entries:
+        if held_key == (cfg, window) and len(held) == len(originals) \
+                and all(a is b for a, b in zip(held, originals)):
             return maps
-    maps = TileMaps(words, cfg)
-    entries.append((originals, cfg, maps))
+    maps = TileMaps(words, cfg, window)
+    entries.append((originals, (cfg, window), maps))
     return maps
 
 
@@ -178,7 +186,8 @@ class _BitfieldAttention(torch.autograd.Function):
 
 def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=None, q_positions=None,
                        k_positions=None, scale=None, kv_split: int | None = None,
-                       config: KernelConfig | None = None, cache: dict | None = None) -> torch.Tensor:
+                       config: KernelConfig | None = None, cache: dict | None = None,
+                       window: int | None = None) -> torch.Tensor:
     """Bitfield attention with the Triton kernels: q [B,Hq,Sq,D], k/v [B,Hkv,Sk,D] -> [B,Hq,Sq,D].
 
     Same semantics as :func:`lightning_mm.attention.bitfield_attention` (the mask rule of
@@ -186,6 +195,7 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
     ``kv_split``: key tiles per split-KV piece, ``None`` = chosen from the block workload, ``0`` = never split.
     ``config``: tile sizes (default from the device and head dim). ``cache``: a dict shared by calls with the same
     mask tensors (the layers of one microbatch): their tiles are classified once (:func:`tile_maps`).
+    ``window``: a sliding window in tokens (``masks.in_window``), None = none: tiles outside it are skipped.
     """
     b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
     if q_positions is None:
@@ -195,6 +205,7 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
     _check_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions, cache)
     if kv_split is not None and kv_split < 0:
         raise ValueError(f"kv_split={kv_split}: give None (automatic), 0 (off) or a positive number of key tiles")
+    check_window(window)
     cfg = config or default_config(q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
@@ -202,5 +213,5 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
     originals = (q_bam, k_bam, q_positions, k_positions, q_segments, k_segments)
     words = (_int64(q_bam), _int64(k_bam), _int64(q_positions), _int64(k_positions), _int64(q_segments),
              _int64(k_segments))
-    maps = tile_maps(words, originals, cfg, cache)
+    maps = tile_maps(words, originals, cfg, cache, window)
     return _BitfieldAttention.apply(_rows(q), _rows(k), _rows(v), *words, scale, cfg, kv_split, maps)

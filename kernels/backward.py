@@ -30,8 +30,8 @@ def dkdv_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
     stride_dkb, stride_dkh, stride_dks,
-    Hq, GROUPS, Sq, Sk, D, NQT, NKT, scale, scale_log2,
-    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    Hq, GROUPS, Sq, Sk, D, NQT, NKT, scale, scale_log2, window,
+    HAS_SEG: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -69,7 +69,7 @@ def dkdv_kernel(
             if cls == PARTIAL_TILE:
                 qw, qp, qs = load_tokens(QW + b * Sq, QP + b * Sq, QS + b * Sq, offs_m, row_ok, HAS_SEG)
                 ok_t = allowed_tile(qw[None, :], qp[None, :], qs[None, :], kw[:, None], kp[:, None], ks[:, None],
-                                    HAS_SEG)
+                                    window, HAS_SEG, HAS_WINDOW)
                 p_t = tl.where(ok_t, p_t, 0.0)
             dv += tile_dot(p_t.to(do.dtype), do, DOT_PRECISION, UPCAST_DOT)
             dp_t = tile_dot(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
@@ -87,8 +87,8 @@ def dq_kernel(
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
     stride_dqb, stride_dqh, stride_dqs,
-    Hq, GROUPS, Sq, Sk, D, NQT, NKT, scale, scale_log2,
-    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    Hq, GROUPS, Sq, Sk, D, NQT, NKT, scale, scale_log2, window,
+    HAS_SEG: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -123,7 +123,8 @@ def dq_kernel(
         p = tl.math.exp2(s - lse[:, None])
         if cls == PARTIAL_TILE:
             kw, kp, ks = load_tokens(KW + b * Sk, KP + b * Sk, KS + b * Sk, offs_n, col_ok, HAS_SEG)
-            ok = allowed_tile(qw[:, None], qp[:, None], qs[:, None], kw[None, :], kp[None, :], ks[None, :], HAS_SEG)
+            ok = allowed_tile(qw[:, None], qp[:, None], qs[:, None], kw[None, :], kp[None, :], ks[None, :], window,
+                              HAS_SEG, HAS_WINDOW)
             p = tl.where(ok, p, 0.0)
         dp = tile_dot(do, tl.trans(v), DOT_PRECISION, UPCAST_DOT)
         ds = p * (dp - delta[:, None])

@@ -16,7 +16,7 @@ import torch
 
 DTYPE_NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SMEM_LIMIT = {80: 166912, 90: 232448, 100: 232448}  # bytes of shared memory per block (A100, H100/H200, B200)
-_SCALARS = ("Hq", "GROUPS", "Sq", "Sk", "D", "NQT", "NKT")
+_SCALARS = ("Hq", "GROUPS", "Sq", "Sk", "D", "NQT", "NKT", "window")
 
 
 def _signature(fn, pointers: dict, constexprs: dict) -> dict:
@@ -51,18 +51,18 @@ def kernel_jobs(dtype_name: str, head_dim: int):
     return [
         (forward_kernel, dict(Q=t, K=t, V=t, Out=t, Lse=f32, PartO=f32, PartLse=f32, Items=i32, KvIdx=i32,
                               KvCls=i32, **words),
-         dict(HAS_SEG=True, DOT_PRECISION=prec, UPCAST_DOT=False,
+         dict(HAS_SEG=True, HAS_WINDOW=True, DOT_PRECISION=prec, UPCAST_DOT=False,
               BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, BLOCK_D=block_d),
          cfg.fwd_warps, cfg.stages),
         (merge_kernel, dict(Out=t, Lse=f32, PartO=f32, PartLse=f32, Merges=i32),
          dict(BLOCK_M=cfg.fwd_m, BLOCK_D=block_d), 4, cfg.stages),
         (dkdv_kernel, dict(Q=t, K=t, V=t, DO=t, DK=t, DV=t, Lse=f32, Delta=f32, Items=i32, QIdx=i32, QCls=i32,
                            **words),
-         dict(HAS_SEG=True, DOT_PRECISION=prec, UPCAST_DOT=False,
+         dict(HAS_SEG=True, HAS_WINDOW=True, DOT_PRECISION=prec, UPCAST_DOT=False,
               BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, BLOCK_D=block_d),
          cfg.bwd_warps, cfg.stages),
         (dq_kernel, dict(Q=t, K=t, V=t, DO=t, DQ=t, Lse=f32, Delta=f32, Items=i32, KvIdx=i32, KvCls=i32, **words),
-         dict(HAS_SEG=True, DOT_PRECISION=prec, UPCAST_DOT=False,
+         dict(HAS_SEG=True, HAS_WINDOW=True, DOT_PRECISION=prec, UPCAST_DOT=False,
               BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, BLOCK_D=block_d),
          cfg.bwd_warps, cfg.stages),
     ]

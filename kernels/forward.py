@@ -22,8 +22,8 @@ def forward_kernel(
     Items, KvIdx, KvCls,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-    Hq, GROUPS, Sq, Sk, D, NQT, NKT, scale_log2,
-    HAS_SEG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    Hq, GROUPS, Sq, Sk, D, NQT, NKT, scale_log2, window,
+    HAS_SEG: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -59,7 +59,8 @@ def forward_kernel(
         s = tile_dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2
         if cls == PARTIAL_TILE:
             kw, kp, ks = load_tokens(KW + b * Sk, KP + b * Sk, KS + b * Sk, offs_n, col_ok, HAS_SEG)
-            ok = allowed_tile(qw[:, None], qp[:, None], qs[:, None], kw[None, :], kp[None, :], ks[None, :], HAS_SEG)
+            ok = allowed_tile(qw[:, None], qp[:, None], qs[:, None], kw[None, :], kp[None, :], ks[None, :], window,
+                              HAS_SEG, HAS_WINDOW)
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

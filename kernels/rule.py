@@ -12,8 +12,9 @@ MODALITY_MASK = tl.constexpr((1 << 62) - 1)
 
 
 @triton.jit
-def allowed_tile(qw, qp, qs, kw, kp, ks, HAS_SEG: tl.constexpr):
-    """Boolean tile: query may attend key (words int64, positions int64, segments any int)."""
+def allowed_tile(qw, qp, qs, kw, kp, ks, window, HAS_SEG: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Boolean tile: query may attend key (words int64, positions int64, segments any int); with ``HAS_WINDOW``
+    also ``qp - kp < window`` for every pair (``masks.in_window``)."""
     q_mod = qw & MODALITY_MASK
     k_mod = kw & MODALITY_MASK
     is_causal = (qw & CAUSAL_BIT) != 0
@@ -22,6 +23,8 @@ def allowed_tile(qw, qp, qs, kw, kp, ks, HAS_SEG: tl.constexpr):
     ok = tl.where(is_causal, ok_causal, ok_plain) & (qw != 0) & (kw != 0)
     if HAS_SEG:
         ok = ok & (qs == ks)
+    if HAS_WINDOW:
+        ok = ok & ((qp - kp) < window)
     return ok
 
 

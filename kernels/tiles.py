@@ -8,9 +8,16 @@ depends on position only through ``j <= i``, so
 * every pair is allowed iff every group pair is allowed at (query min position, key max position).
 
 Both are evaluated with :func:`lightning_mm.masks.allowed` on the summaries, so the classes are exact and use
-the one implementation of the rule. Memory is O(nq * Uq * nk * Uk) per chunk of query tiles, where U is the
-number of distinct groups per tile (a handful for real layouts). Tokens past the end of the sequence count
-as padding (word 0), so a ragged last tile is never "full" and the kernels mask it.
+the one implementation of the rule. A sliding window (``masks.in_window``: ``q_pos - k_pos < window``) adds
+a condition on the closest pair for "some" (query min position, key max position) and on the farthest pair for
+"every" (query max position, key min position): tiles entirely outside the window are skipped, tiles it cuts
+are partial and the kernels apply the window per element. With a window, "some" is exact when each group's
+positions are contiguous; a group with gaps (a text group split by an image, CP's scattered query blocks) can
+make a tile partial although none of its pairs is allowed, which costs time, never correctness.
+
+Memory is O(nq * Uq * nk * Uk) per chunk of query tiles, where U is the number of distinct groups per tile (a
+handful for real layouts). Tokens past the end of the sequence count as padding (word 0), so a ragged last tile
+is never "full" and the kernels mask it.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ def tile_summary(words: torch.Tensor, seg: torch.Tensor, pos: torch.Tensor, tile
     return (*out, valid)
 
 
-def _row_classes(qs, ks) -> torch.Tensor:
+def _row_classes(qs, ks, window: int | None = None) -> torch.Tensor:
     """Classes [nq, nk] of one row from the query and key tile summaries."""
     qw, qg, qmin, qmax, qv = qs
     kw, kg, kmin, kmax, kv = ks
@@ -68,6 +75,9 @@ def _row_classes(qs, ks) -> torch.Tensor:
         qw_f, qg_f = qw[sl].reshape(-1), qg[sl].reshape(-1)
         some = masks.allowed(qw_f, kw_f, qmax[sl].reshape(-1), kmin_f, qg_f, kg_f)
         every = masks.allowed(qw_f, kw_f, qmin[sl].reshape(-1), kmax_f, qg_f, kg_f)
+        if window is not None:
+            some &= masks.in_window(qmin[sl].reshape(-1, 1), kmax_f.reshape(1, -1), window)
+            every &= masks.in_window(qmax[sl].reshape(-1, 1), kmin_f.reshape(1, -1), window)
         present = qv[sl].reshape(-1, 1) & kv_f.reshape(1, -1)
         some = (some & present).view(m, uq, nk, uk).any(3).any(1)
         every = (every | ~present).view(m, uq, nk, uk).all(3).all(1)
@@ -75,15 +85,17 @@ def _row_classes(qs, ks) -> torch.Tensor:
     return out
 
 
-def tile_classes(q_words, k_words, q_pos, k_pos, q_seg, k_seg, tile_q: int, tile_k: int) -> torch.Tensor:
-    """int8 ``[B, ceil(Sq/tile_q), ceil(Sk/tile_k)]``: SKIP (0), FULL (1) or PARTIAL (2) for each tile pair."""
+def tile_classes(q_words, k_words, q_pos, k_pos, q_seg, k_seg, tile_q: int, tile_k: int,
+                 window: int | None = None) -> torch.Tensor:
+    """int8 ``[B, ceil(Sq/tile_q), ceil(Sk/tile_k)]``: SKIP (0), FULL (1) or PARTIAL (2) for each tile pair;
+    ``window``: a sliding window in tokens (None = none)."""
     if q_seg is None:
         q_seg, k_seg = torch.zeros_like(q_words), torch.zeros_like(k_words)
     rows = []
     for b in range(q_words.shape[0]):
         qs = tile_summary(q_words[b], q_seg[b].long(), q_pos[b].long(), tile_q)
         ks = tile_summary(k_words[b], k_seg[b].long(), k_pos[b].long(), tile_k)
-        rows.append(_row_classes(qs, ks))
+        rows.append(_row_classes(qs, ks, window))
     return torch.stack(rows)
 
 

@@ -7,6 +7,9 @@ non-zero, both tokens share a segment, and
 * CAUSAL in w_i:     j <= i and (w_i & w_j & MODALITY_BITS) != 0
 * CAUSAL not in w_i: (w_i & MODALITY_BITS) == (w_j & MODALITY_BITS)
 
+An optional sliding window of ``W`` tokens (a per-layer property of the model, e.g. Gemma's local layers)
+additionally requires ``pos_i - pos_j < W`` for every pair, causal or not (:func:`in_window`).
+
 ``allowed`` is the single implementation of that rule; everything else (dense masks, block workloads,
 the reference attention) calls it.
 """
@@ -100,24 +103,50 @@ def check_attention_inputs(q, k, v, q_bam, k_bam, q_segments=None, k_segments=No
         raise ValueError("give segment ids for both queries and keys, or for neither")
 
 
+def check_window(window: int | None) -> None:
+    """``None`` (no window) or a positive int number of tokens."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding window must be None (no window) or a positive number of tokens, got {window!r}")
+
+
+def in_window(q_pos, k_pos, window: int | None):
+    """The sliding-window part of the rule: ``q_pos - k_pos < window`` (True everywhere when ``window`` is None).
+
+    This is transformers' ``sliding_window_overlay`` (``kv_idx > q_idx - sliding_window``), and like it the
+    window is one-sided and applies to every pair, not only causal ones: HF's Gemma 3 computes its local layers'
+    mask as ``AND(sliding_window_overlay, OR(causal, image blocks))``, so a bidirectional token still sees the
+    later tokens of its span, but no token sees a key ``window`` or more positions before it. Broadcasts.
+    """
+    if window is None:
+        return True
+    return (q_pos - k_pos) < window
+
+
 def allowed(q_words: torch.Tensor, k_words: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-            q_seg: torch.Tensor | None = None, k_seg: torch.Tensor | None = None) -> torch.Tensor:
-    """The mask rule, broadcast: ``[..., Sq]`` queries against ``[..., Sk]`` keys -> bool ``[..., Sq, Sk]``."""
+            q_seg: torch.Tensor | None = None, k_seg: torch.Tensor | None = None,
+            window: int | None = None) -> torch.Tensor:
+    """The mask rule, broadcast: ``[..., Sq]`` queries against ``[..., Sk]`` keys -> bool ``[..., Sq, Sk]``.
+
+    ``window``: a sliding window of that many tokens (:func:`in_window`), None = none."""
     qw, kw = q_words.unsqueeze(-1), k_words.unsqueeze(-2)
     q_mod, k_mod = qw & MODALITY_BITS, kw & MODALITY_BITS
     causal = (qw & CAUSAL) != 0
-    ok_causal = (k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)) & ((q_mod & k_mod) != 0)
+    qp, kp = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
+    ok_causal = (kp <= qp) & ((q_mod & k_mod) != 0)
     ok = torch.where(causal, ok_causal, q_mod == k_mod) & (qw != 0) & (kw != 0)
+    if window is not None:
+        ok &= in_window(qp, kp, window)
     if q_seg is not None:
         ok &= q_seg.unsqueeze(-1) == k_seg.unsqueeze(-2)
     return ok
 
 
-def to_dense(bam: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+def to_dense(bam: torch.Tensor, segment_ids: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """The full boolean mask ``[B, S, S]`` (True = may attend). O(S^2): for tests and small inputs."""
     validate(bam, segment_ids)
+    check_window(window)
     pos = torch.arange(bam.shape[-1], device=bam.device).expand_as(bam)
-    return allowed(bam, bam, pos, pos, segment_ids, segment_ids)
+    return allowed(bam, bam, pos, pos, segment_ids, segment_ids, window)
 
 
 @functools.lru_cache(maxsize=256)
@@ -164,19 +193,37 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
-def block_pairs(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+def window_band(num_blocks: int, block_size: int, window: int, seq_len: int | None = None) -> torch.Tensor:
+    """bool ``[nb, nb]``: whether some token of query block ``a`` and some token of key block ``c`` are within
+    ``window`` (:func:`in_window`; blocks are contiguous runs of positions, the last one may be short)."""
+    check_window(window)
+    seq_len = num_blocks * block_size if seq_len is None else seq_len
+    first = torch.arange(num_blocks) * block_size
+    last = torch.clamp(first + block_size - 1, max=seq_len - 1)
+    return in_window(first.unsqueeze(-1), last.unsqueeze(0), window)  # the closest pair: q first, k last
+
+
+def block_pairs(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Tensor | None = None,
+                window: int | None = None) -> torch.Tensor:
     """bool ``[B, nq, nk]``: whether a query block and a key block hold at least one allowed pair.
 
     Exact (equal to reducing ``to_dense`` over blocks) without materialising token pairs. A 1-D ``bam`` gives
-    ``[nq, nk]``.
+    ``[nq, nk]``. With a sliding ``window`` a pair of blocks counts when it holds an allowed pair and some of its
+    token pairs lie within the window (:func:`window_band`): block-granular, so it can count a block whose
+    allowed pairs all lie outside the window while other pairs lie inside (a superset of ``to_dense(window=)``
+    reduced over blocks, equal to it for causal text).
     """
     from lightning_mm import planning_loops as loops
 
     _check_block_size(block_size)
+    check_window(window)
     bam2, seg2, squeeze = _as_batch(bam, segment_ids)
     first, last, word, group, num_blocks, nb, before, after = _runs(bam2, seg2, block_size)
     res = torch.from_numpy(loops.block_pairs(first, last, word, group, num_blocks, nb, block_size, before, after))
-    res = res.reshape(bam2.shape[0], nb, nb).to(bam.device)
+    res = res.reshape(bam2.shape[0], nb, nb)
+    if window is not None:
+        res &= window_band(nb, block_size, window, bam2.shape[-1])
+    res = res.to(bam.device)
     return res[0] if squeeze else res
 
 
@@ -189,13 +236,28 @@ def _block_workload(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_s
     return work.reshape(bam.shape[0], nb)
 
 
-def block_workload(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+def block_workload(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Tensor | None = None,
+                   window=None) -> torch.Tensor:
     """Work of each query block: the number of key blocks with at least one allowed pair (W_b), ``[B, nb]``.
 
     Exact, from the runs of the words: one compiled pass over the words (and the segment ids), the rest
     O(runs x distinct word masks + blocks) (``planning_loops.block_work``). A 1-D ``bam`` gives ``[nb]``.
+
+    ``window``: None (no window), a sliding window in tokens (the key blocks of :func:`block_pairs` with that
+    window; O(nb^2) per row), or one entry per layer (``None`` or tokens, e.g. ``families.layer_windows`` of a
+    Gemma 3 model): then the sum over the layers of their work, since each layer does its own attention (integer,
+    as LPT's keys need; divide by the layer count for the mean).
     """
     _check_block_size(block_size)
+    if window is not None and not isinstance(window, int):
+        windows = list(window)
+        if not windows:
+            raise ValueError("window: give None, a number of tokens, or a non-empty list with one entry per layer")
+        by_window = {w: block_workload(bam, block_size, segment_ids, w) for w in set(windows)}
+        return sum(by_window[w] * windows.count(w) for w in by_window)
+    check_window(window)
+    if window is not None:
+        return block_pairs(bam, block_size, segment_ids, window).sum(-1)
     bam2, seg2, squeeze = _as_batch(bam, segment_ids)
     res = torch.from_numpy(_block_workload(bam2, seg2, block_size)).to(bam.device)
     return res[0] if squeeze else res

@@ -108,7 +108,7 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bam, segment_ids, token_index, group, scale, head_groups, backend, cache):
+    def forward(ctx, q, k, v, bam, segment_ids, token_index, group, scale, head_groups, backend, cache, window):
         from lightning_mm.attention.dispatch import bitfield_attention
 
         b, hq, s, d = q.shape
@@ -136,7 +136,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 leaves = [t.detach().requires_grad_(track) for t in (q_g, k_all, v_all)]
                 out = bitfield_attention(*leaves, bam, k_bam, q_segments=segment_ids, k_segments=k_seg,
                                          q_positions=token_index, k_positions=k_pos, scale=scale, backend=backend,
-                                         cache=cache)
+                                         cache=cache, window=window)
             outs.append(out.detach())
             graphs.append((leaves, out) if track else None)
         ctx.graphs, ctx.smax, ctx.local, ctx.group, ctx.meta = graphs, smax, s, group, (per, rep, head_groups)
@@ -157,12 +157,12 @@ class _ContextParallelAttention(torch.autograd.Function):
             dk.append(mine[0, :, :, :ctx.local])
             dv.append(mine[1, :, :, :ctx.local])
         ctx.graphs = None
-        return torch.cat(dq, 1), torch.cat(dk, 1), torch.cat(dv, 1), None, None, None, None, None, None, None, None
+        return (torch.cat(dq, 1), torch.cat(dk, 1), torch.cat(dv, 1)) + (None,) * 9
 
 
 def context_parallel_attention(q, k, v, bam, segment_ids, token_index, cp_group, scale=None, *,
                                head_groups: int | None = None, backend: str = "auto",
-                               cache: dict | None = None) -> torch.Tensor:
+                               cache: dict | None = None, window: int | None = None) -> torch.Tensor:
     """Bitfield attention of the local queries ``[B,Hq,S_local,D]`` over the keys/values of the whole CP group.
 
     ``bam``, ``segment_ids`` (or None) and ``token_index`` are the local tokens' words, segments and global
@@ -170,6 +170,7 @@ def context_parallel_attention(q, k, v, bam, segment_ids, token_index, cp_group,
     Returns ``[B,Hq,S_local,D]``, differentiable in q, k and v. ``head_groups`` (a divisor of the KV heads)
     sets how many gather/compute steps overlap; default 1 on CPU, up to 4 on GPU. ``cache``: a dict shared by
     the layers of one microbatch, so the mask metadata is gathered (and its sizes read on the host) once.
+    ``window``: a sliding window in tokens (None = none); the positions are global, so it is that of one process.
     """
     if head_groups is None:
         head_groups = _default_head_groups(q, k.shape[1])
@@ -178,4 +179,4 @@ def context_parallel_attention(q, k, v, bam, segment_ids, token_index, cp_group,
         token_index = token_index.to(torch.int64)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _ContextParallelAttention.apply(q, k, v, bam, segment_ids, token_index, cp_group, scale, head_groups,
-                                           backend, cache)
+                                           backend, cache, window)

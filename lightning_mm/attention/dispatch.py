@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_mm.attention.reference import reference_attention
-from lightning_mm.masks import check_attention_inputs
+from lightning_mm.masks import check_attention_inputs, check_window
 
 BACKENDS = ("auto", "reference", "triton")
 
@@ -32,7 +32,8 @@ def _positions(b: int, s: int, device, cache: dict | None) -> torch.Tensor:
 
 
 def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=None, q_positions=None,
-                       k_positions=None, scale=None, backend: str = "auto", cache: dict | None = None) -> torch.Tensor:
+                       k_positions=None, scale=None, backend: str = "auto", cache: dict | None = None,
+                       window: int | None = None) -> torch.Tensor:
     """Attention of q ``[B,Hq,Sq,D]`` over k, v ``[B,Hkv,Sk,D]`` (GQA) under the bitfield mask.
 
     ``q_bam``/``k_bam`` are the words of the query and key tokens ``[B,Sq]``/``[B,Sk]``; segments separate
@@ -42,10 +43,13 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
     elsewhere. Under autocast the Triton kernels take q, k, v in the autocast dtype, as SDPA does (rotary embeddings
     leave q and k in fp32 beside a bf16 v). ``cache``: a dict shared by the calls whose mask tensors are the same
     objects (the layers of one microbatch), so that the kernels classify the tiles once, not in every layer.
+    ``window``: a sliding window of that many tokens (a key ``window`` or more positions before the query is not
+    attended, :func:`lightning_mm.masks.in_window`), None = none.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
     check_attention_inputs(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions, cache)
+    check_window(window)
     b, sq, sk, d = q.shape[0], q.shape[2], k.shape[2], q.shape[3]
     if q_positions is None:
         q_positions = _positions(b, sq, q.device, cache)
@@ -58,8 +62,10 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         return triton_attention(q, k, v, q_bam, k_bam, q_segments=q_segments, k_segments=k_segments,
-                                q_positions=q_positions, k_positions=k_positions, scale=scale, cache=cache)
-    return reference_attention(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions, scale)
+                                q_positions=q_positions, k_positions=k_positions, scale=scale, cache=cache,
+                                window=window)
+    return reference_attention(q, k, v, q_bam, k_bam, q_segments, k_segments, q_positions, k_positions, scale,
+                               window=window)
 
 
 __all__ = ["bitfield_attention", "BACKENDS"]

@@ -41,15 +41,10 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
         raise ValueError("attention 'bitfield' needs the mask words: call the model with bam=<int64 [B,S]> "
                          "(lightning_mm.masks builds them)")
     if kwargs.get("softcap") is not None:
-        raise ValueError(f"{type(module).__name__} uses attention logit softcapping, which bitfield attention does "
-                         "not implement; set attn_logit_softcapping=None in the model config")
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    if window is not None:  # only then is the sequence length read on the host
-        seq_len = max(query.shape[2], key.shape[2]) if token_index is None else int(token_index.max()) + 1
-        if window < seq_len:
-            raise ValueError(f"{type(module).__name__} uses a sliding window of {window} tokens, shorter than the "
-                             f"sequence ({seq_len}); bitfield attention attends the whole allowed context. "
-                             "Set sliding_window=None (or >= the sequence length) in the model config")
+        raise ValueError(f"{type(module).__name__} uses attention logit softcapping (Gemma 2), which bitfield "
+                         "attention does not implement; set attn_logit_softcapping=None in the model config (Gemma 3 "
+                         "has none), or train this model without bitfield attention")
+    window = layer_window(module, kwargs)
     if dropout and module.training:
         raise ValueError("bitfield attention has no attention dropout; set attention_dropout=0 in the model config")
     if cp_group is not None:
@@ -57,16 +52,32 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
         from lightning_mm.attention.ulysses import ContextParallelGroups, ulysses_attention
         if isinstance(cp_group, ContextParallelGroups) and cp_group.mode != "allgather":  # Ulysses / hybrid
             out = ulysses_attention(query, key, value, bam, segment_ids, token_index, cp_group, scale=scaling,
-                                    cache=kwargs.get("attn_cache"))
+                                    cache=kwargs.get("attn_cache"), window=window)
         else:
             group = cp_group.group if isinstance(cp_group, ContextParallelGroups) else cp_group
             out = context_parallel_attention(query, key, value, bam, segment_ids, token_index, group, scale=scaling,
-                                             cache=kwargs.get("attn_cache"))
+                                             cache=kwargs.get("attn_cache"), window=window)
     else:
         out = bitfield_attention(query, key, value, bam, k_bam, q_segments=segment_ids, k_segments=segment_ids,
                                  q_positions=q_positions, k_positions=k_positions, scale=scaling,
-                                 cache=kwargs.get("attn_cache"))
+                                 cache=kwargs.get("attn_cache"), window=window)
     return out.transpose(1, 2).contiguous(), None
+
+
+def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:
+    """The sliding window of one attention call, as transformers passes it: the ``sliding_window`` keyword (per
+    layer: Gemma 2/3 and Qwen2/3 pass ``None`` on full-attention layers; Mistral and Phi-3 pass the config's),
+    else the module's ``sliding_window`` attribute; ``None`` = full attention. A window of ``W`` tokens means
+    transformers' ``sliding_window_overlay`` (``q_pos - k_pos < W``), see :func:`lightning_mm.masks.in_window`.
+    """
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    if window is None:
+        return None
+    if getattr(getattr(module, "config", None), "use_bidirectional_attention", False):
+        raise ValueError(f"{type(module).__name__} uses bidirectional attention (use_bidirectional_attention=True, "
+                         "an embedding model), which the bitfield words do not express; set it to False, or give "
+                         "every token a non-causal word of one modality and no sliding window")
+    return int(window)
 
 
 def register() -> None:

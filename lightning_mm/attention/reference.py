@@ -14,9 +14,9 @@ from lightning_mm import masks
 DEFAULT_CHUNK = 1024
 
 
-def _scores(q, k, qw, kw, qp, kp, qs, ks, scale):
+def _scores(q, k, qw, kw, qp, kp, qs, ks, scale, window=None):
     """Masked scores of one query chunk: q [B,H,c,D] fp32, k [B,H,Sk,D] -> [B,H,c,Sk] and the mask [B,1,c,Sk]."""
-    ok = masks.allowed(qw, kw, qp, kp, qs, ks).unsqueeze(1)
+    ok = masks.allowed(qw, kw, qp, kp, qs, ks, window).unsqueeze(1)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     return s.masked_fill(~ok, float("-inf")), ok
 
@@ -31,7 +31,7 @@ def _expand_kv(x, groups):
 
 class _ReferenceAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qw, kw, qp, kp, qs, ks, scale, chunk):
+    def forward(ctx, q, k, v, qw, kw, qp, kp, qs, ks, scale, chunk, window):
         groups, dt = q.shape[1] // k.shape[1], _compute_dtype(q.dtype)
         kf, vf = _expand_kv(k.to(dt), groups), _expand_kv(v.to(dt), groups)
         out = torch.empty(q.shape, dtype=dt, device=q.device)
@@ -39,14 +39,14 @@ class _ReferenceAttention(torch.autograd.Function):
         for a in range(0, q.shape[2], chunk):
             sl = slice(a, a + chunk)
             s, _ = _scores(q[:, :, sl].to(dt), kf, qw[:, sl], kw, qp[:, sl], kp,
-                           None if qs is None else qs[:, sl], ks, scale)
+                           None if qs is None else qs[:, sl], ks, scale, window)
             m = s.amax(-1, keepdim=True).clamp_min(-1e30)  # finite for fully masked rows
             p = torch.exp(s - m)
             denom = p.sum(-1, keepdim=True)
             out[:, :, sl] = torch.matmul(p / denom.clamp_min(1e-30), vf)
             lse[:, :, sl] = (m + torch.log(denom)).squeeze(-1)  # -inf where no key is allowed
         ctx.save_for_backward(q, k, v, out, lse, qw, kw, qp, kp, qs, ks)
-        ctx.scale, ctx.chunk, ctx.groups = scale, chunk, groups
+        ctx.scale, ctx.chunk, ctx.groups, ctx.window = scale, chunk, groups, window
         return out.to(q.dtype)
 
     @staticmethod
@@ -62,7 +62,8 @@ class _ReferenceAttention(torch.autograd.Function):
         for a in range(0, q.shape[2], chunk):
             sl = slice(a, a + chunk)
             qc = q[:, :, sl].to(dt)
-            s, _ = _scores(qc, kf, qw[:, sl], kw, qp[:, sl], kp, None if qs is None else qs[:, sl], ks, scale)
+            s, _ = _scores(qc, kf, qw[:, sl], kw, qp[:, sl], kp, None if qs is None else qs[:, sl], ks, scale,
+                           ctx.window)
             p = torch.exp(s - lse[:, :, sl].unsqueeze(-1).clamp_min(-1e30))  # masked -> exp(-inf) = 0
             do = dout[:, :, sl]
             dv += torch.matmul(p.transpose(-1, -2), do)
@@ -75,11 +76,12 @@ class _ReferenceAttention(torch.autograd.Function):
             b, h, sk, d = dk.shape
             dk = dk.view(b, h // groups, groups, sk, d).sum(2)
             dv = dv.view(b, h // groups, groups, sk, d).sum(2)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 8
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 9
 
 
 def reference_attention(q, k, v, q_bam, k_bam, q_segments=None, k_segments=None, q_positions=None,
-                        k_positions=None, scale=None, chunk: int = DEFAULT_CHUNK):
+                        k_positions=None, scale=None, chunk: int = DEFAULT_CHUNK, window: int | None = None):
     """Exact bitfield attention; see :func:`lightning_mm.attention.bitfield_attention` for the arguments."""
+    masks.check_window(window)
     return _ReferenceAttention.apply(q, k, v, q_bam, k_bam, q_positions, k_positions, q_segments, k_segments,
-                                     scale, chunk)
+                                     scale, chunk, window)

@@ -148,13 +148,14 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def ulysses_attention(q, k, v, bam, segment_ids, token_index, groups: ContextParallelGroups, scale=None, *,
-                      backend: str = "auto", cache: dict | None = None) -> torch.Tensor:
+                      backend: str = "auto", cache: dict | None = None, window: int | None = None) -> torch.Tensor:
     """Bitfield attention of the local tokens ``[B,Hq,S_local,D]`` under Ulysses or hybrid CP (see the module).
 
     ``bam``, ``segment_ids`` (or None) and ``token_index`` are the local tokens' words, segments and global
     indices ``[B,S_local]``. ``groups``: this rank's ``ContextParallelGroups`` (mode ``"ulysses"`` or
     ``"hybrid"``). Returns ``[B,Hq,S_local,D]``, differentiable in q, k and v. ``cache``: a dict shared by the
-    layers of one microbatch (the mask metadata is gathered once).
+    layers of one microbatch (the mask metadata is gathered once). ``window``: a sliding window in tokens (None =
+    none); positions are global, so the window of one process holds on every layout.
     """
     if groups.mode not in ("ulysses", "hybrid"):
         raise ValueError(f"ulysses_attention runs cp_mode 'ulysses' or 'hybrid', got {groups.mode!r}")
@@ -189,6 +190,6 @@ def ulysses_attention(q, k, v, bam, segment_ids, token_index, groups: ContextPar
     from lightning_mm.attention.dispatch import bitfield_attention
 
     out = bitfield_attention(q, k, v, q_bam, k_bam, q_segments=q_seg, k_segments=k_seg, q_positions=q_pos,
-                             k_positions=k_pos, scale=scale, backend=backend, cache=cache)
+                             k_positions=k_pos, scale=scale, backend=backend, cache=cache, window=window)
     (out,) = _SequenceToHeads.apply(groups.ulysses, out)
     return out[:, :, :s]

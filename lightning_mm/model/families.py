@@ -133,10 +133,54 @@ class MRopeDecoderFamily(DecoderFamily):
         return self.hf_class()(self.tiny_config(**overrides))
 
 
+@dataclass(frozen=True)
+class Gemma3DecoderFamily(DecoderFamily):
+    """Gemma 3's text decoder (``Gemma3ForCausalLM``, and the LLM of ``Gemma3ForConditionalGeneration``): local
+    (sliding-window) and global layers (``config.layer_types``), each kind with its own rotary embedding. The
+    window reaches the attention per layer, as transformers passes it (``sliding_window=`` on local layers,
+    ``None`` on global ones); the scaling is ``query_pre_attn_scalar ** -0.5``, passed by the layer as
+    ``scaling``. Embeddings are scaled by ``sqrt(hidden_size)`` inside ``embed_tokens``, as in HF."""
+
+    def position_embeddings(self, lm, hidden, position_ids):
+        return {kind: lm.model.rotary_emb(hidden, position_ids, kind) for kind in set(lm.config.layer_types)}
+
+    def run_layer(self, layer, hidden, position_embeddings, position_ids, attn_kwargs):
+        kind = layer.self_attn.layer_type  # "sliding_attention" or "full_attention"
+        return layer(hidden, attention_mask=None, position_embeddings=position_embeddings[kind],
+                     position_ids=position_ids, **attn_kwargs)
+
+    def tiny_config(self, **overrides):
+        import transformers
+
+        kw = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=False,
+                  sliding_window=8, query_pre_attn_scalar=16,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
+        kw.update(overrides)
+        if "num_hidden_layers" in overrides and "layer_types" not in overrides:  # HF's 5 local : 1 global pattern
+            kw["layer_types"] = None
+        return getattr(transformers, self.config_name)(**kw)
+
+
+def layer_windows(lm: nn.Module) -> list[int | None]:
+    """The sliding window of each decoder layer of a HF causal LM (``None`` = full attention), as its attention
+    receives it: ``config.layer_types`` (Gemma 2/3, Qwen2/3) picks ``config.sliding_window`` per layer; without
+    layer types (Mistral, Phi-3) every layer has the config's window. For ``masks.block_workload(window=...)``."""
+    config = getattr(lm, "config", None)
+    window = getattr(config, "sliding_window", None)
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * n
+    return [window if t == "sliding_attention" else None for t in types[:n]]
+
+
 MROPE_FAMILIES = {f.model_type: f for f in (
     MRopeDecoderFamily("Qwen2-VL text", "qwen2_vl_text", "Qwen2VLTextForCausalLM", "Qwen2VLTextConfig"),
     MRopeDecoderFamily("Qwen2.5-VL text", "qwen2_5_vl_text", "Qwen2_5_VLTextForCausalLM", "Qwen2_5_VLTextConfig"),
 )}
+LANGUAGE_FAMILIES["gemma3_text"] = Gemma3DecoderFamily("Gemma3", "gemma3_text", "Gemma3ForCausalLM",
+                                                       "Gemma3TextConfig")
 
 
 def language_family(lm: nn.Module) -> DecoderFamily:
@@ -635,7 +679,7 @@ def tiny_encoder(kind: str, **overrides) -> nn.Module:
 
 def tiny_language_model(kind: str = "llama", **overrides) -> nn.Module:
     """A tiny randomly initialised causal LM of a family (``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``gemma2``,
-    ``phi3``)."""
+    ``gemma3_text`` (local layers with an 8-token window), ``phi3``)."""
     if kind not in LANGUAGE_FAMILIES:
         raise ValueError(f"unknown language model kind {kind!r}; choose one of {sorted(LANGUAGE_FAMILIES)}")
     return LANGUAGE_FAMILIES[kind].tiny(**overrides)

@@ -91,24 +91,29 @@ def random_plan(num_blocks: int, cp_size: int, seed: int = 0) -> list[torch.Tens
 
 
 def distribute(bam: torch.Tensor, cp_size: int, method: str = "lpt", block_size: int = 128,
-               segment_ids: torch.Tensor | None = None, seed: int = 0, ulysses: int = 1) -> list[torch.Tensor]:
+               segment_ids: torch.Tensor | None = None, seed: int = 0, ulysses: int = 1,
+               window=None) -> list[torch.Tensor]:
     """Each CP rank's block indices (ascending; together a partition of all blocks) for one microbatch.
 
     ``bam`` is ``[B,S]`` (one plan for the microbatch: block work summed over its rows) or ``[S]``. Only
     ``"lpt"`` looks at the mask; ``seed`` drives ``"random"``. ``ulysses=K > 1`` (hybrid or Ulysses CP: ranks
     ``g*K .. g*K+K-1`` form Ulysses group ``g``): the blocks are distributed over the ``cp_size / K`` groups by
     ``method`` (a group's attention work is the work of all its blocks, whichever of its ranks holds them), then
-    dealt round-robin to the group's ``K`` ranks, which balances their token counts.
+    dealt round-robin to the group's ``K`` ranks, which balances their token counts. ``window``: the LLM's sliding
+    window, or one entry per layer (``families.layer_windows``), for the work ``"lpt"`` balances
+    (``masks.block_workload``); None counts every allowed pair.
     """
     if not isinstance(ulysses, int) or ulysses < 1 or (isinstance(cp_size, int) and cp_size % ulysses):
         raise ValueError(f"ulysses={ulysses!r} must be a positive divisor of cp_size={cp_size!r}")
     if ulysses > 1:
-        return _grouped_plan(bam, cp_size, method, block_size, segment_ids, seed, ulysses)
+        return _grouped_plan(bam, cp_size, method, block_size, segment_ids, seed, ulysses, window)
     if method not in METHODS:
         raise ValueError(f"unknown CP distribution method {method!r}; choose one of {METHODS}")
     num_blocks = _num_blocks(bam, cp_size, block_size)
     if method == "lpt":
         bam2, seg2, _ = masks._as_batch(bam, segment_ids)
+        if window is not None:
+            return _lpt_plan(masks.block_workload(bam2, block_size, seg2, window).cpu().numpy(), cp_size)
         return _lpt_plan(masks._block_workload(bam2, seg2, block_size), cp_size)
     if method == "zigzag":
         return zigzag_plan(num_blocks, cp_size)
@@ -128,14 +133,15 @@ def _num_blocks(bam, cp_size, block_size) -> int:
     return num_blocks
 
 
-def _grouped_plan(bam, cp_size, method, block_size, segment_ids, seed, k) -> list[torch.Tensor]:
+def _grouped_plan(bam, cp_size, method, block_size, segment_ids, seed, k, window=None) -> list[torch.Tensor]:
     """``distribute`` with Ulysses groups of ``k`` ranks (see there)."""
     num_blocks = _num_blocks(bam, cp_size, block_size)
     groups = cp_size // k
-    plan = distribute(bam, groups, method, block_size, segment_ids, seed) if groups > 1 else [torch.arange(num_blocks)]
+    plan = distribute(bam, groups, method, block_size, segment_ids, seed, window=window) if groups > 1 \
+        else [torch.arange(num_blocks)]
     counts = [len(p) for p in plan]
     if min(counts) < k:  # a short sequence: give each group k blocks, taking the lightest of the fullest group
-        work = (masks.block_workload(bam, block_size, segment_ids).reshape(-1, num_blocks).sum(0)
+        work = (masks.block_workload(bam, block_size, segment_ids, window).reshape(-1, num_blocks).sum(0)
                 if method == "lpt" else torch.zeros(num_blocks, dtype=torch.int64))
         plan = [p.tolist() for p in plan]
         for g in range(groups):
