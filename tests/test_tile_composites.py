@@ -368,3 +368,29 @@ def test_lazy_build_on_meta_materialises_to_the_eager_model(kind, tmp_path):
     assert not is_meta(lazy)
     for (n, a), (m, b) in zip(lazy.state_dict().items(), eager.state_dict().items()):
         assert n == m and torch.equal(a, b), n
+
+
+def test_internvl_images_are_tiled_as_its_hf_processor_tiles_them(tmp_path):
+    """InternVL's HF processor calls its image processor with ``crop_to_patches=True`` (the image processor's own
+    default is False): ``load_processor`` passes the same, and the header rule counts the same tiles."""
+    from PIL import Image
+    from transformers import InternVLProcessor
+
+    from lightning_mm.data.conversation import processor_image_kwargs
+    from lightning_mm.data.media_meta import image_inputs
+
+    proc = image_processor("internvl")
+    proc.crop_to_patches = False  # as InternVL folders save it
+    hf = InternVLProcessor.__new__(InternVLProcessor)  # its class-level call arguments only
+    kwargs = processor_image_kwargs(hf, proc)
+    assert kwargs == {"crop_to_patches": True}
+    assert processor_image_kwargs(hf, image_processor("internvl")) == {}  # already the image processor's own
+    model = lmm.MultimodalModel.from_pretrained(save_composite("internvl", tmp_path / "src"))
+    sizes = [(40, 20), (20, 50), (16, 16)]
+    processor = lmm.data.MultimodalProcessor(model, tokenizer=None, processors={"vision": proc},
+                                             processor_kwargs={"vision": kwargs})
+    real = processor.encode_items("vision", [Image.new("RGB", s) for s in sizes])
+    assert real["num_patches"].tolist()[:2] != [1, 1]  # tiled
+    header = image_inputs(proc, sizes, processor.call_kwargs("vision"))
+    assert torch.equal(header["num_patches"], real["num_patches"].long())
+    assert header["pixel_values"].shape == real["pixel_values"].shape

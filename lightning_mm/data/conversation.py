@@ -122,8 +122,22 @@ def load_processor(path, model, record_keys: dict[str, str] | None = None) -> Mu
         processors[name] = proc
         if kind == "audio":
             kwargs[name] = {"sampling_rate": proc.sampling_rate}
+        elif proc is parts.get("image") and processor_image_kwargs(auto, proc):
+            kwargs[name] = processor_image_kwargs(auto, proc)
     markers = {name: f"<{key}>" for name, key in record_keys.items()}
     return MultimodalProcessor(model, tokenizer, processors, markers, kwargs)
+
+
+def processor_image_kwargs(processor, image_processor) -> dict:
+    """The image arguments a HF processor adds when it calls its image processor (its ``images_kwargs`` and
+    kwargs defaults, e.g. InternVL's ``crop_to_patches=True``), less those the image processor already has, so
+    the images are processed as the HF processor processes them."""
+    defaults = dict(getattr(processor, "images_kwargs", None) or {})
+    kwargs_class = getattr(processor, "valid_processor_kwargs", None)
+    defaults.update(getattr(kwargs_class, "_defaults", {}).get("images_kwargs", {}))
+    missing = object()
+    return {k: v for k, v in defaults.items()
+            if k != "return_tensors" and getattr(image_processor, k, missing) != v}
 
 
 def _top_level_kind(path: Path) -> str | None:

@@ -87,14 +87,14 @@ def _size(size, key):
 def image_inputs(proc, sizes: list[tuple[int, int]], kwargs: dict | None = None) -> dict | None:
     """The inputs ``proc(images=...)`` returns for images of ``sizes`` ((width, height) each), pixel tensors on
     the meta device; None when the rules do not cover ``proc`` or ``kwargs``."""
+    from lightning_mm.model.tiles import header_inputs
+
+    tiled = header_inputs(base_name(proc), proc, sizes, kwargs) if sizes else None  # AnyRes, InternVL tiles
+    if tiled is not None:
+        return tiled
     if kwargs or not sizes:
         return None
     name = base_name(proc)
-    from lightning_mm.model.tiles import header_inputs
-
-    tiled = header_inputs(name, proc, sizes)  # AnyRes (LLaVA-NeXT, OneVision) and InternVL tiles
-    if tiled is not None:
-        return tiled
     if name in QWEN2_VL_IMAGE_PROCESSORS:
         try:
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize

@@ -258,15 +258,20 @@ def _get(size, key):
     return None if size is None else (size.get(key) if isinstance(size, dict) else getattr(size, key, None))
 
 
-def header_inputs(name: str, proc, sizes: list[tuple[int, int]]) -> dict | None:
+TILING_CALL_KEYS = {"crop_to_patches", "min_patches", "max_patches"}
+
+
+def header_inputs(name: str, proc, sizes: list[tuple[int, int]], kwargs: dict | None = None) -> dict | None:
     """What a tiling image processor (class ``name``, backend suffix dropped) returns for images of ``sizes``
     ((width, height) each, as the headers give them), pixel tensors on the meta device; None when it is not one.
 
     AnyRes: every image's tile count is HF's ``image_size_to_num_patches`` (the best of ``image_grid_pinpoints``
     cut into tiles of the crop size, plus the base image), ``image_sizes`` the original (height, width) and, as the
     processor gives it for a flat list of images, ``batch_num_images`` one per image. InternVL's
-    ``GotOcr2ImageProcessor``: the processor's own ``get_number_of_image_patches``."""
-    if name in ANYRES_IMAGE_PROCESSORS:
+    ``GotOcr2ImageProcessor``: the processor's own ``get_number_of_image_patches`` (with the call's
+    ``crop_to_patches`` / ``min_patches`` / ``max_patches``). Other call arguments: None."""
+    kwargs = {k: v for k, v in (kwargs or {}).items() if k != "return_tensors"}
+    if name in ANYRES_IMAGE_PROCESSORS and not kwargs:
         from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
         size, crop = getattr(proc, "size", None), getattr(proc, "crop_size", None)
@@ -286,11 +291,11 @@ def header_inputs(name: str, proc, sizes: list[tuple[int, int]]) -> dict | None:
         if name == "LlavaOnevisionImageProcessor":
             out[BATCH_NUM_IMAGES] = torch.ones(len(hw), dtype=torch.long)
         return out
-    if name in TILING_IMAGE_PROCESSORS and getattr(proc, "crop_to_patches", False):
+    if name in TILING_IMAGE_PROCESSORS and not set(kwargs) - TILING_CALL_KEYS:
         size = getattr(proc, "size", None)
         if not (_get(size, "height") and _get(size, "width")):
             return None
-        counts = [proc.get_number_of_image_patches(h, w, {}) for w, h in sizes]
+        counts = [proc.get_number_of_image_patches(h, w, kwargs) for w, h in sizes]
         return {"pixel_values": torch.empty(sum(counts), 3, _get(size, "height"), _get(size, "width"), device="meta"),
                 "num_patches": torch.tensor(counts, dtype=torch.long)}
     return None
