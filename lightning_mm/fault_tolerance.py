@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, RandomSampler
 
+from lightning_mm import ft_layerwise as layerwise
 from lightning_mm.data.microbatch import PLAN_KEY
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,10 @@ class FaultTolerance:
     lighthouse and peers. ``heartbeat_interval`` (s): how often a group tells the lighthouse it is alive.
     ``max_retries``: consecutive failed commits before the group gives up (None: never). ``manager_port``: the port
     of group rank 0's torchft manager (0: any free one). ``hostname``: the name other groups reach this group's
-    manager and checkpoint server by (default: this host's name)."""
+    manager and checkpoint server by (default: this host's name). ``global_batch``: samples per step, whatever groups
+    are alive; when given, the groups may differ in pipeline stages and encoder placement (each parameter's
+    gradient is reduced with the groups' holders of its layer, keyed by name), and every group must give the
+    same value."""
 
     lighthouse: str = ""
     replica_group: int | None = None
@@ -97,6 +101,7 @@ class FaultTolerance:
     max_retries: int | None = None
     manager_port: int = 0
     hostname: str | None = None
+    global_batch: int | None = None
 
     def __post_init__(self):
         if not self.lighthouse:
@@ -124,6 +129,8 @@ class FaultTolerance:
                 raise ValueError(f"fault_tolerance.{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_retries is not None and self.max_retries < 0:
             raise ValueError(f"fault_tolerance.max_retries must be >= 0 or None, got {self.max_retries}")
+        if self.global_batch is not None and self.global_batch < 1:
+            raise ValueError(f"fault_tolerance.global_batch must be >= 1 samples (or None), got {self.global_batch}")
         if not 0 <= self.manager_port < 65536:
             raise ValueError(f"fault_tolerance.manager_port must be a port (0: any), got {self.manager_port}")
 
@@ -303,6 +310,8 @@ class FaultTolerantTraining:
         self._schedules: dict[int, dict] = {}
         self._count = None
         self.events: list[dict] = []  # quorum changes, heals and redos, for logs and tests
+        self.layerwise = config.global_batch is not None  # groups may differ in layout
+        self._recorder = self._sync = self._doc = self._pg_class = None
 
     # ------------------------------------------------------------------ before training
     def check_before_setup(self, trainer) -> None:
@@ -336,6 +345,12 @@ class FaultTolerantTraining:
         c = self.config
         timeout = timedelta(seconds=c.timeout)
         pg = ProcessGroupNCCL(timeout) if s.root_device.type == "cuda" else ProcessGroupGloo(timeout)
+        if self.layerwise:  # the Manager only records each quorum's store; gradients go over per-bucket groups
+            layerwise.check_servable(s)
+            pg = layerwise.recorder_class()
+            self._pg_class = type(ProcessGroupNCCL(timeout) if s.root_device.type == "cuda" else
+                                  ProcessGroupGloo(timeout))
+        self._recorder = pg
         if s.root_device.type != "cuda":
             logging.getLogger("torchft.manager").addFilter(_NoNcclNotes())
         env = s.cluster_environment
@@ -379,7 +394,7 @@ class FaultTolerantTraining:
             raise FaultToleranceError("fault_tolerance needs a training DataLoader over a map-style data set with a "
                                       "batch_size (its samples are chosen per step after the quorum)")
         s = self.strategy
-        global_batch = batch_size * s.layout.dp * self.config.num_replica_groups
+        global_batch = self.config.global_batch or batch_size * s.layout.dp * self.config.num_replica_groups
         self.data = dict(dataset=dataset, collate=dataloader.collate_fn, batch_size=batch_size, shuffle=shuffle,
                          seed=seed, global_batch=global_batch, num_samples=len(dataset))
         return StepTokens(global_batches_per_epoch(len(dataset), global_batch) or 1)
@@ -393,6 +408,9 @@ class FaultTolerantTraining:
                "module_stages": lay.module_stages, "world_size": s.world_size, "model": s.model_fingerprint,
                "sharding": s.sharding_strategy, "groups": self.config.num_replica_groups,
                "data": [d.get(k) for k in ("global_batch", "num_samples", "shuffle", "seed")]}
+        if self.layerwise:  # groups may differ in their layout, not in tensor parallelism
+            doc = {k: v for k, v in doc.items() if k in ("model", "sharding", "data")}
+            doc["tp"] = sorted(set(lay.tp.values()))
         digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).digest()
         return int.from_bytes(digest[:7], "big")
 
@@ -432,11 +450,21 @@ class FaultTolerantTraining:
             self._event("healed", step=step, seconds=round(quorum_s, 3))
             self._healed_to = None
         participants, me = m.num_participants(), m.participating_rank()
-        if m._quorum_id != self._quorum_id:  # every member of a new quorum sees it at the same point
-            self._quorum_id = m._quorum_id
+        quorum_id = self._recorder.last["quorum_id"] if self.layerwise else m._quorum_id
+        if quorum_id != self._quorum_id:  # every member of a new quorum sees it at the same point
+            self._quorum_id = quorum_id
             self.stats["quorum_changes"] += 1
             self._event("quorum", step=step, participants=participants, quorum_id=self._quorum_id)
-            self.check_same_job()
+            if self.layerwise:
+                if self._doc is None:  # after the loader is known (the data settings are in the fingerprint)
+                    self._doc = layerwise.holdings_doc(s, self.fingerprint())
+                self._sync = layerwise.setup_quorum(
+                    layerwise.group_view(self._recorder.last, s.world_size), self.config.replica_group, s.global_rank, self._doc,
+                    timedelta(seconds=self.config.timeout),
+                    lambda addr, rid, pos, size: self._configured(addr, rid, pos, size))
+                self.warn_missing(sorted(set(range(self.config.num_replica_groups)) - set(self._sync.group_ids)))
+            else:
+                self.check_same_job()
         self.participants = participants
         set_lightning_step(trainer, step)
         if me is None:
@@ -526,6 +554,8 @@ class FaultTolerantTraining:
     def reduce_and_commit(self) -> bool:
         """Sum the gradients across the quorum's groups (weighted by label tokens), then torchft's commit vote."""
         s, m = self.strategy, self.manager
+        if self.layerwise:
+            return self.sync_layers_and_commit()
         params = s.engine.trainable_parameters()
         device = s.root_device
         sizes = [_local(p).numel() for p in params]
@@ -556,6 +586,27 @@ class FaultTolerantTraining:
         ok = m.should_commit(timeout=timedelta(seconds=self.config.timeout))
         self._count = None
         return ok
+
+    def sync_layers_and_commit(self) -> bool:
+        """Each bucket of layers reduced with the other groups' holders of it (weighted by label tokens), then
+        torchft's commit vote; a failed reduction (a group lost inside the step) is reported and fails the vote."""
+        from lightning_mm.parallel.layer_sync import sync_layers
+
+        s, m, sync = self.strategy, self.manager, self._sync
+        count = self._count if self._count is not None else torch.zeros(1, device=s.root_device)
+        try:
+            sync_layers(sync.buckets, sync.index, s.global_rank, layerwise.weighted_params(s), count,
+                        sync.process_groups)
+        except Exception as e:  # noqa: BLE001  (torchft decides: the vote fails and the step is redone)
+            m.report_error(e)
+        ok = m.should_commit(timeout=timedelta(seconds=self.config.timeout))
+        self._count = None
+        return ok
+
+    def _configured(self, store_addr: str, replica_id: str, rank: int, world_size: int):
+        pg = self._pg_class(timedelta(seconds=self.config.timeout))
+        pg.configure(store_addr, replica_id, rank, world_size)
+        return pg
 
     def committed(self, closure, optimizer):
         """Lightning's closure, repeated until the quorum commits it (torchft's own optimiser wrapper refuses
@@ -592,6 +643,11 @@ class FaultTolerantTraining:
                 "lightning_step": int(trainer.global_step)}
 
     def load_state_dict(self, state: dict) -> None:
+        if self.layerwise:
+            raise FaultToleranceError(
+                f"replica group {self.config.replica_group} is behind the quorum and would heal from a group of another "
+                "layout, which is not built yet (healing copies rank r's state to rank r); restart every group from "
+                "the last checkpoint, or give the groups one layout and no global_batch")
         s = self.strategy
         module = s.lightning_module
         named = dict(module.model.named_parameters())

@@ -195,7 +195,8 @@ def _run_two_groups(tmp_path, address, kill, restarts_1, wait_rejoin, layouts=({
     host, port = address
     base = {"mode": "group", "lighthouse": f"{host}:{port}", "groups": 2, "steps": STEPS, "out": out, "kill": kill,
             "wait_rejoin": wait_rejoin, "timeout": 10.0}
-    procs = [_launch({**base, "group": g, **layouts[g]}, restarts=restarts_0 if g == 0 else restarts_1) for g in (0, 1)]
+    procs = [_launch({**base, "group": g, **layouts[g]}, restarts=restarts_0 if g == 0 else restarts_1,
+                     nproc=layouts[g].get("devices", 2)) for g in (0, 1)]
     codes = _wait(procs, 420)
     results = {}
     for g in (0, 1):
@@ -274,6 +275,22 @@ def test_replica_groups_with_different_layouts_stop_before_training(tmp_path, li
     logs = _log(out, "launch_*.log")
     assert "differ in their rank layout" in logs
     assert not glob.glob(os.path.join(out, "params_*"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_groups_of_different_pipeline_stages_train_like_one_process(tmp_path, lighthouse):
+    """Group 0: the LLM in 2 stages on 2 ranks; group 1: the whole model on 1 rank. With ``global_batch`` each
+    layer's gradient is reduced with the other group's holder of that layer: both equal one process."""
+    layouts = ({"global_batch": 4}, {"global_batch": 4, "pp": 1, "devices": 1})
+    out, codes, results = _run_two_groups(tmp_path, lighthouse, None, restarts_1=0, wait_rejoin=False,
+                                          layouts=layouts, restarts_0=0)
+    assert codes == [0, 0], _log(out, "launch_*.log")
+    assert results[0]["global_step"] == results[1]["global_step"] == STEPS
+    assert [e["participants"] for e in results[0]["events"] if e["event"] == "quorum"] == [2]
+    ref = _reference(out)
+    _assert_equal_to_reference(_params(out, 0), ref)
+    _assert_equal_to_reference(_params(out, 1), ref)
 
 
 @pytest.mark.slow

@@ -168,3 +168,38 @@ def test_groups_of_different_stages_reduce_each_layer_with_its_own_peers():
                 assert got is None, n
             else:
                 torch.testing.assert_close(got, expected[n], rtol=1e-6, atol=1e-6)
+
+
+def test_what_layerwise_fault_tolerance_does_not_serve_is_named_before_training():
+    from types import SimpleNamespace
+
+    from lightning_mm.fault_tolerance import FaultToleranceError
+    from lightning_mm.ft_layerwise import check_servable
+
+    def strategy(dp=1, cp=1, sharding="NO_SHARD"):
+        layout = build_layout({}, ParallelSpec(pp=2, dp=dp, cp=cp), 2 * dp * cp)
+        return SimpleNamespace(layout=layout, sharding_strategy=sharding)
+
+    check_servable(strategy())
+    with pytest.raises(FaultToleranceError, match="use dp 1 and cp 1 per group"):
+        check_servable(strategy(dp=2))
+    with pytest.raises(FaultToleranceError, match="use dp 1 and cp 1 per group"):
+        check_servable(strategy(cp=2))
+    with pytest.raises(FaultToleranceError, match="use NO_SHARD"):
+        check_servable(strategy(sharding="FULL_SHARD"))
+
+
+def test_a_published_group_reads_back_as_its_holdings():
+    from lightning_mm.ft_layerwise import group_holdings
+
+    from lightning_mm.fault_tolerance import FaultToleranceError
+
+    doc = {"stage_params": {"language_model.0": ["a", "b"], "language_model.1": ["c"]},
+           "holders": {"language_model.0": [0], "language_model.1": [1]}, "fingerprint": 7}
+    holding, order = group_holdings(doc)
+    assert order == ["a", "b", "c"] and holding.stage_of == {"a": "language_model.0", "b": "language_model.0",
+                                                             "c": "language_model.1"}
+    assert holding.holders == {"language_model.0": (0,), "language_model.1": (1,)}
+    doc["stage_params"]["language_model.1"].append("a")  # tied across stages
+    with pytest.raises(FaultToleranceError, match="tie_word_embeddings=False"):
+        group_holdings(doc)

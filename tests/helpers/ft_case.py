@@ -5,7 +5,7 @@ group id), groups (num_replica_groups), steps, out (folder: ``params_<group>_<ra
 devices (ranks of the group, default 2: the LLM in 2 pipeline stages, the encoder with the first), num_nodes
 (default 1), kill ({"group": g, "rank": r, "step": s, "where": "batch_end" | "backward"}: SIGKILL that rank in its
 first launch, after step s or inside step s before the cross-group reduction), pp (LLM stages, default 2),
-timeout (s), wait_rejoin (the surviving group waits 2 steps after the kill until the lost group restarted, so it
+timeout (s), global_batch (FaultTolerance's: the groups may differ in layout), wait_rejoin (the surviving group waits 2 steps after the kill until the lost group restarted, so it
 rejoins before the run ends), ft (false: no fault tolerance, e.g. one group over two nodes), save_every (steps:
 ModelCheckpoint into ckpt_dir), resume ("last": a torchrun restart resumes from ckpt_dir's latest checkpoint with
 ``trainer.fit(ckpt_path=...)``). Every group's rank 0 appends ``<step> <time> <restart>`` to ``steps_<group>.log``
@@ -79,7 +79,7 @@ class Events(L.Callback):
 def group(cfg):
     ft = None if cfg.get("ft") is False else lmm.FaultTolerance(lighthouse=cfg["lighthouse"], replica_group=cfg["group"], num_replica_groups=cfg["groups"],
                             min_replicas=1, timeout=cfg.get("timeout", 10.0), quorum_timeout=60.0, connect_timeout=5.0,
-                            hostname="127.0.0.1")
+                            hostname="127.0.0.1", global_batch=cfg.get("global_batch"))
     strategy = lmm.MultimodalParallelStrategy(
         encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec(pp=cfg.get("pp", 2)),
         encoder_placement="replicated", num_microbatches=2, fault_timeout=cfg.get("fault_timeout", 20.0),

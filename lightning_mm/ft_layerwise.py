@@ -1,0 +1,150 @@
+"""Replica groups of different layouts in one fault-tolerant job: per quorum, the groups publish which stage holds
+each trainable parameter, and every holder reduces its buckets with the holders of the other groups.
+
+torchft's Manager keeps the control plane (lighthouse, quorum, ``should_commit``, error reports). Its cross-group
+process group pairs rank r of every group, which groups of different sizes cannot do, so the Manager gets a
+process group that only records where each quorum's store is (:class:`QuorumRecorder`), and the gradients travel
+over one torchft process group per bucket (``plan/layer_sync.py``, ``parallel/layer_sync.py``) configured under
+that store.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lightning_mm.plan.layer_sync import GroupHoldings, LayerBucket, layer_buckets
+
+
+def recorder_class():
+    """A torchft ``ProcessGroupDummy`` that remembers its last ``configure`` (torchft imported lazily)."""
+    from torchft.process_group import ProcessGroupDummy
+
+    class QuorumRecorder(ProcessGroupDummy):
+        """The Manager's process group when layouts differ: it records each quorum's store, rank and size."""
+
+        def __init__(self):
+            super().__init__(0, 1)
+            self.last: dict | None = None
+
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                      group_world_size=None, global_ranks=None):
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                              global_ranks)
+            self.last = dict(store=store_addr.split("/torchft/", 1)[0], replica_id=replica_id, index=rank,
+                             groups=world_size, quorum_id=quorum_id)
+
+    return QuorumRecorder()
+
+
+def group_view(recorded: dict, group_world_size: int) -> dict:
+    """Group rank 0's record of the quorum, on every rank of the group. torchft gives each group rank r the store of
+    the quorum's participant r mod n (spreading the load); the group ranks 0 of all groups get the same one."""
+    if group_world_size == 1:
+        return recorded
+    box = [recorded]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@dataclass
+class QuorumSync:
+    """One quorum's layer-wise sync on one rank: its buckets and their process groups."""
+
+    quorum_id: int
+    index: int  # this group's position in the quorum
+    group_ids: list[int]  # the replica-group ids of the quorum, by position
+    buckets: list[LayerBucket]
+    process_groups: dict
+
+
+def holdings_doc(strategy, fingerprint: int) -> dict:
+    """This group's holdings as plain data (gathered from every rank of the group): the trainable parameter names
+    each stage's tp-0 holder owns, in the model's order, and each stage's holder ranks."""
+    layout = strategy.layout
+    module = strategy.lightning_module
+    mine = [n for n, p in module.model.named_parameters() if p.requires_grad and n in strategy.engine.owned]
+    everyone = [None] * strategy.world_size
+    if strategy.world_size > 1:
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    stage_params = {s: everyone[layout.rank(s)] for s in layout.stages}
+    holders = {s: [layout.rank(s, 0, 0, t) for t in range(layout.tp[s])] for s in layout.stages}
+    return {"stage_params": stage_params, "holders": holders, "fingerprint": fingerprint}
+
+
+def group_holdings(doc: dict) -> tuple[GroupHoldings, list[str]]:
+    """A published doc as :class:`GroupHoldings`, and its names in stage order (the model's order)."""
+    stage_of, order = {}, []
+    for stage, names in doc["stage_params"].items():
+        for n in names:
+            if n in stage_of:
+                from lightning_mm.fault_tolerance import FaultToleranceError
+
+                raise FaultToleranceError(
+                    f"{n} is held by stages {stage_of[n]} and {stage} (input and output embeddings tied across "
+                    "pipeline stages): layer-wise sync across layouts does not serve tied weights across stages yet; "
+                    "untie them (tie_word_embeddings=False) or keep the embedding and the head on one stage")
+            stage_of[n] = stage
+            order.append(n)
+    return GroupHoldings(stage_of, {s: tuple(r) for s, r in doc["holders"].items()}), order
+
+
+def setup_quorum(recorded: dict, group_id: int, group_rank: int, doc: dict, timeout: timedelta,
+                 make_process_group) -> QuorumSync:
+    """Publish this group's doc (its rank 0), read every group's, check they train the same job, and configure
+    the process groups of this rank's buckets. Every rank of every group of the quorum calls it alike."""
+    from torchft.process_group import create_store_client
+
+    qid, index, groups = recorded["quorum_id"], recorded["index"], recorded["groups"]
+    store = create_store_client(f"{recorded['store']}/lmm/{qid}", timeout)
+    if group_rank == 0:
+        store.set(f"holdings/{index}", json.dumps({**doc, "group": group_id}))
+    docs = [json.loads(store.get(f"holdings/{i}")) for i in range(groups)]
+    prints = {d["group"]: d["fingerprint"] for d in docs}
+    if len(set(prints.values())) > 1:
+        from lightning_mm.fault_tolerance import FaultToleranceError
+
+        raise FaultToleranceError(
+            f"replica group {group_id}: the replica groups of quorum {qid} differ in their model, frozen parts, "
+            f"tensor parallelism, sharding, global batch or data order (fingerprints by group: {prints}); groups may "
+            "differ only in pipeline stages, context and data parallelism and encoder placement")
+    holdings = [group_holdings(d) for d in docs]
+    buckets = layer_buckets([h for h, _ in holdings], holdings[0][1])
+    from lightning_mm.parallel.layer_sync import bucket_process_groups
+
+    pgs = bucket_process_groups(buckets, index, group_rank,
+                                lambda i, t, pos, size: make_process_group(
+                                    f"{recorded['store']}/lmm/{qid}/h{i}_{t}", recorded["replica_id"], pos, size))
+    return QuorumSync(qid, index, [d["group"] for d in docs], buckets, pgs)
+
+
+def check_servable(strategy) -> None:
+    """What layer-wise sync across different layouts does not serve yet, named before training."""
+    from lightning_mm.fault_tolerance import FaultToleranceError
+
+    layout, reasons = strategy.layout, []
+    copies = {s: layout.replicas(layout.chain_of(s)) * layout.cp[s] for s in layout.stages}
+    if any(n > 1 for n in copies.values()):
+        reasons.append(f"stages with data- or context-parallel copies inside the group ({copies}): the result of "
+                       "the cross-group sync is not yet sent to a stage's other copies; use dp 1 and cp 1 per group")
+    if strategy.sharding_strategy not in (None, "NO_SHARD"):
+        reasons.append(f"sharding_strategy={strategy.sharding_strategy!r} (sharded parameters are not keyed by name "
+                       "across layouts; use NO_SHARD)")
+    if reasons:
+        raise FaultToleranceError("fault_tolerance with global_batch (replica groups of different layouts) cannot "
+                                  "serve this run: " + "; ".join(reasons))
+
+
+def weighted_params(strategy) -> dict[str, torch.nn.Parameter]:
+    module = strategy.lightning_module
+    return {n: p for n, p in module.model.named_parameters() if p.requires_grad and n in strategy.engine.owned}
+
+
+__all__ = ["QuorumSync", "check_servable", "group_holdings", "group_view", "holdings_doc", "recorder_class", "setup_quorum",
+           "weighted_params"]
