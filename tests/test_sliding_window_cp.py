@@ -74,3 +74,49 @@ def test_windowed_cp_attention_matches_single_process(world, modes, degree):
         modes = ("allgather", "hybrid")  # Ulysses over 4 ranks needs 4 KV heads' worth of repeats: covered elsewhere
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), modes, degree), nprocs=world, join=True)
+
+
+def _gemma3_model():
+    import lightning_mm as lmm
+    from lightning_mm.model import tiny_encoder, tiny_language_model
+
+    torch.manual_seed(0)
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"), projector="mlp")},
+                                tiny_language_model("gemma3_text", sliding_window=6))
+    return model.freeze(encoders=True, projectors=False, language_model=False)
+
+
+def _gemma3_rank(rank, world, cp_mode, ulysses):
+    from helpers.pipeline_case import global_batches, train_engine
+
+    from lightning_mm.parallel.engine import PipelineEngine
+    from lightning_mm.plan.layout import ParallelSpec, build_layout
+
+    model = _gemma3_model()
+    batches = global_batches(model, 2, 4, "ee")
+    layout = build_layout({"vision": ParallelSpec()}, ParallelSpec(cp=world - 1, cp_mode=cp_mode, ulysses=ulysses),
+                          world, "parallel", ["vision"])
+    engine = PipelineEngine(model, layout, rank, 2, cp_distribution="lpt", cp_block_size=8)
+    assert engine.block_owners is None or engine.block_owners.windows == (6, 6, None, 6)
+    return train_engine(engine, model, batches, lr=0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp_mode", ["allgather", "ulysses"])
+def test_gemma3_with_window_trains_under_cp_like_one_process(cp_mode):
+    """A Gemma 3 LLM (local layers with a 6-token window, sequences of ~40 tokens) under CP 2 (LPT over the
+    windowed block work) trains like one process: losses and post-step parameters (fp32, SGD, 2 steps)."""
+    from helpers.distributed import run_distributed
+    from helpers.pipeline_case import global_batches, train_reference
+
+    model = _gemma3_model()
+    ref_losses, ref_params = train_reference(model, global_batches(model, 2, 4, "ee"), lr=0.5)
+    assert global_batches(model, 1, 4, "ee")[0]["input_ids"].shape[1] > 6
+    results = run_distributed(_gemma3_rank, 3, cp_mode, None)
+    merged = {}
+    for losses, params in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        merged.update(params)
+    assert set(merged) == set(ref_params)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)

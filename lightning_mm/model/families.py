@@ -167,6 +167,8 @@ def layer_windows(lm: nn.Module) -> list[int | None]:
     receives it: ``config.layer_types`` (Gemma 2/3, Qwen2/3) picks ``config.sliding_window`` per layer; without
     layer types (Mistral, Phi-3) every layer has the config's window. For ``masks.block_workload(window=...)``."""
     config = getattr(lm, "config", None)
+    if config is None:
+        return []
     window = getattr(config, "sliding_window", None)
     n = config.num_hidden_layers
     types = getattr(config, "layer_types", None)

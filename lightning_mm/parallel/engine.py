@@ -58,10 +58,14 @@ ITEMS_KEY = "cp_items"  # in a microbatch: {encoder: (item indices per CP rank, 
 class BlockOwners:
     """What LLM CP plans with, in the data loader (``data/cp_plans.py``) and in the step alike: ``owner(mb)`` is the
     CP rank of every block of the microbatch, padded to whole blocks first exactly as the step pads it, by
-    ``distribute`` with this method, block size and Ulysses degree. Picklable (loader workers)."""
+    ``distribute`` with this method, block size and Ulysses degree. Picklable (loader workers). ``windows``: the
+    LLM's sliding window per layer (``families.layer_windows``; None when no layer has one), so LPT balances the
+    work each layer really does; every stage passes all layers' windows, so every stage plans alike."""
 
-    def __init__(self, cp: int, method: str = "lpt", block_size: int = 128, ulysses: int = 1):
+    def __init__(self, cp: int, method: str = "lpt", block_size: int = 128, ulysses: int = 1,
+                 windows: tuple | None = None):
         self.cp, self.method, self.block_size, self.ulysses = cp, method, block_size, ulysses
+        self.windows = windows
 
     def num_blocks(self, seq_len: int) -> int:
         """Blocks of a sequence of ``seq_len`` tokens after ``pad_for_context_parallel``."""
@@ -72,11 +76,19 @@ class BlockOwners:
         device)."""
         mb = pad_for_context_parallel(mb, self.cp, self.block_size)  # a no-op on the step's padded microbatches
         plan = distribute(mb["bam"], self.cp, self.method, self.block_size, mb.get("segment_ids"),
-                          ulysses=self.ulysses)
+                          ulysses=self.ulysses, window=self.windows)
         owner = torch.empty(sum(len(p) for p in plan), dtype=torch.long)
         for r, blocks in enumerate(plan):
             owner[blocks] = r
         return owner
+
+
+def _llm_windows(model) -> tuple | None:
+    """The sliding window of every LLM layer (from the config: the same on every stage), None without any."""
+    from lightning_mm.model.families import layer_windows
+
+    windows = tuple(layer_windows(model.language_model))
+    return windows if any(w is not None for w in windows) else None
 
 
 def module_meshes(layout: RankLayout, device_type: str) -> dict[str, DeviceMesh]:
@@ -203,7 +215,8 @@ class PipelineEngine:
         # what this stage plans with: the data loader gets the same planners (CPPlanCollate)
         self.item_planners = ({e: EncoderItems.of(model.encoders[e], self.encoder_cp) for e in self.plan.encoders}
                               if self.encoder_cp > 1 else {})
-        self.block_owners = (BlockOwners(self.cp_size, cp_distribution, cp_block_size, layout.ulysses)
+        self.block_owners = (BlockOwners(self.cp_size, cp_distribution, cp_block_size, layout.ulysses,
+                                         _llm_windows(model))
                              if self.plan.language_model is not None and self.cp_size > 1 else None)
         mesh_device = self.device.type if carries_device_tensors(dist.get_backend(), self.device.type) else "cpu"
         self.groups = ProcessGroups(layout, rank, self.tie_stages, mesh_device, sharding_strategy != "NO_SHARD")
