@@ -435,7 +435,7 @@ class FaultTolerantTraining:
         self.quorum()
         # a fresh job starts with every planned group (up to quorum_timeout), so that no group trains alone from
         # step 0 while the others are still starting; later a quorum is whoever is alive
-        while (m.current_step() == 0 and m.num_participants() < self.config.num_replica_groups
+        while (m.current_step() == 0 and self._quorum_size() < self.config.num_replica_groups
                and time.perf_counter() - t0 < self.config.quorum_timeout):
             time.sleep(0.2)
             self.quorum()
@@ -454,17 +454,22 @@ class FaultTolerantTraining:
         if quorum_id != self._quorum_id:  # every member of a new quorum sees it at the same point
             self._quorum_id = quorum_id
             self.stats["quorum_changes"] += 1
-            self._event("quorum", step=step, participants=participants, quorum_id=self._quorum_id)
+            self._event("quorum", step=step, participants=self._quorum_size(), quorum_id=self._quorum_id)
             if self.layerwise:
                 if self._doc is None:  # after the loader is known (the data settings are in the fingerprint)
                     self._doc = layerwise.holdings_doc(s, self.fingerprint())
+                if self._sync is not None:
+                    layerwise.release(self._sync)
                 self._sync = layerwise.setup_quorum(
-                    layerwise.group_view(self._recorder.last, s.world_size), self.config.replica_group, s.global_rank, self._doc,
-                    timedelta(seconds=self.config.timeout),
+                    layerwise.group_view(self._recorder.last, s.world_size), self.config.replica_group, s.global_rank,
+                    self._doc, step, timedelta(seconds=self.config.timeout),
                     lambda addr, rid, pos, size: self._configured(addr, rid, pos, size))
                 self.warn_missing(sorted(set(range(self.config.num_replica_groups)) - set(self._sync.group_ids)))
+                step = self._heal_by_name(step, quorum_s)
             else:
                 self.check_same_job()
+        if self.layerwise:  # torchft counts only the groups at the newest step; every group of the quorum trains
+            participants, me = len(self._sync.group_ids), self._sync.index
         self.participants = participants
         set_lightning_step(trainer, step)
         if me is None:
@@ -497,7 +502,9 @@ class FaultTolerantTraining:
 
     def quorum(self) -> None:
         try:
-            self.manager.start_quorum(timeout=timedelta(seconds=self.config.quorum_timeout))
+            # across layouts torchft cannot heal (it copies rank r's state to rank r): heal_by_name does
+            self.manager.start_quorum(allow_heal=not self.layerwise,
+                                      timeout=timedelta(seconds=self.config.quorum_timeout))
         except Exception as e:
             raise FaultToleranceError(
                 f"replica group {self.config.replica_group}: no quorum of at least {self.config.min_replicas} replica "
@@ -603,6 +610,28 @@ class FaultTolerantTraining:
         self._count = None
         return ok
 
+    def _quorum_size(self) -> int:
+        """Groups in the current quorum (torchft's participants are only those at the newest step when it does not
+        heal, which it does not across layouts)."""
+        if self.layerwise and self._recorder.last is not None:
+            return self._recorder.last["groups"]
+        return self.manager.num_participants()
+
+    def _heal_by_name(self, step: int, quorum_s: float) -> int:
+        """Every member of a quorum with a group behind takes part; the group behind takes the newest step."""
+        s, sync = self.strategy, self._sync
+        if len(set(sync.steps)) == 1:
+            return step
+        healed = layerwise.heal_by_name(sync, s.global_rank, layerwise.weighted_params(s), s.optimizers[0],
+                                        [cfg.scheduler for cfg in s.lr_scheduler_configs], s.root_device)
+        if healed is None:
+            return step
+        self.manager.load_state_dict({"step": healed, "batches_committed": self.manager.batches_committed()})
+        self.stats["healed_steps"] += 1
+        self.stats["lost_seconds"] += quorum_s
+        self._event("healed", step=healed, seconds=round(quorum_s, 3), by="name")
+        return healed
+
     def _configured(self, store_addr: str, replica_id: str, rank: int, world_size: int):
         pg = self._pg_class(timedelta(seconds=self.config.timeout))
         pg.configure(store_addr, replica_id, rank, world_size)
@@ -643,11 +672,6 @@ class FaultTolerantTraining:
                 "lightning_step": int(trainer.global_step)}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.layerwise:
-            raise FaultToleranceError(
-                f"replica group {self.config.replica_group} is behind the quorum and would heal from a group of another "
-                "layout, which is not built yet (healing copies rank r's state to rank r); restart every group from "
-                "the last checkpoint, or give the groups one layout and no global_batch")
         s = self.strategy
         module = s.lightning_module
         named = dict(module.model.named_parameters())

@@ -11,13 +11,14 @@ that store.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from lightning_mm.plan.layer_sync import GroupHoldings, LayerBucket, layer_buckets
+from lightning_mm.plan.layer_sync import GroupHoldings, LayerBucket, buckets_of, layer_buckets
 
 
 def recorder_class():
@@ -58,8 +59,14 @@ class QuorumSync:
     quorum_id: int
     index: int  # this group's position in the quorum
     group_ids: list[int]  # the replica-group ids of the quorum, by position
+    steps: list[int]  # each group's committed step when the quorum formed, by position
     buckets: list[LayerBucket]
     process_groups: dict
+    store: object  # the quorum's store (a PrefixStore of torchft's client)
+
+    @property
+    def behind(self) -> bool:
+        return self.steps[self.index] < max(self.steps)
 
 
 def holdings_doc(strategy, fingerprint: int) -> dict:
@@ -95,7 +102,7 @@ def group_holdings(doc: dict) -> tuple[GroupHoldings, list[str]]:
     return GroupHoldings(stage_of, {s: tuple(r) for s, r in doc["holders"].items()}), order
 
 
-def setup_quorum(recorded: dict, group_id: int, group_rank: int, doc: dict, timeout: timedelta,
+def setup_quorum(recorded: dict, group_id: int, group_rank: int, doc: dict, step: int, timeout: timedelta,
                  make_process_group) -> QuorumSync:
     """Publish this group's doc (its rank 0), read every group's, check they train the same job, and configure
     the process groups of this rank's buckets. Every rank of every group of the quorum calls it alike."""
@@ -104,7 +111,7 @@ def setup_quorum(recorded: dict, group_id: int, group_rank: int, doc: dict, time
     qid, index, groups = recorded["quorum_id"], recorded["index"], recorded["groups"]
     store = create_store_client(f"{recorded['store']}/lmm/{qid}", timeout)
     if group_rank == 0:
-        store.set(f"holdings/{index}", json.dumps({**doc, "group": group_id}))
+        store.set(f"holdings/{index}", json.dumps({**doc, "group": group_id, "step": step}))
     docs = [json.loads(store.get(f"holdings/{i}")) for i in range(groups)]
     prints = {d["group"]: d["fingerprint"] for d in docs}
     if len(set(prints.values())) > 1:
@@ -121,7 +128,96 @@ def setup_quorum(recorded: dict, group_id: int, group_rank: int, doc: dict, time
     pgs = bucket_process_groups(buckets, index, group_rank,
                                 lambda i, t, pos, size: make_process_group(
                                     f"{recorded['store']}/lmm/{qid}/h{i}_{t}", recorded["replica_id"], pos, size))
-    return QuorumSync(qid, index, [d["group"] for d in docs], buckets, pgs)
+    return QuorumSync(qid, index, [d["group"] for d in docs], [d["step"] for d in docs], buckets, pgs, store)
+
+
+def release(sync: QuorumSync) -> None:
+    """Drop a past quorum's process groups (their peers may be gone: aborted, not waited on)."""
+    for pg in sync.process_groups.values():
+        try:
+            pg.abort(errored=False)
+        except Exception:  # noqa: BLE001  (a group whose peer died may fail to abort; it is dropped either way)
+            pass
+    sync.process_groups.clear()
+
+
+def _state_manifest(optimizer, params: list[torch.nn.Parameter]) -> list[list]:
+    """Per parameter, its optimiser state as ``[key, shape, dtype]`` (tensors) or ``[key, value]`` (plain values)."""
+    out = []
+    for p in params:
+        entries = []
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(value, torch.Tensor):
+                entries.append([key, list(value.shape), str(value.dtype).removeprefix("torch.")])
+            else:
+                entries.append([key, value])
+        out.append(entries)
+    return out
+
+
+def heal_by_name(sync: QuorumSync, group_rank: int, params: dict[str, torch.nn.Parameter], optimizer,
+                 schedulers: list, device: torch.device) -> int | None:
+    """Bring the groups behind the quorum's newest step up to it, layer by layer, by name.
+
+    For every bucket, one up-to-date group (round-robin over the buckets) broadcasts the parameters and their
+    optimiser state over the bucket's process group; a manifest of the state's keys and shapes travels on the
+    quorum's store, so a restarted group without any optimiser state can receive it. The optimiser's
+    hyperparameters, the schedulers and the step come from an up-to-date group's rank 0 as JSON. Frozen
+    parameters are never sent (a restarted group rebuilds them as every group does). Every member of the quorum
+    calls it when any group is behind. Returns the step healed to on a group that was behind, else None.
+    """
+    newest = max(sync.steps)
+    sources = [g for g, s in enumerate(sync.steps) if s == newest]
+    prefix = f"heal/{newest}"
+    if sync.steps[sync.index] == newest and sync.index == sources[0] and group_rank == 0:
+        meta = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+                "schedulers": [sch.state_dict() for sch in schedulers]}
+        sync.store.set(f"{prefix}/meta", json.dumps(meta))
+    for i, bucket, t, pos in buckets_of(sync.buckets, sync.index, group_rank):
+        src = sources[i % len(sources)]  # members are in group order: the source's position is its group index
+        ps = [params[n] for n in bucket.names]
+        key = f"{prefix}/b{i}_{t}"
+        if sync.index == src:
+            sync.store.set(key, json.dumps(_state_manifest(optimizer, ps)))
+        manifest = json.loads(sync.store.get(key))
+        pieces = []
+        for p, entries in zip(ps, manifest):
+            pieces.append(p.detach().reshape(-1).to(torch.float64))
+            state = optimizer.state.get(p, {})
+            for entry in entries:
+                if len(entry) == 3:
+                    pieces.append(state[entry[0]].reshape(-1).to(torch.float64) if sync.index == src else
+                                  torch.zeros(math.prod(entry[1]), dtype=torch.float64, device=device))
+        flat = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64, device=device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        sync.process_groups[i].broadcast([flat], opts).wait()
+        if not sync.behind:
+            continue
+        at = 0
+        with torch.no_grad():
+            for p, entries in zip(ps, manifest):
+                n = p.numel()
+                p.copy_(flat[at:at + n].view_as(p))
+                at += n
+                state = {}
+                for entry in entries:
+                    if len(entry) == 3:
+                        k = math.prod(entry[1])
+                        state[entry[0]] = flat[at:at + k].view(entry[1]).to(getattr(torch, entry[2]))
+                        at += k
+                    else:
+                        state[entry[0]] = entry[1]
+                if state:
+                    optimizer.state[p] = state
+    if not sync.behind:
+        return None
+    meta = json.loads(sync.store.get(f"{prefix}/meta"))
+    for group, values in zip(optimizer.param_groups, meta["param_groups"]):
+        group.update(values)
+    for sch, state in zip(schedulers, meta["schedulers"]):
+        sch.load_state_dict(state)
+    return newest
 
 
 def check_servable(strategy) -> None:
@@ -133,6 +229,9 @@ def check_servable(strategy) -> None:
     if any(n > 1 for n in copies.values()):
         reasons.append(f"stages with data- or context-parallel copies inside the group ({copies}): the result of "
                        "the cross-group sync is not yet sent to a stage's other copies; use dp 1 and cp 1 per group")
+    if any(t > 1 for t in layout.tp.values()):
+        reasons.append(f"tensor parallelism inside a group ({layout.tp}): layer-wise sync and healing by name are "
+                       "tested on whole parameters only; use tp 1")
     if strategy.sharding_strategy not in (None, "NO_SHARD"):
         reasons.append(f"sharding_strategy={strategy.sharding_strategy!r} (sharded parameters are not keyed by name "
                        "across layouts; use NO_SHARD)")
@@ -146,5 +245,5 @@ def weighted_params(strategy) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in module.model.named_parameters() if p.requires_grad and n in strategy.engine.owned}
 
 
-__all__ = ["QuorumSync", "check_servable", "group_holdings", "group_view", "holdings_doc", "recorder_class", "setup_quorum",
+__all__ = ["QuorumSync", "check_servable", "group_holdings", "group_view", "heal_by_name", "holdings_doc", "release", "recorder_class", "setup_quorum",
            "weighted_params"]

@@ -295,6 +295,28 @@ def test_groups_of_different_pipeline_stages_train_like_one_process(tmp_path, li
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_a_group_of_another_layout_heals_by_name_after_losing_a_rank_inside_a_step(tmp_path, lighthouse):
+    """Group 0 (LLM pp 2) loses rank 1 inside step 3; group 1 (pp 1, one rank) redoes that step alone. Group 0
+    restarts at step 0 and heals from group 1 layer by layer by name (their stage boundaries differ: group 1's one
+    rank holds both of group 0's stages), optimiser buffers and scheduler included, and rejoins: both equal one
+    process."""
+    kill = {"group": 0, "rank": 1, "step": 3, "where": "backward"}
+    layouts = ({"global_batch": 4}, {"global_batch": 4, "pp": 1, "devices": 1})
+    out, codes, results = _run_two_groups(tmp_path, lighthouse, kill, restarts_1=0, wait_rejoin=True,
+                                          layouts=layouts, restarts_0=1)
+    assert codes == [0, 0], _log(out, "launch_*.log")
+    r0, r1 = results[0], results[1]
+    assert r1["restart"] == 0 and r1["global_step"] == STEPS and r1["stats"]["redone_steps"] >= 1
+    assert r0["restart"] == 1 and r0["global_step"] == STEPS and r0["stats"]["healed_steps"] == 1
+    healed = [e for e in r0["events"] if e["event"] == "healed"][0]
+    assert healed["by"] == "name" and kill["step"] <= healed["step"] < STEPS
+    ref = _reference(out)
+    _assert_equal_to_reference(_params(out, 0), ref)
+    _assert_equal_to_reference(_params(out, 1), ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_two_nodes_on_localhost_train_like_one_process(tmp_path):
     """One group over two torchrun launches (``--nnodes 2``, a node rank each, 1 rank per node, LLM pp 2)."""
     out, port = str(tmp_path), _free_port()
