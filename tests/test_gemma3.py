@@ -71,3 +71,18 @@ def test_softcapping_is_refused_with_the_fix():
     ids = torch.randint(0, 128, (1, 20))
     with pytest.raises(ValueError, match="softcapping.*attn_logit_softcapping=None"):
         lmm.MultimodalModel({}, tiny_language_model("gemma2", attn_logit_softcapping=50.0))(input_ids=ids)
+
+
+def test_layer_windows_of_families_and_of_a_composite():
+    import transformers
+
+    assert families.layer_windows(tiny_language_model("llama")) == [None] * 4
+    assert families.layer_windows(tiny_language_model("mistral", sliding_window=16)) == [16] * 4
+    text = families.LANGUAGE_FAMILIES["gemma3_text"].tiny_config(sliding_window=7)
+    config = transformers.Gemma3Config(text_config=text.to_dict(),
+                                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                          num_attention_heads=4, image_size=32, patch_size=8))
+    with torch.device("meta"):
+        composite = transformers.Gemma3ForConditionalGeneration(config)
+    assert families.layer_windows(composite) == [7, 7, None, 7]
+    assert families.layer_windows(torch.nn.Linear(2, 2)) == []

@@ -142,6 +142,7 @@ class ContextParallel(pl.Callback):
         self.cp_size, self.distribution, self.block_size, self.mode = cp_size, distribution, block_size, mode
         self.modality_attention, self.gather_logits, self.shard_images = modality_attention, gather_logits, shard_images
         self.model_attr, self.check_batches = model_attr, check_batches
+        self.windows = None  # the HF model's sliding window per layer, read when it is installed
         self.group = self.attention_group = None
         self.cp_rank, self.dp_rank, self.dp_size, self.tp_size = 0, 0, 1, 1
         self.last_work: list[float] = []
@@ -245,6 +246,10 @@ class ContextParallel(pl.Callback):
             return
         model = _find_hf_model(pl_module, self.model_attr)
         self.check_heads(model)
+        from lightning_mm.model.families import layer_windows
+
+        windows = layer_windows(model)  # LPT balances the work the windowed layers really do
+        self.windows = tuple(windows) if any(w is not None for w in windows) else None
         adapter = bitfield_adapter(model)
         if adapter is None:
             adapter = BitfieldAdapter(model, self.modality_attention)
@@ -327,8 +332,9 @@ class ContextParallel(pl.Callback):
             raise ValueError(f"a sequence of {seq_len} tokens cannot be split over cp_size={self.cp_size} ranks; "
                              "use longer rows (pack_multimodal max_length) or a smaller cp_size")
         segs = None if segs is None else segs.cpu()
-        plan = distribute(bam.cpu(), self.cp_size, self.distribution, block, segs, ulysses=self.degree)
-        work = masks.block_workload(bam.cpu(), block, segs).sum(0)
+        plan = distribute(bam.cpu(), self.cp_size, self.distribution, block, segs, ulysses=self.degree,
+                          window=self.windows)
+        work = masks.block_workload(bam.cpu(), block, segs, self.windows).sum(0)
         k = self.degree  # a Ulysses group's ranks share its blocks' work
         groups = [float(sum(work[p].sum() for p in plan[g:g + k])) / k for g in range(0, self.cp_size, k)]
         self.last_work = [groups[r // k] for r in range(self.cp_size)]

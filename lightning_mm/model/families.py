@@ -165,12 +165,15 @@ class Gemma3DecoderFamily(DecoderFamily):
 def layer_windows(lm: nn.Module) -> list[int | None]:
     """The sliding window of each decoder layer of a HF causal LM (``None`` = full attention), as its attention
     receives it: ``config.layer_types`` (Gemma 2/3, Qwen2/3) picks ``config.sliding_window`` per layer; without
-    layer types (Mistral, Phi-3) every layer has the config's window. For ``masks.block_workload(window=...)``."""
+    layer types (Mistral, Phi-3) every layer has the config's window. For ``masks.block_workload(window=...)``.
+    A composite (``Gemma3ForConditionalGeneration``) gives its text model's."""
     config = getattr(lm, "config", None)
-    if config is None:
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    n = getattr(config, "num_hidden_layers", None)
+    if n is None:
         return []
     window = getattr(config, "sliding_window", None)
-    n = config.num_hidden_layers
     types = getattr(config, "layer_types", None)
     if types is None:
         return [window] * n
