@@ -394,3 +394,18 @@ def test_internvl_images_are_tiled_as_its_hf_processor_tiles_them(tmp_path):
     header = image_inputs(proc, sizes, processor.call_kwargs("vision"))
     assert torch.equal(header["num_patches"], real["num_patches"].long())
     assert header["pixel_values"].shape == real["pixel_values"].shape
+
+
+def test_internvl_earlier_feature_layer_equals_hf(tmp_path):
+    """``vision_feature_layer=-2``: HF takes that hidden state (no final norm); the tower is cut after it."""
+    folder = save_composite("internvl", tmp_path / "src", vision_feature_layer=-2)
+    ref = load_hf("internvl", folder)
+    model = lmm.MultimodalModel.from_pretrained(folder)
+    assert len(model.encoders["vision"].layers) == 1  # of 2
+    batch = lmm.data.MultimodalCollator(model)(samples_for("internvl"))
+    with torch.no_grad():
+        out = model(**{k: v for k, v in batch.items() if k != "item_counts"})
+        expected = ref(**hf_inputs_for("internvl", batch))
+    keep = batch["attention_mask"].bool()
+    torch.testing.assert_close(out.logits[keep], expected.logits[keep], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=1e-5)
