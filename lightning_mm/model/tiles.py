@@ -1,7 +1,7 @@
 """Tiled images: LLaVA-NeXT and LLaVA-OneVision (AnyRes) and InternVL, as their composite classes compute them.
 
-Each composite is one ``TileAdapter`` (what ``lightning_mm.model.composites`` needs to load and save it) and one
-encoder view over its tower's family (what the encoder computes per item). The input contract is the image
+Each composite is one adapter (``AnyResAdapter`` / ``InternVLAdapter``: what ``lightning_mm.model.composites``
+needs to load and save it) and one encoder view over its tower's family (what the encoder computes per item). The input contract is the image
 processor's own output for a sample's images:
 
 - AnyRes (``LlavaNextImageProcessor``, ``LlavaOnevisionImageProcessor``): ``pixel_values [N, P, C, S, S]`` (every
