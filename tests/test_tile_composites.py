@@ -409,3 +409,20 @@ def test_internvl_earlier_feature_layer_equals_hf(tmp_path):
     keep = batch["attention_mask"].bool()
     torch.testing.assert_close(out.logits[keep], expected.logits[keep], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_synthetic_data_and_the_planners_part_runners_take_tile_composites(kind, tmp_path):
+    """The embedded synthetic data set makes tile inputs of random sizes; its batches run through the model and
+    through the planner's per-part runners (profiling)."""
+    from lightning_mm.planner.model_costs import part_runners
+
+    model = lmm.MultimodalModel.from_pretrained(save_composite(kind, tmp_path / "src"))
+    data = lmm.data.SyntheticMultimodalDataset(model, num_samples=4, items_per_sample=(1, 2))
+    samples = [data[i] for i in range(4)]
+    assert data.sample_metadata(0).items["vision"]
+    batch = lmm.data.MultimodalCollator(model)(samples)
+    with torch.no_grad():
+        assert torch.isfinite(model(**{k: v for k, v in batch.items() if k != "item_counts"}).loss)
+    runners = part_runners(model, batch)
+    assert runners["vision"] and runners["language_model"]

@@ -127,6 +127,15 @@ class AnyResFamily(_TowerView):
         packed = self.adapter.pack(self.config, per_tile, ctx["image_sizes"], getattr(projector, NEWLINE))
         return torch.cat(packed)
 
+    def random_inputs(self, config, num_items, generator=None, **_):
+        """Random images of random sizes (a half to three tile sides a side), as the processor lays them out."""
+        vc = self.config.vision_config
+        side = vc.image_size
+        sizes = torch.randint(side // 2, 3 * side + 1, (num_items, 2), generator=generator)
+        tiles = self.tiles({"image_sizes": sizes})
+        return {"pixel_values": torch.randn(num_items, max(tiles), vc.num_channels, side, side, generator=generator),
+                "image_sizes": sizes}
+
     def select_items(self, inputs, items):
         tiled = torch.tensor(self.tiled(inputs), dtype=torch.long, device=items.device)
         out = {k: v for k, v in inputs.items() if k != BATCH_NUM_IMAGES}
@@ -225,6 +234,14 @@ class InternVLTilesFamily(_TowerView):
         # pixel_shuffle reads nothing of its model
         shuffled = InternVLModel.pixel_shuffle(None, grid, scale_factor=self.config.downsample_ratio)
         return shuffled.reshape(-1, shuffled.shape[-1])
+
+    def random_inputs(self, config, num_items, generator=None, **_):
+        """Random images of one to three tiles each."""
+        vc = self.config.vision_config
+        size = vc.image_size if isinstance(vc.image_size, (list, tuple)) else (vc.image_size, vc.image_size)
+        counts = torch.randint(1, 4, (num_items,), generator=generator)
+        return {"pixel_values": torch.randn(int(counts.sum()), vc.num_channels, *size, generator=generator),
+                "num_patches": counts}
 
     def select_items(self, inputs, items):
         counts = torch.tensor(self.tile_count(inputs), dtype=torch.long)
