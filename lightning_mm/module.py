@@ -11,6 +11,7 @@ import torch
 from lightning_mm.callbacks.throughput import TrainingMetrics
 from lightning_mm.data.validate import validate_batch
 from lightning_mm.faults import check_finite_loss
+from lightning_mm.model import moe
 from lightning_mm.model.composites import fill_positions
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.summary import use_whole_model_summary
@@ -96,7 +97,9 @@ class MultimodalLightningModule(pl.LightningModule):
         validate_batch(batch, self.model, self.pipeline.num_microbatches if self.pipeline is not None else 1)
         if self.pipeline is not None:
             return self.pipeline.run_pipeline(batch, train=train)
-        return self(batch).loss
+        out = self(batch)
+        self.router_metrics = moe.step_metrics(self, out)
+        return out.loss
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         if self.pipeline is not None and gradient_clip_val:
@@ -126,6 +129,8 @@ class MultimodalLightningModule(pl.LightningModule):
             # changes no parameter (their gradients are None, which optimisers skip)
             return torch.full((), float("nan"), device=loss.device, requires_grad=True)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        moe.log_router_metrics(self, self.router_metrics if self.pipeline is None else moe.step_metrics(self),
+                               batch["input_ids"].shape[0])
         self.log_balance()
         return loss
 

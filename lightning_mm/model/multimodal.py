@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_mm import loss as losses
 from lightning_mm import masks
+from lightning_mm.model import moe
 from lightning_mm.attention import ATTENTION_NAME
 from lightning_mm.attention import hf as hf_attention
 from lightning_mm.model.encoder import ModalityEncoder
@@ -25,6 +26,8 @@ class MultimodalOutput:
     loss: torch.Tensor | None
     logits: torch.Tensor
     loss_sum: torch.Tensor | None = None
+    router: object = None  # a mixture-of-experts LLM's router statistics (lightning_mm.model.moe.RouterStats)
+    aux_loss: torch.Tensor | None = None  # its load-balancing loss (in ``loss`` times the family's coefficient)
 
 
 @dataclass
@@ -259,13 +262,18 @@ class MultimodalModel(nn.Module):
             position_ids = self.position_ids_fn(input_ids, modality_inputs, attention_mask)
         features = {name: self.encoders[name](inputs) for name, inputs in modality_inputs.items()}
         ctx = self.attention_context(input_ids, bam, segment_ids, position_ids, attention_mask)
-        hidden = self.run_llm_layers(self.embed(input_ids, features), ctx)
+        with moe.recording(self.lm_family, self.language_model, ctx.bam) as router:
+            hidden = self.run_llm_layers(self.embed(input_ids, features), ctx)
         logits = self.logits(hidden)
+        aux = None if router is None else router.aux_loss()
         if labels is None:
-            return MultimodalOutput(None, logits)
+            return MultimodalOutput(None, logits, router=router, aux_loss=aux)
         loss_sum = losses.token_loss_sum(logits, losses.shift_labels(labels))
         count = losses.count_label_tokens(labels) if num_label_tokens is None else num_label_tokens
-        return MultimodalOutput(losses.normalise(loss_sum, count), logits, loss_sum)
+        loss = losses.normalise(loss_sum, count)
+        if aux is not None:  # as the family's own forward: coef * aux when config.output_router_logits
+            loss = loss + self.lm_family.aux_loss_coef(self.language_model) * aux
+        return MultimodalOutput(loss, logits, loss_sum, router, aux)
 
     # ------------------------------------------------------------------ generation and LoRA (generation.py, lora.py)
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):

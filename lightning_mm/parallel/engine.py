@@ -36,10 +36,13 @@ from torch.utils.checkpoint import checkpoint
 from lightning_mm import loss as losses
 from lightning_mm.data.cp_plans import CPPlans, EncoderItems, GroupRouter, batch_plans
 from lightning_mm.data.microbatch import PLAN_KEY, deferrals, microbatch_rows, split_microbatches
+from lightning_mm.model import moe
 from lightning_mm.parallel.comm import StageComm, carries_device_tensors
 from lightning_mm.parallel.context import distribute, pad_for_context_parallel, token_index
 from lightning_mm.parallel.encoder_cp import gather_items
+from lightning_mm.parallel.expert_parallel import ExpertGroups, apply_ep, check_expert_parallel
 from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
+from lightning_mm.parallel.router_metrics import ROUTER_KEY, StepRouterMetrics
 from lightning_mm.parallel.sharding import apply_fsdp
 from lightning_mm.parallel.stages import owned_parameters, prune, tied_embedding_stages
 from lightning_mm.parallel.tensor_parallel import apply_tp, keep_grads_like_parameters
@@ -206,6 +209,8 @@ class PipelineEngine:
             self.router = GroupRouter({e: EncoderItems.of(model.encoders[e], 1) for e in encoder_names},
                                       {e: layout.per_group(e) for e in encoder_names},
                                       layout.per_group(LANGUAGE_MODEL), num_microbatches)
+        check_expert_parallel(model, layout, sharding_strategy)
+        self.router_metrics = StepRouterMetrics.of(model, num_microbatches, layout.dp, None, not self.coord.tp)
         prune(model, self.owned)
         first = next(model.parameters(), None)
         self.device = torch.device(device) if device is not None else (
@@ -220,7 +225,11 @@ class PipelineEngine:
                              if self.plan.language_model is not None and self.cp_size > 1 else None)
         mesh_device = self.device.type if carries_device_tensors(dist.get_backend(), self.device.type) else "cpu"
         self.groups = ProcessGroups(layout, rank, self.tie_stages, mesh_device, sharding_strategy != "NO_SHARD")
+        if self.router_metrics is not None:
+            self.router_metrics.cp_group = self.groups.cp
         self.tp_allreduce = apply_tp(model, self.plan, self.tp_meshes())
+        self.expert_groups = ExpertGroups(layout, rank, mesh_device) if layout.ep > 1 else None
+        self.expert_params = apply_ep(model, self.plan, self.expert_groups) if self.expert_groups else []
         self.vocab_parallel = self.groups.tp_mesh is not None and self.plan.language_model is not None
         self.run_stage, self.fsdp_params = self.forward_stage, set()  # under FSDP: its root unit around it
         if self.groups.shard_mesh is not None and not (self.disaggregated and self.plan.language_model is None):
@@ -233,7 +242,8 @@ class PipelineEngine:
             materialise(model)
         self.comm = StageComm(self.device, self.groups.headers)
         keep_grads_like_parameters(p for p in self.trainable_parameters() if id(p) not in self.fsdp_params)
-        self.reducer = GradientReducer([p for p in self.trainable_parameters() if id(p) not in self.fsdp_params],
+        separate = self.fsdp_params | {id(p) for p in self.expert_params}  # experts: summed in sync_gradients
+        self.reducer = GradientReducer([p for p in self.trainable_parameters() if id(p) not in separate],
                                        self.groups.grad, bucket_mb)
         self.timings: list[tuple[str, int, float, float]] = []  # (kind, microbatch, start, end) of the last step
 
@@ -337,7 +347,13 @@ class PipelineEngine:
         """Keys of the activation message a stage sends (gradients come back for ``plans[stage].output_keys``)."""
         plan = self.plans[stage]
         cp = plan.language_model is not None and self.layout.cp[stage] > 1
-        return plan.output_keys + (["cp_owner"] if cp else [])
+        return self.gradient_keys(stage) + (["cp_owner"] if cp else [])
+
+    def gradient_keys(self, stage: str) -> list[str]:
+        """Keys of the activation message that carry gradients back: a mixture-of-experts LLM's stages also send
+        their router statistics (``router_metrics.py``)."""
+        routed = self.router_metrics is not None and self.plans[stage].language_model is not None
+        return self.plans[stage].output_keys + ([ROUTER_KEY] if routed else [])
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for n, p in self.model.named_parameters() if n in self.owned and p.requires_grad]
@@ -408,18 +424,23 @@ class PipelineEngine:
             hidden = local(model.embed(mb["input_ids"], {k: v for k, v in features.items() if v.numel()}))
         else:
             hidden = received[self.graph.predecessors(self.stage)[0]]["hidden"]
-        hidden = self._run_layers(lambda h, a, b: model.run_llm_layers(h, ctx, a, b), hidden, sl.start, sl.end)
+        routed = None if sl.embed else received[self.graph.predecessors(self.stage)[0]].get(ROUTER_KEY)
+        with moe.recording(model.lm_family, model.language_model, ctx.bam, routed) as router:
+            hidden = self._run_layers(lambda h, a, b: model.run_llm_layers(h, ctx, a, b), hidden, sl.start, sl.end)
+        aux = None if router is None else self.router_metrics.add(router, sl.head)
         if not sl.head:
+            out = {"hidden": hidden} if router is None else {"hidden": hidden, ROUTER_KEY: router.vector}
             if owner is None:
-                return {"hidden": hidden}
+                return out
             sent = owner if owner.device == self.device else owner.to(self.device, non_blocking=owner.is_pinned())
-            return {"hidden": hidden, "cp_owner": sent}
+            return {**out, "cp_owner": sent}
         logits = model.logits(hidden)
         with self.loss_context():
             loss_sum = losses.token_loss_sum(logits, local(targets))
         if isinstance(loss_sum, DTensor):  # vocab-parallel: replicated over tp
             loss_sum = loss_sum.to_local()
-        return {"loss_sum": loss_sum, "loss": losses.normalise(loss_sum, num_label_tokens), "logits": (logits, index)}
+        loss = losses.normalise(loss_sum, num_label_tokens)
+        return {"loss_sum": loss_sum, "loss": loss if aux is None else loss + aux, "logits": (logits, index)}
 
     def loss_context(self):
         """DTensor's ``loss_parallel`` around the loss and its backward when the head's logits are vocab-sharded."""
@@ -477,6 +498,8 @@ class PipelineEngine:
         self.chunks = {}  # (microbatch, peer) -> the features received from each replica, then how they were joined
         loss_sum = torch.zeros((), device=self.device)
         self.timings, self.logits = [], []
+        if self.router_metrics is not None:
+            self.router_metrics.begin(self.device)
         at = 0
         for group in communication_groups(actions):
             t0 = time.perf_counter()
@@ -517,7 +540,8 @@ class PipelineEngine:
         if self.coord.tp:  # tensor-parallel ranks of the head hold the same loss: count it once
             loss_sum.zero_()
         dist.all_reduce(loss_sum)
-        return losses.normalise(loss_sum, count[0])
+        loss = losses.normalise(loss_sum, count[0])
+        return loss if self.router_metrics is None else loss + self.router_metrics.finish()
 
     def predict(self, batch: dict) -> dict:
         """Forward only. ``logits`` [B, S, V] on the ranks holding the LLM head without CP (None elsewhere) and
@@ -584,7 +608,7 @@ class PipelineEngine:
             elif a.kind == "send_bwd":
                 grads = input_grads.pop((a.peer, m))
                 for i, part in (grads if routed else [(d, grads)]):
-                    sends += [(part, self.plans[a.peer].output_keys, dst) for dst, srcs in
+                    sends += [(part, self.gradient_keys(a.peer), dst) for dst, srcs in
                               layout.gradient_sources(a.peer, self.stage, i, receiver_dp=d).items() if me in srcs]
             elif a.kind == "recv_fwd":
                 for i in layout.peer_replicas(self.stage, a.peer, d):
@@ -594,7 +618,7 @@ class PipelineEngine:
             else:  # recv_bwd: one gradient per CP shard of the peer (every CP rank of the LLM's first stage), summed
                 for j in layout.peer_replicas(self.stage, a.peer, d):
                     peers = layout.gradient_sources(self.stage, a.peer, d, receiver_dp=j)[me]
-                    recvs += [(self.plan.output_keys, src) for src in peers]
+                    recvs += [(self.gradient_keys(self.stage), src) for src in peers]
                     targets += [(a, j)] * len(peers)
         got = self.comm.exchange(sends, recvs)
         for (a, peer_replica), msg in zip(targets, got):
@@ -710,6 +734,8 @@ class PipelineEngine:
                 weight.grad = torch.zeros_like(weight)
             all_reduce_grads([weight], self.groups.tie)
         all_reduce_grads([p for p in self.tp_allreduce if p.requires_grad], self.groups.tp)
+        if self.expert_groups is not None:  # over the ranks holding the same experts only
+            all_reduce_grads([p for p in self.expert_params if p.requires_grad], self.expert_groups.grad)
 
     def global_grad_norm(self) -> torch.Tensor:
         """L2 norm of all trainable gradients of the whole model (every stage, counted once)."""

@@ -30,6 +30,7 @@ STYLES = {
 }
 GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 LAYERS = "layers.*."
+EXPERTS = LAYERS + "mlp.experts"
 
 
 def language_model_layer_plan(lm: nn.Module) -> dict[str, str]:
@@ -38,7 +39,8 @@ def language_model_layer_plan(lm: nn.Module) -> dict[str, str]:
     if not plan:
         raise ValueError(f"{type(lm).__name__} ships no tensor-parallel plan (config.base_model_tp_plan is empty); "
                          "use language_model=ParallelSpec(tp=1)")
-    layer = {k[len(LAYERS):]: v for k, v in plan.items() if k.startswith(LAYERS)}
+    # routed experts stay whole on every tp rank (a mixture-of-experts LLM: lightning_mm.model.moe)
+    layer = {k[len(LAYERS):]: v for k, v in plan.items() if k.startswith(LAYERS) and not k.startswith(EXPERTS)}
     unknown = sorted({v for v in layer.values() if v not in STYLES and v != GRAD_ALLREDUCE})
     if unknown:
         raise ValueError(f"{type(lm).__name__}'s tensor-parallel plan uses {unknown}, which lightning-mm does not "
@@ -109,6 +111,14 @@ def _parallelize_layer(layer: nn.Module, mesh, plan: dict[str, str], head_attrs:
         setattr(module, attr, getattr(module, attr) // mesh.size())
 
 
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def apply_tp(model, plan: StagePlan, meshes: dict[str, object]) -> list[nn.Parameter]:
     """Split this stage's layers over tp: ``meshes[module]`` is the tp mesh of each module run with tp > 1 here
     ("language_model" or an encoder name). Returns the parameters whose gradients must be summed over tp."""
@@ -118,7 +128,9 @@ def apply_tp(model, plan: StagePlan, meshes: dict[str, object]) -> list[nn.Param
         sl, lm, fam = plan.language_model, model.language_model, model.lm_family
         layer_plan = language_model_layer_plan(lm)
         for i in range(sl.start, sl.end):
-            _parallelize_layer(fam.layers(lm)[i], lm_mesh, layer_plan, (), allreduce)
+            layer = fam.layers(lm)[i]  # a mixture-of-experts layer has no dense-MLP modules of the plan
+            _parallelize_layer(layer, lm_mesh, {k: v for k, v in layer_plan.items() if _has(layer, k)}, (),
+                               allreduce)
         embed = fam.embed_tokens(lm)
         tied = isinstance(lm.lm_head, nn.Linear) and lm.lm_head.weight is getattr(embed, "weight", None)
         if sl.embed or (tied and sl.head):  # vocab-parallel: each rank looks up its rows, partial sums reduced

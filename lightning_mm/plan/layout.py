@@ -27,7 +27,9 @@ class ParallelSpec:
     ``ulysses``: the Ulysses degree of ``"hybrid"`` (a divisor of cp strictly between 1 and cp); ``"ulysses"``
     implies cp and ``"allgather"`` 1. See docs/context_parallel.md for when each wins.
     ``dp``: this module's own data-parallel degree (DistTrain's per-module widths, docs/per_module_dp.md); None on
-    every module keeps one degree derived from the device count, otherwise every module gives one."""
+    every module keeps one degree derived from the device count, otherwise every module gives one.
+    ``ep``: expert parallelism of a mixture-of-experts language model: each stage's routed experts split over
+    ``ep`` of its data-parallel ranks (docs/moe.md)."""
 
     pp: int = 1
     cp: int = 1
@@ -35,9 +37,10 @@ class ParallelSpec:
     cp_mode: str = "allgather"
     ulysses: int | None = None
     dp: int | None = None
+    ep: int = 1
 
     def __post_init__(self):
-        for k in ("pp", "cp", "tp"):
+        for k in ("pp", "cp", "tp", "ep"):
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"ParallelSpec.{k} must be an int >= 1, got {v!r}")
@@ -103,6 +106,7 @@ class RankLayout:
     cp_mode: str = "allgather"  # the LLM's CP attention (ParallelSpec.cp_mode)
     ulysses: int = 1  # its Ulysses degree: 1 for allgather, cp for ulysses, K for hybrid
     chain_dp: dict[str, int] = field(default_factory=dict)  # per-module data parallelism: replicas per chain
+    ep: int = 1  # the LLM's expert-parallel degree (ParallelSpec.ep): experts split over ep of its replicas
 
     @property
     def widths(self) -> dict[str, int]:
@@ -283,6 +287,10 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
                          f"({' + '.join(f'{s}x{layout.widths[s]}' for s in layout.stages)}); use a multiple of "
                          f"{per_replica} devices or change the ParallelSpecs")
     layout.dp = world_size // per_replica
+    if layout.dp % layout.ep:
+        raise ValueError(f"language_model ep={layout.ep} splits experts over data-parallel ranks, but there are "
+                         f"{layout.dp} replicas; use {per_replica * layout.ep}*k devices or an ep dividing "
+                         f"{layout.dp}")
     return layout
 
 
@@ -301,6 +309,9 @@ def replica_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSp
             raise ValueError(f"modality {missing[0]!r} has no ParallelSpec; add encoders={{{missing[0]!r}: "
                              "ParallelSpec(pp=1)}} to the strategy")
     for name, spec in encoders.items():
+        if spec.ep > 1:
+            raise ValueError(f"encoder {name!r}: ep={spec.ep}, but expert parallelism applies to a mixture-of-experts "
+                             "language model only; leave the encoder's ep unset")
         if spec.cp > 1 and placement != "parallel":
             raise ValueError(f"encoder {name!r}: context parallelism shards an encoder's items over the CP ranks of "
                              f"its own stages, which needs encoder_placement='parallel' (got {placement!r}); or use cp=1")
@@ -327,7 +338,7 @@ def replica_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSp
         replicas, chain_dp = language_model.dp, {}
     return RankLayout(stages, cp, tp, language_model.dp if chain_dp else replicas, placement,
                       {n: s.pp for n, s in specs.items()}, {n: s.tp for n, s in specs.items()},
-                      language_model.cp_mode, language_model.ulysses_degree, chain_dp)
+                      language_model.cp_mode, language_model.ulysses_degree, chain_dp, language_model.ep)
 
 
 def module_dp(encoders: dict[str, ParallelSpec], language_model: ParallelSpec, placement: str) -> dict[str, int]:

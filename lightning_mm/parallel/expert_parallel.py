@@ -1,0 +1,127 @@
+"""Expert parallelism: each LLM stage's routed experts split over ``ep`` of its data-parallel ranks.
+
+transformers ships the plan (``config.base_model_ep_plan``: the experts' 3-D weights ``grouped_gemm``, i.e.
+``Shard(0)`` over the expert dim, and the experts module ``ep_dispatch_experts``) and its runtime
+(``transformers.distributed.expert_parallel``): ``AllToAllEP`` sends every (token, expert) pair to the rank holding
+the expert with one all-to-all (dropless: every pair goes, the split sizes follow the routing), runs the local
+experts, brings the outputs back with a second all-to-all and weights them on the sender; both all-to-alls are
+differentiable. It runs under gloo on CPU as well as NCCL, so it is applied here as shipped (``apply_ep``).
+
+Ranks: the replicas of the LLM chain, in order, form ``dp / ep`` groups of ``ep`` consecutive replicas; the ranks of
+one group with the same pipeline stage, CP rank and tp rank are an "ep" group (they exchange tokens and each holds
+``1 / ep`` of the experts). Tensor-parallel ranks hold the same hidden states: the dispatch sends each tp rank's
+slice of the tokens (transformers' TP slicing), so no token is computed twice. Gradients of expert weights are
+summed over the ranks holding the same experts (``expert_grad_ranks``: the same ep index, every group, CP rank and
+tp rank); every other parameter keeps its usual reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_mm.plan.layout import RankLayout
+from lightning_mm.plan.schedule import LANGUAGE_MODEL
+from lightning_mm.plan.stages import StagePlan
+
+LAYERS = "layers.*."
+EP_MESH_DIMS = ("edp", "ep", "pp", "cp", "tp")
+
+
+def expert_layer_plan(lm: nn.Module) -> dict[str, str]:
+    """The per-layer part of the LLM's HF expert-parallel plan (``layers.*.X`` -> ``X``), or a clear error."""
+    plan = dict(getattr(lm.config, "base_model_ep_plan", None) or {})
+    layer = {k[len(LAYERS):]: v for k, v in plan.items() if k.startswith(LAYERS)}
+    if not layer:
+        raise ValueError(f"{type(lm).__name__} ships no expert-parallel plan (config.base_model_ep_plan is empty); "
+                         "use language_model=ParallelSpec(ep=1)")
+    return layer
+
+
+def check_expert_parallel(model, layout: RankLayout, sharding_strategy: str = "NO_SHARD") -> None:
+    """ep > 1 needs a mixture-of-experts LLM with a plan, an ep dividing its expert count, one data-parallel degree
+    and no FSDP. Pure: runs before any process group exists."""
+    if layout.ep == 1:
+        return
+    from lightning_mm.model.moe import is_moe
+
+    lm = model.language_model
+    if not is_moe(model.lm_family):
+        raise ValueError(f"language_model ep={layout.ep}, but {type(lm).__name__} has no routed experts; use ep=1")
+    expert_layer_plan(lm)
+    experts = model.lm_family.num_experts(lm)
+    if experts % layout.ep:
+        raise ValueError(f"ep={layout.ep} does not divide the {experts} experts; choose an ep dividing {experts}")
+    if layout.disaggregated:
+        raise ValueError("expert parallelism with per-module data-parallel degrees is not supported; give every "
+                         "module the same dp (or none)")
+    if sharding_strategy != "NO_SHARD":
+        raise ValueError(f"expert parallelism with sharding_strategy={sharding_strategy!r} is not supported yet; use "
+                         "'NO_SHARD' (the experts are already split over the ep ranks)")
+
+
+def ep_mesh_ranks(layout: RankLayout) -> torch.Tensor:
+    """The LLM chain's ranks as a ``[dp / ep, ep, pp, cp, tp]`` array (``EP_MESH_DIMS``)."""
+    ranks = torch.tensor(layout.mesh_ranks(LANGUAGE_MODEL))
+    return ranks.view(layout.dp // layout.ep, layout.ep, *ranks.shape[1:])
+
+
+def expert_grad_ranks(layout: RankLayout) -> list[list[int]]:
+    """Every group of ranks holding the same experts: per (stage, ep index), all groups, CP ranks and tp ranks."""
+    ranks = ep_mesh_ranks(layout)
+    return [ranks[:, e, s].flatten().tolist() for s in range(ranks.shape[2]) for e in range(layout.ep)]
+
+
+class ExpertGroups:
+    """The meshes and group expert parallelism needs, created in the same order on every rank (collectives)."""
+
+    def __init__(self, layout: RankLayout, rank: int, device_type: str):
+        mesh = DeviceMesh(device_type, ep_mesh_ranks(layout), mesh_dim_names=EP_MESH_DIMS)
+        mine = rank in mesh.mesh.flatten().tolist()
+        self.ep_mesh = mesh["ep"] if mine else None
+        self.tp_mesh = mesh["tp"] if mine else None
+        self.grad, self.grad_size = None, 1
+        for ranks in expert_grad_ranks(layout):
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                self.grad, self.grad_size = group, len(ranks)
+
+
+def apply_ep(model, plan: StagePlan, groups: ExpertGroups) -> list[nn.Parameter]:
+    """Split the routed experts of this stage's LLM layers over the ep mesh (transformers' plan and runtime);
+    returns the expert parameters (their gradients are summed over ``groups.grad`` only)."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    sl, lm = plan.language_model, model.language_model
+    if sl is None or groups.ep_mesh is None:
+        return []
+    layer_plan = expert_layer_plan(lm)
+    params: list[nn.Parameter] = []
+    for i in range(sl.start, sl.end):
+        layer = model.lm_family.layers(lm)[i]
+        here = {k: v for k, v in layer_plan.items() if _has(layer, k)}  # dense layers (mlp_only_layers) have none
+        if not here:
+            continue
+        apply_expert_parallelism(layer, groups.ep_mesh, groups.tp_mesh, here, ep_implementation="all_to_all")
+        params += [layer.get_parameter(k) for k, v in here.items() if v == "grouped_gemm"]
+    return params
+
+
+def local_expert_count(params: list[nn.Parameter]) -> int:
+    """Elements of the expert weights this rank holds (its shard of each)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        try:
+            module.get_parameter(path)
+        except AttributeError:
+            return False
+    return True

@@ -1,0 +1,161 @@
+"""Mixture-of-experts LLMs (Qwen3-MoE, Mixtral) inside MultimodalModel: the family's own forward and
+load-balancing loss, and pipeline training exactly like one process."""
+
+import pytest
+import torch
+
+import lightning_mm as lmm
+from lightning_mm.model import tiny_encoder, tiny_language_model
+from lightning_mm.model.moe import MOE_FAMILIES, load_imbalance
+
+KINDS = sorted(MOE_FAMILIES)
+
+
+def _model(kind, **overrides):
+    torch.manual_seed(0)
+    lm = tiny_language_model(kind, **overrides)
+    return lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"), projector="mlp")}, lm), lm
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("aux", [False, True])
+def test_text_part_equals_the_family_forward(kind, aux):
+    """Logits, loss (with ``coef * aux`` when ``output_router_logits``) and aux loss equal HF's own LLM."""
+    model, lm = _model(kind, output_router_logits=aux)
+    assert lm.config.num_experts_per_tok == 2 and MOE_FAMILIES[kind].num_experts(lm) == 8
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(1))
+    out = model(input_ids=ids, labels=ids)
+    ref = lm(input_ids=ids, labels=ids, output_router_logits=True)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-5, atol=1e-6)
+    expected = ref.loss if aux else ref.loss - lm.config.router_aux_loss_coef * ref.aux_loss
+    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padding_is_left_out_as_hf_attention_mask_does(kind):
+    """Padding (mask word 0) counts in no router statistic, as HF's ``attention_mask`` in the aux loss."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model, lm = _model(kind)
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    out = model(input_ids=ids, attention_mask=mask)
+    ref = lm(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    expected = load_balancing_loss_func(ref.router_logits, 8, 2, mask)
+    torch.testing.assert_close(out.aux_loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_aux_loss_is_not_a_mean_of_per_layer_losses():
+    """HF sums counts and probabilities over layers before the product (the reason stages pass their sums on)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    _, lm = _model("qwen3_moe")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    logits = lm(input_ids=ids, output_router_logits=True).router_logits
+    whole = load_balancing_loss_func(logits, 8, 2)
+    per_layer = torch.stack([load_balancing_loss_func((g,), 8, 2) for g in logits])
+    assert not torch.allclose(whole, per_layer.mean())
+
+
+def test_load_imbalance_is_max_over_mean():
+    load = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(load_imbalance(load), torch.tensor([1.0, 4.0]))
+
+
+# (kind, aux, LLM ParallelSpec, dp, microbatches, activation checkpointing, sharding)
+PIPELINE_CASES = [
+    ("qwen3_moe", False, {"pp": 2}, 1, 2, False, "NO_SHARD"),
+    pytest.param(("qwen3_moe", True, {"pp": 2}, 1, 2, False, "NO_SHARD"), marks=pytest.mark.ci),
+    ("mixtral", False, {"pp": 2}, 1, 2, False, "NO_SHARD"),
+    ("mixtral", True, {"pp": 2}, 1, 2, False, "NO_SHARD"),
+    ("qwen3_moe", True, {"pp": 2}, 1, 2, True, "NO_SHARD"),
+    ("qwen3_moe", True, {"tp": 2}, 1, 2, False, "NO_SHARD"),
+    ("mixtral", True, {"cp": 2}, 1, 2, False, "NO_SHARD"),
+    ("qwen3_moe", True, {"pp": 1}, 2, 2, False, "FULL_SHARD"),
+    ("qwen3_moe", True, {"ep": 2}, 2, 2, False, "NO_SHARD"),
+    ("mixtral", True, {"pp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
+]
+
+
+def _case_id(c):
+    kind, aux, llm, dp, mbs, recompute, sharding = c
+    spec = "-".join(f"{k}{v}" for k, v in llm.items())
+    return f"{kind}-aux{int(aux)}-llm_{spec}-dp{dp}" + ("-recompute" if recompute else "") + \
+        ("" if sharding == "NO_SHARD" else f"-{sharding}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PIPELINE_CASES, ids=_case_id)
+def test_layout_trains_like_one_process(case):
+    """Vision pp 1 + a MoE LLM (pp 2 on 3 gloo ranks; tp 2; cp 2; FSDP2 over dp 2; activation checkpointing): the
+    losses (aux included), the aux losses, the global gradient norms and every parameter after three SGD steps equal
+    one process running the same microbatches."""
+    from helpers.distributed import run_distributed
+    from helpers.moe_case import build_moe_model, run_rank, train_reference, world_of
+    from helpers.pipeline_case import global_batches
+
+    kind, aux, llm, dp, microbatches, recompute, sharding = case
+    steps, rows = 3, 4 * dp
+    model = build_moe_model(kind, aux)
+    ref_losses, ref_aux, ref_params, ref_norms = train_reference(model, global_batches(model, steps, rows), microbatches, dp)
+    results = run_distributed(run_rank, world_of(llm, dp), kind, aux, llm, dp, microbatches, steps, rows, recompute,
+                              sharding)
+    merged = {}
+    ep = llm.get("ep", 1)
+    for losses, auxes, params, load, (held, whole), norms in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(auxes), torch.tensor(ref_aux), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+        for name, p in params.items():
+            if name in merged:
+                torch.testing.assert_close(p, merged[name], rtol=0, atol=0)
+            merged[name] = p
+        assert load.shape == (4, 8)  # every routed layer, on every rank
+        assert float(load.sum()) > 0
+        assert held * ep == whole  # an LLM rank holds 1/ep of its stage's expert weights (encoder ranks: none)
+    assert set(merged) == set(ref_params)
+    for name, p in ref_params.items():
+        torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
+    assert ref_losses[0] != ref_losses[-1]
+
+
+class _Metrics:
+    """Collects what the module logged at each training step."""
+
+    def __init__(self):
+        self.steps = []
+
+    def callback(self):
+        import lightning as L
+
+        steps = self.steps
+
+        class Record(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+        return Record()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "multimodal"])
+def test_lightning_logs_aux_loss_and_expert_load(strategy):
+    """``train/aux_loss``, each routed layer's expert shares (summing to 1) and imbalance (max/mean >= 1) reach the
+    Lightning logger, in one process and through the pipeline engine alike."""
+    import lightning as L
+
+    model, lm = _model("qwen3_moe", output_router_logits=True)
+    metrics = _Metrics()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[metrics.callback()])
+    trainer.fit(lmm.MultimodalLightningModule(model, lr=1e-3),
+                datamodule=lmm.data.SyntheticMultimodalDataModule(num_samples=8, batch_size=4, model=model))
+    assert len(metrics.steps) == 2
+    for step in metrics.steps:
+        assert step["train/aux_loss"] > 0
+        for i in range(lm.config.num_hidden_layers):
+            assert step[f"train/expert_imbalance/layer_{i}"] >= 1.0
+            shares = [step[f"train/expert_load/layer_{i}/expert_{e}"] for e in range(8)]
+            assert sum(shares) == pytest.approx(1.0, abs=1e-5)
