@@ -67,10 +67,12 @@ def test_other_sliding_window_families_equal_hf(kind):
     _compare(lm, ids, ids.clone(), implementation="sdpa")
 
 
-def test_softcapping_is_refused_with_the_fix():
+def test_softcapping_and_two_sided_windows_are_refused_with_the_fix():
     ids = torch.randint(0, 128, (1, 20))
     with pytest.raises(ValueError, match="softcapping.*attn_logit_softcapping=None"):
         lmm.MultimodalModel({}, tiny_language_model("gemma2", attn_logit_softcapping=50.0))(input_ids=ids)
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True.*set it to False"):  # |q - k| < window
+        lmm.MultimodalModel({}, tiny_language_model("gemma3_text", use_bidirectional_attention=True))(input_ids=ids)
 
 
 def test_layer_windows_of_families_and_of_a_composite():
