@@ -4,7 +4,8 @@ Lightning, in one process or under MultimodalParallelStrategy, described by a JS
 ``python tile_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0: per-step losses) and
 ``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names). Keys of the JSON:
 ``folder`` and ``kind`` (required), ``steps``, ``llm_pp`` (the LLM's pipeline stages under the strategy, vision one
-stage; without it plain single-device Lightning).
+stage; without it plain single-device Lightning), ``lazy`` (build under ``trainer.init_module(empty_init=True)``:
+meta, each rank reads its stage in setup).
 
 Samples are what the family's HF image processor returns for one or two random images of different sizes, so
 rows differ in length (padding) and images in token counts.
@@ -54,7 +55,11 @@ def main(spec: str, out: str):
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0)
     torch.manual_seed(0)
-    model = lmm.MultimodalModel.from_pretrained(case["folder"])
+    if case.get("lazy"):
+        with trainer.init_module(empty_init=True):
+            model = lmm.MultimodalModel.from_pretrained(case["folder"])
+    else:
+        model = lmm.MultimodalModel.from_pretrained(case["folder"])
     model.freeze(encoders=False, projectors=False, language_model=False)
     losses = []
 
