@@ -88,3 +88,14 @@ def test_layer_windows_of_families_and_of_a_composite():
         composite = transformers.Gemma3ForConditionalGeneration(config)
     assert families.layer_windows(composite) == [7, 7, None, 7]
     assert families.layer_windows(torch.nn.Linear(2, 2)) == []
+
+
+def test_gemma3_greedy_generation_past_the_window_equals_hf():
+    torch.manual_seed(0)
+    lm = tiny_language_model("gemma3_text", sliding_window=4)
+    ref = copy.deepcopy(lm)
+    ref.set_attn_implementation("eager")
+    ids = torch.randint(0, 128, (1, 12))
+    ours = lmm.MultimodalModel({}, lm).eval().generate(ids, max_new_tokens=8, do_sample=False)
+    theirs = ref.generate(ids, max_new_tokens=8, do_sample=False)
+    assert ours.tolist() == theirs[:, ids.shape[1]:].tolist()
