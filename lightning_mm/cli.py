@@ -60,6 +60,10 @@ class MultimodalCLI(LightningCLI):
         parser.add_argument("--empty_init", type=bool, default=False,
                             help="build the model on the meta device; each rank of MultimodalParallelStrategy "
                                  "materialises only its stage (needs that strategy)")
+        if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+            # torchrun --nnodes MIN:MAX: the nodes of this (re)start (Lightning rejects a num_nodes that differs)
+            nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+            parser.set_defaults({"trainer.num_nodes": nodes})
         parser.add_argument("--fault_tolerance", type=Optional[FaultTolerance], default=None,
                             help="torchft replica groups (docs/fault_tolerance.md): MultimodalParallelStrategy's "
                                  "fault_tolerance, e.g. --fault_tolerance.lighthouse host:29510")

@@ -88,7 +88,10 @@ class FaultTolerance:
     manager and checkpoint server by (default: this host's name). ``global_batch``: samples per step, whatever groups
     are alive; when given, the groups may differ in pipeline stages and encoder placement (each parameter's
     gradient is reduced with the groups' holders of its layer, keyed by name), and every group must give the
-    same value."""
+    same value. ``templates``: a templates file (``lightning-mm plan --templates``); with it a group takes the layout
+    of its world size at every (re)start (a group launched with ``torchrun --nnodes MIN:MAX`` that loses a node
+    re-forms at a smaller template), and each group's share of the global batch follows its template's planned
+    speed. It needs ``global_batch``."""
 
     lighthouse: str = ""
     replica_group: int | None = None
@@ -102,6 +105,7 @@ class FaultTolerance:
     manager_port: int = 0
     hostname: str | None = None
     global_batch: int | None = None
+    templates: str | None = None
 
     def __post_init__(self):
         if not self.lighthouse:
@@ -129,10 +133,19 @@ class FaultTolerance:
                 raise ValueError(f"fault_tolerance.{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_retries is not None and self.max_retries < 0:
             raise ValueError(f"fault_tolerance.max_retries must be >= 0 or None, got {self.max_retries}")
+        if self.templates and self.global_batch is None:
+            raise ValueError("fault_tolerance.templates needs fault_tolerance.global_batch: groups re-formed at other "
+                             "templates must agree on the samples of a step")
         if self.global_batch is not None and self.global_batch < 1:
             raise ValueError(f"fault_tolerance.global_batch must be >= 1 samples (or None), got {self.global_batch}")
         if not 0 <= self.manager_port < 65536:
             raise ValueError(f"fault_tolerance.manager_port must be a port (0: any), got {self.manager_port}")
+
+    def template(self, world_size: int):
+        """The template of ``world_size`` devices from ``templates`` (a ValueError names the sizes covered)."""
+        from lightning_mm.plan.templates import Templates
+
+        return Templates.load(self.templates).template_for(world_size)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -228,6 +241,9 @@ def group_shares(num_samples: int, weights: list[float]) -> list[tuple[int, int]
     counts = [math.floor(x) for x in exact]
     for i in sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))[:num_samples - sum(counts)]:
         counts[i] += 1
+    while num_samples >= len(counts) and 0 in counts:  # every member gets a sample while there are enough
+        counts[counts.index(0)] += 1
+        counts[max(range(len(counts)), key=lambda i: (counts[i], -i))] -= 1
     out, at = [], 0
     for c in counts:
         out.append((at, at + c))
@@ -310,6 +326,7 @@ class FaultTolerantTraining:
         self._schedules: dict[int, dict] = {}
         self._count = None
         self.events: list[dict] = []  # quorum changes, heals and redos, for logs and tests
+        self.shares: dict[int, int] = {}  # step -> samples of the global batch this group took
         self.layerwise = config.global_batch is not None  # groups may differ in layout
         self._recorder = self._sync = self._doc = self._pg_class = None
 
@@ -468,8 +485,9 @@ class FaultTolerantTraining:
                 step = self._heal_by_name(step, quorum_s)
             else:
                 self.check_same_job()
+        weights = None
         if self.layerwise:  # torchft counts only the groups at the newest step; every group of the quorum trains
-            participants, me = len(self._sync.group_ids), self._sync.index
+            participants, me, weights = len(self._sync.group_ids), self._sync.index, self._sync.speeds
         self.participants = participants
         set_lightning_step(trainer, step)
         if me is None:
@@ -477,7 +495,8 @@ class FaultTolerantTraining:
                                       f"{self._quorum_id}")
         d = self.data
         indices = global_batch_indices(step, d["num_samples"], d["global_batch"], d["shuffle"], d["seed"])
-        lo, hi = group_shares(len(indices), [1.0] * participants)[me]
+        lo, hi = group_shares(len(indices), weights or [1.0] * participants)[me]
+        self.shares[step] = hi - lo
         dp = s.layout.dp
         rlo, rhi = group_shares(hi - lo, [1.0] * dp)[s.layout.coordinate(s.global_rank).dp]
         mine = indices[lo:hi][rlo:rhi]

@@ -60,6 +60,7 @@ class QuorumSync:
     index: int  # this group's position in the quorum
     group_ids: list[int]  # the replica-group ids of the quorum, by position
     steps: list[int]  # each group's committed step when the quorum formed, by position
+    speeds: list[float]  # each group's planned speed (its template's microbatches per unit time; 1 without)
     buckets: list[LayerBucket]
     process_groups: dict
     store: object  # the quorum's store (a PrefixStore of torchft's client)
@@ -82,7 +83,9 @@ def holdings_doc(strategy, fingerprint: int) -> dict:
         everyone = [mine]
     stage_params = {s: everyone[layout.rank(s)] for s in layout.stages}
     holders = {s: [layout.rank(s, 0, 0, t) for t in range(layout.tp[s])] for s in layout.stages}
-    return {"stage_params": stage_params, "holders": holders, "fingerprint": fingerprint}
+    ft = strategy.fault_tolerance
+    speed = 1.0 / ft.template(strategy.world_size).microbatch_time if ft.templates else 1.0
+    return {"stage_params": stage_params, "holders": holders, "fingerprint": fingerprint, "speed": speed}
 
 
 def group_holdings(doc: dict) -> tuple[GroupHoldings, list[str]]:
@@ -128,7 +131,8 @@ def setup_quorum(recorded: dict, group_id: int, group_rank: int, doc: dict, step
     pgs = bucket_process_groups(buckets, index, group_rank,
                                 lambda i, t, pos, size: make_process_group(
                                     f"{recorded['store']}/lmm/{qid}/h{i}_{t}", recorded["replica_id"], pos, size))
-    return QuorumSync(qid, index, [d["group"] for d in docs], [d["step"] for d in docs], buckets, pgs, store)
+    return QuorumSync(qid, index, [d["group"] for d in docs], [d["step"] for d in docs],
+                      [d["speed"] for d in docs], buckets, pgs, store)
 
 
 def release(sync: QuorumSync) -> None:

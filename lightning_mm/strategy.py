@@ -158,13 +158,19 @@ class MultimodalParallelStrategy(DDPStrategy):
                                "ParallelSpecs apply from 2 devices on")
             return build_layout({e: ParallelSpec() for e in specs}, ParallelSpec(), 1, "replicated",
                                 list(model.encoders))
-        layout = build_layout(specs, self.language_model_spec, world, self.encoder_placement, list(model.encoders))
+        lm_spec, placement = self.language_model_spec, self.encoder_placement
+        if self.fault_tolerance is not None and self.fault_tolerance.templates:
+            template = self.fault_tolerance.template(world)  # re-formed groups take the layout of their size
+            specs = {e: template.specs.get(e, ParallelSpec()) for e in model.encoders}
+            lm_spec, placement = template.specs["language_model"], template.placement
+            self.partition = {m: list(v) for m, v in template.partition.items()}
+        layout = build_layout(specs, lm_spec, world, placement, list(model.encoders))
         if layout.disaggregated and self.fault_tolerance is not None:
             raise ValueError("fault_tolerance runs replica groups of one data-parallel degree; per-module degrees "
                              f"({ {c: layout.replicas(c) for c in layout.chains()} }) are not served with it: give "
                              "every module the same dp (or none), or drop fault_tolerance")
-        check_tensor_parallel(model, {e: s.tp for e, s in specs.items()}, self.language_model_spec.tp)
-        check_context_parallel(model, self.language_model_spec)
+        check_tensor_parallel(model, {e: s.tp for e, s in specs.items()}, lm_spec.tp)
+        check_context_parallel(model, lm_spec)
         check_node_locality(layout, self.num_processes)
         return layout
 

@@ -105,3 +105,19 @@ def test_fault_tolerance_is_set_from_the_command_line(monkeypatch):
             torch.device("meta"):
         MultimodalCLI(args=["--config", "examples/tiny_vlm.yaml", "--trainer.logger=false",
                             "--fault_tolerance.lighthouse=127.0.0.1:29511"], run=False, save_config_callback=None)
+
+
+def test_under_torchrun_num_nodes_follows_the_nodes_of_this_start(monkeypatch):
+    """``torchrun --nnodes MIN:MAX`` may restart a group on fewer nodes: the CLI's default ``trainer.num_nodes`` is
+    the current world size over the ranks per node, so the same command serves every (re)start."""
+    import torch
+
+    from lightning_mm.cli import MultimodalCLI
+
+    for key, value in dict(TORCHELASTIC_RUN_ID="job", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+                           GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555").items():
+        monkeypatch.setenv(key, value)
+    with torch.device("meta"):
+        cli = MultimodalCLI(args=["--config", "examples/tiny_valm_pp.yaml", "--trainer.logger=false",
+                                  "--trainer.devices=1"], run=False, save_config_callback=None)
+    assert cli.trainer.num_nodes == 2 and cli.trainer.world_size == 2

@@ -315,6 +315,70 @@ def test_a_group_of_another_layout_heals_by_name_after_losing_a_rank_inside_a_st
     _assert_equal_to_reference(_params(out, 1), ref)
 
 
+def _templates(path) -> str:
+    """Two templates of 1-device nodes: 1 node runs the whole model (planned twice as slow per microbatch), 2 nodes
+    run the LLM in 2 stages."""
+    from lightning_mm.plan.templates import PipelineTemplate, Templates
+
+    def template(nodes, pp, time):
+        return PipelineTemplate(nodes=nodes, devices_per_node=1, specs={"vision": lmm.ParallelSpec(),
+                                "language_model": lmm.ParallelSpec(pp=pp)},
+                                partition={"language_model": (4,) if pp == 1 else (2, 2)}, placement="replicated",
+                                microbatch_time=time)
+
+    Templates((template(1, 1, 2.0), template(2, 2, 1.0)), failures=1).save(path)
+    return str(path)
+
+
+def _launch_elastic(cfg: dict, node_rank: int, endpoint: int) -> subprocess.Popen:
+    """One node (torchrun agent, 1 rank) of a group launched with ``--nnodes 1:2``; the rendezvous store is the
+    test's, so that it outlives any node."""
+    env = {**case_env(), "PYTHONFAULTHANDLER": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+           "--max-restarts", "2", "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-id", "group0",
+           "--rdzv-endpoint", f"127.0.0.1:{endpoint}", "--rdzv-conf", "is_host=false,last_call_timeout=5",
+           CASE, json.dumps(cfg)]
+    log = open(os.path.join(cfg["out"], f"launch_{cfg['group']}_{node_rank}.log"), "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cfg["out"],
+                            start_new_session=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_group_that_loses_a_node_re_forms_at_its_smaller_template(tmp_path, lighthouse):
+    """Group 0 runs on two torchrun agents (``--nnodes 1:2``, the 2-node template: LLM pp 2) beside group 1 (one
+    rank, the 1-node template); the shares of the global batch follow the templates' speeds (3 + 1 samples). Group
+    0's second node is lost for good inside step 3: group 1 redoes that step alone and never stops; group 0's
+    surviving agent re-forms at the 1-node template, heals by name from group 1 and trains on. Each step is applied
+    once, and both groups equal one process."""
+    out, (host, port) = str(tmp_path), lighthouse
+    store_port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
+    templates = _templates(tmp_path / "templates.yaml")
+    base = {"mode": "group", "lighthouse": f"{host}:{port}", "groups": 2, "steps": STEPS, "out": out,
+            "timeout": 10.0, "global_batch": 4, "templates": templates, "wait_rejoin": True,
+            "kill": {"group": 0, "rank": 1, "step": 3, "where": "backward", "agent": True}}
+    group0 = [_launch_elastic({**base, "group": 0, "devices": 1, "elastic": True}, r, store_port) for r in (0, 1)]
+    group1 = _launch({**base, "group": 1, "devices": 1}, restarts=0, nproc=1)
+    codes = _wait([*group0, group1], 600)
+    del store
+    assert codes[0] == 0 and codes[2] == 0, _log(out, "launch_*.log")
+    assert codes[1] != 0  # the lost node
+    with open(os.path.join(out, "result_0.json")) as f:
+        r0 = json.load(f)
+    with open(os.path.join(out, "result_1.json")) as f:
+        r1 = json.load(f)
+    assert r1["restart"] == 0 and [s for s, _ in r1["steps"]] == list(range(1, STEPS + 1))
+    assert r1["stats"]["redone_steps"] >= 1
+    assert r0["restart"] >= 1 and r0["world_size"] == 1 and r0["stats"]["healed_steps"] == 1
+    assert r1["shares"]["0"] == 1 and r1["shares"][str(STEPS - 1)] == 2  # by speed: 2 nodes 3 samples, 1 node 1
+    healed = [e for e in r0["events"] if e["event"] == "healed"][0]["step"]
+    assert [s for s, _ in r0["steps"]] == list(range(healed + 1, STEPS + 1))
+    ref = _reference(out)
+    _assert_equal_to_reference(_params(out, 0), ref)
+    _assert_equal_to_reference(_params(out, 1), ref)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_nodes_on_localhost_train_like_one_process(tmp_path):

@@ -4,7 +4,9 @@
 group id), groups (num_replica_groups), steps, out (folder: ``params_<group>_<rank>.pt``, ``result_<group>.json``),
 devices (ranks of the group, default 2: the LLM in 2 pipeline stages, the encoder with the first), num_nodes
 (default 1), kill ({"group": g, "rank": r, "step": s, "where": "batch_end" | "backward"}: SIGKILL that rank in its
-first launch, after step s or inside step s before the cross-group reduction), pp (LLM stages, default 2),
+first launch, after step s or inside step s before the cross-group reduction; "agent": true kills its torchrun
+agent too, a node lost for good), pp (LLM stages, default 2), templates (a templates file), elastic (the node
+count comes from torchrun's world size),
 timeout (s), global_batch (FaultTolerance's: the groups may differ in layout), wait_rejoin (the surviving group waits 2 steps after the kill until the lost group restarted, so it
 rejoins before the run ends), ft (false: no fault tolerance, e.g. one group over two nodes), save_every (steps:
 ModelCheckpoint into ckpt_dir), resume ("last": a torchrun restart resumes from ckpt_dir's latest checkpoint with
@@ -51,6 +53,8 @@ class Events(L.Callback):
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
             with open(os.path.join(self.cfg["out"], "killed_at"), "w") as f:
                 f.write(str(time.time()))
+            if kill.get("agent"):  # the whole node: its torchrun agent first, so that nothing restarts this rank
+                os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_after_backward(self, trainer, pl_module):
@@ -79,7 +83,8 @@ class Events(L.Callback):
 def group(cfg):
     ft = None if cfg.get("ft") is False else lmm.FaultTolerance(lighthouse=cfg["lighthouse"], replica_group=cfg["group"], num_replica_groups=cfg["groups"],
                             min_replicas=1, timeout=cfg.get("timeout", 10.0), quorum_timeout=60.0, connect_timeout=5.0,
-                            hostname="127.0.0.1", global_batch=cfg.get("global_batch"))
+                            hostname="127.0.0.1", global_batch=cfg.get("global_batch"),
+                            templates=cfg.get("templates"))
     strategy = lmm.MultimodalParallelStrategy(
         encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec(pp=cfg.get("pp", 2)),
         encoder_placement="replicated", num_microbatches=2, fault_timeout=cfg.get("fault_timeout", 20.0),
@@ -93,7 +98,10 @@ def group(cfg):
     if cfg.get("resume") == "last" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         saved = glob.glob(os.path.join(cfg["ckpt_dir"], "step=*.ckpt"))
         ckpt_path = max(saved, key=lambda p: int(p.rsplit("=", 1)[1].split(".")[0])) if saved else None
-    trainer = L.Trainer(accelerator="cpu", devices=cfg.get("devices", 2), num_nodes=cfg.get("num_nodes", 1),
+    num_nodes = cfg.get("num_nodes", 1)
+    if cfg.get("elastic"):  # torchrun --nnodes MIN:MAX: the nodes of this (re)start
+        num_nodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
+    trainer = L.Trainer(accelerator="cpu", devices=cfg.get("devices", 2), num_nodes=num_nodes,
                         strategy=strategy, max_steps=cfg["steps"], logger=L.pytorch.loggers.CSVLogger(
                             os.path.join(cfg["out"], f"logs_{cfg['group']}")), enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=bool(cfg.get("save_every")),
@@ -121,8 +129,9 @@ def group(cfg):
             json.dump({k: d[k] for k in ("num_samples", "global_batch", "shuffle", "seed")}, f)
         with open(os.path.join(cfg["out"], f"result_{g}.json"), "w") as f:
             json.dump({"events": strategy.ft.events, "stats": strategy.ft.stats, "steps": events.steps,
+                       "shares": strategy.ft.shares,
                        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                       "global_step": trainer.global_step, **timing}, f)
+                       "global_step": trainer.global_step, "world_size": trainer.world_size, **timing}, f)
 
 
 def reference(cfg):
