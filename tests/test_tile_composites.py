@@ -427,3 +427,16 @@ def test_synthetic_data_and_the_planners_part_runners_take_tile_composites(kind,
         assert torch.isfinite(model(**{k: v for k, v in batch.items() if k != "item_counts"}).loss)
     runners = part_runners(model, batch)
     assert runners["vision"] and runners["language_model"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llava_next", "internvl"])
+def test_vision_tp2_trains_like_one_process(kind, tmp_path):
+    """The vision tower (CLIP's plan; InternViT's) split over 2 tensor-parallel ranks, the LLM on a third."""
+    folder = save_composite(kind, tmp_path / "src")
+    ref_losses, ref_params = _run_case({"folder": folder, "kind": kind}, tmp_path, "single")
+    losses, params = _run_case({"folder": folder, "kind": kind, "vision_tp": 2}, tmp_path, "tp2")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert set(params) == set(ref_params)
+    for n, p in ref_params.items():
+        torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)

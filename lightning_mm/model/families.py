@@ -632,6 +632,13 @@ class InternVLVisionFamily(_ViTFamily):
 
     name, class_names, class_token = "InternVL vision", ("InternVLVisionModel",), 1
     folder_model_types = {"internvl_vision": None, "internvl": "vision_config"}
+    tp_plan = {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
+               "attention.projection_layer": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
+    tp_head_attrs = ("attention.num_heads", "attention.embed_dim")  # the output is reshaped by embed_dim
+
+    def tensor_parallel_plan(self, enc) -> dict[str, str]:
+        """None with ``use_qk_norm``: its query / key norms span every head."""
+        return {} if getattr(enc.config, "use_qk_norm", False) else self.tp_plan
 
     def num_tokens(self, config, inputs):
         pv, patch = inputs["pixel_values"], config.patch_size

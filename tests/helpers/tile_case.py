@@ -5,7 +5,7 @@ Lightning, in one process or under MultimodalParallelStrategy, described by a JS
 ``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names). Keys of the JSON:
 ``folder`` and ``kind`` (required), ``steps``, ``llm_pp`` (the LLM's pipeline stages under the strategy, vision one
 stage; without it plain single-device Lightning), ``lazy`` (build under ``trainer.init_module(empty_init=True)``:
-meta, each rank reads its stage in setup).
+meta, each rank reads its stage in setup), ``vision_tp`` (the vision tower's tensor-parallel ranks).
 
 Samples are what the family's HF image processor returns for one or two random images of different sizes, so
 rows differ in length (padding) and images in token counts.
@@ -44,11 +44,12 @@ def sample(kind: str, proc, i: int) -> dict:
 def main(spec: str, out: str):
     case = json.loads(spec)
     torch.set_num_threads(1)
-    if "llm_pp" in case:
-        strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=1)},
-                                                  language_model=lmm.ParallelSpec(pp=case["llm_pp"]),
+    if "llm_pp" in case or "vision_tp" in case:
+        pp, tp = case.get("llm_pp", 1), case.get("vision_tp", 1)
+        strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=1, tp=tp)},
+                                                  language_model=lmm.ParallelSpec(pp=pp),
                                                   num_microbatches=2, fault_timeout=120)
-        devices = 1 + case["llm_pp"]
+        devices = tp + pp
     else:
         strategy, devices = "auto", 1
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
@@ -74,7 +75,10 @@ def main(spec: str, out: str):
                       collate_fn=lmm.data.MultimodalCollator(model))
     trainer.fit(module, data)
     engine = getattr(trainer.strategy, "engine", None)
-    torch.save({n: p.detach().cpu() for n, p in module.model.named_parameters()
+    from torch.distributed.tensor import DTensor
+
+    full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731  (collective over its mesh)
+    torch.save({n: full(p).detach().cpu() for n, p in module.model.named_parameters()
                 if p.requires_grad and (engine is None or n in engine.owned)},
                os.path.join(out, f"params_{trainer.global_rank}.pt"))
     if trainer.global_rank == 0:
