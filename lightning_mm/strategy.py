@@ -133,7 +133,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.model_fingerprint: dict[str, list[int]] = {}
         self.trainable_names: list[str] = []
         self._accumulating = False
-        self.fault_tolerance = as_fault_tolerance(fault_tolerance)  # torchft replica groups (fault_tolerance.py)
+        self.fault_tolerance = as_fault_tolerance(fault_tolerance)  # torchft replica groups (fault_tolerance/)
         self.ft = FaultTolerantTraining(self.fault_tolerance, self) if self.fault_tolerance is not None else None
 
     # ------------------------------------------------------------------ layout, before any process group

@@ -174,7 +174,7 @@ def test_what_layerwise_fault_tolerance_does_not_serve_is_named_before_training(
     from types import SimpleNamespace
 
     from lightning_mm.fault_tolerance import FaultToleranceError
-    from lightning_mm.ft_layerwise import check_servable
+    from lightning_mm.fault_tolerance.layerwise import check_servable
 
     def strategy(dp=1, cp=1, sharding="NO_SHARD"):
         layout = build_layout({}, ParallelSpec(pp=2, dp=dp, cp=cp), 2 * dp * cp)
@@ -190,7 +190,7 @@ def test_what_layerwise_fault_tolerance_does_not_serve_is_named_before_training(
 
 
 def test_a_published_group_reads_back_as_its_holdings():
-    from lightning_mm.ft_layerwise import group_holdings
+    from lightning_mm.fault_tolerance.layerwise import group_holdings
 
     from lightning_mm.fault_tolerance import FaultToleranceError
 

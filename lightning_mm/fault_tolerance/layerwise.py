@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lightning_mm.fault_tolerance.config import FaultToleranceError
 from lightning_mm.plan.layer_sync import GroupHoldings, LayerBucket, buckets_of, layer_buckets
 
 
@@ -94,8 +95,6 @@ def group_holdings(doc: dict) -> tuple[GroupHoldings, list[str]]:
     for stage, names in doc["stage_params"].items():
         for n in names:
             if n in stage_of:
-                from lightning_mm.fault_tolerance import FaultToleranceError
-
                 raise FaultToleranceError(
                     f"{n} is held by stages {stage_of[n]} and {stage} (input and output embeddings tied across "
                     "pipeline stages): layer-wise sync across layouts does not serve tied weights across stages yet; "
@@ -118,8 +117,6 @@ def setup_quorum(recorded: dict, group_id: int, group_rank: int, doc: dict, step
     docs = [json.loads(store.get(f"holdings/{i}")) for i in range(groups)]
     prints = {d["group"]: d["fingerprint"] for d in docs}
     if len(set(prints.values())) > 1:
-        from lightning_mm.fault_tolerance import FaultToleranceError
-
         raise FaultToleranceError(
             f"replica group {group_id}: the replica groups of quorum {qid} differ in their model, frozen parts, "
             f"tensor parallelism, sharding, global batch or data order (fingerprints by group: {prints}); groups may "
@@ -226,8 +223,6 @@ def heal_by_name(sync: QuorumSync, group_rank: int, params: dict[str, torch.nn.P
 
 def check_servable(strategy) -> None:
     """What layer-wise sync across different layouts does not serve yet, named before training."""
-    from lightning_mm.fault_tolerance import FaultToleranceError
-
     layout, reasons = strategy.layout, []
     copies = {s: layout.replicas(layout.chain_of(s)) * layout.cp[s] for s in layout.stages}
     if any(n > 1 for n in copies.values()):

@@ -1,280 +1,31 @@
-"""Fault-tolerant replica groups (torchft): a quorum per step, gradients summed across the groups of the quorum,
-a commit or a redo, healing from a peer, and the global sampler that keeps every step's global batch.
-
-A replica group is one whole launch of the strategy (its own torchrun / Lightning launch, with its pipeline, tp,
-cp and FSDP inside, exactly as without fault tolerance). Every group has the same rank layout, so rank r of every
-group holds the same part of the model: torchft's process group joins rank r of every group in the quorum, and a
-restarted group's rank r heals from rank r of a healthy group.
-
-Per optimiser step (``MultimodalParallelStrategy`` calls these; nothing here is spread through the engine):
-
-1. ``begin_step`` (in ``training_step``): the quorum (synchronous: a group behind the others loads a peer's
-   state here, before it computes anything); the step number is torchft's committed step, so the global batch
-   is ``global_batch_indices(step)``, cut over the groups of the quorum in proportion to their size
-   (``group_shares``) and over the group's own data-parallel replicas; the share is loaded and collated here,
-   after the quorum, and cut into as many microbatches as it needs (a group that takes a lost group's share runs
-   more microbatches of the usual size).
-2. The pipeline runs forward and backward; the strategy's ``backward`` sums gradients inside the group as always.
-3. ``reduce_and_commit`` (in the closure the strategy serves to Lightning's ``optimizer_step``): one all-reduce
-   across groups of ``C_g * grad`` (``C_g``: the group's label tokens; each group's loss is normalised by its own
-   count), divided by the sum of the counts, so the gradient is that of the whole global batch's loss; then
-   ``should_commit``. A step that lost a member is discarded (gradients dropped, no optimiser update) and redone
-   with a new quorum; Lightning's optimiser step then runs once, on the committed gradients.
-
-The training math is therefore that of an uninterrupted run over the same global batches, whatever groups come
-and go (``tests/test_fault_tolerance.py``).
-"""
+"""One rank's torchft glue: the quorum per step, the share of the global batch, the cross-group reduction and
+commit, healing, and the step counters Lightning sees."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
-import math
-import os
 import signal
 import socket
 import threading
 import time
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, RandomSampler
 
-from lightning_mm import ft_layerwise as layerwise
 from lightning_mm.data.microbatch import PLAN_KEY
+from lightning_mm.fault_tolerance import layerwise
+from lightning_mm.fault_tolerance.config import (FaultTolerance, FaultToleranceError, _NoNcclNotes, check_reachable,
+                                                 import_torchft)
+from lightning_mm.fault_tolerance.sampler import (StepTokens, global_batch_indices, global_batches_per_epoch,
+                                                  group_shares, microbatch_plan)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lightning_mm.fault_tolerance")
 
-REPLICA_GROUP_ENV = "LMM_REPLICA_GROUP"
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-TOKEN_KEY = "ft_step_token"
-
-
-class FaultToleranceError(RuntimeError):
-    """A fault-tolerance setting or situation the run cannot go on with (raised before training where possible)."""
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (also ``"http://host:port"`` and ``"[::1]:port"``) -> (host, port)."""
-    text = address.strip()
-    for prefix in ("http://", "https://"):
-        text = text.removeprefix(prefix)
-    text = text.rstrip("/")
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"fault_tolerance.lighthouse must be 'host:port' (e.g. 'localhost:29510'), got {address!r}")
-    return host, int(port)
-
-
-@dataclasses.dataclass
-class FaultTolerance:
-    """Fault-tolerant data parallelism across replica groups (torchft; ``pip install lightning-mm[ft]``).
-
-    ``lighthouse``: "host:port" of the torchft lighthouse (``lightning-mm lighthouse``; default ``$TORCHFT_LIGHTHOUSE``).
-    ``replica_group``: this group's id, 0..``num_replica_groups``-1 (default ``$LMM_REPLICA_GROUP``).
-    ``num_replica_groups``: how many groups the job is planned with: the global batch is the loader's batch size x
-    the group's data-parallel size x this, whatever groups are alive. ``min_replicas``: the fewest groups a step
-    commits with. ``timeout`` (s): cross-group collectives, commits and healing; ``quorum_timeout`` (s): how long a
-    quorum may take (a group waits that long for ``min_replicas`` groups); ``connect_timeout`` (s): reaching the
-    lighthouse and peers. ``heartbeat_interval`` (s): how often a group tells the lighthouse it is alive.
-    ``max_retries``: consecutive failed commits before the group gives up (None: never). ``manager_port``: the port
-    of group rank 0's torchft manager (0: any free one). ``hostname``: the name other groups reach this group's
-    manager and checkpoint server by (default: this host's name). ``global_batch``: samples per step, whatever groups
-    are alive; when given, the groups may differ in pipeline stages and encoder placement (each parameter's
-    gradient is reduced with the groups' holders of its layer, keyed by name), and every group must give the
-    same value. ``templates``: a templates file (``lightning-mm plan --templates``); with it a group takes the layout
-    of its world size at every (re)start (a group launched with ``torchrun --nnodes MIN:MAX`` that loses a node
-    re-forms at a smaller template), and each group's share of the global batch follows its template's planned
-    speed. It needs ``global_batch``."""
-
-    lighthouse: str = ""
-    replica_group: int | None = None
-    num_replica_groups: int = 1
-    min_replicas: int = 1
-    timeout: float = 30.0
-    quorum_timeout: float = 60.0
-    connect_timeout: float = 10.0
-    heartbeat_interval: float = 0.1
-    max_retries: int | None = None
-    manager_port: int = 0
-    hostname: str | None = None
-    global_batch: int | None = None
-    templates: str | None = None
-
-    def __post_init__(self):
-        if not self.lighthouse:
-            self.lighthouse = os.environ.get(LIGHTHOUSE_ENV, "")
-        if not self.lighthouse:
-            raise ValueError("fault_tolerance.lighthouse is not set: give 'host:port' of the lighthouse "
-                             f"(lightning-mm lighthouse) or set ${LIGHTHOUSE_ENV}")
-        parse_address(self.lighthouse)
-        if self.replica_group is None:
-            env = os.environ.get(REPLICA_GROUP_ENV)
-            if env is None or not env.strip().lstrip("-").isdigit():
-                raise ValueError(f"fault_tolerance.replica_group is not set: give this group's id (0..num_replica_groups"
-                                 f"-1), or set ${REPLICA_GROUP_ENV} in each group's launch")
-            self.replica_group = int(env)
-        if self.num_replica_groups < 1:
-            raise ValueError(f"fault_tolerance.num_replica_groups must be >= 1, got {self.num_replica_groups}")
-        if not 0 <= self.replica_group < self.num_replica_groups:
-            raise ValueError(f"fault_tolerance.replica_group={self.replica_group} is not in 0..{self.num_replica_groups - 1} "
-                             f"(num_replica_groups={self.num_replica_groups})")
-        if not 1 <= self.min_replicas <= self.num_replica_groups:
-            raise ValueError(f"fault_tolerance.min_replicas must be in 1..num_replica_groups={self.num_replica_groups}, "
-                             f"got {self.min_replicas}")
-        for name in ("timeout", "quorum_timeout", "connect_timeout", "heartbeat_interval"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"fault_tolerance.{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.max_retries is not None and self.max_retries < 0:
-            raise ValueError(f"fault_tolerance.max_retries must be >= 0 or None, got {self.max_retries}")
-        if self.templates and self.global_batch is None:
-            raise ValueError("fault_tolerance.templates needs fault_tolerance.global_batch: groups re-formed at other "
-                             "templates must agree on the samples of a step")
-        if self.global_batch is not None and self.global_batch < 1:
-            raise ValueError(f"fault_tolerance.global_batch must be >= 1 samples (or None), got {self.global_batch}")
-        if not 0 <= self.manager_port < 65536:
-            raise ValueError(f"fault_tolerance.manager_port must be a port (0: any), got {self.manager_port}")
-
-    def template(self, world_size: int):
-        """The template of ``world_size`` devices from ``templates`` (a ValueError names the sizes covered)."""
-        from lightning_mm.plan.templates import Templates
-
-        return Templates.load(self.templates).template_for(world_size)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return parse_address(self.lighthouse)
-
-    @property
-    def url(self) -> str:
-        host, port = self.address
-        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-
-
-def as_fault_tolerance(value) -> FaultTolerance | None:
-    """None, a FaultTolerance or its fields as a dict (a YAML) -> a FaultTolerance (or None)."""
-    if value is None or isinstance(value, FaultTolerance):
-        return value
-    if isinstance(value, dict):
-        unknown = set(value) - {f.name for f in dataclasses.fields(FaultTolerance)}
-        if unknown:
-            raise TypeError(f"fault_tolerance got unknown fields {sorted(unknown)}; it takes "
-                            f"{[f.name for f in dataclasses.fields(FaultTolerance)]}")
-        return FaultTolerance(**value)
-    raise TypeError(f"fault_tolerance must be a lightning_mm.FaultTolerance or a dict of its fields, got {type(value)}")
-
-
-def check_reachable(config: FaultTolerance) -> None:
-    """A fast TCP connect to the lighthouse, with a message saying how to start one."""
-    host, port = config.address
-    try:
-        with socket.create_connection((host, port), timeout=min(config.connect_timeout, 5.0)):
-            pass
-    except OSError as e:
-        raise FaultToleranceError(
-            f"the fault-tolerance lighthouse at {host}:{port} is unreachable ({e}); start it before the replica groups "
-            f"(`lightning-mm lighthouse --min_replicas {config.min_replicas} --bind [::]:{port}`, or torchft's "
-            f"`torchft_lighthouse`) and check fault_tolerance.lighthouse / ${LIGHTHOUSE_ENV}") from None
-
-
-class _NoNcclNotes(logging.Filter):
-    """Drops torchft's note that it cannot reset NCCL's flight recorder: a gloo run has no NCCL to trace."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "NCCL flight recorder" not in record.getMessage()
-
-
-def quiet_torchft() -> None:
-    """torchft's Rust side logs ~9 INFO lines per step and group (quorum, commit votes) to stderr; it reads
-    ``RUST_LOG`` once, when first imported. Default it to warnings; ``RUST_LOG=info`` brings the lines back. The
-    project's own lines (``fault tolerance: {"event": ...}``, lost groups) are unaffected."""
-    os.environ.setdefault("RUST_LOG", "warn")
-
-
-def import_torchft():
-    quiet_torchft()
-    try:
-        import torchft  # noqa: F401
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-    except ImportError as e:
-        raise FaultToleranceError(f"fault_tolerance needs torchft: pip install 'lightning-mm[ft]' ({e})") from None
-    return Manager, ProcessGroupGloo, ProcessGroupNCCL
-
-
-# ---------------------------------------------------------------------------------------------- the global sampler
-def global_batches_per_epoch(num_samples: int, global_batch: int) -> int:
-    return num_samples // global_batch
-
-
-def global_batch_indices(step: int, num_samples: int, global_batch: int, shuffle: bool = True,
-                         seed: int = 0) -> list[int]:
-    """The sample indices of global step ``step``: epoch ``step // batches per epoch`` in the order of a
-    ``DistributedSampler`` with one replica (``randperm`` under ``seed + epoch`` when shuffled); an incomplete last
-    global batch is dropped. Depends on the step only, so every group and a restarted group agree."""
-    per_epoch = global_batches_per_epoch(num_samples, global_batch)
-    if per_epoch < 1:
-        raise ValueError(f"the data set has {num_samples} samples, fewer than one global batch of {global_batch}")
-    epoch, i = divmod(step, per_epoch)
-    if shuffle:
-        g = torch.Generator()
-        g.manual_seed(seed + epoch)
-        order = torch.randperm(num_samples, generator=g).tolist()
-    else:
-        order = list(range(num_samples))
-    return order[i * global_batch:(i + 1) * global_batch]
-
-
-def group_shares(num_samples: int, weights: list[float]) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` slices of ``num_samples`` in proportion to ``weights`` (largest remainder,
-    ties to the earlier member), one per member in quorum order."""
-    if not weights or any(w <= 0 for w in weights):
-        raise ValueError(f"group_shares needs positive weights, got {weights}")
-    total = float(sum(weights))
-    exact = [num_samples * w / total for w in weights]
-    counts = [math.floor(x) for x in exact]
-    for i in sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))[:num_samples - sum(counts)]:
-        counts[i] += 1
-    while num_samples >= len(counts) and 0 in counts:  # every member gets a sample while there are enough
-        counts[counts.index(0)] += 1
-        counts[max(range(len(counts)), key=lambda i: (counts[i], -i))] -= 1
-    out, at = [], 0
-    for c in counts:
-        out.append((at, at + c))
-        at += c
-    return out
-
-
-def microbatch_plan(rows: int, rows_per_microbatch: int) -> list[int]:
-    """Each row's microbatch: ``ceil(rows / rows_per_microbatch)`` contiguous microbatches whose sizes differ by at
-    most one (a group with a larger share runs more microbatches of about the usual size)."""
-    count = max(1, min(rows, math.ceil(rows / max(1, rows_per_microbatch))))
-    base, extra = divmod(rows, count)
-    return [m for m in range(count) for _ in range(base + (m < extra))]
-
-
-class StepTokens:
-    """The training loader under fault tolerance: one small token per global batch of the epoch; the strategy
-    loads the real samples after each step's quorum (``FaultTolerantTraining.begin_step``)."""
-
-    def __init__(self, length: int):
-        self.length = length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __iter__(self):
-        for i in range(self.length):
-            yield {TOKEN_KEY: torch.tensor([i])}
-
-
-# ---------------------------------------------------------------------------------------------- per-step glue
 def _local(t):
     from torch.distributed.tensor import DTensor
 
@@ -731,45 +482,3 @@ def set_lightning_step(trainer, step: int) -> None:
             tracker.ready += delta
             tracker.completed += delta
         loop._batches_that_stepped += delta
-
-
-def lighthouse_banner(bind: str, announced: str, min_replicas: int) -> str:
-    """What the lighthouse is bound to and the ``fault_tolerance.lighthouse`` value groups give to reach it
-    (torchft announces this host's name, which a server bound to a loopback address does not answer on)."""
-    host, port = parse_address(bind)
-    if host in ("::", "0.0.0.0", ""):
-        reach, where = f"{urlparse(announced).hostname or socket.gethostname()}:{port}", "every interface"
-    else:
-        reach, where = f"{'[' + host + ']' if ':' in host else host}:{port}", "this address only"
-    return (f"lighthouse bound to {bind} ({where}), min_replicas={min_replicas}; replica groups reach it with "
-            f"fault_tolerance.lighthouse={reach} (or TORCHFT_LIGHTHOUSE={reach})")
-
-
-def lighthouse_main(args: list[str] | None = None) -> None:
-    """``lightning-mm lighthouse``: run a torchft lighthouse (the quorum service every replica group reaches)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="lightning-mm lighthouse",
-                                     description="the torchft lighthouse of fault-tolerant replica groups")
-    parser.add_argument("--bind", default="[::]:29510", help="address to listen on (default [::]:29510)")
-    parser.add_argument("--min_replicas", type=int, default=1, help="fewest replica groups a quorum has")
-    parser.add_argument("--join_timeout_ms", type=int, default=60000,
-                        help="how long a quorum waits for groups that heartbeat but have not asked to join")
-    parser.add_argument("--heartbeat_timeout_ms", type=int, default=5000,
-                        help="a group silent this long is dead: the others go on without it")
-    parser.add_argument("--quorum_tick_ms", type=int, default=100)
-    a = parser.parse_args(args)
-    quiet_torchft()
-    try:
-        from torchft._torchft import LighthouseServer
-    except ImportError as e:
-        raise SystemExit(f"lightning-mm lighthouse needs torchft: pip install 'lightning-mm[ft]' ({e})")
-    server = LighthouseServer(bind=a.bind, min_replicas=a.min_replicas, join_timeout_ms=a.join_timeout_ms,
-                              quorum_tick_ms=a.quorum_tick_ms, heartbeat_timeout_ms=a.heartbeat_timeout_ms)
-    print(lighthouse_banner(a.bind, server.address(), a.min_replicas), flush=True)
-    stop = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
-    try:
-        signal.sigwait(stop)
-    finally:
-        server.shutdown()
