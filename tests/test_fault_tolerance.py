@@ -190,6 +190,12 @@ def _assert_equal_to_reference(got: dict, ref: dict):
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
+def _assert_both_groups_equal_the_reference(out):
+    ref = _reference(out)
+    _assert_equal_to_reference(_params(out, 0), ref)
+    _assert_equal_to_reference(_params(out, 1), ref)
+
+
 def _run_two_groups(tmp_path, address, kill, restarts_1, wait_rejoin, layouts=({}, {}), restarts_0=1):
     out = str(tmp_path)
     host, port = address
@@ -235,9 +241,7 @@ def test_a_killed_group_restarts_heals_from_its_peer_and_the_math_is_the_uninter
     assert [e["participants"] for e in r0["events"] if e["event"] == "quorum"] == [2, 1, 2]
     metrics = open(glob.glob(os.path.join(out, "logs_0", "**", "metrics.csv"), recursive=True)[0]).read()
     assert "ft/participants" in metrics and "ft/quorum_changes" in metrics
-    ref = _reference(out)
-    _assert_equal_to_reference(_params(out, 0), ref)
-    _assert_equal_to_reference(_params(out, 1), ref)
+    _assert_both_groups_equal_the_reference(out)
 
 
 @pytest.mark.slow
@@ -250,9 +254,7 @@ def test_a_group_lost_inside_a_step_makes_its_peer_redo_that_step(tmp_path, ligh
     assert all(e["step"] == kill["step"] for e in r0["events"] if e["event"] == "redo")
     assert codes[1] == 0, _log(out, "launch_1_*.log")
     assert results[1]["stats"]["healed_steps"] == 1
-    ref = _reference(out)
-    _assert_equal_to_reference(_params(out, 0), ref)
-    _assert_equal_to_reference(_params(out, 1), ref)
+    _assert_both_groups_equal_the_reference(out)
 
 
 @pytest.mark.slow
@@ -288,9 +290,7 @@ def test_groups_of_different_pipeline_stages_train_like_one_process(tmp_path, li
     assert codes == [0, 0], _log(out, "launch_*.log")
     assert results[0]["global_step"] == results[1]["global_step"] == STEPS
     assert [e["participants"] for e in results[0]["events"] if e["event"] == "quorum"] == [2]
-    ref = _reference(out)
-    _assert_equal_to_reference(_params(out, 0), ref)
-    _assert_equal_to_reference(_params(out, 1), ref)
+    _assert_both_groups_equal_the_reference(out)
 
 
 @pytest.mark.slow
@@ -310,9 +310,7 @@ def test_a_group_of_another_layout_heals_by_name_after_losing_a_rank_inside_a_st
     assert r0["restart"] == 1 and r0["global_step"] == STEPS and r0["stats"]["healed_steps"] == 1
     healed = [e for e in r0["events"] if e["event"] == "healed"][0]
     assert healed["by"] == "name" and kill["step"] <= healed["step"] < STEPS
-    ref = _reference(out)
-    _assert_equal_to_reference(_params(out, 0), ref)
-    _assert_equal_to_reference(_params(out, 1), ref)
+    _assert_both_groups_equal_the_reference(out)
 
 
 def _templates(path) -> str:
@@ -374,9 +372,7 @@ def test_a_group_that_loses_a_node_re_forms_at_its_smaller_template(tmp_path, li
     assert r1["shares"]["0"] == 1 and r1["shares"][str(STEPS - 1)] == 2  # by speed: 2 nodes 3 samples, 1 node 1
     healed = [e for e in r0["events"] if e["event"] == "healed"][0]["step"]
     assert [s for s, _ in r0["steps"]] == list(range(healed + 1, STEPS + 1))
-    ref = _reference(out)
-    _assert_equal_to_reference(_params(out, 0), ref)
-    _assert_equal_to_reference(_params(out, 1), ref)
+    _assert_both_groups_equal_the_reference(out)
 
 
 @pytest.mark.slow

@@ -1,27 +1,14 @@
 """No per-layer synchronisation: the host reads of a training forward and backward do not grow with the layers.
 
-Each read of a tensor's value on the host (``.item()``, ``int(t)``, ``bool(t)``, ``.tolist()``) waits for the GPU
-to finish everything queued before it; one per layer serialises the step. Counted on CPU with a dispatch mode,
-which sees the same operations a CUDA run would issue.
+Each read of a tensor's value on the host waits for the GPU to finish everything queued before it; one per layer
+serialises the step (counted by ``helpers.host_reads``).
 """
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_mm as lmm
 from lightning_mm.model import tiny_encoder, tiny_language_model
-
-
-class HostReads(TorchDispatchMode):
-    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.READS
-        return func(*args, **(kwargs or {}))
+from tests.helpers.host_reads import HostReads
 
 
 def _reads(layers: int) -> int:

@@ -52,6 +52,7 @@ kernels = _load_kernels()
 from lightning_mm import masks  # noqa: E402
 from lightning_mm.attention import bitfield_attention  # noqa: E402
 from lightning_mm.kernels import split, tiles  # noqa: E402
+from tests.helpers.host_reads import HostReads  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,20 +241,6 @@ def test_dispatcher_uses_the_kernels():
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
 
 
-class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the operations that read a tensor's value on the host (each one waits for a GPU)."""
-
-    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in self.READS
-        return func(*args, **(kwargs or {}))
-
-
 def test_layers_sharing_a_cache_classify_tiles_and_read_the_words_once(monkeypatch):
     """The layers of a microbatch pass the same mask tensors and one cache: the tile maps are built by the first
     layer only, the words are read on the host by it only, and the results and gradients are unchanged. A new
@@ -273,7 +260,7 @@ def test_layers_sharing_a_cache_classify_tiles_and_read_the_words_once(monkeypat
     assert len(built) == 1
     cache, reads = {}, []
     for layer in range(3):
-        with _HostReads() as mode:
+        with HostReads() as mode:
             cached = _run("triton", q, k, v, dout, words, cache=cache)
         reads.append(mode.count)
         for a, b in zip(plain, cached):

@@ -37,7 +37,7 @@ def _group(llm_pp, cuts, tp=1):
 
 
 def test_pp2_beside_pp1_pairs_each_llm_stage_of_a_with_the_one_of_b():
-    (la, a), (lb, b) = _group(2, [2, 2]), _group(1, [4])
+    (_, a), (_, b) = _group(2, [2, 2]), _group(1, [4])
     buckets = layer_buckets([a, b], ORDER)
     assert [(bk.stages, bk.members) for bk in buckets] == [
         (("vision.0", "vision.0"), (((0, 0), (1, 0)),)),
