@@ -11,6 +11,19 @@ def pytest_addoption(parser):
                      help="run every slow multi-process case, not only the representative subset marked `ci`")
 
 
+def pytest_sessionstart(session):
+    """Compile the planner's numba loops once, here, before any test spawns ranks: numba caches what it compiles
+    (``cache=True``), so the ranks of the multi-process tests load it instead of compiling it in every process at
+    once (on a loaded 2-core machine that outlasted their fault timeouts)."""
+    from lightning_mm import masks
+    from lightning_mm.parallel.context import distribute
+
+    for layout in ("ee", "mp"):  # without and with segment ids: numba compiles each signature
+        bam, segments = masks.random_bam(layout, 96, num_encoders=2, batch=1, seed=0, mean_item_tokens=8)
+        distribute(bam, 2, "lpt", 16, segments)
+        masks.block_workload(bam, 16, segments)
+
+
 def pytest_collection_modifyitems(config, items):
     """By default, slow multi-process cases run only when also marked ``ci``: a representative subset (every
     placement, dp, pp, cp, the Lightning contracts, faults, memory) that keeps the suite within 20 minutes on 2
