@@ -114,7 +114,8 @@ def test_layout_trains_like_one_process(case):
             merged[name] = p
         assert load.shape == (4, 8)  # every routed layer, on every rank
         assert float(load.sum()) > 0
-        assert held * ep == whole  # an LLM rank holds 1/ep of its stage's expert weights (encoder ranks: none)
+        # an LLM rank holds 1/ep of its stage's expert weights (FSDP: 1/dp; encoder ranks: none)
+        assert held * (dp if sharding != "NO_SHARD" else ep) == whole
     assert set(merged) == set(ref_params)
     for name, p in ref_params.items():
         torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
@@ -159,3 +160,29 @@ def test_lightning_logs_aux_loss_and_expert_load(strategy):
             assert step[f"train/expert_imbalance/layer_{i}"] >= 1.0
             shares = [step[f"train/expert_load/layer_{i}/expert_{e}"] for e in range(8)]
             assert sum(shares) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_expert_parallel_refusals_before_any_process_group():
+    """ep on an encoder, on a dense LLM, not dividing the experts or the replicas, or with FSDP: a clear error from
+    the pure checks."""
+    from lightning_mm.model import tiny_language_model
+    from lightning_mm.parallel.expert_parallel import check_expert_parallel, expert_grad_ranks
+    from lightning_mm.plan.layout import ParallelSpec, build_layout
+
+    vision = {"vision": ParallelSpec()}
+    with pytest.raises(ValueError, match="ep=2 splits experts over data-parallel ranks"):
+        build_layout(vision, ParallelSpec(ep=2), 6, "parallel", ["vision"])  # dp 3
+    with pytest.raises(ValueError, match="expert parallelism applies to a mixture-of-experts language model only"):
+        build_layout({"vision": ParallelSpec(ep=2)}, ParallelSpec(), 4, "parallel", ["vision"])
+    layout = build_layout(vision, ParallelSpec(pp=2, ep=2), 12, "parallel", ["vision"])  # dp 4
+    assert layout.ep == 2
+    assert expert_grad_ranks(layout) == [[1, 7], [4, 10], [2, 8], [5, 11]]  # per (stage, ep index): its 2 groups
+    model, _ = _model("qwen3_moe")
+    with pytest.raises(ValueError, match="sharding_strategy='FULL_SHARD' is not supported"):
+        check_expert_parallel(model, layout, "FULL_SHARD")
+    check_expert_parallel(model, layout)
+    dense = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model())
+    with pytest.raises(ValueError, match="has no routed experts"):
+        check_expert_parallel(dense, layout)
+    with pytest.raises(ValueError, match="does not divide the 8 experts"):
+        check_expert_parallel(model, build_layout(vision, ParallelSpec(ep=3), 6, "parallel", ["vision"]))
