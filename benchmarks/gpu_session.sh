@@ -59,7 +59,7 @@ run_part() {
       rm -rf "$root"; mkdir -p "$root"
       { versions; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
         echo "== native kernel tests (TRITON_INTERPRET unset)";
-        env -u TRITON_INTERPRET timeout 120 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_kernels.py \
+        env -u TRITON_INTERPRET timeout 120 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_kernels.py tests/test_sliding_window.py \
           --junitxml="$RESULTS/kernels_$dev.xml";
         echo "== pytest -m gpu";
         timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests --junitxml="$RESULTS/gpu_$dev.xml";
@@ -72,7 +72,7 @@ run_part() {
     tests)
       local log=$RESULTS/tests_$dev.log
       { versions; echo "== native kernel tests (TRITON_INTERPRET unset)";
-        env -u TRITON_INTERPRET timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        env -u TRITON_INTERPRET timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_sliding_window.py \
           --junitxml="$RESULTS/kernels_$dev.xml";
         echo "== pytest -m gpu";
         timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu tests --junitxml="$RESULTS/gpu_$dev.xml"; } \
