@@ -23,13 +23,34 @@ Planning (beside Table 2.3): seconds to plan one template (``plan_template``: th
 fill nodes x GPUs per node devices, tp 1-8 within a node, each simulated at N_b = 4 x nodes microbatches) for a
 GPT-3 2.7b-wide model of 24-96 layers, measured on this CPU.
 
-    python benchmarks/oobleck.py [--trials 200] [--planning-grid full|small] [--measured]
+Measured (``--measured``, ``benchmarks/results/oobleck_measured.json``): the three methods as real CPU processes
+(gloo) through the fault-tolerance tests' launcher (``tests/helpers/ft_case.py``: the tiny model, data and training
+of tests/test_fault_tolerance.py), the same global batch (4 samples) and step count, a lighthouse in this process,
+one failure inside the step after ``--kill-step``:
+
+- reforming: group 0 on two torchrun agents (``--nnodes 1:2``, the tests' two templates: 2 nodes = LLM pp 2, 1 node
+  = the whole model) beside group 1 (one rank, the 1-node template), ``global_batch=4`` split by the templates'
+  speeds; group 0's second node (rank and agent) is killed for good. Group 1 redoes the step alone and goes on;
+  group 0 re-forms on its surviving agent at the 1-node template, heals by name and rejoins.
+- identical: today's fault tolerance: 2 groups of the same layout (2 ranks each, LLM pp 2, no global_batch); rank 1
+  of group 0 is killed for good (no restart): group 0 stays down and group 1 takes the whole global batch.
+- checkpoint_restart: one job (no fault tolerance) of 4 ranks (pp 2 x dp 2), a checkpoint every ``--save-every``
+  steps; rank 1 is killed, torchrun restarts the job once and it resumes from the latest checkpoint.
+
+Committed steps come from the steps log of a group that never stops (group 1; the job itself for
+checkpoint-restart). Phases: before the kill (first 2 steps skipped), during (kill -> recovery: the re-formed group's
+first commit; the first step after resume; identical groups never recover, so "during" lasts to the end), after
+recovery. The machine is small and shared (2 cores for 3-4 ranks): absolute figures are noisy.
+
+    python benchmarks/oobleck.py [--trials 200] [--planning-grid full|small]
+    python benchmarks/oobleck.py --measured [--steps 1200] [--kill-step 8] [--save-every 5] [--only NAME ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -50,6 +71,9 @@ from lightning_mm.planner.plan_cli import build_templates, plan_template  # noqa
 from lightning_mm.planner.search import ModuleSpec, search  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "oobleck.json"
+MEASURED_OUT = ROOT / "benchmarks" / "results" / "oobleck_measured.json"
+MEASURED_BATCH = 4  # samples per step in all three measured runs
+RUNS = ("reforming", "identical", "checkpoint_restart")
 GIB = 2 ** 30
 SEQ, VOCAB, STATE_BYTES = 1024, 50257, 16
 # name: (layers, hidden, global batch, microbatch) -- Table 2.1
@@ -203,17 +227,174 @@ def planning(args, progress) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------- measured (--measured)
+def phases(rows, killed: float, recovered: float | None, batch: int = MEASURED_BATCH) -> dict:
+    """Committed steps/s and samples/s of ``rows`` ((step, time, ...) of a steps log) before ``killed`` (the first
+    2 steps skipped: warm-up), during (killed -> ``recovered``, or to the last row when None: new steps past the
+    last one committed before the kill, over the window) and after ``recovered`` (first to last row after it), plus
+    the seconds from the kill to the first committed step after it. Pure."""
+    before = [(s, t) for s, t, *_ in rows if t < killed]
+    last = before[-1][0] if before else 0
+    first_after = [t for _, t, *_ in rows if t > killed]
+    end = recovered if recovered is not None else (rows[-1][1] if rows else None)
+
+    def rate(sel):
+        if len(sel) < 2 or sel[-1][1] <= sel[0][1]:
+            return None
+        return (sel[-1][0] - sel[0][0]) / (sel[-1][1] - sel[0][1])
+
+    during = None
+    if end is not None and end > killed:
+        new = [s for s, t, *_ in rows if killed < t <= end]
+        during = max([last, *new]) - last
+        during = during / (end - killed)
+    out = {"steps_per_s_before": rate(before[2:]), "steps_per_s_during": during,
+           "steps_per_s_after": rate([(s, t) for s, t, *_ in rows if t >= recovered]) if recovered else None,
+           "kill_to_first_commit_s": first_after[0] - killed if first_after else None,
+           "last_step_before_kill": last}
+    for k in ("before", "during", "after"):
+        v = out[f"steps_per_s_{k}"]
+        out[f"samples_per_s_{k}"] = None if v is None else v * batch
+    return out
+
+
+def measured(args) -> None:
+    import fault_tolerance as ftb  # benchmarks/fault_tolerance.py: lighthouse, steps logs, waiting
+    import tempfile
+
+    import torch
+
+    from tests.helpers.distributed import _free_port
+    from tests.test_fault_tolerance import _launch, _launch_elastic, _templates
+
+    start = _machine.record()
+    base = tempfile.mkdtemp(prefix="lmm-oobleck-measured-")
+    res = {"what": "measured committed steps/s and samples/s (global batch 4) before, during and after one failure, "
+                   "and the time to recover, of re-forming vs identical replica groups vs checkpoint-restart; CPU "
+                   "processes with gloo",
+           "settings": {"steps": args.steps, "kill_step": args.kill_step, "save_every": args.save_every,
+                        "global_batch": MEASURED_BATCH, "heartbeat_s": 2.0, "join_s": 3.0},
+           "model": "tests/helpers/ft_case.py: tiny siglip (frozen) + tiny llama, SGD momentum, StepLR",
+           "runs": {}}
+    if set(args.only) != set(RUNS) and MEASURED_OUT.exists():
+        res["runs"] = json.loads(MEASURED_OUT.read_text()).get("runs", {})
+    common = {"mode": "group", "steps": args.steps, "timeout": 10.0, "wait_rejoin": False}
+
+    def folder(name):
+        out = os.path.join(base, name)
+        os.makedirs(out)
+        return out
+
+    def killed_at(out):
+        return float(open(os.path.join(out, "killed_at")).read())
+
+    if "reforming" in args.only:
+        out = folder("reforming")
+        server, lh = ftb._lighthouse(1, 2000, 3000)
+        store_port = _free_port()
+        store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
+        cfg = {**common, "lighthouse": lh, "groups": 2, "out": out, "global_batch": MEASURED_BATCH,
+               "templates": _templates(Path(out) / "templates.yaml"),
+               "kill": {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward", "agent": True}}
+        t0 = time.time()
+        try:
+            procs = [_launch_elastic({**cfg, "group": 0, "devices": 1, "elastic": True}, r, store_port) for r in (0, 1)]
+            procs.append(_launch({**cfg, "group": 1, "devices": 1}, restarts=0, nproc=1))
+            codes = ftb._wait(procs, args.timeout)
+        finally:
+            server.shutdown()
+            del store
+        wall = time.time() - t0
+        print(f"reforming: exit codes {codes}, {wall:.1f} s", flush=True)
+        killed, g0, g1 = killed_at(out), ftb._steps(out, 0), ftb._steps(out, 1)
+        r0 = ftb._json(out, "result_0.json") or {}
+        back = [t for s, t, r in g0 if r >= 1]
+        healed = [e for e in r0.get("events", []) if e.get("event") == "healed"]
+        res["runs"]["reforming"] = {
+            "layout": "group 0: 2 torchrun agents x 1 rank (--nnodes 1:2, 2-node template: LLM pp 2) -> 1 rank "
+                      "(1-node template); group 1: 1 rank (1-node template); global_batch 4 split by planned speed",
+            "kill": cfg["kill"], "codes": codes, "wall_s": wall, "steps_from": "steps_1.log (group 1, never stops)",
+            **phases(g1, killed, back[0] if back else None),
+            "kill_to_recovered_s": back[0] - killed if back else None,
+            "kill_to_reformed_process_start_s": r0["started"] - killed if r0.get("started") else None,
+            "heal_s": healed[0].get("seconds") if healed else None,
+            "healed_at_step": healed[0].get("step") if healed else None, "restart": r0.get("restart"),
+            "reformed_world_size": r0.get("world_size"),
+            "shares_before_after": [(ftb._json(out, "result_1.json") or {}).get("shares", {}).get(k)
+                                    for k in ("0", str(args.steps - 1))],
+            "completed": codes[0] == 0 and codes[2] == 0 and bool(g1) and g1[-1][0] == args.steps}
+    if "identical" in args.only:
+        out = folder("identical")
+        server, lh = ftb._lighthouse(1, 2000, 3000)
+        kill = {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward"}
+        t0 = time.time()
+        try:
+            procs = [_launch({**common, "lighthouse": lh, "groups": 2, "group": g, "out": out, "kill": kill},
+                             restarts=0, nproc=2) for g in (0, 1)]
+            codes = ftb._wait(procs, args.timeout)
+        finally:
+            server.shutdown()
+        wall = time.time() - t0
+        print(f"identical: exit codes {codes}, {wall:.1f} s", flush=True)
+        killed, g1 = killed_at(out), ftb._steps(out, 1)
+        res["runs"]["identical"] = {
+            "layout": "2 groups x 2 ranks (LLM pp 2), no global_batch (per-group batch 2, the survivor takes all 4)",
+            "kill": kill, "codes": codes, "wall_s": wall, "steps_from": "steps_1.log (group 1, never stops)",
+            **phases(g1, killed, None), "kill_to_recovered_s": None,
+            "note": "group 0 never returns: 'during' runs from the kill to the end of the run",
+            "completed": codes[1] == 0 and bool(g1) and g1[-1][0] == args.steps}
+    if "checkpoint_restart" in args.only:
+        out = folder("checkpoint_restart")
+        kill = {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward"}
+        t0 = time.time()
+        procs = [_launch({**common, "ft": False, "group": 0, "devices": 4, "out": out, "kill": kill,
+                          "save_every": args.save_every, "ckpt_dir": os.path.join(out, "ckpt"), "resume": "last"},
+                         restarts=1, nproc=4)]
+        codes = ftb._wait(procs, args.timeout)
+        wall = time.time() - t0
+        print(f"checkpoint_restart: exit codes {codes}, {wall:.1f} s", flush=True)
+        killed, rows = killed_at(out), ftb._steps(out, 0)
+        # rank 0 may finish the killed step in its first launch (its pipeline peer died after the backward): that
+        # step is in no checkpoint and on no other rank, so only the restarted job's steps count after the kill
+        rows = [x for x in rows if x[1] < killed or x[2] >= 1]
+        r = ftb._json(out, "result_0.json") or {}
+        second = [x for x in rows if x[2] >= 1]
+        again = [t for s, t, _ in second if s == args.kill_step + 1]
+        res["runs"]["checkpoint_restart"] = {
+            "layout": "one job of 4 ranks (pp 2 x dp 2, no fault tolerance), batch 2 per dp rank",
+            "kill": kill, "codes": codes, "wall_s": wall, "steps_from": "steps_0.log (the job)",
+            **phases(rows, killed, second[0][1] if second else None),
+            "kill_to_recovered_s": second[0][1] - killed if second else None,
+            "resumed_from": os.path.basename(r.get("resumed_from") or "") or None,
+            "first_step_after_resume": second[0][0] if second else None,
+            "kill_to_killed_step_committed_s": again[0] - killed if again else None,
+            "completed": codes[0] == 0 and bool(rows) and rows[-1][0] == args.steps}
+    res["machine"] = _machine.finish(start)
+    MEASURED_OUT.parent.mkdir(parents=True, exist_ok=True)
+    MEASURED_OUT.write_text(json.dumps(res, indent=1))
+    print(tables.oobleck_measured(res))
+    print(f"wrote {MEASURED_OUT} (run folders under {base})")
+    tables.main(["--quiet"])
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trials", type=int, default=200, help="failure orders averaged for identical groups")
     p.add_argument("--restart-s", type=float, default=11.0, help="seconds to restart a group or a job")
     p.add_argument("--storage-gbps", type=float, default=2.5, help="checkpoint storage GB/s (write and read)")
     p.add_argument("--planning-grid", choices=("full", "small"), default="full")
-    p.add_argument("--measured", action="store_true", help="the measured CPU-process comparison (not built yet)")
+    p.add_argument("--measured", action="store_true", help="the measured CPU-process comparison (see above)")
+    p.add_argument("--steps", type=int, default=1200,
+                   help="--measured: steps of every run (the survivor must outlast the re-forming)")
+    p.add_argument("--kill-step", type=int, default=8, help="--measured: the kill comes inside the next step")
+    p.add_argument("--save-every", type=int, default=5, help="--measured: checkpoint-restart's checkpoint interval")
+    p.add_argument("--only", nargs="+", choices=RUNS, default=list(RUNS),
+                   help="--measured: runs to make (the others are kept from the results file)")
+    p.add_argument("--timeout", type=float, default=480, help="--measured: seconds a run may take")
     args = p.parse_args(argv)
     if args.measured:
-        raise SystemExit("--measured is not built yet: it needs runtime re-forming of replica groups (layer-wise sync "
-                         "and healing by name), which does not exist; only the simulated figures are produced")
+        measured(args)
+        return
     start = _machine.record()
     with tqdm(total=len(MODELS), desc="throughput (simulated)", disable=None) as bar:
         thr = throughput(args, bar.update)

@@ -966,6 +966,43 @@ def oobleck_speedup(data: dict) -> str:
     return _range([r["speedup"] for r in data["planning"]], ",.1f", "x")
 
 
+# ---------------------------------------- oobleck_measured.json (oobleck.py --measured)
+
+_MEASURED_NAMES = {"reforming": "re-forming (group 0 loses a node, re-forms at the 1-node template)",
+                   "identical": "identical groups (group 0 loses a rank, stays down)",
+                   "checkpoint_restart": "checkpoint-restart (one 4-rank job, checkpoint every {save} steps)"}
+
+
+@renderer("oobleck_measured.json", "table")
+def oobleck_measured(data: dict) -> str:
+    def f(x, spec=".2f"):
+        return "-" if x is None else format(x, spec)
+
+    rows = []
+    for name, label in _MEASURED_NAMES.items():
+        r = data["runs"].get(name)
+        if r is None:
+            continue
+        rate = " / ".join(f"{f(r[f'steps_per_s_{k}'])} ({f(r[f'samples_per_s_{k}'], '.1f')})"
+                          for k in ("before", "during", "after"))
+        if name == "reforming":
+            heal = (f"healed by name in {f(r.get('heal_s'))} s (restart {r.get('restart')}, at step "
+                    f"{r.get('healed_at_step')}); kill -> re-formed rank up "
+                    f"{f(r.get('kill_to_reformed_process_start_s'), '.1f')} s")
+        elif name == "checkpoint_restart":
+            heal = (f"resumed from {r.get('resumed_from')}; kill -> step {r['kill']['step'] + 1} committed again "
+                    f"{f(r.get('kill_to_killed_step_committed_s'), '.1f')} s")
+        else:
+            heal = "the lost group never returns"
+        rows.append([label.format(save=data["settings"]["save_every"]), rate, f(r["kill_to_first_commit_s"], ".1f"),
+                     f(r.get("kill_to_recovered_s"), ".1f"), heal])
+    s = data["settings"]
+    head = ["run", "committed steps/s (samples/s) before / during / after", "kill -> next commit (s)",
+            "kill -> recovered (s)", "recovery"]
+    return (table(head, rows, "lrrrl") + f"\n\nMeasured with CPU processes (gloo), {s['steps']} steps, global batch "
+            f"{s['global_batch']}, the kill inside step {s['kill_step'] + 1}, on {_machine_line(data)}.")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="fail when a quoted figure disagrees with its JSON")
