@@ -186,3 +186,34 @@ def test_expert_parallel_refusals_before_any_process_group():
         check_expert_parallel(dense, layout)
     with pytest.raises(ValueError, match="does not divide the 8 experts"):
         check_expert_parallel(model, build_layout(vision, ParallelSpec(ep=3), 6, "parallel", ["vision"]))
+
+
+TRAINER_CASE = str(__import__("pathlib").Path(__file__).parent / "helpers" / "trainer_case.py")
+
+
+@pytest.mark.slow
+def test_strategy_trains_a_moe_llm_like_one_process(tmp_path):
+    """Through Lightning and MultimodalParallelStrategy: Qwen3-MoE with the aux loss on, LLM pp 2 (4 processes),
+    clipping and accumulation: every step's loss, the aux loss it logged and every parameter as one process (one
+    microbatch per step: one process's forward is one microbatch). Then ep 2 over dp 2 with the aux loss off (one
+    process sees both replicas' rows as one microbatch, so only the reported aux values differ)."""
+    from tests.helpers.launch import run_trainer_case
+
+    def same(got, ref, aux=True):
+        (res, params), (ref_res, ref_params) = got, ref
+        torch.testing.assert_close(torch.tensor(res["train"]), torch.tensor(ref_res["train"]), rtol=1e-5, atol=1e-6)
+        assert len(res["aux_loss"]) == len(res["train"])
+        if aux:
+            torch.testing.assert_close(torch.tensor(res["aux_loss"]), torch.tensor(ref_res["aux_loss"]), rtol=1e-5,
+                                       atol=1e-6)
+        assert set(params) == set(ref_params)
+        for n, p in ref_params.items():
+            torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)
+
+    base = dict(llm="qwen3_moe", llm_config={"output_router_logits": True, "router_aux_loss_coef": 0.5},
+                modalities=["vision"], freeze="all", optimizer="sgd", lr=0.5, steps=2, accumulate=2, clip=0.5)
+    same(run_trainer_case(TRAINER_CASE, {**base, "llm_pp": 2}, tmp_path, "pp2"),
+         run_trainer_case(TRAINER_CASE, base, tmp_path, "single"))
+    base = dict(base, llm_config={"output_router_logits": False}, dp=2, accumulate=1)
+    same(run_trainer_case(TRAINER_CASE, {**base, "llm_pp": 1, "llm_ep": 2}, tmp_path, "ep2"),
+         run_trainer_case(TRAINER_CASE, base, tmp_path, "single_dp2"), aux=False)

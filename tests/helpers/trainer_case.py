@@ -10,7 +10,8 @@ names), so a test can compare any layout with one process. Keys of the JSON (all
   ``placement`` (encoder_placement), ``recompute`` (activation_checkpointing), ``microbatches``, ``accumulate``,
   ``precision``, ``steps``, ``batch_size`` (per replica), ``freeze``, ``state_bytes`` (write
   ``state_<rank>.json``: bytes held before the second step),
-  ``optimizer`` ("adamw" default, "sgd"), ``lr``, ``clip``, ``llm``, ``llm_layers``, ``vision`` (tiny encoder name)
+  ``optimizer`` ("adamw" default, "sgd"), ``lr``, ``clip``, ``llm``, ``llm_layers``, ``llm_config`` (more config
+  overrides of the tiny LLM), ``llm_ep`` (the LLM's expert parallelism), ``vision`` (tiny encoder name)
 - ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta, materialised per stage)
 - ``nan_at``: the step whose loss is made NaN (``nan_guard="skip"`` drops it)
 - ``validate`` / ``test`` / ``predict``: run ``trainer.validate/test/predict`` after fitting
@@ -65,7 +66,7 @@ class Data(lmm.data.SyntheticMultimodalDataModule):
 class Module(lmm.MultimodalLightningModule):
     def __init__(self, *args, nan_at=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.nan_at, self.losses = nan_at, []
+        self.nan_at, self.losses, self.aux_losses = nan_at, [], []
 
     def compute_loss(self, batch, train=True):
         loss = super().compute_loss(batch, train)
@@ -76,6 +77,8 @@ class Module(lmm.MultimodalLightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         super().on_train_batch_end(outputs, batch, batch_idx)
         self.losses.append(float(outputs["loss"]))
+        if "train/aux_loss" in self.trainer.callback_metrics:  # what this step logged (a mixture-of-experts LLM)
+            self.aux_losses.append(float(self.trainer.callback_metrics["train/aux_loss"]))
 
 
 class StateBytes(L.Callback):
@@ -108,7 +111,8 @@ def build(case):
     encoders = {"vision": lambda: lmm.ModalityEncoder(tiny_encoder(case.get("vision", "siglip"))),
                 "audio": lambda: lmm.ModalityEncoder(tiny_encoder("whisper"), projector="linear")}
     model = lmm.MultimodalModel({m: encoders[m]() for m in case.get("modalities", ["vision", "audio"])},
-                                tiny_language_model(case.get("llm", "llama"), num_hidden_layers=case.get("llm_layers", 4)))
+                                tiny_language_model(case.get("llm", "llama"), num_hidden_layers=case.get("llm_layers", 4),
+                                                    **case.get("llm_config", {})))
     return model.freeze(**FREEZE[case.get("freeze", "llm")])
 
 
@@ -123,7 +127,7 @@ def main(spec: str, out: str):
         enc_dp = case.get("encoder_dp", [None, None])
         llm = lmm.ParallelSpec(pp=case.get("llm_pp", 1), cp=case.get("llm_cp", 1), tp=case.get("llm_tp", 1),
                                cp_mode=case.get("cp_mode", "allgather"), ulysses=case.get("ulysses"),
-                               dp=case.get("llm_dp"))
+                               dp=case.get("llm_dp"), ep=case.get("llm_ep", 1))
         specs = {m: lmm.ParallelSpec(pp=enc[i], tp=enc_tp[i], cp=enc_cp[i], dp=enc_dp[i])
                  for i, m in enumerate(modalities)}
         strategy = lmm.MultimodalParallelStrategy(
@@ -163,6 +167,8 @@ def main(spec: str, out: str):
                 num_workers=case.get("workers", 0))
     trainer.fit(module, data)
     result = {"train": module.losses}
+    if module.aux_losses:  # a mixture-of-experts LLM
+        result["aux_loss"] = module.aux_losses
     if case.get("validate"):
         result["val"] = trainer.validate(module, data)[0]["val/loss"]
     if case.get("test"):
