@@ -99,7 +99,8 @@ def test_layout_trains_like_one_process(case):
     kind, aux, llm, dp, microbatches, recompute, sharding = case
     steps, rows = 3, 4 * dp
     model = build_moe_model(kind, aux)
-    ref_losses, ref_aux, ref_params, ref_norms = train_reference(model, global_batches(model, steps, rows), microbatches, dp)
+    batches = global_batches(model, steps, rows)
+    ref_losses, ref_aux, ref_params, ref_norms = train_reference(model, batches, microbatches, dp)
     results = run_distributed(run_rank, world_of(llm, dp), kind, aux, llm, dp, microbatches, steps, rows, recompute,
                               sharding)
     merged = {}

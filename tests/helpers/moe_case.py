@@ -12,7 +12,7 @@ from lightning_mm.model import tiny_encoder, tiny_language_model
 from lightning_mm.parallel.engine import PipelineEngine
 from lightning_mm.plan.layout import ParallelSpec, build_layout
 
-from helpers.pipeline_case import global_batches, replica_batch, train_engine
+from helpers.pipeline_case import global_batches, replica_batch
 
 
 def build_moe_model(kind: str, aux: bool):
