@@ -34,8 +34,8 @@ class MultimodalLightningModule(pl.LightningModule):
     finite) or "stop" (raise).
 
     ``generation`` (keyword arguments of ``MultimodalModel.generate``, e.g. ``{"max_new_tokens": 32}``) makes
-    ``trainer.predict`` decode with a KV cache and return ``{"generated_ids": [B, N]}``; under the strategy that
-    needs the whole model on each rank (``devices=1``, or an LLM of one stage with encoders replicated). ``lora``
+    ``trainer.predict`` decode with a KV cache and return ``{"generated_ids": [B, N]}``; where the strategy splits
+    the model into pipeline stages, greedily, stage to stage (``lightning_mm.parallel.generation``). ``lora``
     (keyword arguments of ``MultimodalModel.add_lora``, e.g. ``{"modules": ["q_proj", "v_proj"], "r": 8}``) adds
     LoRA adapters after ``freeze``.
     """
@@ -161,10 +161,17 @@ class MultimodalLightningModule(pl.LightningModule):
         strategy every rank returns the ids; the logits only where the LLM head lives (else None). With
         ``generation=...``: ``{"generated_ids": [B, N]}``, the tokens ``MultimodalModel.generate`` decodes."""
         batch = fill_positions(self.model, batch)  # a composite's own positions (M-RoPE) when the batch has none
-        validate_batch(batch, self.model, self.pipeline.num_microbatches if self.pipeline is not None else 1)
+        cut = self.pipeline is not None and self.generation is None  # generation decodes the batch as one piece
+        validate_batch(batch, self.model, self.pipeline.num_microbatches if cut else 1)
         if self.generation is not None:
-            from lightning_mm.model.generation import predict_generate
+            from lightning_mm.model.generation import predict_generate, whole_model_on_rank
 
+            pipeline = self.pipeline
+            if pipeline is not None and not whole_model_on_rank(pipeline.engine, self.model):
+                from lightning_mm.parallel.generation import pipeline_generate  # greedy, stage to stage
+
+                with pipeline.precision_plugin.forward_context():
+                    return {"generated_ids": pipeline_generate(pipeline.engine, batch, self.generation)}
             return {"generated_ids": predict_generate(self, batch, self.generation)}
         if self.pipeline is not None:
             return self.pipeline.predict_pipeline(batch)

@@ -194,10 +194,10 @@ def _run(case: dict, tmp_path, name: str):
 
 
 @pytest.mark.slow
-def test_lora_trains_under_the_strategy_like_one_process_and_predict_generates_where_the_model_is_whole(tmp_path):
+def test_lora_trains_under_the_strategy_like_one_process_and_predict_generates(tmp_path):
     """LoRA + a trainable projector, 2 SGD steps: LLM in 2 pipeline stages (3 processes) and 2 data-parallel
     replicas of the whole model (encoders replicated) train exactly like one process. trainer.predict with
-    generation= decodes on each replica of the whole model and is a clear error across pipeline stages."""
+    generation= decodes on each replica of the whole model, and greedily across pipeline stages."""
     ref, ref_params = _run({"devices": 1}, tmp_path, "single")
     assert all(".lora_" in n or ".projector." in n for n in ref_params) and len(ref_params) > 16
     for case, name in (({"devices": 3, "llm_pp": 2}, "pp2"), ({"devices": 2, "placement": "replicated"}, "dp2")):
@@ -206,8 +206,8 @@ def test_lora_trains_under_the_strategy_like_one_process_and_predict_generates_w
         assert set(params) == set(ref_params)
         for n, p in ref_params.items():
             torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)
-        if name == "pp2":
-            assert "error" in got and "needs the whole model on every rank" in got["error"], got
+        if name == "pp2":  # greedy stage to stage (lightning_mm.parallel.generation): one process's tokens
+            assert all(g == ref["expected"][0] for g in got["generated"]), (got, ref["expected"])
         else:
             assert got["generated"] == got["expected"] and got["generated"] == ref["expected"], got
 

@@ -1,0 +1,347 @@
+"""Greedy generation across pipeline stages: ``trainer.predict`` with ``MultimodalLightningModule(generation=...)``
+when the model is split into stages (the LLM in ``pp`` stages, encoders on their own ranks).
+
+Per batch (one replica; every rank of it sees the same batch, so each derives the prompt's words and positions
+itself and only features, hidden states and tokens travel):
+
+1. The encoder stages run once over the whole batch (one microbatch, the training forward of each stage under
+   ``no_grad``) and send their features down the stage graph to the LLM's first stage.
+2. Prefill: the LLM's first stage embeds the prompt (moved to left padding, as ``MultimodalModel.generate`` does)
+   and scatters the features; each LLM stage runs its own layers over the prompt and fills its own KV cache, a
+   transformers ``DynamicCache`` over its layers only (filled by the HF attention modules of those layers, keyed by
+   their global layer index); the hidden states go stage to stage. The last stage picks the greedy next token.
+3. Decoding: the last stage sends the tokens of the rows still running (and their row indices) back to the first
+   stage, which embeds them; the ``[rows, 1, H]`` hidden states travel down the stages, each appending to its
+   cache. A row that emits an end-of-sequence token leaves the batch: every stage drops it from its cache at the
+   next step (``DynamicCache.batch_select_indices``), so finished rows cost no more compute; when no row is left
+   an empty message stops every stage.
+
+Attention keeps the bitfield semantics of one-process generation (``attention.hf.generation_words``): the prompt
+attends under its words, every generated token is text. Positions follow transformers: 1-D positions count each
+row's real tokens; M-RoPE models (Qwen2-VL family, ``position_ids_fn``) decode text at ``max(prompt position) + 1
++ t`` on all three axes (transformers' ``rope_deltas``). Messages use the engine's ``StageComm`` (one exchange per
+send or receive, headers first), one at a time along the chain, so no cycle can wait on itself. The last LLM stage
+broadcasts the ids to every rank of the replica.
+
+Served: greedy decoding (``do_sample=False``, one beam, one sequence per prompt), ``max_new_tokens``,
+``eos_token_id``, ``pad_token_id``; the LLM's stages without tensor, context or expert parallelism, no sharded
+(FSDP) LLM and no per-module data parallelism. Everything else is refused with the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_mm import masks
+from lightning_mm.attention.hf import check_honours_mask, generation_words
+from lightning_mm.model.generation import left_align
+from lightning_mm.parallel.engine import check_same_batch
+from lightning_mm.plan.schedule import LANGUAGE_MODEL
+
+SERVED = ("max_new_tokens", "do_sample", "num_beams", "num_return_sequences", "eos_token_id", "pad_token_id",
+          "use_cache")
+# generation_config entries that change greedy picks (transformers' logits processors); refused when set
+_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None, "min_length": 0,
+               "min_new_tokens": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+               "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
+               "encoder_repetition_penalty": 1.0}
+HIDDEN_KEYS = ["hidden", "rows"]
+TOKEN_KEYS = ["tokens", "rows"]
+
+
+@dataclass(frozen=True)
+class GreedySettings:
+    max_new_tokens: int
+    eos: tuple[int, ...]
+    pad: int
+
+
+def unserved_options(generation: dict) -> str | None:
+    """Why ``generation`` (``MultimodalLightningModule(generation=...)``) cannot decode across pipeline stages, or
+    None (pure: the same answer on every rank)."""
+    unknown = sorted(set(generation) - set(SERVED))
+    if generation.get("do_sample") or generation.get("num_beams", 1) != 1 or \
+            generation.get("num_return_sequences", 1) != 1 or generation.get("use_cache", True) is False:
+        return ("generation across pipeline stages decodes greedily with a KV cache (do_sample=False, num_beams=1, "
+                "num_return_sequences=1); for sampling or beam search predict with the whole model on every rank "
+                "(devices=1, or language_model=ParallelSpec(pp=1) with encoder_placement='replicated')")
+    if unknown:
+        return (f"generation across pipeline stages takes {list(SERVED)}, not {unknown}; drop them, or predict with "
+                "the whole model on every rank (devices=1, or language_model=ParallelSpec(pp=1) with "
+                "encoder_placement='replicated'), where transformers' generate takes every option")
+    if not isinstance(generation.get("max_new_tokens"), int) or generation["max_new_tokens"] < 1:
+        return "generation across pipeline stages needs max_new_tokens=<int >= 1> in generation=..."
+    return None
+
+
+def unserved_layout(engine) -> str | None:
+    """Why this engine's layout cannot decode across stages, or None (the same answer on every rank, except the
+    FSDP check, which is per rank and agreed on by ``_agree``)."""
+    layout = engine.layout
+    llm = [s for s in layout.stages if layout.chain_of(s) == LANGUAGE_MODEL]
+    if layout.disaggregated:
+        return ("generation across pipeline stages needs one data-parallel degree for every module (no per-module "
+                "data parallelism): predict with a strategy whose modules share dp")
+    if any(layout.cp[s] > 1 or layout.tp[s] > 1 for s in llm) or layout.ep > 1:
+        return ("generation across pipeline stages runs each LLM stage on one rank: predict with "
+                "language_model=ParallelSpec(pp=..., cp=1, tp=1, ep=1) (the same checkpoint loads under any layout)")
+    if engine.plan.language_model is not None and engine.fsdp_params:
+        return ("generation across pipeline stages does not run a sharded (FSDP) language model: predict with "
+                "sharding_strategy='NO_SHARD'")
+    return None
+
+
+def greedy_settings(lm, generation: dict) -> tuple[GreedySettings | None, str | None]:
+    """The stop tokens and padding of ``lm``'s generation config overridden by ``generation`` (an LLM stage)."""
+    config = getattr(lm, "generation_config", None)
+    for key, neutral in _PROCESSORS.items():
+        value = getattr(config, key, neutral) if config is not None else neutral
+        if value not in (neutral, None, [], ()) and key not in generation:
+            return None, (f"the language model's generation_config sets {key}={value!r}, which changes greedy picks "
+                          "and is not applied across pipeline stages; reset it (model.language_model."
+                          f"generation_config.{key} = {neutral!r}) or predict with the whole model on every rank")
+    eos = generation.get("eos_token_id", getattr(config, "eos_token_id", None))
+    eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
+    pad = generation.get("pad_token_id", getattr(config, "pad_token_id", None))
+    pad = pad if pad is not None else (eos[0] if eos else 0)  # as transformers: pad with the first eos
+    return GreedySettings(int(generation["max_new_tokens"]), eos, int(pad)), None
+
+
+def _agree(problem: str | None, group, device) -> None:
+    """Raise on every rank of ``group`` when any of them has a ``problem`` (its own message where it has one)."""
+    flag = torch.tensor([0 if problem is None else 1], device=device)
+    if group is not None:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag):
+        raise RuntimeError(problem or "another rank of this replica refused generation across pipeline stages "
+                           "(an LLM stage): see its error")
+
+
+# ------------------------------------------------------------------ the prompt, as every LLM stage derives it
+@dataclass
+class Prompt:
+    input_ids: torch.Tensor  # [B, S] left-aligned
+    bam: torch.Tensor  # [B, S] (padding word 0)
+    positions: torch.Tensor  # [B, S] or [B, S, 3] (M-RoPE)
+    next_position: torch.Tensor  # [B]: the position of the first generated token
+
+
+def prompt_of(model, batch: dict) -> Prompt:
+    """The batch's prompt as ``MultimodalModel.generate`` decodes it: padding moved left, words with padding 0,
+    transformers' positions (or the model's own M-RoPE positions, left-aligned the same way)."""
+    input_ids, bam = batch["input_ids"], batch.get("bam")
+    mask = batch.get("attention_mask")
+    segment_ids = batch.get("segment_ids")
+    if segment_ids is not None and bool((segment_ids[mask.bool()] if mask is not None else segment_ids)
+                                        .ne(segment_ids[:, :1]).any()):
+        raise ValueError("generate takes one prompt per row; these rows are packed (segment_ids): collate the "
+                         "prompts without pack=True")
+    if mask is None:
+        mask = bam.ne(0).long() if bam is not None else torch.ones_like(input_ids)
+    if bam is None:
+        bam = model.build_bam(input_ids, mask)
+    masks.validate(bam)
+    bam = bam * mask.ne(0)
+    order = torch.argsort(mask.ne(0).to(torch.int8), dim=1, stable=True)
+    ids, bam, aligned = left_align(input_ids, bam, attention_mask=mask)
+    real = aligned.ne(0)
+    if getattr(model, "position_ids_fn", None) is not None:  # M-RoPE: [B, S, 3] from the tokens and grids
+        given = batch.get("position_ids")
+        if given is None:
+            inputs = {n: batch[n] for n in model.encoders if isinstance(batch.get(n), dict)}
+            given = model.position_ids_fn(input_ids, inputs, mask)
+        if given.dim() == 2:
+            given = given.unsqueeze(-1).expand(-1, -1, 3)
+        positions = given.gather(1, order.unsqueeze(-1).expand(-1, -1, given.shape[-1]))
+        positions = positions * real.unsqueeze(-1)
+        next_position = positions.amax(dim=(1, 2)) + 1  # transformers' rope_deltas: text after the prompt
+    else:
+        positions = (aligned.long().ne(0).cumsum(1) - 1).clamp(min=0)
+        if batch.get("position_ids") is not None:
+            given = batch["position_ids"].gather(1, order)
+            if not torch.equal(given[real], positions[real]):
+                raise ValueError("generate counts positions 0, 1, ... over each row's non-padding tokens (as "
+                                 "transformers does); these position_ids differ: drop them")
+        next_position = real.long().sum(1)
+    return Prompt(ids, bam, positions, next_position)
+
+
+# ------------------------------------------------------------------ one LLM stage
+class StageDecoder:
+    """One LLM stage's part of the decoding: its layers, its own KV cache and the rows it holds."""
+
+    def __init__(self, model, prompt: Prompt, start: int, end: int):
+        from transformers import DynamicCache
+
+        self.model, self.prompt, self.start, self.end = model, prompt, start, end
+        self.cache = DynamicCache()  # over this stage's layers (HF layers update it at their global index)
+        self.rows = torch.arange(prompt.input_ids.shape[0], device=prompt.input_ids.device)
+        self.text_word = masks.text_word(len(model.encoders))
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Drop from the cache every row not in ``rows`` (rows only ever leave, and stay in order)."""
+        if rows.numel() != self.rows.numel():
+            self.cache.batch_select_indices(torch.searchsorted(self.rows, rows))
+            self.rows = rows
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """This stage's layers over ``hidden [rows, q, H]`` at ``positions``, appending to the cache."""
+        fam, lm = self.model.lm_family, self.model.language_model
+        pos_emb = fam.position_embeddings(lm, hidden, positions)
+        with generation_words(self.prompt.bam.index_select(0, self.rows), self.text_word):
+            for layer in list(self.model.llm_layers)[self.start:self.end]:
+                hidden = fam.run_layer(layer, hidden, pos_emb, positions, {"cache": self.cache})
+        return hidden
+
+    def step_positions(self, t: int) -> torch.Tensor:
+        """Positions of generated token ``t`` (0: the first) for the rows held: ``[rows, 1]`` or ``[rows, 1, 3]``."""
+        pos = (self.prompt.next_position.index_select(0, self.rows) + t).view(-1, 1)
+        return pos.unsqueeze(-1).expand(-1, -1, 3) if self.prompt.positions.dim() == 3 else pos
+
+
+# ------------------------------------------------------------------ the whole exchange
+def pipeline_generate(engine, batch: dict, generation: dict) -> torch.Tensor:
+    """The new token ids ``[B, N]`` (``N <= max_new_tokens``: decoding stops when every row has finished; finished
+    rows are padded with ``pad_token_id``) on every rank of this rank's replica."""
+    model, plan = engine.model, engine.plan
+    sl = plan.language_model
+    problem = unserved_options(generation) or unserved_layout(engine)
+    settings = None
+    if problem is None and sl is not None:
+        check_honours_mask(model.language_model)
+        settings, problem = greedy_settings(model.language_model, generation)
+    _agree(problem, engine.groups.replica, engine.device)
+    check_same_batch(batch, engine.groups.replica)
+    rows, steps = batch["input_ids"].shape[0], int(generation["max_new_tokens"])
+    out, produced = None, 0
+    with torch.no_grad():
+        features = _run_encoders(engine, batch)
+        if sl is not None:
+            out, produced = _decode(engine, batch, features, settings)
+    engine.comm.wait_all()
+    return _share(engine, out, produced, rows, steps)
+
+
+def _llm_rank(engine, k: int) -> int:
+    return engine.layout.rank(f"{LANGUAGE_MODEL}.{k}", engine.coord.dp)
+
+
+def _run_encoders(engine, batch: dict) -> dict[str, torch.Tensor]:
+    """Run this rank's encoder stage once over the whole batch (receiving from and sending to its neighbours in the
+    stage graph); at the LLM's first stage, the features of every modality (received and colocated)."""
+    graph, layout, me, d = engine.frozen_graph, engine.layout, engine.rank, engine.coord.dp
+    stage, plan = engine.stage, engine.plan
+    if plan.language_model is not None and not plan.language_model.embed:
+        return {}
+    preds = graph.predecessors(stage)
+    got = engine.comm.exchange([], [(engine.forward_keys(p), layout.activation_sources(p, stage, d)[me])
+                                    for p in preds])
+    received = dict(zip(preds, got))
+    mb = dict(batch)
+    engine.item_shards([mb])  # encoder context parallelism: which rank encodes which item
+    if plan.language_model is not None:  # the LLM's first stage: received features and colocated encoders
+        features = {k: v for msg in received.values() for k, v in msg.items()}
+        with engine.forward_context():
+            features.update({e: engine._encoder_part(e, s, mb, {}) for e, s in plan.encoders.items()})
+        return {k: v for k, v in features.items() if v.numel()}
+    message = engine.run_stage(mb, received, None)
+    sends = [(message, engine.forward_keys(stage), dst) for succ in graph.successors(stage)
+             for dst, src in layout.activation_sources(stage, succ, d).items() if src == me]
+    engine.comm.exchange(sends, [])
+    return {}
+
+
+def _decode(engine, batch: dict, features: dict, settings: GreedySettings) -> tuple[torch.Tensor | None, int]:
+    """This LLM stage's part of prefill and decoding; at the last stage the ids ``[B, max_new_tokens]`` and how many
+    columns were produced."""
+    model, sl, comm = engine.model, engine.plan.language_model, engine.comm
+    k = int(engine.stage.rsplit(".", 1)[1])
+    last = engine.layout.module_stages[LANGUAGE_MODEL] - 1
+    prev, nxt = (_llm_rank(engine, k - 1) if k else None), (_llm_rank(engine, k + 1) if k < last else None)
+    first_rank, last_rank = _llm_rank(engine, 0), _llm_rank(engine, last)
+    prompt = prompt_of(model, batch)
+    stage = StageDecoder(model, prompt, sl.start, sl.end)
+    device = prompt.input_ids.device
+    out = torch.full((prompt.input_ids.shape[0], settings.max_new_tokens), settings.pad, dtype=torch.long,
+                     device=device) if sl.head else None
+    eos = torch.tensor(settings.eos, dtype=torch.long, device=device)
+    embed_tokens = model.lm_family.embed_tokens(model.language_model)
+    handoff = None  # P == 1: the tokens go from the head to the embedding on this rank
+
+    def forward(hidden, positions):
+        with engine.forward_context():
+            return stage.run(hidden, positions)
+
+    def pick(hidden, t):  # the last stage: greedy tokens of the rows held; returns the rows still running
+        with engine.forward_context():
+            tokens = model.logits(hidden[:, -1:]).argmax(-1).view(-1)
+        out[stage.rows, t] = tokens
+        running = ~torch.isin(tokens, eos) if eos.numel() else torch.ones_like(tokens, dtype=torch.bool)
+        return {"tokens": tokens[running], "rows": stage.rows[running]}
+
+    # prefill
+    if sl.embed:
+        hidden = model.embed(prompt.input_ids, features)
+    else:
+        hidden, rows = _receive(comm, HIDDEN_KEYS, prev)
+    hidden = forward(hidden, prompt.positions)
+    produced = 0
+    for t in range(settings.max_new_tokens):
+        # hidden: this stage's output for the input of step t (the prompt at t = 0)
+        if sl.head:
+            message = pick(hidden, t)
+            produced = t + 1
+            if t + 1 == settings.max_new_tokens:
+                break
+            if sl.embed:
+                handoff = message
+            else:
+                comm.exchange([(message, TOKEN_KEYS, first_rank)], [])
+        elif nxt is not None:
+            comm.exchange([({"hidden": hidden, "rows": stage.rows}, HIDDEN_KEYS, nxt)], [])
+        if t + 1 == settings.max_new_tokens:
+            break
+        # the input of step t + 1
+        if sl.embed:
+            message = handoff if handoff is not None else _receive_dict(comm, TOKEN_KEYS, last_rank)
+            rows = message["rows"]
+            if not rows.numel():  # every row finished: stop every stage down the chain
+                if nxt is not None:
+                    comm.exchange([({"hidden": hidden[:0, -1:], "rows": rows}, HIDDEN_KEYS, nxt)], [])
+                break
+            stage.keep(rows)
+            hidden = embed_tokens(message["tokens"].view(-1, 1))  # as transformers' generate embeds its tokens
+        else:
+            hidden, rows = _receive(comm, HIDDEN_KEYS, prev)
+            if not rows.numel():
+                if nxt is not None:
+                    comm.exchange([({"hidden": hidden, "rows": rows}, HIDDEN_KEYS, nxt)], [])
+                break
+            stage.keep(rows)
+        hidden = forward(hidden, stage.step_positions(t))
+    return out, produced
+
+
+def _receive_dict(comm, keys: list[str], src: int) -> dict[str, torch.Tensor]:
+    (message,) = comm.exchange([], [(keys, src)])
+    return message
+
+
+def _receive(comm, keys: list[str], src: int) -> tuple[torch.Tensor, ...]:
+    message = _receive_dict(comm, keys, src)
+    return tuple(message[k] for k in keys)
+
+
+def _share(engine, out: torch.Tensor | None, produced: int, rows: int, steps: int) -> torch.Tensor:
+    """Broadcast the last LLM stage's ids (and how many columns it produced) over the replica."""
+    buffer = torch.zeros(1 + rows * steps, dtype=torch.long, device=engine.device)
+    if out is not None:
+        buffer[0] = produced
+        buffer[1:] = out.reshape(-1).to(engine.device)
+    if engine.groups.replica is not None:
+        last = f"{LANGUAGE_MODEL}.{engine.layout.module_stages[LANGUAGE_MODEL] - 1}"
+        dist.broadcast(buffer, engine.layout.rank(last, engine.coord.dp), group=engine.groups.replica)
+    return buffer[1:].view(rows, steps)[:, :int(buffer[0])]

@@ -1,0 +1,111 @@
+"""``trainer.predict`` with ``generation=`` under pipeline layouts, against one-process references.
+
+``python pipeline_generation_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0): ``generated``
+(every rank's ids, in rank order), ``expected`` (per data-parallel replica: one-process ``model.generate``, or for
+Qwen2-VL HF's own ``Qwen2VLForConditionalGeneration.generate`` of the folder), ``eos`` (the stop tokens used), or
+``error``. JSON keys: ``kind`` ("llava": a SigLIP tower + llama built from configs; "qwen2_vl": ``folder``, a
+composite written by ``tests.test_hf_composites.save_composite``), ``llm_pp``, ``dp`` (replicas, default 1),
+``max_new_tokens``, ``early_stop`` (stop tokens picked from the reference so rows finish at different steps and
+all before ``max_new_tokens``), ``generation`` (extra options, e.g. to see a refusal), ``llm_tp``.
+"""
+
+import json
+import os
+import sys
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import lightning_mm as lmm
+from lightning_mm.model import tiny_encoder, tiny_language_model
+
+
+def build(case: dict):
+    torch.manual_seed(0)
+    if case["kind"] == "llava":
+        enc = lmm.ModalityEncoder(tiny_encoder("siglip"), projector="mlp")
+        return lmm.MultimodalModel({"vision": enc}, tiny_language_model("llama")).eval()
+    return lmm.MultimodalModel.from_pretrained(case["folder"]).eval()
+
+
+def llava_prompts(model, seed: int) -> dict:
+    """Three prompts of different lengths with 1, 2 and 1 images, collated with right padding."""
+    g = torch.Generator().manual_seed(seed)
+    enc, pid = model.encoders["vision"], model.placeholder_ids["vision"]
+    images = lambda n: enc.family.random_inputs(enc.module.config, n, generator=g)  # noqa: E731
+    samples = [{"input_ids": [5, pid, 7, 9, 11], "vision": images(1)},
+               {"input_ids": [3, 4, pid, 8, 12, pid, 13, 14, 20, 21, 22], "vision": images(2)},
+               {"input_ids": [6, 7, 8, pid, 30, 31, 32, 33], "vision": images(1)}]
+    return lmm.data.MultimodalCollator(model)(samples[seed % 2:] if seed % 2 else samples)
+
+
+def qwen_prompts(model, seed: int) -> tuple[dict, dict]:
+    """(ours, HF's left-padded keyword arguments): two rows with 2 and 1 images of different grids."""
+    from tests.test_hf_composites import IMG, PAD, batch_for
+
+    ours, hf = batch_for("qwen2_vl", None)
+    ids, mask = hf["input_ids"], hf["attention_mask"]
+    left_ids, left_mask = torch.full_like(ids, PAD), torch.zeros_like(mask)
+    for r in range(ids.shape[0]):
+        n = int(mask[r].sum())
+        left_ids[r, -n:], left_mask[r, -n:] = ids[r, :n], 1
+    hf = {k: v for k, v in hf.items() if k not in ("labels", "input_ids", "attention_mask", "mm_token_type_ids")}
+    hf.update(input_ids=left_ids, attention_mask=left_mask, mm_token_type_ids=(left_ids == IMG).int())
+    return ours, hf
+
+
+def reference(case: dict, model, batch: dict, hf_kwargs: dict | None, generation: dict) -> list:
+    if case["kind"] == "llava":
+        return model.generate(**batch, **generation).tolist()
+    from tests.test_hf_composites import load_hf
+
+    hf = load_hf("qwen2_vl", case["folder"]).eval()
+    with torch.no_grad():
+        out = hf.generate(**hf_kwargs, **generation)
+    return out[:, hf_kwargs["input_ids"].shape[1]:].tolist()
+
+
+def main(spec: str, out: str):
+    case = json.loads(spec)
+    torch.set_num_threads(1)
+    pp, dp, tp = case.get("llm_pp", 2), case.get("dp", 1), case.get("llm_tp", 1)
+    strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=1)},
+                                              language_model=lmm.ParallelSpec(pp=pp, tp=tp), num_microbatches=2,
+                                              fault_timeout=120)
+    trainer = L.Trainer(accelerator="cpu", devices=dp * (1 + pp * tp), strategy=strategy, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    model = build(case)
+    generation = {"max_new_tokens": case.get("max_new_tokens", 8), "do_sample": False}
+    if case["kind"] == "llava":
+        batches = [(llava_prompts(model, seed), None) for seed in range(dp)]
+    else:
+        batches = [qwen_prompts(model, seed) for seed in range(dp)]
+    expected = None
+    if case.get("early_stop"):
+        # stop tokens from a first reference: row r stops at its token r + 1 (so rows finish at different steps)
+        first = reference(case, model, *batches[0], generation)
+        generation["eos_token_id"] = sorted({row[min(r + 1, len(row) - 1)] for r, row in enumerate(first)})
+    if trainer.global_rank == 0 or case["kind"] == "llava":  # before the strategy cuts the model into stages
+        expected = [reference(case, model, b, hf, generation) for b, hf in batches]
+    generation.update(case.get("generation", {}))
+    module = lmm.MultimodalLightningModule(model, generation=generation)
+    result = {"eos": generation.get("eos_token_id"), "expected": expected}
+    replica = trainer.global_rank // (1 + pp * tp)  # ranks are numbered replica by replica
+    try:
+        got = trainer.predict(module, DataLoader([batches[replica][0]], batch_size=None))[0]["generated_ids"]
+        gathered = [None] * trainer.world_size
+        dist.all_gather_object(gathered, got.tolist())
+        result["generated"] = gathered
+        result["replicas"] = [trainer.strategy.layout.coordinate(r).dp for r in range(trainer.world_size)]
+    except RuntimeError as e:
+        result["error"] = str(e)
+    if trainer.global_rank == 0:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
