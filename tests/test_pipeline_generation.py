@@ -79,6 +79,14 @@ def test_llava_generation_under_llm_pp3_and_dp2(tmp_path):
     assert len(result["generated"][0][0]) == 8 and result["expected"][0] != result["expected"][1]
 
 
+@pytest.mark.slow
+def test_llava_generation_with_an_encoder_pipeline_and_with_encoders_in_the_first_llm_stage(tmp_path):
+    """Vision pp 2 + LLM pp 2 (5 ranks: features cross two encoder stages first), and encoders replicated into the
+    LLM's stages with LLM pp 2 (2 ranks: the first LLM stage encodes the images itself)."""
+    _check(_run({"kind": "llava", "llm_pp": 2, "vision_pp": 2, "early_stop": True}, tmp_path, "vpp2"), 4)
+    _check(_run({"kind": "llava", "llm_pp": 2, "placement": "replicated", "early_stop": True}, tmp_path, "repl"), 2)
+
+
 def test_layouts_it_does_not_serve_are_refused_with_the_fix():
     """Tensor, context or expert parallelism on the LLM, a sharded LLM and per-module data parallelism; every rank
     derives the same answer from the layout (the FSDP check is agreed on over the replica before any message)."""

@@ -6,7 +6,8 @@ Qwen2-VL HF's own ``Qwen2VLForConditionalGeneration.generate`` of the folder), `
 ``error``. JSON keys: ``kind`` ("llava": a SigLIP tower + llama built from configs; "qwen2_vl": ``folder``, a
 composite written by ``tests.test_hf_composites.save_composite``), ``llm_pp``, ``dp`` (replicas, default 1),
 ``max_new_tokens``, ``early_stop`` (stop tokens picked from the reference so rows finish at different steps and
-all before ``max_new_tokens``), ``generation`` (extra options, e.g. to see a refusal), ``llm_tp``.
+all before ``max_new_tokens``), ``generation`` (extra options, e.g. to see a refusal), ``llm_tp``, ``vision_pp``,
+``placement`` (``encoder_placement``).
 """
 
 import json
@@ -71,10 +72,12 @@ def main(spec: str, out: str):
     case = json.loads(spec)
     torch.set_num_threads(1)
     pp, dp, tp = case.get("llm_pp", 2), case.get("dp", 1), case.get("llm_tp", 1)
-    strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=1)},
+    vision_pp, placement = case.get("vision_pp", 1), case.get("placement", "parallel")
+    strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=vision_pp)},
                                               language_model=lmm.ParallelSpec(pp=pp, tp=tp), num_microbatches=2,
-                                              fault_timeout=120)
-    trainer = L.Trainer(accelerator="cpu", devices=dp * (1 + pp * tp), strategy=strategy, logger=False,
+                                              encoder_placement=placement, fault_timeout=120)
+    per_replica = pp * tp + (0 if placement == "replicated" else vision_pp)
+    trainer = L.Trainer(accelerator="cpu", devices=dp * per_replica, strategy=strategy, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
     model = build(case)
@@ -93,7 +96,7 @@ def main(spec: str, out: str):
     generation.update(case.get("generation", {}))
     module = lmm.MultimodalLightningModule(model, generation=generation)
     result = {"eos": generation.get("eos_token_id"), "expected": expected}
-    replica = trainer.global_rank // (1 + pp * tp)  # ranks are numbered replica by replica
+    replica = trainer.global_rank // per_replica  # ranks are numbered replica by replica
     try:
         got = trainer.predict(module, DataLoader([batches[replica][0]], batch_size=None))[0]["generated_ids"]
         gathered = [None] * trainer.world_size
