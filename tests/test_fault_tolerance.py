@@ -313,6 +313,27 @@ def test_a_group_of_another_layout_heals_by_name_after_losing_a_rank_inside_a_st
     _assert_both_groups_equal_the_reference(out)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_data_parallel_group_beside_a_pipeline_group_heals_its_copies_by_name(tmp_path, lighthouse):
+    """Group 0: the LLM in 2 stages; group 1: the whole model on 2 data-parallel ranks (a holder and its copy).
+    Group 1's copy is killed inside step 3 and the group restarts: its holder heals by name from group 0, its copy
+    from its holder, and both groups equal one process (the synced gradients reach the copy every step)."""
+    kill = {"group": 1, "rank": 1, "step": 3, "where": "backward"}
+    layouts = ({"global_batch": 4}, {"global_batch": 4, "pp": 1})
+    out, codes, results = _run_two_groups(tmp_path, lighthouse, kill, restarts_1=1, wait_rejoin=True,
+                                          layouts=layouts, restarts_0=0)
+    assert codes == [0, 0], _log(out, "launch_*.log")
+    assert results[1]["restart"] == 1 and results[1]["stats"]["healed_steps"] == 1
+    assert results[0]["global_step"] == results[1]["global_step"] == STEPS
+    ref = _reference(out)
+    _assert_equal_to_reference(_params(out, 0), ref)
+    copies = sorted(glob.glob(os.path.join(out, "params_1_*.pt")))
+    assert len(copies) == 2
+    for f in copies:  # the holder and its copy each
+        _assert_equal_to_reference(torch.load(f), ref)
+
+
 def _templates(path) -> str:
     """Two templates of 1-device nodes: 1 node runs the whole model (planned twice as slow per microbatch), 2 nodes
     run the LLM in 2 stages."""

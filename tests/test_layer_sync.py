@@ -176,15 +176,14 @@ def test_what_layerwise_fault_tolerance_does_not_serve_is_named_before_training(
     from lightning_mm.fault_tolerance import FaultToleranceError
     from lightning_mm.fault_tolerance.layerwise import check_servable
 
-    def strategy(dp=1, cp=1, sharding="NO_SHARD"):
-        layout = build_layout({}, ParallelSpec(pp=2, dp=dp, cp=cp), 2 * dp * cp)
+    def strategy(dp=1, cp=1, tp=1, sharding="NO_SHARD"):
+        layout = build_layout({}, ParallelSpec(pp=2, dp=dp, cp=cp, tp=tp), 2 * dp * cp * tp)
         return SimpleNamespace(layout=layout, sharding_strategy=sharding)
 
     check_servable(strategy())
-    with pytest.raises(FaultToleranceError, match="use dp 1 and cp 1 per group"):
-        check_servable(strategy(dp=2))
-    with pytest.raises(FaultToleranceError, match="use dp 1 and cp 1 per group"):
-        check_servable(strategy(cp=2))
+    check_servable(strategy(dp=2, cp=2))  # a stage's copies take the synced result from its holder
+    with pytest.raises(FaultToleranceError, match="use tp 1"):
+        check_servable(strategy(tp=2))
     with pytest.raises(FaultToleranceError, match="use NO_SHARD"):
         check_servable(strategy(sharding="FULL_SHARD"))
 
@@ -203,3 +202,24 @@ def test_a_published_group_reads_back_as_its_holdings():
     doc["stage_params"]["language_model.1"].append("a")  # tied across stages
     with pytest.raises(FaultToleranceError, match="tie_word_embeddings=False"):
         group_holdings(doc)
+
+
+def test_template_shares_split_whole_microbatches_by_planned_step_time():
+    """Eq. 2.6 as split_batch solves it: a 2-node template at 1.0 per microbatch beside a 1-node one at 2.0 gets 3
+    of 4 microbatches; samples past the last whole microbatch go one each in order; too few microbatches for
+    every group is refused by name."""
+    from lightning_mm.fault_tolerance import FaultToleranceError
+    from lightning_mm.fault_tolerance.layerwise import template_shares
+    from lightning_mm.plan.templates import PipelineTemplate
+
+    def template(nodes, pp, time):
+        return PipelineTemplate(nodes=nodes, devices_per_node=1, specs={"language_model": ParallelSpec(pp=pp)},
+                                partition={"language_model": (4,) if pp == 1 else (2, 2)},
+                                microbatch_time=time).to_dict()
+
+    fast, slow = template(2, 2, 1.0), template(1, 1, 2.0)
+    assert template_shares([fast, slow], 4, 1) == [(0, 3), (3, 4)]
+    assert template_shares([slow, fast], 4, 1) == [(0, 1), (1, 4)]
+    assert template_shares([fast, slow], 5, 2) == [(0, 3), (3, 5)]  # 1 + 1 microbatches of 2, one sample over
+    with pytest.raises(FaultToleranceError, match="cannot give each of the 2 groups one"):
+        template_shares([fast, slow], 3, 2)

@@ -49,8 +49,8 @@ class FaultTolerance:
     gradient is reduced with the groups' holders of its layer, keyed by name), and every group must give the
     same value. ``templates``: a templates file (``lightning-mm plan --templates``); with it a group takes the layout
     of its world size at every (re)start (a group launched with ``torchrun --nnodes MIN:MAX`` that loses a node
-    re-forms at a smaller template), and each group's share of the global batch follows its template's planned
-    speed. It needs ``global_batch``."""
+    re-forms at a smaller template), and the global batch is split over the groups in whole microbatches by their
+    templates' planned step times (Oobleck's Eq. 2.6, every group at least one). It needs ``global_batch``."""
 
     lighthouse: str = ""
     replica_group: int | None = None

@@ -61,7 +61,7 @@ class QuorumSync:
     index: int  # this group's position in the quorum
     group_ids: list[int]  # the replica-group ids of the quorum, by position
     steps: list[int]  # each group's committed step when the quorum formed, by position
-    speeds: list[float]  # each group's planned speed (its template's microbatches per unit time; 1 without)
+    templates: list[dict | None]  # each group's template (PipelineTemplate.to_dict), None without templates
     buckets: list[LayerBucket]
     process_groups: dict
     store: object  # the quorum's store (a PrefixStore of torchft's client)
@@ -85,8 +85,8 @@ def holdings_doc(strategy, fingerprint: int) -> dict:
     stage_params = {s: everyone[layout.rank(s)] for s in layout.stages}
     holders = {s: [layout.rank(s, 0, 0, t) for t in range(layout.tp[s])] for s in layout.stages}
     ft = strategy.fault_tolerance
-    speed = 1.0 / ft.template(strategy.world_size).microbatch_time if ft.templates else 1.0
-    return {"stage_params": stage_params, "holders": holders, "fingerprint": fingerprint, "speed": speed}
+    template = ft.template(strategy.world_size).to_dict() if ft.templates else None
+    return {"stage_params": stage_params, "holders": holders, "fingerprint": fingerprint, "template": template}
 
 
 def group_holdings(doc: dict) -> tuple[GroupHoldings, list[str]]:
@@ -129,7 +129,30 @@ def setup_quorum(recorded: dict, group_id: int, group_rank: int, doc: dict, step
                                 lambda i, t, pos, size: make_process_group(
                                     f"{recorded['store']}/lmm/{qid}/h{i}_{t}", recorded["replica_id"], pos, size))
     return QuorumSync(qid, index, [d["group"] for d in docs], [d["step"] for d in docs],
-                      [d["speed"] for d in docs], buckets, pgs, store)
+                      [d["template"] for d in docs], buckets, pgs, store)
+
+
+def template_shares(templates: list[dict], num_samples: int, rows_per_microbatch: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` sample slices of a step's global batch, one per group in quorum order, by
+    Oobleck's Eq. 2.6 as ``plan.templates.split_batch`` solves it: whole microbatches, every group at least one,
+    the slowest group's planned step time as short as it can be. Samples past the last whole microbatch go one
+    each to the groups in order (the global batch never changes)."""
+    from lightning_mm.plan.templates import PipelineTemplate, split_batch
+
+    groups = [PipelineTemplate.from_dict(t) for t in templates]
+    try:
+        counts = split_batch(groups, num_samples // rows_per_microbatch)
+    except ValueError as e:
+        raise FaultToleranceError(f"a step's global batch of {num_samples} samples in microbatches of "
+                                  f"{rows_per_microbatch}: {e}") from None
+    sizes = [c * rows_per_microbatch for c in counts]
+    for i in range(num_samples - sum(sizes)):
+        sizes[i % len(sizes)] += 1
+    out, at = [], 0
+    for n in sizes:
+        out.append((at, at + n))
+        at += n
+    return out
 
 
 def release(sync: QuorumSync) -> None:
@@ -154,6 +177,68 @@ def _state_manifest(optimizer, params: list[torch.nn.Parameter]) -> list[list]:
                 entries.append([key, value])
         out.append(entries)
     return out
+
+
+def _pack_state(params, optimizer, manifest, sending: bool, device) -> torch.Tensor:
+    """Parameters and their optimiser state as one float64 vector (zeros of the manifest's sizes when receiving)."""
+    pieces = []
+    for p, entries in zip(params, manifest):
+        pieces.append(p.detach().reshape(-1).to(torch.float64))
+        state = optimizer.state.get(p, {})
+        for entry in entries:
+            if len(entry) == 3:
+                pieces.append(state[entry[0]].reshape(-1).to(torch.float64) if sending else
+                              torch.zeros(math.prod(entry[1]), dtype=torch.float64, device=device))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def _unpack_state(flat: torch.Tensor, params, optimizer, manifest) -> None:
+    at = 0
+    with torch.no_grad():
+        for p, entries in zip(params, manifest):
+            n = p.numel()
+            p.copy_(flat[at:at + n].view_as(p))
+            at += n
+            state = {}
+            for entry in entries:
+                if len(entry) == 3:
+                    k = math.prod(entry[1])
+                    state[entry[0]] = flat[at:at + k].view(entry[1]).to(getattr(torch, entry[2]))
+                    at += k
+                else:
+                    state[entry[0]] = entry[1]
+            if state:
+                optimizer.state[p] = state
+
+
+def copy_to_stage_copies(params: dict[str, torch.nn.Parameter], holder: int, group, *, optimizer=None,
+                         device=None) -> None:
+    """From a stage's holder rank to its data- and context-parallel copies inside the group (``group``: the stage's
+    gradient group): the synced gradients (``optimizer=None``) or, after healing, the parameters and their
+    optimiser state."""
+    ps = [params[n] for n in sorted(params)]
+    if optimizer is None:
+        device = ps[0].device if ps else device
+        flat = torch.cat([p.grad.reshape(-1).float() if p.grad is not None else torch.zeros(p.numel(), device=device)
+                          for p in ps] + [torch.tensor([float(p.grad is not None) for p in ps], device=device)])
+        dist.broadcast(flat, src=holder, group=group)
+        used, at = flat[-len(ps):].tolist() if ps else [], 0  # one host read
+        for p, u in zip(ps, used):
+            n = p.numel()
+            if u:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.copy_(flat[at:at + n].view_as(p))
+            else:
+                p.grad = None
+            at += n
+        return
+    box = [_state_manifest(optimizer, ps) if dist.get_rank() == holder else None]
+    dist.broadcast_object_list(box, src=holder, group=group)
+    flat = _pack_state(ps, optimizer, box[0], dist.get_rank() == holder, device)
+    dist.broadcast(flat, src=holder, group=group)
+    if dist.get_rank() != holder:
+        _unpack_state(flat, ps, optimizer, box[0])
 
 
 def heal_by_name(sync: QuorumSync, group_rank: int, params: dict[str, torch.nn.Parameter], optimizer,
@@ -181,36 +266,12 @@ def heal_by_name(sync: QuorumSync, group_rank: int, params: dict[str, torch.nn.P
         if sync.index == src:
             sync.store.set(key, json.dumps(_state_manifest(optimizer, ps)))
         manifest = json.loads(sync.store.get(key))
-        pieces = []
-        for p, entries in zip(ps, manifest):
-            pieces.append(p.detach().reshape(-1).to(torch.float64))
-            state = optimizer.state.get(p, {})
-            for entry in entries:
-                if len(entry) == 3:
-                    pieces.append(state[entry[0]].reshape(-1).to(torch.float64) if sync.index == src else
-                                  torch.zeros(math.prod(entry[1]), dtype=torch.float64, device=device))
-        flat = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64, device=device)
+        flat = _pack_state(ps, optimizer, manifest, sync.index == src, device)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         sync.process_groups[i].broadcast([flat], opts).wait()
-        if not sync.behind:
-            continue
-        at = 0
-        with torch.no_grad():
-            for p, entries in zip(ps, manifest):
-                n = p.numel()
-                p.copy_(flat[at:at + n].view_as(p))
-                at += n
-                state = {}
-                for entry in entries:
-                    if len(entry) == 3:
-                        k = math.prod(entry[1])
-                        state[entry[0]] = flat[at:at + k].view(entry[1]).to(getattr(torch, entry[2]))
-                        at += k
-                    else:
-                        state[entry[0]] = entry[1]
-                if state:
-                    optimizer.state[p] = state
+        if sync.behind:
+            _unpack_state(flat, ps, optimizer, manifest)
     if not sync.behind:
         return None
     meta = json.loads(sync.store.get(f"{prefix}/meta"))
@@ -224,10 +285,6 @@ def heal_by_name(sync: QuorumSync, group_rank: int, params: dict[str, torch.nn.P
 def check_servable(strategy) -> None:
     """What layer-wise sync across different layouts does not serve yet, named before training."""
     layout, reasons = strategy.layout, []
-    copies = {s: layout.replicas(layout.chain_of(s)) * layout.cp[s] for s in layout.stages}
-    if any(n > 1 for n in copies.values()):
-        reasons.append(f"stages with data- or context-parallel copies inside the group ({copies}): the result of "
-                       "the cross-group sync is not yet sent to a stage's other copies; use dp 1 and cp 1 per group")
     if any(t > 1 for t in layout.tp.values()):
         reasons.append(f"tensor parallelism inside a group ({layout.tp}): layer-wise sync and healing by name are "
                        "tested on whole parameters only; use tp 1")
@@ -244,5 +301,5 @@ def weighted_params(strategy) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in module.model.named_parameters() if p.requires_grad and n in strategy.engine.owned}
 
 
-__all__ = ["QuorumSync", "check_servable", "group_holdings", "group_view", "heal_by_name", "holdings_doc", "release", "recorder_class", "setup_quorum",
-           "weighted_params"]
+__all__ = ["QuorumSync", "check_servable", "copy_to_stage_copies", "group_holdings", "group_view", "heal_by_name",
+           "holdings_doc", "recorder_class", "release", "setup_quorum", "template_shares", "weighted_params"]

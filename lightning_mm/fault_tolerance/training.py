@@ -236,9 +236,8 @@ class FaultTolerantTraining:
                 step = self._heal_by_name(step, quorum_s)
             else:
                 self.check_same_job()
-        weights = None
         if self.layerwise:  # torchft counts only the groups at the newest step; every group of the quorum trains
-            participants, me, weights = len(self._sync.group_ids), self._sync.index, self._sync.speeds
+            participants, me = len(self._sync.group_ids), self._sync.index
         self.participants = participants
         set_lightning_step(trainer, step)
         if me is None:
@@ -246,7 +245,11 @@ class FaultTolerantTraining:
                                       f"{self._quorum_id}")
         d = self.data
         indices = global_batch_indices(step, d["num_samples"], d["global_batch"], d["shuffle"], d["seed"])
-        lo, hi = group_shares(len(indices), weights or [1.0] * participants)[me]
+        if self.layerwise and None not in self._sync.templates:  # by planned step time (Eq. 2.6)
+            shares = layerwise.template_shares(self._sync.templates, len(indices), self._rows_per_microbatch())
+        else:
+            shares = group_shares(len(indices), [1.0] * participants)
+        lo, hi = shares[me]
         self.shares[step] = hi - lo
         dp = s.layout.dp
         rlo, rhi = group_shares(hi - lo, [1.0] * dp)[s.layout.coordinate(s.global_rank).dp]
@@ -284,13 +287,17 @@ class FaultTolerantTraining:
         """Microbatches of about the usual row count (more of them for a larger share), as a microbatch plan."""
         s = self.strategy
         rows = batch["input_ids"].shape[0]
-        per = max(1, self.data["batch_size"] // self._nominal_microbatches)
+        per = self._rows_per_microbatch()
         plan = microbatch_plan(rows, per)
         self.use_microbatches(plan[-1] + 1)
         ids = batch["input_ids"]
         tokens = {name: (ids == pid).sum(1).tolist() for name, pid in s.multimodal_model().placeholder_ids.items()}
         batch[PLAN_KEY] = {"encoder": list(plan), "llm": list(plan), "tokens": tokens}
         return batch
+
+    def _rows_per_microbatch(self) -> int:
+        """The usual microbatch: the loader's batch over the strategy's microbatches."""
+        return max(1, self.data["batch_size"] // self._nominal_microbatches)
 
     def use_microbatches(self, count: int) -> None:
         s = self.strategy
@@ -371,14 +378,21 @@ class FaultTolerantTraining:
 
         s, m, sync = self.strategy, self.manager, self._sync
         count = self._count if self._count is not None else torch.zeros(1, device=s.root_device)
+        params = layerwise.weighted_params(s)
         try:
-            sync_layers(sync.buckets, sync.index, s.global_rank, layerwise.weighted_params(s), count,
-                        sync.process_groups)
+            sync_layers(sync.buckets, sync.index, s.global_rank, params, count, sync.process_groups)
         except Exception as e:  # noqa: BLE001  (torchft decides: the vote fails and the step is redone)
             m.report_error(e)
+        if s.engine.groups.grad is not None:  # the stage's data- and context-parallel copies take the result
+            layerwise.copy_to_stage_copies(params, self._stage_holder(), s.engine.groups.grad)
         ok = m.should_commit(timeout=timedelta(seconds=self.config.timeout))
         self._count = None
         return ok
+
+    def _stage_holder(self) -> int:
+        """The rank of this rank's stage (and tp index) that reduces across groups: its dp 0, cp 0 rank."""
+        coord = self.strategy.layout.coordinate(self.strategy.global_rank)
+        return self.strategy.layout.rank(coord.stage, 0, 0, coord.tp)
 
     def _quorum_size(self) -> int:
         """Groups in the current quorum (torchft's participants are only those at the newest step when it does not
@@ -392,10 +406,14 @@ class FaultTolerantTraining:
         s, sync = self.strategy, self._sync
         if len(set(sync.steps)) == 1:
             return step
-        healed = layerwise.heal_by_name(sync, s.global_rank, layerwise.weighted_params(s), s.optimizers[0],
+        params = layerwise.weighted_params(s)
+        healed = layerwise.heal_by_name(sync, s.global_rank, params, s.optimizers[0],
                                         [cfg.scheduler for cfg in s.lr_scheduler_configs], s.root_device)
         if healed is None:
             return step
+        if s.engine.groups.grad is not None:
+            layerwise.copy_to_stage_copies(params, self._stage_holder(), s.engine.groups.grad,
+                                           optimizer=s.optimizers[0], device=s.root_device)
         self.manager.load_state_dict({"step": healed, "batches_committed": self.manager.batches_committed()})
         self.stats["healed_steps"] += 1
         self.stats["lost_seconds"] += quorum_s
