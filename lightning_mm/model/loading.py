@@ -649,10 +649,13 @@ def _build_from_folder(path, kind: str) -> nn.Module:
     on_meta = building_on_meta()
     missing = []
     groups = _groups(module)
+    fused = set(converted)
     for g in groups.values():
         hit = next((mapping[n] for n in g.names if n in mapping), None)
         if hit is not None:  # tied weights: every name of the tensor reads the stored one (a stage may keep either)
             mapping.update(dict.fromkeys(g.names, hit))
+        elif g.names[0] in fused:  # stored in another layout (experts): transformers converts them, eagerly
+            continue
         elif g.persistent and not all(_ignorable(module, n) for n in g.names):
             missing.append(g.names[0])
     where = os.path.join(folder.path, SAFETENSORS_INDEX if len(folder.headers) > 1 or
