@@ -18,6 +18,7 @@ import torch
 import lightning_mm as lmm
 from lightning_mm.model import composites, loading
 from lightning_mm.model.loading import is_meta, materialise
+from tests.helpers.composite_case import run_case
 
 IMG, VSTART, VEND, PAD = 100, 102, 103, 0
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -140,26 +141,7 @@ def test_loss_logits_gradients_and_round_trip_equal_hf(kind, tmp_path):
     # the placeholder counts are known before any encoder runs (grids, per-clip lengths, CLS dropped)
     counts = {"llava": [4, 4, 4], "qwen2_vl": [16, 8, 8], "qwen2_5_vl": [16, 8, 8], "qwen2_audio": [4, 2, 3]}
     assert model.encoders[modality].num_tokens(batch[modality]) == counts[kind]
-    out = model(**{k: v for k, v in batch.items() if k != "item_counts"})
-    expected = ref(**hf_inputs)
-    keep = batch["attention_mask"].bool()
-    torch.testing.assert_close(out.logits[keep], expected.logits[keep], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=1e-5)
-    out.loss.backward()
-    expected.loss.backward()
-    ours = dict(model.named_parameters())
-    compared = 0
-    for name, p in ref.named_parameters():
-        mine = ours.get(composites.to_ours(spec, name))
-        if p.grad is None:  # unused by HF's forward (LLaVA's layers past the feature layer, the CLIP post-norm)
-            assert mine is None or mine.grad is None or not mine.grad.any(), name
-            continue
-        if mine is not None and not mine.requires_grad:  # frozen by the class's constructor (Qwen2-Audio's
-            continue                                     # positions), which HF's from_pretrained unfreezes
-        assert mine is not None and mine.grad is not None, name
-        torch.testing.assert_close(mine.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
-        compared += 1
-    assert compared > 20
+    assert_like_hf(model, ref, spec, batch, hf_inputs, logits_atol=1e-5)
 
     # save_pretrained -> the HF class loads exactly the tensors it was built from, and the processor file
     out_dir = tmp_path / "out"
@@ -289,25 +271,33 @@ def test_module_takes_a_folder_and_unimodal_save_writes_parts(tmp_path):
         torch.testing.assert_close(p, mine[name], rtol=0, atol=0, msg=name)
 
 
-def _run_case(case: dict, tmp_path, name: str):
-    import subprocess
-    import sys
+def assert_like_hf(model, ref, spec, batch: dict, hf_inputs: dict, logits_atol: float) -> None:
+    """Our model of a composite against HF's on one batch: logits at the real tokens, the loss, and every
+    gradient HF computes (parameters HF's forward does not use get none here either)."""
+    out = model(**{k: v for k, v in batch.items() if k != "item_counts"})
+    expected = ref(**hf_inputs)
+    keep = batch["attention_mask"].bool()
+    torch.testing.assert_close(out.logits[keep], expected.logits[keep], atol=logits_atol, rtol=logits_atol)
+    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    expected.loss.backward()
+    ours = dict(model.named_parameters())
+    compared = 0
+    for name, p in ref.named_parameters():
+        mine = ours.get(composites.to_ours(spec, name))
+        if p.grad is None:  # unused by HF's forward (layers past the feature layer, post-norms, SigLIP's head)
+            assert mine is None or mine.grad is None or not mine.grad.any(), name
+            continue
+        if mine is not None and not mine.requires_grad:  # frozen by the class's constructor (Qwen2-Audio's
+            continue                                     # positions), which HF's from_pretrained unfreezes
+        assert mine is not None and mine.grad is not None, name
+        torch.testing.assert_close(mine.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+        compared += 1
+    assert compared > 20
 
-    out = tmp_path / name
-    out.mkdir()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
-    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", "composite_case.py"),
-                           json.dumps(case), str(out)], cwd=out, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    params = {}
-    for f in out.glob("params_*.pt"):
-        for n, p in torch.load(f, weights_only=True).items():
-            if n in params:  # replicas of one stage (CP ranks) hold identical values
-                torch.testing.assert_close(p, params[n], rtol=0, atol=0, msg=n)
-            params[n] = p
-    return json.loads((out / "result.json").read_text())["train"], params
+
+def _run_case(case: dict, tmp_path, name: str):
+    return run_case("composite_case.py", case, tmp_path, name)
 
 
 @pytest.mark.slow

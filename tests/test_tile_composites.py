@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import lightning_mm as lmm
-from lightning_mm.model import composites
+from tests.helpers.composite_case import run_case
+from tests.test_hf_composites import assert_like_hf
 
 IMG, PAD = 100, 0
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -143,26 +144,9 @@ def test_loss_logits_gradients_and_round_trip_equal_hf(kind, tmp_path):
         assert len(set(counts)) == len(counts), counts  # every image its own count (sizes / tiles differ)
     assert batch["attention_mask"][1].sum() < batch["attention_mask"][0].sum()  # row 1 is padded
 
-    out = model(**{k: v for k, v in batch.items() if k != "item_counts"})
-    expected = ref(**hf_inputs)
-    keep = batch["attention_mask"].bool()
-    torch.testing.assert_close(out.logits[keep], expected.logits[keep], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=1e-5)
-    out.loss.backward()
-    expected.loss.backward()
-    ours = dict(model.named_parameters())
-    compared = 0
-    for name, p in ref.named_parameters():
-        mine = ours.get(composites.to_ours(spec, name))
-        if p.grad is None:  # unused by HF's forward (layers past the feature layer, post-norms, SigLIP's head)
-            assert mine is None or mine.grad is None or not mine.grad.any(), name
-            continue
-        assert mine is not None and mine.grad is not None, name
-        torch.testing.assert_close(mine.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
-        compared += 1
-    assert compared > 20
+    assert_like_hf(model, ref, spec, batch, hf_inputs, logits_atol=1e-4)
     if kind != "internvl":
-        assert "encoders.vision.projector.image_newline" in ours
+        assert "encoders.vision.projector.image_newline" in dict(model.named_parameters())
 
     # save_pretrained -> the HF class loads exactly the tensors it was built from, and the processor file
     out_dir = tmp_path / "out"
@@ -264,22 +248,7 @@ def test_items_and_microbatches_cut_like_the_whole_batch(kind, tmp_path):
 
 
 def _run_case(case: dict, tmp_path, name: str):
-    import os
-    import subprocess
-    import sys
-
-    out = tmp_path / name
-    out.mkdir()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
-    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", "tile_case.py"),
-                           json.dumps(case), str(out)], cwd=out, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    params = {}
-    for f in out.glob("params_*.pt"):
-        params.update(torch.load(f, weights_only=True))
-    return json.loads((out / "result.json").read_text())["train"], params
+    return run_case("tile_case.py", case, tmp_path, name)
 
 
 @pytest.mark.slow

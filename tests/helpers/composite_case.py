@@ -41,17 +41,30 @@ def sample(i: int) -> dict:
                        "image_grid_thw": torch.tensor(grids)}}
 
 
-def main(spec: str, out: str):
-    case = json.loads(spec)
-    torch.set_num_threads(1)
-    if "llm_pp" in case or "llm_cp" in case:
-        pp, cp = case.get("llm_pp", 1), case.get("llm_cp", 1)
-        strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=1)},
-                                                  language_model=lmm.ParallelSpec(pp=pp, cp=cp),
-                                                  num_microbatches=2, cp_block_size=8, fault_timeout=120)
-        devices = 1 + pp * cp
-    else:
-        strategy, devices = "auto", 1
+def run_case(script: str, case: dict, tmp_path, name: str):
+    """Run ``tests/helpers/<script>`` on ``case`` in a fresh process: rank 0's losses and every rank's parameters
+    (ranks holding the same parameter, replicas of one stage, must hold identical values)."""
+    import subprocess
+
+    out = tmp_path / name
+    out.mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", script), json.dumps(case),
+                           str(out)], cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    params = {}
+    for f in out.glob("params_*.pt"):
+        for n, p in torch.load(f, weights_only=True).items():
+            if n in params:
+                torch.testing.assert_close(p, params[n], rtol=0, atol=0, msg=n)
+            params[n] = p
+    return json.loads((out / "result.json").read_text())["train"], params
+
+
+def train(case: dict, out: str, strategy, devices: int, samples) -> None:
+    """Fit the composite of ``case["folder"]`` (lazily with ``case["lazy"]``) on ``samples(model)`` under
+    ``strategy``; write rank 0's losses and each rank's trainable parameters (full tensors) to ``out``."""
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0)
@@ -70,15 +83,32 @@ def main(spec: str, out: str):
             losses.append(float(outputs["loss"]))
 
     module = Module(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    data = DataLoader([sample(i) for i in range(12)], batch_size=4, collate_fn=lmm.data.MultimodalCollator(model))
+    data = DataLoader(samples(model), batch_size=4, collate_fn=lmm.data.MultimodalCollator(model))
     trainer.fit(module, data)
     engine = getattr(trainer.strategy, "engine", None)
-    torch.save({n: p.detach().cpu() for n, p in module.model.named_parameters()
+    from torch.distributed.tensor import DTensor
+
+    full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731  (collective over its mesh)
+    torch.save({n: full(p).detach().cpu() for n, p in module.model.named_parameters()
                 if p.requires_grad and (engine is None or n in engine.owned)},
                os.path.join(out, f"params_{trainer.global_rank}.pt"))
     if trainer.global_rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"train": losses}, f)
+
+
+def main(spec: str, out: str):
+    case = json.loads(spec)
+    torch.set_num_threads(1)
+    if "llm_pp" in case or "llm_cp" in case:
+        pp, cp = case.get("llm_pp", 1), case.get("llm_cp", 1)
+        strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=1)},
+                                                  language_model=lmm.ParallelSpec(pp=pp, cp=cp),
+                                                  num_microbatches=2, cp_block_size=8, fault_timeout=120)
+        devices = 1 + pp * cp
+    else:
+        strategy, devices = "auto", 1
+    train(case, out, strategy, devices, lambda model: [sample(i) for i in range(12)])
 
 
 if __name__ == "__main__":

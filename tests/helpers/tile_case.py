@@ -15,14 +15,13 @@ import json
 import os
 import sys
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 import lightning_mm as lmm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from composite_case import train  # noqa: E402
 from test_tile_composites import IMG, encode, image_processor  # noqa: E402
 
 SIZES = [(40, 20), (17, 33), (30, 30), (45, 16), (16, 16), (20, 50)]
@@ -52,39 +51,8 @@ def main(spec: str, out: str):
         devices = tp + pp
     else:
         strategy, devices = "auto", 1
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0)
-    torch.manual_seed(0)
-    if case.get("lazy"):
-        with trainer.init_module(empty_init=True):
-            model = lmm.MultimodalModel.from_pretrained(case["folder"])
-    else:
-        model = lmm.MultimodalModel.from_pretrained(case["folder"])
-    model.freeze(encoders=False, projectors=False, language_model=False)
-    losses = []
-
-    class Module(lmm.MultimodalLightningModule):
-        def on_train_batch_end(self, outputs, batch, batch_idx):
-            super().on_train_batch_end(outputs, batch, batch_idx)
-            losses.append(float(outputs["loss"]))
-
-    module = Module(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     proc = image_processor(case["kind"])
-    data = DataLoader([sample(case["kind"], proc, i) for i in range(12)], batch_size=4,
-                      collate_fn=lmm.data.MultimodalCollator(model))
-    trainer.fit(module, data)
-    engine = getattr(trainer.strategy, "engine", None)
-    from torch.distributed.tensor import DTensor
-
-    full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731  (collective over its mesh)
-    torch.save({n: full(p).detach().cpu() for n, p in module.model.named_parameters()
-                if p.requires_grad and (engine is None or n in engine.owned)},
-               os.path.join(out, f"params_{trainer.global_rank}.pt"))
-    if trainer.global_rank == 0:
-        with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"train": losses}, f)
-
+    train(case, out, strategy, devices, lambda model: [sample(case["kind"], proc, i) for i in range(12)])
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
