@@ -58,7 +58,11 @@ def tiny_composite(kind: str, **extra):
 
 def save_composite(kind: str, path, **extra) -> str:
     torch.manual_seed(0)
-    hf = tiny_composite(kind, **extra)
+    return save_hf(tiny_composite(kind, **extra), kind, path)
+
+
+def save_hf(hf, kind: str, path) -> str:
+    """Write a tiny HF composite with every tensor distinct, and a processor file naming its kind."""
     with torch.no_grad():  # HF initialises some parts to constants (zero biases): make every tensor distinct
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)

@@ -18,7 +18,7 @@ import torch
 
 import lightning_mm as lmm
 from tests.helpers.composite_case import run_case
-from tests.test_hf_composites import assert_like_hf
+from tests.test_hf_composites import assert_like_hf, save_hf
 
 IMG, PAD = 100, 0
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -70,13 +70,7 @@ def image_processor(kind: str):
 
 def save_composite(kind: str, path, **extra) -> str:
     torch.manual_seed(0)
-    hf = tiny_composite(kind, **extra)
-    with torch.no_grad():  # HF initialises some parts to constants (zero biases): make every tensor distinct
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    hf.save_pretrained(path)
-    (path / "preprocessor_config.json").write_text(json.dumps({"kind": kind}))  # a processor file to carry along
-    return str(path)
+    return save_hf(tiny_composite(kind, **extra), kind, path)
 
 
 def images(kind: str) -> list[list]:
