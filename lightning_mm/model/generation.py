@@ -6,11 +6,17 @@ The prompt attends under its bitfield words (modality tokens bidirectional among
 training); every generated token is text and attends every earlier non-padding token. The words reach the
 attention layers through :func:`lightning_mm.attention.hf.generation_words` for the duration of the call, so the
 language model's config is never switched.
+
+Positions: 1-D ones count each row's real tokens, as transformers does. A model with its own positions
+(``position_ids_fn``: the M-RoPE of the Qwen2-VL family) gives the language model the prompt's ``[B, S, 3]``
+positions (``prompt_positions``, taken by its ``prepare_inputs_for_generation``), and each generated token the
+next ones (:func:`next_positions`), as HF's composites decode.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -23,9 +29,40 @@ _DROPPED = ("labels", "item_counts", "num_label_tokens")
 
 def left_align(*rows: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Move every row's padding to its left (stable: the real tokens keep their order), as batched decoding
-    needs; ``rows`` are ``[B, S]`` tensors indexed like ``attention_mask``. Returns them and the mask."""
+    needs; ``rows`` are ``[B, S, ...]`` tensors indexed like ``attention_mask``. Returns them and the mask."""
     order = torch.argsort(attention_mask.ne(0).to(torch.int8), dim=1, stable=True)
-    return (*(r.gather(1, order) for r in rows), attention_mask.gather(1, order))
+    at = lambda r: order.view(*order.shape, *[1] * (r.dim() - 2)).expand_as(r)  # noqa: E731
+    return (*(r.gather(1, at(r)) for r in rows), attention_mask.gather(1, order))
+
+
+def prompt_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, modality_inputs: dict,
+                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """An M-RoPE model's (``position_ids_fn``) positions of a prompt, moved with :func:`left_align`:
+    ``[B, S, 3]``, padding 0. The given ``position_ids`` (``[B, S, 3]``, or ``[B, S]`` on every axis), else the
+    model's own from the tokens and grids."""
+    if position_ids is None:
+        position_ids = model.position_ids_fn(input_ids, modality_inputs, attention_mask)
+    if position_ids.dim() == 2:
+        position_ids = position_ids.unsqueeze(-1).expand(-1, -1, 3)
+    positions, aligned = left_align(position_ids, attention_mask=attention_mask)
+    return positions * aligned.ne(0).unsqueeze(-1)
+
+
+def next_positions(positions: torch.Tensor) -> torch.Tensor:
+    """The position of each row's first generated token after a left-aligned prompt at ``positions`` (``[B, S]``
+    -> ``[B]``, ``[B, S, 3]`` -> ``[B, 3]``); generated token ``t`` is at it + ``t``. It is the prompt's last
+    position + 1 on every axis, as transformers' generate continues positions (HF's Qwen2-VL / Qwen2.5-VL
+    composites included): after a prompt ending in text, ``max(prompt positions) + 1`` on all three axes (their
+    ``rope_deltas``)."""
+    return positions[:, -1] + 1
+
+
+def positions_after(prompt: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Positions of tokens ``start .. start + length - 1`` of a sequence that begins with a left-aligned prompt at
+    ``prompt`` (``[B, S, ...]``) and goes on with generated tokens (token ``S + t`` is generated token ``t``)."""
+    extra = max(0, start + length - prompt.shape[1])
+    steps = torch.arange(extra, device=prompt.device).view(1, -1, *[1] * (prompt.dim() - 2))
+    return torch.cat([prompt, next_positions(prompt).unsqueeze(1) + steps], 1)[:, start:start + length]
 
 
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -48,10 +85,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         raise ValueError("MultimodalModel.generate keeps the KV cache itself (a full transformers DynamicCache, "
                          "which bitfield attention indexes by token position); drop cache_implementation / "
                          "cache")
-    if getattr(model, "position_ids_fn", None) is not None:
-        raise NotImplementedError("generate counts 1-D positions as transformers' text generation does; this model "
-                                  "computes its own (multimodal rotary positions), which decoding does not follow yet")
     lm = model.language_model
+    mrope = getattr(model, "position_ids_fn", None) is not None
+    prepare = getattr(lm, "prepare_inputs_for_generation", None)
+    if mrope and (prepare is None or "prompt_positions" not in inspect.signature(prepare).parameters):
+        raise NotImplementedError(f"this model computes its own positions (position_ids_fn), which "
+                                  f"{type(lm).__name__}.generate does not take (no prompt_positions)")
     check_honours_mask(lm)
     model.check_placeholders(input_ids, modality_inputs)
     if attention_mask is None:
@@ -60,8 +99,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         bam = model.build_bam(input_ids, attention_mask)
     masks.validate(bam)
     bam = bam * attention_mask.ne(0)  # padding has word 0, whatever the given words say
+    if mrope:
+        kwargs["prompt_positions"] = prompt_positions(model, input_ids, attention_mask, modality_inputs,
+                                                      position_ids)
     input_ids, bam, aligned_mask = left_align(input_ids, bam, attention_mask=attention_mask)
-    if position_ids is not None:
+    if position_ids is not None and not mrope:
         # transformers counts positions over each row's real tokens; a prompt given other positions would be
         # decoded under different ones, so say so rather than drop them
         given, _ = left_align(position_ids, attention_mask=attention_mask)

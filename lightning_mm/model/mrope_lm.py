@@ -6,19 +6,25 @@ from __future__ import annotations
 
 from torch import nn
 
+from transformers import GenerationMixin
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPreTrainedModel, Qwen2_5_VLTextModel
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLPreTrainedModel, Qwen2VLTextModel
 
 
-class _TextForCausalLM:
+class _TextForCausalLM(GenerationMixin):
     """A ``*ForCausalLM`` for a Qwen-VL text decoder (transformers has none): ``model`` + ``lm_head``, the
-    composite's language model and head under the names a causal LM has."""
+    composite's language model and head under the names a causal LM has, and transformers' ``generate``, which
+    takes the prompt's M-RoPE positions as ``prompt_positions`` (``MultimodalModel.generate`` passes them)."""
 
     base_model_prefix = "model"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     text_model = None
+
+    @classmethod
+    def can_generate(cls) -> bool:  # transformers looks for GenerationMixin among a class's direct bases only
+        return True
 
     def __init__(self, config):
         super().__init__(config)
@@ -29,17 +35,32 @@ class _TextForCausalLM:
     def get_output_embeddings(self):
         return self.lm_head
 
+    def prepare_inputs_for_generation(self, input_ids, *args, inputs_embeds=None, prompt_positions=None, **kwargs):
+        """transformers' inputs of one decoding step. With ``prompt_positions`` (``[B, S, 3]``, the positions of a
+        left-aligned prompt of ``S`` tokens) the prompt's tokens are at those positions and generated token ``t``
+        at ``next_positions(prompt_positions) + t`` (``lightning_mm.model.generation``), as HF's Qwen-VL
+        composites decode; the step's tokens are found from the cache's length."""
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
+        if prompt_positions is not None:
+            from lightning_mm.model.generation import positions_after
+
+            fed = inputs["input_ids"] if inputs.get("inputs_embeds") is None else inputs["inputs_embeds"]
+            cache = inputs.get("cache")
+            start = 0 if cache is None else cache.get_seq_length()
+            inputs["position_ids"] = positions_after(prompt_positions, start, fed.shape[1]).permute(2, 0, 1)
+        return inputs
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                **kwargs):
+                cache=None, **kwargs):
         """``position_ids`` as HF's text model takes them: ``[3, B, S]`` or ``[B, S]``."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            inputs_embeds=inputs_embeds, **kwargs).last_hidden_state
-        logits = self.lm_head(hidden)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, cache=cache, **kwargs)
+        logits = self.lm_head(out.last_hidden_state)
         loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
                                                               vocab_size=self.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
 
 
 class Qwen2VLTextForCausalLM(_TextForCausalLM, Qwen2VLPreTrainedModel):

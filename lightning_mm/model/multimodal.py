@@ -281,8 +281,11 @@ class MultimodalModel(nn.Module):
         once, their features are merged into the prompt's embeddings, then the LLM decodes (``max_new_tokens``,
         ``do_sample``, ``num_beams``, ... are transformers' own). Takes a batch as the collator makes it (labels
         and item counts are ignored; rows padded on the right are moved left). The prompt attends under its
-        bitfield words (``bam``, default ``build_bam``); generated tokens are text. Returns what transformers'
-        ``generate`` returns for ``inputs_embeds``: the new token ids ``[B, N]`` (or its output object with
+        bitfield words (``bam``, default ``build_bam``); generated tokens are text. Positions count each row's real
+        tokens, or, for a model with its own (``position_ids_fn``: Qwen2-VL / Qwen2.5-VL M-RoPE), the prompt takes
+        those (``position_ids``, default computed) and each generated token the next on every axis, so greedy
+        tokens equal HF's composite ``generate``. Returns what transformers' ``generate`` returns for
+        ``inputs_embeds``: the new token ids ``[B, N]`` (or its output object with
         ``return_dict_in_generate=True``)."""
         from lightning_mm.model.generation import generate
 

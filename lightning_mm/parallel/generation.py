@@ -17,11 +17,11 @@ itself and only features, hidden states and tokens travel):
    an empty message stops every stage.
 
 Attention keeps the bitfield semantics of one-process generation (``attention.hf.generation_words``): the prompt
-attends under its words, every generated token is text. Positions follow transformers: 1-D positions count each
-row's real tokens; M-RoPE models (Qwen2-VL family, ``position_ids_fn``) decode text at ``max(prompt position) + 1
-+ t`` on all three axes (transformers' ``rope_deltas``). Messages use the engine's ``StageComm`` (one exchange per
-send or receive, headers first), one at a time along the chain, so no cycle can wait on itself. The last LLM stage
-broadcasts the ids to every rank of the replica.
+attends under its words, every generated token is text. Positions are those of one-process generation too: 1-D
+positions count each row's real tokens; M-RoPE models (Qwen2-VL family, ``position_ids_fn``) give the prompt its
+own and generated token ``t`` ``next_positions`` + ``t`` (``lightning_mm.model.generation``). Messages use the
+engine's ``StageComm`` (one exchange per send or receive, headers first), one at a time along the chain, so no
+cycle can wait on itself. The last LLM stage broadcasts the ids to every rank of the replica.
 
 Served: greedy decoding (``do_sample=False``, one beam, one sequence per prompt), ``max_new_tokens``,
 ``eos_token_id``, ``pad_token_id``; the LLM's stages without tensor, context or expert parallelism, no sharded
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from lightning_mm import masks
 from lightning_mm.attention.hf import check_honours_mask, generation_words
-from lightning_mm.model.generation import left_align
+from lightning_mm.model.generation import left_align, next_positions, prompt_positions
 from lightning_mm.parallel.engine import check_same_batch
 from lightning_mm.plan.schedule import LANGUAGE_MODEL
 
@@ -126,7 +126,7 @@ class Prompt:
     input_ids: torch.Tensor  # [B, S] left-aligned
     bam: torch.Tensor  # [B, S] (padding word 0)
     positions: torch.Tensor  # [B, S] or [B, S, 3] (M-RoPE)
-    next_position: torch.Tensor  # [B]: the position of the first generated token
+    next_position: torch.Tensor  # [B] or [B, 3]: the position of the first generated token
 
 
 def prompt_of(model, batch: dict) -> Prompt:
@@ -145,28 +145,19 @@ def prompt_of(model, batch: dict) -> Prompt:
         bam = model.build_bam(input_ids, mask)
     masks.validate(bam)
     bam = bam * mask.ne(0)
-    order = torch.argsort(mask.ne(0).to(torch.int8), dim=1, stable=True)
     ids, bam, aligned = left_align(input_ids, bam, attention_mask=mask)
     real = aligned.ne(0)
     if getattr(model, "position_ids_fn", None) is not None:  # M-RoPE: [B, S, 3] from the tokens and grids
-        given = batch.get("position_ids")
-        if given is None:
-            inputs = {n: batch[n] for n in model.encoders if isinstance(batch.get(n), dict)}
-            given = model.position_ids_fn(input_ids, inputs, mask)
-        if given.dim() == 2:
-            given = given.unsqueeze(-1).expand(-1, -1, 3)
-        positions = given.gather(1, order.unsqueeze(-1).expand(-1, -1, given.shape[-1]))
-        positions = positions * real.unsqueeze(-1)
-        next_position = positions.amax(dim=(1, 2)) + 1  # transformers' rope_deltas: text after the prompt
+        inputs = {n: batch[n] for n in model.encoders if isinstance(batch.get(n), dict)}
+        positions = prompt_positions(model, input_ids, mask, inputs, batch.get("position_ids"))
     else:
         positions = (aligned.long().ne(0).cumsum(1) - 1).clamp(min=0)
         if batch.get("position_ids") is not None:
-            given = batch["position_ids"].gather(1, order)
+            given, _ = left_align(batch["position_ids"], attention_mask=mask)
             if not torch.equal(given[real], positions[real]):
                 raise ValueError("generate counts positions 0, 1, ... over each row's non-padding tokens (as "
                                  "transformers does); these position_ids differ: drop them")
-        next_position = real.long().sum(1)
-    return Prompt(ids, bam, positions, next_position)
+    return Prompt(ids, bam, positions, next_positions(positions))
 
 
 # ------------------------------------------------------------------ one LLM stage
@@ -198,8 +189,7 @@ class StageDecoder:
 
     def step_positions(self, t: int) -> torch.Tensor:
         """Positions of generated token ``t`` (0: the first) for the rows held: ``[rows, 1]`` or ``[rows, 1, 3]``."""
-        pos = (self.prompt.next_position.index_select(0, self.rows) + t).view(-1, 1)
-        return pos.unsqueeze(-1).expand(-1, -1, 3) if self.prompt.positions.dim() == 3 else pos
+        return (self.prompt.next_position.index_select(0, self.rows) + t).unsqueeze(1)
 
 
 # ------------------------------------------------------------------ the whole exchange
