@@ -2,14 +2,15 @@
 
 A record::
 
-    {"image": "a.jpg" | ["a.jpg", "b.jpg"], "audio": "x.wav" | [...],
+    {"image": "a.jpg" | ["a.jpg", "b.jpg"], "video": "v.mp4" | [...], "audio": "x.wav" | [...],
      "conversations": [{"from": "human", "value": "<image>\\nWhat is this?"}, {"from": "gpt", "value": "A cat."}, ...]}
 
 Records are read with ``datasets`` (Arrow, memory-mapped: files larger than memory are fine; ``.parquet`` works
-too), images with PIL and audio with soundfile from ``media_root``. Roles ``human``/``user``, ``gpt``/``assistant``
+too), images with PIL, videos with PyAV (``lightning_mm.data.video``: frames sampled by ``fps`` within
+``max_frames``) and audio with soundfile from ``media_root``. Roles ``human``/``user``, ``gpt``/``assistant``
 and ``system`` map to the chat roles; the chat template of the processor folder's tokenizer renders the
-conversation with the ``<image>``/``<audio>`` markers inline, and every marker becomes one placeholder token that
-the collator expands to its encoder's token count.
+conversation with the ``<image>``/``<video>``/``<audio>`` markers inline, and every marker becomes one placeholder
+token that the collator expands to its encoder's token count.
 
 Labels: only the assistant turns (their content and whatever the template appends to it, e.g. the end-of-turn
 token) carry a loss, found by rendering the conversation turn by turn (the template must render a prefix of a
@@ -42,13 +43,15 @@ from lightning_mm.data.media_meta import audio_inputs, audio_length, blank_audio
 from lightning_mm.data.metadata import SampleMeta, encoder_input_tokens
 from lightning_mm.data.processor import MultimodalProcessor
 from lightning_mm.data.resumable import ShardedResumableDataLoader, SkippingDistributedSampler
+from lightning_mm.data.video import (SECONDS_PER_GRID_PROCESSORS, VideoOptions, VideoProcessor, load_video_processor,
+                                     read_header)
 from lightning_mm.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 BAD_RECORD_MODES = ("raise", "skip")
-MEDIA_KEYS = ("image", "audio")  # record keys of the LLaVA format
+MEDIA_KEYS = ("image", "video", "audio")  # record keys of the LLaVA / LLaVA-Video format
 KEEP_REASONS = 100  # reasons kept for the first bad records (all are counted)
 
 
@@ -62,12 +65,15 @@ class BadRecordError(ValueError):
 
 
 def modality_kind(encoder) -> str:
-    """``"audio"`` for encoders fed log-mel features, else ``"image"``."""
-    return "audio" if encoder.family.input_key == "input_features" else "image"
+    """``"audio"`` for encoders fed log-mel features, ``"video"`` for those fed HF video processors' outputs
+    (``video_grid_thw``: a "video" modality through an image tower), else ``"image"``."""
+    key = encoder.family.input_key
+    return "audio" if key == "input_features" else "video" if key == "video_grid_thw" else "image"
 
 
 def default_record_keys(model) -> dict[str, str]:
-    """Encoder name -> record key (``"image"`` / ``"audio"``); one encoder per kind, else name them."""
+    """Encoder name -> record key (``"image"`` / ``"video"`` / ``"audio"``); one encoder per kind, else name
+    them."""
     keys = {name: modality_kind(enc) for name, enc in model.encoders.items()}
     for kind in set(keys.values()):
         names = [n for n, k in keys.items() if k == kind]
@@ -78,7 +84,7 @@ def default_record_keys(model) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------ the processor folder
-def load_processor(path, model, record_keys: dict[str, str] | None = None) -> MultimodalProcessor:
+def load_processor(path, model, record_keys: dict[str, str] | None = None, video=None) -> MultimodalProcessor:
     """A :class:`MultimodalProcessor` for ``model`` from an HF folder (``save_pretrained`` output).
 
     The folder holds a tokenizer with a chat template and, per modality, an image processor or a feature
@@ -87,6 +93,11 @@ def load_processor(path, model, record_keys: dict[str, str] | None = None) -> Mu
     else at the top level, else as the components of the folder's ``AutoProcessor`` when it names a processor
     class (LLaVA, Qwen2-VL, Qwen2-Audio folders). Only the components are used: placeholders are expanded to the
     token counts of this model's encoders, not by the HF processor.
+
+    A video modality takes the folder's video processor (``<path>/<name>/`` or ``<path>/``
+    ``video_preprocessor_config.json``; an older Qwen2-VL folder without one: its image processor's config)
+    with the sampling options ``video`` (``VideoOptions``: ``{"fps": 2.0, "max_frames": 32, "max_pixels":
+    None}``), and adds Qwen2.5-VL's ``second_per_grid_ts`` when the folder's processor class does.
     """
     from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoProcessor, AutoTokenizer, ProcessorMixin
 
@@ -95,19 +106,26 @@ def load_processor(path, model, record_keys: dict[str, str] | None = None) -> Mu
         raise FileNotFoundError(f"processor folder {path} does not exist: save a tokenizer (with a chat template) "
                                 "and an image processor / feature extractor into it with save_pretrained")
     record_keys = record_keys or default_record_keys(model)
-    auto = AutoProcessor.from_pretrained(path)
+    try:
+        auto = AutoProcessor.from_pretrained(path)
+    except ImportError:  # a processor class whose video processor needs torchvision: its parts, loaded one by one
+        auto = None
     parts = {}
     if isinstance(auto, ProcessorMixin):
         tokenizer = auto.tokenizer
         parts = {"image": getattr(auto, "image_processor", None), "audio": getattr(auto, "feature_extractor", None)}
     else:
-        tokenizer = auto if hasattr(auto, "apply_chat_template") else AutoTokenizer.from_pretrained(path)
+        tokenizer = auto if auto is not None and hasattr(auto, "apply_chat_template") \
+            else AutoTokenizer.from_pretrained(path)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer in {path} has no chat template: set tokenizer.chat_template (a Jinja "
                          "template over messages with roles user/assistant/system) and save_pretrained it")
     processors, kwargs = {}, {}
     for name, enc in model.encoders.items():
         kind = modality_kind(enc)
+        if kind == "video":
+            processors[name] = _video_processor(path, name, auto, video)
+            continue
         auto_cls = AutoFeatureExtractor if kind == "audio" else AutoImageProcessor
         if (path / name / "preprocessor_config.json").is_file():
             proc = auto_cls.from_pretrained(path / name)
@@ -126,6 +144,22 @@ def load_processor(path, model, record_keys: dict[str, str] | None = None) -> Mu
             kwargs[name] = processor_image_kwargs(auto, proc)
     markers = {name: f"<{key}>" for name, key in record_keys.items()}
     return MultimodalProcessor(model, tokenizer, processors, markers, kwargs)
+
+
+def _video_processor(path: Path, name: str, auto, options) -> VideoProcessor:
+    """Modality ``name``'s video processor in ``path`` (see ``load_processor``) with the sampling ``options``."""
+    folder = path / name if (path / name / "video_preprocessor_config.json").is_file() else path
+    hf = getattr(auto, "video_processor", None) if folder == path else None
+    if hf is None:
+        image_cfg = path / "preprocessor_config.json"
+        fallback = json.loads(image_cfg.read_text()) if image_cfg.is_file() else None
+        hf = load_video_processor(folder, fallback)
+    classes = {type(auto).__name__} if auto is not None else set()
+    for file in ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+                 "tokenizer_config.json"):
+        if (path / file).is_file():
+            classes.add(json.loads((path / file).read_text()).get("processor_class"))
+    return VideoProcessor(hf, options, seconds_per_grid=bool(classes & set(SECONDS_PER_GRID_PROCESSORS)))
 
 
 def processor_image_kwargs(processor, image_processor) -> dict:
@@ -354,6 +388,8 @@ class ConversationDataset(Dataset):
             try:
                 if kind == "audio":
                     items.append(_load_audio(file, self.processor.processors[name].sampling_rate))
+                elif kind == "video":
+                    items.append(self.processor.processors[name].read(file))
                 else:
                     items.append(_load_image(file))
             except Exception as err:  # noqa: BLE001  (any decoder error is this record's problem)
@@ -468,16 +504,19 @@ class ConversationDataset(Dataset):
         """LLM tokens of each of ``files`` (modality ``name``) from their headers."""
         enc, proc = self.model.encoders[name], self.processor.processors[name]
         kind, kwargs = modality_kind(enc), self.processor.call_kwargs(name)
+        plain = enc.preprocess is None and enc._num_tokens is None
         sizes = []
         for file in files:
             try:
-                sizes.append(audio_length(file, proc.sampling_rate) if kind == "audio" else image_size(file))
+                sizes.append(audio_length(file, proc.sampling_rate) if kind == "audio" else
+                             read_header(file) if kind == "video" else image_size(file))
             except Exception as err:  # noqa: BLE001  (any header error is this record's problem)
                 raise self._bad(index, f"cannot read the {kind} header of {file} ({type(err).__name__}: {err})") \
                     from err
+        if kind == "video":  # frames sampled and sized by the rules decoding applies (VideoProcessor)
+            return [int(n) for n in enc.num_tokens(proc.header_inputs(sizes, blank=not plain))]
         # Shapes on the meta device where the processor's rules are known and the encoder counts by shape alone;
         # otherwise the processor runs on blank media of the same sizes (the same shapes as the real files).
-        plain = enc.preprocess is None and enc._num_tokens is None
         inputs = (audio_inputs(proc, sizes, kwargs) if kind == "audio" else image_inputs(proc, sizes, kwargs)) \
             if plain else None
         if inputs is None:
@@ -494,10 +533,13 @@ class ConversationDataModule(pl.LightningDataModule):
     ``max_length``: longest sample after placeholder expansion (trailing turns dropped to fit); with
     ``pack=True`` samples are packed into rows of ``max_length`` tokens with ``segment_ids``.
     ``on_bad_record``: "raise" or "skip" (counted in ``num_bad_records``). ``modalities`` maps encoder names
-    to record keys (default: the image encoder reads ``"image"``, the audio encoder ``"audio"``; markers are
-    ``<key>``). Each data-parallel replica reads its own shard (``trainer.distributed_sampler_kwargs``: every rank
-    of a replica sees the same batches; the tail that does not divide evenly is dropped), reshuffled per epoch
-    with ``seed``; the train loader resumes mid-epoch from a checkpoint.
+    to record keys (default: the image encoder reads ``"image"``, a video encoder ``"video"``, the audio encoder
+    ``"audio"``; markers are ``<key>``). ``video``: how videos are sampled, ``{"fps": 2.0, "max_frames": 32,
+    "max_pixels": None}`` (``VideoOptions``; ``max_pixels`` narrows the video processor's own pixel budget;
+    a ready ``MultimodalProcessor`` brings its own). Each data-parallel replica reads its own shard
+    (``trainer.distributed_sampler_kwargs``: every rank of a replica sees the same batches; the tail that does
+    not divide evenly is dropped), reshuffled per epoch with ``seed``; the train loader resumes mid-epoch from a
+    checkpoint.
     """
 
     def __init__(self, data_path: str, media_root: str | None = None,
@@ -506,7 +548,8 @@ class ConversationDataModule(pl.LightningDataModule):
                  pack: bool = False, pad_to_multiple_of: int = 1, on_bad_record: str = "raise",
                  val_data_path: str | None = None, shuffle: bool = True, seed: int = 0, num_workers: int = 0,
                  system_prompt: str | None = None, modalities: dict[str, str] | None = None,
-                 causal_modalities: bool = False, scan: bool = True, cache_dir: str | None = None, model=None):
+                 causal_modalities: bool = False, scan: bool = True, cache_dir: str | None = None,
+                 video: dict | None = None, model=None):
         super().__init__()
         if processor is None:
             raise ValueError("ConversationDataModule needs processor=: an HF folder with a tokenizer (chat template) "
@@ -515,6 +558,7 @@ class ConversationDataModule(pl.LightningDataModule):
             raise ValueError("pack=True packs samples into rows of max_length tokens: set max_length")
         if on_bad_record not in BAD_RECORD_MODES:
             raise ValueError(f"on_bad_record must be one of {BAD_RECORD_MODES}, got {on_bad_record!r}")
+        VideoOptions.of(video)  # a bad option fails here, before the model exists
         is_path = isinstance(processor, (str, os.PathLike))
         self.save_hyperparameters(ignore=["model"] + ([] if is_path else ["processor"]))
         self._model, self._processor = model, None if is_path else processor
@@ -532,7 +576,8 @@ class ConversationDataModule(pl.LightningDataModule):
     @property
     def processor(self) -> MultimodalProcessor:
         if self._processor is None:
-            self._processor = load_processor(self.hparams.processor, self.model, self.hparams.modalities)
+            self._processor = load_processor(self.hparams.processor, self.model, self.hparams.modalities,
+                                             self.hparams.video)
         return self._processor
 
     @property

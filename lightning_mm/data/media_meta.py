@@ -17,7 +17,9 @@ and the small index tensors (``image_grid_thw``, ``feature_attention_mask``) rea
   frames, and the attention mask the call returns (frame-level when asked for with ``return_attention_mask``,
   else the padding's sample-level mask when the extractor's config returns one).
 
-Any other processor, or call arguments these rules do not cover, return None: the caller then runs the processor
+Videos have their own header rules beside their decoding (``lightning_mm.data.video``: PyAV's stream header,
+the same frame sampling, Qwen2-VL's video ``smart_resize``). Any other processor, or call arguments these rules
+do not cover, return None: the caller then runs the processor
 on blank media of the header's size (exact, since shapes never depend on pixel values, but it does the resize).
 """
 

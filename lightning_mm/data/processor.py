@@ -1,4 +1,5 @@
-"""Real inputs -> samples: a tokenizer plus one HF processor per modality (image processor, feature extractor).
+"""Real inputs -> samples: a tokenizer plus one HF processor per modality (image processor, feature extractor,
+``VideoProcessor``).
 
 ``MultimodalProcessor(model, tokenizer, processors={"vision": image_processor}, markers={"vision": "<image>"})``
 turns ``text`` with one marker per item and the raw items (``vision=[img, ...]``) into the sample form the
@@ -9,6 +10,8 @@ labels, words and packing come from the same code for real and synthetic data.
 from __future__ import annotations
 
 import torch
+
+from lightning_mm.data.video import VideoProcessor
 
 
 class MultimodalProcessor:
@@ -32,8 +35,11 @@ class MultimodalProcessor:
         return kw
 
     def encode_items(self, name: str, items: list) -> dict:
-        """The encoder inputs of modality ``name`` for raw ``items`` (PIL images / arrays, 1-D waveforms)."""
+        """The encoder inputs of modality ``name`` for raw ``items`` (PIL images / arrays, 1-D waveforms, videos:
+        ``Video``s or frame arrays ``[T, H, W, 3]``)."""
         proc = self.processors[name]
+        if isinstance(proc, VideoProcessor):  # pixel_values_videos, video_grid_thw (, second_per_grid_ts)
+            return proc(items)
         kw = {"return_tensors": "pt", **self.call_kwargs(name)}
         out = proc(images=items, **kw) if hasattr(proc, "image_mean") else proc(items, **kw)
         keep = {"pixel_values", "image_grid_thw", "input_features", "feature_attention_mask",
