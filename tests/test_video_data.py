@@ -259,3 +259,28 @@ def test_missing_and_broken_videos_are_named_with_their_record(tmp_path, video_p
         ds.sample_metadata(2)
     skip = dataset(tmp_path, records, video_proc_dir, on_bad_record="skip").train_dataset
     assert skip[2]["input_ids"].tolist() == skip[0]["input_ids"].tolist() and skip.num_bad_records == 1
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_composite_takes_the_samples(tmp_path, kind):
+    """A Qwen-VL composite folder: videos take its ``video_token_id`` placeholder, the mixed batch (Qwen2.5-VL's
+    seconds per grid included) runs forward and backward, and the metadata counts its expanded lengths."""
+    from tests.test_hf_composites import save_composite
+
+    model = lmm.MultimodalModel.from_pretrained(save_composite(kind, tmp_path / kind))
+    if "video" not in model.encoders:
+        pytest.skip("the composite has no video modality yet")
+    assert model.placeholder_ids["video"] == model_config_video_token(tmp_path / kind)
+    proc_dir = video_processor_folder(tmp_path / "proc", "Qwen2_5_VLProcessor" if kind == "qwen2_5_vl" else None)
+    ds = dataset(tmp_path, MIXED, proc_dir, model=model, video={"fps": 2, "max_frames": 4}).train_dataset
+    samples = [ds[i] for i in range(len(ds))]
+    assert ("second_per_grid_ts" in samples[1]["video"]) == (kind == "qwen2_5_vl")
+    loss = model(**MultimodalCollator(model)(samples)).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    for i, s in enumerate(samples):
+        assert ds.sample_metadata(i).llm_tokens == len(MultimodalCollator(model)([s])["input_ids"][0])
+
+
+def model_config_video_token(folder: Path) -> int:
+    return json.loads((folder / "config.json").read_text())["video_token_id"]
