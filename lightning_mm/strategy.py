@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -150,21 +149,21 @@ class MultimodalParallelStrategy(DDPStrategy):
 
     def plan_layout(self) -> RankLayout:
         model = self.multimodal_model()
-        specs = self.encoder_specs if self.encoder_specs is not None else {e: ParallelSpec() for e in model.encoders}
+        encoders = model.pipeline_encoders  # an encoder sharing another's tower runs on its stages
+        specs = self.encoder_specs if self.encoder_specs is not None else {e: ParallelSpec() for e in encoders}
         world = self.num_nodes * self.num_processes
         if world == 1:  # debug mode: the whole model in this process, whatever the specs say
             if any(s.size > 1 for s in [*specs.values(), self.language_model_spec]):
                 rank_zero_warn("MultimodalParallelStrategy on 1 device runs the whole model in one process; the "
                                "ParallelSpecs apply from 2 devices on")
-            return build_layout({e: ParallelSpec() for e in specs}, ParallelSpec(), 1, "replicated",
-                                list(model.encoders))
+            return build_layout({e: ParallelSpec() for e in specs}, ParallelSpec(), 1, "replicated", encoders)
         lm_spec, placement = self.language_model_spec, self.encoder_placement
         if self.fault_tolerance is not None and self.fault_tolerance.templates:
             template = self.fault_tolerance.template(world)  # re-formed groups take the layout of their size
-            specs = {e: template.specs.get(e, ParallelSpec()) for e in model.encoders}
+            specs = {e: template.specs.get(e, ParallelSpec()) for e in encoders}
             lm_spec, placement = template.specs["language_model"], template.placement
             self.partition = {m: list(v) for m, v in template.partition.items()}
-        layout = build_layout(specs, lm_spec, world, placement, list(model.encoders))
+        layout = build_layout(specs, lm_spec, world, placement, encoders)
         if layout.disaggregated and self.fault_tolerance is not None:
             raise ValueError("fault_tolerance runs replica groups of one data-parallel degree; per-module degrees "
                              f"({ {c: layout.replicas(c) for c in layout.chains()} }) are not served with it: give "
@@ -416,7 +415,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         layout, model = self.layout, self.multimodal_model()
         replicas = layout.per_group(LANGUAGE_MODEL)
         check_group_batch(batch_size, self.num_microbatches, replicas,
-                          {e: layout.per_group(e) for e in model.encoders})
+                          {e: layout.per_group(e) for e in model.pipeline_encoders})
         method = (self.batch_balancing or DEFAULT_BALANCING) if training else "none"
         if method != "none" and balancing_obstacle(dataloader):
             if self.batch_balancing is not None:

@@ -24,6 +24,8 @@ IMG, VSTART, VEND, PAD = 100, 102, 103, 0
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+MROPE_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+VIDEO_KINDS = ("qwen2_vl", "qwen2_5_vl")
 
 
 def tiny_composite(kind: str, **extra):
@@ -35,9 +37,20 @@ def tiny_composite(kind: str, **extra):
         cfg = tf.LlavaConfig(vision_config=vision, text_config=dict(model_type="llama", **TEXT), image_token_id=IMG,
                              **extra)
         return tf.LlavaForConditionalGeneration(cfg)
-    if kind in ("qwen2_vl", "qwen2_5_vl"):
+    if kind in MROPE_KINDS:
         text = dict(TEXT, rope_parameters=MROPE)
-        if kind == "qwen2_vl":
+        if kind == "qwen3_vl_moe":  # routed experts, the load-balancing loss in the loss
+            text.update(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                        router_aux_loss_coef=0.05, output_router_logits=True)
+        if kind in ("qwen3_vl", "qwen3_vl_moe"):  # DeepStack from tower layers 0 and 2 into LLM layers 0 and 1
+            text.update(head_dim=8, **extra.pop("text", {}))
+            vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                          patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                          num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
+            vision.update(extra.pop("vision", {}))
+            cls, cfg_cls = (tf.Qwen3VLForConditionalGeneration, tf.Qwen3VLConfig) if kind == "qwen3_vl" else \
+                (tf.Qwen3VLMoeForConditionalGeneration, tf.Qwen3VLMoeConfig)
+        elif kind == "qwen2_vl":
             vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=4, spatial_merge_size=2,
                           temporal_patch_size=2, in_channels=3)
             cls, cfg_cls = tf.Qwen2VLForConditionalGeneration, tf.Qwen2VLConfig
@@ -88,7 +101,7 @@ def batch_for(kind: str, config):
         counts = [[per, per], [per]]
         inputs = {"pixel_values": torch.randn(3, 3, 16, 16, generator=g)}
         hf_inputs = dict(inputs)
-    elif kind in ("qwen2_vl", "qwen2_5_vl"):
+    elif kind in MROPE_KINDS:
         grids = [[1, 8, 8], [1, 4, 8], [1, 8, 4]]
         counts = [[16, 8], [8]]
         dim = 3 * 2 * 4 * 4
@@ -111,7 +124,7 @@ def batch_for(kind: str, config):
         attention[r, :len(row)] = 1
     labels = ids.masked_fill((ids == IMG) | (attention == 0), -100)
     hf_inputs.update(input_ids=ids, attention_mask=attention, labels=labels)
-    if kind in ("qwen2_vl", "qwen2_5_vl"):
+    if kind in MROPE_KINDS:
         hf_inputs["mm_token_type_ids"] = (ids == IMG).int()
     modality = "audio" if kind == "qwen2_audio" else "vision"
     ours = {"input_ids": ids, "attention_mask": attention, "labels": labels, modality: inputs,
@@ -119,9 +132,11 @@ def batch_for(kind: str, config):
     return ours, hf_inputs
 
 
-KINDS = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"]
+KINDS = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_audio"]
 CLASSES = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
-           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_audio": "Qwen2AudioForConditionalGeneration"}
+           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
+           "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+           "qwen2_audio": "Qwen2AudioForConditionalGeneration"}
 
 
 def load_hf(kind, path):
@@ -140,10 +155,13 @@ def test_loss_logits_gradients_and_round_trip_equal_hf(kind, tmp_path):
     assert (lm.lm_head.weight is lm.model.embed_tokens.weight) == tied
     spec = model.composite.spec
     modality = spec.modality
-    assert model.placeholder_ids == {modality: IMG} and model.causal_modalities
+    videos = {"video": 101} if kind in VIDEO_KINDS else {}  # videos through the same tower (one copy)
+    assert model.placeholder_ids == {modality: IMG, **videos} and model.causal_modalities
+    assert model.shared_encoders == dict.fromkeys(videos, "vision") and model.pipeline_encoders == [modality]
     batch, hf_inputs = batch_for(kind, ref.config)
     # the placeholder counts are known before any encoder runs (grids, per-clip lengths, CLS dropped)
-    counts = {"llava": [4, 4, 4], "qwen2_vl": [16, 8, 8], "qwen2_5_vl": [16, 8, 8], "qwen2_audio": [4, 2, 3]}
+    counts = {"llava": [4, 4, 4], "qwen2_vl": [16, 8, 8], "qwen2_5_vl": [16, 8, 8], "qwen3_vl": [16, 8, 8],
+              "qwen3_vl_moe": [16, 8, 8], "qwen2_audio": [4, 2, 3]}
     assert model.encoders[modality].num_tokens(batch[modality]) == counts[kind]
     assert_like_hf(model, ref, spec, batch, hf_inputs, logits_atol=1e-5)
 
@@ -163,12 +181,13 @@ def test_loss_logits_gradients_and_round_trip_equal_hf(kind, tmp_path):
         assert n == m and torch.equal(a, b), n
 
 
-def test_mrope_positions_equal_hf_rope_index(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])
+def test_mrope_positions_equal_hf_rope_index(kind, tmp_path):
     """Our M-RoPE positions are HF's get_rope_index (padding 0), with grids of different shapes per row."""
-    folder = save_composite("qwen2_vl", tmp_path / "src")
-    ref = load_hf("qwen2_vl", folder)
+    folder = save_composite(kind, tmp_path / "src")
+    ref = load_hf(kind, folder)
     model = lmm.MultimodalModel.from_pretrained(folder)
-    batch, hf_inputs = batch_for("qwen2_vl", ref.config)
+    batch, hf_inputs = batch_for(kind, ref.config)
     theirs, _ = ref.model.get_rope_index(hf_inputs["input_ids"], hf_inputs["mm_token_type_ids"],
                                          image_grid_thw=hf_inputs["image_grid_thw"],
                                          attention_mask=hf_inputs["attention_mask"])

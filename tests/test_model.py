@@ -47,9 +47,10 @@ def test_encoder_split_equals_hf_forward_and_features_land_at_placeholders(kind)
     where = torch.randperm(n + 9)[:n].sort().values
     ids[0, where] = pid
     feats = enc(inputs)
-    assert feats.shape == (n, 32)
+    blocks = 1 + enc.family.deepstack_layers(enc.config)  # Qwen3-VL: DeepStack features packed beside them
+    assert feats.shape == (n, 32 * blocks)
     embeds = model.embed(ids, {"m": feats})
-    torch.testing.assert_close(embeds[0, where], feats)
+    torch.testing.assert_close(embeds[0, where], feats[:, :32])
     text = torch.ones(n + 9, dtype=torch.bool)
     text[where] = False
     torch.testing.assert_close(embeds[0, text], model.language_model.model.embed_tokens(ids[0, text]))

@@ -248,16 +248,17 @@ def _run_case(case: dict, tmp_path, name: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_vision_pp1_llm_pp2_trains_like_one_process(kind, tmp_path):
-    """Vision one stage, LLM two stages (3 gloo ranks, built lazily: each rank reads its stage): one process's
-    losses and trained parameters."""
+    """Vision one stage, LLM two stages (3 gloo ranks, built lazily: each rank reads its stage), and two replicas of
+    that (6 ranks): one process's losses and trained parameters."""
     folder = save_composite(kind, tmp_path / "src")
     ref_losses, ref_params = _run_case({"folder": folder, "kind": kind}, tmp_path, "single")
     assert len(ref_losses) == 3 and ref_losses[-1] < ref_losses[0]
-    losses, params = _run_case({"folder": folder, "kind": kind, "llm_pp": 2, "lazy": True}, tmp_path, "pp2")
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    assert set(params) == set(ref_params)
-    for n, p in ref_params.items():
-        torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)
+    for name, case in (("pp2", {"llm_pp": 2, "lazy": True}), ("pp2_dp2", {"llm_pp": 2, "dp": 2})):
+        losses, params = _run_case({"folder": folder, "kind": kind, **case}, tmp_path, name)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=name)
+        assert set(params) == set(ref_params), name
+        for n, p in ref_params.items():
+            torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
 
 
 @pytest.mark.parametrize("kind", KINDS)

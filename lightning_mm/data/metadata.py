@@ -35,7 +35,8 @@ def encoder_input_tokens(encoder, emitted: int) -> int:
     folded = getattr(encoder.family, "positions_per_token", None)
     if folded is not None:
         return emitted * folded
-    merge = getattr(encoder.config, "spatial_merge_size", 1) if encoder.family.input_key == "image_grid_thw" else 1
+    merged = encoder.family.input_key in ("image_grid_thw", "video_grid_thw")
+    merge = getattr(encoder.config, "spatial_merge_size", 1) if merged else 1
     return emitted * merge * merge
 
 

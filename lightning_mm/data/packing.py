@@ -76,13 +76,13 @@ def _sample(s, index: int, config, image_id) -> dict:
 
 def _mrope_positions(config, ids: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
     """``[3, S]`` M-RoPE positions of one sample (Qwen2-VL's ``get_rope_index`` on that sample alone)."""
-    from lightning_mm.model.composites import MRopePositions
+    from lightning_mm.model.composites import MRopeItems, MRopePositions
 
     vision = getattr(config, "vision_config", None)
     merge = getattr(vision, "spatial_merge_size", None)
     if merge is None:
         raise ValueError("Qwen2-VL packing needs config.vision_config.spatial_merge_size")
-    fn = MRopePositions("vision", config.image_token_id, merge)
+    fn = MRopePositions((MRopeItems("vision", config.image_token_id),), merge)
     inputs = {} if grids is None else {"vision": {"image_grid_thw": grids.reshape(-1, 3)}}
     return fn(ids[None], inputs)[0].T
 

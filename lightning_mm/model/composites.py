@@ -1,14 +1,14 @@
-"""HF composite multimodal checkpoints in and out: LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen2-Audio; LLaVA-NeXT,
-LLaVA-OneVision and InternVL through their tile adapters (``lightning_mm.model.tiles``).
+"""HF composite multimodal checkpoints in and out: LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen2-Audio;
+LLaVA-NeXT, LLaVA-OneVision and InternVL through their tile adapters (``lightning_mm.model.tiles``).
 
 ``from_pretrained(MultimodalModel, folder)`` (what ``MultimodalModel.from_pretrained`` calls) builds a model whose
 forward is the composite class's own: its vision or audio tower (LLaVA's cut after ``vision_feature_layer``, the
 first token dropped by the "default" select strategy; Qwen2-Audio's run with the clips' padding mask, each clip
 emitting its real length), its projector module, its language model, its placeholder ids (``image_token_id`` /
-``audio_token_id``), its attention pattern (causal over every token) and, for Qwen2-VL / Qwen2.5-VL, its M-RoPE
-positions. Every part records where its tensors live in the composite's safetensors (``PretrainedSource``), so under
-the meta device nothing is read and ``materialise`` reads a pipeline stage's own tensors only, as for folders of
-separate parts.
+``audio_token_id``), its attention pattern (causal over every token) and, for the Qwen-VL families, its M-RoPE
+positions (and Qwen3-VL's DeepStack: ``MultimodalModel.deepstack``). Every part records where its tensors live
+in the composite's safetensors (``PretrainedSource``), so under the meta device nothing is read and
+``materialise`` reads a pipeline stage's own tensors only, as for folders of separate parts.
 
 ``save_pretrained`` writes the folder back for the composite class: every tensor under the composite's names
 (tensors no part uses, such as LLaVA's layers past the feature layer, copied from the source folder), its config,
@@ -27,7 +27,8 @@ from torch import nn
 
 from lightning_mm.model import loading, tiles
 from lightning_mm.model.encoder import ModalityEncoder
-from lightning_mm.model.families import ENCODER_FAMILIES, LANGUAGE_FAMILIES, MROPE_FAMILIES, encoder_family
+from lightning_mm.model.families import (ENCODER_FAMILIES, LANGUAGE_FAMILIES, MROPE_FAMILIES, VideoInputs,
+                                         encoder_family)
 from lightning_mm.model.loading import ModelFolderError, PretrainedSource
 from lightning_mm.model.mrope_lm import Qwen2_5_VLTextForCausalLM, Qwen2VLTextForCausalLM  # noqa: F401  (re-export)
 
@@ -47,6 +48,7 @@ class CompositeSpec:
     mrope: bool = False
     feature_layer: bool = False  # the tower is cut after ``vision_feature_layer`` (LLaVA and its successors)
     adapter: object = None       # tiled images (lightning_mm.model.tiles): the encoder view and projector extras
+    video: str | None = None     # how the tower reads videos ("qwen2": Qwen2-VL's grids; "qwen2_5": seconds per grid)
 
     def hf_class(self):
         import transformers
@@ -65,8 +67,12 @@ SPECS = {s.class_name: s for s in (
     CompositeSpec("InternVLForConditionalGeneration", "internvl", "vision", "vision_config", "image_token_id",
                   "model.vision_tower.", "model.multi_modal_projector.", feature_layer=True, adapter=tiles.INTERNVL),
     CompositeSpec("Qwen2VLForConditionalGeneration", "qwen2_vl", "vision", "vision_config", "image_token_id",
-                  "model.visual.", None, mrope=True),
+                  "model.visual.", None, mrope=True, video="qwen2"),
     CompositeSpec("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "vision", "vision_config", "image_token_id",
+                  "model.visual.", None, mrope=True, video="qwen2_5"),
+    CompositeSpec("Qwen3VLForConditionalGeneration", "qwen3_vl", "vision", "vision_config", "image_token_id",
+                  "model.visual.", None, mrope=True),
+    CompositeSpec("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe", "vision", "vision_config", "image_token_id",
                   "model.visual.", None, mrope=True),
     CompositeSpec("Qwen2AudioForConditionalGeneration", "qwen2_audio", "audio", "audio_config", "audio_token_id",
                   "model.audio_tower.", "model.multi_modal_projector."),
@@ -140,49 +146,73 @@ class FeatureSelectFamily:
 
 
 @dataclass(frozen=True)
-class MRopePositions:
-    """Qwen2-VL's 3-D positions (``get_rope_index``) from the token ids and the images' grids: text counts on from
-    the position after the previous item; an image's tokens get (start + t, start + h, start + w) over its merged
-    grid and the next text starts ``max(h, w)`` after it. Consecutive runs of placeholders are split into items by
-    their token counts. Padding (``attention_mask`` 0) is skipped and gets 0. Returns ``[B, S, 3]``."""
+class MRopeItems:
+    """One kind of item with M-RoPE positions: its modality, placeholder id and grid key; ``seconds_key`` (videos of
+    Qwen2.5-VL: ``second_per_grid_ts``) spaces temporal positions by ``tokens_per_second`` per second of each grid
+    step, as HF's ``get_rope_index`` does (images and Qwen2-VL's videos: one per step)."""
 
     modality: str
     placeholder_id: int
-    spatial_merge_size: int
     grid_key: str = "image_grid_thw"
+    seconds_key: str | None = None
+    tokens_per_second: float = 1.0
+
+
+@dataclass(frozen=True)
+class MRopePositions:
+    """Qwen2-VL's 3-D positions (``get_rope_index``) from the token ids and the items' grids: text counts on from
+    the position after the previous item; an item's tokens get (start + t * interval, start + h, start + w) over its
+    merged grid and the next text starts ``max(h, w)`` after it. Consecutive runs of placeholders are split into
+    items by their token counts; each kind (``MRopeItems``: images, videos) takes its items in order. Padding
+    (``attention_mask`` 0) is skipped and gets 0. Returns ``[B, S, 3]``."""
+
+    kinds: tuple[MRopeItems, ...]
+    spatial_merge_size: int
 
     def __call__(self, input_ids: torch.Tensor, modality_inputs: dict, attention_mask: torch.Tensor | None = None):
-        inputs = modality_inputs.get(self.modality) or {}
-        grids = inputs[self.grid_key].tolist() if self.grid_key in inputs else []
         m = self.spatial_merge_size
+        grids, intervals, taken = {}, {}, {}
+        for kind in self.kinds:
+            inputs = modality_inputs.get(kind.modality) or {}
+            grids[kind.placeholder_id] = inputs[kind.grid_key].tolist() if kind.grid_key in inputs else []
+            seconds = inputs.get(kind.seconds_key) if kind.seconds_key else None
+            intervals[kind.placeholder_id] = [kind.tokens_per_second * float(s) for s in seconds.tolist()] \
+                if seconds is not None else [1.0] * len(grids[kind.placeholder_id])
+            taken[kind.placeholder_id] = 0
+        names = {k.placeholder_id: k for k in self.kinds}
         out = torch.zeros(*input_ids.shape, 3, dtype=torch.long)
-        item = 0
         for row in range(input_ids.shape[0]):
             keep = torch.ones(input_ids.shape[1], dtype=torch.bool) if attention_mask is None else \
                 attention_mask[row].bool().cpu()
             ids = input_ids[row].cpu()[keep]
-            is_item = (ids == self.placeholder_id).long()
-            values, counts = torch.unique_consecutive(is_item, return_counts=True)
+            kind_of = torch.zeros_like(ids)
+            for pid in names:
+                kind_of = torch.where(ids == pid, pid + 1, kind_of)  # 0: text
+            values, counts = torch.unique_consecutive(kind_of, return_counts=True)
             pos, parts = 0, []
             for value, count in zip(values.tolist(), counts.tolist()):
                 if not value:
                     parts.append(torch.arange(pos, pos + count).unsqueeze(1).expand(-1, 3))
                     pos += count
                     continue
+                pid = value - 1
                 while count > 0:
-                    if item >= len(grids):
-                        raise ValueError(f"{self.modality}: input_ids hold more placeholder tokens than the "
-                                         f"{len(grids)} items of {self.grid_key} give")
-                    t, h, w = grids[item]
+                    item = taken[pid]
+                    if item >= len(grids[pid]):
+                        kind = names[pid]
+                        raise ValueError(f"{kind.modality}: input_ids hold more placeholder tokens than the "
+                                         f"{len(grids[pid])} items of {kind.grid_key} give")
+                    t, h, w = grids[pid][item]
                     gh, gw = h // m, w // m
-                    tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+                    tt = (torch.arange(t) * intervals[pid][item]).long()
+                    tt, hh, ww = torch.meshgrid(tt, torch.arange(gh), torch.arange(gw), indexing="ij")
                     parts.append(torch.stack([tt, hh, ww], -1).reshape(-1, 3) + pos)
                     count -= t * gh * gw
                     pos += max(gh, gw)
-                    item += 1
+                    taken[pid] = item + 1
                 if count < 0:
-                    raise ValueError(f"{self.modality}: a run of placeholder tokens ends inside an item; expand each "
-                                     "item's placeholder to its token count")
+                    raise ValueError(f"{names[pid].modality}: a run of placeholder tokens ends inside an item; "
+                                     "expand each item's placeholder to its token count")
             if parts:
                 out[row, keep] = torch.cat(parts)
         return out.to(input_ids.device)
@@ -220,9 +250,10 @@ def _encoder_class(config):
                            f"({supported})")
 
 
-def _record_sources(part: nn.Module, prefix: str, spec: CompositeSpec, stored: dict, folder, used: set) -> None:
+def _record_sources(part: nn.Module, prefix: str, spec: CompositeSpec, stored: dict, folder, used: set,
+                    converted: dict) -> None:
     """Give ``part`` (full name ``prefix``) a ``PretrainedSource`` for every persistent tensor, after checking its
-    presence and shape in the folder."""
+    presence and shape in the folder (tensors in ``converted``, which transformers converted on load, excepted)."""
     mapping, missing = {}, []
     groups = loading._groups(part)
     for g in groups.values():
@@ -231,6 +262,8 @@ def _record_sources(part: nn.Module, prefix: str, spec: CompositeSpec, stored: d
         if hit is not None:  # tied weights: every name of the tensor reads the stored one
             used.update(t for t in theirs if t in stored)
             mapping.update(dict.fromkeys(g.names, hit))
+        elif any(t in converted for t in theirs):
+            continue
         elif g.persistent and not all(loading._ignorable(part, n) for n in g.names):
             missing.append(theirs[0])
     if missing:
@@ -260,15 +293,19 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
         hf = spec.hf_class()(copy.deepcopy(config))
     rename = loading._hf_renamer(hf)
     expected = set(hf.state_dict())
-    stored = {}
+    stored, converted = {}, {}
     for key, file in folder.files.items():
-        name, converted = rename(key)
-        if name not in expected:
-            continue
-        if converted:
-            raise ModelFolderError(f"{folder.path}: tensor {key!r} is stored in a form transformers converts on "
-                                   "load (fused or split); load the folder with the HF class and save it again")
-        stored[name] = (file, key)
+        name, fused = rename(key)
+        if name in expected:
+            (converted if fused else stored)[name] = (file, key)
+    if converted:  # experts stored in another layout: transformers converts them on load (eagerly only)
+        if loading.building_on_meta():
+            raise ModelFolderError(f"{folder.path}: {len(converted)} tensors (e.g. {next(iter(converted))!r}) are "
+                                   "stored in a form transformers converts on load (experts fused or split), which "
+                                   "lazy (meta) loading does not do; build this model eagerly")
+        state = spec.hf_class().from_pretrained(folder.path, dtype=torch.get_default_dtype(),
+                                                local_files_only=True).state_dict()
+        converted = {name: state[name] for name in converted}
     tied = hf.lm_head.weight is hf.model.language_model.embed_tokens.weight
 
     # the parts, built on meta, then materialised from the folder unless the caller builds on meta
@@ -296,13 +333,19 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
         if spec.adapter is not None:
             projector = spec.adapter.build_projector(projector, config)
     used: set[str] = set()
-    _record_sources(lm, "language_model", spec, stored, folder, used)
-    _record_sources(tower, f"encoders.{spec.modality}.module", spec, stored, folder, used)
+    parts = {"language_model": lm, f"encoders.{spec.modality}.module": tower}
     if spec.projector:
-        _record_sources(projector, f"encoders.{spec.modality}.projector", spec, stored, folder, used)
+        parts[f"encoders.{spec.modality}.projector"] = projector
+    for prefix, part in parts.items():
+        _record_sources(part, prefix, spec, stored, folder, used, converted)
     if not loading.building_on_meta():
-        for part in (lm, tower, projector):
+        for prefix, part in parts.items():
             loading.materialise(part, torch.get_default_device())
+            with torch.no_grad():  # what transformers converted on load
+                for name, tensor in part.state_dict(keep_vars=True).items():
+                    theirs = to_theirs(spec, f"{prefix}.{name}")
+                    if theirs in converted:
+                        tensor.copy_(converted[theirs])
 
     enc = ModalityEncoder(tower, projector=projector)
     if spec.adapter is not None:
@@ -310,10 +353,21 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
     elif drop_first is not None:
         enc.family = FeatureSelectFamily(encoder_family(tower), drop_first)
     placeholder = getattr(config, spec.token_id)
-    model = model_class({spec.modality: enc}, lm, placeholder_ids={spec.modality: placeholder})
+    encoders, placeholders = {spec.modality: enc}, {spec.modality: placeholder}
+    kinds = [MRopeItems(spec.modality, placeholder)]
+    if spec.video is not None and getattr(config, "video_token_id", None) is not None:
+        # videos run through the same tower and projector (one copy of the parameters, shared_encoders)
+        encoders["video"] = ModalityEncoder(tower, projector=projector)
+        encoders["video"].family = VideoInputs(enc.family)
+        placeholders["video"] = config.video_token_id
+        seconds = spec.video == "qwen2_5"
+        kinds.append(MRopeItems("video", config.video_token_id, "video_grid_thw",
+                                "second_per_grid_ts" if seconds else None,
+                                getattr(tower_config, "tokens_per_second", 1.0) if seconds else 1.0))
+    model = model_class(encoders, lm, placeholder_ids=placeholders)
     model.causal_modalities = causal_modalities
     if spec.mrope:
-        model.position_ids_fn = MRopePositions(spec.modality, placeholder, tower_config.spatial_merge_size)
+        model.position_ids_fn = MRopePositions(tuple(kinds), tower_config.spatial_merge_size)
     model.composite = CompositeSource(spec, copy.deepcopy(config), folder.path,
                                       {k: v for k, v in stored.items() if k not in used})
     return model
@@ -369,6 +423,7 @@ def save_pretrained(model, folder) -> dict:
     return {"composite": spec.class_name, "folder": os.fspath(folder), "copied": copied}
 
 
-__all__ = ["SPECS", "CompositeSpec", "CompositeSource", "FeatureSelectFamily", "MRopePositions", "composite_spec",
+__all__ = ["SPECS", "CompositeSpec", "CompositeSource", "FeatureSelectFamily", "MRopeItems", "MRopePositions",
+           "composite_spec",
            "fill_positions", "from_pretrained", "save_pretrained", "Qwen2VLTextForCausalLM",
            "Qwen2_5_VLTextForCausalLM"]

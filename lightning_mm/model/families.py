@@ -99,8 +99,8 @@ LANGUAGE_FAMILIES = {f.model_type: f for f in (
 
 @dataclass(frozen=True)
 class MRopeDecoderFamily(DecoderFamily):
-    """The text decoder of Qwen2-VL / Qwen2.5-VL (the LLM of those composites, wrapped with its ``lm_head`` by
-    ``lightning_mm.model.mrope_lm``): multimodal RoPE over (temporal, height, width) positions.
+    """The text decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL (the LLM of those composites, wrapped with its
+    ``lm_head`` by ``lightning_mm.model.mrope_lm``): multimodal RoPE over (temporal, height, width) positions.
 
     ``position_ids`` are ``[B, S, 3]`` (batch-first, so microbatches and context-parallel shards cut them like
     every other sequence tensor), or ``[B, S]``: the same position on all three axes, as HF reads 2-D positions."""
@@ -126,6 +126,8 @@ class MRopeDecoderFamily(DecoderFamily):
         kw = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+        if self.model_type == "qwen3_vl_text":
+            kw.update(head_dim=8)
         kw.update(overrides)
         return getattr(transformers, self.config_name)(**kw)
 
@@ -183,6 +185,7 @@ def layer_windows(lm: nn.Module) -> list[int | None]:
 MROPE_FAMILIES = {f.model_type: f for f in (
     MRopeDecoderFamily("Qwen2-VL text", "qwen2_vl_text", "Qwen2VLTextForCausalLM", "Qwen2VLTextConfig"),
     MRopeDecoderFamily("Qwen2.5-VL text", "qwen2_5_vl_text", "Qwen2_5_VLTextForCausalLM", "Qwen2_5_VLTextConfig"),
+    MRopeDecoderFamily("Qwen3-VL text", "qwen3_vl_text", "Qwen3VLTextForCausalLM", "Qwen3VLTextConfig"),
 )}
 LANGUAGE_FAMILIES["gemma3_text"] = Gemma3DecoderFamily("Gemma3", "gemma3_text", "Gemma3ForCausalLM",
                                                        "Gemma3TextConfig")
@@ -250,6 +253,18 @@ class EncoderFamily:
 
     def run_layer(self, enc, layer, hidden, ctx):
         return layer(hidden, None)
+
+    def deepstack_layers(self, config) -> int:
+        """LLM layers after which this tower's DeepStack features are added (0: it has none)."""
+        return 0
+
+    def stage_output(self, enc, hidden, ctx) -> torch.Tensor:
+        """What a pipeline stage of the tower sends on: its hidden state (and what ``ctx`` collected for later)."""
+        return hidden
+
+    def stage_input(self, enc, received, ctx) -> torch.Tensor:
+        """The hidden state of a received ``stage_output`` (filling ``ctx`` with the rest)."""
+        return received
 
     def final(self, enc, hidden, ctx) -> torch.Tensor:
         return hidden.reshape(-1, hidden.shape[-1])
@@ -626,6 +641,90 @@ class Qwen25VisionFamily(Qwen2VisionFamily):
         return super().random_inputs(config, num_items, generator, grids=grids or [(1, 8, 8)] * num_items)
 
 
+class Qwen3VisionFamily(Qwen2VisionFamily):
+    """Qwen3-VL's vision tower: Qwen2-VL's packed images with a learned position table resampled to each grid, and
+    DeepStack: the hidden states after the layers listed in ``deepstack_visual_indexes`` go through their own
+    mergers and are added to the LLM's hidden states after its first layers (``MultimodalModel.deepstack``).
+
+    ``final`` packs them beside the main features, ``[tokens, out_hidden_size * (1 + k)]``, so they travel, are
+    split between context-parallel ranks and routed between replicas exactly like the features; between pipeline
+    stages of the tower the hidden states collected so far ride beside the hidden state the same way
+    (``stage_output`` / ``stage_input``). A projector (the composite's is the identity: the mergers project)
+    applies to each block alike."""
+
+    name, class_names = "Qwen3-VL vision", ("Qwen3VLVisionModel",)
+    hf_module = "transformers.models.qwen3_vl.modeling_qwen3_vl"
+    folder_model_types = {"qwen3_vl_vision": None, "qwen3_vl": "vision_config"}
+    embed_modules = ("patch_embed", "pos_embed")
+
+    def deepstack_layers(self, config) -> int:
+        return len(config.deepstack_visual_indexes)
+
+    def output_dim(self, enc):
+        return enc.config.out_hidden_size  # of each block: the features and every DeepStack layer's
+
+    def project(self, projector, feats, ctx):
+        blocks = feats.unflatten(-1, (-1, feats.shape[-1] // (1 + len(ctx["deepstack"]))))
+        return projector(blocks).flatten(-2)
+
+    def context(self, enc, inputs):
+        from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
+
+        grid = inputs["image_grid_thw"]
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, enc.config)
+        cos, sin = enc.rotary_pos_emb(torch.empty(0, device=grid.device),
+                                      get_vision_position_ids(grid, enc.config.spatial_merge_size))
+        return {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "cos": cos, "sin": sin, "deepstack": {}}
+
+    def embed(self, enc, inputs):
+        from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+        grid = inputs["image_grid_thw"]
+        index, weight = get_vision_interpolation_indices_and_weights(
+            grid, num_grid_per_side=enc.num_grid_per_side, mode=enc.interpolation_mode,
+            align_corners=enc.interpolation_align_corners, spatial_merge_size=enc.config.spatial_merge_size)
+        hidden = enc.patch_embed(inputs["pixel_values"])
+        return hidden + (enc.pos_embed(index) * weight[:, :, None]).sum(1).to(hidden.dtype), self.context(enc, inputs)
+
+    def run_layer(self, enc, layer, hidden, ctx):
+        hidden = super().run_layer(enc, layer, hidden, ctx)
+        index = next(i for i, block in enumerate(enc.blocks) if block is layer)
+        if index in enc.config.deepstack_visual_indexes:  # by index: a recomputed layer overwrites its own
+            ctx["deepstack"][index] = hidden
+        return hidden
+
+    def stage_output(self, enc, hidden, ctx):
+        return torch.cat([hidden, *(ctx["deepstack"][i] for i in sorted(ctx["deepstack"]))], -1)
+
+    def stage_input(self, enc, received, ctx):
+        hidden, *collected = (t.contiguous() for t in received.split(enc.config.hidden_size, -1))  # HF views them
+        ctx["deepstack"] = dict(zip(sorted(enc.config.deepstack_visual_indexes), collected))
+        return hidden
+
+    def final(self, enc, hidden, ctx):
+        indexes = enc.config.deepstack_visual_indexes
+        missing = [i for i in indexes if i not in ctx["deepstack"]]
+        if missing:
+            raise RuntimeError(f"Qwen3-VL vision: no hidden state of DeepStack layers {missing}; run every layer "
+                               "of the tower before its mergers")
+        return torch.cat([enc.merger(hidden), *(enc.deepstack_merger_list[j](ctx["deepstack"][i])
+                                                for j, i in enumerate(indexes))], -1)
+
+    def reference(self, enc, inputs):
+        out = enc(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+        return torch.cat([out.pooler_output, *out.deepstack_features], -1)
+
+    def tiny(self, **overrides):
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        kw = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=48, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 2])
+        kw.update(overrides)
+        return Qwen3VLVisionModel(Qwen3VLVisionConfig(**kw))
+
+
 class InternVLVisionFamily(_ViTFamily):
     """InternVL's InternViT tower: a class token, layers with layer scale, a final LayerNorm (Identity with mean
     pooling)."""
@@ -663,12 +762,71 @@ class InternVLVisionFamily(_ViTFamily):
                                                                    image_size=[32, 32], patch_size=[8, 8])
 
 
+class Qwen3MoeVisionFamily(Qwen3VisionFamily):
+    """Qwen3-VL-MoE's vision tower: Qwen3-VL's (DeepStack included), under its own class."""
+
+    name, class_names = "Qwen3-VL-MoE vision", ("Qwen3VLMoeVisionModel",)
+    hf_module = "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe"
+    folder_model_types = {"qwen3_vl_moe_vision": None, "qwen3_vl_moe": "vision_config"}
+
+
+class VideoInputs:
+    """An image family's view for videos through the same tower: HF's processors give videos under their own
+    keys (``pixel_values_videos``, ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``), the tower reads them
+    as images with ``t`` frames (``pixel_values``, ``image_grid_thw``); every method that takes the modality's
+    inputs renames them first. The encoder of a "video" modality shares the image encoder's tower and projector
+    (``MultimodalModel.shared_encoders``)."""
+
+    RENAMES = {"pixel_values_videos": "pixel_values", "video_grid_thw": "image_grid_thw"}
+    PER_ITEM = ("second_per_grid_ts",)  # one entry per video, not read by the tower
+
+    def __init__(self, base):
+        self.base = base
+        self.input_key = "video_grid_thw"
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "base":
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def _as_images(self, inputs: dict) -> dict:
+        return {self.RENAMES.get(k, k): v for k, v in inputs.items() if k not in self.PER_ITEM}
+
+    def num_items(self, inputs) -> int:
+        return inputs["video_grid_thw"].shape[0]
+
+    def num_tokens(self, config, inputs) -> list[int]:
+        return self.base.num_tokens(config, self._as_images(inputs))
+
+    def embed(self, enc, inputs):
+        return self.base.embed(enc, self._as_images(inputs))
+
+    def context(self, enc, inputs) -> dict:
+        return self.base.context(enc, self._as_images(inputs))
+
+    def select_items(self, inputs, items: torch.Tensor) -> dict:
+        back = {v: k for k, v in self.RENAMES.items()}
+        out = {back.get(k, k): v for k, v in self.base.select_items(self._as_images(inputs), items).items()}
+        out.update({k: inputs[k][items] for k in self.PER_ITEM if k in inputs})
+        return out
+
+    def reference(self, enc, inputs) -> torch.Tensor:
+        return self.base.reference(enc, self._as_images(inputs))
+
+    def random_inputs(self, config, num_items, generator=None, grids=None, **size) -> dict:
+        """Random videos: ``grids`` default to 2 x 4 x 4 patches (two temporal patches) per video."""
+        images = self.base.random_inputs(config, num_items, generator, grids=grids or [(2, 4, 4)] * num_items,
+                                         **size)
+        return {k2: images[k1] for k2, k1 in self.RENAMES.items()}
+
+
 ENCODER_FAMILIES: dict[str, EncoderFamily] = {f.class_names[0]: f for f in (
-    ClipFamily(), SiglipFamily(), Dinov2Family(), Qwen2VisionFamily(), Qwen25VisionFamily(), WhisperFamily(),
-    Qwen2AudioFamily(), InternVLVisionFamily())}
+    ClipFamily(), SiglipFamily(), Dinov2Family(), Qwen2VisionFamily(), Qwen25VisionFamily(), Qwen3VisionFamily(),
+    Qwen3MoeVisionFamily(), WhisperFamily(), Qwen2AudioFamily(), InternVLVisionFamily())}
 TINY_ENCODERS = {"clip": "CLIPVisionModel", "siglip": "SiglipVisionModel", "dinov2": "Dinov2Model",
                  "qwen2_vl": "Qwen2VisionTransformerPretrainedModel",
-                 "qwen2_5_vl": "Qwen2_5_VisionTransformerPretrainedModel", "whisper": "WhisperEncoder",
+                 "qwen2_5_vl": "Qwen2_5_VisionTransformerPretrainedModel", "qwen3_vl": "Qwen3VLVisionModel",
+                 "whisper": "WhisperEncoder",
                  "qwen2_audio": "Qwen2AudioEncoder"}
 
 

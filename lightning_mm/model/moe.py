@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_mm.model.families import LANGUAGE_FAMILIES, DecoderFamily
+from lightning_mm.model.families import LANGUAGE_FAMILIES, MROPE_FAMILIES, DecoderFamily, MRopeDecoderFamily
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,23 @@ MOE_FAMILIES = {f.model_type: f for f in (
 # registered with the dense families (``language_family``, ``tiny_language_model("qwen3_moe")``): this module is
 # imported with ``lightning_mm.model`` (by ``multimodal.py``), so the families module needs no import of it
 LANGUAGE_FAMILIES.update(MOE_FAMILIES)
+
+
+@dataclass(frozen=True)
+class MRopeMoeDecoderFamily(MoeDecoderFamily, MRopeDecoderFamily):
+    """Qwen3-VL-MoE's text decoder (the LLM of ``Qwen3VLMoeForConditionalGeneration``): M-RoPE positions and
+    routed experts."""
+
+    def tiny_config(self, **overrides):
+        kw = dict(head_dim=8, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                  router_aux_loss_coef=0.01, output_router_logits=False)
+        kw.update(overrides)
+        return MRopeDecoderFamily.tiny_config(self, **kw)
+
+
+MROPE_FAMILIES["qwen3_vl_moe_text"] = MRopeMoeDecoderFamily(
+    "Qwen3-VL-MoE text", "qwen3_vl_moe_text", "Qwen3VLMoeTextForCausalLM", "Qwen3VLMoeTextConfig",
+    router_class="Qwen3VLMoeTextTopKRouter")
 
 
 def is_moe(family) -> bool:

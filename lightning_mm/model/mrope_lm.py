@@ -1,6 +1,6 @@
-"""Causal LMs for the Qwen2-VL / Qwen2.5-VL text decoders (transformers has none): the language model of those
-composites as ``MultimodalModel`` holds it (``lightning_mm.model.composites``), and the HF class of the M-RoPE
-decoder families (``lightning_mm.model.families``)."""
+"""Causal LMs for the Qwen2-VL / Qwen2.5-VL / Qwen3-VL (and -MoE) text decoders (transformers has none): the
+language model of those composites as ``MultimodalModel`` holds it (``lightning_mm.model.composites``), and the HF
+class of the M-RoPE decoder families (``lightning_mm.model.families``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTe
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPreTrainedModel, Qwen2_5_VLTextModel
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLPreTrainedModel, Qwen2VLTextModel
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLPreTrainedModel, Qwen3VLTextModel
+from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoePreTrainedModel, Qwen3VLMoeTextModel
 
 
 class _TextForCausalLM(GenerationMixin):
@@ -73,4 +77,15 @@ class Qwen2_5_VLTextForCausalLM(_TextForCausalLM, Qwen2_5_VLPreTrainedModel):
     text_model = Qwen2_5_VLTextModel
 
 
-__all__ = ["Qwen2VLTextForCausalLM", "Qwen2_5_VLTextForCausalLM"]
+class Qwen3VLTextForCausalLM(_TextForCausalLM, Qwen3VLPreTrainedModel):
+    config: Qwen3VLTextConfig
+    text_model = Qwen3VLTextModel
+
+
+class Qwen3VLMoeTextForCausalLM(_TextForCausalLM, Qwen3VLMoePreTrainedModel):
+    config: Qwen3VLMoeTextConfig
+    text_model = Qwen3VLMoeTextModel
+
+
+__all__ = ["Qwen2VLTextForCausalLM", "Qwen2_5_VLTextForCausalLM", "Qwen3VLTextForCausalLM",
+           "Qwen3VLMoeTextForCausalLM"]

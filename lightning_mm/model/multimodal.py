@@ -31,6 +31,39 @@ class MultimodalOutput:
 
 
 @dataclass
+class DeepStack:
+    """One modality's DeepStack features (Qwen3-VL): ``features[:, j]`` is added to the hidden states after LLM
+    layer ``first + j`` at that modality's tokens. ``index`` gives each local token's row of ``features`` and
+    ``valid`` whether it is such a token (``[B, S]``, or this context-parallel rank's tokens)."""
+
+    features: torch.Tensor  # [N, k, H]: every token of the modality in the microbatch, row-major
+    index: torch.Tensor
+    valid: torch.Tensor
+    first: int = 0
+
+    @classmethod
+    def at(cls, input_ids: torch.Tensor, placeholder_id: int, features: torch.Tensor, first: int = 0,
+           local: Callable = lambda t: t) -> "DeepStack":
+        """The features of the placeholders of ``input_ids`` (the whole sequence; ``local`` keeps a CP rank's
+        tokens)."""
+        valid = input_ids == placeholder_id
+        index = (valid.flatten().long().cumsum(0) - 1).clamp(min=0).view_as(valid)
+        return cls(features, local(index), local(valid), first)
+
+    def after(self, layer: int) -> int:
+        """The columns of ``features`` for the layers after ``layer`` (what a later pipeline stage needs)."""
+        return max(0, self.first + self.features.shape[1] - layer - 1)
+
+    def add(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
+        """``hidden`` after LLM layer ``layer`` with its features added (``hidden`` itself if none belong there)."""
+        j = layer - self.first
+        if not 0 <= j < self.features.shape[1] or not self.features.shape[0]:
+            return hidden
+        feats = self.features[:, j].index_select(0, self.index.flatten()).view_as(hidden).to(hidden.dtype)
+        return hidden + torch.where(self.valid.unsqueeze(-1), feats, 0)
+
+
+@dataclass
 class AttentionContext:
     """What every LLM layer needs besides the hidden states (travels with them between pipeline stages)."""
 
@@ -41,6 +74,7 @@ class AttentionContext:
     cp_group: object = None
     # what every layer's attention of one microbatch shares: the kernels' tile maps, CP's gathered mask metadata
     attn_cache: dict = field(default_factory=dict)
+    deepstack: dict = field(default_factory=dict)  # modality -> DeepStack (features added after the first layers)
 
     def attn_kwargs(self) -> dict:
         kw = {"bam": self.bam, "segment_ids": self.segment_ids, "token_index": self.token_index,
@@ -128,6 +162,10 @@ class MultimodalModel(nn.Module):
             raise ValueError(f"placeholder ids must differ between modalities, got {ids}")
         self.placeholder_ids = ids
         self.merge = merge
+        owners: dict[int, str] = {}  # names, not modules: a pipeline stage replaces the modules it does not run
+        for n, e in encoders.items():
+            owners.setdefault(id(e.module), n)
+        self.shared_encoders = {n: owners[id(e.module)] for n, e in encoders.items() if owners[id(e.module)] != n}
 
     # ------------------------------------------------------------------ HF folders
     @classmethod
@@ -156,6 +194,13 @@ class MultimodalModel(nn.Module):
     def modality_index(self) -> dict[str, int]:
         """Mask bit of each encoder (1-based, in ``encoders`` order)."""
         return {name: i + 1 for i, name in enumerate(self.encoders)}
+
+    @property
+    def pipeline_encoders(self) -> list[str]:
+        """The encoders that own their tower: each gets pipeline stages (``ParallelSpec``) of its own; a shared one
+        (``shared_encoders``: a "video" modality through the image tower, name -> owner) runs on its owner's stages,
+        with its owner's one copy of the parameters."""
+        return [n for n in self.encoders if n not in self.shared_encoders]
 
     @property
     def llm_layers(self) -> nn.ModuleList:
@@ -214,8 +259,37 @@ class MultimodalModel(nn.Module):
                              f"{list(self.encoders)}")
 
     # ------------------------------------------------------------------ the steps pipeline stages compose
+    @property
+    def deepstack(self) -> dict[str, int]:
+        """Modalities whose encoder emits DeepStack features (Qwen3-VL) -> the LLM layers they are added after.
+
+        Such an encoder's features are ``[tokens, H * (1 + k)]``: the token features, then one ``H`` block per
+        layer (``split_features``); they travel between stages as one tensor."""
+        return {n: k for n, e in self.encoders.items() if (k := e.family.deepstack_layers(e.config))}
+
+    def split_features(self, features: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(the token features of every modality, the DeepStack features ``[N, k, H]`` of those that have them and
+        are present)."""
+        main, stacks, h = dict(features), {}, self.hidden_size
+        for name, k in self.deepstack.items():
+            feats = features.get(name)
+            if feats is None or not feats.shape[0]:
+                main.pop(name, None)
+                continue
+            if feats.shape[-1] != h * (1 + k):
+                raise ValueError(f"modality {name!r}: features of width {feats.shape[-1]}, but its encoder emits "
+                                 f"DeepStack features for {k} layers: width {h} x {1 + k} expected")
+            main[name], stacks[name] = feats[:, :h], feats[:, h:].unflatten(-1, (k, h))
+        return main, stacks
+
+    def deepstack_context(self, input_ids: torch.Tensor, stacks: dict[str, torch.Tensor], first: int = 0,
+                          local: Callable = lambda t: t) -> dict[str, DeepStack]:
+        return {name: DeepStack.at(input_ids, self.placeholder_ids[name], feats, first, local)
+                for name, feats in stacks.items()}
+
     def embed(self, input_ids: torch.Tensor, features: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Text embeddings with each modality's features placed at its placeholders."""
+        """Text embeddings with each modality's features placed at its placeholders (DeepStack blocks left out)."""
+        features = self.split_features(features)[0] if self.deepstack else features
         is_placeholder = torch.zeros_like(input_ids, dtype=torch.bool)
         for pid in self.placeholder_ids.values():
             is_placeholder |= input_ids == pid
@@ -231,8 +305,10 @@ class MultimodalModel(nn.Module):
         fam, lm = self.lm_family, self.language_model
         hf_attention.check_honours_mask(lm)
         pos_emb = fam.position_embeddings(lm, hidden, ctx.position_ids)
-        for layer in list(self.llm_layers)[start:end]:
+        for i, layer in enumerate(list(self.llm_layers)[start:end], start):
             hidden = fam.run_layer(layer, hidden, pos_emb, ctx.position_ids, ctx.attn_kwargs())
+            for stack in ctx.deepstack.values():
+                hidden = stack.add(hidden, i)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -262,6 +338,8 @@ class MultimodalModel(nn.Module):
             position_ids = self.position_ids_fn(input_ids, modality_inputs, attention_mask)
         features = {name: self.encoders[name](inputs) for name, inputs in modality_inputs.items()}
         ctx = self.attention_context(input_ids, bam, segment_ids, position_ids, attention_mask)
+        if self.deepstack:
+            ctx.deepstack = self.deepstack_context(input_ids, self.split_features(features)[1])
         with moe.recording(self.lm_family, self.language_model, ctx.bam) as router:
             hidden = self.run_llm_layers(self.embed(input_ids, features), ctx)
         logits = self.logits(hidden)

@@ -56,6 +56,7 @@ from lightning_mm.plan.stages import StagePlan, stage_plans, uniform_partition
 
 MESH_DIMS = ("dp", "pp", "cp", "tp")
 ITEMS_KEY = "cp_items"  # in a microbatch: {encoder: (item indices per CP rank, LLM tokens per item)}
+DEEPSTACK_KEY = "deepstack."  # + modality: DeepStack features an LLM stage passes to the next (Qwen3-VL)
 
 
 class BlockOwners:
@@ -177,12 +178,13 @@ class PipelineEngine:
         self.forward_context = forward_context or contextlib.nullcontext
         self.loss_backward = loss_backward or torch.autograd.backward
         self.coord = layout.coordinate(rank)
-        encoder_names = list(model.encoders)
+        encoder_names = model.pipeline_encoders  # a shared encoder runs on its owner's stages
         sizes = {e: len(model.encoders[e].layers) for e in encoder_names}
         sizes[LANGUAGE_MODEL] = len(model.llm_layers)
         layer_counts = {m: list((partition or {}).get(m) or uniform_partition(sizes[m], s))
                         for m, s in layout.module_stages.items()}
-        self.plans: dict[str, StagePlan] = stage_plans(layer_counts, layout.placement, encoder_names)
+        self.plans: dict[str, StagePlan] = stage_plans(layer_counts, layout.placement, encoder_names,
+                                                       model.shared_encoders)
         params = dict(model.named_parameters(remove_duplicate=False))
         owned = {s: owned_parameters(model, p) for s, p in self.plans.items()}
         trainable = {s: any(params[n].requires_grad for n in names) for s, names in owned.items()}
@@ -205,6 +207,10 @@ class PipelineEngine:
             embed = model.lm_family.embed_tokens(model.language_model).weight
             self.owned |= {n for n, p in model.named_parameters(remove_duplicate=False) if p is embed}
         self.disaggregated, self.router = layout.disaggregated, None
+        if self.disaggregated and model.shared_encoders:
+            raise ValueError(f"per-module data parallelism routes each encoder's rows on its own; the encoders "
+                             f"{sorted(model.shared_encoders)} share their owners' towers "
+                             f"({model.shared_encoders}): give every module the same dp (or none)")
         if self.disaggregated:  # per-module data parallelism: the routing of a group's rows between modules
             self.router = GroupRouter({e: EncoderItems.of(model.encoders[e], 1) for e in encoder_names},
                                       {e: layout.per_group(e) for e in encoder_names},
@@ -351,9 +357,28 @@ class PipelineEngine:
 
     def gradient_keys(self, stage: str) -> list[str]:
         """Keys of the activation message that carry gradients back: a mixture-of-experts LLM's stages also send
-        their router statistics (``router_metrics.py``)."""
+        their router statistics (``router_metrics.py``), and an LLM stage before the last DeepStack layer (Qwen3-VL)
+        the DeepStack features of the later layers."""
         routed = self.router_metrics is not None and self.plans[stage].language_model is not None
-        return self.plans[stage].output_keys + ([ROUTER_KEY] if routed else [])
+        return self.plans[stage].output_keys + ([ROUTER_KEY] if routed else []) + self.deepstack_keys(stage)
+
+    def deepstack_keys(self, stage: str) -> list[str]:
+        """The DeepStack features an LLM stage passes on: those of layers on later stages."""
+        sl = self.plans[stage].language_model
+        return [DEEPSTACK_KEY + n for n, k in self.model.deepstack.items() if sl is not None and k > sl.end]
+
+    def deepstack_message(self, stacks: dict, sl) -> dict[str, torch.Tensor]:
+        """What ``deepstack_keys`` names for an LLM stage's slice ``sl``, from its ``AttentionContext.deepstack``."""
+        out = {}
+        for name, k in self.model.deepstack.items():
+            if k > sl.end:
+                stack = stacks.get(name)
+                out[DEEPSTACK_KEY + name] = stack.features[:, sl.end - stack.first:] if stack is not None else \
+                    torch.zeros(0, k - sl.end, self.model.hidden_size, device=self.device)
+        return out
+
+    def received_deepstack(self, message: dict) -> dict[str, torch.Tensor]:
+        return {n: message[DEEPSTACK_KEY + n] for n in self.model.deepstack if DEEPSTACK_KEY + n in message}
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for n, p in self.model.named_parameters() if n in self.owned and p.requires_grad]
@@ -384,10 +409,11 @@ class PipelineEngine:
         if sl.embed:
             hidden, ctx = enc.embed(items)
         else:
-            hidden, ctx = received[name], enc.family.context(enc.module, inputs)
+            ctx = enc.family.context(enc.module, inputs)
+            hidden = enc.family.stage_input(enc.module, received[name], ctx)
         hidden = self._run_layers(lambda h, a, b: enc.run_layers(h, ctx, a, b), hidden, sl.start, sl.end)
         if not sl.head:
-            return hidden
+            return enc.family.stage_output(enc.module, hidden, ctx)
         feats = enc.head(hidden, ctx, items)
         return self._gather_items(feats, shards, tokens) if self.encoder_cp > 1 else feats
 
@@ -397,7 +423,8 @@ class PipelineEngine:
         weight = next(enc.projector.parameters(), None)
         empty = torch.zeros(0, enc.output_dim, device=self.device,
                             dtype=torch.float32 if weight is None else weight.dtype, requires_grad=torch.is_grad_enabled())
-        return enc.projector(empty)
+        blocks = 1 + enc.family.deepstack_layers(enc.config)  # DeepStack features packed beside the features
+        return enc.projector(empty).repeat(1, blocks)
 
     def _gather_items(self, local, shards, tokens) -> torch.Tensor:
         counts = [sum(tokens[i] for i in items) for items in shards]
@@ -421,15 +448,21 @@ class PipelineEngine:
         if sl.embed:
             features = {k: v for msg in received.values() for k, v in msg.items()}
             features.update({e: self._encoder_part(e, s, mb, {}) for e, s in self.plan.encoders.items()})
-            hidden = local(model.embed(mb["input_ids"], {k: v for k, v in features.items() if v.numel()}))
+            features = {k: v for k, v in features.items() if v.numel()}
+            hidden = local(model.embed(mb["input_ids"], features))
+            stacks = model.split_features(features)[1] if model.deepstack else {}
         else:
-            hidden = received[self.graph.predecessors(self.stage)[0]]["hidden"]
+            msg = received[self.graph.predecessors(self.stage)[0]]
+            hidden, stacks = msg["hidden"], self.received_deepstack(msg)
+        if model.deepstack:
+            ctx.deepstack = model.deepstack_context(mb["input_ids"], stacks, sl.start, local)
         routed = None if sl.embed else received[self.graph.predecessors(self.stage)[0]].get(ROUTER_KEY)
         with moe.recording(model.lm_family, model.language_model, ctx.bam, routed) as router:
             hidden = self._run_layers(lambda h, a, b: model.run_llm_layers(h, ctx, a, b), hidden, sl.start, sl.end)
         aux = None if router is None else self.router_metrics.add(router, sl.head)
         if not sl.head:
             out = {"hidden": hidden} if router is None else {"hidden": hidden, ROUTER_KEY: router.vector}
+            out.update(self.deepstack_message(ctx.deepstack, sl))  # DeepStack features of layers on later stages
             if owner is None:
                 return out
             sent = owner if owner.device == self.device else owner.to(self.device, non_blocking=owner.is_pinned())

@@ -178,13 +178,16 @@ class StageDecoder:
             self.cache.batch_select_indices(torch.searchsorted(self.rows, rows))
             self.rows = rows
 
-    def run(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """This stage's layers over ``hidden [rows, q, H]`` at ``positions``, appending to the cache."""
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, deepstack: dict | None = None) -> torch.Tensor:
+        """This stage's layers over ``hidden [rows, q, H]`` at ``positions``, appending to the cache (the prompt's
+        DeepStack features added after their layers)."""
         fam, lm = self.model.lm_family, self.model.language_model
         pos_emb = fam.position_embeddings(lm, hidden, positions)
         with generation_words(self.prompt.bam.index_select(0, self.rows), self.text_word):
-            for layer in list(self.model.llm_layers)[self.start:self.end]:
+            for i, layer in enumerate(list(self.model.llm_layers)[self.start:self.end], self.start):
                 hidden = fam.run_layer(layer, hidden, pos_emb, positions, {"cache": self.cache})
+                for stack in (deepstack or {}).values():
+                    hidden = stack.add(hidden, i)
         return hidden
 
     def step_positions(self, t: int) -> torch.Tensor:
@@ -261,9 +264,9 @@ def _decode(engine, batch: dict, features: dict, settings: GreedySettings) -> tu
     embed_tokens = model.lm_family.embed_tokens(model.language_model)
     handoff = None  # P == 1: the tokens go from the head to the embedding on this rank
 
-    def forward(hidden, positions):
+    def forward(hidden, positions, deepstack=None):
         with engine.forward_context():
-            return stage.run(hidden, positions)
+            return stage.run(hidden, positions, deepstack)
 
     def pick(hidden, t):  # the last stage: greedy tokens of the rows held; returns the rows still running
         with engine.forward_context():
@@ -272,12 +275,16 @@ def _decode(engine, batch: dict, features: dict, settings: GreedySettings) -> tu
         running = ~torch.isin(tokens, eos) if eos.numel() else torch.ones_like(tokens, dtype=torch.bool)
         return {"tokens": tokens[running], "rows": stage.rows[running]}
 
-    # prefill
+    # prefill (the prompt's DeepStack features, Qwen3-VL, ride along to the stages holding their layers)
     if sl.embed:
         hidden = model.embed(prompt.input_ids, features)
+        stacks = model.split_features(features)[1] if model.deepstack else {}
     else:
-        hidden, rows = _receive(comm, HIDDEN_KEYS, prev)
-    hidden = forward(hidden, prompt.positions)
+        message = _receive_dict(comm, HIDDEN_KEYS + engine.deepstack_keys(f"{LANGUAGE_MODEL}.{k - 1}"), prev)
+        hidden, stacks = message["hidden"], engine.received_deepstack(message)
+    deepstack = model.deepstack_context(prompt.input_ids, stacks, sl.start) if model.deepstack else {}
+    hidden = forward(hidden, prompt.positions, deepstack)
+    prefill_extra = engine.deepstack_message(deepstack, sl)
     produced = 0
     for t in range(settings.max_new_tokens):
         # hidden: this stage's output for the input of step t (the prompt at t = 0)
@@ -291,7 +298,8 @@ def _decode(engine, batch: dict, features: dict, settings: GreedySettings) -> tu
             else:
                 comm.exchange([(message, TOKEN_KEYS, first_rank)], [])
         elif nxt is not None:
-            comm.exchange([({"hidden": hidden, "rows": stage.rows}, HIDDEN_KEYS, nxt)], [])
+            extra = prefill_extra if t == 0 else {}
+            comm.exchange([({"hidden": hidden, "rows": stage.rows, **extra}, HIDDEN_KEYS + list(extra), nxt)], [])
         if t + 1 == settings.max_new_tokens:
             break
         # the input of step t + 1

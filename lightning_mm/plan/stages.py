@@ -53,8 +53,11 @@ def _slices(sizes: list[int]) -> list[Slice]:
     return out
 
 
-def stage_plans(layer_counts: dict[str, list[int]], placement: str, encoder_names: list[str]) -> dict[str, StagePlan]:
-    """Every stage's plan, keyed by the stage names of the placement table (and the stage DAG)."""
+def stage_plans(layer_counts: dict[str, list[int]], placement: str, encoder_names: list[str],
+                shared: dict[str, str] | None = None) -> dict[str, StagePlan]:
+    """Every stage's plan, keyed by the stage names of the placement table (and the stage DAG). ``shared``
+    (encoder -> the encoder whose tower it runs) puts each shared encoder's slice beside its owner's, on the owner's
+    stages: the same layers of the same parameters."""
     slices = {m: _slices(layer_counts[m]) for m in [*encoder_names, LANGUAGE_MODEL]}
     table = placement_table({e: len(layer_counts[e]) for e in encoder_names}, len(layer_counts[LANGUAGE_MODEL]),
                             placement)
@@ -66,5 +69,7 @@ def stage_plans(layer_counts: dict[str, list[int]], placement: str, encoder_name
                 plan.language_model = slices[module][i]
             else:
                 plan.encoders[module] = slices[module][i]
+                plan.encoders.update({alias: slices[module][i] for alias, owner in (shared or {}).items()
+                                      if owner == module})
         plans[stage] = plan
     return plans

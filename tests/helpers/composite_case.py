@@ -5,9 +5,12 @@ MultimodalParallelStrategy, described by a JSON argument.
 ``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names). Keys of the JSON:
 
 - ``folder``: the composite folder (required); ``steps``
-- ``llm_pp`` / ``llm_cp``: the LLM's pipeline stages / context-parallel ranks under the strategy (vision: one
-  stage); without either, plain single-device Lightning
+- ``llm_pp`` / ``llm_cp`` / ``vision_pp`` / ``dp``: the LLM's pipeline stages and context-parallel ranks, the
+  vision tower's stages and the replicas under the strategy; without any, plain single-device Lightning. Under
+  ``dp`` replica r takes rows r, r + dp, ... of every batch of 4 (an unshuffled DistributedSampler), so each step
+  sees the rows one process sees
 - ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta; each rank reads its stage in setup)
+- ``videos``: samples also hold videos (the "video" modality of Qwen2-VL / Qwen2.5-VL composites)
 
 Batches come from ``MultimodalCollator``: samples with one or two images of different grids, so rows differ in
 length (padding) and the M-RoPE ``position_ids`` ``[B, S, 3]`` travel with the tokens.
@@ -19,26 +22,38 @@ import sys
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_mm as lmm
 
-IMG, VSTART, VEND = 100, 102, 103
+IMG, VID, VSTART, VEND = 100, 101, 102, 103
 GRIDS = [(1, 8, 8), (1, 4, 8), (1, 8, 4), (1, 4, 4)]
+VIDEO_GRIDS = [(2, 4, 4), (4, 4, 8), (3, 8, 4)]
 
 
-def sample(i: int) -> dict:
+def sample(i: int, videos: bool = False) -> dict:
+    """One or two images of different grids; with ``videos``, every sample but every third also holds a video of
+    2 to 4 temporal patches (before or after its images), and every third sample no image."""
     g = torch.Generator().manual_seed(i)
-    n_images = 1 + i % 2
+    n_images = 0 if videos and i % 3 == 0 else 1 + i % 2
     grids = [GRIDS[(i + k) % len(GRIDS)] for k in range(n_images)]
+    video = VIDEO_GRIDS[i % len(VIDEO_GRIDS)] if videos and i % 3 != 1 else None
     ids = torch.randint(1, 90, (3 + i % 3,), generator=g).tolist()
-    for _ in grids:
-        ids += [VSTART, IMG, VEND] + torch.randint(1, 90, (2,), generator=g).tolist()
+    items = [IMG] * len(grids)
+    if video is not None:
+        items.insert(i % 2 * len(items), VID)
+    for pid in items:
+        ids += [VSTART, pid, VEND] + torch.randint(1, 90, (2,), generator=g).tolist()
     ids += torch.randint(1, 90, (4,), generator=g).tolist()
-    patches = sum(t * h * w for t, h, w in grids)
-    return {"input_ids": torch.tensor(ids),
-            "vision": {"pixel_values": torch.randn(patches, 3 * 2 * 4 * 4, generator=g),
-                       "image_grid_thw": torch.tensor(grids)}}
+    out = {"input_ids": torch.tensor(ids)}
+    if grids:
+        out["vision"] = {"pixel_values": torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 4 * 4, generator=g),
+                         "image_grid_thw": torch.tensor(grids)}
+    if video is not None:
+        t, h, w = video
+        out["video"] = {"pixel_values_videos": torch.randn(t * h * w, 3 * 2 * 4 * 4, generator=g),
+                        "video_grid_thw": torch.tensor([video])}
+    return out
 
 
 def run_case(script: str, case: dict, tmp_path, name: str):
@@ -65,6 +80,7 @@ def run_case(script: str, case: dict, tmp_path, name: str):
 def train(case: dict, out: str, strategy, devices: int, samples) -> None:
     """Fit the composite of ``case["folder"]`` (lazily with ``case["lazy"]``) on ``samples(model)`` under
     ``strategy``; write rank 0's losses and each rank's trainable parameters (full tensors) to ``out``."""
+    dp = case.get("dp", 1)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0)
@@ -83,7 +99,10 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
             losses.append(float(outputs["loss"]))
 
     module = Module(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    data = DataLoader(samples(model), batch_size=4, collate_fn=lmm.data.MultimodalCollator(model))
+    rows = samples(model)
+    replica = trainer.global_rank // (devices // dp)  # ranks are numbered replica by replica
+    sampler = DistributedSampler(rows, num_replicas=dp, rank=replica, shuffle=False) if dp > 1 else None
+    data = DataLoader(rows, batch_size=4 // dp, sampler=sampler, collate_fn=lmm.data.MultimodalCollator(model))
     trainer.fit(module, data)
     engine = getattr(trainer.strategy, "engine", None)
     from torch.distributed.tensor import DTensor
@@ -100,15 +119,15 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
 def main(spec: str, out: str):
     case = json.loads(spec)
     torch.set_num_threads(1)
-    if "llm_pp" in case or "llm_cp" in case:
-        pp, cp = case.get("llm_pp", 1), case.get("llm_cp", 1)
-        strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=1)},
+    if {"llm_pp", "llm_cp", "vision_pp", "dp"} & set(case):
+        pp, cp, vision_pp = case.get("llm_pp", 1), case.get("llm_cp", 1), case.get("vision_pp", 1)
+        strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=vision_pp)},
                                                   language_model=lmm.ParallelSpec(pp=pp, cp=cp),
                                                   num_microbatches=2, cp_block_size=8, fault_timeout=120)
-        devices = 1 + pp * cp
+        devices = (vision_pp + pp * cp) * case.get("dp", 1)
     else:
         strategy, devices = "auto", 1
-    train(case, out, strategy, devices, lambda model: [sample(i) for i in range(12)])
+    train(case, out, strategy, devices, lambda model: [sample(i, case.get("videos", False)) for i in range(12)])
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 ``python pipeline_generation_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0): ``generated``
 (every rank's ids, in rank order), ``expected`` (per data-parallel replica: one-process ``model.generate``, or for
-Qwen2-VL HF's own ``Qwen2VLForConditionalGeneration.generate`` of the folder), ``eos`` (the stop tokens used), or
-``error``. JSON keys: ``kind`` ("llava": a SigLIP tower + llama built from configs; "qwen2_vl": ``folder``, a
+Qwen2-VL / Qwen3-VL HF's own composite ``generate`` of the folder), ``eos`` (the stop tokens used), or ``error``.
+JSON keys: ``kind`` ("llava": a SigLIP tower + llama built from configs; "qwen2_vl" / "qwen3_vl": ``folder``, a
 composite written by ``tests.test_hf_composites.save_composite``), ``llm_pp``, ``dp`` (replicas, default 1),
 ``max_new_tokens``, ``early_stop`` (stop tokens picked from the reference so rows finish at different steps and
 all before ``max_new_tokens``), ``generation`` (extra options, e.g. to see a refusal), ``llm_tp``, ``vision_pp``,
@@ -42,11 +42,11 @@ def llava_prompts(model, seed: int) -> dict:
     return lmm.data.MultimodalCollator(model)(samples[seed % 2:] if seed % 2 else samples)
 
 
-def qwen_prompts(model, seed: int) -> tuple[dict, dict]:
+def qwen_prompts(kind: str, seed: int) -> tuple[dict, dict]:
     """(ours, HF's left-padded keyword arguments): two rows with 2 and 1 images of different grids."""
     from tests.test_hf_composites import IMG, PAD, batch_for
 
-    ours, hf = batch_for("qwen2_vl", None)
+    ours, hf = batch_for(kind, None)
     ids, mask = hf["input_ids"], hf["attention_mask"]
     left_ids, left_mask = torch.full_like(ids, PAD), torch.zeros_like(mask)
     for r in range(ids.shape[0]):
@@ -62,7 +62,7 @@ def reference(case: dict, model, batch: dict, hf_kwargs: dict | None, generation
         return model.generate(**batch, **generation).tolist()
     from tests.test_hf_composites import load_hf
 
-    hf = load_hf("qwen2_vl", case["folder"]).eval()
+    hf = load_hf(case["kind"], case["folder"]).eval()
     with torch.no_grad():
         out = hf.generate(**hf_kwargs, **generation)
     return out[:, hf_kwargs["input_ids"].shape[1]:].tolist()
@@ -85,7 +85,7 @@ def main(spec: str, out: str):
     if case["kind"] == "llava":
         batches = [(llava_prompts(model, seed), None) for seed in range(dp)]
     else:
-        batches = [qwen_prompts(model, seed) for seed in range(dp)]
+        batches = [qwen_prompts(case["kind"], seed) for seed in range(dp)]
     expected = None
     if case.get("early_stop"):
         # stop tokens from a first reference: row r stops at its token r + 1 (so rows finish at different steps)

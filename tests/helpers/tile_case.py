@@ -5,7 +5,8 @@ Lightning, in one process or under MultimodalParallelStrategy, described by a JS
 ``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names). Keys of the JSON:
 ``folder`` and ``kind`` (required), ``steps``, ``llm_pp`` (the LLM's pipeline stages under the strategy, vision one
 stage; without it plain single-device Lightning), ``lazy`` (build under ``trainer.init_module(empty_init=True)``:
-meta, each rank reads its stage in setup), ``vision_tp`` (the vision tower's tensor-parallel ranks).
+meta, each rank reads its stage in setup), ``vision_tp`` (the vision tower's tensor-parallel ranks), ``dp`` (replicas
+of that layout; see ``composite_case``).
 
 Samples are what the family's HF image processor returns for one or two random images of different sizes, so
 rows differ in length (padding) and images in token counts.
@@ -48,7 +49,7 @@ def main(spec: str, out: str):
         strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=1, tp=tp)},
                                                   language_model=lmm.ParallelSpec(pp=pp),
                                                   num_microbatches=2, fault_timeout=120)
-        devices = tp + pp
+        devices = (tp + pp) * case.get("dp", 1)
     else:
         strategy, devices = "auto", 1
     proc = image_processor(case["kind"])

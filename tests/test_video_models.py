@@ -1,0 +1,112 @@
+"""Video through the image tower (Qwen2-VL, Qwen2.5-VL): a "video" modality whose encoder shares the vision
+encoder's tower and projector, against HF's composite on a batch mixing an image sample, a video sample and a
+sample with both; and under pipeline stages, where the video runs on the tower's own stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_mm as lmm
+from tests.test_hf_composites import IMG, PAD, VEND, VSTART, assert_like_hf, load_hf, save_composite
+
+VID = 101
+DIM = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch
+
+
+def _row(items: list[tuple[int, int]], seed: int) -> list[int]:
+    """Text, then each (placeholder id, tokens) item between vision start/end tokens, then text."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 90, (4,), generator=g).tolist()
+    for pid, n in items:
+        ids += [VSTART] + [pid] * n + [VEND] + torch.randint(1, 90, (3,), generator=g).tolist()
+    return ids + torch.randint(1, 90, (2,), generator=g).tolist()
+
+
+def mixed_batch(kind: str):
+    """(our batch, HF's keyword arguments): an image and a video in row 0, a video in row 1, an image in row 2,
+    right padding. Videos of 2 and 3 temporal patches, images of different grids."""
+    g = torch.Generator().manual_seed(2)
+    image_grids, video_grids = [[1, 8, 4], [1, 4, 4]], [[2, 4, 4], [3, 4, 8]]
+    tokens = lambda grid: grid[0] * grid[1] * grid[2] // 4  # noqa: E731  (merge 2 x 2)
+    rows = [_row([(IMG, tokens(image_grids[0])), (VID, tokens(video_grids[0]))], 0),
+            _row([(VID, tokens(video_grids[1]))], 1), _row([(IMG, tokens(image_grids[1]))], 2)]
+    length = max(map(len, rows))
+    ids, attention = torch.full((3, length), PAD), torch.zeros(3, length, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)], attention[r, :len(row)] = torch.tensor(row), 1
+    patches = lambda grids: sum(t * h * w for t, h, w in grids)  # noqa: E731
+    vision = {"pixel_values": torch.randn(patches(image_grids), DIM, generator=g),
+              "image_grid_thw": torch.tensor(image_grids)}
+    video = {"pixel_values_videos": torch.randn(patches(video_grids), DIM, generator=g),
+             "video_grid_thw": torch.tensor(video_grids)}
+    if kind == "qwen2_5_vl":
+        video["second_per_grid_ts"] = torch.tensor([0.5, 1.5])
+    labels = ids.masked_fill((ids == IMG) | (ids == VID) | (attention == 0), -100)
+    ours = {"input_ids": ids, "attention_mask": attention, "labels": labels, "vision": vision, "video": video,
+            "item_counts": {"vision": torch.tensor([1, 0, 1]), "video": torch.tensor([1, 1, 0])}}
+    hf = {**vision, **video, "input_ids": ids, "attention_mask": attention, "labels": labels,
+          "mm_token_type_ids": (ids == IMG).int() + 2 * (ids == VID).int()}
+    return ours, hf
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_images_and_videos_equal_hf_and_share_one_tower(kind, tmp_path):
+    folder = save_composite(kind, tmp_path / "src")
+    ref = load_hf(kind, folder).train()
+    model = lmm.MultimodalModel.from_pretrained(folder).train()
+    assert model.shared_encoders == {"video": "vision"}
+    assert model.encoders["video"].module is model.encoders["vision"].module  # one copy in memory
+    assert not any(n.startswith("encoders.video.") for n, _ in model.named_parameters())
+    batch, hf_inputs = mixed_batch(kind)
+    assert model.encoders["video"].num_tokens(batch["video"]) == [8, 24]
+    theirs, _ = ref.model.get_rope_index(hf_inputs["input_ids"], hf_inputs["mm_token_type_ids"],
+                                         image_grid_thw=hf_inputs["image_grid_thw"],
+                                         video_grid_thw=hf_inputs["video_grid_thw"],
+                                         attention_mask=hf_inputs["attention_mask"],
+                                         **({"second_per_grid_ts": hf_inputs["second_per_grid_ts"]}
+                                            if kind == "qwen2_5_vl" else {}))
+    ours = model.position_ids_fn(batch["input_ids"], batch, batch["attention_mask"])
+    assert torch.equal(ours.permute(2, 0, 1), theirs)
+    assert_like_hf(model, ref, model.composite.spec, batch, hf_inputs, logits_atol=1e-5)
+    out = tmp_path / "out"  # one copy in the HF folder too: the class loads exactly the source's tensors
+    model.save_pretrained(out)
+    saved, source = load_hf(kind, out).state_dict(), load_hf(kind, folder).state_dict()
+    assert saved.keys() == source.keys() and all(torch.equal(saved[k], v) for k, v in source.items())
+
+
+def test_collated_videos_equal_hf(tmp_path):
+    """Samples with images, videos or both, one placeholder per item, collated (placeholders expanded, M-RoPE
+    positions per sample): the model's loss equals HF's on the same rows."""
+    from tests.helpers.composite_case import sample
+
+    folder = save_composite("qwen2_vl", tmp_path / "src")
+    ref = load_hf("qwen2_vl", folder)
+    model = lmm.MultimodalModel.from_pretrained(folder)
+    samples = [sample(i, videos=True) for i in range(3)]
+    assert {k for s in samples for k in s} == {"input_ids", "vision", "video"}
+    batch = lmm.data.MultimodalCollator(model)(samples)
+    ids = batch["input_ids"]
+    hf = {"input_ids": ids, "attention_mask": batch["attention_mask"], "labels": batch["labels"],
+          "mm_token_type_ids": (ids == IMG).int() + 2 * (ids == VID).int(), **batch["vision"], **batch["video"]}
+    with torch.no_grad():
+        ours = model(**{k: v for k, v in batch.items() if k != "item_counts"})
+        theirs = ref(**hf)
+    torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_videos_under_pipeline_stages_train_like_one_process(tmp_path):
+    """Images and videos through one tower: vision pp 2 + LLM pp 2 (the video runs on the tower's stages, whose
+    one copy of the parameters gets both modalities' gradients) and LLM cp 2 train like one process."""
+    from tests.helpers.composite_case import run_case
+
+    folder = save_composite("qwen2_5_vl", tmp_path / "src")
+    ref_losses, ref_params = run_case("composite_case.py", {"folder": folder, "videos": True}, tmp_path, "single")
+    assert len(ref_losses) == 3 and ref_losses[-1] < ref_losses[0]
+    for name, case in (("vpp2_pp2", {"vision_pp": 2, "llm_pp": 2}), ("cp2", {"llm_cp": 2})):
+        losses, params = run_case("composite_case.py", {"folder": folder, "videos": True, **case}, tmp_path, name)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=name)
+        assert set(params) == set(ref_params), name
+        for n, p in ref_params.items():
+            torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
