@@ -91,3 +91,16 @@ def test_generation_across_llm_stages_equals_hf_generate(tmp_path):
     result = run_generation({"kind": "qwen3_vl", "folder": folder, "llm_pp": 3}, tmp_path, "pp3")
     check_generation(result, 4)
     assert len(result["generated"][0][0]) == 8
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", pytest.param("qwen3_vl_moe", marks=pytest.mark.slow)])
+def test_generate_equals_hf_generate(kind, tmp_path):
+    """One-process ``generate``: the prompt's DeepStack features enter the first LLM layers at prefill only; the
+    greedy tokens and every step's logits equal HF's composite ``generate`` on the left-padded batch."""
+    from tests.test_mrope_generate import _assert_like_hf
+
+    # HF's MoE composite adds its aux loss in every decoding step and fails at the second without this
+    text = {**DEEP["text"], "output_router_logits": False} if kind == "qwen3_vl_moe" else DEEP["text"]
+    folder = save_composite(kind, tmp_path / "src", text=text, vision=DEEP["vision"])
+    model, ref = lmm.MultimodalModel.from_pretrained(folder).eval(), load_hf(kind, folder).eval()
+    _assert_like_hf(model, ref, batch_for(kind, ref.config)[0])

@@ -10,7 +10,8 @@ language model's config is never switched.
 Positions: 1-D ones count each row's real tokens, as transformers does. A model with its own positions
 (``position_ids_fn``: the M-RoPE of the Qwen2-VL family) gives the language model the prompt's ``[B, S, 3]``
 positions (``prompt_positions``, taken by its ``prepare_inputs_for_generation``), and each generated token the
-next ones (:func:`next_positions`), as HF's composites decode.
+next ones (:func:`next_positions`), as HF's composites decode. Qwen3-VL's DeepStack features of the prompt go to
+its text model at prefill (``prompt_deepstack``: :func:`deepstack_prompt`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,21 @@ def positions_after(prompt: torch.Tensor, start: int, length: int) -> torch.Tens
     return torch.cat([prompt, next_positions(prompt).unsqueeze(1) + steps], 1)[:, start:start + length]
 
 
+def deepstack_prompt(model, input_ids: torch.Tensor, stacks: dict[str, torch.Tensor]) -> tuple | None:
+    """HF's ``(visual_pos_masks, deepstack_visual_embeds)`` of a prompt (Qwen3-VL's text model adds them after its
+    first layers at prefill): every DeepStack modality's tokens, and per layer their features in row-major order."""
+    if not stacks:
+        return None
+    where = {n: input_ids == model.placeholder_ids[n] for n in stacks}
+    union = torch.stack(list(where.values())).any(0)
+    slot = union.flatten().long().cumsum(0).view_as(union) - 1
+    first = next(iter(stacks.values()))
+    joint = first.new_zeros(int(union.sum()), *first.shape[1:])
+    for n, feats in stacks.items():
+        joint[slot[where[n]]] = feats
+    return union, list(joint.unbind(1))
+
+
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              bam: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
              segment_ids: torch.Tensor | None = None, **kwargs):
@@ -116,6 +132,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     with torch.no_grad():
         features = {name: model.encoders[name](inputs) for name, inputs in modality_inputs.items()}
         embeds = model.embed(input_ids, features)
+        if model.deepstack:
+            kwargs["prompt_deepstack"] = deepstack_prompt(model, input_ids, model.split_features(features)[1])
     with generation_words(bam, masks.text_word(len(model.encoders))):
         return lm.generate(inputs_embeds=embeds, attention_mask=aligned_mask, **kwargs)
 

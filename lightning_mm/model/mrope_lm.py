@@ -39,19 +39,23 @@ class _TextForCausalLM(GenerationMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def prepare_inputs_for_generation(self, input_ids, *args, inputs_embeds=None, prompt_positions=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, *args, inputs_embeds=None, prompt_positions=None,
+                                      prompt_deepstack=None, **kwargs):
         """transformers' inputs of one decoding step. With ``prompt_positions`` (``[B, S, 3]``, the positions of a
         left-aligned prompt of ``S`` tokens) the prompt's tokens are at those positions and generated token ``t``
         at ``next_positions(prompt_positions) + t`` (``lightning_mm.model.generation``), as HF's Qwen-VL
-        composites decode; the step's tokens are found from the cache's length."""
+        composites decode; the step's tokens are found from the cache's length. ``prompt_deepstack`` (Qwen3-VL:
+        ``(visual_pos_masks, deepstack_visual_embeds)`` of the prompt) goes to the text model at prefill only."""
         inputs = super().prepare_inputs_for_generation(input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
+        cache = inputs.get("cache")
+        start = 0 if cache is None else cache.get_seq_length()
         if prompt_positions is not None:
             from lightning_mm.model.generation import positions_after
 
             fed = inputs["input_ids"] if inputs.get("inputs_embeds") is None else inputs["inputs_embeds"]
-            cache = inputs.get("cache")
-            start = 0 if cache is None else cache.get_seq_length()
             inputs["position_ids"] = positions_after(prompt_positions, start, fed.shape[1]).permute(2, 0, 1)
+        if prompt_deepstack is not None and start == 0:
+            inputs["visual_pos_masks"], inputs["deepstack_visual_embeds"] = prompt_deepstack
         return inputs
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
