@@ -98,15 +98,53 @@ def test_collated_videos_equal_hf(tmp_path):
 @pytest.mark.slow
 def test_videos_under_pipeline_stages_train_like_one_process(tmp_path):
     """Images and videos through one tower: vision pp 2 + LLM pp 2 (the video runs on the tower's stages, whose
-    one copy of the parameters gets both modalities' gradients) and LLM cp 2 train like one process."""
+    one copy of the parameters gets both modalities' gradients), LLM cp 2, and vision cp 2 + LLM cp 2 (a video's
+    temporal patches spread over the tower's CP ranks, so a microbatch holding one video alone splits it) train
+    like one process."""
     from tests.helpers.composite_case import run_case
 
     folder = save_composite("qwen2_5_vl", tmp_path / "src")
     ref_losses, ref_params = run_case("composite_case.py", {"folder": folder, "videos": True}, tmp_path, "single")
     assert len(ref_losses) == 3 and ref_losses[-1] < ref_losses[0]
-    for name, case in (("vpp2_pp2", {"vision_pp": 2, "llm_pp": 2}), ("cp2", {"llm_cp": 2})):
+    for name, case in (("vpp2_pp2", {"vision_pp": 2, "llm_pp": 2}), ("cp2", {"llm_cp": 2}),
+                       ("vcp2_cp2", {"vision_cp": 2, "llm_cp": 2})):
         losses, params = run_case("composite_case.py", {"folder": folder, "videos": True, **case}, tmp_path, name)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=name)
         assert set(params) == set(ref_params), name
         for n, p in ref_params.items():
             torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
+
+
+def test_a_videos_temporal_patches_as_cp_pieces_give_its_features():
+    """Encoder CP spreads a video's temporal patches: encoding the pieces one by one and concatenating gives the
+    video's own features (Qwen2-VL and Qwen2.5-VL towers, whose attention and windows stay inside a patch)."""
+    from lightning_mm.data.cp_plans import EncoderItems
+    from lightning_mm.model.families import VideoInputs, encoder_family, tiny_encoder
+
+    for kind in ("qwen2_vl", "qwen2_5_vl"):
+        torch.manual_seed(0)
+        tower = tiny_encoder(kind)
+        fam = VideoInputs(encoder_family(tower))
+        videos = fam.random_inputs(tower.config, 2, torch.Generator().manual_seed(1), grids=[(3, 8, 8), (2, 8, 4)])
+        whole = fam.reference(tower, videos)
+        pieces = fam.cp_pieces(videos)
+        assert pieces["video_grid_thw"].tolist() == [[1, 8, 8]] * 3 + [[1, 8, 4]] * 2
+        parts = [fam.reference(tower, fam.select_items(pieces, torch.tensor([i]))) for i in range(5)]
+        torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-6)
+        shards, tokens = EncoderItems(fam, tower.config, 2).plan(videos)
+        assert tokens == [16, 16, 16, 8, 8] and sorted(i for s in shards for i in s) == list(range(5))
+
+
+@pytest.mark.slow
+def test_generation_with_videos_equals_hf_generate(tmp_path):
+    """One process and ``trainer.predict`` across vision pp 1 + LLM pp 2 on prompts mixing images and videos: the
+    greedy tokens of HF's own composite ``generate`` (videos' M-RoPE positions included)."""
+    from tests.helpers.pipeline_generation_case import qwen_prompts
+    from tests.test_mrope_generate import _assert_like_hf
+    from tests.test_pipeline_generation import _check, _run
+
+    folder = save_composite("qwen2_5_vl", tmp_path / "src")
+    model, ref = lmm.MultimodalModel.from_pretrained(folder).eval(), load_hf("qwen2_5_vl", folder).eval()
+    ours, _ = qwen_prompts("qwen2_5_vl", 0, videos=True)
+    _assert_like_hf(model, ref, ours)
+    _check(_run({"kind": "qwen2_5_vl", "folder": folder, "llm_pp": 2, "videos": True}, tmp_path, "pp2"), 3)

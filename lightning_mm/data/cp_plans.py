@@ -63,9 +63,15 @@ class EncoderItems:
         """Item indices per CP rank for items emitting ``tokens`` LLM tokens each."""
         return shard_items(self.work(tokens), self.ranks)
 
+    def piece_tokens(self, inputs: dict) -> list[list[int]]:
+        """Per item, the LLM tokens of each piece CP spreads (``family.cp_pieces``: the item itself, or a video's
+        temporal patches)."""
+        tokens = iter(self.num_tokens(self.family.cp_pieces(inputs)))
+        return [[next(tokens) for _ in range(n)] for n in self.family.pieces_per_item(inputs)]
+
     def plan(self, inputs: dict) -> ItemPlan:
-        """The plan of one microbatch's items (reads the items' sizes: a host read where they are on a device)."""
-        tokens = self.num_tokens(inputs)
+        """The plan of one microbatch's pieces (reads the items' sizes: a host read where they are on a device)."""
+        tokens = [t for item in self.piece_tokens(inputs) for t in item]
         return self.shards(tokens), tokens
 
 
@@ -99,11 +105,11 @@ def make_cp_plans(batch: dict, num_microbatches: int, encoders: dict[str, Encode
             items[name] = [None] * len(encoder_rows)
             continue
         per_row = counts[name].tolist()
-        tokens = encoder.num_tokens(batch[name])
+        tokens = encoder.piece_tokens(batch[name])
         if len(tokens) != sum(per_row):
             raise ValueError(f"batch[{name!r}] has {len(tokens)} items but item_counts sums to {sum(per_row)}; give "
                              "each row's item count (MultimodalCollator does)")
-        picked = [[tokens[i] for i in group_items(per_row, group)] for group in encoder_rows]
+        picked = [[t for i in group_items(per_row, group) for t in tokens[i]] for group in encoder_rows]
         items[name] = [(encoder.shards(t), t) if t else None for t in picked]
     owners = None
     if blocks is not None:

@@ -258,6 +258,15 @@ class EncoderFamily:
         """LLM layers after which this tower's DeepStack features are added (0: it has none)."""
         return 0
 
+    def cp_pieces(self, inputs) -> dict:
+        """The inputs as the pieces encoder context parallelism spreads over its ranks: the items themselves, or
+        finer pieces whose features, concatenated in order, are the items' (a video's frames)."""
+        return inputs
+
+    def pieces_per_item(self, inputs) -> list[int]:
+        """How many of ``cp_pieces`` each item is."""
+        return [1] * self.num_items(inputs)
+
     def stage_output(self, enc, hidden, ctx) -> torch.Tensor:
         """What a pipeline stage of the tower sends on: its hidden state (and what ``ctx`` collected for later)."""
         return hidden
@@ -812,6 +821,23 @@ class VideoInputs:
 
     def reference(self, enc, inputs) -> torch.Tensor:
         return self.base.reference(enc, self._as_images(inputs))
+
+    def cp_pieces(self, inputs) -> dict:
+        """Each video as its temporal patches, one item of grid ``(1, h, w)`` each: the Qwen-VL towers attend within
+        a temporal patch only (``cu_seqlens`` per patch; windows and merges inside it), so a long video's patches
+        spread over the encoder's CP ranks and their features, gathered in order, are the video's. The patches' rows
+        are the video's rows in order, so only the grids change."""
+        grid = inputs["video_grid_thw"]
+        frames = grid[:, 0]
+        pieces = grid.repeat_interleave(frames, 0)
+        pieces[:, 0] = 1
+        out = {**inputs, "video_grid_thw": pieces}
+        out.update({k: inputs[k].repeat_interleave(frames.to(inputs[k].device), 0) for k in self.PER_ITEM
+                    if k in inputs})
+        return out
+
+    def pieces_per_item(self, inputs) -> list[int]:
+        return inputs["video_grid_thw"][:, 0].tolist()
 
     def random_inputs(self, config, num_items, generator=None, grids=None, **size) -> dict:
         """Random videos: ``grids`` default to 2 x 4 x 4 patches (two temporal patches) per video."""

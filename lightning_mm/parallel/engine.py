@@ -341,7 +341,7 @@ class PipelineEngine:
                 if name not in mb:
                     continue
                 plan = planner.plan(mb[name]) if given is None else given[m] if len(given) == len(mbs) else None
-                items = planner.family.num_items(mb[name])  # a shape: no device read
+                items = planner.family.num_items(planner.family.cp_pieces(mb[name]))
                 if plan is None or len(plan[1]) != items or len(plan[0]) != planner.ranks:
                     raise ValueError(f"the batch's CP plan (batch['{PLAN_KEY}']['cp']) does not fit microbatch {m} "
                                      f"of {len(mbs)} ({items} items of {name!r} over {planner.ranks} CP ranks): it "
@@ -404,7 +404,8 @@ class PipelineEngine:
             if not mine:  # nothing to encode; the last stage still joins the gather
                 return self._gather_items(self._no_items(enc), shards, tokens) if sl.head else \
                     torch.zeros(0, device=self.device)
-            items = enc.family.select_items(items, torch.tensor(mine, dtype=torch.long, device=self.device))
+            items = enc.family.select_items(enc.family.cp_pieces(items),
+                                            torch.tensor(mine, dtype=torch.long, device=self.device))
         inputs = enc.preprocess(items) if enc.preprocess and not sl.embed else items
         if sl.embed:
             hidden, ctx = enc.embed(items)

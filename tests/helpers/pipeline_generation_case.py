@@ -7,7 +7,7 @@ JSON keys: ``kind`` ("llava": a SigLIP tower + llama built from configs; "qwen2_
 composite written by ``tests.test_hf_composites.save_composite``), ``llm_pp``, ``dp`` (replicas, default 1),
 ``max_new_tokens``, ``early_stop`` (stop tokens picked from the reference so rows finish at different steps and
 all before ``max_new_tokens``), ``generation`` (extra options, e.g. to see a refusal), ``llm_tp``, ``vision_pp``,
-``placement`` (``encoder_placement``).
+``placement`` (``encoder_placement``), ``videos`` (Qwen prompts mixing images and videos).
 """
 
 import json
@@ -42,18 +42,21 @@ def llava_prompts(model, seed: int) -> dict:
     return lmm.data.MultimodalCollator(model)(samples[seed % 2:] if seed % 2 else samples)
 
 
-def qwen_prompts(kind: str, seed: int) -> tuple[dict, dict]:
-    """(ours, HF's left-padded keyword arguments): two rows with 2 and 1 images of different grids."""
+def qwen_prompts(kind: str, seed: int, videos: bool = False) -> tuple[dict, dict]:
+    """(ours, HF's left-padded keyword arguments): two rows with 2 and 1 images of different grids; with ``videos``,
+    three rows: an image and a video, a video, an image (``tests.test_video_models.mixed_batch``)."""
     from tests.test_hf_composites import IMG, PAD, batch_for
+    from tests.test_video_models import VID, mixed_batch
 
-    ours, hf = batch_for(kind, None)
+    ours, hf = mixed_batch(kind) if videos else batch_for(kind, None)
     ids, mask = hf["input_ids"], hf["attention_mask"]
     left_ids, left_mask = torch.full_like(ids, PAD), torch.zeros_like(mask)
     for r in range(ids.shape[0]):
         n = int(mask[r].sum())
         left_ids[r, -n:], left_mask[r, -n:] = ids[r, :n], 1
     hf = {k: v for k, v in hf.items() if k not in ("labels", "input_ids", "attention_mask", "mm_token_type_ids")}
-    hf.update(input_ids=left_ids, attention_mask=left_mask, mm_token_type_ids=(left_ids == IMG).int())
+    hf.update(input_ids=left_ids, attention_mask=left_mask,
+              mm_token_type_ids=(left_ids == IMG).int() + 2 * (left_ids == VID).int())
     return ours, hf
 
 
@@ -85,7 +88,7 @@ def main(spec: str, out: str):
     if case["kind"] == "llava":
         batches = [(llava_prompts(model, seed), None) for seed in range(dp)]
     else:
-        batches = [qwen_prompts(case["kind"], seed) for seed in range(dp)]
+        batches = [qwen_prompts(case["kind"], seed, case.get("videos", False)) for seed in range(dp)]
     expected = None
     if case.get("early_stop"):
         # stop tokens from a first reference: row r stops at its token r + 1 (so rows finish at different steps)
