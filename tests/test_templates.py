@@ -114,3 +114,116 @@ def test_plan_cli_writes_templates(tmp_path, capsys):
     assert "planning (s)" in text and f"wrote {out}" in text
     with pytest.raises(SystemExit, match="--templates needs --nodes N and --devices-per-node M"):
         plan(["--config", "examples/tiny_valm_pp.yaml", "--templates"])
+
+
+def _every_candidate_template(specs, nodes, devices_per_node, num_microbatches, memory_limit=float("inf"),
+                              tp_degrees=(1,), allreduce_bandwidth=float("inf"), tp_bandwidth=float("inf"),
+                              placements=("parallel", "colocated")):
+    """plan_template's answer by brute force: every candidate that fills the devices simulated at the batch, the
+    fastest (time, dp, enumeration order) that fits and is node-local; its (specs, partition, placement, dp,
+    times)."""
+    from lightning_mm.plan.layout import check_node_locality, replica_layout
+    from lightning_mm.planner.search import candidate_layouts, evaluate_plan
+
+    devices = nodes * devices_per_node
+
+    def fastest(microbatches):
+        plans = []
+        for tp in (t for t in tp_degrees if devices % t == 0):
+            for dp in (d for d in range(1, devices // tp + 1) if (devices // tp) % d == 0 and microbatches % d == 0):
+                for placement, layers in candidate_layouts(specs, devices // (dp * tp), placements):
+                    encoders = {m: ParallelSpec(pp=len(v), tp=tp) for m, v in layers.items() if m != "language_model"}
+                    llm = ParallelSpec(pp=len(layers["language_model"]), tp=tp)
+                    if replica_layout(encoders, llm, placement, replicas=dp).world_size == devices:
+                        plans.append(evaluate_plan(specs, layers, placement, microbatches, dp, tp=tp,
+                                                   memory_limit=memory_limit, tp_bandwidth=tp_bandwidth,
+                                                   allreduce_bandwidth=allreduce_bandwidth))
+
+        def local(plan):
+            try:
+                check_node_locality(plan.layout, devices_per_node)
+            except ValueError:
+                return False
+            return True
+
+        fit = [p for p in plans if p.devices == devices and p.fits_memory and local(p)]
+        return min(fit, key=lambda p: (p.iteration_time, p.dp), default=None)
+
+    best = fastest(num_microbatches)
+    if best is None and num_microbatches % devices:
+        num_microbatches = -(-num_microbatches // devices) * devices
+        best = fastest(num_microbatches)
+    if best is None:
+        return None
+    twice = evaluate_plan(specs, best.layers, best.placement, 2 * num_microbatches, best.dp, memory_limit=memory_limit,
+                          tp=best.tp, allreduce_bandwidth=allreduce_bandwidth, tp_bandwidth=tp_bandwidth)
+    per_mb = max((twice.iteration_time - best.iteration_time) / num_microbatches, 1e-30)
+    encoders, llm = best.parallel_specs()
+    return ({**encoders, "language_model": llm}, {m: tuple(v) for m, v in best.layers.items()}, best.placement,
+            best.dp, per_mb, max(best.iteration_time - num_microbatches * per_mb, 0.0))
+
+
+def _planner_cases():
+    """Small grids of LLM-only and multimodal specs: uneven and frozen layers, tight memory, finite bandwidths."""
+    import random
+
+    rng = random.Random(3)
+
+    def llm(n, frozen=0, uneven=False):
+        costs = [LayerCost(f, 0.0 if i < frozen else 3.0 * f, i >= frozen, i >= frozen)
+                 for i, f in enumerate(rng.uniform(0.5, 2.0) if uneven else 1.0 for _ in range(n))]
+        return ModuleSpec(costs, param_bytes=[20.0 if i == 0 else 10.0 for i in range(n)], activation_bytes=2.0,
+                          grad_bytes=4.0, tp_bytes=1.0)
+
+    def encoder(n, trainable):
+        return ModuleSpec([LayerCost(0.7, 2.1 if trainable else 0.0, trainable, trainable)] * n, param_bytes=8.0,
+                          activation_bytes=1.0, grad_bytes=2.0, tp_bytes=0.5)
+
+    specs = {"even": {"language_model": llm(8)}, "uneven": {"language_model": llm(7, uneven=True)},
+             "frozen": {"language_model": llm(6, frozen=2, uneven=True)},
+             "vision": {"vision": encoder(3, False), "language_model": llm(6)},
+             "two": {"vision": encoder(2, True), "audio": encoder(3, False), "language_model": llm(5, uneven=True)},
+             "short": {"language_model": llm(2)}}  # few layers: only a dp the batch does not divide fills 8 devices
+    for name, s in specs.items():
+        for nodes, per_node in ((1, 1), (1, 4), (2, 1), (2, 2), (3, 2), (2, 4), (4, 2)):
+            for tp, memory, microbatches, bandwidth in (((1,), float("inf"), 4, float("inf")),
+                                                        ((1, 2), 120.0, 6, 50.0), ((1, 2, 4), 60.0, 3, 5.0),
+                                                        ((1,), float("inf"), 3, 5.0)):
+                placements = ("parallel", "colocated", "replicated") if name == "two" else ("parallel", "colocated")
+                yield (f"{name}-{nodes}x{per_node}-tp{tp[-1]}-mem{memory}-n{microbatches}", s, nodes, per_node,
+                       microbatches, dict(memory_limit=memory, tp_degrees=tp, allreduce_bandwidth=bandwidth,
+                                          tp_bandwidth=bandwidth, placements=placements))
+
+
+def test_plan_template_equals_simulating_every_candidate():
+    """The bound-pruned search returns the brute force's template exactly (same layout, same times)."""
+    from lightning_mm.planner.plan_cli import plan_template
+
+    found = 0
+    for name, specs, nodes, per_node, microbatches, kwargs in _planner_cases():
+        want = _every_candidate_template(specs, nodes, per_node, microbatches, **kwargs)
+        got = plan_template(specs, nodes, per_node, microbatches, **kwargs)
+        if want is None:
+            assert got is None, name
+            continue
+        found += 1
+        assert (got.specs, got.partition, got.placement, got.dp, got.microbatch_time, got.fill_time) == want, name
+    assert found > 60  # most cases have a layout that fits
+
+
+def test_partition_equals_the_loop_dp():
+    """The vectorised, cached partition DP gives the loop DP's splits, ties included (earliest boundaries)."""
+    import importlib
+    import random
+    from itertools import accumulate
+
+    partition_module = importlib.import_module("lightning_mm.planner.partition")
+    rng = random.Random(0)
+    for trial in range(300):
+        n = rng.randint(1, 14)
+        pick = trial % 3
+        costs = [float(rng.randint(0, 3)) if pick == 0 else rng.random() if pick == 1 else rng.choice([0.1, 0.2, 1e-17])
+                 for _ in range(n)]
+        prefix = [0.0, *accumulate(costs)]
+        for stages in range(1, n + 1):
+            assert partition_module.partition(costs, stages) == partition_module._partition_loops(prefix, stages)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 from itertools import accumulate
+
+import numpy as np
 
 from lightning_mm.plan.stages import uniform_partition
 
@@ -25,10 +29,49 @@ def partition(costs: Sequence[float], num_stages: int) -> list[int]:
 
     D(i,1) = P_i; D(i,s) = min_{s-1<=j<i} max(D(j,s-1), P_i - P_j), P_i = sum of the first i costs. Among
     optimal splits each boundary is the earliest one, so ties put fewer layers in early stages (which
-    hold more in-flight activations under 1F1B). O(N^2 S).
+    hold more in-flight activations under 1F1B). O(N^2 S), vectorised over (i, j); the DP's tables are kept per
+    cost list (up to the next power of two of S), since a search asks for many stage counts of the same layers.
     """
     _check(costs, num_stages)
-    n, prefix = len(costs), [0.0, *accumulate(float(c) for c in costs)]
+    prefix = [0.0, *accumulate(float(c) for c in costs)]
+    if not math.isfinite(prefix[-1]):
+        return _partition_loops(prefix, num_stages)
+    cut = _cuts(tuple(prefix), 1 << (num_stages - 1).bit_length())
+    sizes, i = [], len(costs)
+    for s in range(num_stages, 1, -1):
+        j = int(cut[s, i])
+        sizes.append(i - j)
+        i = j
+    sizes.append(i)
+    return sizes[::-1]
+
+
+@functools.lru_cache(maxsize=64)
+def _cuts(prefix: tuple[float, ...], stages: int) -> np.ndarray:
+    """cut[s, i]: the earliest optimal last boundary of i layers in s stages, for every s <= ``stages`` (the DP of
+    ``partition``; argmin takes the first minimum, as the loop's strict ``<`` does)."""
+    n = len(prefix) - 1
+    p = np.asarray(prefix)
+    span = p[:, None] - p[None, :]  # span[i, j] = P_i - P_j
+    upper = np.tril(np.ones((n + 1, n + 1), dtype=bool), -1)  # j < i
+    best = p.copy()  # D(., 1)
+    cut = np.zeros((min(stages, n) + 1, n + 1), dtype=np.int64)
+    for s in range(2, min(stages, n) + 1):
+        value = np.maximum(best[None, :], span)
+        valid = upper.copy()
+        valid[:, :s - 1] = False
+        value[~valid] = np.inf
+        j = np.argmin(value[s:], axis=1)
+        best = np.full(n + 1, np.inf)
+        best[s:] = value[np.arange(s, n + 1), j]
+        cut[s, s:] = j
+    cut.setflags(write=False)
+    return cut
+
+
+def _partition_loops(prefix: list[float], num_stages: int) -> list[int]:
+    """``partition``'s DP one element at a time (non-finite costs, where inf - inf must behave as in Python)."""
+    n = len(prefix) - 1
     best = [[float("inf")] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
     for i in range(1, n + 1):

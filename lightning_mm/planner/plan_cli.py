@@ -460,33 +460,66 @@ def plan_template(specs: dict[str, ModuleSpec], nodes: int, devices_per_node: in
     fill ``nodes`` x ``devices_per_node`` devices within ``memory_limit``, every stage's tp ranks on one node,
     simulated (``evaluate_plan``), as a ``PipelineTemplate`` timed at N =
     ``num_microbatches`` and 2N: its fill and time per microbatch (where only a dp that N does not divide fills the
-    devices, N becomes the next multiple of the device count). None when none fits."""
+    devices, N becomes the next multiple of the device count). None when none fits. Ties on time go to the
+    smaller dp, then to the earlier candidate (tp, then dp, then the search's order).
+
+    Simulating every candidate at N microbatches is the cost, so each is first simulated at one microbatch per
+    replica, which gives its stage costs and a lower bound on its time at N (``_time_bound``); candidates are then
+    simulated in the order of their bounds, and those whose bound exceeds the best time found are never
+    simulated: they cannot win. The answer is the one simulating all of them gives."""
     import time
 
     from lightning_mm.plan.layout import ParallelSpec, check_node_locality, replica_layout
     from lightning_mm.plan.templates import PipelineTemplate
     from lightning_mm.planner.search import candidate_layouts
 
-    def node_local(plan):
-        try:
-            check_node_locality(plan.layout, devices_per_node)
-        except ValueError:
-            return False
-        return True
+    candidates: dict[int, list] = {}  # per replica budget: the same layouts whatever the tp, dp and batch
 
-    def fastest(microbatches):  # search's candidate layouts, only those that fill the devices, each timed
-        plans = []
+    def layouts(budget):
+        if budget not in candidates:
+            candidates[budget] = list(candidate_layouts(specs, budget, placements))
+        return candidates[budget]
+
+    def evaluate(option, microbatches):
+        tp, dp, placement, layers = option
+        return evaluate_plan(specs, layers, placement, microbatches, dp, tp=tp, memory_limit=memory_limit,
+                             tp_bandwidth=tp_bandwidth, allreduce_bandwidth=allreduce_bandwidth)
+
+    def fastest(microbatches):  # the search's candidate layouts that fill the devices
+        options = []
         for tp in (t for t in tp_degrees if devices % t == 0):
             for dp in (d for d in range(1, devices // tp + 1) if (devices // tp) % d == 0 and microbatches % d == 0):
-                for placement, layers in candidate_layouts(specs, devices // (dp * tp), placements):
+                for placement, layers in layouts(devices // (dp * tp)):
                     encoders = {m: ParallelSpec(pp=len(v), tp=tp) for m, v in layers.items() if m != LANGUAGE_MODEL}
                     llm = ParallelSpec(pp=len(layers[LANGUAGE_MODEL]), tp=tp)
-                    if replica_layout(encoders, llm, placement, replicas=dp).world_size == devices:
-                        plans.append(evaluate_plan(specs, layers, placement, microbatches, dp, tp=tp,
-                                                   memory_limit=memory_limit, tp_bandwidth=tp_bandwidth,
-                                                   allreduce_bandwidth=allreduce_bandwidth))
-        fit = [p for p in plans if p.devices == devices and p.fits_memory and node_local(p)]
-        return min(fit, key=lambda p: (p.iteration_time, p.dp), default=None)
+                    layout = replica_layout(encoders, llm, placement, replicas=dp)
+                    # every chain at one degree: dp replicas of all stages' ranks (world_size, counted faster)
+                    if (layout.world_size if layout.chain_dp else dp * sum(layout.widths.values())) == devices:
+                        options.append((tp, dp, placement, layers))
+        local: dict[int, bool] = {}  # the node-locality check per option (slow: only for plans that can win)
+
+        def usable(i, plan):  # fills the devices within memory, every stage's tp ranks on one node
+            if plan.devices != devices or not plan.fits_memory:
+                return False
+            if i not in local:
+                try:
+                    check_node_locality(plan.layout, devices_per_node)
+                    local[i] = True
+                except ValueError:
+                    local[i] = False
+            return local[i]
+
+        probes = [evaluate(o, o[1]) for o in options]  # one microbatch per replica
+        bounds = [_time_bound(p, microbatches // p.dp) for p in probes]
+        plans, best = {}, math.inf
+        for i in sorted(range(len(options)), key=bounds.__getitem__):
+            if bounds[i] > best:
+                break  # this bound and every later one exceed the time of a usable plan: none of them can win
+            plans[i] = probes[i] if options[i][1] == microbatches else evaluate(options[i], microbatches)
+            if plans[i].iteration_time < best and usable(i, plans[i]):
+                best = plans[i].iteration_time
+        order = sorted(plans, key=lambda i: (plans[i].iteration_time, plans[i].dp, i))
+        return next((plans[i] for i in order if usable(i, plans[i])), None)
 
     start, devices = time.perf_counter(), nodes * devices_per_node
     best = fastest(num_microbatches)
@@ -502,6 +535,29 @@ def plan_template(specs: dict[str, ModuleSpec], nodes: int, devices_per_node: in
     return PipelineTemplate(nodes, devices_per_node, {**encoders, LANGUAGE_MODEL: llm},
                             {m: tuple(v) for m, v in best.layers.items()}, best.placement, best.dp, per_mb,
                             max(best.iteration_time - num_microbatches * per_mb, 0.0), time.perf_counter() - start)
+
+
+def _time_bound(probe: Plan, microbatches: int) -> float:
+    """A lower bound on the simulated 1F1B time of ``probe``'s layout at ``microbatches`` per replica, from its
+    per-stage costs (``probe``: the layout simulated at one microbatch). Every stage runs its actions in turn, so a
+    stage takes at least its microbatches' forwards (and backwards, where it trains) plus its gradient sync; LLM
+    stage k starts microbatch 0 only after stages 0..k-1 ran its forward, and after its last backward that
+    gradient still passes back through the training stages before it. Scaled down by 1e-9 for rounding."""
+    trained = {e.stage for e in probe.result.events if e.kind == "backward"}
+    sync = {e.stage: e.end - e.start for e in probe.result.events if e.kind == "sync"}
+    llm = [f"{LANGUAGE_MODEL}.{k}" for k in range(len(probe.layers[LANGUAGE_MODEL]))]
+    bound = 0.0
+    for stage, forward in probe.forward.items():
+        work = microbatches * (forward + (probe.backward[stage] if stage in trained else 0.0))
+        if stage not in llm:
+            bound = max(bound, work + sync.get(stage, 0.0))
+    ahead, behind = 0.0, 0.0  # forwards before LLM stage k; backwards of the training stages before it
+    for stage in llm:
+        work = microbatches * (probe.forward[stage] + (probe.backward[stage] if stage in trained else 0.0))
+        bound = max(bound, ahead + work + max(behind if stage in trained else 0.0, sync.get(stage, 0.0)))
+        ahead += probe.forward[stage]
+        behind += probe.backward[stage] if stage in trained else 0.0
+    return bound * (1 - 1e-9)
 
 
 def build_templates(specs: dict[str, ModuleSpec], nodes: int, devices_per_node: int, failures: int,
