@@ -154,3 +154,17 @@ def test_resumable_loader_continues_mid_epoch():
     full = [b.tolist() for b in loader()]
     assert seen + rest == full
     assert len([b for b in again]) == len(full)  # the next epoch starts at its beginning
+
+
+@pytest.mark.slow
+def test_reshard_expert_parallel_to_no_ep_and_to_pipeline_stages(tmp_path):
+    """A Qwen3-MoE LLM under dp 2 x ep 2 (each replica holds half the experts, as DTensor shards) checkpointed at
+    step 3 continues under dp 2 without ep and under LLM pp 2 with the uninterrupted run's losses."""
+    d = str(tmp_path)
+    full = run_case({"layout": "ep2dp2", "llm": "qwen3_moe", "steps": 6, "out": f"{d}/ep2.json",
+                     "ckpt_dir": f"{d}/ep2", "save_every": 3})
+    assert len(full) == 6 and full[0] != full[-1]
+    for there in ("dp2", "pp2"):
+        losses = run_case({"layout": there, "llm": "qwen3_moe", "steps": 6, "out": f"{d}/{there}.json",
+                           "resume": f"{d}/ep2/step=3.ckpt"})
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(full[3:]), rtol=1e-5, atol=1e-6, msg=there)

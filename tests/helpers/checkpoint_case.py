@@ -4,12 +4,14 @@
 "dp2": vision + LLM 1 stage each, dp 2 on 4 ranks; "cp2": vision 1 stage + LLM 1 stage of 2 context-parallel
 ranks (blocks of 8 tokens) on 3 ranks, dp 1; "pp2cp2": vision + LLM 2 stages of 2 CP ranks each on 5 ranks;
 "cp2dp2": "cp2" replicated twice on 6 ranks; "tp2": vision + LLM 1 stage of 2 tensor-parallel ranks on 3 ranks;
-"vdp2pp2": per-module data parallelism, vision dp 2 + LLM dp 1 of 2 stages on 4 ranks;
+"vdp2pp2": per-module data parallelism, vision dp 2 + LLM dp 1 of 2 stages on 4 ranks; "ep2dp2": vision + LLM 1
+stage each, dp 2 with the LLM's experts split over both replicas (ep 2) on 4 ranks;
 "single": one process), steps, out (losses JSON, rank 0),
 ckpt_dir, save_every (steps), resume (a checkpoint folder), kill ({"rank": r, "step": s}: SIGKILL that rank
 after step s), weights (single: file for the trained parameters), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
 exception), fault_timeout, pids (folder for one pid file per rank), balancing (batch_balancing), global_batch (default
-4), num_samples (default 16), items ([min, max] images per sample).
+4), num_samples (default 16), items ([min, max] images per sample), llm (the language model's kind, default
+"llama"; "qwen3_moe": routed experts).
 """
 
 import json
@@ -32,12 +34,13 @@ LAYOUTS = {"pp2": dict(devices=3, llm_pp=2, microbatches=2), "dp2": dict(devices
            "cp2dp2": dict(devices=6, llm_pp=1, llm_cp=2, microbatches=1),
            "tp2": dict(devices=3, llm_pp=1, llm_tp=2, microbatches=2),
            "vdp2pp2": dict(devices=4, llm_pp=2, microbatches=2, encoder_dp=2, llm_dp=1),
+           "ep2dp2": dict(devices=4, llm_pp=1, microbatches=1, llm_ep=2),
            "single": dict(devices=1, llm_pp=None, microbatches=1)}
 
 
-def build_module():
+def build_module(llm: str = "llama"):
     torch.manual_seed(0)
-    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model("llama"))
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model(llm))
     model.freeze(encoders=True, projectors=False, language_model=False)
     return lmm.MultimodalLightningModule(
         model, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1),
@@ -78,7 +81,8 @@ def main(cfg: dict):
         cp, tp = layout.get("llm_cp", 1), layout.get("llm_tp", 1)
         strategy = lmm.MultimodalParallelStrategy(
             encoders={"vision": lmm.ParallelSpec(dp=layout.get("encoder_dp"))},
-            language_model=lmm.ParallelSpec(pp=layout["llm_pp"], cp=cp, tp=tp, dp=layout.get("llm_dp")),
+            language_model=lmm.ParallelSpec(pp=layout["llm_pp"], cp=cp, tp=tp, dp=layout.get("llm_dp"),
+                                            ep=layout.get("llm_ep", 1)),
             num_microbatches=layout["microbatches"], cp_block_size=8, fault_timeout=cfg.get("fault_timeout", 60.0),
             batch_balancing=cfg.get("balancing"))
         trainer = L.Trainer(devices=layout["devices"], strategy=strategy, **kw)
@@ -92,7 +96,7 @@ def main(cfg: dict):
         data.train_dataloader = lambda: DataLoader(
             data._dataset(samples, 0), batch_size=global_batch, collate_fn=data.collator(), drop_last=True,
             sampler=DistributedSampler(data._dataset(samples, 0), num_replicas=1, rank=0, shuffle=True, seed=0))
-    module = build_module()
+    module = build_module(cfg.get("llm", "llama"))
     trainer.fit(module, data, ckpt_path=cfg.get("resume"))
     if cfg.get("weights") and trainer.global_rank == 0:  # the single-process reference's trained parameters
         torch.save({n: p.detach() for n, p in module.model.named_parameters() if p.requires_grad}, cfg["weights"])
