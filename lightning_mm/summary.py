@@ -63,6 +63,8 @@ def stage_parts(model) -> list[dict]:
     """What this rank's (pruned) MultimodalModel holds, part by part."""
     rows = []
     for name, enc in model.encoders.items():
+        if name in model.shared_encoders:  # its owner's row holds the one copy of the tower and projector
+            continue
         body = enc.module
         if any(True for _ in body.parameters()):
             embed = [getattr(body, m) for m in enc.family.embed_modules if hasattr(body, m)]

@@ -76,6 +76,8 @@ PIPELINE_CASES = [
     ("qwen3_moe", True, {"pp": 1}, 2, 2, False, "FULL_SHARD"),
     ("qwen3_moe", True, {"ep": 2}, 2, 2, False, "NO_SHARD"),
     ("mixtral", True, {"pp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
+    ("qwen3_moe", True, {"cp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
+    ("qwen3_moe", True, {"tp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
 ]
 
 

@@ -23,6 +23,10 @@ its answer); a record whose first turn alone is longer is a bad record. An image
 Bad records (a missing or unreadable media file, marker counts that differ from the files given, an empty
 conversation, an unknown role, a record too long for ``max_length``) raise a ``BadRecordError`` naming the record
 index and the file, or with ``on_bad_record="skip"`` are skipped and counted.
+
+Prompts (``prompts=True``, the data module's predict set): a record's last turn, when it is an assistant's, is
+dropped and the rest is rendered with the template's generation prompt, so the model answers it; nothing is
+truncated (a prompt longer than ``max_length`` is a bad record).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_mm.data.collator import MultimodalCollator
@@ -235,12 +240,14 @@ class ConversationDataset(Dataset):
     (an unreadable file, too long) raises, or in skip mode is replaced by the next good record so batches keep
     their size. ``num_bad_records`` counts skipped records; ``bad_records`` keeps (index, reason) of the first ones.
     ``sample_metadata(i)`` gives sample i's token counts from the record and the media headers alone (what the
-    balanced batch sampler and ``lightning-mm plan --data-stats`` read), cached per record.
+    balanced batch sampler and ``lightning-mm plan --data-stats`` read), cached per record. ``prompts=True``: each
+    sample is the record's prompt for generation (its last assistant turn dropped, the generation prompt added).
     """
 
     def __init__(self, data_path, processor: MultimodalProcessor, media_root=None, max_length: int | None = None,
                  train_on_prompt: bool = False, on_bad_record: str = "raise", system_prompt: str | None = None,
-                 record_keys: dict[str, str] | None = None, scan: bool = True, cache_dir=None, records=None):
+                 record_keys: dict[str, str] | None = None, scan: bool = True, cache_dir=None, records=None,
+                 prompts: bool = False):
         if on_bad_record not in BAD_RECORD_MODES:
             raise ValueError(f"on_bad_record must be one of {BAD_RECORD_MODES}, got {on_bad_record!r}")
         self.data_path = Path(data_path)
@@ -248,7 +255,7 @@ class ConversationDataset(Dataset):
         self.processor, self.model = processor, processor.model
         self.media_root = Path(media_root) if media_root is not None else self.data_path.parent
         self.max_length, self.train_on_prompt, self.on_bad_record = max_length, train_on_prompt, on_bad_record
-        self.system_prompt = system_prompt
+        self.system_prompt, self.prompts = system_prompt, prompts
         self.record_keys = record_keys or {name: m.strip("<>") for name, m in processor.markers.items()}
         self.num_bad_records, self.bad_records = 0, []
         self._metadata: dict[int, SampleMeta] = {}  # record index -> its metadata, read on first use
@@ -284,7 +291,12 @@ class ConversationDataset(Dataset):
             if not isinstance(value, str):
                 raise self._bad(index, f"turn {t} has no text value")
             messages.append({"role": role, "content": value})
-        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        if self.prompts:  # the question(s) only: the answer to generate is dropped
+            if messages[-1]["role"] == "assistant":
+                messages.pop()
+            if not any(m["role"] == "user" for m in messages):
+                raise self._bad(index, "no user turn to answer (a prompt needs one before its last assistant turn)")
+        elif not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
             raise self._bad(index, "empty conversation (no assistant turn with text)")
         if self.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
@@ -343,7 +355,8 @@ class ConversationDataset(Dataset):
     def render(self, index: int, messages: list[dict]) -> tuple[list[tuple[str, bool]], list[int]]:
         """The rendered conversation as (text, supervised) pieces, and the piece count after each assistant turn.
 
-        Trailing messages after the last assistant turn are dropped (nothing to learn from them)."""
+        Trailing messages after the last assistant turn are dropped (nothing to learn from them); for prompts
+        they are the last piece, rendered with the generation prompt."""
         tok = self.processor.tokenizer
 
         def render(msgs, gen):
@@ -365,6 +378,12 @@ class ConversationDataset(Dataset):
             pieces += [(prompt[len(done):], self.train_on_prompt), (full[len(prompt):], True)]
             ends.append(len(pieces))
             done = full
+        if self.prompts:
+            prompt = render(messages, True)
+            if not prompt.startswith(done):
+                raise ValueError(f"record {index} of {self.data_path}: the chat template does not render a "
+                                 "conversation's prefix as a prefix of its rendering (the generation prompt)")
+            pieces.append((prompt[len(done):], False))
         return pieces, ends
 
     def _kept(self, index: int, n_ids: int, counts: dict, bounds: list, tokens: dict) -> tuple[int, dict]:
@@ -375,6 +394,9 @@ class ConversationDataset(Dataset):
 
         if self.max_length is None or expanded(n_ids, counts) <= self.max_length:
             return n_ids, counts
+        if self.prompts:  # cutting turns would cut the question
+            raise self._bad(index, f"the prompt is {expanded(n_ids, counts)} tokens after placeholder expansion, "
+                                   f"more than max_length={self.max_length}")
         fits = [(n, c) for n, c in bounds if expanded(n, c) <= self.max_length]
         if not fits:
             raise self._bad(index, f"its first turn alone is {expanded(*bounds[0])} tokens after placeholder "
@@ -444,7 +466,8 @@ class ConversationDataset(Dataset):
                 if self.on_bad_record == "raise":
                     raise
                 self._count(err)
-                log.warning("skipping %s (on_bad_record='skip')", err)
+                log.warning("skipping record %s of %s: %s (on_bad_record='skip')", err.index, err.data_file,
+                            err.reason)
         raise RuntimeError(f"no record of {self.data_path} could be loaded ({self.num_bad_records} bad records)")
 
     # ---------------------------------------------------------------- metadata (no media decoded, no tensors)
@@ -463,7 +486,8 @@ class ConversationDataset(Dataset):
             except BadRecordError as err:
                 if self.on_bad_record == "raise":
                     raise
-                log.warning("metadata: skipping %s (on_bad_record='skip')", err)
+                log.warning("metadata: skipping record %s of %s: %s (on_bad_record='skip')", err.index,
+                            err.data_file, err.reason)
         raise RuntimeError(f"no record of {self.data_path} has readable metadata")
 
     def record_metadata(self, index: int) -> SampleMeta:
@@ -540,6 +564,12 @@ class ConversationDataModule(pl.LightningDataModule):
     (``trainer.distributed_sampler_kwargs``: every rank of a replica sees the same batches; the tail that does
     not divide evenly is dropped), reshuffled per epoch with ``seed``; the train loader resumes mid-epoch from a
     checkpoint.
+
+    ``predict_data_path`` (default: ``val_data_path``) serves ``trainer.predict`` prompts: each record up to its
+    last assistant turn, rendered with the chat template's generation prompt, no answer tokens (``prompts=True``
+    of :class:`ConversationDataset`), in file order, each sample once over the replicas (Lightning's
+    ``UnrepeatedDistributedSampler``), never packed. With ``MultimodalLightningModule(generation=...)`` and
+    ``lightning_mm.callbacks.GenerationWriter`` the answers are written as text.
     """
 
     def __init__(self, data_path: str, media_root: str | None = None,
@@ -549,7 +579,7 @@ class ConversationDataModule(pl.LightningDataModule):
                  val_data_path: str | None = None, shuffle: bool = True, seed: int = 0, num_workers: int = 0,
                  system_prompt: str | None = None, modalities: dict[str, str] | None = None,
                  causal_modalities: bool = False, scan: bool = True, cache_dir: str | None = None,
-                 video: dict | None = None, model=None):
+                 video: dict | None = None, predict_data_path: str | None = None, model=None):
         super().__init__()
         if processor is None:
             raise ValueError("ConversationDataModule needs processor=: an HF folder with a tokenizer (chat template) "
@@ -562,7 +592,7 @@ class ConversationDataModule(pl.LightningDataModule):
         is_path = isinstance(processor, (str, os.PathLike))
         self.save_hyperparameters(ignore=["model"] + ([] if is_path else ["processor"]))
         self._model, self._processor = model, None if is_path else processor
-        self.train_dataset = self.val_dataset = None
+        self.train_dataset = self.val_dataset = self.predict_dataset = None
 
     @property
     def model(self):
@@ -582,29 +612,40 @@ class ConversationDataModule(pl.LightningDataModule):
 
     @property
     def num_bad_records(self) -> int:
-        """Records skipped so far (on_bad_record='skip'), train and validation."""
-        return sum(d.num_bad_records for d in (self.train_dataset, self.val_dataset) if d is not None)
+        """Records skipped so far (on_bad_record='skip'), train, validation and predict."""
+        return sum(d.num_bad_records for d in (self.train_dataset, self.val_dataset, self.predict_dataset)
+                   if d is not None)
+
+    @property
+    def predict_path(self) -> str | None:
+        """The file of the predict prompts: ``predict_data_path``, else ``val_data_path``."""
+        return self.hparams.predict_data_path or self.hparams.val_data_path
 
     def prepare_data(self) -> None:  # fills the datasets cache once per node
-        for path in (self.hparams.data_path, self.hparams.val_data_path):
+        for path in (self.hparams.data_path, self.hparams.val_data_path, self.hparams.predict_data_path):
             if path:
                 load_records(path, self.hparams.cache_dir)
 
-    def _dataset(self, path) -> ConversationDataset:
+    def _dataset(self, path, prompts: bool = False) -> ConversationDataset:
         h = self.hparams
         return ConversationDataset(path, self.processor, h.media_root, h.max_length, h.train_on_prompt,
-                                   h.on_bad_record, h.system_prompt, h.modalities, h.scan, h.cache_dir)
+                                   h.on_bad_record, h.system_prompt, h.modalities, h.scan, h.cache_dir,
+                                   prompts=prompts)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is None and stage in (None, "fit"):
             self.train_dataset = self._dataset(self.hparams.data_path)
         if self.val_dataset is None and self.hparams.val_data_path and stage in (None, "fit", "validate"):
             self.val_dataset = self._dataset(self.hparams.val_data_path)
+        if self.predict_dataset is None and self.predict_path and stage in (None, "predict"):
+            self.predict_dataset = self._dataset(self.predict_path, prompts=True)
 
-    def collator(self) -> MultimodalCollator:
+    def collator(self, prompts: bool = False) -> MultimodalCollator:
+        """The batches' collator; for prompts, rows padded to the longest prompt (generation takes no packed
+        rows, and ``max_length`` already bounds each prompt)."""
         h = self.hparams
         pad = getattr(self.processor.tokenizer, "pad_token_id", None)
-        return MultimodalCollator(self.model, seq_len=h.max_length, pack=h.pack,
+        return MultimodalCollator(self.model, seq_len=None if prompts else h.max_length, pack=h.pack and not prompts,
                                   pad_to_multiple_of=h.pad_to_multiple_of, pad_token_id=pad if pad is not None else 0,
                                   causal_modalities=h.causal_modalities)
 
@@ -634,3 +675,14 @@ class ConversationDataModule(pl.LightningDataModule):
         sampler = DistributedSampler(self.val_dataset, shuffle=False, drop_last=False, **self.replica())
         return DataLoader(self.val_dataset, sampler=sampler, batch_size=self.hparams.batch_size,
                           collate_fn=self.collator(), num_workers=self.hparams.num_workers)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The prompts of ``predict_data_path`` (else ``val_data_path``), this replica's share, in file order."""
+        if not self.predict_path:
+            raise ValueError("ConversationDataModule has no predict data: set predict_data_path (or val_data_path), "
+                             "e.g. --data.init_args.predict_data_path=prompts.json")
+        if self.predict_dataset is None:
+            self.setup("predict")
+        sampler = UnrepeatedDistributedSampler(self.predict_dataset, shuffle=False, **self.replica())
+        return DataLoader(self.predict_dataset, sampler=sampler, batch_size=self.hparams.batch_size,
+                          collate_fn=self.collator(prompts=True), num_workers=self.hparams.num_workers)
