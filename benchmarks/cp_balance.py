@@ -20,7 +20,7 @@
 Writes benchmarks/results/cp_balance.json (+ .png chart; with the machine and the command) and rewrites the tables
 README.md and docs/ quote from it (benchmarks/tables.py).
 
-    python benchmarks/cp_balance.py [--seeds 3] [--repeats 200] [--gpu-tokens 65536] [--only planning]
+    python benchmarks/cp_balance.py [--seeds 3] [--repeats 200] [--gpu-tokens 65536] [--only planning|windowed]
 """
 
 from __future__ import annotations
@@ -126,6 +126,67 @@ def planning_times(repeats: int, tokens: int = 1 << 20, size: int = 8) -> list[d
                          workload_ms_median=wl[0], workload_ms_min=wl[1], lpt_ms_median=lpt[0], lpt_ms_min=lpt[1],
                          load_average=load, met=total[0] <= GOAL_PLAN_MS))
     return rows
+
+
+WINDOW_TOKENS = 131072
+GEMMA3_LAYERS = 62
+
+
+def _windowed_rows() -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """The rows the windowed planning is timed on: 4 images (576..4096 tokens) in text, packed samples (MP), and
+    512 images of about 128 tokens in text."""
+    g = torch.Generator().manual_seed(0)
+    items = [(1, 2880), (1, 1728), (2, 4096), (1, 576)]
+    mods = masks.layout_ee(items, WINDOW_TOKENS - sum(n for _, n in items), g)
+    rows = [("4 images in text", masks.words_from_modalities(mods[None], 2), None)]
+    rows.append(("packed samples", *masks.random_bam("mp", WINDOW_TOKENS, 2, 1, 0)))
+    rows.append(("512 small images", *masks.random_bam("ee", WINDOW_TOKENS, 2, 1, 0, mean_item_tokens=256)))
+    return rows
+
+
+def _windows(window: int) -> list:
+    """Gemma 3's layer pattern: ``window`` on 5 of every 6 layers, full attention on the 6th."""
+    return [None if (i + 1) % 6 == 0 else window for i in range(GEMMA3_LAYERS)]
+
+
+def _band_workload(bam, seg, window) -> torch.Tensor:
+    """The windowed work the former way: every block pair listed, cut by the band, summed per distinct window."""
+    windows = [window] if window is None or isinstance(window, int) else list(window)
+    return sum(masks.block_pairs(bam, BLOCK, seg, w).sum(-1) * windows.count(w) for w in set(windows))
+
+
+def planning_windowed(repeats: int, size: int = 8) -> list[dict]:
+    """Time of the block workload and of LPT's plan per window setting, and the former band computation."""
+    settings = [("none", None), ("1024", 1024), ("4096", 4096), ("gemma3 1024", _windows(1024)),
+                ("gemma3 4096", _windows(4096))]
+    rows = []
+    for name, bam, seg in _windowed_rows():
+        runs = int(masks._runs(*masks._as_batch(bam, seg)[:2], BLOCK)[0].size)
+        for label, window in settings:
+            work = masks.block_workload(bam, BLOCK, seg, window)
+            assert torch.equal(work, _band_workload(bam, seg, window))
+            load = os.getloadavg()[0]
+            wl = _time_ms(lambda: masks.block_workload(bam, BLOCK, seg, window), repeats)
+            plan = _time_ms(lambda: cp.distribute(bam, size, "lpt", BLOCK, seg, window=window), repeats)
+            band = None if window is None else _time_ms(lambda: _band_workload(bam, seg, window),
+                                                        max(3, repeats // 20))
+            rows.append(dict(row=name, tokens=WINDOW_TOKENS, runs=runs, window=label, cp=size,
+                             workload_ms_median=wl[0], workload_ms_min=wl[1], plan_ms_median=plan[0],
+                             plan_ms_min=plan[1], band_ms_median=band and band[0], load_average=load))
+    return rows
+
+
+def print_windowed(rows) -> None:
+    print(f"\nwindowed planning, one {WINDOW_TOKENS}-token row, block {BLOCK}, cp 8 (ms, median; 1 thread; "
+          f"gemma3 = {GEMMA3_LAYERS} layers, the window on 5 of 6)")
+    settings = list(dict.fromkeys(r["window"] for r in rows))
+    print(f"{'row':18} {'runs':>5} {'':9}" + "".join(f"{s:>13}" for s in settings))
+    for name in dict.fromkeys(r["row"] for r in rows):
+        mine = {r["window"]: r for r in rows if r["row"] == name}
+        for key, title in (("workload_ms_median", "workload"), ("plan_ms_median", "plan"),
+                           ("band_ms_median", "former")):
+            print(f"{name:18} {mine[settings[0]]['runs']:5d} {title:9}"
+                  + "".join("{:>13}".format("-" if mine[s][key] is None else f"{mine[s][key]:.3f}") for s in settings))
 
 
 def _hybrid_degree(size: int) -> int | None:
@@ -295,13 +356,23 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--gpu-tokens", type=int, default=65536)
-    parser.add_argument("--only", choices=("planning",), help="time the planning only (keeps the other results)")
+    parser.add_argument("--only", choices=("planning", "windowed"),
+                        help="time the planning only, or the windowed planning only (keeps the other results)")
     args = parser.parse_args()
     start = _machine.record()
     torch.set_num_threads(1)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "cp_balance.json"
     out = json.loads(path.read_text()) if args.only and path.exists() else {}
+    if args.only != "planning":
+        rows = planning_windowed(args.repeats)
+        print_windowed(rows)
+        out["planning_windowed"] = dict(rows=rows, block_size=BLOCK, machine=dict(
+            _machine.finish(start), numpy=np.__version__, threads=1, repeats=args.repeats))
+        if args.only == "windowed":  # the other results and the tables they render stay as they are
+            path.write_text(json.dumps(out, indent=1))
+            print(f"\nwrote {path}")
+            return
     out["planning_1m"] = planning_times(args.repeats)
     print_planning(out["planning_1m"])
     if not args.only:

@@ -227,12 +227,35 @@ def block_pairs(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Ten
     return res[0] if squeeze else res
 
 
-def _block_workload(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int) -> np.ndarray:
+def _window_reach(window, block_size: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """The windows of ``block_workload`` as the compiled loop takes them: per distinct reach (how many key blocks
+    before a query block some pair of theirs is within the window, :func:`window_band`; -1 = unlimited), the
+    number of layers with it."""
+    if window is None or not hasattr(window, "__iter__"):
+        windows = [window]  # check_window names a bad one
+    else:
+        windows = list(window)
+        if not windows:
+            raise ValueError("window: give None, a number of tokens, or a non-empty list with one entry per layer")
+    counts: dict[int, int] = {}
+    for w in windows:
+        check_window(w)
+        # block x's first token and block x - d's last one are (d - 1) * b + 1 apart: within w iff d*b <= w+b-2
+        reach = -1 if w is None else (w + block_size - 2) // block_size
+        reach = -1 if reach >= nb - 1 else reach  # reaches the row's first block from every block
+        counts[reach] = counts.get(reach, 0) + 1
+    return np.array(list(counts), np.int64), np.array(list(counts.values()), np.int64)
+
+
+def _block_workload(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int,
+                    window=None) -> np.ndarray:
     """``block_workload`` of a ``[B,S]`` batch as a numpy ``[B, nb]`` array."""
     from lightning_mm import planning_loops as loops
 
+    nb = -(-bam.shape[-1] // block_size)
+    reach, weight = _window_reach(window, block_size, nb)
     first, last, word, group, num_blocks, nb, before, after = _runs(bam, segment_ids, block_size)
-    work = loops.block_work(first, last, word, group, num_blocks, nb, block_size, before, after)
+    work = loops.block_work(first, last, word, group, num_blocks, nb, block_size, before, after, reach, weight)
     return work.reshape(bam.shape[0], nb)
 
 
@@ -244,22 +267,13 @@ def block_workload(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.
     O(runs x distinct word masks + blocks) (``planning_loops.block_work``). A 1-D ``bam`` gives ``[nb]``.
 
     ``window``: None (no window), a sliding window in tokens (the key blocks of :func:`block_pairs` with that
-    window; O(nb^2) per row), or one entry per layer (``None`` or tokens, e.g. ``families.layer_windows`` of a
-    Gemma 3 model): then the sum over the layers of their work, since each layer does its own attention (integer,
-    as LPT's keys need; divide by the layer count for the mean).
+    window), or one entry per layer (``None`` or tokens, e.g. ``families.layer_windows`` of a Gemma 3 model): then
+    the sum over the layers of their work, since each layer does its own attention (integer, as LPT's keys need;
+    divide by the layer count for the mean). A window adds O(blocks x distinct windows x masks), not O(nb^2).
     """
     _check_block_size(block_size)
-    if window is not None and not isinstance(window, int):
-        windows = list(window)
-        if not windows:
-            raise ValueError("window: give None, a number of tokens, or a non-empty list with one entry per layer")
-        by_window = {w: block_workload(bam, block_size, segment_ids, w) for w in set(windows)}
-        return sum(by_window[w] * windows.count(w) for w in by_window)
-    check_window(window)
-    if window is not None:
-        return block_pairs(bam, block_size, segment_ids, window).sum(-1)
     bam2, seg2, squeeze = _as_batch(bam, segment_ids)
-    res = torch.from_numpy(_block_workload(bam2, seg2, block_size)).to(bam.device)
+    res = torch.from_numpy(_block_workload(bam2, seg2, block_size, window)).to(bam.device)
     return res[0] if squeeze else res
 
 

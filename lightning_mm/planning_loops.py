@@ -355,15 +355,43 @@ def _covered(x, allow_before, allow_after, lo, hi, start, end, mask, masks, leng
     return before + after
 
 
+@njit(inline="always")
+def _covered_below(y, allow, lo, hi, start, end, mask, masks, length):
+    """Blocks before block ``y`` among the pieces ``lo..hi-1`` of a group whose words are allowed."""
+    if lo >= hi or y <= start[lo]:
+        return 0
+    p = lo + np.searchsorted(end[lo:hi], y)  # the first piece ending at or after y
+    n = 0
+    for d in range(masks.size):
+        if masks[d] & allow:
+            n += length[p, d] - length[lo, d]
+    if p < hi and start[p] < y and mask[p] & allow:
+        n += y - start[p]
+    return n
+
+
+@njit(inline="always")
+def _listed_below(y, buf, n):
+    """Blocks before block ``y`` in the intervals ``buf[:n]``."""
+    total = 0
+    for t in range(n):
+        total += max(0, min(buf[t, 1], y - 1) - buf[t, 0] + 1)
+    return total
+
+
 @njit(cache=True, nogil=True)
-def block_work(first, last, word, group, num_blocks, nb, block, before, after):
-    """Work of every query block (``num_blocks`` on the grid): key blocks holding at least one allowed pair.
+def block_work(first, last, word, group, num_blocks, nb, block, before, after, reach, weight):
+    """Work of every query block (``num_blocks`` on the grid): key blocks holding at least one allowed pair,
+    summed over sliding windows with ``weight[k]`` times the work under window ``k``: key blocks before the query
+    block count only among the ``reach[k]`` blocks just before it (``reach[k] < 0``: no window).
 
     The blocks a query set may attend are its group's blocks whose runs' words its words allow, so with the
     group's pieces and their prefix sums per word mask (``_coverage``) a stretch or a mixed block costs O(masks)
     (a mixed block spanning several segments scans their runs instead). Along a stretch the work changes by a
     constant step: the block left behind counts if the run sees itself before, the next one drops if it sees
-    itself after. More than 63 distinct words do not fit the masks: then every query set scans its runs."""
+    itself after. A window removes the allowed key blocks more than ``reach`` blocks before the query block, one
+    prefix count per block and window. More than 63 distinct words do not fit the masks: then every query set
+    scans its runs."""
     r = first.size
     fb, lb, order, gfirst, glast, mixed = _query_sets(first, last, word, group, block, before, after)
     num_words = before.shape[0]
@@ -378,8 +406,13 @@ def block_work(first, last, word, group, num_blocks, nb, block, before, after):
     else:
         start = end = mask = lo = hi = masks = np.zeros(0, np.int64)
         length = np.zeros((1, 0), np.int64)
+    total_weight, windowed = 0, False
+    for k in range(reach.size):
+        total_weight += weight[k]
+        windowed |= reach[k] >= 0 and weight[k] != 0
     row_runs = np.arange(r)
     out = np.zeros(num_blocks, np.int64)
+    cut = np.zeros(num_blocks if windowed else 0, np.int64)  # weighted key blocks the windows remove
     buf = np.empty((2 * r + 2, 2), np.int64)
     q = np.empty(max(r, 1), np.int64)
     for a in range(r):
@@ -387,6 +420,7 @@ def block_work(first, last, word, group, num_blocks, nb, block, before, after):
         x1 = lb[a] - (a + 1 < r and fb[a + 1] == lb[a])
         if x0 > x1:
             continue
+        nbf = 0
         if masked:
             base = _covered(x0, allow_b[word[a]], allow_a[word[a]], lo[a], hi[a], start, end, mask, masks, length)
         else:
@@ -399,14 +433,29 @@ def block_work(first, last, word, group, num_blocks, nb, block, before, after):
         step = np.int64(self_before) - np.int64(self_after)
         for x in range(x0, x1 + 1):
             out[x] = base + self_before + step * (x - x0)
+        if not windowed:
+            continue
+        below_x0 = 0 if masked else _listed_below(x0, buf, nbf)
+        for k in range(reach.size):
+            if reach[k] < 0 or weight[k] == 0:
+                continue
+            for x in range(x0, x1 + 1):
+                y = x - reach[k]
+                if masked:
+                    n = _covered_below(y, allow_b[word[a]], lo[a], hi[a], start, end, mask, masks, length)
+                elif y <= x0:
+                    n = _listed_below(y, buf, nbf)
+                else:  # the run's own blocks lie between x0 and y
+                    n = below_x0 + self_before * (y - x0)
+                cut[x] += weight[k] * n
     for k in range(mixed.shape[0]):
         m, i, j = mixed[k, 0], mixed[k, 1], mixed[k, 2]
         one_group = True
         for t in range(i + 1, j):
             one_group &= group[t] == group[i]
         total = mixed[k, 3]
+        ab, aa, nbf = 0, 0, 0
         if masked and one_group:
-            ab, aa = 0, 0
             for t in range(i, j):
                 ab |= allow_b[word[t]]
                 aa |= allow_a[word[t]]
@@ -419,6 +468,18 @@ def block_work(first, last, word, group, num_blocks, nb, block, before, after):
             for t in range(nbf + naf):
                 total += buf[t, 1] - buf[t, 0] + 1
         out[m] = total
+        if not windowed:
+            continue
+        for w in range(reach.size):
+            if reach[w] < 0 or weight[w] == 0:
+                continue
+            if masked and one_group:
+                cut[m] += weight[w] * _covered_below(m - reach[w], ab, lo[i], hi[i], start, end, mask, masks, length)
+            else:
+                cut[m] += weight[w] * _listed_below(m - reach[w], buf, nbf)
+    if total_weight != 1 or windowed:
+        for x in range(num_blocks):
+            out[x] = total_weight * out[x] - (cut[x] if windowed else 0)
     return out
 
 
