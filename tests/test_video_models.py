@@ -148,3 +148,19 @@ def test_generation_with_videos_equals_hf_generate(tmp_path):
     ours, _ = qwen_prompts("qwen2_5_vl", 0, videos=True)
     _assert_like_hf(model, ref, ours)
     _check(_run({"kind": "qwen2_5_vl", "folder": folder, "llm_pp": 2, "videos": True}, tmp_path, "pp2"), 3)
+
+
+def test_the_planner_costs_a_shared_tower_once_with_both_modalities_work(tmp_path):
+    """The planner sees one vision module (the layout's), whose layer costs hold the images' and the videos' work;
+    synthetic batches never put a composite's in-vocabulary placeholder ids in their text."""
+    from lightning_mm.planner import model_costs
+
+    model = lmm.MultimodalModel.from_pretrained(save_composite("qwen2_vl", tmp_path / "src"))
+    times = model_costs.flop_times(model)
+    assert sorted(times) == ["language_model", "vision"]
+    alone = lmm.MultimodalModel({"vision": model.encoders["vision"]}, model.language_model,
+                                placeholder_ids={"vision": IMG})
+    images_only = model_costs.flop_times(alone)["vision"]
+    assert all(b > a > 0 for a, b in zip(images_only.forward[1:-1], times["vision"].forward[1:-1]))
+    assert model_costs.planned_partition(model, {"vision": 2, "language_model": 2}) == \
+        {"vision": [1, 1], "language_model": [1, 1]}

@@ -36,6 +36,15 @@ class SyntheticMultimodalDataset(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    def _text_token(self, t: int) -> int:
+        """Token ``t`` of the vocabulary, stepping past placeholder ids inside it (a composite's image and video
+        tokens), so that text never reads as an item."""
+        reserved = set(self.model.placeholder_ids.values())
+        t %= self.vocab
+        while t in reserved:
+            t = (t + 1) % self.vocab
+        return t
+
     def _items(self, enc, n: int, g: torch.Generator) -> dict:
         fam, cfg = enc.family, enc.config
         if fam.input_key == "image_grid_thw" and self.variable_size:
@@ -50,7 +59,7 @@ class SyntheticMultimodalDataset(Dataset):
         lo, hi = self.text_tokens
         n_text = int(torch.randint(lo, hi + 1, (1,), generator=g))
         start, step = int(torch.randint(0, self.vocab, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
-        text = [(start + step * t) % self.vocab for t in range(n_text)]
+        text = [self._text_token(start + step * t) for t in range(n_text)]
         sample, placeholders = {}, []
         for name, enc in self.model.encoders.items():
             n = int(torch.randint(self.items_per_sample[0], self.items_per_sample[1] + 1, (1,), generator=g))

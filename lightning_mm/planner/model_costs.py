@@ -169,6 +169,10 @@ def flop_times(model, batch: dict | None = None) -> dict[str, ModuleTimes]:
         counted = [part_flops(run, x, params) for run, x, params, _ in parts]
         out[module] = ModuleTimes([c[0] for c in counted], [c[1] for c in counted], [c[2] for c in counted],
                                   [_frozen(params) for _, _, params, _ in parts])
+    for alias, owner in model.shared_encoders.items():  # a shared tower's layers run both modalities' items
+        a, o = out.pop(alias), out[owner]
+        out[owner] = ModuleTimes(*([x + y for x, y in zip(getattr(o, f), getattr(a, f))]
+                                   for f in ("forward", "input_grad", "weight_grad")), o.frozen)
     return out
 
 

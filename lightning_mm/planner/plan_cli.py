@@ -151,12 +151,12 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
     from lightning_mm.planner.model_costs import resolve_partition
 
     enc_specs = strategy.encoder_specs if strategy.encoder_specs is not None else {
-        e: ParallelSpec() for e in model.encoders}
+        e: ParallelSpec() for e in model.pipeline_encoders}
     llm_spec = strategy.language_model_spec
     if llm_spec.dp is not None:  # per-module data parallelism: every module's own dp and tp
         return _configured_per_module(model, strategy, specs, enc_specs, memory_limit, allreduce_bandwidth,
                                       tp_bandwidth, cp_bandwidth, samples_per_microbatch)
-    layout = build_layout(enc_specs, llm_spec, devices, strategy.encoder_placement, list(model.encoders))
+    layout = build_layout(enc_specs, llm_spec, devices, strategy.encoder_placement, model.pipeline_encoders)
     layers = resolve_partition(model, layout.module_stages, strategy.partition, strategy.activation_checkpointing)
     return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * layout.dp, layout.dp,
                          memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth,
@@ -179,7 +179,7 @@ def _configured_per_module(model, strategy, specs, enc_specs, memory_limit, allr
         raise SystemExit(f"language_model has dp={llm_spec.dp} but encoders {missing} have none: per-module data "
                          "parallelism needs dp on every ParallelSpec (or on none)")
     layout = replica_layout({e: replace(s, dp=None) for e, s in enc_specs.items()}, replace(llm_spec, dp=None),
-                            strategy.encoder_placement, list(model.encoders))
+                            strategy.encoder_placement, model.pipeline_encoders)
     layers = resolve_partition(model, layout.module_stages, strategy.partition, strategy.activation_checkpointing)
     return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * llm_spec.dp,
                          {**{e: s.dp for e, s in enc_specs.items()}, LANGUAGE_MODEL: llm_spec.dp},
