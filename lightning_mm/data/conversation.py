@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_mm.data.collator import MultimodalCollator
 from lightning_mm.data.media_meta import audio_inputs, audio_length, blank_audio, blank_image, image_inputs, image_size
-from lightning_mm.data.metadata import SampleMeta, encoder_input_tokens
+from lightning_mm.data.metadata import SampleMeta, item_sizes
 from lightning_mm.data.processor import MultimodalProcessor
 from lightning_mm.data.resumable import ShardedResumableDataLoader, SkippingDistributedSampler
 from lightning_mm.data.video import (SECONDS_PER_GRID_PROCESSORS, VideoOptions, VideoProcessor, load_video_processor,
@@ -515,17 +515,18 @@ class ConversationDataset(Dataset):
             if counts.get(name, 0) > len(files):
                 raise self._bad(index, f"the rendered conversation holds {counts[name]} "
                                        f"{self.processor.markers[name]} markers but {len(files)} files were given")
-        tokens = {name: self._item_tokens(index, name, files[: counts.get(name, 0)])
-                  for name, files in media.items() if counts.get(name, 0)}
+        sizes = {name: self._item_sizes(index, name, files[: counts.get(name, 0)])
+                 for name, files in media.items() if counts.get(name, 0)}
+        tokens = {name: [n for _, n in s] for name, s in sizes.items()}
 
         end, kept = self._kept(index, len(ids), counts, bounds, tokens)
         placeholders = set(self.model.placeholder_ids.values())
-        items = {name: tuple((encoder_input_tokens(self.model.encoders[name], n), n) for n in tokens[name][:k])
-                 for name, k in kept.items() if k}
+        items = {name: sizes[name][:k] for name, k in kept.items() if k}
         return SampleMeta(sum(1 for t in ids[:end] if t not in placeholders), items)
 
-    def _item_tokens(self, index: int, name: str, files: list[Path]) -> list[int]:
-        """LLM tokens of each of ``files`` (modality ``name``) from their headers."""
+    def _item_sizes(self, index: int, name: str, files: list[Path]) -> tuple[tuple[int, int], ...]:
+        """(positions through the encoder's layers, LLM tokens) of each of ``files`` (modality ``name``) from their
+        headers (``metadata.item_sizes``)."""
         enc, proc = self.model.encoders[name], self.processor.processors[name]
         kind, kwargs = modality_kind(enc), self.processor.call_kwargs(name)
         plain = enc.preprocess is None and enc._num_tokens is None
@@ -538,7 +539,7 @@ class ConversationDataset(Dataset):
                 raise self._bad(index, f"cannot read the {kind} header of {file} ({type(err).__name__}: {err})") \
                     from err
         if kind == "video":  # frames sampled and sized by the rules decoding applies (VideoProcessor)
-            return [int(n) for n in enc.num_tokens(proc.header_inputs(sizes, blank=not plain))]
+            return item_sizes(enc, proc.header_inputs(sizes, blank=not plain))
         # Shapes on the meta device where the processor's rules are known and the encoder counts by shape alone;
         # otherwise the processor runs on blank media of the same sizes (the same shapes as the real files).
         inputs = (audio_inputs(proc, sizes, kwargs) if kind == "audio" else image_inputs(proc, sizes, kwargs)) \
@@ -546,7 +547,7 @@ class ConversationDataset(Dataset):
         if inputs is None:
             blanks = [blank_audio(s) if kind == "audio" else blank_image(s) for s in sizes]
             inputs = self.processor.encode_items(name, blanks)
-        return [int(n) for n in enc.num_tokens(inputs)]
+        return item_sizes(enc, inputs)
 
 
 # ------------------------------------------------------------------------------------------ the data module

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_mm.data.metadata import encoder_input_tokens
+from lightning_mm.data.metadata import encoder_input_tokens, encoder_positions
 from lightning_mm.data.microbatch import (CP_PLAN_KEY, PLAN_KEY, ROUTE_KEY, group_items, item_counts,
                                           microbatch_rows, replica_microbatch_rows, row_index)
 from lightning_mm.plan.items import encoder_width, item_work, shard_items
@@ -33,9 +33,10 @@ ItemPlan = tuple[list[list[int]], list[int]]  # (item indices per CP rank, LLM t
 class EncoderItems:
     """What encoder CP plans with, of one encoder: its family, config and token callbacks (no weights).
 
-    ``plan(inputs)`` gives the item shards over ``ranks`` CP ranks (LPT on ``item_work`` of the tokens each item
-    runs through the encoder's layers) and each item's LLM tokens. The token count is ``ModalityEncoder.num_tokens``
-    itself, run on this view (it reads only ``preprocess``, ``_num_tokens``, ``family`` and ``config``)."""
+    ``plan(inputs)`` gives the item shards over ``ranks`` CP ranks (LPT on ``item_work`` of the positions each item
+    runs through the encoder's layers, ``metadata.encoder_positions``) and each item's LLM tokens. The token count
+    is ``ModalityEncoder.num_tokens`` itself, run on this view (it reads only ``preprocess``, ``_num_tokens``,
+    ``family`` and ``config``)."""
 
     def __init__(self, family, config, ranks: int, preprocess=None, num_tokens=None):
         self.family, self.config, self.ranks = family, config, ranks
@@ -55,24 +56,30 @@ class EncoderItems:
 
         return ModalityEncoder.num_tokens(self, inputs)
 
-    def work(self, tokens: list[int]) -> list[int]:
-        """``item_work`` of items emitting ``tokens`` LLM tokens each."""
-        return item_work([encoder_input_tokens(self, n) for n in tokens], self.width)
+    def work(self, tokens: list[int], positions: list[int] | None = None) -> list[int]:
+        """``item_work`` of items running ``positions`` through the encoder's layers (default: counted from the
+        ``tokens`` they emit, ``encoder_input_tokens``)."""
+        if positions is None:
+            positions = [encoder_input_tokens(self, n) for n in tokens]
+        return item_work(positions, self.width)
 
-    def shards(self, tokens: list[int]) -> list[list[int]]:
-        """Item indices per CP rank for items emitting ``tokens`` LLM tokens each."""
-        return shard_items(self.work(tokens), self.ranks)
+    def shards(self, tokens: list[int], positions: list[int] | None = None) -> list[list[int]]:
+        """Item indices per CP rank for items emitting ``tokens`` LLM tokens (running ``positions``) each."""
+        return shard_items(self.work(tokens, positions), self.ranks)
 
-    def piece_tokens(self, inputs: dict) -> list[list[int]]:
-        """Per item, the LLM tokens of each piece CP spreads (``family.cp_pieces``: the item itself, or a video's
-        temporal patches)."""
-        tokens = iter(self.num_tokens(self.family.cp_pieces(inputs)))
-        return [[next(tokens) for _ in range(n)] for n in self.family.pieces_per_item(inputs)]
+    def piece_sizes(self, inputs: dict) -> list[list[tuple[int, int]]]:
+        """Per item, (LLM tokens, positions through the encoder's layers) of each piece CP spreads
+        (``family.cp_pieces``: the item itself, or a video's temporal patches)."""
+        pieces = self.family.cp_pieces(inputs)
+        tokens = self.num_tokens(pieces)
+        sizes = iter(zip(tokens, encoder_positions(self, pieces, tokens)))
+        return [[next(sizes) for _ in range(n)] for n in self.family.pieces_per_item(inputs)]
 
     def plan(self, inputs: dict) -> ItemPlan:
         """The plan of one microbatch's pieces (reads the items' sizes: a host read where they are on a device)."""
-        tokens = [t for item in self.piece_tokens(inputs) for t in item]
-        return self.shards(tokens), tokens
+        sizes = [s for item in self.piece_sizes(inputs) for s in item]
+        tokens = [t for t, _ in sizes]
+        return self.shards(tokens, [p for _, p in sizes]), tokens
 
 
 class CPPlans:
@@ -105,12 +112,13 @@ def make_cp_plans(batch: dict, num_microbatches: int, encoders: dict[str, Encode
             items[name] = [None] * len(encoder_rows)
             continue
         per_row = counts[name].tolist()
-        tokens = encoder.piece_tokens(batch[name])
-        if len(tokens) != sum(per_row):
-            raise ValueError(f"batch[{name!r}] has {len(tokens)} items but item_counts sums to {sum(per_row)}; give "
+        sizes = encoder.piece_sizes(batch[name])
+        if len(sizes) != sum(per_row):
+            raise ValueError(f"batch[{name!r}] has {len(sizes)} items but item_counts sums to {sum(per_row)}; give "
                              "each row's item count (MultimodalCollator does)")
-        picked = [[t for i in group_items(per_row, group) for t in tokens[i]] for group in encoder_rows]
-        items[name] = [(encoder.shards(t), t) if t else None for t in picked]
+        picked = [[s for i in group_items(per_row, group) for s in sizes[i]] for group in encoder_rows]
+        items[name] = [None if not p else (encoder.shards([t for t, _ in p], [n for _, n in p]), [t for t, _ in p])
+                       for p in picked]
     owners = None
     if blocks is not None:
         if batch.get("bam") is None:
@@ -133,7 +141,8 @@ def row_work(batch: dict, encoders: dict[str, EncoderItems]) -> dict[str, list[i
             out[name] = [0] * rows
             continue
         per_row = counts[name].tolist()
-        work = encoder.work(encoder.num_tokens(batch[name]))
+        tokens = encoder.num_tokens(batch[name])
+        work = encoder.work(tokens, encoder_positions(encoder, batch[name], tokens))
         if len(work) != sum(per_row):
             raise ValueError(f"batch[{name!r}] has {len(work)} items but item_counts sums to {sum(per_row)}; give "
                              "each row's item count (MultimodalCollator does)")

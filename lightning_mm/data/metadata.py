@@ -29,9 +29,10 @@ class SampleMeta:
 
 
 def encoder_input_tokens(encoder, emitted: int) -> int:
-    """Tokens an encoder's layers see for an item that emits ``emitted`` LLM tokens: Qwen-VL towers merge
-    ``spatial_merge_size``^2 patches into one token; a family may say how many positions it folds into one
-    (``positions_per_token``: InternVL's pixel shuffle); the other families emit one token per position."""
+    """Tokens an encoder's layers see for an item that emits ``emitted`` LLM tokens, where that count tells them:
+    Qwen-VL towers merge ``spatial_merge_size``^2 patches into one token; a family may say how many positions it
+    folds into one (``positions_per_token``: InternVL's pixel shuffle); the other families emit one token per
+    position. Where the item's inputs are at hand, :func:`encoder_positions` counts tiles too."""
     folded = getattr(encoder.family, "positions_per_token", None)
     if folded is not None:
         return emitted * folded
@@ -40,13 +41,33 @@ def encoder_input_tokens(encoder, emitted: int) -> int:
     return emitted * merge * merge
 
 
+def encoder_positions(encoder, inputs: dict, emitted: list[int] | None = None) -> list[int]:
+    """Positions an encoder's layers see for each item of ``inputs`` (its cost): the family's count from the inputs
+    (``family.encoder_positions``: an AnyRes or InternVL image's tiles x a tile's positions, a Qwen-VL image's or
+    video's t*h*w patches), else :func:`encoder_input_tokens` of each item's LLM tokens (``emitted``, or
+    ``encoder.num_tokens(inputs)``). ``encoder``: a ``ModalityEncoder`` or a view with its ``family``, ``config``
+    and ``preprocess``."""
+    hook, preprocess = getattr(encoder.family, "encoder_positions", None), getattr(encoder, "preprocess", None)
+    own = None if hook is None else hook(encoder.config, preprocess(inputs) if preprocess else inputs)
+    if own is not None:
+        return [int(n) for n in own]
+    emitted = encoder.num_tokens(inputs) if emitted is None else emitted
+    return [encoder_input_tokens(encoder, n) for n in emitted]
+
+
+def item_sizes(encoder, inputs: dict) -> tuple[tuple[int, int], ...]:
+    """``SampleMeta`` items of ``inputs``: (positions the encoder's layers see, LLM tokens emitted) per item."""
+    emitted = [int(n) for n in encoder.num_tokens(inputs)]
+    return tuple(zip(encoder_positions(encoder, inputs, emitted), emitted))
+
+
 def metadata_of(sample: dict, model) -> SampleMeta:
     """The metadata of an unexpanded sample (one placeholder per item, the items' encoder inputs)."""
     items, ids = {}, sample["input_ids"]
     ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
     for name, enc in model.encoders.items():
         if sample.get(name) is not None:
-            items[name] = tuple((encoder_input_tokens(enc, n), n) for n in enc.num_tokens(sample[name]))
+            items[name] = item_sizes(enc, sample[name])
     placeholders = set(model.placeholder_ids.values())
     return SampleMeta(sum(1 for t in ids if t not in placeholders), items)
 

@@ -244,6 +244,11 @@ class EncoderFamily:
     def num_tokens(self, config, inputs) -> list[int]:
         raise NotImplementedError
 
+    def encoder_positions(self, config, inputs) -> list[int] | None:
+        """Positions the tower's layers see per item, where the emitted tokens do not tell them (tiles, grids);
+        None: ``lightning_mm.data.metadata.encoder_input_tokens`` counts them from the emitted tokens."""
+        return None
+
     def embed(self, enc, inputs) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
 
@@ -408,6 +413,10 @@ class Qwen2VisionFamily(EncoderFamily):
     def num_tokens(self, config, inputs):
         m = config.spatial_merge_size ** 2
         return [int(t * h * w) // m for t, h, w in inputs["image_grid_thw"].tolist()]
+
+    def encoder_positions(self, config, inputs):
+        """t*h*w patches per image (or video, ``VideoInputs``): the tower merges them after its layers."""
+        return [int(t * h * w) for t, h, w in inputs["image_grid_thw"].tolist()]
 
     def context(self, enc, inputs):
         from transformers.models.qwen2_vl.modeling_qwen2_vl import get_vision_attention_seqlens, get_vision_position_ids
@@ -806,6 +815,9 @@ class VideoInputs:
 
     def num_tokens(self, config, inputs) -> list[int]:
         return self.base.num_tokens(config, self._as_images(inputs))
+
+    def encoder_positions(self, config, inputs) -> list[int] | None:
+        return self.base.encoder_positions(config, self._as_images(inputs))
 
     def embed(self, enc, inputs):
         return self.base.embed(enc, self._as_images(inputs))

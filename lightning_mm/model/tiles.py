@@ -36,6 +36,11 @@ BATCH_NUM_IMAGES = "batch_num_images"
 TILED = "anyres_tiled"
 
 
+def _probe(pixel_values: torch.Tensor) -> dict:
+    """One tile of ``pixel_values``' shape on the meta device (what a ViT family counts positions from)."""
+    return {"pixel_values": torch.empty(1, *pixel_values.shape[-3:], device="meta")}
+
+
 class _TowerView:
     """An encoder family as a composite reads its tower: everything not overridden is the base family's."""
 
@@ -49,6 +54,10 @@ class _TowerView:
 
     def _select(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden[:, 1:] if self.drop_first else hidden
+
+    def pieces_per_item(self, inputs) -> list[int]:
+        """One encoder CP piece per image, its tiles together (the base family would count tiles)."""
+        return [1] * self.num_items(inputs)
 
 
 # ---------------------------------------------------------------------------------------------- AnyRes
@@ -96,6 +105,14 @@ class AnyResFamily(_TowerView):
         size = self.config.vision_config.image_size
         probe = {"pixel_values": torch.empty(1, self.config.vision_config.num_channels, size, size, device="meta")}
         return self.base.num_tokens(self.config.vision_config, probe)[0] - int(self.drop_first)
+
+    def encoder_positions(self, config, inputs) -> list[int]:
+        """Positions the tower's layers see per item: its tiles (the base image included) times a tile's positions
+        (the class token included). The packing after the projector unpads the tile grid and adds newlines, so the
+        emitted tokens do not tell them."""
+        self._check(inputs)
+        per = self.base.num_tokens(self.config.vision_config, _probe(inputs["pixel_values"]))[0]
+        return [t * per for t in self.tiles(inputs)]
 
     def num_tokens(self, config, inputs) -> list[int]:
         self._check(inputs)
@@ -220,6 +237,12 @@ class InternVLTilesFamily(_TowerView):
 
     def num_tokens(self, config, inputs) -> list[int]:
         per = self.tile_tokens()
+        return [n * per for n in self.tile_count(inputs)]
+
+    def encoder_positions(self, config, inputs) -> list[int]:
+        """Positions the tower's layers see per image: its tiles times a tile's positions (the class token
+        included; the pixel shuffle then folds ``positions_per_token`` of the others into one token)."""
+        per = self.base.num_tokens(self.config.vision_config, _probe(inputs["pixel_values"]))[0]
         return [n * per for n in self.tile_count(inputs)]
 
     def final(self, enc, hidden, ctx) -> torch.Tensor:

@@ -208,12 +208,12 @@ Item = tuple[int, float, int]  # one image / clip: (tokens through the encoder's
 
 def microbatch_items(model, workload, batch: dict) -> dict[str, list[Item]]:
     """Per encoder, the items of a collated microbatch: (encoder tokens, work by ``workload``, emitted tokens)."""
-    from lightning_mm.data.metadata import encoder_input_tokens
+    from lightning_mm.data.metadata import encoder_positions
 
     out = {}
     for name, enc in model.encoders.items():
         emitted = enc.num_tokens(batch[name]) if batch.get(name) is not None else []
-        tokens = [encoder_input_tokens(enc, n) for n in emitted]
+        tokens = encoder_positions(enc, batch[name], emitted) if emitted else []
         out[name] = [(t, workload.encoders[name](t), n) for t, n in zip(tokens, emitted)]
     return out
 
