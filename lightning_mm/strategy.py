@@ -363,7 +363,8 @@ class MultimodalParallelStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ data order (exact resume)
     def process_dataloader(self, dataloader):
-        """Batches resume where a checkpoint left off (Lightning saves and restores the loader's state); the
+        """Batches resume where a checkpoint left off (Lightning saves and restores the loader's state; predict
+        loaders stay as Lightning made them, whose sampler records the batch indices prediction writers use); the
         training batches are placed over replicas and microbatches by ``batch_balancing``; under context
         parallelism every loader's batches carry this rank's CP plans (``with_cp_plans``)."""
         dataloader = super().process_dataloader(dataloader)
@@ -379,6 +380,8 @@ class MultimodalParallelStrategy(DDPStrategy):
                                                                    self.batch_balancing or DEFAULT_BALANCING))
             rank_zero_info(f"batch_balancing: the training loader is not balanced ({obstacle}); its batches are cut "
                            "into contiguous microbatches")
+        if trainer is not None and trainer.predicting:  # nothing to resume; Lightning reads its batch indices
+            return self.with_cp_plans(dataloader)
         return self.with_cp_plans(resumable(dataloader))
 
     def with_cp_plans(self, dataloader):

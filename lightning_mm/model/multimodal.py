@@ -50,10 +50,6 @@ class DeepStack:
         index = (valid.flatten().long().cumsum(0) - 1).clamp(min=0).view_as(valid)
         return cls(features, local(index), local(valid), first)
 
-    def after(self, layer: int) -> int:
-        """The columns of ``features`` for the layers after ``layer`` (what a later pipeline stage needs)."""
-        return max(0, self.first + self.features.shape[1] - layer - 1)
-
     def add(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
         """``hidden`` after LLM layer ``layer`` with its features added (``hidden`` itself if none belong there)."""
         j = layer - self.first
@@ -284,6 +280,7 @@ class MultimodalModel(nn.Module):
 
     def deepstack_context(self, input_ids: torch.Tensor, stacks: dict[str, torch.Tensor], first: int = 0,
                           local: Callable = lambda t: t) -> dict[str, DeepStack]:
+        """``AttentionContext.deepstack`` of a microbatch: ``stacks[name][:, j]`` added after layer ``first + j``."""
         return {name: DeepStack.at(input_ids, self.placeholder_ids[name], feats, first, local)
                 for name, feats in stacks.items()}
 
