@@ -3,9 +3,6 @@ writes each prompt's answer as a JSON line whose text is the tokenizer's decodin
 process and under ``lightning-mm predict`` on 3 CPU ranks (vision pp 1 + LLM pp 2) from a checkpoint."""
 
 import json
-import os
-import shutil
-import signal
 import subprocess
 from pathlib import Path
 
@@ -17,8 +14,7 @@ import lightning_mm as lmm
 from lightning_mm.callbacks import GenerationWriter
 from lightning_mm.data import ConversationDataModule
 from lightning_mm.model import tiny_encoder, tiny_language_model
-from tests.helpers.distributed import _free_port
-from tests.helpers.launch import LAUNCH_VARIABLES, ROOT
+from tests.helpers.launch import run_cli
 from tests.test_conversation_data import BASIC, VOCAB, conv, ids, make_processor, write_data
 
 TIMEOUT = 540  # s: three ranks on a loaded 2-core machine
@@ -150,22 +146,8 @@ PIPELINE = """
 
 
 def _predict(config: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """``lightning-mm predict --config <config> ...`` in its own session (every rank aborted on timeout)."""
-    exe = shutil.which("lightning-mm")
-    assert exe, "the console script is not installed: pip install -e ."
-    path = os.environ.get("PYTHONPATH")  # this tree's lightning_mm first
-    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}, "OMP_NUM_THREADS": "1",
-           "PYTHONFAULTHANDLER": "1", "MASTER_PORT": str(_free_port()),
-           "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
-    proc = subprocess.Popen([exe, "predict", "--config", str(config), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGABRT)
-        out, err = proc.communicate(timeout=60)
-        pytest.fail(f"lightning-mm predict did not finish in {TIMEOUT} s; its stacks:\n{err[-12000:]}", pytrace=False)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    """``lightning-mm predict --config <config> ...`` as a user runs it."""
+    return run_cli("predict", config, *args, cwd=cwd, timeout=TIMEOUT)
 
 
 @pytest.mark.slow

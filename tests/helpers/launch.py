@@ -26,12 +26,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def run_script(script: str, *args: str, cwd, timeout: float = 420, env: dict | None = None,
                check: bool = True) -> subprocess.CompletedProcess:
     """``python script *args`` with one thread per process; raises with the stderr tail on failure."""
+    return run_command([sys.executable, script, *args], cwd=cwd, timeout=timeout, env=env, check=check)
+
+
+def run_cli(subcommand: str, config, *args: str, cwd, timeout: float = 420,
+            check: bool = False) -> subprocess.CompletedProcess:
+    """``lightning-mm <subcommand> --config <config> *args`` as a user runs it (the installed console script)."""
+    import shutil
+
+    exe = shutil.which("lightning-mm")
+    assert exe, "the console script is not installed: pip install -e ."
+    return run_command([exe, subcommand, "--config", str(config), *args], cwd=cwd, timeout=timeout, check=check)
+
+
+def run_command(cmd: list[str], cwd, timeout: float = 420, env: dict | None = None,
+                check: bool = True) -> subprocess.CompletedProcess:
+    """``cmd`` in its own session with one thread per process and this tree's ``lightning_mm`` first."""
     path = os.environ.get("PYTHONPATH")  # this tree's lightning_mm first (an editable install may point elsewhere)
     inherited = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "MASTER_PORT": str(_free_port()),
            "PYTHONPATH": ROOT + (os.pathsep + path if path else ""), **(env or {})}
-    proc = subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=cwd, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -41,7 +57,8 @@ def run_script(script: str, *args: str, cwd, timeout: float = 420, env: dict | N
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-        pytest.fail(f"{os.path.basename(script)} did not finish in {timeout:g} s; the stacks of its processes "
+        pytest.fail(f"{' '.join(os.path.basename(c) for c in cmd[:2])} did not finish in {timeout:g} s; the stacks "
+                    "of its processes "
                     f"(SIGABRT on timeout):\n{err[-12000:]}", pytrace=False)
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if check:
