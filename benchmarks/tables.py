@@ -778,6 +778,34 @@ def per_module_dp_cpu_table(data: dict) -> str:
                    "CPU s per rank"], rows, "lrrrrl") + f"\n\nMeasured on {_machine_line(data)}.")
 
 
+@renderer("moe_cpu.json", "table")
+def moe_cpu_table(data: dict) -> str:
+    rows = [[r["layout"], f"{r['step_s']:.3f}", f"{r['busiest_cpu_s']:.3f}", f"{r['step_vs_ep1']:.2f}x",
+             f"{r['expert_bytes_per_rank'] / 2 ** 20:.2f}", f"{r['param_bytes_per_rank'] / 2 ** 20:.2f}",
+             ", ".join(f"{v:.2f}" for v in r["expert_imbalance_per_layer"] or [])] for r in data["rows"]]
+    s = data["settings"]
+    return (table(["layout", "step (s)", "busiest rank CPU (s)", "step vs dp", "expert weights per rank (MiB)",
+                   "all weights per rank (MiB)", "expert load max/mean per layer"], rows, "lrrrrrl")
+            + f"\n\nMeasured on {s['world']} gloo processes (one thread each; {s['steps']} timed steps of {s['batch']} "
+              f"samples) on {_machine_line(data)}. The machine is shared and loaded: wall times include waiting for "
+              "the other rank and other jobs; the busiest rank's CPU seconds are its own work.")
+
+
+@renderer("moe_cpu.json", "simulated")
+def moe_simulated_table(data: dict) -> str:
+    sim = data["simulated"]
+    rows = [[r["ep"], f"{r['ep_bandwidth_GBps']:.0f}", f"{r['memory_GiB_per_rank']:.1f}", f"{r['iteration_s']:.3f}",
+             f"{r['all_to_all_s_per_microbatch_stage'] * 1e3:.1f}",
+             f"{r['forward_backward_s_per_microbatch_stage'] * 1e3:.1f}"] for r in sim["rows"]]
+    return (table(["ep", "all-to-all GB/s (assumed)", "GiB per rank", "iteration (s)",
+                   "all-to-all per microbatch and stage (ms)", "forward + backward per microbatch and stage (ms)"],
+                  rows, "rrrrrr")
+            + f"\n\nSimulated by the planner (`evaluate_plan`; no model built): Qwen3-30B-A3B shapes, dp {sim['dp']} x pp "
+              f"{sim['pp']}, {sim['microbatches']} microbatches of {sim['tokens_per_microbatch']} tokens, "
+              f"{sim['assumed_flops_per_device'] / 1e12:.0f} TFLOP/s per device assumed, 16 bytes of state per "
+              "parameter, activations not counted.")
+
+
 # ---------------------------------------- pipeline "Reading" notes (the figures in the prose under each table)
 
 def _wrap(text: str) -> str:

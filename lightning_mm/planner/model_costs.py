@@ -129,9 +129,25 @@ def _cpu_sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *arg
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
-# torch counts the CUDA SDPA kernels but not the CPU one (HF encoders use it on CPU)
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``aten._grouped_mm`` (transformers' mixture-of-experts experts: each expert's weights on the tokens routed to
+    it): 2 x the output's elements x the reduced dimension, the ragged one summed over the groups. 2-D x 2-D (ragged
+    K, one output per group): 2 M N K_total; 2-D x 3-D (ragged M), 3-D x 2-D (ragged N), 3-D x 3-D: 2 x out x K."""
+    k = a_shape[-1]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * out_shape[-2] * out_shape[-1] * k
+    elements = 1
+    for n in out_shape:
+        elements *= n
+    return 2 * elements * k
+
+
+# torch counts the CUDA SDPA kernels but not the CPU one (HF encoders use it on CPU), nor the grouped GEMM
+# transformers runs a mixture-of-experts layer's experts with (they would count 0 FLOPs)
 _CPU_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_forward,
              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward}
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _CPU_SDPA[torch.ops.aten._grouped_mm] = _grouped_mm_flops
 
 
 def _flops(fn: Callable[[], object]) -> float:

@@ -15,6 +15,9 @@ Entrain's profiling batch size, and scales the costs to the data's mean work per
 its split is that of the first microbatch's items, or of microbatches drawn from the data with ``--data-stats``.
 ``--per-module-dp`` searches each module's own (dp, tp, pp) instead (DistTrain's orchestration,
 ``lightning_mm.planner.orchestration``; encoders on their own devices) and prints a YAML with ``dp`` on every spec.
+A mixture-of-experts LLM is planned with its active parameters, its experts' memory at 1/ep per rank and the
+all-to-all of expert parallelism (``--ep 1,2,4`` searches ep, default the YAML's ``language_model`` ep;
+``--ep-bandwidth`` times the all-to-all; ``lightning_mm.planner.moe``).
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="context-parallel degrees of the encoders the search tries (items split over ranks; parallel "
                         "placement only), e.g. 1 2 4 or 1,2,4; every combination over the encoders (default: the "
                         "YAML's encoder cps)")
+    p.add_argument("--ep", default=None,
+                   help="expert-parallel degrees of a mixture-of-experts LLM the search tries, comma-separated (each "
+                        "with every dp it divides; default: the YAML's language_model ep)")
+    p.add_argument("--ep-bandwidth", type=float, default=math.inf,
+                   help="GB/s per rank for expert parallelism's token all-to-all (default: free)")
     p.add_argument("--out", default=None,
                    help="folder for the timeline PNGs and Chrome traces (default: <the run's log dir>/plan)")
     p.add_argument("--data-stats", action="store_true",
@@ -118,6 +126,7 @@ def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool 
     their mean emitted tokens."""
     from lightning_mm.planner.costs import LayerCost
     from lightning_mm.planner.data_stats import microbatch_items
+    from lightning_mm.planner.moe import expert_layer_bytes, expert_shape
     from lightning_mm.planner.workload import WorkloadModel
 
     memory = model_memory(model, batch, recompute)
@@ -131,7 +140,10 @@ def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool 
     for module, layer_costs in costs.items():
         scaled = [LayerCost(c.forward * scale, c.backward * scale, c.trainable, c.in_backward) for c in layer_costs]
         if module == LANGUAGE_MODEL:
-            specs[module] = ModuleSpec(scaled, *memory[module], attention=attention_shape(model, batch))
+            expert_state, expert_grads = expert_layer_bytes(model)
+            specs[module] = ModuleSpec(scaled, *memory[module], attention=attention_shape(model, batch),
+                                       expert_bytes=expert_state, expert_grad_bytes=expert_grads,
+                                       experts=expert_shape(model, batch))
             continue
         mbs = microbatches.get(module, ())
         emitted = sum(n for mb in mbs for _, _, n in mb) / max(1, len(mbs))
@@ -143,9 +155,10 @@ def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool 
 
 def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int, memory_limit: float = math.inf,
                     allreduce_bandwidth: float = math.inf, tp_bandwidth: float = math.inf,
-                    cp_bandwidth: float = math.inf, samples_per_microbatch: int = 1) -> Plan:
+                    cp_bandwidth: float = math.inf, samples_per_microbatch: int = 1,
+                    ep_bandwidth: float = math.inf) -> Plan:
     """The strategy's own layout and partition, simulated (with the largest tp of its stages, the LLM's CP
-    degree and mode and the encoders' CP degrees; with ``dp`` on the specs, each module's own dp and tp, an
+    degree and mode, its expert-parallel degree (all-to-all over ``ep_bandwidth``) and the encoders' CP degrees; with ``dp`` on the specs, each module's own dp and tp, an
     encoder's microbatch position holding LLM dp x ``samples_per_microbatch`` samples)."""
     from lightning_mm.plan.layout import ParallelSpec, build_layout
     from lightning_mm.planner.model_costs import resolve_partition
@@ -162,7 +175,8 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
                          memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth,
                          tp=max(layout.tp.values()), sharding=strategy.sharding_strategy, tp_bandwidth=tp_bandwidth,
                          cp=llm_spec.cp, cp_mode=layout.cp_mode, ulysses=layout.ulysses,
-                         cp_bandwidth=cp_bandwidth, encoder_cp={e: s.cp for e, s in enc_specs.items()})
+                         cp_bandwidth=cp_bandwidth, encoder_cp={e: s.cp for e, s in enc_specs.items()},
+                         ep=layout.ep, ep_bandwidth=ep_bandwidth)
 
 
 def _configured_per_module(model, strategy, specs, enc_specs, memory_limit, allreduce_bandwidth, tp_bandwidth,
@@ -203,7 +217,8 @@ def strategy_yaml(plan: Plan) -> str:
         check_module_dp(plan.module_dp, plan.placement, plan.samples_per_microbatch)
 
     def spec(s):  # pp and tp always (and dp under per-module data parallelism), CP fields where not the defaults
-        args = {"pp": s.pp, "tp": s.tp, **({"dp": s.dp} if s.dp is not None else {})}
+        args = {"pp": s.pp, "tp": s.tp, **({"dp": s.dp} if s.dp is not None else {}),
+                **({"ep": s.ep} if s.ep > 1 else {})}
         if s.cp > 1:
             args["cp"] = s.cp
             if s.cp_mode != "allgather" or s is llm_spec:
@@ -245,25 +260,33 @@ def stage_table(plan: Plan, title: str, units: Units) -> str:
     held = stage_layers(plan)
     sync = {s: sum(e.end - e.start for e in r.events if e.stage == s and e.kind == "sync") for s in r.stages}
     cp_comm = {s: plan.cp_comm.get(s, 0.0) for s in r.stages}
-    cols = ["cp mode", "cp", f"forward ({u})", f"backward ({u})", f"busy ({u})", "bubble", "in flight", "memory (GiB)"]
+    ep_comm = {s: plan.ep_comm.get(s, 0.0) for s in r.stages}
+    cols = ["cp mode", "cp"] + (["ep"] if plan.ep > 1 else []) + [
+        f"forward ({u})", f"backward ({u})", f"busy ({u})", "bubble", "in flight", "memory (GiB)"]
     if any(sync.values()):
         cols.append(f"all-reduce ({u})")
     if any(cp_comm.values()):
         cols.append(f"cp comm ({u})")
-    widths = [max({"cp mode": 12, "cp": 3}.get(c, 10), len(c)) for c in cols]
+    if any(ep_comm.values()):
+        cols.append(f"ep all-to-all ({u})")
+    widths = [max({"cp mode": 12, "cp": 3, "ep": 3}.get(c, 10), len(c)) for c in cols]
     header = f"{'stage':<20} {'layers':<34} " + " ".join(f"{c:>{w}}" for c, w in zip(cols, widths))
     lines = [title, header, "-" * len(header)]
     f = units.factor
     for stage in r.stages:
         degree = stage_cp(plan, stage)
         mode = cp_mode_label(plan) if stage.startswith(LANGUAGE_MODEL + ".") else ("items" if degree > 1 else "-")
-        values = [mode, str(degree), f"{plan.forward[stage] * f:.4g}", f"{plan.backward[stage] * f:.4g}",
+        llm_stage = stage.startswith(LANGUAGE_MODEL + ".")
+        values = [mode, str(degree)] + ([str(plan.ep) if llm_stage else "-"] if plan.ep > 1 else []) + [
+                  f"{plan.forward[stage] * f:.4g}", f"{plan.backward[stage] * f:.4g}",
                   f"{r.busy[stage] * f:.4g}", f"{r.bubble_fraction[stage]:.1%}", f"{r.peak_inflight[stage]:d}",
                   f"{plan.memory[stage] / GIB:.3g}"]
         if any(sync.values()):
             values.append(f"{sync[stage] * f:.4g}")
         if any(cp_comm.values()):
             values.append(f"{cp_comm[stage] * f:.4g}")
+        if any(ep_comm.values()):
+            values.append(f"{ep_comm[stage] * f:.4g}")
         lines.append(f"{stage:<20} {held[stage]:<34} " + " ".join(f"{v:>{w}}" for v, w in zip(values, widths)))
     what = "predicted iteration time" if units.is_time else "predicted iteration (critical-path work per device)"
     lines.append(f"{what} {plan.iteration_time * f:.4g} {u} on {plan.devices} devices "
@@ -313,7 +336,8 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
     if not hasattr(strategy, "encoder_placement"):
         raise SystemExit("the YAML's trainer.strategy is not lightning_mm.MultimodalParallelStrategy; plan needs it")
     profile = args.profile or args.write_profile or getattr(strategy.partition, "profile", None)
-    for flag, value in (("--allreduce-bandwidth", args.allreduce_bandwidth), ("--cp-bandwidth", args.cp_bandwidth)):
+    for flag, value in (("--allreduce-bandwidth", args.allreduce_bandwidth), ("--cp-bandwidth", args.cp_bandwidth),
+                        ("--ep-bandwidth", args.ep_bandwidth)):
         if math.isfinite(value) and not (profile or args.device_flops):
             raise SystemExit(f"{flag} needs costs in seconds: add --device-flops (FLOP/s per device) "
                              "or --profile / --write-profile")
@@ -353,7 +377,8 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
     llm_spec = strategy.language_model_spec
     cp_degrees = [int(c) for c in args.cp.split(",")] if args.cp else [llm_spec.cp]
     cp_modes = args.cp_mode.split(",") if args.cp_mode else [llm_spec.cp_mode]
-    cp_bandwidth = args.cp_bandwidth * 1e9
+    cp_bandwidth, ep_bandwidth = args.cp_bandwidth * 1e9, args.ep_bandwidth * 1e9
+    ep_degrees = [int(e) for e in args.ep.split(",")] if args.ep else [llm_spec.ep]
     encoder_cp = ([int(c) for arg in args.encoder_cp for c in arg.split(",") if c] if args.encoder_cp else
                   sorted({s.cp for s in (strategy.encoder_specs or {}).values()}) or [1])
     source = f"profile {profile}" if profile else "FLOPs counted on the real layers" + (
@@ -362,15 +387,17 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
           + (f"; gradient all-reduce at {args.allreduce_bandwidth:g} GB/s" if math.isfinite(bandwidth) else "")
           + (f"; CP attention traffic at {args.cp_bandwidth:g} GB/s" if math.isfinite(cp_bandwidth) else "")
           + (" (and encoder CP's feature gather)" if math.isfinite(cp_bandwidth) and max(encoder_cp) > 1 else "")
+          + (f"; expert all-to-all at {args.ep_bandwidth:g} GB/s" if math.isfinite(ep_bandwidth) else "")
           + "\n")
     rows = int(mb["input_ids"].shape[0])  # samples per planner microbatch
     if args.templates:
         return _templates(args, specs, strategy.num_microbatches, tp_degrees, units, out)
-    mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth, tp_bandwidth, cp_bandwidth, rows)
+    mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth, tp_bandwidth, cp_bandwidth, rows,
+                           ep_bandwidth)
     files = _write(mine, out, "configured", units)
     print(stage_table(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
                             f"tp={mine.tp}, cp={mine.cp}, cp_mode={cp_mode_label(mine)}, "
-                            f"encoder_cp={encoder_cp_label(mine)}, sharding={mine.sharding}, "
+                            f"encoder_cp={encoder_cp_label(mine)}, ep={mine.ep}, sharding={mine.sharding}, "
                             f"partition={strategy.partition!r}", units))
     budget = args.devices or devices
     if args.per_module_dp:
@@ -378,7 +405,7 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
     found = search(specs, budget, mine.microbatches_per_replica * mine.dp, memory_limit,
                    allreduce_bandwidth=bandwidth, tp_degrees=tp_degrees, sharding_strategies=shardings,
                    tp_bandwidth=tp_bandwidth, cp_degrees=cp_degrees, cp_modes=cp_modes, cp_bandwidth=cp_bandwidth,
-                   encoder_cp_degrees=encoder_cp)
+                   encoder_cp_degrees=encoder_cp, ep_degrees=ep_degrees, ep_bandwidth=ep_bandwidth)
     best = found.best
     files += _write(best, out, "auto", units)
     print()
@@ -386,7 +413,8 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
         print(f"not searched: {reason}")
     print(stage_table(best, f"auto search on {budget} devices: placement={best.placement}, dp={best.dp}, "
                             f"tp={best.tp}, cp={best.cp}, cp_mode={cp_mode_label(best)}, "
-                            f"encoder_cp={encoder_cp_label(best)}, sharding={best.sharding}, pp={best.pp()}", units))
+                            f"encoder_cp={encoder_cp_label(best)}, ep={best.ep}, sharding={best.sharding}, "
+                            f"pp={best.pp()}", units))
     print(f"\nconfigured / auto predicted iteration time: {mine.iteration_time / best.iteration_time:.3f}x")
     why = fewer_devices_reason(best, found.candidates, budget)
     if why:

@@ -6,7 +6,8 @@ encoders share one stage count fused stage by stage (encoder-colocated). Neighbo
 are tried too. Every candidate is timed by simulating the strategy's own 1F1B action lists with the true
 (frozen-aware) costs, and rejected if a stage exceeds the per-device memory limit. Tensor parallelism, sharding,
 the LLM's context parallelism (degree and mode) and the encoders' context parallelism (items split over ranks,
-parallel placement only) are searched around that.
+parallel placement only) are searched around that, and so is a mixture-of-experts LLM's expert parallelism
+(``ep``: experts split over data-parallel ranks, their all-to-all costed; ``planner.moe``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lightning_mm.plan.layout import CP_MODES, ParallelSpec, RankLayout, replica
 from lightning_mm.plan.placement import LANGUAGE_MODEL, placement_table, stage_name
 from lightning_mm.plan.schedule import StageGraph, build_stage_graph
 from lightning_mm.planner.costs import LayerCost
+from lightning_mm.planner.moe import ExpertShape, all_to_all_bytes
 from lightning_mm.planner.partition import partition, partition_module, stage_sums
 from lightning_mm.planner.simulator import SimulationResult, simulate_1f1b
 
@@ -126,7 +128,13 @@ class ModuleSpec:
     microbatch the (encoder tokens, work) of each item (image, clip), from which the runtime's LPT split over the
     CP ranks is recomputed (``item_width``: the tower's width, what ``plan.items.item_work`` weighs the tokens with;
     without items the work is assumed to split evenly); ``feature_bytes``, the bytes of one microbatch's projected
-    features (feature tokens x LLM hidden size x bytes per element), what its last stage all-gathers."""
+    features (feature tokens x LLM hidden size x bytes per element), what its last stage all-gathers.
+
+    A mixture-of-experts LLM's expert parallelism (``evaluate_plan(ep=)``) reads three more: ``expert_bytes`` per
+    layer, the share of ``param_bytes`` that is routed experts (held at 1 / ep per rank), ``expert_grad_bytes`` the
+    share of ``grad_bytes`` (reduced only over the ranks holding the same experts), and ``experts``
+    (``planner.moe.ExpertShape``: expert count, top-k, hidden size, tokens per microbatch), which its all-to-all
+    bytes are computed from; a layer with expert bytes is a routed layer."""
 
     costs: Sequence[LayerCost]
     param_bytes: Sequence[float] | float = 0.0
@@ -137,6 +145,9 @@ class ModuleSpec:
     items: Sequence[Sequence[tuple[float, float]]] | None = None
     item_width: int = 0
     feature_bytes: float = 0.0
+    expert_bytes: Sequence[float] | float = 0.0
+    expert_grad_bytes: Sequence[float] | float = 0.0
+    experts: ExpertShape | None = None
 
     def __post_init__(self):  # hashable items: the CP split is cached per (items, width, ranks)
         if self.items is not None:
@@ -169,6 +180,8 @@ class Plan:
     module_dp: dict[str, int] = field(default_factory=dict)  # per-module data parallelism: every module's dp, or {}
     module_tp: dict[str, int] = field(default_factory=dict)  # per-module tensor parallelism: every module's tp, or {}
     samples_per_microbatch: int = 1  # samples in one planner microbatch (what the encoder split is counted in)
+    ep: int = 1  # the LLM's expert-parallel degree
+    ep_comm: dict[str, float] = field(default_factory=dict)  # per stage: expert all-to-all seconds per mb (fwd + bwd)
 
     @property
     def iteration_time(self) -> float:
@@ -182,7 +195,7 @@ class Plan:
         """(encoder specs, LLM spec) that run this plan, as a user writes them in the strategy (with every module's
         ``dp`` under per-module data parallelism)."""
         return _parallel_specs(self.layers, self.tp, self.cp, self.cp_mode, self.ulysses, self.encoder_cp,
-                               self.module_tp, self.module_dp)
+                               self.module_tp, self.module_dp, self.ep)
 
     @functools.cached_property
     def layout(self) -> RankLayout:
@@ -220,11 +233,12 @@ class SearchResult:
 
 
 def _parallel_specs(layers, tp, cp, cp_mode, ulysses, encoder_cp, module_tp=None,
-                    module_dp=None) -> tuple[dict[str, ParallelSpec], ParallelSpec]:
+                    module_dp=None, ep: int = 1) -> tuple[dict[str, ParallelSpec], ParallelSpec]:
     module_tp, module_dp = module_tp or {}, module_dp or {}
     llm = ParallelSpec(pp=len(layers[LANGUAGE_MODEL]), cp=cp, tp=module_tp.get(LANGUAGE_MODEL, tp),
                        cp_mode=cp_mode if cp > 1 else "allgather",
-                       ulysses=ulysses if cp > 1 and cp_mode == "hybrid" else None, dp=module_dp.get(LANGUAGE_MODEL))
+                       ulysses=ulysses if cp > 1 and cp_mode == "hybrid" else None, dp=module_dp.get(LANGUAGE_MODEL),
+                       ep=ep)
     return {e: ParallelSpec(pp=len(v), cp=encoder_cp.get(e, 1), tp=module_tp.get(e, tp), dp=module_dp.get(e))
             for e, v in layers.items() if e != LANGUAGE_MODEL}, llm
 
@@ -346,6 +360,8 @@ def evaluate_plan(
     cp_bandwidth: float = math.inf,
     encoder_cp: dict[str, int] | None = None,
     samples_per_microbatch: int = 1,
+    ep: int = 1,
+    ep_bandwidth: float = math.inf,
 ) -> Plan:
     """Simulate one layout on one DP replica (num_microbatches / dp microbatches) with the true costs. With
     dp > 1 each stage then all-reduces its gradients over its dp replicas: a ring moves 2 (dp-1)/dp of the
@@ -376,7 +392,16 @@ def evaluate_plan(
     collectives and kept activations: its busiest replica, which gates G_m). Each chain reduces (and shards) its
     gradients over its own dp. One replica per chain is simulated: all replicas of a chain run the same work, so
     this is exact for per-microbatch costs. Equal degrees give exactly the single-dp numbers. Unequal degrees
-    outside parallel placement, or an encoder replica left without samples, raise (``check_module_dp``)."""
+    outside parallel placement, or an encoder replica left without samples, raise (``check_module_dp``).
+
+    ``ep`` > 1 (a mixture-of-experts LLM's expert parallelism; ``ep`` must divide dp and the LLM's expert count,
+    with NO_SHARD and one dp for every module, as the runtime requires): on every LLM stage the routed experts'
+    model state (``ModuleSpec.expert_bytes``) counts at 1 / ep per rank, their gradients
+    (``expert_grad_bytes`` / ep) are all-reduced over the dp / ep replicas holding the same experts (x cp ranks),
+    the other gradients over dp as today; each routed layer adds its dispatch and combine all-to-alls
+    (``planner.moe.all_to_all_bytes`` for the rank's tokens, the microbatch's over cp x tp) over ``ep_bandwidth``
+    bytes/s per rank to its forward, and again to its backward where it takes part in it (``Plan.ep_comm``). The
+    compute is unchanged (dropless routing, load assumed balanced)."""
     if sharding not in SHARDING_TRAFFIC:
         raise ValueError(f"unknown sharding {sharding!r}; use one of {tuple(SHARDING_TRAFFIC)}")
     _check_modules(modules)
@@ -411,7 +436,9 @@ def evaluate_plan(
     if unknown:
         raise ValueError(f"encoder_cp names {unknown}, which are not encoders of these modules "
                          f"({_encoders(modules)}); give a degree per encoder name")
-    replica_layout(*_parallel_specs(layers, llm_tp, cp, cp_mode, k, encoder_cp, module_tp), placement)  # its checks
+    experts = modules[LANGUAGE_MODEL].experts
+    check_ep(ep, dp, experts, sharding, bool(module_dp))
+    replica_layout(*_parallel_specs(layers, llm_tp, cp, cp_mode, k, encoder_cp, module_tp, ep=ep), placement)
     table = _stage_table(modules, layers, placement)
     graph = plan_graph(modules, layers, placement)
     per_replica = num_microbatches // dp
@@ -440,23 +467,82 @@ def evaluate_plan(
     tp_comm = {s: 2 * allreduce_seconds(r[6], stage_tp[s], tp_bandwidth) for s, r in table.items()}
     compute_f = {s: (r[0] - split[s][0] + split[s][0] / ranks[s]) * share[s][0] for s, r in table.items()}
     compute_b = {s: (r[1] - split[s][1] + split[s][1] / ranks[s]) * share[s][0] for s, r in table.items()}
-    comm_f = {s: tp_comm[s] + cp_fwd[s] for s in table}
-    comm_b = {s: (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] for s, r in table.items()}
-    fwd = {s: compute_f[s] / stage_tp[s] + tp_comm[s] + cp_fwd[s] for s in table}
-    bwd = {s: compute_b[s] / stage_tp[s] + (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] for s, r in table.items()}
+    moe = _llm_expert_parts(modules, layers, placement)  # stage -> (expert state, expert grads, routed, in backward)
+    ep_f, ep_b = dict.fromkeys(table, 0.0), dict.fromkeys(table, 0.0)
+    if ep > 1 and experts is not None:
+        a2a = all_to_all_bytes(experts.tokens / (cp * llm_tp), experts.top_k, experts.hidden, experts.dtype_bytes, ep)
+        for s, (_, _, routed, routed_b) in moe.items():
+            ep_f[s], ep_b[s] = routed * a2a["forward"] / ep_bandwidth, routed_b * a2a["backward"] / ep_bandwidth
+    comm_f = {s: tp_comm[s] + cp_fwd[s] + ep_f[s] for s in table}
+    comm_b = {s: (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] + ep_b[s] for s, r in table.items()}
+    fwd = {s: compute_f[s] / stage_tp[s] + tp_comm[s] + cp_fwd[s] + ep_f[s] for s in table}
+    bwd = {s: compute_b[s] / stage_tp[s] + (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] + ep_b[s]
+           for s, r in table.items()}
     kept = {s: (r[3] - split[s][2] + split[s][2] / ranks[s]) * share[s][1] for s, r in table.items()}
     for s, n in samples.items():  # per-module dp: an encoder stage's work per microbatch position
         for values in (fwd, bwd, comm_f, comm_b, kept, cp_fwd, cp_bwd):
             values[s] *= n
     sync = {s: SHARDING_TRAFFIC[sharding] * allreduce_seconds(r[4] / stage_tp[s], stage_dp[s] * ranks[s],
                                                               allreduce_bandwidth) for s, r in table.items()}
+    state = {s: r[2] for s, r in table.items()}
+    if ep > 1:  # the experts' state at 1 / ep; their gradients reduced over the dp / ep replicas holding them
+        for s, (expert_state, expert_grads, _, _) in moe.items():
+            state[s] = table[s][2] - expert_state + expert_state / ep
+            sync[s] = SHARDING_TRAFFIC[sharding] * (
+                allreduce_seconds((table[s][4] - expert_grads) / stage_tp[s], stage_dp[s] * ranks[s],
+                                  allreduce_bandwidth)
+                + allreduce_seconds(expert_grads / ep / stage_tp[s], stage_dp[s] // ep * ranks[s],
+                                    allreduce_bandwidth))
     result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency, sync, comm_f, comm_b)
-    memory = {s: state_bytes_per_device(r[2], r[5], stage_dp[s] * ranks[s], stage_tp[s], sharding)
+    memory = {s: state_bytes_per_device(state[s], r[5], stage_dp[s] * ranks[s], stage_tp[s], sharding)
               + kept[s] * result.peak_inflight[s] for s, r in table.items()}
     return Plan(placement, {m: list(v) for m, v in layers.items()}, dp, per_replica, fwd, bwd, memory, result,
                 all(v <= memory_limit for v in memory.values()), llm_tp, sharding, cp,
                 cp_mode if cp > 1 else "allgather", k, {s: cp_fwd[s] + cp_bwd[s] for s in table}, encoder_cp,
-                module_dp, module_tp, samples_per_microbatch)
+                module_dp, module_tp, samples_per_microbatch, ep,
+                {s: ep_f[s] + ep_b[s] for s in table} if ep > 1 else {})
+
+
+def check_ep(ep: int, dp: int, experts: ExpertShape | None, sharding: str = "NO_SHARD",
+             per_module_dp: bool = False) -> None:
+    """Raise (with the fix) for an expert-parallel degree the runtime does not serve (``check_expert_parallel``):
+    ep must divide dp and the expert count, with NO_SHARD and one dp for every module."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep must be an int >= 1, got {ep!r}")
+    if ep == 1:
+        return
+    if experts is None:
+        raise ValueError(f"ep={ep} needs a mixture-of-experts language model (ModuleSpec.experts); use ep=1")
+    if experts.num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide the {experts.num_experts} experts; choose an ep dividing "
+                         f"{experts.num_experts}")
+    if dp % ep:
+        raise ValueError(f"ep={ep} splits the experts over data-parallel replicas, but dp={dp}; use an ep dividing dp")
+    if sharding != "NO_SHARD":
+        raise ValueError(f"expert parallelism with sharding={sharding!r} is not supported by the runtime; use NO_SHARD")
+    if per_module_dp:
+        raise ValueError("expert parallelism with per-module data-parallel degrees is not supported; give every "
+                         "module the same dp")
+
+
+def _llm_expert_parts(modules, layers, placement) -> dict[str, tuple[float, float, int, int]]:
+    """Per graph stage holding LLM layers: the model-state and gradient bytes of its routed experts, its routed
+    layer count and the count of those taking part in backward (what expert parallelism splits and dispatches)."""
+    spec, out, start = modules[LANGUAGE_MODEL], {}, 0
+    eb, eg = spec.per_layer(spec.expert_bytes), spec.per_layer(spec.expert_grad_bytes)
+    rows = []
+    for size in layers[LANGUAGE_MODEL]:
+        sl = slice(start, start + size)
+        routed = [b > 0 for b in eb[sl]]
+        rows.append((sum(eb[sl]), sum(eg[sl]), sum(routed),
+                     sum(1 for r, c in zip(routed, spec.costs[sl]) if r and c.in_backward)))
+        start += size
+    encoder_stages = {e: len(layers[e]) for e in _encoders(modules)}
+    for stage, parts in placement_table(encoder_stages, len(layers[LANGUAGE_MODEL]), placement).items():
+        for module, i in parts:
+            if module == LANGUAGE_MODEL:
+                out[stage] = rows[i]
+    return out
 
 
 def _llm_stage_parts(modules, layers, placement) -> dict[str, tuple[float, float, float, int, int]]:
@@ -487,7 +573,9 @@ def forward_only_modules(modules: dict[str, ModuleSpec]) -> dict[str, ModuleSpec
         kept = [a if c.in_backward else 0.0 for a, c in zip(spec.per_layer(spec.activation_bytes), spec.costs)]
         believed = [LayerCost(c.forward, 2.0 * c.forward, True, True) for c in spec.costs]
         out[name] = ModuleSpec(believed, spec.param_bytes, kept, spec.grad_bytes, attention=spec.attention,
-                               items=spec.items, item_width=spec.item_width, feature_bytes=spec.feature_bytes)
+                               items=spec.items, item_width=spec.item_width, feature_bytes=spec.feature_bytes,
+                               expert_bytes=spec.expert_bytes, expert_grad_bytes=spec.expert_grad_bytes,
+                               experts=spec.experts)
     return out
 
 
@@ -659,6 +747,8 @@ def search(
     cp_modes: Sequence[str] = ("allgather",),
     cp_bandwidth: float = math.inf,
     encoder_cp_degrees: Sequence[int] = (1,),
+    ep_degrees: Sequence[int] = (1,),
+    ep_bandwidth: float = math.inf,
 ) -> SearchResult:
     """Pick DP degree, stage counts, boundaries and placement minimising the simulated time of one global
     batch of `num_microbatches`. Two frozen-unaware baselines believe backward = 2 x forward everywhere and
@@ -680,7 +770,10 @@ def search(
     ``SearchResult.rejected``. ``encoder_cp_degrees``: the encoders' context-parallel degrees tried, every
     combination over the encoders; a degree above 1 only with parallel placement (``replica_layout`` refuses it
     otherwise; the reason goes to ``rejected``), whose encoder stage counts are then matched at the busiest CP
-    rank's share of the work. The default ``(1,)`` searches no encoder CP."""
+    rank's share of the work. The default ``(1,)`` searches no encoder CP. ``ep_degrees``: the expert-parallel
+    degrees of a mixture-of-experts LLM tried, each with every dp it divides (and that divides the LLM's expert
+    count; NO_SHARD only, as the runtime); ``ep_bandwidth`` (bytes/s per rank) times their all-to-alls
+    (``evaluate_plan``). Equal times go to fewer devices, then to the smaller ep."""
     _check_modules(modules)
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
@@ -720,16 +813,30 @@ def search(
                     replica_layout({encoders[0]: ParallelSpec(cp=max(enc_degrees))}, ParallelSpec(), p)
                 except ValueError as err:
                     rejected.append(f"encoder cp > 1 with placement {p!r}: {err}")
-    grid = [(d, t, sh, c, m, k) for c, m, k, t in cp_grid for d in range(1, num_devices // (t * c) + 1)
+    experts = modules[LANGUAGE_MODEL].experts
+    ep_grid = list(dict.fromkeys(ep_degrees))
+    if not ep_grid or any(not isinstance(e, int) or e < 1 for e in ep_grid):
+        raise ValueError(f"ep_degrees must be ints >= 1, got {tuple(ep_degrees)!r}")
+    for e in ep_grid:
+        if e > 1 and experts is None:
+            rejected.append(f"ep={e}: the language model has no routed experts (ModuleSpec.experts)")
+        elif e > 1 and experts.num_experts % e:
+            rejected.append(f"ep={e}: does not divide the {experts.num_experts} experts")
+        if e > 1 and experts is not None and any(sh != "NO_SHARD" for sh in sharding_strategies):
+            rejected.append(f"ep={e} with sharding other than NO_SHARD: not supported by the runtime")
+    ep_grid = [e for e in ep_grid if e == 1 or (experts is not None and experts.num_experts % e == 0)]
+    grid = [(d, t, sh, c, m, k, e) for c, m, k, t in cp_grid for d in range(1, num_devices // (t * c) + 1)
             for sh in (sharding_strategies if d * c > 1 else ("NO_SHARD",))
+            for e in ep_grid
             if num_microbatches % d == 0 and (data_parallel or d == 1)
-            and (stages is None or d * t * stages <= num_devices)]
+            and (stages is None or d * t * stages <= num_devices)
+            and d % e == 0 and (e == 1 or sh == "NO_SHARD")]
     # The frozen-aware search also times the layouts the forward-only belief would propose (true costs): the DP
     # minimises the slowest stage, and among equal bottlenecks where the heavier stages sit changes the 1F1B
     # time a little, so without them the aware search could lose to the unaware one by a fraction of a percent.
     proposers = [planning] if planning is not modules else [modules, forward_only_modules(modules)]
     candidates = []
-    for (dp, tp, sharding, cp, cp_mode, k), ecp in itertools.product(grid, enc_grid):
+    for (dp, tp, sharding, cp, cp_mode, k, ep), ecp in itertools.product(grid, enc_grid):
         seen = set()
         for proposer in proposers:
             layouts = (candidate_layouts(proposer, num_devices // (dp * tp), placements, cp, ecp) if stages is None
@@ -740,7 +847,7 @@ def search(
                     seen.add(key)
                     plan = evaluate_plan(planning, layers, placement, num_microbatches, dp, p2p_latency, memory_limit,
                                          allreduce_bandwidth, tp, sharding, tp_bandwidth, cp, cp_mode, k, cp_bandwidth,
-                                         ecp)
+                                         ecp, ep=ep, ep_bandwidth=ep_bandwidth)
                     if plan.devices <= num_devices:
                         candidates.append(plan)
     if not candidates:
@@ -754,15 +861,18 @@ def search(
             f"no layout fits {memory_limit:.3g} bytes per device (the smallest needs {need:.3g}); "
             "add devices, raise memory_limit, or recompute activations (MultimodalParallelStrategy("
             "activation_checkpointing=True); costs and memory with recompute=True)"
+            + ("; or split the experts over data-parallel ranks (ep_degrees=(1, 2, ...))"
+               if experts is not None and max(ep_grid) == 1 else "")
         )
     if mode == "forward-variance":
-        best = min(feasible, key=lambda p: (statistics.pvariance(p.forward.values()), p.iteration_time, p.devices))
+        best = min(feasible, key=lambda p: (statistics.pvariance(p.forward.values()), p.iteration_time, p.devices,
+                                            p.ep))
     else:
-        best = min(feasible, key=lambda p: (p.iteration_time, p.devices))
+        best = min(feasible, key=lambda p: (p.iteration_time, p.devices, p.ep))
     if planning is not modules:
         best = evaluate_plan(modules, best.layers, best.placement, num_microbatches, best.dp, p2p_latency, memory_limit,
                              allreduce_bandwidth, best.tp, best.sharding, tp_bandwidth, best.cp, best.cp_mode,
-                             best.ulysses, cp_bandwidth, best.encoder_cp)
+                             best.ulysses, cp_bandwidth, best.encoder_cp, ep=best.ep, ep_bandwidth=ep_bandwidth)
     return SearchResult(best, candidates, rejected)
 
 
@@ -803,7 +913,8 @@ def plan_summary(plan: Plan, title: str | None = None) -> str:
     predicted iteration time (what `lightning-mm plan` prints)."""
     r = plan.result
     lines = [title or f"placement={plan.placement}  dp={plan.dp}  tp={plan.tp}  cp={plan.cp}  "
-                      f"cp_mode={cp_mode_label(plan)}  encoder_cp={encoder_cp_label(plan)}  sharding={plan.sharding}  "
+                      f"cp_mode={cp_mode_label(plan)}  encoder_cp={encoder_cp_label(plan)}  ep={plan.ep}  "
+                      f"sharding={plan.sharding}  "
                       f"microbatches/replica={plan.microbatches_per_replica}"]
     held = stage_layers(plan)
     header = f"{'stage':<20} {'layers':<34} {'forward':>10} {'backward':>10} {'busy':>10} {'bubble':>7} {'inflight':>8} {'memory':>10}"

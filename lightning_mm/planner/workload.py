@@ -3,9 +3,11 @@
 Each module's work for a sequence of ``x`` tokens is ``a x^2 + b x + c`` (Entrain's per-layer fit, summed over
 layers), applied per item for encoders (items attend only within themselves) and per sample for the LLM.
 By default the coefficients are forward FLOPs from the modules' shapes (``b``: 2 FLOPs per weight per token,
-projector included for encoders and the head for the LLM; ``a``: 4 x attention width per layer for the score and
-value products), scaled by the frozen-aware factor (F + B) / F: 3 for a trainable module, 2 for a frozen one
-with a trainable module upstream (input gradients only), 1 for a frozen module with nothing trainable before it.
+projector included for encoders and the head for the LLM; a mixture-of-experts layer's routed experts count at
+top_k / E of their weights, the active parameters a token runs (``planner.moe``), its router and attention whole;
+``a``: 4 x attention width per layer for the score and value products), scaled by the frozen-aware factor
+(F + B) / F: 3 for a trainable module, 2 for a frozen one with a trainable module upstream (input gradients
+only), 1 for a frozen module with nothing trainable before it.
 ``WorkloadModel.fit`` takes measured times at several token counts instead (Entrain's profile).
 """
 
@@ -30,8 +32,10 @@ class Quadratic:
         return (self.a * x + self.b) * x + self.c if x else 0.0
 
 
-def _layer_weights(layer: torch.nn.Module) -> int:
-    return sum(p.numel() for p in layer.parameters() if p.dim() >= 2)
+def _layer_weights(layer: torch.nn.Module, experts: set[int] = frozenset(), active: float = 1.0) -> float:
+    """Matrix weights of a layer a token runs: all of them, the routed experts' (``experts``: parameter ids) at
+    ``active`` = top_k / E."""
+    return sum(p.numel() * (active if id(p) in experts else 1.0) for p in layer.parameters() if p.dim() >= 2)
 
 
 def _attention_width(config) -> int:
@@ -70,9 +74,12 @@ class WorkloadModel:
             f = _factor(trainable, False)
             encoders[name] = Quadratic(f * 4.0 * width * len(layers), f * b)
             upstream |= trainable
+        from lightning_mm.planner.moe import active_weight_fraction
+
         lm = model.language_model
         layers = list(model.llm_layers)
-        b = 2.0 * sum(_layer_weights(layer) for layer in layers)
+        experts, active = active_weight_fraction(model)
+        b = 2.0 * sum(_layer_weights(layer, experts.get(i, frozenset()), active) for i, layer in enumerate(layers))
         head = getattr(lm, "lm_head", None)
         if isinstance(head, torch.nn.Linear):
             b += 2.0 * head.weight.numel()
