@@ -109,6 +109,19 @@ MROPE_FAMILIES["qwen3_vl_moe_text"] = MRopeMoeDecoderFamily(
     router_class="Qwen3VLMoeTextTopKRouter")
 
 
+EXPERT_PLAN_LAYERS = "layers.*."
+
+
+def expert_layer_plan(lm: nn.Module) -> dict[str, str]:
+    """The per-layer part of the LLM's HF expert-parallel plan (``layers.*.X`` -> ``X``), or a clear error."""
+    plan = dict(getattr(lm.config, "base_model_ep_plan", None) or {})
+    layer = {k[len(EXPERT_PLAN_LAYERS):]: v for k, v in plan.items() if k.startswith(EXPERT_PLAN_LAYERS)}
+    if not layer:
+        raise ValueError(f"{type(lm).__name__} ships no expert-parallel plan (config.base_model_ep_plan is empty); "
+                         "use language_model=ParallelSpec(ep=1)")
+    return layer
+
+
 def is_moe(family) -> bool:
     return getattr(family, "is_moe", False)
 

@@ -22,22 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_mm.model.moe import expert_layer_plan
 from lightning_mm.plan.layout import RankLayout
 from lightning_mm.plan.schedule import LANGUAGE_MODEL
 from lightning_mm.plan.stages import StagePlan
 
-LAYERS = "layers.*."
 EP_MESH_DIMS = ("edp", "ep", "pp", "cp", "tp")
-
-
-def expert_layer_plan(lm: nn.Module) -> dict[str, str]:
-    """The per-layer part of the LLM's HF expert-parallel plan (``layers.*.X`` -> ``X``), or a clear error."""
-    plan = dict(getattr(lm.config, "base_model_ep_plan", None) or {})
-    layer = {k[len(LAYERS):]: v for k, v in plan.items() if k.startswith(LAYERS)}
-    if not layer:
-        raise ValueError(f"{type(lm).__name__} ships no expert-parallel plan (config.base_model_ep_plan is empty); "
-                         "use language_model=ParallelSpec(ep=1)")
-    return layer
 
 
 def check_expert_parallel(model, layout: RankLayout, sharding_strategy: str = "NO_SHARD") -> None:

@@ -49,7 +49,7 @@ def expert_parameter_names(model) -> dict[int, list[str]]:
 
     if not is_moe(model.lm_family):
         return {}
-    from lightning_mm.parallel.expert_parallel import expert_layer_plan
+    from lightning_mm.model.moe import expert_layer_plan
 
     plan = [k for k, v in expert_layer_plan(model.language_model).items() if v == "grouped_gemm"]
     out = {}
