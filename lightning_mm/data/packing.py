@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
+from lightning_mm.data.video import VIDEO_KEYS
 from lightning_mm.loss import IGNORE_INDEX
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels", "mm_token_type_ids", "token_type_ids", "position_ids")
 ITEM_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")  # one entry (or patch run) per image, in order
-VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
