@@ -39,11 +39,12 @@ def tiny_composite(kind: str, **extra):
         return tf.LlavaForConditionalGeneration(cfg)
     if kind in MROPE_KINDS:
         text = dict(TEXT, rope_parameters=MROPE)
+        given = extra.pop("text", {})
         if kind == "qwen3_vl_moe":  # routed experts, the load-balancing loss in the loss
             text.update(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
                         router_aux_loss_coef=0.05, output_router_logits=True)
         if kind in ("qwen3_vl", "qwen3_vl_moe"):  # DeepStack from tower layers 0 and 2 into LLM layers 0 and 1
-            text.update(head_dim=8, **extra.pop("text", {}))
+            text.update(head_dim=8)
             vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
                           num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
@@ -59,6 +60,7 @@ def tiny_composite(kind: str, **extra):
                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16,
                           fullatt_block_indexes=[1, 3])
             cls, cfg_cls = tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLConfig
+        text.update(given)
         cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=IMG, video_token_id=101,
                       vision_start_token_id=VSTART, vision_end_token_id=VEND, **extra)
         return cls(cfg)

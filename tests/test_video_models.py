@@ -137,17 +137,21 @@ def test_a_videos_temporal_patches_as_cp_pieces_give_its_features():
 
 @pytest.mark.slow
 def test_generation_with_videos_equals_hf_generate(tmp_path):
-    """One process and ``trainer.predict`` across vision pp 1 + LLM pp 2 on prompts mixing images and videos: the
-    greedy tokens of HF's own composite ``generate`` (videos' M-RoPE positions included)."""
+    """One process and ``trainer.predict`` across vision pp 1 + LLM pp 2, LLM pp 3, and LLM pp 2 with dp 2 on
+    prompts mixing images and videos: the greedy tokens of HF's own composite ``generate`` (videos' M-RoPE
+    positions included; each replica decodes its own prompts)."""
     from tests.helpers.pipeline_generation_case import qwen_prompts
     from tests.test_mrope_generate import _assert_like_hf
     from tests.test_pipeline_generation import _check, _run
 
-    folder = save_composite("qwen2_5_vl", tmp_path / "src")
+    folder = save_composite("qwen2_5_vl", tmp_path / "src", text={"num_hidden_layers": 3})
     model, ref = lmm.MultimodalModel.from_pretrained(folder).eval(), load_hf("qwen2_5_vl", folder).eval()
     ours, _ = qwen_prompts("qwen2_5_vl", 0, videos=True)
     _assert_like_hf(model, ref, ours)
     _check(_run({"kind": "qwen2_5_vl", "folder": folder, "llm_pp": 2, "videos": True}, tmp_path, "pp2"), 3)
+    _check(_run({"kind": "qwen2_5_vl", "folder": folder, "llm_pp": 3, "videos": True}, tmp_path, "pp3"), 4)
+    _check(_run({"kind": "qwen2_5_vl", "folder": folder, "llm_pp": 2, "dp": 2, "videos": True}, tmp_path,
+                "pp2_dp2"), 3)
 
 
 def test_the_planner_costs_a_shared_tower_once_with_both_modalities_work(tmp_path):
