@@ -78,6 +78,8 @@ PIPELINE_CASES = [
     ("mixtral", True, {"pp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
     ("qwen3_moe", True, {"cp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
     ("qwen3_moe", True, {"tp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
+    ("qwen3_moe", True, {"ep": 2}, 2, 2, False, "FULL_SHARD"),
+    ("mixtral", True, {"pp": 2, "ep": 2}, 2, 2, True, "SHARD_GRAD_OP"),
 ]
 
 
@@ -117,8 +119,8 @@ def test_layout_trains_like_one_process(case):
             merged[name] = p
         assert load.shape == (4, 8)  # every routed layer, on every rank
         assert float(load.sum()) > 0
-        # an LLM rank holds 1/ep of its stage's expert weights (FSDP: 1/dp; encoder ranks: none)
-        assert held * (dp if sharding != "NO_SHARD" else ep) == whole
+        # an LLM rank holds 1/ep of its stage's expert weights (FSDP without ep: 1/dp; encoder ranks: none)
+        assert held * (ep if ep > 1 else dp if sharding != "NO_SHARD" else 1) == whole
     assert set(merged) == set(ref_params)
     for name, p in ref_params.items():
         torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
@@ -166,8 +168,8 @@ def test_lightning_logs_aux_loss_and_expert_load(strategy):
 
 
 def test_expert_parallel_refusals_before_any_process_group():
-    """ep on an encoder, on a dense LLM, not dividing the experts or the replicas, or with FSDP: a clear error from
-    the pure checks."""
+    """ep on an encoder, on a dense LLM, not dividing the experts or the replicas: a clear error from the pure
+    checks."""
     from lightning_mm.model import tiny_language_model
     from lightning_mm.parallel.expert_parallel import check_expert_parallel, expert_grad_ranks
     from lightning_mm.plan.layout import ParallelSpec, build_layout
@@ -181,8 +183,6 @@ def test_expert_parallel_refusals_before_any_process_group():
     assert layout.ep == 2
     assert expert_grad_ranks(layout) == [[1, 7], [4, 10], [2, 8], [5, 11]]  # per (stage, ep index): its 2 groups
     model, _ = _model("qwen3_moe")
-    with pytest.raises(ValueError, match="sharding_strategy='FULL_SHARD' is not supported"):
-        check_expert_parallel(model, layout, "FULL_SHARD")
     check_expert_parallel(model, layout)
     dense = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model())
     with pytest.raises(ValueError, match="has no routed experts"):

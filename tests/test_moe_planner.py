@@ -127,7 +127,7 @@ def test_all_to_all_time_is_added_per_routed_layer():
 def test_search_picks_ep_when_memory_forces_it():
     """One LLM layer of 100 bytes, 90 of them experts, on 2 devices: dp 2 x ep 1 holds 100 bytes per rank, dp 2 x
     ep 2 holds 10 + 45. Under a 60-byte limit only ep 2 fits; without a limit ep 1 wins (ep 2 pays its all-to-all;
-    with a free all-to-all the tie goes to the smaller ep)."""
+    with a free all-to-all the tie goes to the smaller ep); FULL_SHARD with ep 2 holds 5 + 45."""
     modules = _moe_llm()
     forced = search(modules, 2, 2, memory_limit=60.0, ep_degrees=(1, 2), ep_bandwidth=1e9).best
     assert (forced.dp, forced.ep) == (2, 2) and forced.memory[f"{LM}.0"] == pytest.approx(55.0)
@@ -138,7 +138,10 @@ def test_search_picks_ep_when_memory_forces_it():
         search(modules, 2, 2, memory_limit=60.0)  # ep not searched
     found = search(modules, 2, 2, ep_degrees=(1, 3), sharding_strategies=("NO_SHARD", "FULL_SHARD"))
     assert any("ep=3: does not divide the 8 experts" in r for r in found.rejected)
-    assert all(p.ep == 1 or p.sharding == "NO_SHARD" for p in found.candidates)
+    # FSDP shards the non-expert state over dp; the experts stay at 1 / ep (outside FSDP)
+    sharded = search(modules, 2, 2, ep_degrees=(2,), sharding_strategies=("FULL_SHARD",)).best
+    assert (sharded.ep, sharded.sharding) == (2, "FULL_SHARD")
+    assert sharded.memory[f"{LM}.0"] == pytest.approx(10.0 / 2 + 90.0 / 2)
     dense = {LM: ModuleSpec([LayerCost(1.0, 2.0, True, True)], 100.0)}
     assert any("no routed experts" in r for r in search(dense, 2, 2, ep_degrees=(1, 2)).rejected)
 

@@ -215,7 +215,7 @@ class PipelineEngine:
             self.router = GroupRouter({e: EncoderItems.of(model.encoders[e], 1) for e in encoder_names},
                                       {e: layout.per_group(e) for e in encoder_names},
                                       layout.per_group(LANGUAGE_MODEL), num_microbatches)
-        check_expert_parallel(model, layout, sharding_strategy)
+        check_expert_parallel(model, layout)
         self.router_metrics = StepRouterMetrics.of(model, num_microbatches, layout.dp, None, not self.coord.tp)
         prune(model, self.owned)
         first = next(model.parameters(), None)
@@ -242,8 +242,8 @@ class PipelineEngine:
             # per-module data parallelism shards the language model only: an encoder replica may have no rows in
             # a microbatch, and FSDP needs every rank of a shard group to run every unit
             self.run_stage = apply_fsdp(model, self.plan, self.groups.shard_mesh, sharding_strategy,
-                                        self.forward_stage, precision)
-            self.fsdp_params = {id(p) for p in model.parameters()}
+                                        self.forward_stage, precision, self.expert_params)
+            self.fsdp_params = {id(p) for p in model.parameters()} - {id(p) for p in self.expert_params}
         if materialise is not None:
             materialise(model)
         self.comm = StageComm(self.device, self.groups.headers)

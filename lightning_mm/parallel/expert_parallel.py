@@ -12,7 +12,7 @@ one group with the same pipeline stage, CP rank and tp rank are an "ep" group (t
 ``1 / ep`` of the experts). Tensor-parallel ranks hold the same hidden states: the dispatch sends each tp rank's
 slice of the tokens (transformers' TP slicing), so no token is computed twice. Gradients of expert weights are
 summed over the ranks holding the same experts (``expert_grad_ranks``: the same ep index, every group, CP rank and
-tp rank); every other parameter keeps its usual reduction.
+tp rank); every other parameter keeps its usual reduction, FSDP2's included (the experts stay out of FSDP).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from lightning_mm.plan.stages import StagePlan
 EP_MESH_DIMS = ("edp", "ep", "pp", "cp", "tp")
 
 
-def check_expert_parallel(model, layout: RankLayout, sharding_strategy: str = "NO_SHARD") -> None:
-    """ep > 1 needs a mixture-of-experts LLM with a plan, an ep dividing its expert count, one data-parallel degree
-    and no FSDP. Pure: runs before any process group exists."""
+def check_expert_parallel(model, layout: RankLayout) -> None:
+    """ep > 1 needs a mixture-of-experts LLM with a plan, an ep dividing its expert count and one data-parallel
+    degree. Pure: runs before any process group exists."""
     if layout.ep == 1:
         return
     from lightning_mm.model.moe import is_moe
@@ -47,9 +47,6 @@ def check_expert_parallel(model, layout: RankLayout, sharding_strategy: str = "N
     if layout.disaggregated:
         raise ValueError("expert parallelism with per-module data-parallel degrees is not supported; give every "
                          "module the same dp (or none)")
-    if sharding_strategy != "NO_SHARD":
-        raise ValueError(f"expert parallelism with sharding_strategy={sharding_strategy!r} is not supported yet; use "
-                         "'NO_SHARD' (the experts are already split over the ep ranks)")
 
 
 def ep_mesh_ranks(layout: RankLayout) -> torch.Tensor:

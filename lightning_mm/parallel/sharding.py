@@ -6,7 +6,9 @@ parameters right before it runs and reduce-scatters its gradients right after it
 (``StageModule``, whose forward runs one microbatch) as the root unit, which holds what is left (patch and
 position embeddings, encoder final norms: parameters some adapters read directly). Under tensor parallelism the
 units shard the already tp-split DTensors again over dp_cp (2-D), as torchtitan composes them. Gradients are
-summed, not averaged: each replica's loss is already divided by the global label count.
+summed, not averaged: each replica's loss is already divided by the global label count. Under expert parallelism
+the routed experts stay out of FSDP (``ignored``): they are already split over the ep ranks and their gradients are
+summed over the ranks holding the same experts; FSDP shards everything else of the stage over dp_cp.
 """
 
 from __future__ import annotations
@@ -65,19 +67,23 @@ def _sum_gradients(module) -> None:
     module.set_force_sum_reduction_for_comms(True)  # plain sums (no PREMUL_SUM, which gloo lacks)
 
 
-def apply_fsdp(model, plan: StagePlan, mesh, sharding_strategy: str, run, precision: str = "32-true") -> StageModule:
-    """Shard this stage over ``mesh`` (1-D, the stage's dp_cp ranks); returns the root ``StageModule`` whose
-    forward runs ``run``. ``SHARD_GRAD_OP`` keeps gathered parameters from forward to backward."""
+def apply_fsdp(model, plan: StagePlan, mesh, sharding_strategy: str, run, precision: str = "32-true",
+               ignored: list[nn.Parameter] = ()) -> StageModule:
+    """Shard this stage over ``mesh`` (1-D, the stage's dp_cp ranks), leaving the ``ignored`` parameters (the
+    expert-parallel experts) as they are; returns the root ``StageModule`` whose forward runs ``run``.
+    ``SHARD_GRAD_OP`` keeps gathered parameters from forward to backward."""
     policy = mixed_precision_policy(precision)
+    ignored_ids = {id(p) for p in ignored}
     for unit in sharding_units(model, plan):
         modules = unit if isinstance(unit, list) else [unit]
-        if not any(p.numel() for m in modules for p in m.parameters()):
+        if not any(p.numel() for m in modules for p in m.parameters() if id(p) not in ignored_ids):
             continue
-        fully_shard(unit, mesh=mesh, reshard_after_forward=sharding_strategy == "FULL_SHARD", mp_policy=policy)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=sharding_strategy == "FULL_SHARD", mp_policy=policy,
+                    ignored_params=set(ignored) or None)
         for m in modules:
             _sum_gradients(m)
     root = StageModule(model, run)  # inputs keep their dtype: label counts and positions must stay exact
-    fully_shard(root, mesh=mesh, reshard_after_forward=False,
+    fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=set(ignored) or None,
                 mp_policy=MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, cast_forward_inputs=False))
     _sum_gradients(root)
     return root

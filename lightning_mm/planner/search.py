@@ -437,7 +437,7 @@ def evaluate_plan(
         raise ValueError(f"encoder_cp names {unknown}, which are not encoders of these modules "
                          f"({_encoders(modules)}); give a degree per encoder name")
     experts = modules[LANGUAGE_MODEL].experts
-    check_ep(ep, dp, experts, sharding, bool(module_dp))
+    check_ep(ep, dp, experts, bool(module_dp))
     replica_layout(*_parallel_specs(layers, llm_tp, cp, cp_mode, k, encoder_cp, module_tp, ep=ep), placement)
     table = _stage_table(modules, layers, placement)
     graph = plan_graph(modules, layers, placement)
@@ -484,18 +484,18 @@ def evaluate_plan(
             values[s] *= n
     sync = {s: SHARDING_TRAFFIC[sharding] * allreduce_seconds(r[4] / stage_tp[s], stage_dp[s] * ranks[s],
                                                               allreduce_bandwidth) for s, r in table.items()}
-    state = {s: r[2] for s, r in table.items()}
-    if ep > 1:  # the experts' state at 1 / ep; their gradients reduced over the dp / ep replicas holding them
+    state, experts_held = {s: r[2] for s, r in table.items()}, dict.fromkeys(table, 0.0)
+    if ep > 1:  # the experts (outside FSDP, whole on every tp rank) at 1 / ep of their state per rank; their
+        # gradients all-reduced over the dp / ep replicas, CP and tp ranks holding the same experts
         for s, (expert_state, expert_grads, _, _) in moe.items():
-            state[s] = table[s][2] - expert_state + expert_state / ep
-            sync[s] = SHARDING_TRAFFIC[sharding] * (
-                allreduce_seconds((table[s][4] - expert_grads) / stage_tp[s], stage_dp[s] * ranks[s],
-                                  allreduce_bandwidth)
-                + allreduce_seconds(expert_grads / ep / stage_tp[s], stage_dp[s] // ep * ranks[s],
+            state[s], experts_held[s] = table[s][2] - expert_state, expert_state / ep
+            sync[s] = (SHARDING_TRAFFIC[sharding] * allreduce_seconds(
+                (table[s][4] - expert_grads) / stage_tp[s], stage_dp[s] * ranks[s], allreduce_bandwidth)
+                + allreduce_seconds(expert_grads / ep, stage_dp[s] // ep * ranks[s] * stage_tp[s],
                                     allreduce_bandwidth))
     result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency, sync, comm_f, comm_b)
     memory = {s: state_bytes_per_device(state[s], r[5], stage_dp[s] * ranks[s], stage_tp[s], sharding)
-              + kept[s] * result.peak_inflight[s] for s, r in table.items()}
+              + experts_held[s] + kept[s] * result.peak_inflight[s] for s, r in table.items()}
     return Plan(placement, {m: list(v) for m, v in layers.items()}, dp, per_replica, fwd, bwd, memory, result,
                 all(v <= memory_limit for v in memory.values()), llm_tp, sharding, cp,
                 cp_mode if cp > 1 else "allgather", k, {s: cp_fwd[s] + cp_bwd[s] for s in table}, encoder_cp,
@@ -503,10 +503,9 @@ def evaluate_plan(
                 {s: ep_f[s] + ep_b[s] for s in table} if ep > 1 else {})
 
 
-def check_ep(ep: int, dp: int, experts: ExpertShape | None, sharding: str = "NO_SHARD",
-             per_module_dp: bool = False) -> None:
+def check_ep(ep: int, dp: int, experts: ExpertShape | None, per_module_dp: bool = False) -> None:
     """Raise (with the fix) for an expert-parallel degree the runtime does not serve (``check_expert_parallel``):
-    ep must divide dp and the expert count, with NO_SHARD and one dp for every module."""
+    ep must divide dp and the expert count, with one dp for every module."""
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep must be an int >= 1, got {ep!r}")
     if ep == 1:
@@ -518,8 +517,6 @@ def check_ep(ep: int, dp: int, experts: ExpertShape | None, sharding: str = "NO_
                          f"{experts.num_experts}")
     if dp % ep:
         raise ValueError(f"ep={ep} splits the experts over data-parallel replicas, but dp={dp}; use an ep dividing dp")
-    if sharding != "NO_SHARD":
-        raise ValueError(f"expert parallelism with sharding={sharding!r} is not supported by the runtime; use NO_SHARD")
     if per_module_dp:
         raise ValueError("expert parallelism with per-module data-parallel degrees is not supported; give every "
                          "module the same dp")
@@ -528,41 +525,40 @@ def check_ep(ep: int, dp: int, experts: ExpertShape | None, sharding: str = "NO_
 def _llm_expert_parts(modules, layers, placement) -> dict[str, tuple[float, float, int, int]]:
     """Per graph stage holding LLM layers: the model-state and gradient bytes of its routed experts, its routed
     layer count and the count of those taking part in backward (what expert parallelism splits and dispatches)."""
-    spec, out, start = modules[LANGUAGE_MODEL], {}, 0
+    spec = modules[LANGUAGE_MODEL]
     eb, eg = spec.per_layer(spec.expert_bytes), spec.per_layer(spec.expert_grad_bytes)
-    rows = []
-    for size in layers[LANGUAGE_MODEL]:
-        sl = slice(start, start + size)
+
+    def row(sl: slice):
         routed = [b > 0 for b in eb[sl]]
-        rows.append((sum(eb[sl]), sum(eg[sl]), sum(routed),
-                     sum(1 for r, c in zip(routed, spec.costs[sl]) if r and c.in_backward)))
-        start += size
-    encoder_stages = {e: len(layers[e]) for e in _encoders(modules)}
-    for stage, parts in placement_table(encoder_stages, len(layers[LANGUAGE_MODEL]), placement).items():
-        for module, i in parts:
-            if module == LANGUAGE_MODEL:
-                out[stage] = rows[i]
-    return out
+        return (sum(eb[sl]), sum(eg[sl]), sum(routed),
+                sum(1 for r, c in zip(routed, spec.costs[sl]) if r and c.in_backward))
+    return _per_llm_stage(modules, layers, placement, row)
 
 
 def _llm_stage_parts(modules, layers, placement) -> dict[str, tuple[float, float, float, int, int]]:
     """Per graph stage holding LLM layers: their forward, backward, kept activation bytes, layer count and count
     of those taking part in backward (what context parallelism splits and what its attention communicates)."""
-    spec, out, start = modules[LANGUAGE_MODEL], {}, 0
+    spec = modules[LANGUAGE_MODEL]
     ab = spec.per_layer(spec.activation_bytes)
-    rows = []
+
+    def row(sl: slice):
+        costs = spec.costs[sl]
+        kept = sum(a for a, c in zip(ab[sl], costs) if c.in_backward)
+        return (sum(c.forward for c in costs), sum(c.backward for c in costs), kept, len(costs),
+                sum(1 for c in costs if c.in_backward))
+    return _per_llm_stage(modules, layers, placement, row)
+
+
+def _per_llm_stage(modules, layers, placement, row) -> dict[str, tuple]:
+    """``row(layer slice)`` of each LLM pipeline slice, keyed by the graph stage that runs it."""
+    rows, start = [], 0
     for size in layers[LANGUAGE_MODEL]:
-        costs = spec.costs[start:start + size]
-        kept = sum(a for a, c in zip(ab[start:start + size], costs) if c.in_backward)
-        rows.append((sum(c.forward for c in costs), sum(c.backward for c in costs), kept, size,
-                     sum(1 for c in costs if c.in_backward)))
+        rows.append(row(slice(start, start + size)))
         start += size
     encoder_stages = {e: len(layers[e]) for e in _encoders(modules)}
-    for stage, parts in placement_table(encoder_stages, len(layers[LANGUAGE_MODEL]), placement).items():
-        for module, i in parts:
-            if module == LANGUAGE_MODEL:
-                out[stage] = rows[i]
-    return out
+    return {stage: rows[i] for stage, parts in placement_table(encoder_stages, len(layers[LANGUAGE_MODEL]),
+                                                               placement).items()
+            for module, i in parts if module == LANGUAGE_MODEL}
 
 
 def forward_only_modules(modules: dict[str, ModuleSpec]) -> dict[str, ModuleSpec]:
@@ -822,15 +818,13 @@ def search(
             rejected.append(f"ep={e}: the language model has no routed experts (ModuleSpec.experts)")
         elif e > 1 and experts.num_experts % e:
             rejected.append(f"ep={e}: does not divide the {experts.num_experts} experts")
-        if e > 1 and experts is not None and any(sh != "NO_SHARD" for sh in sharding_strategies):
-            rejected.append(f"ep={e} with sharding other than NO_SHARD: not supported by the runtime")
     ep_grid = [e for e in ep_grid if e == 1 or (experts is not None and experts.num_experts % e == 0)]
     grid = [(d, t, sh, c, m, k, e) for c, m, k, t in cp_grid for d in range(1, num_devices // (t * c) + 1)
             for sh in (sharding_strategies if d * c > 1 else ("NO_SHARD",))
             for e in ep_grid
             if num_microbatches % d == 0 and (data_parallel or d == 1)
             and (stages is None or d * t * stages <= num_devices)
-            and d % e == 0 and (e == 1 or sh == "NO_SHARD")]
+            and d % e == 0]
     # The frozen-aware search also times the layouts the forward-only belief would propose (true costs): the DP
     # minimises the slowest stage, and among equal bottlenecks where the heavier stages sit changes the 1F1B
     # time a little, so without them the aware search could lose to the unaware one by a fraction of a percent.
