@@ -12,7 +12,10 @@ Each layout runs ``--warmup`` untimed and ``--steps`` timed training steps throu
 the expert all-to-alls, gradient sums over the ranks holding the same experts, an SGD update) on the same global
 batches. Reported per layout: rank 0's median step (barrier to barrier), the busiest rank's CPU seconds per step,
 the expert weights each rank holds (bytes of its local shards, measured on the parameters) and the experts' share of
-its parameters, and the expert load imbalance (busiest expert / mean, per layer, of the last step's routing).
+its parameters, the expert load imbalance (busiest expert / mean, per layer, of the last step's routing), and the
+all-to-all bytes each rank sends to other ranks per step, measured from the split sizes of every dispatch (forward
+dispatch and combine, and their mirrored backward exchanges), beside the planner's byte model
+(``planner.moe.all_to_all_bytes``: uniform routing) at the same token count.
 
 Simulated (labelled so): the planner's ``evaluate_plan`` for Qwen3-30B-A3B shapes (48 layers, hidden 2048, 128
 experts of width 768, top-8, 4096 tokens per microbatch, bf16 all-to-all, 16 bytes of state per trainable
@@ -66,6 +69,41 @@ def _local_bytes(p) -> int:
     return t.numel() * t.element_size()
 
 
+class _AllToAllCounter:
+    """Counts the rows each expert dispatch of this rank sends to and receives from other ranks (the split sizes
+    of transformers' ``AllToAllEP``), and the (token, expert) pairs the model predicts from."""
+
+    def __init__(self):
+        from transformers.distributed.expert_parallel import AllToAllEP
+
+        self.reset()
+        self.hidden = self.bytes = 0
+        original = AllToAllEP._dispatch_tokens
+
+        def counted(ep_self, hidden_states, top_k_index, top_k_weights):
+            tokens, ids, weights, state = original(ep_self, hidden_states, top_k_index, top_k_weights)
+            me = ep_self.ep_mesh.get_local_rank()
+            self.pairs += sum(state.send_sizes)
+            self.sent += sum(state.send_sizes) - state.send_sizes[me]
+            self.received += sum(state.recv_sizes) - state.recv_sizes[me]
+            self.hidden, self.bytes = hidden_states.shape[-1], hidden_states.element_size()
+            return tokens, ids, weights, state
+
+        AllToAllEP._dispatch_tokens = counted
+
+    def reset(self) -> None:
+        self.pairs = self.sent = self.received = 0
+
+    def step_bytes(self, ep: int) -> tuple[float, float]:
+        """(measured, modelled) bytes this rank sent to other ranks: a dispatch sends its off-rank pairs forward and
+        receives their gradients back; the combine returns the received rows and takes their gradients, so each
+        off-rank row crosses twice; the model: ``all_to_all_bytes`` of the same (token, expert) pairs."""
+        from lightning_mm.planner.moe import all_to_all_bytes
+
+        model = all_to_all_bytes(self.pairs, 1, self.hidden, self.bytes, ep)
+        return 2 * (self.sent + self.received) * self.hidden * self.bytes, model["forward"] + model["backward"]
+
+
 def _worker(rank, world, ep, args, rendezvous, out):
     import lightning_mm as lmm
     from lightning_mm.data.microbatch import split_microbatches
@@ -90,8 +128,11 @@ def _worker(rank, world, ep, args, rendezvous, out):
         collate = lmm.data.MultimodalCollator(model)
         params = engine.trainable_parameters()
         opt = torch.optim.SGD(params, lr=1e-3)
-        walls, cpus, imbalance = [], [], None
+        walls, cpus, imbalance, a2a = [], [], None, []
+        counter = _AllToAllCounter() if ep > 1 else None
         for step in range(args.warmup + args.steps):
+            if counter is not None:
+                counter.reset()
             batch = collate([data[step * args.batch + i] for i in range(args.batch)])
             mine = split_microbatches(batch, layout.num_groups, model)[layout.group_of(rank)]
             dist.barrier()
@@ -105,13 +146,15 @@ def _worker(rank, world, ep, args, rendezvous, out):
             if step >= args.warmup:
                 walls.append(time.perf_counter() - t0)
                 cpus.append(c1 - c0)
+                if counter is not None:
+                    a2a.append(counter.step_bytes(ep))
         router = engine.router_metrics
         metrics = router.metrics if router is not None else None
         if metrics:
             imbalance = [round(float(v), 3) for v in load_imbalance(metrics["expert_load"])]
         with open(f"{out}.{rank}", "w") as f:
             json.dump({"rank": rank, "wall": walls, "cpu": cpus, "expert_bytes": expert_bytes,
-                       "param_bytes": all_bytes, "imbalance": imbalance}, f)
+                       "param_bytes": all_bytes, "imbalance": imbalance, "all_to_all": a2a}, f)
     finally:
         dist.destroy_process_group()
 
@@ -127,7 +170,14 @@ def run_layout(ep: int, args) -> dict:
             "busiest_cpu_s": statistics.median(max(r["cpu"][s] for r in ranks) for s in range(steps)),
             "expert_bytes_per_rank": max(r["expert_bytes"] for r in ranks),
             "param_bytes_per_rank": max(r["param_bytes"] for r in ranks),
-            "expert_imbalance_per_layer": ranks[0]["imbalance"]}
+            "expert_imbalance_per_layer": ranks[0]["imbalance"],
+            # per rank and step, the mean over ranks and timed steps
+            "all_to_all_bytes_measured": _mean([b[0] for r in ranks for b in r["all_to_all"]]),
+            "all_to_all_bytes_model": _mean([b[1] for r in ranks for b in r["all_to_all"]])}
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
 
 
 # ------------------------------------------------------------------------------------------------- simulated
@@ -142,7 +192,7 @@ def simulated(dp: int = 8, pp: int = 4, microbatches: int = 16, tokens: int = 40
     (16 bytes per trainable parameter: weights, gradient, two Adam moments) and the all-to-all of
     ``planner.moe.all_to_all_bytes``; ``evaluate_plan`` at each ep."""
     from lightning_mm.planner.costs import LayerCost
-    from lightning_mm.planner.moe import ExpertShape
+    from lightning_mm.planner.moe import ExpertShape, all_to_all_bytes
     from lightning_mm.planner.search import ModuleSpec, evaluate_plan
 
     s = QWEN3_30B_A3B
@@ -162,7 +212,9 @@ def simulated(dp: int = 8, pp: int = 4, microbatches: int = 16, tokens: int = 40
     for bw in bandwidths:
         for ep in eps:
             plan = evaluate_plan({LM: spec}, {LM: layers}, "parallel", microbatches * dp, dp, ep=ep, ep_bandwidth=bw)
+            a2a = all_to_all_bytes(tokens, s["top_k"], s["hidden"], 2, ep)
             rows.append({"ep": ep, "ep_bandwidth_GBps": bw / 1e9,
+                         "all_to_all_MB_per_layer_microbatch": (a2a["forward"] + a2a["backward"]) / 1e6,
                          "memory_GiB_per_rank": max(plan.memory.values()) / 2 ** 30,
                          "iteration_s": plan.iteration_time,
                          "all_to_all_s_per_microbatch_stage": max(plan.ep_comm.values(), default=0.0),
@@ -206,6 +258,9 @@ def main(argv=None) -> dict:
         print(f"{r['layout']:<12} {r['step_s']:>9.3f} {r['busiest_cpu_s']:>16.3f} "
               f"{r['expert_bytes_per_rank'] / 2**20:>16.2f} {r['param_bytes_per_rank'] / 2**20:>16.2f} "
               f"{r['step_vs_ep1']:>7.2f}  {r['expert_imbalance_per_layer']}")
+    for r in rows[1:]:
+        print(f"{r['layout']}: all-to-all sent per rank and step {r['all_to_all_bytes_measured'] / 2**20:.3f} MiB "
+              f"measured, {r['all_to_all_bytes_model'] / 2**20:.3f} MiB by the planner's model (uniform routing)")
     print("\nsimulated (planner, Qwen3-30B-A3B shapes, dp 8 x pp 4, assumed 400 TFLOP/s per device)")
     print(f"{'ep':>3} {'a2a GB/s':>9} {'GiB/rank':>9} {'iteration (s)':>14} {'a2a s/mb/stage':>15}")
     for r in sim:

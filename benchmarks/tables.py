@@ -788,18 +788,23 @@ def moe_cpu_table(data: dict) -> str:
                    "all weights per rank (MiB)", "expert load max/mean per layer"], rows, "lrrrrrl")
             + f"\n\nMeasured on {s['world']} gloo processes (one thread each; {s['steps']} timed steps of {s['batch']} "
               f"samples) on {_machine_line(data)}. The machine is shared and loaded: wall times include waiting for "
-              "the other rank and other jobs; the busiest rank's CPU seconds are its own work.")
+              "the other rank and other jobs; the busiest rank's CPU seconds are its own work."
+            + "".join(f" {r['layout']}: {r['all_to_all_bytes_measured'] / 2 ** 20:.3f} MiB sent to other ranks by the "
+                      f"expert all-to-alls per rank and step, measured from the dispatch split sizes, against "
+                      f"{r['all_to_all_bytes_model'] / 2 ** 20:.3f} MiB from the planner's byte model on the same "
+                      f"tokens (uniform routing)." for r in data["rows"] if r.get("all_to_all_bytes_model")))
 
 
 @renderer("moe_cpu.json", "simulated")
 def moe_simulated_table(data: dict) -> str:
     sim = data["simulated"]
     rows = [[r["ep"], f"{r['ep_bandwidth_GBps']:.0f}", f"{r['memory_GiB_per_rank']:.1f}", f"{r['iteration_s']:.3f}",
+             f"{r.get('all_to_all_MB_per_layer_microbatch', float('nan')):.1f}",
              f"{r['all_to_all_s_per_microbatch_stage'] * 1e3:.1f}",
              f"{r['forward_backward_s_per_microbatch_stage'] * 1e3:.1f}"] for r in sim["rows"]]
     return (table(["ep", "all-to-all GB/s (assumed)", "GiB per rank", "iteration (s)",
-                   "all-to-all per microbatch and stage (ms)", "forward + backward per microbatch and stage (ms)"],
-                  rows, "rrrrrr")
+                   "all-to-all MB per rank, routed layer and microbatch", "all-to-all per microbatch and stage (ms)",
+                   "forward + backward per microbatch and stage (ms)"], rows, "rrrrrrr")
             + f"\n\nSimulated by the planner (`evaluate_plan`; no model built): Qwen3-30B-A3B shapes, dp {sim['dp']} x pp "
               f"{sim['pp']}, {sim['microbatches']} microbatches of {sim['tokens_per_microbatch']} tokens, "
               f"{sim['assumed_flops_per_device'] / 1e12:.0f} TFLOP/s per device assumed, 16 bytes of state per "
