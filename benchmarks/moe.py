@@ -10,7 +10,8 @@ encoders replicated inside the LLM stage (one rank per replica), under two layou
 
 Each layout runs ``--warmup`` untimed and ``--steps`` timed training steps through ``PipelineEngine`` (the schedule,
 the expert all-to-alls, gradient sums over the ranks holding the same experts, an SGD update) on the same global
-batches. Reported per layout: rank 0's median step (barrier to barrier), the busiest rank's CPU seconds per step,
+batches. Reported per layout: rank 0's median step (barrier to barrier) and tokens/s (the global batch's tokens,
+padding excluded, over that step), the busiest rank's CPU seconds per step,
 the expert weights each rank holds (bytes of its local shards, measured on the parameters) and the experts' share of
 its parameters, the expert load imbalance (busiest expert / mean, per layer, of the last step's routing), and the
 all-to-all bytes each rank sends to other ranks per step, measured from the split sizes of every dispatch (forward
@@ -128,7 +129,7 @@ def _worker(rank, world, ep, args, rendezvous, out):
         collate = lmm.data.MultimodalCollator(model)
         params = engine.trainable_parameters()
         opt = torch.optim.SGD(params, lr=1e-3)
-        walls, cpus, imbalance, a2a = [], [], None, []
+        walls, cpus, imbalance, a2a, tokens = [], [], None, [], []
         counter = _AllToAllCounter() if ep > 1 else None
         for step in range(args.warmup + args.steps):
             if counter is not None:
@@ -144,6 +145,7 @@ def _worker(rank, world, ep, args, rendezvous, out):
             c1 = time.process_time()
             dist.barrier()
             if step >= args.warmup:
+                tokens.append(int(batch["attention_mask"].sum()))  # the global batch's real tokens
                 walls.append(time.perf_counter() - t0)
                 cpus.append(c1 - c0)
                 if counter is not None:
@@ -154,7 +156,7 @@ def _worker(rank, world, ep, args, rendezvous, out):
             imbalance = [round(float(v), 3) for v in load_imbalance(metrics["expert_load"])]
         with open(f"{out}.{rank}", "w") as f:
             json.dump({"rank": rank, "wall": walls, "cpu": cpus, "expert_bytes": expert_bytes,
-                       "param_bytes": all_bytes, "imbalance": imbalance, "all_to_all": a2a}, f)
+                       "param_bytes": all_bytes, "imbalance": imbalance, "all_to_all": a2a, "tokens": tokens}, f)
     finally:
         dist.destroy_process_group()
 
@@ -167,6 +169,7 @@ def run_layout(ep: int, args) -> dict:
     steps = len(ranks[0]["wall"])
     return {"layout": f"dp {args.world}" + (f" x ep {ep}" if ep > 1 else ""), "ep": ep,
             "step_s": statistics.median(ranks[0]["wall"]),
+            "tokens_per_s": statistics.median(t / w for t, w in zip(ranks[0]["tokens"], ranks[0]["wall"])),
             "busiest_cpu_s": statistics.median(max(r["cpu"][s] for r in ranks) for s in range(steps)),
             "expert_bytes_per_rank": max(r["expert_bytes"] for r in ranks),
             "param_bytes_per_rank": max(r["param_bytes"] for r in ranks),
@@ -252,10 +255,10 @@ def main(argv=None) -> dict:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "moe_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"measured on {args.world} CPU processes ({_machine.describe(result['machine'])})")
-    print(f"{'layout':<12} {'step (s)':>9} {'busiest CPU (s)':>16} {'expert MiB/rank':>16} {'params MiB/rank':>16} "
+    print(f"{'layout':<12} {'step (s)':>9} {'tokens/s':>9} {'busiest CPU (s)':>16} {'expert MiB/rank':>16} {'params MiB/rank':>16} "
           f"{'step x':>7}  imbalance/layer")
     for r in rows:
-        print(f"{r['layout']:<12} {r['step_s']:>9.3f} {r['busiest_cpu_s']:>16.3f} "
+        print(f"{r['layout']:<12} {r['step_s']:>9.3f} {r['tokens_per_s']:>9.0f} {r['busiest_cpu_s']:>16.3f} "
               f"{r['expert_bytes_per_rank'] / 2**20:>16.2f} {r['param_bytes_per_rank'] / 2**20:>16.2f} "
               f"{r['step_vs_ep1']:>7.2f}  {r['expert_imbalance_per_layer']}")
     for r in rows[1:]:

@@ -780,12 +780,14 @@ def per_module_dp_cpu_table(data: dict) -> str:
 
 @renderer("moe_cpu.json", "table")
 def moe_cpu_table(data: dict) -> str:
-    rows = [[r["layout"], f"{r['step_s']:.3f}", f"{r['busiest_cpu_s']:.3f}", f"{r['step_vs_ep1']:.2f}x",
+    rows = [[r["layout"], f"{r['step_s']:.3f}", f"{r.get('tokens_per_s', float('nan')):.0f}",
+             f"{r['busiest_cpu_s']:.3f}", f"{r['step_vs_ep1']:.2f}x",
              f"{r['expert_bytes_per_rank'] / 2 ** 20:.2f}", f"{r['param_bytes_per_rank'] / 2 ** 20:.2f}",
              ", ".join(f"{v:.2f}" for v in r["expert_imbalance_per_layer"] or [])] for r in data["rows"]]
     s = data["settings"]
-    return (table(["layout", "step (s)", "busiest rank CPU (s)", "step vs dp", "expert weights per rank (MiB)",
-                   "all weights per rank (MiB)", "expert load max/mean per layer"], rows, "lrrrrrl")
+    return (table(["layout", "step (s)", "tokens/s", "busiest rank CPU (s)", "step vs dp",
+                   "expert weights per rank (MiB)", "all weights per rank (MiB)", "expert load max/mean per layer"],
+                  rows, "lrrrrrrl")
             + f"\n\nMeasured on {s['world']} gloo processes (one thread each; {s['steps']} timed steps of {s['batch']} "
               f"samples) on {_machine_line(data)}. The machine is shared and loaded: wall times include waiting for "
               "the other rank and other jobs; the busiest rank's CPU seconds are its own work."

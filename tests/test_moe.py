@@ -78,6 +78,9 @@ PIPELINE_CASES = [
     ("mixtral", True, {"pp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
     ("qwen3_moe", True, {"cp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
     ("qwen3_moe", True, {"tp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
+    ("mixtral", False, {"ep": 2}, 2, 2, False, "NO_SHARD"),
+    ("qwen3_moe", False, {"pp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
+    ("mixtral", True, {"cp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
     ("qwen3_moe", True, {"ep": 2}, 2, 2, False, "FULL_SHARD"),
     ("mixtral", True, {"pp": 2, "ep": 2}, 2, 2, True, "SHARD_GRAD_OP"),
 ]
@@ -222,3 +225,24 @@ def test_strategy_trains_a_moe_llm_like_one_process(tmp_path):
     ref = run_trainer_case(TRAINER_CASE, base, tmp_path, "single_dp2")
     same(got, ref, aux=False)
     assert got[0]["consolidated"] == sorted(ref[1])  # a sharded checkpoint of the split experts consolidates
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["none", "entrain"])
+def test_expert_parallel_pipeline_with_batch_balancing_trains_like_one_process(method, tmp_path):
+    """dp 2 x (vision pp 1 + Qwen3-MoE LLM pp 2 x ep 2), 6 processes, samples of 0-5 images of different sizes (some
+    text-only), with and without entrain balancing: every step's loss and every parameter as one process on the same
+    global batches (aux loss off: balancing regroups rows into other microbatches, whose per-microbatch aux loss
+    differs by design)."""
+    from tests.helpers.launch import run_trainer_case
+    from tests.test_lightning_contracts import assert_same_training
+
+    base = dict(llm="qwen3_moe", llm_config={"output_router_logits": False}, modalities=["vision"],
+                vision="qwen2_vl", items=[0, 5], freeze="all", optimizer="sgd", lr=0.5, steps=2, batch_size=6,
+                dp=2, plans=True)
+    got = run_trainer_case(TRAINER_CASE, {**base, "llm_pp": 2, "llm_ep": 2, "microbatches": 2, "balancing": method},
+                           tmp_path, method)
+    assert_same_training(got, run_trainer_case(TRAINER_CASE, base, tmp_path, "single"))
+    assert len(got[0]["plans"]) == (0 if method == "none" else 2)
+    if method == "entrain":
+        assert got[0]["deferred_samples"] > 0, "nothing was deferred"

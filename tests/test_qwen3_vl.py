@@ -57,6 +57,19 @@ def test_deepstack_reaches_the_first_llm_layers_as_in_hf(tmp_path):
         assert not torch.allclose(model(**ours).logits[keep], expected[keep], atol=1e-3)
 
 
+def test_planner_counts_the_deepstack_blocks_in_the_feature_bytes(tmp_path):
+    """Encoder CP gathers the packed features: the planner's feature bytes are the emitted tokens x H x (1 + k)."""
+    from lightning_mm.planner.model_costs import model_layer_costs
+    from lightning_mm.planner.plan_cli import module_specs
+
+    model = lmm.MultimodalModel.from_pretrained(save_composite("qwen3_vl", tmp_path / "src", **DEEP))
+    batch, _ = batch_for("qwen3_vl", model.language_model.config)
+    batch = {k: v for k, v in batch.items() if k != "item_counts"}
+    spec = module_specs(model, model_layer_costs(model, batch=batch), 1e-9, batch)["vision"]
+    emitted = int((batch["input_ids"] == model.placeholder_ids["vision"]).sum())
+    assert emitted == 32 and spec.feature_bytes == emitted * model.hidden_size * 4 * (1 + 3)
+
+
 def _run(case: dict, tmp_path, name: str):
     return run_case("composite_case.py", case, tmp_path, name)
 

@@ -136,6 +136,7 @@ def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool 
     lm = model.language_model
     cfg = getattr(lm.config, "text_config", None) or lm.config
     token_bytes = cfg.hidden_size * next(lm.parameters()).element_size()  # one projected feature token
+    # (Qwen3-VL: and one block per DeepStack layer, packed beside it)
     specs = {}
     for module, layer_costs in costs.items():
         scaled = [LayerCost(c.forward * scale, c.backward * scale, c.trainable, c.in_backward) for c in layer_costs]
@@ -149,7 +150,7 @@ def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool 
         emitted = sum(n for mb in mbs for _, _, n in mb) / max(1, len(mbs))
         specs[module] = ModuleSpec(scaled, *memory[module], items=[[(t, w) for t, w, _ in mb] for mb in mbs],
                                    item_width=encoder_width(model.encoders[module].config),
-                                   feature_bytes=emitted * token_bytes)
+                                   feature_bytes=emitted * token_bytes * (1 + model.deepstack.get(module, 0)))
     return specs
 
 
