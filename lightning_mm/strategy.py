@@ -160,6 +160,8 @@ class MultimodalParallelStrategy(DDPStrategy):
         lm_spec, placement = self.language_model_spec, self.encoder_placement
         if self.fault_tolerance is not None and self.fault_tolerance.templates:
             template = self.fault_tolerance.template(world)  # re-formed groups take the layout of their size
+            if problem := self.fault_tolerance.elastic_launch_problem():
+                rank_zero_warn(problem)
             specs = {e: template.specs.get(e, ParallelSpec()) for e in encoders}
             lm_spec, placement = template.specs["language_model"], template.placement
             self.partition = {m: list(v) for m, v in template.partition.items()}

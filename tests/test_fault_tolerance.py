@@ -81,6 +81,13 @@ def test_settings_are_checked_when_made(monkeypatch):
     assert strategy.fault_tolerance.lighthouse == "localhost:7" and strategy.ft is not None
     with pytest.raises(TypeError, match="unknown fields"):
         lmm.MultimodalParallelStrategy(fault_tolerance={"lighthouse": "localhost:7", "replica_group": 0, "x": 1})
+    # re-forming at templates under torchrun needs a rendezvous that republishes the master address every round
+    elastic = FaultTolerance(num_replica_groups=2, templates="templates.yaml", global_batch=4)
+    assert elastic.elastic_launch_problem({}) is None  # not under torchrun
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in elastic.elastic_launch_problem({"TORCHELASTIC_RUN_ID": "g0"})
+    assert elastic.elastic_launch_problem({"TORCHELASTIC_RUN_ID": "g0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}) \
+        is None
+    assert ft.elastic_launch_problem({"TORCHELASTIC_RUN_ID": "g0"}) is None  # no templates: nodes never change
 
 
 def _closed_port() -> int:
@@ -190,8 +197,8 @@ def _assert_equal_to_reference(got: dict, ref: dict):
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
-def _assert_both_groups_equal_the_reference(out):
-    ref = _reference(out)
+def _assert_both_groups_equal_the_reference(out, steps=STEPS):
+    ref = _reference(out, steps)
     _assert_equal_to_reference(_params(out, 0), ref)
     _assert_equal_to_reference(_params(out, 1), ref)
 
@@ -352,7 +359,9 @@ def _templates(path) -> str:
 def _launch_elastic(cfg: dict, node_rank: int, endpoint: int) -> subprocess.Popen:
     """One node (torchrun agent, 1 rank) of a group launched with ``--nnodes 1:2``; the rendezvous store is the
     test's, so that it outlives any node."""
-    env = {**case_env(), "PYTHONFAULTHANDLER": "1"}
+    # torchrun's shared rendezvous store does not republish the master address when the rank-0 agent stays rank 0
+    # across a membership change (a node joining); the documented opt-out publishes it every round
+    env = {**case_env(), "PYTHONFAULTHANDLER": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
            "--max-restarts", "2", "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-id", "group0",
            "--rdzv-endpoint", f"127.0.0.1:{endpoint}", "--rdzv-conf", "is_host=false,last_call_timeout=5",
@@ -394,6 +403,54 @@ def test_a_group_that_loses_a_node_re_forms_at_its_smaller_template(tmp_path, li
     healed = [e for e in r0["events"] if e["event"] == "healed"][0]["step"]
     assert [s for s, _ in r0["steps"]] == list(range(healed + 1, STEPS + 1))
     _assert_both_groups_equal_the_reference(out)
+
+
+def _wait_for_step(out: str, group: int, step: int, timeout: float, procs) -> None:
+    """Until ``group``'s rank 0 logged ``step`` (fails early if a launch ended)."""
+    path, deadline = os.path.join(out, f"steps_{group}.log"), time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(path) and any(int(line.split()[0]) >= step for line in open(path) if line.strip()):
+            return
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.2)
+    pytest.fail(f"group {group} did not reach step {step}: " + _log(out, "launch_*.log"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_group_that_gains_a_node_re_forms_at_its_larger_template(tmp_path, lighthouse):
+    """Group 0 starts on one torchrun agent (``--nnodes 1:2``, the 1-node template) beside group 1 (one rank): equal
+    speeds, equal shares (2 + 2 samples). After group 0's step 2 a second agent joins: torchrun stops group 0's
+    worker and starts two at world size 2, which take the 2-node template (LLM pp 2), heal by name from group 1 and
+    rejoin; the shares follow the new speeds (3 + 1). Group 1 never stops (it only slows its steps until group 0's
+    two ranks started, never waiting on a peer); each step is applied once; both groups equal one process."""
+    out, (host, port) = str(tmp_path), lighthouse
+    store_port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
+    templates = _templates(tmp_path / "templates.yaml")
+    steps = 12  # group 0 re-forms in about 10 s while group 1 paces its steps 3 s apart; 10 of them leave 30 s
+    base = {"mode": "group", "lighthouse": f"{host}:{port}", "groups": 2, "steps": steps, "out": out,
+            "timeout": 10.0, "global_batch": 4, "templates": templates}
+    elastic = {**base, "group": 0, "devices": 1, "elastic": True}
+    first = _launch_elastic(elastic, 0, store_port)
+    group1 = _launch({**base, "group": 1, "devices": 1,
+                      "pace": {"until": "world_0_2", "after": 2, "seconds": 3.0, "max": 180}}, restarts=0, nproc=1)
+    _wait_for_step(out, 0, 2, 300, [first, group1])
+    second = _launch_elastic(elastic, 1, store_port)
+    codes = _wait([first, second, group1], 600)
+    del store
+    assert codes == [0, 0, 0], _log(out, "launch_*.log")
+    with open(os.path.join(out, "result_0.json")) as f:
+        r0 = json.load(f)
+    with open(os.path.join(out, "result_1.json")) as f:
+        r1 = json.load(f)
+    assert r1["restart"] == 0 and [s for s, _ in r1["steps"]] == list(range(1, steps + 1))
+    assert r0["world_size"] == 2 and r0["stats"]["healed_steps"] == 1
+    assert r1["shares"]["0"] == 2 and r1["shares"][str(steps - 1)] == 1  # 1 + 1 nodes: 2 + 2; 2 + 1 nodes: 3 + 1
+    healed = [e for e in r0["events"] if e["event"] == "healed"][0]["step"]
+    assert [s for s, _ in r0["steps"]] == list(range(healed + 1, steps + 1))
+    _assert_both_groups_equal_the_reference(out, steps)
 
 
 @pytest.mark.slow

@@ -100,6 +100,18 @@ class FaultTolerance:
         if not 0 <= self.manager_port < 65536:
             raise ValueError(f"fault_tolerance.manager_port must be a port (0: any), got {self.manager_port}")
 
+    def elastic_launch_problem(self, environ=os.environ) -> str | None:
+        """What is wrong with a torchrun launch that re-forms at templates, or None. torch 2.13's shared rendezvous
+        store does not publish the next round's master address when the agent that was rank 0 stays rank 0 (a node
+        joins): every agent then waits 60 s and fails; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` avoids it."""
+        if not self.templates or "TORCHELASTIC_RUN_ID" not in environ:
+            return None
+        if environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+            return ("fault_tolerance.templates re-forms groups when torchrun changes their nodes, but torchrun runs "
+                    "with its shared rendezvous store, which does not publish the master address when a node joins "
+                    "(every agent then fails after 60 s): export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun")
+        return None
+
     def template(self, world_size: int):
         """The template of ``world_size`` devices from ``templates`` (a ValueError names the sizes covered)."""
         from lightning_mm.plan.templates import Templates

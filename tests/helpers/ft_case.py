@@ -10,8 +10,11 @@ count comes from torchrun's world size),
 timeout (s), global_batch (FaultTolerance's: the groups may differ in layout), wait_rejoin (the surviving group waits 2 steps after the kill until the lost group restarted, so it
 rejoins before the run ends), ft (false: no fault tolerance, e.g. one group over two nodes), save_every (steps:
 ModelCheckpoint into ckpt_dir), resume ("last": a torchrun restart resumes from ckpt_dir's latest checkpoint with
-``trainer.fit(ckpt_path=...)``). Every group's rank 0 appends ``<step> <time> <restart>`` to ``steps_<group>.log``
-at each batch end and writes ``result_<group>.json`` (without fault tolerance: steps and timings only). The
+``trainer.fit(ckpt_path=...)``), pace ({"until": marker, "after": step, "seconds": s, "max": s}: from that step on,
+this group sleeps ``seconds`` after each step until the marker file exists, at most ``max`` in all: slower steps,
+never a blocked peer). Every group's rank 0 writes ``world_<group>_<world size>`` after its first step, appends
+``<step> <time> <restart>`` to ``steps_<group>.log`` at each batch end and writes ``result_<group>.json`` (without
+fault tolerance: steps and timings only). The
 reference reads the data settings a group wrote (``data.json``) and trains one process on the same global batches.
 """
 
@@ -61,17 +64,24 @@ class Events(L.Callback):
         self._kill(trainer, "backward")
 
     def on_train_start(self, trainer, pl_module):
-        self.train_start = time.time()
+        self.train_start, self.paced = time.time(), 0.0
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             open(os.path.join(self.cfg["out"], f"restarted_{self.cfg['group']}"), "w").close()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps.append((trainer.global_step, time.time()))
+        if trainer.global_rank == 0 and len(self.steps) == 1:  # joined a quorum (healed if behind) and trained
+            open(os.path.join(self.cfg["out"], f"world_{self.cfg['group']}_{trainer.world_size}"), "w").close()
         if trainer.global_rank == 0:
             with open(os.path.join(self.cfg["out"], f"steps_{self.cfg['group']}.log"), "a") as f:
                 f.write(f"{trainer.global_step} {self.steps[-1][1]:.6f} "
                         f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
         self._kill(trainer, "batch_end")
+        pace = self.cfg.get("pace")
+        if pace and trainer.global_step >= pace["after"] and self.paced < pace["max"] \
+                and not os.path.exists(os.path.join(self.cfg["out"], pace["until"])):
+            time.sleep(pace["seconds"])
+            self.paced += pace["seconds"]
         kill = self.cfg.get("kill")
         if self.cfg.get("wait_rejoin") and kill and self.cfg["group"] != kill["group"] \
                 and trainer.global_step == kill["step"] + 2:  # the lost group can rejoin before the run ends
