@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 
 CAUSAL_BIT = tl.constexpr(1 << 62)
-MODALITY_MASK = tl.constexpr((1 << 62) - 1)
+SPAN_BIT = tl.constexpr(1 << 61)
+MODALITY_MASK = tl.constexpr((1 << 61) - 1)
 
 
 @triton.jit
@@ -18,8 +19,8 @@ def allowed_tile(qw, qp, qs, kw, kp, ks, window, HAS_SEG: tl.constexpr, HAS_WIND
     q_mod = qw & MODALITY_MASK
     k_mod = kw & MODALITY_MASK
     is_causal = (qw & CAUSAL_BIT) != 0
-    ok_causal = (kp <= qp) & ((q_mod & k_mod) != 0)
     ok_plain = q_mod == k_mod
+    ok_causal = ((kp <= qp) & ((q_mod & k_mod) != 0)) | (((qw & SPAN_BIT) != 0) & ok_plain)
     ok = tl.where(is_causal, ok_causal, ok_plain) & (qw != 0) & (kw != 0)
     if HAS_SEG:
         ok = ok & (qs == ks)

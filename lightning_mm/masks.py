@@ -1,11 +1,16 @@
 """The bitfield attention mask (BAM): one int64 word per token instead of an [S, S] mask.
 
-Bits 0..61 are modality bits (bit 0 = text, bit k = the k-th encoder of ``MultimodalModel.encoders``),
-bit 62 is CAUSAL, bit 63 is always 0 and word 0 is padding. Query i may attend key j iff both words are
-non-zero, both tokens share a segment, and
+Bits 0..60 are modality bits (bit 0 = text, bit k = the k-th encoder of ``MultimodalModel.encoders``; the bits
+above the last encoder's are free for span ids), bit 61 is SPAN, bit 62 is CAUSAL, bit 63 is always 0 and word 0 is
+padding. Query i may attend key j iff both words are non-zero, both tokens share a segment, and
 
-* CAUSAL in w_i:     j <= i and (w_i & w_j & MODALITY_BITS) != 0
+* CAUSAL in w_i:     j <= i and (w_i & w_j & MODALITY_BITS) != 0,
+                     or SPAN in w_i and (w_i & MODALITY_BITS) == (w_j & MODALITY_BITS)
 * CAUSAL not in w_i: (w_i & MODALITY_BITS) == (w_j & MODALITY_BITS)
+
+SPAN words (:func:`span_word`) give causal tokens that also see the later tokens of their own span (an item whose
+tokens carry the same span id in the free bits): Gemma 3's images, bidirectional within each image and causal
+otherwise.
 
 An optional sliding window of ``W`` tokens (a per-layer property of the model, e.g. Gemma's local layers)
 additionally requires ``pos_i - pos_j < W`` for every pair, causal or not (:func:`in_window`).
@@ -21,17 +26,18 @@ import functools
 import numpy as np
 import torch
 
-MAX_ENCODERS = 61
+MAX_ENCODERS = 60
 TEXT = 1
 CAUSAL = 1 << 62
-MODALITY_BITS = CAUSAL - 1
+SPAN = 1 << 61
+MODALITY_BITS = SPAN - 1
 _SIGN_BIT = -(1 << 63)  # bit 63 as a signed int64
 
 LAYOUTS = ("ep", "ee", "mp")
 
 
 def modality_bit(k: int) -> int:
-    """The bit of modality ``k``: 0 is text, 1..61 the encoders in order."""
+    """The bit of modality ``k``: 0 is text, 1..60 the encoders in order."""
     if not 0 <= k <= MAX_ENCODERS:
         raise ValueError(f"modality index {k} is out of range: the mask has bits for text (0) and at most "
                          f"{MAX_ENCODERS} encoders (1..{MAX_ENCODERS}); use fewer encoders")
@@ -50,6 +56,20 @@ def modality_word(k: int, num_encoders: int, causal: bool = False) -> int:
     if not 1 <= k <= num_encoders:
         raise ValueError(f"encoder index {k} is not in 1..{num_encoders}")
     return text_word(num_encoders) if causal else modality_bit(k)
+
+
+def span_word(k: int, num_encoders: int, span: int) -> int:
+    """Word of a token of encoder ``k`` in span ``span`` (>= 1; one id per item of a row): the text word (causal,
+    sees every earlier token) that also sees the later tokens of the same span. The span id sits in the bits above
+    the encoders' (``60 - num_encoders`` of them)."""
+    check_num_encoders(num_encoders)
+    if not 1 <= k <= num_encoders:
+        raise ValueError(f"encoder index {k} is not in 1..{num_encoders}")
+    limit = 1 << (MAX_ENCODERS - num_encoders)
+    if not 1 <= span < limit:
+        raise ValueError(f"span id {span} is not in 1..{limit - 1}: a row of {num_encoders} encoders has room for "
+                         f"{limit - 1} spans")
+    return text_word(num_encoders) | SPAN | span << (num_encoders + 1)
 
 
 def segment_dtype(num_segments: int) -> torch.dtype:
@@ -132,8 +152,9 @@ def allowed(q_words: torch.Tensor, k_words: torch.Tensor, q_pos: torch.Tensor, k
     q_mod, k_mod = qw & MODALITY_BITS, kw & MODALITY_BITS
     causal = (qw & CAUSAL) != 0
     qp, kp = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
-    ok_causal = (kp <= qp) & ((q_mod & k_mod) != 0)
-    ok = torch.where(causal, ok_causal, q_mod == k_mod) & (qw != 0) & (kw != 0)
+    same = q_mod == k_mod
+    ok_causal = ((kp <= qp) & ((q_mod & k_mod) != 0)) | (((qw & SPAN) != 0) & same)
+    ok = torch.where(causal, ok_causal, same) & (qw != 0) & (kw != 0)
     if window is not None:
         ok &= in_window(qp, kp, window)
     if q_seg is not None:
@@ -282,9 +303,21 @@ def block_workload(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.
 # ``words_from_modalities`` turns it into words.
 # ----------------------------------------------------------------------------------------------------------
 
+def item_spans(token_modality: torch.Tensor) -> torch.Tensor:
+    """Per token: the 1-based index, within its row, of the run of modality tokens it is in (0 for text and
+    padding). A run is a maximal stretch of tokens of one encoder, which is how HF's Gemma 3 tells its images
+    apart (``token_type_ids`` groups)."""
+    item = token_modality > 0
+    prev = torch.nn.functional.pad(token_modality[..., :-1], (1, 0), value=-2)
+    starts = item & (token_modality != prev)
+    return torch.where(item, torch.cumsum(starts.long(), -1), 0)
+
+
 def words_from_modalities(token_modality: torch.Tensor, num_encoders: int,
-                          causal_modalities: bool | set[int] = False) -> torch.Tensor:
-    """Words for a per-token modality index tensor (-1 padding, 0 text, k>=1 encoder k)."""
+                          causal_modalities: bool | set[int] = False, spans: bool = False) -> torch.Tensor:
+    """Words for a per-token modality index tensor (-1 padding, 0 text, k>=1 encoder k). ``spans``: every item
+    (run of modality tokens, :func:`item_spans`) gets its own :func:`span_word`: causal, and bidirectional within
+    the item (Gemma 3)."""
     check_num_encoders(num_encoders)
     if token_modality.numel() and int(token_modality.max()) > num_encoders:
         raise ValueError(f"token modality index {int(token_modality.max())} exceeds num_encoders={num_encoders}")
@@ -293,7 +326,13 @@ def words_from_modalities(token_modality: torch.Tensor, num_encoders: int,
     for k in range(1, num_encoders + 1):
         causal = causal_modalities if isinstance(causal_modalities, bool) else k in causal_modalities
         table[k + 1] = modality_word(k, num_encoders, causal)
-    return table.to(token_modality.device)[token_modality.long() + 1]
+    words = table.to(token_modality.device)[token_modality.long() + 1]
+    if not spans:
+        return words
+    span = item_spans(token_modality)
+    if span.numel() and int(span.max()) >= 1 << (MAX_ENCODERS - num_encoders):
+        span_word(1, num_encoders, int(span.max()))  # raises, naming the limit
+    return torch.where(span > 0, text_word(num_encoders) | SPAN | span << (num_encoders + 1), words)
 
 
 def layout_ep(items: list[tuple[int, int]], text_len: int) -> torch.Tensor:
@@ -326,10 +365,11 @@ def layout_mp(samples: list[torch.Tensor], seq_len: int) -> tuple[torch.Tensor, 
 
 
 def random_bam(layout: str, seq_len: int, num_encoders: int = 2, batch: int = 1, seed: int = 0,
-               mean_item_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               mean_item_tokens: int | None = None, spans: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Random words of an EP/EE/MP layout filling ``seq_len`` (seeded): ``(bam [B,S], segment_ids or None)``.
 
-    About half of the tokens are modality tokens, in items of ``mean_item_tokens`` (default seq_len/8).
+    About half of the tokens are modality tokens, in items of ``mean_item_tokens`` (default seq_len/8); with
+    ``spans`` each item gets a span word (causal, bidirectional within the item: Gemma 3's images).
     Used by tests and benchmarks of the kernels and the CP distributions.
     """
     if layout not in LAYOUTS:
@@ -359,5 +399,5 @@ def random_bam(layout: str, seq_len: int, num_encoders: int = 2, batch: int = 1,
         else:
             mods = sample(seq_len)
         rows.append(mods)
-    bam = words_from_modalities(torch.stack(rows), num_encoders)
+    bam = words_from_modalities(torch.stack(rows), num_encoders, spans=spans)
     return bam, (torch.stack(segs) if layout == "mp" else None)

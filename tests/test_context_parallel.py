@@ -44,8 +44,10 @@ def brute_force_makespan(work, g):
 
 
 def word_soup(gen, b, s, runs=False):
-    """Random words from a pool covering padding, text, bidirectional, causal-only and partial-overlap words."""
-    pool = torch.tensor([0, masks.text_word(2), 2, 4, 6, masks.CAUSAL, masks.CAUSAL | 2, masks.CAUSAL | 5, 1])
+    """Random words from a pool covering padding, text, bidirectional, causal-only, partial-overlap and span
+    words."""
+    pool = torch.tensor([0, masks.text_word(2), 2, 4, 6, masks.CAUSAL, masks.CAUSAL | 2, masks.CAUSAL | 5, 1,
+                         masks.span_word(1, 2, 1), masks.span_word(2, 2, 2)])
     if runs:
         return pool[torch.randint(0, len(pool), (b, s // 3 + 1), generator=gen)].repeat_interleave(3, 1)[:, :s]
     return pool[torch.randint(0, len(pool), (b, s), generator=gen)]
@@ -56,10 +58,11 @@ def word_soup(gen, b, s, runs=False):
 # ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("spans", [False, True])
 @pytest.mark.parametrize("layout", masks.LAYOUTS)
-def test_block_workload_equals_dense_on_layouts(layout):
+def test_block_workload_equals_dense_on_layouts(layout, spans):
     for seed, (s, block) in enumerate([(64, 8), (70, 8), (33, 4), (50, 7), (16, 16), (5, 8)]):
-        bam, seg = masks.random_bam(layout, s, 2, 2, seed, mean_item_tokens=max(1, s // 5))
+        bam, seg = masks.random_bam(layout, s, 2, 2, seed, mean_item_tokens=max(1, s // 5), spans=spans)
         ref = dense_block_pairs(bam, seg, block)
         assert torch.equal(masks.block_pairs(bam, block, seg), ref)
         assert torch.equal(masks.block_workload(bam, block, seg), ref.sum(-1))
@@ -302,11 +305,13 @@ def test_shift_labels_and_shard_batch():
 # CP attention, multi-process (gloo) against single-process dense attention on the full sequence
 # ----------------------------------------------------------------------------------------------------------
 
-CASES = [(layout, method) for layout in masks.LAYOUTS for method in cp.METHODS]
+# (layout, distribution, span words: Gemma 3's causal items that are bidirectional within themselves)
+CASES = [(layout, method, False) for layout in masks.LAYOUTS for method in cp.METHODS] + [
+    ("ee", "lpt", True), ("mp", "random", True)]
 
 
-def _full_problem(layout, seed, s=38, heads=4, kv_heads=2, dim=8):
-    bam, seg = masks.random_bam(layout, s, 2, 2, seed, mean_item_tokens=5)
+def _full_problem(layout, seed, s=38, heads=4, kv_heads=2, dim=8, spans=False):
+    bam, seg = masks.random_bam(layout, s, 2, 2, seed, mean_item_tokens=5, spans=spans)
     bam[1, -3:] = 0  # padding rows must output zeros
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(2, heads, s, dim, generator=gen, dtype=torch.float64)
@@ -323,8 +328,8 @@ def _cp_worker(rank, world, init_file, configs):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         block = 4
-        for i, (layout, method) in enumerate(CASES):
-            bam, seg, q, k, v, dout = _full_problem(layout, i)
+        for i, (layout, method, spans) in enumerate(CASES):
+            bam, seg, q, k, v, dout = _full_problem(layout, i, spans=spans)
             s = bam.shape[1]
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             ref = dense_attention(*leaves, bam, seg, 8 ** -0.5)
@@ -339,7 +344,8 @@ def _cp_worker(rank, world, init_file, configs):
                 out = cp.context_parallel_attention(lq, lk, lv, sh(bam, 1), None if seg is None else sh(seg, 1),
                                                     idx, None, head_groups=head_groups)
                 out.backward(sh(dout))
-                ctx = f"rank {rank}/{world} {layout} {method} head_groups={head_groups} fallback={fallback}"
+                ctx = f"rank {rank}/{world} {layout} {method} spans={spans} head_groups={head_groups} " \
+                      f"fallback={fallback}"
                 torch.testing.assert_close(out, sh(ref.detach()), rtol=1e-9, atol=1e-10, msg=ctx)
                 for name, got, full in (("dq", lq, leaves[0]), ("dk", lk, leaves[1]), ("dv", lv, leaves[2])):
                     torch.testing.assert_close(got.grad, sh(full.grad), rtol=1e-9, atol=1e-10,
@@ -369,11 +375,11 @@ def _ulysses_worker(rank, world, init_file, mode, degree):
         else:
             groups = ContextParallelGroups("ulysses", None, None)
         block = 4
-        for i, (layout, method) in enumerate(CASES):
+        for i, (layout, method, spans) in enumerate(CASES):
             if world > 2 and method not in ("lpt", "random"):  # uneven and scattered local lengths suffice here
                 continue
             for kv_heads in (2, 1):  # 1 < degree: each rank gets a copy of the one KV head
-                bam, seg, q, k, v, dout = _full_problem(layout, i, kv_heads=kv_heads)
+                bam, seg, q, k, v, dout = _full_problem(layout, i, kv_heads=kv_heads, spans=spans)
                 s = bam.shape[1]
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 ref = dense_attention(*leaves, bam, seg, 8 ** -0.5)

@@ -1,4 +1,4 @@
-"""Composite HF checkpoints (LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen2-Audio): ``MultimodalModel.from_pretrained`` against
+"""Composite HF checkpoints (LLaVA, Qwen-VL, Gemma 3, Qwen2-Audio): ``MultimodalModel.from_pretrained`` against
 the HF composite class itself, and ``save_pretrained`` back.
 
 Each folder is written by ``save_pretrained`` from a tiny random composite built from a config (nothing is
@@ -37,6 +37,16 @@ def tiny_composite(kind: str, **extra):
         cfg = tf.LlavaConfig(vision_config=vision, text_config=dict(model_type="llama", **TEXT), image_token_id=IMG,
                              **extra)
         return tf.LlavaForConditionalGeneration(cfg)
+    if kind == "gemma3":  # local layers with a 7-token window (shorter than the rows), 4 tokens per image
+        from lightning_mm.model.families import LANGUAGE_FAMILIES
+
+        text = LANGUAGE_FAMILIES["gemma3_text"].tiny_config(sliding_window=7).to_dict()
+        text.update(extra.pop("text", {}))
+        vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, image_size=16, patch_size=4)
+        cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_id=IMG,
+                              boi_token_id=VSTART, eoi_token_id=VEND, **extra)
+        return tf.Gemma3ForConditionalGeneration(cfg)
     if kind in MROPE_KINDS:
         text = dict(TEXT, rope_parameters=MROPE)
         given = extra.pop("text", {})
@@ -103,6 +113,10 @@ def batch_for(kind: str, config):
         counts = [[per, per], [per]]
         inputs = {"pixel_values": torch.randn(3, 3, 16, 16, generator=g)}
         hf_inputs = dict(inputs)
+    elif kind == "gemma3":  # 16 patches pooled to 4 tokens per image
+        counts = [[4, 4], [4]]
+        inputs = {"pixel_values": torch.randn(3, 3, 16, 16, generator=g)}
+        hf_inputs = dict(inputs)
     elif kind in MROPE_KINDS:
         grids = [[1, 8, 8], [1, 4, 8], [1, 8, 4]]
         counts = [[16, 8], [8]]
@@ -128,14 +142,17 @@ def batch_for(kind: str, config):
     hf_inputs.update(input_ids=ids, attention_mask=attention, labels=labels)
     if kind in MROPE_KINDS:
         hf_inputs["mm_token_type_ids"] = (ids == IMG).int()
+    if kind == "gemma3":  # HF's image blocks (bidirectional within each image)
+        hf_inputs["token_type_ids"] = (ids == IMG).long()
     modality = "audio" if kind == "qwen2_audio" else "vision"
     ours = {"input_ids": ids, "attention_mask": attention, "labels": labels, modality: inputs,
             "item_counts": {modality: torch.tensor([len(c) for c in counts])}}
     return ours, hf_inputs
 
 
-KINDS = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_audio"]
+KINDS = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_audio", "gemma3"]
 CLASSES = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+           "gemma3": "Gemma3ForConditionalGeneration",
            "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
            "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
            "qwen2_audio": "Qwen2AudioForConditionalGeneration"}
@@ -149,7 +166,8 @@ def load_hf(kind, path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_loss_logits_gradients_and_round_trip_equal_hf(kind, tmp_path):
-    tied = kind == "qwen2_vl"  # the composite config ties the head to the embedding (its text config does not)
+    tied = kind in ("qwen2_vl", "gemma3")  # the composite config ties the head to the embedding (its text config
+    # does not)
     folder = save_composite(kind, tmp_path / "src", **({"tie_word_embeddings": True} if tied else {}))
     ref = load_hf(kind, folder).train()
     model = lmm.MultimodalModel.from_pretrained(folder).train()
@@ -163,7 +181,7 @@ def test_loss_logits_gradients_and_round_trip_equal_hf(kind, tmp_path):
     batch, hf_inputs = batch_for(kind, ref.config)
     # the placeholder counts are known before any encoder runs (grids, per-clip lengths, CLS dropped)
     counts = {"llava": [4, 4, 4], "qwen2_vl": [16, 8, 8], "qwen2_5_vl": [16, 8, 8], "qwen3_vl": [16, 8, 8],
-              "qwen3_vl_moe": [16, 8, 8], "qwen2_audio": [4, 2, 3]}
+              "qwen3_vl_moe": [16, 8, 8], "qwen2_audio": [4, 2, 3], "gemma3": [4, 4, 4]}
     assert model.encoders[modality].num_tokens(batch[modality]) == counts[kind]
     assert_like_hf(model, ref, spec, batch, hf_inputs, logits_atol=1e-5)
 

@@ -113,10 +113,11 @@ def _dense_classes(qw, kw, qp, kp, qs, ks, tq, tk):
     return torch.where(every, tiles.FULL, torch.where(some, tiles.PARTIAL, tiles.SKIP)).to(torch.int8)
 
 
+@pytest.mark.parametrize("spans", [False, True])
 @pytest.mark.parametrize("layout", masks.LAYOUTS)
 @pytest.mark.parametrize("tq,tk", [(16, 16), (16, 32), (32, 16)])
-def test_tile_classes_match_brute_force(layout, tq, tk):
-    bam, seg = masks.random_bam(layout, 203, num_encoders=3, batch=2, seed=7, mean_item_tokens=24)
+def test_tile_classes_match_brute_force(layout, tq, tk, spans):
+    bam, seg = masks.random_bam(layout, 203, num_encoders=3, batch=2, seed=7, mean_item_tokens=24, spans=spans)
     bam[1, 150:] = 0
     pos = torch.arange(203).expand(2, 203)
     qi = torch.cat([torch.arange(32, 64), torch.arange(160, 203)])  # a CP-like query subset
@@ -170,10 +171,11 @@ def test_auto_chunk_splits_only_heavy_tiles():
 
 # ------------------------------------------------------------------------------------------------ fwd + bwd
 
-@pytest.mark.parametrize("layout,kv_split", [("ep", 0), ("ee", 1), ("mp", None), ("mp", 2)])
-def test_matches_reference_on_layouts(layout, kv_split):
+@pytest.mark.parametrize("layout,kv_split,spans", [("ep", 0, False), ("ee", 1, False), ("mp", None, False),
+                                                    ("mp", 2, False), ("ee", None, True), ("mp", 2, True)])
+def test_matches_reference_on_layouts(layout, kv_split, spans):
     b, s = 2, 61
-    bam, seg = masks.random_bam(layout, s, num_encoders=2, batch=b, seed=3, mean_item_tokens=9)
+    bam, seg = masks.random_bam(layout, s, num_encoders=2, batch=b, seed=3, mean_item_tokens=9, spans=spans)
     bam[0, -5:] = 0  # padding at the end of one row
     q, k, v, dout = _inputs(b, 4, 2, s, s, 32, torch.float32, seed=1)
     _compare(q, k, v, dout, _words(bam, seg), kv_split=kv_split)

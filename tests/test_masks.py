@@ -12,9 +12,9 @@ def rule(wi, wj, i, j, si, sj):
     """DESIGN.md's rule, written out literally for one pair."""
     if wi == 0 or wj == 0 or si != sj:
         return False
-    mod = (1 << 62) - 1
+    mod = (1 << 61) - 1
     if wi & (1 << 62):
-        return j <= i and (wi & wj & mod) != 0
+        return (j <= i and (wi & wj & mod) != 0) or (bool(wi & (1 << 61)) and (wi & mod) == (wj & mod))
     return (wi & mod) == (wj & mod)
 
 
@@ -25,6 +25,8 @@ def random_words(gen: random.Random, n, num_encoders=3):
     for _ in range(n):
         if gen.random() < 0.3:  # arbitrary words, causal or not
             words.append(gen.getrandbits(num_encoders + 1) | (gen.random() < 0.5) << 62)
+        elif gen.random() < 0.2:  # a span word of one of three spans
+            words.append(masks.span_word(gen.randrange(1, num_encoders + 1), num_encoders, gen.randrange(1, 4)))
         else:
             words.append(gen.choice(choices))
     return words
@@ -92,3 +94,21 @@ def test_validation_errors():
         masks.to_dense(torch.ones(1, 4, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long))
     with pytest.raises(TypeError, match="int64"):
         masks.validate(torch.ones(1, 4, dtype=torch.int32))
+
+
+def test_span_words_see_their_own_item_both_ways_and_earlier_tokens():
+    """Gemma 3's images: each run of modality tokens its own span; a span token sees every earlier token and the
+    later tokens of its own run, text stays causal; HF's ``token_type_ids`` groups written out."""
+    mods = torch.tensor([[0, 1, 1, 0, 1, 1, 1, 0, -1]])  # text, image A (2), text, image B (3), text, padding
+    assert masks.item_spans(mods).tolist() == [[0, 1, 1, 0, 2, 2, 2, 0, 0]]
+    bam = masks.words_from_modalities(mods, 1, spans=True)
+    dense = masks.to_dense(bam)[0]
+    group = [0, 1, 1, 0, 2, 2, 2, 0, 0]
+    for i in range(8):
+        for j in range(8):
+            expected = j <= i or (group[i] > 0 and group[i] == group[j])
+            assert bool(dense[i, j]) == expected, (i, j)
+    assert not dense[8].any() and not dense[:, 8].any()
+    assert masks.to_dense(bam, window=2)[0, 1, 2] and not masks.to_dense(bam, window=2)[0, 4, 1]  # AND the window
+    with pytest.raises(ValueError, match="room for 3 spans"):
+        masks.span_word(1, 58, 4)

@@ -105,10 +105,11 @@ def test_tile_classes_with_window_are_sound_and_skip_outside(layout, window):
             assert torch.equal(got != tiles.SKIP, some)
 
 
-@pytest.mark.parametrize("layout", masks.LAYOUTS)
+@pytest.mark.parametrize("layout,spans", [*((layout, False) for layout in masks.LAYOUTS), ("ee", True)])
 @pytest.mark.parametrize("window", [3, 24])
-def test_kernels_match_dense_with_window(layout, window):
-    bam, seg = masks.random_bam(layout, 70, num_encoders=2, batch=2, seed=window, mean_item_tokens=12)
+def test_kernels_match_dense_with_window(layout, window, spans):
+    """With span words too (Gemma 3's local layers: the window cuts an image's bidirectional block as HF does)."""
+    bam, seg = masks.random_bam(layout, 70, num_encoders=2, batch=2, seed=window, mean_item_tokens=12, spans=spans)
     bam[0, -6:] = 0
     q, k, v, dout = _inputs(2, 4, 2, 70, 70, 16, torch.float32, seed=window)
     pos = torch.arange(70).expand(2, 70)

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FIXED_SIZE_IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaImageProcessor")
+FIXED_SIZE_IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "LlavaImageProcessor",
+                               "Gemma3ImageProcessor")
 QWEN2_VL_IMAGE_PROCESSORS = ("Qwen2VLImageProcessor",)
 WHISPER_FEATURE_EXTRACTORS = ("WhisperFeatureExtractor",)
 AUDIO_CALL_KEYS = {"sampling_rate", "return_attention_mask", "do_normalize"}
@@ -118,6 +119,8 @@ def image_inputs(proc, sizes: list[tuple[int, int]], kwargs: dict | None = None)
         patches = sum(gh * gw for _, gh, gw in grids)
         return {"pixel_values": _meta(patches, 3 * t * p * p), "image_grid_thw": torch.tensor(grids, dtype=torch.long)}
     if name in FIXED_SIZE_IMAGE_PROCESSORS:
+        if getattr(proc, "do_pan_and_scan", False):  # Gemma 3's extra crops depend on the image: not a header rule
+            return None
         crop, size = getattr(proc, "crop_size", None), getattr(proc, "size", None)
         if getattr(proc, "do_center_crop", False) and _size(crop, "height") and _size(crop, "width"):
             out = (_size(crop, "height"), _size(crop, "width"))  # a center crop pads smaller images

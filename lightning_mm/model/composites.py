@@ -1,4 +1,4 @@
-"""HF composite multimodal checkpoints in and out: LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen2-Audio;
+"""HF composite multimodal checkpoints in and out: LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen2-Audio;
 LLaVA-NeXT, LLaVA-OneVision and InternVL through their tile adapters (``lightning_mm.model.tiles``).
 
 ``from_pretrained(MultimodalModel, folder)`` (what ``MultimodalModel.from_pretrained`` calls) builds a model whose
@@ -33,6 +33,61 @@ from lightning_mm.model.loading import ModelFolderError, PretrainedSource
 from lightning_mm.model.mrope_lm import Qwen2_5_VLTextForCausalLM, Qwen2VLTextForCausalLM  # noqa: F401  (re-export)
 
 
+# ---------------------------------------------------------------------------------------------- encoder views
+class PooledImagesFamily:
+    """Gemma 3's tower as its composite reads it: SigLIP's ``last_hidden_state`` (final norm included) of each
+    image, then the projector (``Gemma3MultiModalProjector``), which average-pools the patch grid to
+    ``mm_tokens_per_image`` tokens, normalises and projects them. Everything else is the base family's."""
+
+    def __init__(self, base, config):
+        self.base, self.config = base, config
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("base", "config"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return int(self.config.mm_tokens_per_image)
+
+    def num_tokens(self, config, inputs) -> list[int]:
+        return [self.tokens_per_image] * len(self.base.num_tokens(config, inputs))
+
+    def encoder_positions(self, config, inputs) -> list[int]:
+        """The patches the tower's layers see per image (the projector then pools them)."""
+        return self.base.num_tokens(config, inputs)
+
+    @property
+    def positions_per_token(self) -> int:
+        """Tower positions pooled into one LLM token (the encoder's cost per emitted token)."""
+        vc = self.config.vision_config
+        return (vc.image_size // vc.patch_size) ** 2 // self.tokens_per_image
+
+    def project(self, projector, feats, ctx) -> torch.Tensor:
+        """The projector on each image's patches ``[images, patches, H]`` (it pools over the patch grid)."""
+        vc = self.config.vision_config
+        patches = (vc.image_size // vc.patch_size) ** 2
+        return projector(feats.view(-1, patches, feats.shape[-1])).flatten(0, 1)
+
+
+@dataclass(frozen=True)
+class PooledImagesAdapter:
+    """What ``from_pretrained`` needs for Gemma 3: its projector as HF builds it, and the pooled view."""
+
+    name: str = "Gemma 3"
+    extra_prefixes: tuple = ()
+
+    def build_projector(self, projector: nn.Module, config) -> nn.Module:
+        return projector
+
+    def family(self, base, config, drop_first: bool):
+        return PooledImagesFamily(base, config)
+
+
+POOLED_IMAGES = PooledImagesAdapter()
+
+
 # ---------------------------------------------------------------------------------------------- the composites
 @dataclass(frozen=True)
 class CompositeSpec:
@@ -49,6 +104,7 @@ class CompositeSpec:
     feature_layer: bool = False  # the tower is cut after ``vision_feature_layer`` (LLaVA and its successors)
     adapter: object = None       # tiled images (lightning_mm.model.tiles): the encoder view and projector extras
     video: str | None = None     # how the tower reads videos ("qwen2": Qwen2-VL's grids; "qwen2_5": seconds per grid)
+    bidirectional_items: bool = False  # each image's tokens also see each other (Gemma 3), causal otherwise
 
     def hf_class(self):
         import transformers
@@ -76,6 +132,9 @@ SPECS = {s.class_name: s for s in (
                   "model.visual.", None, mrope=True),
     CompositeSpec("Qwen2AudioForConditionalGeneration", "qwen2_audio", "audio", "audio_config", "audio_token_id",
                   "model.audio_tower.", "model.multi_modal_projector."),
+    CompositeSpec("Gemma3ForConditionalGeneration", "gemma3", "vision", "vision_config", "image_token_id",
+                  "model.vision_tower.", "model.multi_modal_projector.", adapter=POOLED_IMAGES,
+                  bidirectional_items=True),
 )}
 LM_PREFIXES = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
 
@@ -366,6 +425,7 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
                                 getattr(tower_config, "tokens_per_second", 1.0) if seconds else 1.0))
     model = model_class(encoders, lm, placeholder_ids=placeholders)
     model.causal_modalities = causal_modalities
+    model.bidirectional_items = spec.bidirectional_items and causal_modalities
     if spec.mrope:
         model.position_ids_fn = MRopePositions(tuple(kinds), tower_config.spatial_merge_size)
     model.composite = CompositeSource(spec, copy.deepcopy(config), folder.path,

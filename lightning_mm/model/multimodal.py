@@ -112,6 +112,8 @@ class MultimodalModel(nn.Module):
     # text word by default (HF's causal pattern), ``position_ids_fn(input_ids, modality_inputs, attention_mask)``
     # gives the LLM's own positions (M-RoPE) when a batch has none, ``composite`` is what save_pretrained writes back
     causal_modalities: bool = False
+    # each item's tokens causal and bidirectional among themselves (Gemma 3's images: masks.span_word)
+    bidirectional_items: bool = False
     position_ids_fn = None
     composite = None
 
@@ -234,10 +236,12 @@ class MultimodalModel(nn.Module):
     def build_bam(self, input_ids, attention_mask=None,
                   causal_modalities: bool | set[int] | None = None) -> torch.Tensor:
         """Default words: text causal over everything, each modality bidirectional among its own tokens (or, with
-        ``causal_modalities``, default ``self.causal_modalities``, the text word: plain causal)."""
+        ``causal_modalities``, default ``self.causal_modalities``, the text word: plain causal); with
+        ``self.bidirectional_items`` each item's tokens are causal and also see the later tokens of their own item
+        (Gemma 3's images)."""
         causal = self.causal_modalities if causal_modalities is None else causal_modalities
         return masks.words_from_modalities(self.modality_of_tokens(input_ids, attention_mask), len(self.encoders),
-                                           causal)
+                                           causal, spans=self.bidirectional_items)
 
     def check_placeholders(self, input_ids: torch.Tensor, modality_inputs: dict[str, dict]) -> None:
         """Raise if a modality's placeholder count differs from what its encoder will emit (before it runs)."""

@@ -12,6 +12,8 @@ MultimodalParallelStrategy, described by a JSON argument.
   sees the rows one process sees
 - ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta; each rank reads its stage in setup)
 - ``videos``: samples also hold videos (the "video" modality of Qwen2-VL / Qwen2.5-VL composites)
+- ``image_size``: images of that fixed size (``pixel_values [n, 3, S, S]``: SigLIP towers, Gemma 3) instead of
+  Qwen-VL grids
 
 Batches come from ``MultimodalCollator``: samples with one or two images of different grids, so rows differ in
 length (padding) and the M-RoPE ``position_ids`` ``[B, S, 3]`` travel with the tokens.
@@ -32,9 +34,10 @@ GRIDS = [(1, 8, 8), (1, 4, 8), (1, 8, 4), (1, 4, 4)]
 VIDEO_GRIDS = [(2, 4, 4), (4, 4, 8), (3, 8, 4)]
 
 
-def sample(i: int, videos: bool = False) -> dict:
-    """One or two images of different grids; with ``videos``, every sample but every third also holds a video of
-    2 to 4 temporal patches (before or after its images), and every third sample no image."""
+def sample(i: int, videos: bool = False, image_size: int | None = None) -> dict:
+    """One or two images of different grids (or of ``image_size`` pixels); with ``videos``, every sample but every
+    third also holds a video of 2 to 4 temporal patches (before or after its images), and every third sample no
+    image."""
     g = torch.Generator().manual_seed(i)
     n_images = 0 if videos and i % 3 == 0 else 1 + i % 2
     grids = [GRIDS[(i + k) % len(GRIDS)] for k in range(n_images)]
@@ -47,7 +50,9 @@ def sample(i: int, videos: bool = False) -> dict:
         ids += [VSTART, pid, VEND] + torch.randint(1, 90, (2,), generator=g).tolist()
     ids += torch.randint(1, 90, (4,), generator=g).tolist()
     out = {"input_ids": torch.tensor(ids)}
-    if grids:
+    if grids and image_size:
+        out["vision"] = {"pixel_values": torch.randn(len(grids), 3, image_size, image_size, generator=g)}
+    elif grids:
         out["vision"] = {"pixel_values": torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 4 * 4, generator=g),
                          "image_grid_thw": torch.tensor(grids)}
     if video is not None:
@@ -129,7 +134,8 @@ def main(spec: str, out: str):
         devices = (vision_pp * vision_cp + pp * cp) * case.get("dp", 1)
     else:
         strategy, devices = "auto", 1
-    train(case, out, strategy, devices, lambda model: [sample(i, case.get("videos", False)) for i in range(12)])
+    train(case, out, strategy, devices,
+          lambda model: [sample(i, case.get("videos", False), case.get("image_size")) for i in range(12)])
 
 
 if __name__ == "__main__":
