@@ -78,9 +78,9 @@ def test_bad_tensor_parallel_specs_fail_before_any_process_group():
     with pytest.raises(ValueError, match=r"encoder 'image' \(Dinov2Model\) has no tensor-parallel plan; use "
                                          r"encoders=\{'image': ParallelSpec\(tp=1\)\}"):
         check_tensor_parallel(model, {"image": 2}, 1)  # SwiGLU Dinov2: fused input projection
-    with pytest.raises(ValueError, match=r"encoder 'video' \(Qwen2VisionTransformerPretrainedModel\) has no"):
-        check_tensor_parallel(model, {"video": 2}, 1)
-    check_tensor_parallel(model, {"vision": 2, "image": 1, "video": 1}, 2)
+    with pytest.raises(ValueError, match=r"encoder 'video': tp=3 does not divide num_attention_heads=4"):
+        check_tensor_parallel(model, {"video": 3}, 1)  # the Qwen-VL towers' plan splits heads
+    check_tensor_parallel(model, {"vision": 2, "image": 1, "video": 2}, 2)
     check_tensor_parallel(lmm.MultimodalModel({"image": lmm.ModalityEncoder(tiny_encoder("dinov2"))},
                                               tiny_language_model()), {"image": 2}, 1)
     with pytest.raises(ValueError, match="unknown sharding_strategy 'ZERO3'.*FULL_SHARD"):
@@ -185,3 +185,21 @@ def test_a_bad_tensor_parallel_spec_under_the_trainer_is_the_error_the_user_sees
     last = proc.stderr.strip().splitlines()[-1]
     assert "tp=2 does not divide intermediate_size=63; choose a tp that divides it" in last, proc.stderr[-3000:]
     assert "meta tensor" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_qwen_vl_towers_split_over_tp_train_like_one_process(kind, tmp_path):
+    """A Qwen-VL tower over 2 tensor-parallel ranks (the fused q/k/v whole with each rank's heads, output projection
+    and MLP split; Qwen2.5-VL's window attention, Qwen3-VL's DeepStack mergers), the LLM on a third rank: one
+    process's losses and trained parameters."""
+    from tests.helpers.composite_case import run_case
+    from tests.test_hf_composites import save_composite
+
+    folder = save_composite(kind, tmp_path / "src")
+    ref_losses, ref_params = run_case("composite_case.py", {"folder": folder}, tmp_path, "single")
+    losses, params = run_case("composite_case.py", {"folder": folder, "vision_tp": 2}, tmp_path, "vision_tp2")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert set(params) == set(ref_params)
+    for n, p in ref_params.items():
+        torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)

@@ -406,6 +406,10 @@ class Qwen2VisionFamily(EncoderFamily):
     hf_module = "transformers.models.qwen2_vl.modeling_qwen2_vl"
     folder_model_types = {"qwen2_vl_vision": None, "qwen2_vl": "vision_config"}
     embed_modules = ("patch_embed",)
+    # the fused q/k/v stays whole, each tp rank keeping its heads (tensor_parallel.FUSED_QKV_HEADS); the output
+    # projection and the MLP are split as usual
+    tp_plan = {"attn.qkv": "fused_qkv_heads", "attn.proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
+    tp_head_attrs = ("attn.num_heads",)
 
     def layers(self, enc):
         return enc.blocks
@@ -604,6 +608,8 @@ class Qwen25VisionFamily(Qwen2VisionFamily):
     name, class_names = "Qwen2.5-VL vision", ("Qwen2_5_VisionTransformerPretrainedModel",)
     hf_module = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
     folder_model_types = {"qwen2_5_vl_vision": None, "qwen2_5_vl": "vision_config"}
+    tp_plan = {"attn.qkv": "fused_qkv_heads", "attn.proj": "rowwise", "mlp.gate_proj": "colwise",
+               "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
 
     def output_dim(self, enc):
         return enc.config.out_hidden_size
@@ -674,6 +680,8 @@ class Qwen3VisionFamily(Qwen2VisionFamily):
     hf_module = "transformers.models.qwen3_vl.modeling_qwen3_vl"
     folder_model_types = {"qwen3_vl_vision": None, "qwen3_vl": "vision_config"}
     embed_modules = ("patch_embed", "pos_embed")
+    tp_plan = {"attn.qkv": "fused_qkv_heads", "attn.proj": "rowwise", "mlp.linear_fc1": "colwise",
+               "mlp.linear_fc2": "rowwise"}
 
     def deepstack_layers(self, config) -> int:
         return len(config.deepstack_visual_indexes)

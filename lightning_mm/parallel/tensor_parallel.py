@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -29,6 +31,9 @@ STYLES = {
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
 }
 GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
+# a fused q/k/v projection (Qwen-VL towers' ``attn.qkv``, rows [q | k | v], each head-major) kept whole on every tp
+# rank, its output cut to this rank's heads of q, k and v; its input gradient and parameter gradients summed over tp
+FUSED_QKV_HEADS = "fused_qkv_heads"
 LAYERS = "layers.*."
 EXPERTS = LAYERS + "mlp.experts"
 
@@ -72,10 +77,10 @@ def check_tensor_parallel(model, encoder_tp: dict[str, int], language_model_tp: 
         if not enc.family.tensor_parallel_plan(enc.module):
             raise ValueError(f"encoder {name!r} ({type(enc.module).__name__}) has no tensor-parallel plan; use "
                              f"encoders={{{name!r}: ParallelSpec(tp=1)}} (families with one: CLIP, SigLIP, Dinov2 "
-                             "without SwiGLU, Whisper, Qwen2-Audio)")
+                             "without SwiGLU, InternViT without qk norms, Whisper, Qwen2-Audio, the Qwen-VL towers)")
         cfg = enc.module.config
         _divides(tp, {"num_attention_heads": getattr(cfg, "num_attention_heads", None)
-                      or getattr(cfg, "encoder_attention_heads", None),
+                      or getattr(cfg, "encoder_attention_heads", None) or getattr(cfg, "num_heads", None),
                       "intermediate_size": getattr(cfg, "intermediate_size", None)
                       or getattr(cfg, "encoder_ffn_dim", None)}, f"encoder {name!r}")
 
@@ -98,13 +103,45 @@ def _styles(layer: nn.Module, path: str, style: str) -> dict[str, object]:
     return styles
 
 
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tp group (the input of a map whose output each tp rank
+    keeps a part of)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _keep_heads_of_fused_qkv(module: nn.Module, mesh) -> None:
+    """``FUSED_QKV_HEADS``: ``module`` (a linear map to ``[.., 3 * heads * head_dim]``) stays whole; its output keeps
+    heads ``r * heads / tp ..`` of each of q, k and v on tp rank ``r``, laid out as the attention reshapes it with
+    ``heads / tp`` heads. Whole weights keep checkpoints and exports as they are (DCP cannot save the interleaved
+    shard a column split of the fused rows would be); the q/k/v matmul is repeated on every tp rank."""
+    tp, rank, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    module.register_forward_pre_hook(lambda m, args: (_SumGradOverTP.apply(args[0], group), *args[1:]))
+
+    def keep(m, args, out):
+        parts = out.unflatten(-1, (3, tp, out.shape[-1] // (3 * tp)))
+        return parts[..., rank, :].flatten(-2)
+    module.register_forward_hook(keep)
+
+
 def _parallelize_layer(layer: nn.Module, mesh, plan: dict[str, str], head_attrs: tuple[str, ...],
                        allreduce: list[nn.Parameter]) -> None:
     styles = {k: v for path, style in plan.items() for k, v in _styles(layer, path, style).items()}
     parallelize_module(layer, mesh, styles)
     for k, v in plan.items():
-        if v == GRAD_ALLREDUCE:
+        if v in (GRAD_ALLREDUCE, FUSED_QKV_HEADS):
             allreduce += list(layer.get_submodule(k).parameters())
+        if v == FUSED_QKV_HEADS:
+            _keep_heads_of_fused_qkv(layer.get_submodule(k), mesh)
     for path in head_attrs:  # attention modules that reshape by a stored head count hold tp-th of the heads
         owner, attr = path.rsplit(".", 1)
         module = layer.get_submodule(owner)

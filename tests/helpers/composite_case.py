@@ -5,9 +5,9 @@ MultimodalParallelStrategy, described by a JSON argument.
 ``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names). Keys of the JSON:
 
 - ``folder``: the composite folder (required); ``steps``
-- ``llm_pp`` / ``llm_cp`` / ``vision_pp`` / ``vision_cp`` / ``dp``: the LLM's pipeline stages and
-  context-parallel ranks, the vision tower's stages and context-parallel ranks, and the replicas under the
-  strategy; without any, plain single-device Lightning. Under
+- ``llm_pp`` / ``llm_cp`` / ``vision_pp`` / ``vision_cp`` / ``vision_tp`` / ``dp``: the LLM's pipeline stages and
+  context-parallel ranks, the vision tower's stages, context-parallel and tensor-parallel ranks, and the replicas
+  under the strategy; without any, plain single-device Lightning. Under
   ``dp`` replica r takes rows r, r + dp, ... of every batch of 4 (an unshuffled DistributedSampler), so each step
   sees the rows one process sees
 - ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta; each rank reads its stage in setup)
@@ -125,13 +125,13 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
 def main(spec: str, out: str):
     case = json.loads(spec)
     torch.set_num_threads(1)
-    if {"llm_pp", "llm_cp", "vision_pp", "vision_cp", "dp"} & set(case):
+    if {"llm_pp", "llm_cp", "vision_pp", "vision_cp", "vision_tp", "dp"} & set(case):
         pp, cp, vision_pp = case.get("llm_pp", 1), case.get("llm_cp", 1), case.get("vision_pp", 1)
-        vision_cp = case.get("vision_cp", 1)
-        strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=vision_pp, cp=vision_cp)},
-                                                  language_model=lmm.ParallelSpec(pp=pp, cp=cp),
-                                                  num_microbatches=2, cp_block_size=8, fault_timeout=120)
-        devices = (vision_pp * vision_cp + pp * cp) * case.get("dp", 1)
+        vision_cp, vision_tp = case.get("vision_cp", 1), case.get("vision_tp", 1)
+        strategy = lmm.MultimodalParallelStrategy(
+            encoders={"vision": lmm.ParallelSpec(pp=vision_pp, cp=vision_cp, tp=vision_tp)},
+            language_model=lmm.ParallelSpec(pp=pp, cp=cp), num_microbatches=2, cp_block_size=8, fault_timeout=120)
+        devices = (vision_pp * vision_cp * vision_tp + pp * cp) * case.get("dp", 1)
     else:
         strategy, devices = "auto", 1
     train(case, out, strategy, devices,
