@@ -25,7 +25,7 @@ TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
 MROPE_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-VIDEO_KINDS = ("qwen2_vl", "qwen2_5_vl")
+VIDEO_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def tiny_composite(kind: str, **extra):

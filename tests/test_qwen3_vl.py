@@ -45,7 +45,7 @@ def test_deepstack_reaches_the_first_llm_layers_as_in_hf(tmp_path):
     folder = save_composite("qwen3_vl", tmp_path / "src", **DEEP)
     ref = load_hf("qwen3_vl", folder)
     model = lmm.MultimodalModel.from_pretrained(folder)
-    assert model.deepstack == {"vision": 3}
+    assert model.deepstack == {"vision": 3, "video": 3}  # videos run the same tower
     batch, hf_inputs = batch_for("qwen3_vl", ref.config)
     ours = {k: v for k, v in batch.items() if k != "item_counts"}
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Video through the image tower (Qwen2-VL, Qwen2.5-VL): a "video" modality whose encoder shares the vision
+"""Video through the image tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a "video" modality whose encoder shares the vision
 encoder's tower and projector, against HF's composite on a batch mixing an image sample, a video sample and a
 sample with both; and under pipeline stages, where the video runs on the tower's own stages."""
 
@@ -14,12 +14,20 @@ VID = 101
 DIM = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch
 
 
-def _row(items: list[tuple[int, int]], seed: int) -> list[int]:
-    """Text, then each (placeholder id, tokens) item between vision start/end tokens, then text."""
+def _row(items: list[tuple[int, int]], seed: int, frames: dict[int, int] | None = None) -> list[int]:
+    """Text, then each (placeholder id, tokens) item between vision start/end tokens, then text. ``frames``: item
+    index -> temporal steps of a video laid out frame by frame, each after two timestamp tokens (Qwen3-VL's
+    processor writes ``<t seconds>`` there) and between its own start/end tokens."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 90, (4,), generator=g).tolist()
-    for pid, n in items:
-        ids += [VSTART] + [pid] * n + [VEND] + torch.randint(1, 90, (3,), generator=g).tolist()
+    for i, (pid, n) in enumerate(items):
+        t = (frames or {}).get(i)
+        if t:
+            for _ in range(t):
+                ids += torch.randint(1, 90, (2,), generator=g).tolist() + [VSTART] + [pid] * (n // t) + [VEND]
+        else:
+            ids += [VSTART] + [pid] * n + [VEND]
+        ids += torch.randint(1, 90, (3,), generator=g).tolist()
     return ids + torch.randint(1, 90, (2,), generator=g).tolist()
 
 
@@ -29,8 +37,11 @@ def mixed_batch(kind: str):
     g = torch.Generator().manual_seed(2)
     image_grids, video_grids = [[1, 8, 4], [1, 4, 4]], [[2, 4, 4], [3, 4, 8]]
     tokens = lambda grid: grid[0] * grid[1] * grid[2] // 4  # noqa: E731  (merge 2 x 2)
-    rows = [_row([(IMG, tokens(image_grids[0])), (VID, tokens(video_grids[0]))], 0),
-            _row([(VID, tokens(video_grids[1]))], 1), _row([(IMG, tokens(image_grids[1]))], 2)]
+    per_frame = kind in ("qwen3_vl", "qwen3_vl_moe")  # Qwen3-VL: frames apart, each after its timestamp
+    rows = [_row([(IMG, tokens(image_grids[0])), (VID, tokens(video_grids[0]))], 0,
+                 {1: video_grids[0][0]} if per_frame else None),
+            _row([(VID, tokens(video_grids[1]))], 1, {0: video_grids[1][0]} if per_frame else None),
+            _row([(IMG, tokens(image_grids[1]))], 2)]
     length = max(map(len, rows))
     ids, attention = torch.full((3, length), PAD), torch.zeros(3, length, dtype=torch.long)
     for r, row in enumerate(rows):
@@ -50,7 +61,7 @@ def mixed_batch(kind: str):
     return ours, hf
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_images_and_videos_equal_hf_and_share_one_tower(kind, tmp_path):
     folder = save_composite(kind, tmp_path / "src")
     ref = load_hf(kind, folder).train()
@@ -168,3 +179,15 @@ def test_the_planner_costs_a_shared_tower_once_with_both_modalities_work(tmp_pat
     assert all(b > a > 0 for a, b in zip(images_only.forward[1:-1], times["vision"].forward[1:-1]))
     assert model_costs.planned_partition(model, {"vision": 2, "language_model": 2}) == \
         {"vision": [1, 1], "language_model": [1, 1]}
+
+
+def test_qwen3_vl_generate_with_videos_frame_by_frame_equals_hf_generate(tmp_path):
+    """Qwen3-VL: videos laid out frame by frame between timestamp tokens (each frame its own M-RoPE item, as HF's
+    ``get_rope_index`` splits them), DeepStack features of images and videos at prefill: one-process greedy tokens
+    and every step's logits equal HF's composite ``generate`` on the left-padded batch."""
+    from tests.test_mrope_generate import _assert_like_hf
+
+    folder = save_composite("qwen3_vl", tmp_path / "src")
+    model, ref = lmm.MultimodalModel.from_pretrained(folder).eval(), load_hf("qwen3_vl", folder).eval()
+    batch, _ = mixed_batch("qwen3_vl")
+    _assert_like_hf(model, ref, {k: v for k, v in batch.items() if k not in ("labels", "item_counts")})

@@ -103,7 +103,9 @@ class CompositeSpec:
     mrope: bool = False
     feature_layer: bool = False  # the tower is cut after ``vision_feature_layer`` (LLaVA and its successors)
     adapter: object = None       # tiled images (lightning_mm.model.tiles): the encoder view and projector extras
-    video: str | None = None     # how the tower reads videos ("qwen2": Qwen2-VL's grids; "qwen2_5": seconds per grid)
+    # how the tower reads videos ("qwen2": Qwen2-VL's grids; "qwen2_5": seconds per grid; "qwen3": frame by frame,
+    # timestamps as text between the frames)
+    video: str | None = None
     bidirectional_items: bool = False  # each image's tokens also see each other (Gemma 3), causal otherwise
 
     def hf_class(self):
@@ -127,9 +129,9 @@ SPECS = {s.class_name: s for s in (
     CompositeSpec("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "vision", "vision_config", "image_token_id",
                   "model.visual.", None, mrope=True, video="qwen2_5"),
     CompositeSpec("Qwen3VLForConditionalGeneration", "qwen3_vl", "vision", "vision_config", "image_token_id",
-                  "model.visual.", None, mrope=True),
+                  "model.visual.", None, mrope=True, video="qwen3"),
     CompositeSpec("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe", "vision", "vision_config", "image_token_id",
-                  "model.visual.", None, mrope=True),
+                  "model.visual.", None, mrope=True, video="qwen3"),
     CompositeSpec("Qwen2AudioForConditionalGeneration", "qwen2_audio", "audio", "audio_config", "audio_token_id",
                   "model.audio_tower.", "model.multi_modal_projector."),
     CompositeSpec("Gemma3ForConditionalGeneration", "gemma3", "vision", "vision_config", "image_token_id",
@@ -208,13 +210,16 @@ class FeatureSelectFamily:
 class MRopeItems:
     """One kind of item with M-RoPE positions: its modality, placeholder id and grid key; ``seconds_key`` (videos of
     Qwen2.5-VL: ``second_per_grid_ts``) spaces temporal positions by ``tokens_per_second`` per second of each grid
-    step, as HF's ``get_rope_index`` does (images and Qwen2-VL's videos: one per step)."""
+    step, as HF's ``get_rope_index`` does (images and Qwen2-VL's videos: one per step). ``per_frame`` (Qwen3-VL's
+    videos, whose frames are apart in the text, each after its timestamp): every temporal step of a grid is an item
+    of its own, ``(1, h, w)``, as HF's ``get_rope_index`` splits them."""
 
     modality: str
     placeholder_id: int
     grid_key: str = "image_grid_thw"
     seconds_key: str | None = None
     tokens_per_second: float = 1.0
+    per_frame: bool = False
 
 
 @dataclass(frozen=True)
@@ -234,6 +239,8 @@ class MRopePositions:
         for kind in self.kinds:
             inputs = modality_inputs.get(kind.modality) or {}
             grids[kind.placeholder_id] = inputs[kind.grid_key].tolist() if kind.grid_key in inputs else []
+            if kind.per_frame:
+                grids[kind.placeholder_id] = [[1, h, w] for t, h, w in grids[kind.placeholder_id] for _ in range(t)]
             seconds = inputs.get(kind.seconds_key) if kind.seconds_key else None
             intervals[kind.placeholder_id] = [kind.tokens_per_second * float(s) for s in seconds.tolist()] \
                 if seconds is not None else [1.0] * len(grids[kind.placeholder_id])
@@ -422,7 +429,8 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
         seconds = spec.video == "qwen2_5"
         kinds.append(MRopeItems("video", config.video_token_id, "video_grid_thw",
                                 "second_per_grid_ts" if seconds else None,
-                                getattr(tower_config, "tokens_per_second", 1.0) if seconds else 1.0))
+                                getattr(tower_config, "tokens_per_second", 1.0) if seconds else 1.0,
+                                per_frame=spec.video == "qwen3"))
     model = model_class(encoders, lm, placeholder_ids=placeholders)
     model.causal_modalities = causal_modalities
     model.bidirectional_items = spec.bidirectional_items and causal_modalities

@@ -86,13 +86,16 @@ def part_parameters(model) -> dict[str, list[list[torch.nn.Parameter]]]:
 
 def part_runners(model, batch: dict) -> dict[str, list[tuple[Callable, object, list[torch.nn.Parameter], int]]]:
     """Per module, its parts in order as (run(x) -> y, input x, parameters, input tokens). The inputs are
-    produced by running the parts in order on ``batch`` (no_grad), as the pipeline's stages do."""
+    produced by running the parts in order on ``batch`` (no_grad), as the pipeline's stages do. An encoder sharing
+    another's tower (``model.shared_encoders``: videos) without items in ``batch`` is left out."""
     from lightning_mm import loss as losses
 
     params = part_parameters(model)
     out, features = {}, {}
     with torch.no_grad():
         for name, enc in model.encoders.items():
+            if name in model.shared_encoders and name not in batch:
+                continue
             inputs = batch[name]
             hidden, ctx = enc.embed(inputs)
             runs = [(lambda x, enc=enc: enc.embed(x)[0], inputs, 0)]
@@ -186,6 +189,8 @@ def flop_times(model, batch: dict | None = None) -> dict[str, ModuleTimes]:
         out[module] = ModuleTimes([c[0] for c in counted], [c[1] for c in counted], [c[2] for c in counted],
                                   [_frozen(params) for _, _, params, _ in parts])
     for alias, owner in model.shared_encoders.items():  # a shared tower's layers run both modalities' items
+        if alias not in out:
+            continue
         a, o = out.pop(alias), out[owner]
         out[owner] = ModuleTimes(*([x + y for x, y in zip(getattr(o, f), getattr(a, f))]
                                    for f in ("forward", "input_grad", "weight_grad")), o.frozen)
