@@ -34,22 +34,19 @@ from lightning_mm.model.mrope_lm import Qwen2_5_VLTextForCausalLM, Qwen2VLTextFo
 
 
 # ---------------------------------------------------------------------------------------------- encoder views
-class PooledImagesFamily:
+class PooledImagesFamily(tiles._TowerView):
     """Gemma 3's tower as its composite reads it: SigLIP's ``last_hidden_state`` (final norm included) of each
     image, then the projector (``Gemma3MultiModalProjector``), which average-pools the patch grid to
     ``mm_tokens_per_image`` tokens, normalises and projects them. Everything else is the base family's."""
 
-    def __init__(self, base, config):
-        self.base, self.config = base, config
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("base", "config"):
-            raise AttributeError(name)
-        return getattr(self.base, name)
-
     @property
     def tokens_per_image(self) -> int:
         return int(self.config.mm_tokens_per_image)
+
+    @property
+    def patches_per_image(self) -> int:
+        vc = self.config.vision_config
+        return (vc.image_size // vc.patch_size) ** 2
 
     def num_tokens(self, config, inputs) -> list[int]:
         return [self.tokens_per_image] * len(self.base.num_tokens(config, inputs))
@@ -61,31 +58,14 @@ class PooledImagesFamily:
     @property
     def positions_per_token(self) -> int:
         """Tower positions pooled into one LLM token (the encoder's cost per emitted token)."""
-        vc = self.config.vision_config
-        return (vc.image_size // vc.patch_size) ** 2 // self.tokens_per_image
+        return self.patches_per_image // self.tokens_per_image
 
     def project(self, projector, feats, ctx) -> torch.Tensor:
         """The projector on each image's patches ``[images, patches, H]`` (it pools over the patch grid)."""
-        vc = self.config.vision_config
-        patches = (vc.image_size // vc.patch_size) ** 2
-        return projector(feats.view(-1, patches, feats.shape[-1])).flatten(0, 1)
+        return projector(feats.view(-1, self.patches_per_image, feats.shape[-1])).flatten(0, 1)
 
 
-@dataclass(frozen=True)
-class PooledImagesAdapter:
-    """What ``from_pretrained`` needs for Gemma 3: its projector as HF builds it, and the pooled view."""
-
-    name: str = "Gemma 3"
-    extra_prefixes: tuple = ()
-
-    def build_projector(self, projector: nn.Module, config) -> nn.Module:
-        return projector
-
-    def family(self, base, config, drop_first: bool):
-        return PooledImagesFamily(base, config)
-
-
-POOLED_IMAGES = PooledImagesAdapter()
+POOLED_IMAGES = tiles.ViewAdapter("Gemma 3", PooledImagesFamily)
 
 
 # ---------------------------------------------------------------------------------------------- the composites

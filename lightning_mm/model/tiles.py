@@ -1,6 +1,6 @@
 """Tiled images: LLaVA-NeXT and LLaVA-OneVision (AnyRes) and InternVL, as their composite classes compute them.
 
-Each composite is one adapter (``AnyResAdapter`` / ``InternVLAdapter``: what ``lightning_mm.model.composites``
+Each composite is one adapter (``AnyResAdapter`` / ``ViewAdapter``: what ``lightning_mm.model.composites``
 needs to load and save it) and one encoder view over its tower's family (what the encoder computes per item). The input contract is the image
 processor's own output for a sample's images:
 
@@ -278,15 +278,19 @@ class InternVLTilesFamily(_TowerView):
 
 
 @dataclass(frozen=True)
-class InternVLAdapter:
-    name: str = "InternVL"
+class ViewAdapter:
+    """A composite whose projector is HF's own module and whose tower is read through ``view`` (a ``_TowerView``
+    class; the class token is kept: InternVL drops it in its view, Gemma 3's SigLIP has none)."""
+
+    name: str
+    view: type
     extra_prefixes: tuple = ()
 
     def build_projector(self, projector: nn.Module, config) -> nn.Module:
         return projector
 
     def family(self, base, config, drop_first: bool):
-        return InternVLTilesFamily(base, config, drop_first=False)
+        return self.view(base, config, drop_first=False)
 
 
 # ---------------------------------------------------------------------------------------------- media headers
@@ -344,7 +348,7 @@ def header_inputs(name: str, proc, sizes: list[tuple[int, int]], kwargs: dict | 
 LLAVA_NEXT = AnyResAdapter("LLaVA-NeXT", "transformers.models.llava_next.modeling_llava_next", "LlavaNextModel")
 LLAVA_ONEVISION = AnyResAdapter("LLaVA-OneVision", "transformers.models.llava_onevision.modeling_llava_onevision",
                                 "LlavaOnevisionModel", per_sample_tiling=True)
-INTERNVL = InternVLAdapter()
+INTERNVL = ViewAdapter("InternVL", InternVLTilesFamily)
 
-__all__ = ["AnyResAdapter", "AnyResFamily", "InternVLAdapter", "InternVLTilesFamily", "LLAVA_NEXT",
+__all__ = ["AnyResAdapter", "AnyResFamily", "ViewAdapter", "InternVLTilesFamily", "LLAVA_NEXT",
            "LLAVA_ONEVISION", "INTERNVL", "TILED", "header_inputs"]
