@@ -80,6 +80,18 @@ def test_llava_generation_under_llm_pp3_and_dp2(tmp_path):
 
 
 @pytest.mark.slow
+def test_generation_under_llm_tp2_equals_one_process(tmp_path):
+    """LLM pp 2 x tp 2 (5 ranks: each stage's layers and KV cache split by heads, the vocabulary-parallel logits of
+    the last position gathered to pick), LLaVA with stop tokens; and Qwen2-VL (M-RoPE) under LLM tp 2 in one stage
+    against HF's ``generate``."""
+    from tests.test_hf_composites import save_composite
+
+    _check(_run({"kind": "llava", "llm_pp": 2, "llm_tp": 2, "early_stop": True}, tmp_path, "pp2_tp2"), 5)
+    folder = save_composite("qwen2_vl", tmp_path / "src")
+    _check(_run({"kind": "qwen2_vl", "folder": folder, "llm_pp": 1, "llm_tp": 2}, tmp_path, "qwen_tp2"), 3)
+
+
+@pytest.mark.slow
 def test_llava_generation_with_an_encoder_pipeline_and_with_encoders_in_the_first_llm_stage(tmp_path):
     """Vision pp 2 + LLM pp 2 (5 ranks: features cross two encoder stages first), and encoders replicated into the
     LLM's stages with LLM pp 2 (2 ranks: the first LLM stage encodes the images itself)."""
@@ -88,7 +100,7 @@ def test_llava_generation_with_an_encoder_pipeline_and_with_encoders_in_the_firs
 
 
 def test_layouts_it_does_not_serve_are_refused_with_the_fix():
-    """Tensor, context or expert parallelism on the LLM, a sharded LLM and per-module data parallelism; every rank
+    """Context or expert parallelism on the LLM, a sharded LLM and per-module data parallelism; every rank
     derives the same answer from the layout (the FSDP check is agreed on over the replica before any message)."""
     from types import SimpleNamespace
 
@@ -103,6 +115,6 @@ def test_layouts_it_does_not_serve_are_refused_with_the_fix():
 
     assert unserved_layout(engine(3, pp=2)) is None
     assert unserved_layout(engine(6, pp=2)) is None  # dp 2
-    for bad in (dict(pp=2, tp=2), dict(pp=2, cp=2)):
-        assert "cp=1, tp=1" in unserved_layout(engine(5, **bad))
+    assert unserved_layout(engine(5, pp=2, tp=2)) is None
+    assert "cp=1, ep=1" in unserved_layout(engine(5, pp=2, cp=2))
     assert "NO_SHARD" in unserved_layout(engine(6, fsdp=True, pp=2))

@@ -23,9 +23,13 @@ own and generated token ``t`` ``next_positions`` + ``t`` (``lightning_mm.model.g
 engine's ``StageComm`` (one exchange per send or receive, headers first), one at a time along the chain, so no
 cycle can wait on itself. The last LLM stage broadcasts the ids to every rank of the replica.
 
+Under tensor parallelism every tp rank of an LLM stage runs the stage's split layers (its KV cache holds its own
+heads), hidden states and tokens go between the ranks of the same tp index, and the last stage gathers the
+vocabulary-parallel logits of the last position only (``rows x vocab``) to pick the token on every tp rank.
+
 Served: greedy decoding (``do_sample=False``, one beam, one sequence per prompt), ``max_new_tokens``,
-``eos_token_id``, ``pad_token_id``; the LLM's stages without tensor, context or expert parallelism, no sharded
-(FSDP) LLM and no per-module data parallelism. Everything else is refused with the fix.
+``eos_token_id``, ``pad_token_id``; the LLM's stages with tensor parallelism but without context or expert
+parallelism, no sharded (FSDP) LLM and no per-module data parallelism. Everything else is refused with the fix.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_mm import masks
 from lightning_mm.attention.hf import check_honours_mask, generation_words
@@ -85,9 +90,10 @@ def unserved_layout(engine) -> str | None:
     if layout.disaggregated:
         return ("generation across pipeline stages needs one data-parallel degree for every module (no per-module "
                 "data parallelism): predict with a strategy whose modules share dp")
-    if any(layout.cp[s] > 1 or layout.tp[s] > 1 for s in llm) or layout.ep > 1:
-        return ("generation across pipeline stages runs each LLM stage on one rank: predict with "
-                "language_model=ParallelSpec(pp=..., cp=1, tp=1, ep=1) (the same checkpoint loads under any layout)")
+    if any(layout.cp[s] > 1 for s in llm) or layout.ep > 1:
+        return ("generation across pipeline stages runs each LLM stage without context or expert parallelism: "
+                "predict with language_model=ParallelSpec(pp=..., tp=..., cp=1, ep=1) (the same checkpoint loads "
+                "under any layout)")
     if engine.plan.language_model is not None and engine.fsdp_params:
         return ("generation across pipeline stages does not run a sharded (FSDP) language model: predict with "
                 "sharding_strategy='NO_SHARD'")
@@ -219,7 +225,8 @@ def pipeline_generate(engine, batch: dict, generation: dict) -> torch.Tensor:
 
 
 def _llm_rank(engine, k: int) -> int:
-    return engine.layout.rank(f"{LANGUAGE_MODEL}.{k}", engine.coord.dp)
+    """The rank of LLM stage ``k`` in this replica with this rank's tp index (every LLM stage has the same tp)."""
+    return engine.layout.rank(f"{LANGUAGE_MODEL}.{k}", engine.coord.dp, 0, engine.coord.tp)
 
 
 def _run_encoders(engine, batch: dict) -> dict[str, torch.Tensor]:
@@ -270,7 +277,10 @@ def _decode(engine, batch: dict, features: dict, settings: GreedySettings) -> tu
 
     def pick(hidden, t):  # the last stage: greedy tokens of the rows held; returns the rows still running
         with engine.forward_context():
-            tokens = model.logits(hidden[:, -1:]).argmax(-1).view(-1)
+            logits = model.logits(hidden[:, -1:])
+            if isinstance(logits, DTensor):  # vocabulary-parallel head: every tp rank picks from all of it
+                logits = logits.full_tensor()
+            tokens = logits.argmax(-1).view(-1)
         out[stage.rows, t] = tokens
         running = ~torch.isin(tokens, eos) if eos.numel() else torch.ones_like(tokens, dtype=torch.bool)
         return {"tokens": tokens[running], "rows": stage.rows[running]}
