@@ -20,7 +20,7 @@ import lightning_mm as lmm
 from tests.helpers.composite_case import run_case
 from tests.test_hf_composites import assert_like_hf, save_hf
 
-IMG, PAD = 100, 0
+IMG, PAD, VID = 100, 0, 101
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
 PINPOINTS = [[16, 32], [32, 16], [32, 32], [16, 48], [48, 16]]
@@ -47,7 +47,7 @@ def tiny_composite(kind: str, **extra):
                       num_attention_heads=4, image_size=16, patch_size=4)
         extra = {"vision_aspect_ratio": "anyres_max_1", **extra}  # interpolates the larger images' grids
         cfg = tf.LlavaOnevisionConfig(vision_config=vision, text_config=dict(model_type="qwen2", **TEXT),
-                                      image_token_id=IMG, image_grid_pinpoints=PINPOINTS, **extra)
+                                      image_token_id=IMG, video_token_id=VID, image_grid_pinpoints=PINPOINTS, **extra)
         return tf.LlavaOnevisionForConditionalGeneration(cfg)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   image_size=[16, 16], patch_size=[4, 4])
@@ -123,7 +123,8 @@ def test_loss_logits_gradients_and_round_trip_equal_hf(kind, tmp_path):
     ref = load_hf(kind, folder).train()
     model = lmm.MultimodalModel.from_pretrained(folder).train()
     spec = model.composite.spec
-    assert spec.class_name == CLASSES[kind] and model.placeholder_ids == {"vision": IMG}
+    videos = {"video": VID} if kind == "llava_onevision" else {}  # its videos run the same tower
+    assert spec.class_name == CLASSES[kind] and model.placeholder_ids == {"vision": IMG, **videos}
 
     samples = samples_for(kind)
     batch = lmm.data.MultimodalCollator(model)(samples)
@@ -404,3 +405,29 @@ def test_vision_tp2_trains_like_one_process(kind, tmp_path):
     assert set(params) == set(ref_params)
     for n, p in ref_params.items():
         torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_onevision_videos_equal_hf_and_share_the_tower(tmp_path):
+    """LLaVA-OneVision's videos (``pixel_values_videos``: frames through the same tower and projector, pooled, a
+    newline after each video) in a batch of an image-and-video sample, a video sample and an image sample, collated
+    from one placeholder per item: loss, logits and every gradient equal HF's."""
+    kind = "llava_onevision"
+    folder = save_composite(kind, tmp_path / "src")
+    ref = load_hf(kind, folder).train()
+    model = lmm.MultimodalModel.from_pretrained(folder).train()
+    assert model.shared_encoders == {"video": "vision"} and model.placeholder_ids["video"] == VID
+    proc, (first, third) = image_processor(kind), [row[:1] for row in images(kind)]
+    g = torch.Generator().manual_seed(5)
+    videos = [torch.randn(1, 2, 3, 16, 16, generator=g) for _ in range(2)]
+    assert model.encoders["video"].num_tokens({"pixel_values_videos": videos[0]}) == [2 * 2 * 2 + 1]
+    text = lambda n: torch.randint(1, 90, (n,), generator=g).tolist()  # noqa: E731
+    samples = [{"input_ids": torch.tensor(text(3) + [IMG] + text(2) + [VID] + text(2)),
+                "vision": encode(kind, proc, first), "video": {"pixel_values_videos": videos[0]}},
+               {"input_ids": torch.tensor(text(4) + [VID] + text(3)), "video": {"pixel_values_videos": videos[1]}},
+               {"input_ids": torch.tensor(text(2) + [IMG] + text(5)), "vision": encode(kind, proc, third)}]
+    batch = lmm.data.MultimodalCollator(model)(samples)
+    out = proc(images=[first, third], return_tensors="pt")
+    hf_inputs = {k: out[k] for k in ("pixel_values", "image_sizes", "batch_num_images")}
+    hf_inputs.update(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                     pixel_values_videos=torch.cat(videos))
+    assert_like_hf(model, ref, model.composite.spec, batch, hf_inputs, logits_atol=1e-5)

@@ -48,8 +48,8 @@ from lightning_mm.data.media_meta import audio_inputs, audio_length, blank_audio
 from lightning_mm.data.metadata import SampleMeta, item_sizes
 from lightning_mm.data.processor import MultimodalProcessor
 from lightning_mm.data.resumable import ShardedResumableDataLoader, SkippingDistributedSampler
-from lightning_mm.data.video import (SECONDS_PER_GRID_PROCESSORS, VideoOptions, VideoProcessor, load_video_processor,
-                                     read_header)
+from lightning_mm.data.video import (SECONDS_PER_GRID_PROCESSORS, UnservedVideoProcessor, VideoOptions,
+                                     VideoProcessor, load_video_processor, read_header)
 from lightning_mm.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,10 @@ class BadRecordError(ValueError):
 
 def modality_kind(encoder) -> str:
     """``"audio"`` for encoders fed log-mel features, ``"video"`` for those fed HF video processors' outputs
-    (``video_grid_thw``: a "video" modality through an image tower), else ``"image"``."""
+    (``video_grid_thw``, ``pixel_values_videos``: a "video" modality through an image tower), else ``"image"``."""
     key = encoder.family.input_key
-    return "audio" if key == "input_features" else "video" if key == "video_grid_thw" else "image"
+    return "audio" if key == "input_features" else "video" if key in ("video_grid_thw", "pixel_values_videos") \
+        else "image"
 
 
 def default_record_keys(model) -> dict[str, str]:
@@ -128,6 +129,12 @@ def load_processor(path, model, record_keys: dict[str, str] | None = None, video
     processors, kwargs = {}, {}
     for name, enc in model.encoders.items():
         kind = modality_kind(enc)
+        if kind == "video" and enc.family.input_key == "pixel_values_videos":
+            processors[name] = UnservedVideoProcessor(
+                f"modality {name!r} ({enc.family.config.model_type} videos): decoding video files for it is not "
+                "wired in ConversationDataModule; give samples holding its video processor's pixel_values_videos "
+                "(MultimodalCollator), or records without videos", video)
+            continue
         if kind == "video":
             processors[name] = _video_processor(path, name, auto, video)
             continue

@@ -350,3 +350,22 @@ class VideoProcessor:
             return out
         blanks = [Video(np.zeros((len(m.frames_indices), *self.frame_size(m), 3), np.uint8), m) for m in metas]
         return self(blanks)
+
+
+class UnservedVideoProcessor(VideoProcessor):
+    """A video modality the data path does not decode (LLaVA-OneVision's: its HF video processor needs torchvision
+    and its outputs are not wired here): records without videos load as usual; one with a video raises ``reason``.
+    Samples that already hold the processor's outputs (``pixel_values_videos``) train as any other."""
+
+    def __init__(self, reason: str, options=None):
+        self.reason, self.options, self.processor, self.seconds_per_grid, self.qwen2_vl = (
+            reason, VideoOptions.of(options), None, False, False)
+
+    def read(self, file):
+        raise NotImplementedError(self.reason)
+
+    def __call__(self, videos: list) -> dict:
+        raise NotImplementedError(self.reason)
+
+    def header_inputs(self, metadatas: list, blank: bool = False) -> dict:
+        raise NotImplementedError(self.reason)

@@ -84,7 +84,7 @@ class CompositeSpec:
     feature_layer: bool = False  # the tower is cut after ``vision_feature_layer`` (LLaVA and its successors)
     adapter: object = None       # tiled images (lightning_mm.model.tiles): the encoder view and projector extras
     # how the tower reads videos ("qwen2": Qwen2-VL's grids; "qwen2_5": seconds per grid; "qwen3": frame by frame,
-    # timestamps as text between the frames)
+    # timestamps as text between the frames; "onevision": frames as images, pooled, a newline after each video)
     video: str | None = None
     bidirectional_items: bool = False  # each image's tokens also see each other (Gemma 3), causal otherwise
 
@@ -101,7 +101,7 @@ SPECS = {s.class_name: s for s in (
                   "model.vision_tower.", "model.multi_modal_projector.", feature_layer=True, adapter=tiles.LLAVA_NEXT),
     CompositeSpec("LlavaOnevisionForConditionalGeneration", "llava_onevision", "vision", "vision_config",
                   "image_token_id", "model.vision_tower.", "model.multi_modal_projector.", feature_layer=True,
-                  adapter=tiles.LLAVA_ONEVISION),
+                  adapter=tiles.LLAVA_ONEVISION, video="onevision"),
     CompositeSpec("InternVLForConditionalGeneration", "internvl", "vision", "vision_config", "image_token_id",
                   "model.vision_tower.", "model.multi_modal_projector.", feature_layer=True, adapter=tiles.INTERNVL),
     CompositeSpec("Qwen2VLForConditionalGeneration", "qwen2_vl", "vision", "vision_config", "image_token_id",
@@ -404,7 +404,9 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
     if spec.video is not None and getattr(config, "video_token_id", None) is not None:
         # videos run through the same tower and projector (one copy of the parameters, shared_encoders)
         encoders["video"] = ModalityEncoder(tower, projector=projector)
-        encoders["video"].family = VideoInputs(enc.family)
+        encoders["video"].family = tiles.OneVisionVideoFamily(encoder_family(tower), copy.deepcopy(config),
+                                                              drop_first) \
+            if spec.video == "onevision" else VideoInputs(enc.family)
         placeholders["video"] = config.video_token_id
         seconds = spec.video == "qwen2_5"
         kinds.append(MRopeItems("video", config.video_token_id, "video_grid_thw",

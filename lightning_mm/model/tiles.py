@@ -197,6 +197,63 @@ class AnyResAdapter:
         return AnyResFamily(base, config, drop_first, self)
 
 
+class OneVisionVideoFamily(_TowerView):
+    """LLaVA-OneVision's videos through the image tower: ``pixel_values_videos [videos, frames, C, H, W]`` (the
+    video processor's output), every frame through the tower as one image (feature layer, no final norm, the class
+    token dropped by the "default" strategy), the projector, HF's ``apply_pooling`` (each frame's grid halved,
+    bilinear), the frames in order and one ``image_newline`` after each video, as HF's ``get_video_features``."""
+
+    input_key = "pixel_values_videos"
+
+    def num_items(self, inputs) -> int:
+        return int(inputs["pixel_values_videos"].shape[0])
+
+    def _frames(self, inputs) -> int:
+        pv = inputs["pixel_values_videos"]
+        if pv.dim() != 5:
+            raise ValueError(f"{self.config.model_type}: pixel_values_videos {tuple(pv.shape)} is not [videos, frames, "
+                             "C, H, W]; pass the video processor's output")
+        return int(pv.shape[1])
+
+    def pooled_tokens(self) -> int:
+        side = self.config.vision_config.image_size // self.config.vision_config.patch_size
+        return math.ceil(side / 2) ** 2
+
+    def num_tokens(self, config, inputs) -> list[int]:
+        return [self._frames(inputs) * self.pooled_tokens() + 1] * self.num_items(inputs)
+
+    def encoder_positions(self, config, inputs) -> list[int]:
+        """Positions the tower's layers see per video: its frames times a frame's positions."""
+        per = self.base.num_tokens(self.config.vision_config, _probe(inputs["pixel_values_videos"]))[0]
+        return [self._frames(inputs) * per] * self.num_items(inputs)
+
+    def embed(self, enc, inputs):
+        frames = self._frames(inputs)
+        hidden, ctx = self.base.embed(enc, {"pixel_values": inputs["pixel_values_videos"].flatten(0, 1)})
+        return hidden, {**ctx, "frames": frames}
+
+    def final(self, enc, hidden, ctx) -> torch.Tensor:
+        hidden = self._select(hidden)
+        return hidden.reshape(-1, hidden.shape[-1])
+
+    def random_inputs(self, config, num_items, generator=None, frames: int = 2, **_) -> dict:
+        """Random videos of ``frames`` frames of the tower's size."""
+        vc = self.config.vision_config
+        return {"pixel_values_videos": torch.randn(num_items, frames, vc.num_channels, vc.image_size, vc.image_size,
+                                                   generator=generator)}
+
+    def project(self, projector, feats, ctx) -> torch.Tensor:
+        from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel
+
+        side = self.config.vision_config.image_size // self.config.vision_config.patch_size
+        projected = projector(feats)
+        projected = projected.view(-1, side * side, projected.shape[-1])
+        pooled = LlavaOnevisionModel.apply_pooling(SimpleNamespace(config=self.config), projected)
+        videos = pooled.reshape(-1, ctx["frames"] * pooled.shape[1], pooled.shape[-1])
+        newline = getattr(projector, NEWLINE).to(videos.dtype)[None, None, :].expand(videos.shape[0], 1, -1)
+        return torch.cat([videos, newline], dim=1).flatten(0, 1)
+
+
 # ---------------------------------------------------------------------------------------------- InternVL
 class InternVLTilesFamily(_TowerView):
     """InternVL: every tile through the tower (its final norm only for ``vision_feature_layer=-1``, as HF takes
