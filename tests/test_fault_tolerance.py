@@ -98,12 +98,22 @@ def _closed_port() -> int:
     return port
 
 
-def test_an_unreachable_lighthouse_is_named_at_once():
-    ft = FaultTolerance(lighthouse=f"127.0.0.1:{_closed_port()}", replica_group=0)
+def test_an_unreachable_lighthouse_is_named_after_connect_timeout_and_a_late_one_is_waited_for():
+    """Groups started beside their lighthouse try to reach it for ``connect_timeout`` seconds, then name it."""
+    import threading
+
+    ft = FaultTolerance(lighthouse=f"127.0.0.1:{_closed_port()}", replica_group=0, connect_timeout=1.0)
     t0 = time.perf_counter()
     with pytest.raises(FaultToleranceError, match="lighthouse at 127.0.0.1:.* is unreachable.*lightning-mm lighthouse"):
         check_reachable(ft)
-    assert time.perf_counter() - t0 < 5
+    assert 1.0 <= time.perf_counter() - t0 < 5
+    port = _closed_port()
+    server = socket.socket()
+    threading.Timer(0.5, lambda: (server.bind(("127.0.0.1", port)), server.listen())).start()
+    try:
+        check_reachable(FaultTolerance(lighthouse=f"127.0.0.1:{port}", replica_group=0, connect_timeout=10.0))
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("setting", ["unreachable", "accumulate", "balancing"])
@@ -121,7 +131,7 @@ def test_bad_settings_fail_before_training(setting, tmp_path):
     try:
         address = lighthouse.address() if lighthouse else f"127.0.0.1:{_closed_port()}"
         strategy = lmm.MultimodalParallelStrategy(
-            fault_tolerance=FaultTolerance(lighthouse=address, replica_group=0),
+            fault_tolerance=FaultTolerance(lighthouse=address, replica_group=0, connect_timeout=1.0),
             batch_balancing="entrain" if setting == "balancing" else None)
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

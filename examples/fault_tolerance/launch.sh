@@ -10,6 +10,10 @@ port="${LIGHTHOUSE_PORT:-29510}"
 export TORCHFT_LIGHTHOUSE="localhost:$port" TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 OMP_NUM_THREADS=1
 lightning-mm lighthouse --bind "127.0.0.1:$port" --min_replicas 1 &
 lighthouse=$!
+for _ in $(seq 150); do  # up to 30 s for the lighthouse to listen before the groups look for it
+  (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+  sleep 0.2
+done
 pids=()
 trap 'kill "${pids[@]}" "$lighthouse" 2>/dev/null || true' EXIT
 for g in 0 1; do

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 
 log = logging.getLogger("lightning_mm.fault_tolerance")
 
@@ -142,16 +143,22 @@ def as_fault_tolerance(value) -> FaultTolerance | None:
 
 
 def check_reachable(config: FaultTolerance) -> None:
-    """A fast TCP connect to the lighthouse, with a message saying how to start one."""
+    """A TCP connect to the lighthouse, tried for up to ``connect_timeout`` seconds (a lighthouse started beside the
+    groups may still be importing), with a message saying how to start one."""
     host, port = config.address
-    try:
-        with socket.create_connection((host, port), timeout=min(config.connect_timeout, 5.0)):
-            pass
-    except OSError as e:
-        raise FaultToleranceError(
-            f"the fault-tolerance lighthouse at {host}:{port} is unreachable ({e}); start it before the replica groups "
-            f"(`lightning-mm lighthouse --min_replicas {config.min_replicas} --bind [::]:{port}`, or torchft's "
-            f"`torchft_lighthouse`) and check fault_tolerance.lighthouse / ${LIGHTHOUSE_ENV}") from None
+    deadline = time.monotonic() + config.connect_timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(config.connect_timeout, 5.0)):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise FaultToleranceError(
+                    f"the fault-tolerance lighthouse at {host}:{port} is unreachable ({e}); start it before the "
+                    f"replica groups (`lightning-mm lighthouse --min_replicas {config.min_replicas} --bind "
+                    f"[::]:{port}`, or torchft's `torchft_lighthouse`) and check fault_tolerance.lighthouse / "
+                    f"${LIGHTHOUSE_ENV}") from None
+        time.sleep(0.2)
 
 
 class _NoNcclNotes(logging.Filter):
