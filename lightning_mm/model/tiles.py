@@ -1,4 +1,5 @@
-"""Tiled images: LLaVA-NeXT and LLaVA-OneVision (AnyRes) and InternVL, as their composite classes compute them.
+"""Tiled images: LLaVA-NeXT and LLaVA-OneVision (AnyRes) and InternVL, as their composite classes compute them;
+LLaVA-OneVision's videos (``OneVisionVideoFamily``) through the same tower and projector.
 
 Each composite is one adapter (``AnyResAdapter`` / ``ViewAdapter``: what ``lightning_mm.model.composites``
 needs to load and save it) and one encoder view over its tower's family (what the encoder computes per item). The input contract is the image
