@@ -356,7 +356,8 @@ def _cp_worker(rank, world, init_file, configs):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,configs", [(2, [(1, False), (2, False), (2, True)]), (4, [(1, False)])])
+@pytest.mark.parametrize("world,configs", [(2, [(1, False), (2, False), (2, True)]),
+                                           pytest.param(4, [(1, False)], marks=pytest.mark.slow)])
 def test_cp_attention_matches_single_process(world, configs):
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_cp_worker, args=(world, os.path.join(tmp, "store"), configs), nprocs=world, join=True)
