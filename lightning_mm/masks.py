@@ -69,6 +69,11 @@ def span_word(k: int, num_encoders: int, span: int) -> int:
     if not 1 <= span < limit:
         raise ValueError(f"span id {span} is not in 1..{limit - 1}: a row of {num_encoders} encoders has room for "
                          f"{limit - 1} spans")
+    return _span_words(num_encoders, span)
+
+
+def _span_words(num_encoders: int, span):
+    """The span word(s) of span id(s) ``span`` (an int or a tensor): the rule of :func:`span_word`, unchecked."""
     return text_word(num_encoders) | SPAN | span << (num_encoders + 1)
 
 
@@ -332,7 +337,7 @@ def words_from_modalities(token_modality: torch.Tensor, num_encoders: int,
     span = item_spans(token_modality)
     if span.numel() and int(span.max()) >= 1 << (MAX_ENCODERS - num_encoders):
         span_word(1, num_encoders, int(span.max()))  # raises, naming the limit
-    return torch.where(span > 0, text_word(num_encoders) | SPAN | span << (num_encoders + 1), words)
+    return torch.where(span > 0, _span_words(num_encoders, span), words)
 
 
 def layout_ep(items: list[tuple[int, int]], text_len: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ from lightning_mm.model.mrope_lm import Qwen2_5_VLTextForCausalLM, Qwen2VLTextFo
 
 
 # ---------------------------------------------------------------------------------------------- encoder views
-class PooledImagesFamily(tiles._TowerView):
+class PooledImagesFamily(tiles.TowerView):
     """Gemma 3's tower as its composite reads it: SigLIP's ``last_hidden_state`` (final norm included) of each
     image, then the projector (``Gemma3MultiModalProjector``), which average-pools the patch grid to
     ``mm_tokens_per_image`` tokens, normalises and projects them. Everything else is the base family's."""

@@ -42,7 +42,7 @@ def _probe(pixel_values: torch.Tensor) -> dict:
     return {"pixel_values": torch.empty(1, *pixel_values.shape[-3:], device="meta")}
 
 
-class _TowerView:
+class TowerView:
     """An encoder family as a composite reads its tower: everything not overridden is the base family's."""
 
     def __init__(self, base, config, drop_first: bool):
@@ -62,7 +62,7 @@ class _TowerView:
 
 
 # ---------------------------------------------------------------------------------------------- AnyRes
-class AnyResFamily(_TowerView):
+class AnyResFamily(TowerView):
     """LLaVA-NeXT / LLaVA-OneVision: tiles through the tower, then projector and HF's packing (``project``)."""
 
     def __init__(self, base, config, drop_first: bool, adapter: "AnyResAdapter"):
@@ -198,7 +198,7 @@ class AnyResAdapter:
         return AnyResFamily(base, config, drop_first, self)
 
 
-class OneVisionVideoFamily(_TowerView):
+class OneVisionVideoFamily(TowerView):
     """LLaVA-OneVision's videos through the image tower: ``pixel_values_videos [videos, frames, C, H, W]`` (the
     video processor's output), every frame through the tower as one image (feature layer, no final norm, the class
     token dropped by the "default" strategy), the projector, HF's ``apply_pooling`` (each frame's grid halved,
@@ -256,7 +256,7 @@ class OneVisionVideoFamily(_TowerView):
 
 
 # ---------------------------------------------------------------------------------------------- InternVL
-class InternVLTilesFamily(_TowerView):
+class InternVLTilesFamily(TowerView):
     """InternVL: every tile through the tower (its final norm only for ``vision_feature_layer=-1``, as HF takes
     ``last_hidden_state`` then), the class token dropped ("default"), HF's ``pixel_shuffle`` by
     ``downsample_ratio``; then the projector. ``num_patches`` gives the tiles of each image."""
@@ -337,7 +337,7 @@ class InternVLTilesFamily(_TowerView):
 
 @dataclass(frozen=True)
 class ViewAdapter:
-    """A composite whose projector is HF's own module and whose tower is read through ``view`` (a ``_TowerView``
+    """A composite whose projector is HF's own module and whose tower is read through ``view`` (a ``TowerView``
     class; the class token is kept: InternVL drops it in its view, Gemma 3's SigLIP has none)."""
 
     name: str
