@@ -274,6 +274,12 @@ def test_sample_metadata_counts_tokens_from_image_headers(kind, tmp_path, monkey
 
     model = lmm.MultimodalModel.from_pretrained(save_composite(kind, tmp_path / "src"))
     proc_dir = make_processor(tmp_path / "proc")
+    if kind == "internvl":  # its processor writes <img> ... </img> around each image's tokens
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(proc_dir)
+        tok.add_special_tokens({"additional_special_tokens": ["<img>", "</img>"]})
+        tok.save_pretrained(proc_dir)
     image_processor(kind).save_pretrained(proc_dir)
     sizes = [(40, 20), (17, 33), (45, 16)]
     files = [f"im{w}x{h}.png" for w, h in sizes]
@@ -297,6 +303,10 @@ def test_sample_metadata_counts_tokens_from_image_headers(kind, tmp_path, monkey
     assert len(emitted) == 3 and len(set(emitted)) > 1, emitted
     if kind == "internvl":  # a tile: 4 tokens (downsample_ratio 0.5), the tower sees 16 patches + the class token
         assert all(seen == n // 4 * 17 for meta in metas for seen, n in meta.items["vision"])
+        framed = ds[1]["item_ids"]["vision"][0].tolist()  # <img> tokens </img>, counted as text
+        assert framed == tok.convert_tokens_to_ids(["<img>"]) + [IMG] * emitted[2] + tok.convert_tokens_to_ids(
+            ["</img>"])
+        assert metas[1].text_tokens == sum(1 for t in ds[1]["input_ids"].tolist() if t != IMG) + 2
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -284,3 +284,65 @@ def test_qwen_vl_composite_takes_the_samples(tmp_path, kind):
 
 def model_config_video_token(folder: Path) -> int:
     return json.loads((folder / "config.json").read_text())["video_token_id"]
+
+
+# ------------------------------------------------------------------------------------------ LLaVA-OneVision videos
+def test_onevision_video_processor_is_clip_image_processing_per_frame(tmp_path):
+    """Every frame resized, rescaled and normalised as HF's CLIP image processor does to one image (the same
+    transforms LlavaOnevisionVideoProcessor applies), stacked ``[videos, frames, C, H, W]``; exactly ``max_frames``
+    frames per video, repeated for a short one."""
+    from transformers import CLIPImageProcessor
+
+    from lightning_mm.data.video import OneVisionVideoProcessorPil, fixed_frame_indices
+
+    config = {"video_processor_type": "LlavaOnevisionVideoProcessor", "size": {"height": 16, "width": 16}}
+    proc = VideoProcessor(OneVisionVideoProcessorPil(config), {"max_frames": 4})
+    assert proc.fixed_frames
+    long, short = write_video(tmp_path / "long.mp4"), write_video(tmp_path / "short.mp4", frames=3, seed=1)
+    videos = [proc.read(long), proc.read(short)]
+    assert [v.metadata.frames_indices.tolist() for v in videos] == [[0, 3, 6, 9], [0, 1, 1, 2]]
+    np.testing.assert_array_equal(videos[1].frames, all_frames(short)[[0, 1, 1, 2]])
+    out = proc(videos)["pixel_values_videos"]
+    assert out.shape == (2, 4, 3, 16, 16)
+    clip = CLIPImageProcessor(size={"height": 16, "width": 16}, do_center_crop=False, resample=3)
+    ref = clip(images=list(videos[0].frames), return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(out[0], ref, rtol=0, atol=1e-5)
+    assert fixed_frame_indices(read_header(long), 1).tolist() == [0]
+    with pytest.raises(ValueError, match="videos of \\[3, 4\\] frames in one call"):
+        OneVisionVideoProcessorPil(config)([videos[0].frames, videos[0].frames[:3]])
+
+
+def test_onevision_conversation_with_videos_equals_hf(tmp_path):
+    """A LLaVA-OneVision folder's conversation data with an image and videos decoded (no torchvision: the numpy
+    processor): counted from headers as encoded, and the model's loss on the batch equals HF's."""
+    from PIL import Image
+
+    from tests.test_hf_composites import assert_like_hf
+    from tests.test_tile_composites import VID, image_processor, load_hf, save_composite
+
+    folder = save_composite("llava_onevision", tmp_path / "model")
+    proc_dir = make_processor(tmp_path / "processor")
+    image_processor("llava_onevision").save_pretrained(proc_dir)
+    (proc_dir / "video_preprocessor_config.json").write_text(json.dumps(
+        {"video_processor_type": "LlavaOnevisionVideoProcessor", "size": {"height": 16, "width": 16}}))
+    root = tmp_path / "data"
+    write_videos(root / "media")
+    Image.fromarray((np.random.default_rng(2).random((20, 40, 3)) * 255).astype(np.uint8)).save(
+        root / "media" / "a.png")
+    records = [{"image": "a.png", "video": "clip.mp4", "conversations": conv("<image> <video> what is this", "a")},
+               {"video": "wide.mp4", "conversations": conv("<video> what is this", "a red square")}]
+    model = lmm.MultimodalModel.from_pretrained(folder).train()
+    dm = ConversationDataModule(str(write_data(root, records)), str(root / "media"), str(proc_dir), model=model,
+                                batch_size=2, shuffle=False, cache_dir=str(tmp_path / "cache"),
+                                video={"max_frames": 3})
+    dm.setup("fit")
+    samples = [dm.train_dataset[i] for i in range(2)]
+    assert [dm.train_dataset.sample_metadata(i) for i in range(2)] == [metadata_of(s, model) for s in samples]
+    batch = dm.collator()(samples)
+    assert batch["video"]["pixel_values_videos"].shape == (2, 3, 3, 16, 16)
+    assert (batch["input_ids"] == VID).sum() == 2 * (3 * 2 * 2 + 1)  # frames x pooled 2 x 2, a newline each
+    hf_inputs = {**batch["vision"], "pixel_values_videos": batch["video"]["pixel_values_videos"],
+                 "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                 "labels": batch["labels"]}
+    assert_like_hf(model, load_hf("llava_onevision", folder).train(), model.composite.spec, batch, hf_inputs,
+                   logits_atol=1e-5)

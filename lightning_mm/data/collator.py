@@ -1,8 +1,9 @@
 """Samples -> batches: placeholder expansion, labels, attention-mask words, padding or packing.
 
 A *sample* holds ``input_ids`` (1-D) with ONE placeholder token per modality item, optional ``labels`` (same
-length; default: the text ids, -100 at placeholders), and per modality a dict of the items' processed encoder
-inputs (``{"pixel_values": [n_items, ...]}``). The collator expands every placeholder to the number of tokens its
+length; default: the text ids, -100 at placeholders), per modality a dict of the items' processed encoder
+inputs (``{"pixel_values": [n_items, ...]}``), and optionally ``item_ids`` (``{modality: [ids per item]}``:
+an item's whole expansion, the text its HF processor writes around it included, ``lightning_mm.data.item_text``). The collator expands every placeholder to the number of tokens its
 item's encoder emits, so the LLM sequence layout is known before any encoder runs, then pads (one sample per
 row) or packs (several samples per row with ``segment_ids``).
 
@@ -75,14 +76,28 @@ class MultimodalCollator:
             if n_items != have:
                 raise ValueError(f"modality {name!r}: the sample has {n_items} placeholder tokens (id {pids[name]}) "
                                  f"but {have} items of encoder inputs; put one placeholder per image/clip")
-            tokens[name] = iter(enc.num_tokens(inputs)) if have else iter(())
+            counts = enc.num_tokens(inputs) if have else []
+            given = (sample.get("item_ids") or {}).get(name)
+            if given is None:
+                tokens[name] = iter([[pids[name]] * n for n in counts])
+                continue
+            given = [torch.as_tensor(g, dtype=torch.long).tolist() for g in given]
+            if [g.count(pids[name]) for g in given] != counts:
+                raise ValueError(f"modality {name!r}: item_ids hold {[g.count(pids[name]) for g in given]} "
+                                 f"placeholder tokens per item but the encoder emits {counts}; build item_ids from "
+                                 "the same encoder inputs (MultimodalProcessor.item_ids)")
+            tokens[name] = iter(given)
         by_id = {pid: name for name, pid in pids.items()}
         out_ids, out_labels = [], []
         for t, lab in zip(ids.tolist(), labels.tolist()):
             name = by_id.get(t)
-            n = 1 if name is None else next(tokens[name])
-            out_ids += [t] * n
-            out_labels += [lab if name is None else IGNORE_INDEX] * n
+            if name is None:
+                out_ids.append(t)
+                out_labels.append(lab)
+            else:  # the item's tokens (and the text its family writes around them) carry no loss
+                item = next(tokens[name])
+                out_ids += item
+                out_labels += [IGNORE_INDEX] * len(item)
         return {"input_ids": torch.tensor(out_ids), "labels": torch.tensor(out_labels),
                 "inputs": {name: sample[name] for name in self.model.encoders if name in sample}}
 

@@ -48,8 +48,8 @@ from lightning_mm.data.media_meta import audio_inputs, audio_length, blank_audio
 from lightning_mm.data.metadata import SampleMeta, item_sizes
 from lightning_mm.data.processor import MultimodalProcessor
 from lightning_mm.data.resumable import ShardedResumableDataLoader, SkippingDistributedSampler
-from lightning_mm.data.video import (SECONDS_PER_GRID_PROCESSORS, UnservedVideoProcessor, VideoOptions,
-                                     VideoProcessor, load_video_processor, read_header)
+from lightning_mm.data.video import (SECONDS_PER_GRID_PROCESSORS, VideoOptions, VideoProcessor, load_video_processor,
+                                     read_header)
 from lightning_mm.loss import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -129,12 +129,6 @@ def load_processor(path, model, record_keys: dict[str, str] | None = None, video
     processors, kwargs = {}, {}
     for name, enc in model.encoders.items():
         kind = modality_kind(enc)
-        if kind == "video" and enc.family.input_key == "pixel_values_videos":
-            processors[name] = UnservedVideoProcessor(
-                f"modality {name!r} ({enc.family.config.model_type} videos): decoding video files for it is not "
-                "wired in ConversationDataModule; give samples holding its video processor's pixel_values_videos "
-                "(MultimodalCollator), or records without videos", video)
-            continue
         if kind == "video":
             processors[name] = _video_processor(path, name, auto, video)
             continue
@@ -410,7 +404,8 @@ class ConversationDataset(Dataset):
                                    f"expansion, more than max_length={self.max_length}")
         return fits[-1]
 
-    def _load_media(self, index: int, name: str, files: list[Path]) -> dict:
+    def _load_media(self, index: int, name: str, files: list[Path]) -> tuple[dict, list | None]:
+        """The encoder inputs of ``files`` and each item's expansion (``MultimodalProcessor.item_ids``)."""
         kind = modality_kind(self.model.encoders[name])
         items = []
         for file in files:
@@ -423,7 +418,9 @@ class ConversationDataset(Dataset):
                     items.append(_load_image(file))
             except Exception as err:  # noqa: BLE001  (any decoder error is this record's problem)
                 raise self._bad(index, f"cannot read {kind} file {file} ({type(err).__name__}: {err})") from err
-        return self.processor.encode_items(name, items)
+        inputs = self.processor.encode_items(name, items)
+        return inputs, self.processor.item_ids(name, inputs, self.processor.video_metadata(items)
+                                               if kind == "video" else None)
 
     def encode(self, index: int) -> dict:
         """The sample of record ``index`` (raises BadRecordError)."""
@@ -447,12 +444,13 @@ class ConversationDataset(Dataset):
             if counts.get(name, 0) > len(files):
                 raise self._bad(index, f"the rendered conversation holds {counts[name]} "
                                        f"{self.processor.markers[name]} markers but {len(files)} files were given")
-        inputs, tokens = {}, {}
+        inputs, tokens, framed = {}, {}, {}
         for name, files in media.items():
             used = counts.get(name, 0)
             if used:
-                inputs[name] = self._load_media(index, name, files[:used])
-                tokens[name] = self.model.encoders[name].num_tokens(inputs[name])
+                inputs[name], framed[name] = self._load_media(index, name, files[:used])
+                tokens[name] = self.model.encoders[name].num_tokens(inputs[name]) if framed[name] is None \
+                    else [len(f) for f in framed[name]]
 
         end, kept = self._kept(index, len(ids), counts, bounds, tokens)
         sample = {"input_ids": torch.tensor(ids[:end], dtype=torch.long),
@@ -462,6 +460,8 @@ class ConversationDataset(Dataset):
                 enc = self.model.encoders[name]
                 sample[name] = (inputs[name] if k == len(tokens[name])
                                 else enc.family.select_items(inputs[name], torch.arange(k)))
+                if framed[name] is not None:
+                    sample.setdefault("item_ids", {})[name] = framed[name][:k]
         return sample
 
     def __getitem__(self, i: int) -> dict:
@@ -522,18 +522,21 @@ class ConversationDataset(Dataset):
             if counts.get(name, 0) > len(files):
                 raise self._bad(index, f"the rendered conversation holds {counts[name]} "
                                        f"{self.processor.markers[name]} markers but {len(files)} files were given")
-        sizes = {name: self._item_sizes(index, name, files[: counts.get(name, 0)])
-                 for name, files in media.items() if counts.get(name, 0)}
-        tokens = {name: [n for _, n in s] for name, s in sizes.items()}
+        sizes, tokens = {}, {}  # tokens: each item's whole expansion (its family's text around it included)
+        for name, files in media.items():
+            if counts.get(name, 0):
+                sizes[name], tokens[name] = self._item_sizes(index, name, files[: counts[name]])
 
         end, kept = self._kept(index, len(ids), counts, bounds, tokens)
         placeholders = set(self.model.placeholder_ids.values())
         items = {name: sizes[name][:k] for name, k in kept.items() if k}
-        return SampleMeta(sum(1 for t in ids[:end] if t not in placeholders), items)
+        framing = sum(sum(tokens[name][:k]) - sum(n for _, n in items[name]) for name, k in kept.items() if k)
+        return SampleMeta(sum(1 for t in ids[:end] if t not in placeholders) + framing, items)
 
-    def _item_sizes(self, index: int, name: str, files: list[Path]) -> tuple[tuple[int, int], ...]:
+    def _item_sizes(self, index: int, name: str, files: list[Path]) -> tuple[tuple[tuple[int, int], ...], list[int]]:
         """(positions through the encoder's layers, LLM tokens) of each of ``files`` (modality ``name``) from their
-        headers (``metadata.item_sizes``)."""
+        headers (``metadata.item_sizes``), and the length of each one's expansion (``MultimodalProcessor.item_ids``:
+        its tokens and the text its family writes around them)."""
         enc, proc = self.model.encoders[name], self.processor.processors[name]
         kind, kwargs = modality_kind(enc), self.processor.call_kwargs(name)
         plain = enc.preprocess is None and enc._num_tokens is None
@@ -545,16 +548,20 @@ class ConversationDataset(Dataset):
             except Exception as err:  # noqa: BLE001  (any header error is this record's problem)
                 raise self._bad(index, f"cannot read the {kind} header of {file} ({type(err).__name__}: {err})") \
                     from err
+        metadatas = None
         if kind == "video":  # frames sampled and sized by the rules decoding applies (VideoProcessor)
-            return item_sizes(enc, proc.header_inputs(sizes, blank=not plain))
-        # Shapes on the meta device where the processor's rules are known and the encoder counts by shape alone;
-        # otherwise the processor runs on blank media of the same sizes (the same shapes as the real files).
-        inputs = (audio_inputs(proc, sizes, kwargs) if kind == "audio" else image_inputs(proc, sizes, kwargs)) \
-            if plain else None
-        if inputs is None:
-            blanks = [blank_audio(s) if kind == "audio" else blank_image(s) for s in sizes]
-            inputs = self.processor.encode_items(name, blanks)
-        return item_sizes(enc, inputs)
+            inputs, metadatas = proc.header_inputs(sizes, blank=not plain), [proc.sampled(m) for m in sizes]
+        else:
+            # Shapes on the meta device where the processor's rules are known and the encoder counts by shape
+            # alone; otherwise the processor runs on blank media of the same sizes (the real files' shapes).
+            inputs = (audio_inputs(proc, sizes, kwargs) if kind == "audio" else image_inputs(proc, sizes, kwargs)) \
+                if plain else None
+            if inputs is None:
+                blanks = [blank_audio(s) if kind == "audio" else blank_image(s) for s in sizes]
+                inputs = self.processor.encode_items(name, blanks)
+        out = item_sizes(enc, inputs)
+        framed = self.processor.item_ids(name, inputs, metadatas)
+        return out, [n for _, n in out] if framed is None else [len(f) for f in framed]
 
 
 # ------------------------------------------------------------------------------------------ the data module
@@ -566,7 +573,8 @@ class ConversationDataModule(pl.LightningDataModule):
     ``pack=True`` samples are packed into rows of ``max_length`` tokens with ``segment_ids``.
     ``on_bad_record``: "raise" or "skip" (counted in ``num_bad_records``). ``modalities`` maps encoder names
     to record keys (default: the image encoder reads ``"image"``, a video encoder ``"video"``, the audio encoder
-    ``"audio"``; markers are ``<key>``). ``video``: how videos are sampled, ``{"fps": 2.0, "max_frames": 32,
+    ``"audio"``; markers are ``<key>``). ``causal_modalities``: the collator's attention pattern for modality
+    tokens (None: the model's, HF's plain causal one for a composite checkpoint). ``video``: how videos are sampled, ``{"fps": 2.0, "max_frames": 32,
     "max_pixels": None}`` (``VideoOptions``; ``max_pixels`` narrows the video processor's own pixel budget;
     a ready ``MultimodalProcessor`` brings its own). Each data-parallel replica reads its own shard
     (``trainer.distributed_sampler_kwargs``: every rank of a replica sees the same batches; the tail that does
@@ -586,7 +594,7 @@ class ConversationDataModule(pl.LightningDataModule):
                  pack: bool = False, pad_to_multiple_of: int = 1, on_bad_record: str = "raise",
                  val_data_path: str | None = None, shuffle: bool = True, seed: int = 0, num_workers: int = 0,
                  system_prompt: str | None = None, modalities: dict[str, str] | None = None,
-                 causal_modalities: bool = False, scan: bool = True, cache_dir: str | None = None,
+                 causal_modalities: bool | None = None, scan: bool = True, cache_dir: str | None = None,
                  video: dict | None = None, predict_data_path: str | None = None, model=None):
         super().__init__()
         if processor is None:

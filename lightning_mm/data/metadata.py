@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 from torch.utils.data import Dataset
 
 
@@ -69,7 +70,14 @@ def metadata_of(sample: dict, model) -> SampleMeta:
         if sample.get(name) is not None:
             items[name] = item_sizes(enc, sample[name])
     placeholders = set(model.placeholder_ids.values())
-    return SampleMeta(sum(1 for t in ids if t not in placeholders), items)
+    return SampleMeta(sum(1 for t in ids if t not in placeholders) + framing_tokens(sample, model), items)
+
+
+def framing_tokens(sample: dict, model) -> int:
+    """Text tokens the items' expansions (``item_ids``) add around their feature tokens."""
+    pids = model.placeholder_ids
+    return sum(len(ids) - int((torch.as_tensor(ids) == pids[name]).sum())
+               for name, per_item in (sample.get("item_ids") or {}).items() for ids in per_item)
 
 
 class WithSampleMetadata(Dataset):

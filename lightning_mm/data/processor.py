@@ -4,14 +4,18 @@
 ``MultimodalProcessor(model, tokenizer, processors={"vision": image_processor}, markers={"vision": "<image>"})``
 turns ``text`` with one marker per item and the raw items (``vision=[img, ...]``) into the sample form the
 ``MultimodalCollator`` expands (one placeholder token per item, labels, encoder inputs), so placeholders,
-labels, words and packing come from the same code for real and synthetic data.
+labels, words and packing come from the same code for real and synthetic data. For a composite whose HF
+processor writes text around or inside each item (Qwen-VL's vision start/end, Qwen3-VL's frame timestamps,
+Gemma 3's start/end of image, InternVL's ``<img>``), the sample also holds each item's whole expansion
+(``item_ids``, ``lightning_mm.data.item_text``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from lightning_mm.data.video import VideoProcessor
+from lightning_mm.data.item_text import item_text, items_ids
+from lightning_mm.data.video import Video, VideoProcessor
 
 
 class MultimodalProcessor:
@@ -23,6 +27,7 @@ class MultimodalProcessor:
         self.model, self.tokenizer, self.processors = model, tokenizer, processors
         self.markers = markers or {name: f"<{name}>" for name in processors}
         self.kwargs = processor_kwargs or {}
+        self._item_text: dict | None = None  # per modality, built at first use (encoding needs no tokenizer)
 
     def call_kwargs(self, name: str) -> dict:
         """The keyword arguments modality ``name``'s processor is called with. A feature extractor whose config
@@ -47,6 +52,33 @@ class MultimodalProcessor:
         if "input_features" in out and "attention_mask" in out:  # a feature extractor's frame mask (asked for with
             out["feature_attention_mask"] = out["attention_mask"]  # return_attention_mask): Qwen2-Audio's clip lengths
         return {k: v for k, v in out.items() if k in keep}
+
+    @property
+    def item_text(self) -> dict:
+        """Each modality's ``ItemText`` (None: its family writes nothing around its items)."""
+        if self._item_text is None:
+            self._item_text = {name: item_text(self.model, self.tokenizer, name) for name in self.model.encoders}
+        return self._item_text
+
+    def item_ids(self, name: str, inputs: dict, metadatas: list | None = None) -> list[torch.Tensor] | None:
+        """Each item's expansion (text and placeholder ids, ``item_text``) for modality ``name``'s encoder
+        ``inputs``; ``metadatas``: the videos' sampled ``VideoMetadata`` (Qwen3-VL's timestamps). None when the
+        family writes no text around its items."""
+        rule = self.item_text.get(name)
+        if rule is None:
+            return None
+        enc = self.model.encoders[name]
+        tps = getattr(getattr(self.processors.get(name), "processor", None), "temporal_patch_size", 1)
+        return items_ids(rule, self.model.placeholder_ids[name], enc.num_tokens(inputs), metadatas, tps)
+
+    @staticmethod
+    def video_metadata(items: list) -> list:
+        """The sampled ``VideoMetadata`` of each video (frame arrays: every frame, the frame rate unknown, as HF's
+        processors take them)."""
+        from transformers.video_utils import VideoMetadata
+
+        return [v.metadata if isinstance(v, Video) else
+                VideoMetadata(total_num_frames=len(v), frames_indices=list(range(len(v)))) for v in items]
 
     def tokenize(self, text: str) -> tuple[list[int], dict[str, int]]:
         """Token ids of ``text`` with one placeholder id per marker, and the number of markers per modality."""
@@ -77,5 +109,9 @@ class MultimodalProcessor:
                                  "items were given; put one marker per image/clip")
             if n:
                 sample[name] = self.encode_items(name, list(items[name]))
+                videos = isinstance(self.processors.get(name), VideoProcessor)
+                expanded = self.item_ids(name, sample[name], self.video_metadata(items[name]) if videos else None)
+                if expanded is not None:
+                    sample.setdefault("item_ids", {})[name] = expanded
         sample["input_ids"] = torch.tensor(ids, dtype=torch.long)
         return sample

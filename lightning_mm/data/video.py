@@ -100,17 +100,25 @@ def frame_indices(metadata, fps: float, max_frames: int) -> np.ndarray:
     return default_sample_indices_fn(metadata, num_frames=min(wanted, int(max_frames), metadata.total_num_frames))
 
 
+def fixed_frame_indices(metadata, num_frames: int) -> np.ndarray:
+    """Exactly ``num_frames`` indices spread evenly over the whole video, frames repeated when it has fewer (for a
+    family whose inputs stack the videos of a batch frame by frame: LLaVA-OneVision's)."""
+    return np.linspace(0, metadata.total_num_frames - 1, int(num_frames)).round().astype(int)
+
+
 def decode_frames(file, metadata, indices: np.ndarray) -> Video:
-    """The frames ``indices`` of ``file`` (``metadata`` from ``read_header``) through transformers' ``load_video``
-    (PyAV backend); raises when the stream holds fewer frames than its header says."""
+    """The frames ``indices`` of ``file`` (``metadata`` from ``read_header``; an index may repeat) through
+    transformers' ``load_video`` (PyAV backend); raises when the stream holds fewer frames than its header says."""
     from transformers.video_utils import load_video
 
-    frames, meta = load_video(str(file), backend="pyav", sample_indices_fn=lambda **_: indices)
-    if len(frames) != len(indices):
-        raise ValueError(f"decoded {len(frames)} of the {len(indices)} frames sampled (header: "
+    unique, where = np.unique(indices, return_inverse=True)
+    frames, meta = load_video(str(file), backend="pyav", sample_indices_fn=lambda **_: unique)
+    if len(frames) != len(unique):
+        raise ValueError(f"decoded {len(frames)} of the {len(unique)} frames sampled (header: "
                          f"{metadata.total_num_frames} frames)")
     meta.total_num_frames, meta.fps, meta.duration = metadata.total_num_frames, metadata.fps, metadata.duration
-    return Video(frames, meta)
+    meta.frames_indices = np.asarray(indices)
+    return Video(np.asarray(frames)[where], meta)
 
 
 def fit_pixels(height: int, width: int, max_pixels: int | None) -> tuple[int, int]:
@@ -156,6 +164,23 @@ def qwen2_vl_frame_size(proc, height: int, width: int, num_frames: int, size: di
     return _smart_resize()(height, width, factor=factor, min_pixels=lo, max_pixels=hi)
 
 
+def qwen3_vl_frame_size(proc, height: int, width: int, num_frames: int, size: dict) -> tuple[int, int]:
+    """The size ``Qwen3VLVideoProcessor.resize`` gives ``num_frames`` frames of (height, width): its own
+    ``smart_resize`` over the whole clip (``longest_edge`` bounds frames x pixels), its ``cap_pixels_per_frame``
+    included. A clip of fewer frames than a temporal patch is sized as one patch (HF refuses it; its frames are
+    repeated to a whole patch anyway)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    factor, tps = proc.patch_size * proc.merge_size, proc.temporal_patch_size
+    frames = max(num_frames, tps)
+    hi = size["longest_edge"]
+    if getattr(proc, "cap_pixels_per_frame", None):
+        hi = max(min(proc.max_video_tokens * factor * factor, size["longest_edge"] // frames),
+                 int(size["shortest_edge"] * 1.05)) * frames
+    return smart_resize(num_frames=frames, height=height, width=width, factor=factor, temporal_factor=tps,
+                        min_pixels=size["shortest_edge"], max_pixels=hi)
+
+
 class Qwen2VLVideoFrameDefaults:
     """``Qwen2VLVideoProcessor``'s class defaults (read here: that class cannot be imported without torchvision)."""
 
@@ -183,6 +208,13 @@ def _frame_processor(**kwargs):
     return FrameProcessor(**kwargs)
 
 
+class Qwen3VLVideoFrameDefaults(Qwen2VLVideoFrameDefaults):
+    """``Qwen3VLVideoProcessor``'s class defaults."""
+
+    size = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
+    image_mean, image_std, patch_size, max_video_tokens = [0.5, 0.5, 0.5], [0.5, 0.5, 0.5], 16, 768
+
+
 class Qwen2VLVideoProcessorPil:
     """Qwen2-VL's video processor on transformers' PIL image backend, for environments without torchvision.
 
@@ -195,24 +227,27 @@ class Qwen2VLVideoProcessorPil:
     backends differ."""
 
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
+    defaults = Qwen2VLVideoFrameDefaults
+    frame_size = qwen2_vl_frame_size
     IMAGE_KEYS = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
                   "image_std", "do_convert_rgb", "patch_size", "temporal_patch_size", "merge_size")
 
     def __init__(self, config: dict):
         cfg = dict(config)
-        size = dict(cfg.get("size") or Qwen2VLVideoFrameDefaults.size)
+        size = dict(cfg.get("size") or self.defaults.size)
         if cfg.get("min_pixels") is not None:
             size["shortest_edge"] = cfg["min_pixels"]
         if cfg.get("max_pixels") is not None:
             size["longest_edge"] = cfg["max_pixels"]
         self.size = size
-        for key, default in vars(Qwen2VLVideoFrameDefaults).items():
+        for key in dir(self.defaults):
             if not key.startswith("_") and key != "size":
+                default = getattr(self.defaults, key)
                 setattr(self, key, cfg.get(key, default))
         self.frames = _frame_processor(size=size, **{k: getattr(self, k) for k in self.IMAGE_KEYS})
 
     @classmethod
-    def from_pretrained(cls, folder) -> "Qwen2VLVideoProcessorPil":
+    def from_pretrained(cls, folder):
         return cls(json.loads((Path(folder) / "video_preprocessor_config.json").read_text()))
 
     def __call__(self, videos, size: dict | None = None, return_tensors="pt", **_) -> dict:
@@ -221,7 +256,7 @@ class Qwen2VLVideoProcessorPil:
         for video in videos:
             video = np.asarray(video)
             t, h, w = video.shape[:3]
-            self.frames.target = qwen2_vl_frame_size(self, h, w, t, size) if self.do_resize else (h, w)
+            self.frames.target = self.frame_size(h, w, t, size) if self.do_resize else (h, w)
             gh, gw = self.frames.target[0] // p, self.frames.target[1] // p
             out = self.frames(images=list(video), return_tensors="np")
             # each frame's patches, its copy along the temporal patch axis dropped
@@ -233,6 +268,59 @@ class Qwen2VLVideoProcessorPil:
             grids.append([(t + pad) // tps, gh, gw])
         return {"pixel_values_videos": torch.from_numpy(np.ascontiguousarray(np.concatenate(patches))).float(),
                 "video_grid_thw": torch.tensor(grids, dtype=torch.long)}
+
+
+class Qwen3VLVideoProcessorPil(Qwen2VLVideoProcessorPil):
+    """Qwen3-VL's video processor on transformers' PIL image backend (see ``Qwen2VLVideoProcessorPil``): its
+    defaults and its frame size (``qwen3_vl_frame_size``); the patch layout is Qwen2-VL's."""
+
+    defaults = Qwen3VLVideoFrameDefaults
+    frame_size = qwen3_vl_frame_size
+
+
+class OneVisionVideoProcessorPil:
+    """LLaVA-OneVision's video processor on transformers' numpy image transforms, for environments without
+    torchvision (see ``Qwen2VLVideoProcessorPil``): every frame resized to ``size`` (PIL, its ``resample``),
+    rescaled and normalised as ``LlavaOnevisionVideoProcessor`` does, returned as ``pixel_values_videos [videos,
+    frames, C, H, W]`` (the videos of one call have the same frame count)."""
+
+    model_input_names = ["pixel_values_videos"]
+
+    def __init__(self, config: dict):
+        from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+        cfg = dict(config)
+        self.size = dict(cfg.get("size") or {"height": 384, "width": 384})
+        self.resample = cfg.get("resample", 3)
+        self.do_resize, self.do_rescale = cfg.get("do_resize", True), cfg.get("do_rescale", True)
+        self.do_normalize, self.rescale_factor = cfg.get("do_normalize", True), cfg.get("rescale_factor", 1 / 255)
+        self.image_mean = cfg.get("image_mean", list(OPENAI_CLIP_MEAN))
+        self.image_std = cfg.get("image_std", list(OPENAI_CLIP_STD))
+
+    def frame(self, frame: np.ndarray) -> np.ndarray:
+        from transformers.image_transforms import normalize, rescale, resize
+        from transformers.image_utils import ChannelDimension, PILImageResampling
+
+        x = np.asarray(frame)
+        if self.do_resize:
+            x = resize(x, (self.size["height"], self.size["width"]), resample=PILImageResampling(self.resample),
+                       input_data_format=ChannelDimension.LAST)
+        x = x.astype(np.float32)
+        if self.do_rescale:
+            x = rescale(x, self.rescale_factor, input_data_format=ChannelDimension.LAST)
+        if self.do_normalize:
+            x = normalize(x, self.image_mean, self.image_std, input_data_format=ChannelDimension.LAST)
+        return x.transpose(2, 0, 1)
+
+    def __call__(self, videos, return_tensors="pt", **_) -> dict:
+        clips = [np.stack([self.frame(f) for f in np.asarray(v)]) for v in videos]
+        if len({c.shape for c in clips}) > 1:
+            raise ValueError(f"videos of {sorted({len(c) for c in clips})} frames in one call: LLaVA-OneVision stacks "
+                             "a batch's videos frame by frame; sample the same number of frames from each")
+        return {"pixel_values_videos": torch.from_numpy(np.ascontiguousarray(np.stack(clips))).float()}
+
+
+FIXED_FRAME_PROCESSORS = ("LlavaOnevisionVideoProcessor", "OneVisionVideoProcessor")
 
 
 def base_name(proc) -> str:
@@ -260,6 +348,10 @@ def load_video_processor(folder, fallback_config: dict | None = None):
         return Qwen2VLVideoProcessor(**{k: v for k, v in config.items() if not k.endswith("_type")})
     except ImportError as err:  # transformers' video processors need torchvision
         kind = config.get("video_processor_type") or config.get("image_processor_type") or ""
+        if kind.startswith("Qwen3VL"):
+            return Qwen3VLVideoProcessorPil(config)
+        if kind.startswith("LlavaOnevision"):
+            return OneVisionVideoProcessorPil(config)
         if not kind.startswith(("Qwen2VL", "Qwen2_5_VL")):
             raise ImportError(f"the video processor {kind or '?'} of {folder} needs torchvision ({err}); install "
                               "torchvision matching torch") from err
@@ -277,6 +369,14 @@ class VideoProcessor:
     def __init__(self, processor, options=None, seconds_per_grid: bool = False):
         self.processor, self.options, self.seconds_per_grid = processor, VideoOptions.of(options), seconds_per_grid
         self.qwen2_vl = base_name(processor) in QWEN2_VL_VIDEO_PROCESSORS
+        self.fixed_frames = base_name(processor) in FIXED_FRAME_PROCESSORS
+
+    def indices(self, metadata) -> np.ndarray:
+        """The frames sampled from a video: by ``fps`` within ``max_frames``, or exactly ``max_frames`` for a
+        family that stacks a batch's videos frame by frame (``fixed_frame_indices``)."""
+        if self.fixed_frames:
+            return fixed_frame_indices(metadata, self.options.max_frames)
+        return frame_indices(metadata, self.options.fps, self.options.max_frames)
 
     def call_kwargs(self) -> dict:
         """What the HF video processor is called with: frames already sampled, and ``max_pixels`` as its size."""
@@ -295,7 +395,7 @@ class VideoProcessor:
     def read(self, file) -> Video:
         """The sampled frames of ``file``."""
         meta = read_header(file)
-        video = decode_frames(file, meta, frame_indices(meta, self.options.fps, self.options.max_frames))
+        video = decode_frames(file, meta, self.indices(meta))
         h, w = self.frame_size(meta)
         if (h, w) != video.frames.shape[1:3]:
             from PIL import Image
@@ -326,7 +426,7 @@ class VideoProcessor:
         from transformers.video_utils import VideoMetadata
 
         meta = VideoMetadata(**{f.name: getattr(metadata, f.name) for f in fields(metadata)})
-        meta.frames_indices = frame_indices(meta, self.options.fps, self.options.max_frames)
+        meta.frames_indices = self.indices(meta)
         return meta
 
     def header_inputs(self, metadatas: list, blank: bool = False) -> dict:
@@ -350,22 +450,3 @@ class VideoProcessor:
             return out
         blanks = [Video(np.zeros((len(m.frames_indices), *self.frame_size(m), 3), np.uint8), m) for m in metas]
         return self(blanks)
-
-
-class UnservedVideoProcessor(VideoProcessor):
-    """A video modality the data path does not decode (LLaVA-OneVision's: its HF video processor needs torchvision
-    and its outputs are not wired here): records without videos load as usual; one with a video raises ``reason``.
-    Samples that already hold the processor's outputs (``pixel_values_videos``) train as any other."""
-
-    def __init__(self, reason: str, options=None):
-        self.reason, self.options, self.processor, self.seconds_per_grid, self.qwen2_vl = (
-            reason, VideoOptions.of(options), None, False, False)
-
-    def read(self, file):
-        raise NotImplementedError(self.reason)
-
-    def __call__(self, videos: list) -> dict:
-        raise NotImplementedError(self.reason)
-
-    def header_inputs(self, metadatas: list, blank: bool = False) -> dict:
-        raise NotImplementedError(self.reason)

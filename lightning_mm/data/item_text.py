@@ -1,0 +1,106 @@
+"""The text a composite family's HF processor and chat template write around, and inside, each image or video.
+
+A sample holds one placeholder per item; the collator expands it to the item's feature tokens. HF's pipeline
+also writes text there: the chat template wraps a Qwen-VL item in ``<|vision_start|>`` / ``<|vision_end|>``,
+Gemma 3's processor writes ``"\\n\\n<start_of_image>"`` ... ``"<end_of_image>\\n\\n"``, InternVL's ``<img>`` ...
+``</img>``, and Qwen3-VL's lays a video out frame by frame, each temporal patch after its timestamp
+(``"<1.5 seconds>"``) between its own start and end tokens. :class:`ItemText` is that rule per family, giving
+each item's whole expansion (``item_ids``: text ids and the placeholder id at the feature positions), which the
+collator writes in place of the placeholder. Families with nothing to add (LLaVA, LLaVA-NeXT, LLaVA-OneVision,
+Qwen2-Audio, models built from parts) get none.
+
+Token ids of special tokens come from the checkpoint's config (the ids the model was trained with) or, where the
+config has none (InternVL), from the tokenizer; plain text (Gemma's blank lines, Qwen3-VL's timestamps) is
+tokenized on its own, as the processor's other text between markers is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+PER_FRAME_TIMESTAMPS = ("qwen3_vl", "qwen3_vl_moe")
+
+
+@dataclass(frozen=True)
+class ItemText:
+    """``before`` + the item's tokens + ``after``; with ``timestamps``, the tokens are laid out per temporal patch,
+    each as ``tokenize("<{t:.1f} seconds>") + frame_before + tokens + frame_after`` (Qwen3-VL's videos)."""
+
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
+    frame_before: tuple[int, ...] = ()
+    frame_after: tuple[int, ...] = ()
+    timestamps: bool = False
+    tokenize: Callable[[str], list[int]] | None = None
+
+    def ids(self, placeholder: int, tokens: int, seconds: list[float] | None = None) -> list[int]:
+        """The expansion of one item of ``tokens`` feature tokens; ``seconds``: a video's time of each temporal
+        patch (its length divides ``tokens``)."""
+        if not self.timestamps or seconds is None:
+            return [*self.before, *[placeholder] * tokens, *self.after]
+        if not seconds or tokens % len(seconds):
+            raise ValueError(f"a video of {tokens} tokens cannot be laid out over {len(seconds)} temporal patches")
+        per_frame, body = tokens // len(seconds), []
+        for t in seconds:
+            body += [*self.tokenize(f"<{t:.1f} seconds>"), *self.frame_before, *[placeholder] * per_frame,
+                     *self.frame_after]
+        return [*self.before, *body, *self.after]
+
+
+def patch_seconds(frames_indices, fps: float, temporal_patch_size: int) -> list[float]:
+    """The time of each temporal patch of a video sampled at ``frames_indices`` of a ``fps`` stream: its frames'
+    mean (the last frame repeated to fill the last patch), as Qwen3-VL's processor computes it."""
+    idx = [int(i) for i in frames_indices]
+    idx += [idx[-1]] * (-len(idx) % temporal_patch_size)
+    return [(idx[i] + idx[i + temporal_patch_size - 1]) / 2 / fps for i in range(0, len(idx), temporal_patch_size)]
+
+
+def _special(tokenizer, token: str) -> int:
+    tid = tokenizer.convert_tokens_to_ids(token)
+    if tid is None or tid == tokenizer.unk_token_id:
+        raise ValueError(f"the tokenizer has no {token!r} token, which this model's processor writes around each "
+                         "image; use the checkpoint's own tokenizer")
+    return tid
+
+
+def item_text(model, tokenizer, name: str) -> ItemText | None:
+    """The rule of modality ``name`` of ``model`` (a composite from ``from_pretrained``), None where its HF processor
+    writes nothing besides the item's tokens."""
+    composite = getattr(model, "composite", None)
+    if composite is None or name not in model.encoders:
+        return None
+    kind, config = composite.spec.model_type, composite.config
+
+    def tokenize(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    if kind in QWEN_VL:
+        start, end = (config.vision_start_token_id,), (config.vision_end_token_id,)
+        video = name != composite.spec.modality and kind in PER_FRAME_TIMESTAMPS
+        return ItemText(start, end, *((start, end, True, tokenize) if video else ()))
+    if kind == "gemma3":
+        blank = tuple(tokenize("\n\n"))
+        return ItemText((*blank, config.boi_token_index), (config.eoi_token_index, *blank))
+    if kind == "internvl":
+        return ItemText((_special(tokenizer, "<img>"),), (_special(tokenizer, "</img>"),))
+    return None
+
+
+def items_ids(rule: ItemText | None, placeholder: int, tokens: list[int], metadatas: list | None = None,
+              temporal_patch_size: int = 1) -> list[torch.Tensor] | None:
+    """Each item's expansion (``ItemText.ids``) as a tensor, None without a rule. ``metadatas``: the videos'
+    sampled ``VideoMetadata`` (``frames_indices``, ``fps``), for timestamps."""
+    if rule is None:
+        return None
+    out = []
+    for i, n in enumerate(tokens):
+        seconds = None
+        if rule.timestamps:
+            meta = metadatas[i]
+            seconds = patch_seconds(meta.frames_indices, meta.fps or 24.0, temporal_patch_size)
+        out.append(torch.tensor(rule.ids(placeholder, n, seconds), dtype=torch.long))
+    return out
