@@ -1,7 +1,7 @@
-"""Conversations with videos train under ``lightning-mm fit`` as a user runs it: a tiny Qwen2-VL composite folder
-(its tokenizer, image processor and video processor saved into it, as in an HF Qwen2-VL folder), a JSON mixing an
-image sample, a video sample and a sample with both, and a YAML putting the vision tower on 1 pipeline stage and
-the LLM on 2 (3 CPU ranks, gloo). A broken video (random bytes) fails the run naming the file and its record
+"""Conversations with videos train under ``lightning-mm fit`` as a user runs it: a tiny Qwen2-VL (and Qwen3-VL)
+composite folder (its tokenizer, image processor and video processor saved into it, as in an HF folder), a JSON
+mixing an image sample, a video sample and a sample with both, and a YAML putting the vision tower on 1 pipeline
+stage and the LLM on 2 (3 CPU ranks, gloo). A broken video (random bytes) fails the run naming the file and its record
 (on_bad_record="raise", the default), or is skipped with a warning naming them (on_bad_record="skip").
 
 Everything is written offline by the helpers of tests/test_video_data.py and tests/test_hf_composites.py."""
@@ -61,14 +61,19 @@ data:
 """
 
 
-def write_case(tmp_path: Path, records: list[dict]) -> Path:
+QWEN3_VIDEO = {"video_processor_type": "Qwen3VLVideoProcessor", "size": {"shortest_edge": 8 * 8 * 2,
+                                                                         "longest_edge": 4 * 48 * 48}}
+
+
+def write_case(tmp_path: Path, records: list[dict], kind: str = "qwen2_vl") -> Path:
     """The composite folder (model + processor files), the data and its media, and the fit YAML."""
     from tests.test_hf_composites import save_composite
 
-    folder = tmp_path / "qwen2_vl"
+    folder = tmp_path / kind
     if not folder.is_dir():
-        save_composite("qwen2_vl", folder)
-        video_processor_folder(folder)  # tokenizer (chat template), image processor, video_preprocessor_config.json
+        save_composite(kind, folder)
+        # tokenizer (chat template), image processor, video_preprocessor_config.json
+        video_processor_folder(folder, **(QWEN3_VIDEO if kind == "qwen3_vl" else {}))
     data = write_data(tmp_path / "data", records)  # red.png, blue.png
     write_videos(tmp_path / "data" / "media")       # clip.mp4, long.mkv, wide.mp4, broken.mp4
     config = tmp_path / "fit.yaml"
@@ -84,9 +89,11 @@ def fit(config: Path, cwd: Path, *args: str) -> tuple[subprocess.CompletedProces
 
 
 @pytest.mark.slow
-def test_videos_train_under_fit_on_vision_pp1_llm_pp2(tmp_path):
-    """Every step's loss is finite (``nan_guard: stop`` ends the run otherwise); the bar shows the last one."""
-    proc, wall = fit(write_case(tmp_path, RECORDS), tmp_path)
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])
+def test_videos_train_under_fit_on_vision_pp1_llm_pp2(kind, tmp_path):
+    """Every step's loss is finite (``nan_guard: stop`` ends the run otherwise); the bar shows the last one.
+    Qwen3-VL's videos decode through its own frame-size rule and are laid out frame by frame after timestamps."""
+    proc, wall = fit(write_case(tmp_path, RECORDS, kind), tmp_path)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-6000:]
     assert "`max_steps=3` reached" in text and "3/3" in proc.stdout, text[-3000:]

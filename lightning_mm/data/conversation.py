@@ -573,13 +573,13 @@ class ConversationDataModule(pl.LightningDataModule):
     ``pack=True`` samples are packed into rows of ``max_length`` tokens with ``segment_ids``.
     ``on_bad_record``: "raise" or "skip" (counted in ``num_bad_records``). ``modalities`` maps encoder names
     to record keys (default: the image encoder reads ``"image"``, a video encoder ``"video"``, the audio encoder
-    ``"audio"``; markers are ``<key>``). ``causal_modalities``: the collator's attention pattern for modality
-    tokens (None: the model's, HF's plain causal one for a composite checkpoint). ``video``: how videos are sampled, ``{"fps": 2.0, "max_frames": 32,
-    "max_pixels": None}`` (``VideoOptions``; ``max_pixels`` narrows the video processor's own pixel budget;
-    a ready ``MultimodalProcessor`` brings its own). Each data-parallel replica reads its own shard
-    (``trainer.distributed_sampler_kwargs``: every rank of a replica sees the same batches; the tail that does
-    not divide evenly is dropped), reshuffled per epoch with ``seed``; the train loader resumes mid-epoch from a
-    checkpoint.
+    ``"audio"``; markers are ``<key>``). ``causal_modalities``: the collator's attention pattern for modality tokens
+    (None: the model's, HF's plain causal one for a composite checkpoint). ``video``: how videos are sampled,
+    ``{"fps": 2.0, "max_frames": 32, "max_pixels": None}`` (``VideoOptions``; ``max_pixels`` narrows the video
+    processor's own pixel budget; a ready ``MultimodalProcessor`` brings its own). Each data-parallel replica reads
+    its own shard (``trainer.distributed_sampler_kwargs``: every rank of a replica sees the same batches; the tail
+    that does not divide evenly is dropped), reshuffled per epoch with ``seed``; the train loader resumes mid-epoch
+    from a checkpoint.
 
     ``predict_data_path`` (default: ``val_data_path``) serves ``trainer.predict`` prompts: each record up to its
     last assistant turn, rendered with the chat template's generation prompt, no answer tokens (``prompts=True``
