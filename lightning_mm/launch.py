@@ -23,6 +23,34 @@ from lightning_mm.faults import LAUNCHER_ENV, parent_death_signal
 
 
 
+_exit_state = {"registered": False, "failed": False}
+
+
+def release_process_groups_at_exit() -> None:
+    """Destroy the process groups when the interpreter exits normally (registered once per process). Left alive,
+    gloo's worker threads still hold their work objects at interpreter finalisation, which can abort a rank that
+    finished its job ("terminate called without an active exception"), and NCCL warns on every rank. Not after a
+    failure (:func:`mark_failed`): a peer may still be waiting on this rank, and tearing down a group with work in
+    flight can block."""
+    if _exit_state["registered"]:
+        return
+    import atexit
+
+    def release():
+        import torch.distributed as dist
+
+        if not _exit_state["failed"] and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(release)
+    _exit_state["registered"] = True
+
+
+def mark_failed() -> None:
+    """This rank's job raised: leave its process groups to the process's end (see above)."""
+    _exit_state["failed"] = True
+
+
 def end_with_launcher(environ=os.environ) -> None:
     """In a rank started by :class:`CheckedLauncher`: die with the launcher. Nothing elsewhere."""
     launcher = environ.get(LAUNCHER_ENV)

@@ -30,7 +30,7 @@ from lightning_mm.data.balanced import (BalancedBatchSampler, BalancedCollate, B
 from lightning_mm.data.cp_plans import CPPlanCollate
 from lightning_mm.data.microbatch import PLAN_KEY
 from lightning_mm.data.resumable import ResumableDataLoader, loader_options, resumable
-from lightning_mm.launch import CheckedLauncher
+from lightning_mm.launch import CheckedLauncher, mark_failed, release_process_groups_at_exit
 from lightning_mm.faults import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
 from lightning_mm.fault_tolerance import FaultTolerance, FaultTolerantTraining, as_fault_tolerance
 from lightning_mm.model.loading import materialise
@@ -184,6 +184,7 @@ class MultimodalParallelStrategy(DDPStrategy):
                       sharded=self.sharding_strategy != "NO_SHARD")
         with launched_ranks_watched(getattr(self._launcher, "procs", [])):
             super().setup_environment()
+        release_process_groups_at_exit()
         if self.fault_timeout is not None and self.world_size > 1:
             self.watchdog = FaultWatchdog(self.global_rank, self.world_size, self.fault_timeout,
                                           labels=rank_labels(self.layout)).start()
@@ -552,6 +553,7 @@ class MultimodalParallelStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ faults
     def on_exception(self, exception: BaseException) -> None:
+        mark_failed()
         if self.watchdog is not None:
             if is_peer_loss(exception):  # let the watchdog name the rank that went away (it ends this process)
                 self.watchdog.blame(self.fault_timeout + 2 * self.watchdog.interval)

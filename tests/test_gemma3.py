@@ -160,14 +160,16 @@ def test_gemma3_composite_generate_equals_hf_generate(tmp_path):
 
 @pytest.mark.slow
 def test_gemma3_composite_under_the_strategy_trains_like_one_process(tmp_path):
-    """Vision pp 1 + LLM pp 2 with dp 2, and LLM cp 2 (image blocks split between CP ranks, local layers'
-    windows): the losses and every trained parameter of one process."""
+    """Vision pp 1 + LLM pp 2 with dp 2, LLM cp 2 (image blocks split between CP ranks, local layers' windows),
+    and vision cp 2 (a microbatch's images split over two tower ranks): the losses and every trained parameter of
+    one process."""
     from tests.helpers.composite_case import run_case
 
     folder, _, _ = _gemma3_composite(tmp_path)
     base = {"folder": folder, "image_size": 16}
     ref_losses, ref_params = run_case("composite_case.py", base, tmp_path, "single")
-    for name, case in (("pp2_dp2", {"llm_pp": 2, "dp": 2}), ("cp2", {"llm_cp": 2})):
+    cases = {"pp2_dp2": {"llm_pp": 2, "dp": 2}, "cp2": {"llm_cp": 2}, "vision_cp2": {"vision_cp": 2}}
+    for name, case in cases.items():
         losses, params = run_case("composite_case.py", {**base, **case}, tmp_path, name)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6, msg=name)
         assert set(params) == set(ref_params), name

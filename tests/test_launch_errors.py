@@ -1,12 +1,16 @@
 """Launch failures end cleanly: a layout the devices cannot hold fails in the launching process before any rank is
-spawned (one traceback, no child left), and ranks never outlive the process that launched them."""
+spawned (one traceback, no child left), ranks never outlive the process that launched them, and a rank that
+finished its job leaves its process groups destroyed."""
 
 import os
 import subprocess
 import sys
 import time
 
+import pytest
 import yaml
+
+from tests.helpers.distributed import _free_port
 
 HERE = os.path.dirname(__file__)
 EXAMPLE = os.path.join(HERE, "..", "examples", "tiny_valm_pp.yaml")
@@ -82,3 +86,25 @@ def test_a_rank_started_after_its_launcher_died_stops():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 1 and "waited" not in proc.stdout
     assert "the launching process (pid 1) has exited" in proc.stderr
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_process_groups_destroyed_at_a_normal_exit_only(failed):
+    """The strategy registers one exit handler that destroys the process groups (gloo's worker threads otherwise
+    outlive the interpreter's teardown), except after the rank's job raised."""
+    code = f"""
+import atexit, os
+import torch.distributed as dist
+from lightning_mm import launch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{_free_port()}")
+dist.init_process_group("gloo", rank=0, world_size=1)
+launch.release_process_groups_at_exit()
+launch.release_process_groups_at_exit()  # once
+if {failed}:
+    launch.mark_failed()
+atexit._run_exitfuncs()
+print("alive" if dist.is_initialized() else "destroyed")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["alive" if failed else "destroyed"]

@@ -203,3 +203,20 @@ def test_qwen_vl_towers_split_over_tp_train_like_one_process(kind, tmp_path):
     assert set(params) == set(ref_params)
     for n, p in ref_params.items():
         torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.slow
+def test_qwen_vl_tower_tp_with_fsdp_over_dp_trains_like_one_process(tmp_path):
+    """A Qwen2.5-VL tower over 2 tp ranks inside FSDP2 (FULL_SHARD over 2 data-parallel replicas: a 2-D tp x dp
+    mesh for the tower, the LLM sharded over dp): one process's losses and trained parameters."""
+    from tests.helpers.composite_case import run_case
+    from tests.test_hf_composites import save_composite
+
+    folder = save_composite("qwen2_5_vl", tmp_path / "src")
+    ref_losses, ref_params = run_case("composite_case.py", {"folder": folder}, tmp_path, "single")
+    losses, params = run_case("composite_case.py", {"folder": folder, "vision_tp": 2, "dp": 2,
+                                                    "sharding": "FULL_SHARD"}, tmp_path, "vision_tp2_fsdp_dp2")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert set(params) == set(ref_params)
+    for n, p in ref_params.items():
+        torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)

@@ -233,7 +233,9 @@ class PipelineEngine:
         self.groups = ProcessGroups(layout, rank, self.tie_stages, mesh_device, sharding_strategy != "NO_SHARD")
         if self.router_metrics is not None:
             self.router_metrics.cp_group = self.groups.cp
-        self.tp_allreduce = apply_tp(model, self.plan, self.tp_meshes())
+        tp_allreduce = apply_tp(model, self.plan, self.tp_meshes())
+        names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+        tp_allreduce = [names[id(p)] for p in tp_allreduce]
         self.expert_groups = ExpertGroups(layout, rank, mesh_device) if layout.ep > 1 else None
         self.expert_params = apply_ep(model, self.plan, self.expert_groups) if self.expert_groups else []
         self.vocab_parallel = self.groups.tp_mesh is not None and self.plan.language_model is not None
@@ -246,6 +248,8 @@ class PipelineEngine:
             self.fsdp_params = {id(p) for p in model.parameters()} - {id(p) for p in self.expert_params}
         if materialise is not None:
             materialise(model)
+        # by name: FSDP (and materialising a lazy build) put new parameter objects in the modules
+        self.tp_allreduce = [model.get_parameter(n) for n in tp_allreduce]
         self.comm = StageComm(self.device, self.groups.headers)
         keep_grads_like_parameters(p for p in self.trainable_parameters() if id(p) not in self.fsdp_params)
         separate = self.fsdp_params | {id(p) for p in self.expert_params}  # experts: summed in sync_gradients

@@ -31,13 +31,16 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
 
 def sharding_units(model, plan: StagePlan) -> list[nn.Module | list[nn.Module]]:
     """The modules of this stage that become FSDP units (a tied embedding and head form one unit; a unit without
-    parameters is skipped)."""
+    parameters is skipped). An encoder sharing another's tower and projector (a composite's video modality) adds
+    none of its own: they are one unit each, run by both."""
     units: list = []
+    seen: set[int] = set()
     for name, sl in plan.encoders.items():
         enc = model.encoders[name]
-        units += [enc.layers[i] for i in range(sl.start, sl.end)]
-        if sl.head:
-            units.append(enc.projector)
+        for m in [*(enc.layers[i] for i in range(sl.start, sl.end)), *([enc.projector] if sl.head else [])]:
+            if id(m) not in seen:
+                seen.add(id(m))
+                units.append(m)
     if plan.language_model is not None:
         sl, lm, fam = plan.language_model, model.language_model, model.lm_family
         units += [fam.layers(lm)[i] for i in range(sl.start, sl.end)]

@@ -10,6 +10,7 @@ MultimodalParallelStrategy, described by a JSON argument.
   under the strategy; without any, plain single-device Lightning. Under
   ``dp`` replica r takes rows r, r + dp, ... of every batch of 4 (an unshuffled DistributedSampler), so each step
   sees the rows one process sees
+- ``sharding``: the strategy's ``sharding_strategy`` (FSDP2 over each stage's data-parallel ranks)
 - ``lazy``: build under ``trainer.init_module(empty_init=True)`` (meta; each rank reads its stage in setup)
 - ``videos``: samples also hold videos (the "video" modality of Qwen2-VL / Qwen2.5-VL composites)
 - ``image_size``: images of that fixed size (``pixel_values [n, 3, S, S]``: SigLIP towers, Gemma 3) instead of
@@ -130,7 +131,8 @@ def main(spec: str, out: str):
         vision_cp, vision_tp = case.get("vision_cp", 1), case.get("vision_tp", 1)
         strategy = lmm.MultimodalParallelStrategy(
             encoders={"vision": lmm.ParallelSpec(pp=vision_pp, cp=vision_cp, tp=vision_tp)},
-            language_model=lmm.ParallelSpec(pp=pp, cp=cp), num_microbatches=2, cp_block_size=8, fault_timeout=120)
+            language_model=lmm.ParallelSpec(pp=pp, cp=cp), num_microbatches=2, cp_block_size=8, fault_timeout=120,
+            sharding_strategy=case.get("sharding", "NO_SHARD"))
         devices = (vision_pp * vision_cp * vision_tp + pp * cp) * case.get("dp", 1)
     else:
         strategy, devices = "auto", 1
