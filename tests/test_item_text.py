@@ -1,5 +1,5 @@
 """The text a family's HF processor writes around and inside each item (Qwen-VL's vision start/end, Qwen3-VL's frame
-timestamps, Gemma 3's start/end of image), written by the data path: against HF's own processors' expansion, and a
+timestamps, Gemma 3's start/end of image, Qwen2-Audio's start/end of audio), written by the data path: against HF's own processors' expansion, and a
 Qwen3-VL conversation with an image and a decoded video whose loss equals HF's model on the same ids."""
 
 import json
@@ -96,6 +96,25 @@ def test_gemma3_images_are_framed_as_its_processor_does(tmp_path):
     batch = MultimodalCollator(model)([ours("what is <image> this", vision=[image])])
     assert batch["input_ids"][0].tolist() == list(expected)
     assert item_text(model, tok, "vision").before[-1] == VSTART
+
+
+def test_qwen2_audio_clips_are_framed_as_its_chat_template_does(tmp_path):
+    """Qwen2-Audio's chat template writes ``<|audio_bos|><|AUDIO|><|audio_eos|>`` for a clip, and its processor
+    repeats the audio token: the clip's expansion here."""
+    from transformers import Qwen2AudioProcessor
+
+    model = lmm.MultimodalModel.from_pretrained(save_composite("qwen2_audio", tmp_path / "audio"))
+    tok = tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>"]})
+    template = Qwen2AudioProcessor.default_chat_template.fget(None)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "audio", "audio_url": "a.wav"},
+                                                                  {"type": "text", "text": "what"}]}],
+                                   chat_template=template, tokenize=False)
+    clip = text[text.index("<|audio_bos|>"):text.index("<|audio_eos|>") + len("<|audio_eos|>")]
+    expected = tok(clip.replace("<|AUDIO|>", "<|AUDIO|>" * 3), add_special_tokens=False)["input_ids"]
+    audio = tok.convert_tokens_to_ids("<|AUDIO|>")
+    rule = item_text(model, tok, "audio")
+    assert rule.ids(audio, 3) == expected and expected.count(audio) == 3 and len(expected) == 5
 
 
 def write_video(path, frames=10, height=32, width=48, rate=5, seed=0):

@@ -1,17 +1,18 @@
-"""The text a composite family's HF processor and chat template write around, and inside, each image or video.
+"""The text a composite family's HF processor and chat template write around, and inside, each image, video or clip.
 
 A sample holds one placeholder per item; the collator expands it to the item's feature tokens. HF's pipeline
-also writes text there: the chat template wraps a Qwen-VL item in ``<|vision_start|>`` / ``<|vision_end|>``,
-Gemma 3's processor writes ``"\\n\\n<start_of_image>"`` ... ``"<end_of_image>\\n\\n"``, InternVL's ``<img>`` ...
-``</img>``, and Qwen3-VL's lays a video out frame by frame, each temporal patch after its timestamp
-(``"<1.5 seconds>"``) between its own start and end tokens. :class:`ItemText` is that rule per family, giving
-each item's whole expansion (``item_ids``: text ids and the placeholder id at the feature positions), which the
-collator writes in place of the placeholder. Families with nothing to add (LLaVA, LLaVA-NeXT, LLaVA-OneVision,
-Qwen2-Audio, models built from parts) get none.
+also writes text there: the chat template wraps a Qwen-VL item in ``<|vision_start|>`` / ``<|vision_end|>`` and
+a Qwen2-Audio clip in ``<|audio_bos|>`` / ``<|audio_eos|>``; Gemma 3's processor writes
+``"\\n\\n<start_of_image>"`` ... ``"<end_of_image>\\n\\n"``, InternVL's ``<img>`` ... ``</img>``, and Qwen3-VL's
+lays a video out frame by frame, each temporal patch after its timestamp (``"<1.5 seconds>"``) between its own
+start and end tokens. :class:`ItemText` is that rule per family, giving each item's whole expansion
+(``item_ids``: text ids and the placeholder id at the feature positions), which the collator writes in place of
+the placeholder. Families with nothing to add (LLaVA, LLaVA-NeXT, LLaVA-OneVision, models built from parts) get
+none; a label a chat template writes before an item ("Audio 1: ") is not written.
 
 Token ids of special tokens come from the checkpoint's config (the ids the model was trained with) or, where the
-config has none (InternVL), from the tokenizer; plain text (Gemma's blank lines, Qwen3-VL's timestamps) is
-tokenized on its own, as the processor's other text between markers is.
+config has none (InternVL, Qwen2-Audio), from the tokenizer; plain text (Gemma's blank lines, Qwen3-VL's
+timestamps) is tokenized on its own, as the processor's other text between markers is.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def item_text(model, tokenizer, name: str) -> ItemText | None:
         return ItemText((*blank, config.boi_token_index), (config.eoi_token_index, *blank))
     if kind == "internvl":
         return ItemText((_special(tokenizer, "<img>"),), (_special(tokenizer, "</img>"),))
+    if kind == "qwen2_audio":  # its chat template's start/end of audio (the "Audio N: " label is the template's)
+        return ItemText((_special(tokenizer, "<|audio_bos|>"),), (_special(tokenizer, "<|audio_eos|>"),))
     return None
 
 
