@@ -5,9 +5,9 @@
 turns ``text`` with one marker per item and the raw items (``vision=[img, ...]``) into the sample form the
 ``MultimodalCollator`` expands (one placeholder token per item, labels, encoder inputs), so placeholders,
 labels, words and packing come from the same code for real and synthetic data. For a composite whose HF
-processor writes text around or inside each item (Qwen-VL's vision start/end, Qwen3-VL's frame timestamps,
-Gemma 3's start/end of image, InternVL's ``<img>``), the sample also holds each item's whole expansion
-(``item_ids``, ``lightning_mm.data.item_text``).
+processor or chat template writes text around or inside each item (Qwen-VL's vision start/end, Qwen3-VL's frame
+timestamps, Gemma 3's start/end of image, InternVL's ``<img>``, Qwen2-Audio's start/end of audio), the sample
+also holds each item's whole expansion (``item_ids``, ``lightning_mm.data.item_text``).
 """
 
 from __future__ import annotations
