@@ -19,8 +19,6 @@ from tests.test_conversation_data import SPECIAL, TEMPLATE, WORDS, conv, write_d
 from tests.test_hf_composites import IMG, VEND, VSTART, assert_like_hf, load_hf, save_composite
 from tests.test_video_models import VID
 
-av = pytest.importorskip("av")
-
 TIMES = [f"<{t / 10:.1f}" for t in range(60)]  # "<0.0" ... "<5.9": Qwen3-VL's timestamps, split at the space
 QWEN_TOKENS = {"<|image_pad|>": IMG, "<|video_pad|>": VID, "<|vision_start|>": VSTART, "<|vision_end|>": VEND}
 GEMMA_TOKENS = {"<image_soft_token>": IMG, "<start_of_image>": VSTART, "<end_of_image>": VEND}
@@ -117,25 +115,13 @@ def test_qwen2_audio_clips_are_framed_as_its_chat_template_does(tmp_path):
     assert rule.ids(audio, 3) == expected and expected.count(audio) == 3 and len(expected) == 5
 
 
-def write_video(path, frames=10, height=32, width=48, rate=5, seed=0):
-    rng = np.random.default_rng(seed)
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for _ in range(frames):
-            img = (rng.random((height, width, 3)) * 255).astype(np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return path
-
-
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     """A tiny Qwen3-VL folder, its processor folder (tokenizer, image processor, video processor config) and a
     conversation with an image and a video."""
     from PIL import Image
+
+    from tests.test_video_data import write_video
 
     root = tmp_path_factory.mktemp("qwen3_item_text")
     folder = save_composite("qwen3_vl", root / "model")

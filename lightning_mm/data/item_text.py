@@ -64,7 +64,7 @@ def _special(tokenizer, token: str) -> int:
     tid = tokenizer.convert_tokens_to_ids(token)
     if tid is None or tid == tokenizer.unk_token_id:
         raise ValueError(f"the tokenizer has no {token!r} token, which this model's processor writes around each "
-                         "image; use the checkpoint's own tokenizer")
+                         "item; use the checkpoint's own tokenizer")
     return tid
 
 
@@ -104,6 +104,7 @@ def items_ids(rule: ItemText | None, placeholder: int, tokens: list[int], metada
         seconds = None
         if rule.timestamps:
             meta = metadatas[i]
-            seconds = patch_seconds(meta.frames_indices, meta.fps or 24.0, temporal_patch_size)
+            fps = meta.fps or 24.0  # an unknown frame rate: HF's processor assumes 24 too
+            seconds = patch_seconds(meta.frames_indices, fps, temporal_patch_size)
         out.append(torch.tensor(rule.ids(placeholder, n, seconds), dtype=torch.long))
     return out
