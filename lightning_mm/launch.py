@@ -27,11 +27,16 @@ _exit_state = {"registered": False, "failed": False}
 
 
 def release_process_groups_at_exit() -> None:
-    """Destroy the process groups when the interpreter exits normally (registered once per process). Left alive,
-    gloo's worker threads still hold their work objects at interpreter finalisation, which can abort a rank that
-    finished its job ("terminate called without an active exception"), and NCCL warns on every rank. Not after a
-    failure (:func:`mark_failed`): a peer may still be waiting on this rank, and tearing down a group with work in
-    flight can block."""
+    """At the interpreter's exit (registered once per process): destroy the process groups after a normal end, then
+    let gloo's worker threads drop their finished work.
+
+    A gloo worker thread releases each collective's tensors just after the collective completes; when the caller
+    already dropped them, that release takes the GIL. If the interpreter has started finalising by then, Python
+    ends the thread with a forced unwind that C++ turns into ``std::terminate`` ("terminate called without an
+    active exception", SIGABRT) on a rank that finished its job. ``atexit`` runs before finalisation, so waiting
+    here (GIL released) until those threads sleep closes the window; ``destroy_process_group`` alone does not stop
+    them while anything still references a group. Groups are left alone after a failure (:func:`mark_failed`): a
+    peer may still be waiting on this rank, and tearing down a group with work in flight can block."""
     if _exit_state["registered"]:
         return
     import atexit
@@ -41,9 +46,46 @@ def release_process_groups_at_exit() -> None:
 
         if not _exit_state["failed"] and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        wait_for_collective_threads()
 
     atexit.register(release)
     _exit_state["registered"] = True
+
+
+COLLECTIVE_THREAD_NAMES = ("pt_gloo_runloop",)  # the threads that run (and release) gloo's queued collectives
+
+
+def collective_threads_running(task_dir: str = "/proc/self/task") -> list[str]:
+    """Thread ids of this process's collective threads that are not asleep (Linux; empty elsewhere)."""
+    running = []
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return running
+    for tid in tids:
+        try:
+            with open(os.path.join(task_dir, tid, "comm")) as f:
+                if f.read().strip() not in COLLECTIVE_THREAD_NAMES:
+                    continue
+            with open(os.path.join(task_dir, tid, "stat")) as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # the thread ended meanwhile
+            continue
+        if state not in ("S", "I"):
+            running.append(tid)
+    return running
+
+
+def wait_for_collective_threads(timeout: float = 2.0, poll: float = 0.005) -> bool:
+    """Sleep (GIL released) until every collective thread has been seen asleep three times in a row, at most
+    ``timeout`` seconds. True when they were."""
+    deadline, asleep = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline:
+        time.sleep(poll)
+        asleep = asleep + 1 if not collective_threads_running() else 0
+        if asleep >= 3:
+            return True
+    return False
 
 
 def mark_failed() -> None:

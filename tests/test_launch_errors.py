@@ -1,6 +1,6 @@
 """Launch failures end cleanly: a layout the devices cannot hold fails in the launching process before any rank is
 spawned (one traceback, no child left), ranks never outlive the process that launched them, and a rank that
-finished its job leaves its process groups destroyed."""
+finished its job leaves its process groups destroyed and exits without aborting."""
 
 import os
 import subprocess
@@ -90,8 +90,8 @@ def test_a_rank_started_after_its_launcher_died_stops():
 
 @pytest.mark.parametrize("failed", [False, True])
 def test_process_groups_destroyed_at_a_normal_exit_only(failed):
-    """The strategy registers one exit handler that destroys the process groups (gloo's worker threads otherwise
-    outlive the interpreter's teardown), except after the rank's job raised."""
+    """The strategy registers one exit handler that destroys the process groups, except after the rank's job
+    raised."""
     code = f"""
 import atexit, os
 import torch.distributed as dist
@@ -108,3 +108,41 @@ print("alive" if dist.is_initialized() else "destroyed")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=ENV)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["alive" if failed else "destroyed"]
+
+
+EXIT_RACE = """
+import os, sys, time
+import torch, torch.distributed as dist
+rank, port, handler = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+group = dist.group.WORLD  # referenced to the end, as a trainer references its groups
+if rank == 1:
+    time.sleep(0.3)
+    dist.all_reduce(torch.ones(4))
+    os._exit(0)
+if handler:
+    from lightning_mm import launch
+    launch.release_process_groups_at_exit()
+sys.setswitchinterval(100.0)  # the main thread keeps the GIL from here to the interpreter's end
+dist.all_reduce(torch.ones(4), async_op=True)  # done when rank 1 joins; gloo's worker then releases the tensor
+end = time.monotonic() + 1.0
+while time.monotonic() < end:
+    pass
+"""
+
+
+@pytest.mark.parametrize("handler", [False, True])
+def test_a_collective_finished_just_before_exit_does_not_abort_the_rank(handler):
+    """A gloo worker that releases a finished collective's tensor needs the GIL; if the interpreter is finalising
+    by then, the rank aborts ("terminate called without an active exception") after its job succeeded. Made
+    certain here: the main thread keeps the GIL until exit. The exit handler lets the worker finish first."""
+    port = str(_free_port())
+    peer = subprocess.Popen([sys.executable, "-c", EXIT_RACE, "1", port, "0"], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = subprocess.run([sys.executable, "-c", EXIT_RACE, "0", port, str(int(handler))], capture_output=True,
+                         text=True, timeout=120, env=ENV)
+    assert peer.wait(timeout=60) == 0
+    if handler:
+        assert out.returncode == 0, out.stderr[-2000:]
+    else:  # the race this handler exists for (a torch that releases the GIL-free way would make it unnecessary)
+        assert out.returncode == -6 and "terminate called without an active exception" in out.stderr
