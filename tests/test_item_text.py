@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessor
 
 import lightning_mm as lmm
@@ -26,16 +26,24 @@ VIDEO_CONFIG = {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 4
                 "temporal_patch_size": 2, "size": {"shortest_edge": 8 * 8, "longest_edge": 4 * 32 * 48}}
 
 
-def tokenizer(gemma: bool = False) -> PreTrainedTokenizerFast:
+NEWLINES = ["\n" * n for n in range(1, 6)]
+
+
+def tokenizer(gemma: bool = False, newline_runs: bool = False) -> PreTrainedTokenizerFast:
     """Words, timestamps and a composite's special tokens at the tiny composites' ids (vocabulary of 128); Gemma's
-    with its blank line as one token, and the token names its processor reads."""
-    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS + ["seconds>", "\n\n"] + TIMES)}
+    with its blank line as one token, and the token names its processor reads. ``newline_runs``: a run of
+    newlines is one token (as in Gemma's vocabulary), so a newline before an image merges with its blank line."""
+    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS + ["seconds>"] + NEWLINES + TIMES)}
     named = GEMMA_TOKENS if gemma else QWEN_TOKENS
     vocab.update(named)
     assert max(vocab.values()) < 128 and len(set(vocab.values())) == len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(SPECIAL + list(named) + (["\n\n"] if gemma else []))
+    if newline_runs:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"),
+                                                     pre_tokenizers.Split(Regex("\n+"), "isolated")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(SPECIAL + list(named) + (["\n\n"] if gemma and not newline_runs else []))
     extra = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
              "image_token": "<image_soft_token>"} if gemma else {}
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
@@ -78,22 +86,31 @@ def test_qwen3_frame_size_is_hf_smart_resize():
     assert qwen3_vl_frame_size is Qwen3VLVideoProcessorPil.frame_size
 
 
-def test_gemma3_images_are_framed_as_its_processor_does(tmp_path):
-    """Gemma3Processor's ids for a text with an image (blank lines, start/end of image around the image's tokens)
-    equal the collated sample's."""
+@pytest.mark.parametrize("newline_runs", [False, True])
+def test_gemma3_images_are_framed_as_its_processor_does(tmp_path, newline_runs):
+    """Gemma3Processor's ids for a text with images (blank lines, start/end of image around the image's tokens)
+    equal the collated sample's; with a tokenizer that merges newline runs, the newline before or after an image
+    (Gemma's chat layout, ``"user\n<image>"``) merges with its blank line as in HF's ids."""
     from transformers import Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     model = lmm.MultimodalModel.from_pretrained(save_composite("gemma3", tmp_path / "gemma3"))
-    tok, images = tokenizer(gemma=True), Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
+    tok = tokenizer(gemma=True, newline_runs=newline_runs)
+    images = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
     hf = Gemma3Processor(image_processor=images, tokenizer=tok,
                          image_seq_length=model.composite.config.mm_tokens_per_image)
-    image = (np.random.default_rng(0).random((16, 16, 3)) * 255).astype(np.uint8)
-    expected = hf(text=["what is <start_of_image> this"], images=[[image]])["input_ids"][0]
+    rng = np.random.default_rng(0)
+    pics = [(rng.random((16, 16, 3)) * 255).astype(np.uint8) for _ in range(2)]
+    text = "what is\n{} this{}\n\nthat" if newline_runs else "what is {} this {} that"
+    expected = hf(text=[text.format("<start_of_image>", "<start_of_image>")], images=[pics])["input_ids"][0]
     ours = MultimodalProcessor(model, tok, {"vision": images}, markers={"vision": "<image>"})
-    batch = MultimodalCollator(model)([ours("what is <image> this", vision=[image])])
+    sample = ours(text.format("<image>", "<image>"), vision=pics)
+    batch = MultimodalCollator(model)([sample])
     assert batch["input_ids"][0].tolist() == list(expected)
-    assert item_text(model, tok, "vision").before[-1] == VSTART
+    if newline_runs:  # the merges happened: "\n" + blank line is one token, blank line + "\n\n" another
+        assert tok.convert_tokens_to_ids("\n\n\n") in expected and tok.convert_tokens_to_ids("\n" * 4) in expected
+    assert metadata_of(sample, model).text_tokens == int((batch["input_ids"][0] != IMG).sum())
+    assert item_text(model, tok, "vision").before == (VSTART,)
 
 
 def test_qwen2_audio_clips_are_framed_as_its_chat_template_does(tmp_path):

@@ -11,8 +11,9 @@ the placeholder. Families with nothing to add (LLaVA, LLaVA-NeXT, LLaVA-OneVisio
 none; a label a chat template writes before an item ("Audio 1: ") is not written.
 
 Token ids of special tokens come from the checkpoint's config (the ids the model was trained with) or, where the
-config has none (InternVL, Qwen2-Audio), from the tokenizer; plain text (Gemma's blank lines, Qwen3-VL's
-timestamps) is tokenized on its own, as the processor's other text between markers is.
+config has none (InternVL, Qwen2-Audio), from the tokenizer. Plain text inside an item (Qwen3-VL's timestamps,
+between special tokens) is tokenized on its own; plain text just outside one (Gemma's blank lines) is tokenized
+with its neighbours, so a tokenizer merges across it as HF's processor does.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ PER_FRAME_TIMESTAMPS = ("qwen3_vl", "qwen3_vl_moe")
 @dataclass(frozen=True)
 class ItemText:
     """``before`` + the item's tokens + ``after``; with ``timestamps``, the tokens are laid out per temporal patch,
-    each as ``tokenize("<{t:.1f} seconds>") + frame_before + tokens + frame_after`` (Qwen3-VL's videos)."""
+    each as ``tokenize("<{t:.1f} seconds>") + frame_before + tokens + frame_after`` (Qwen3-VL's videos).
+    ``text_before`` / ``text_after``: plain text written just outside the item, tokenized together with the
+    neighbouring text (``MultimodalProcessor.tokenize``), as HF's processor tokenizes the whole expanded text: a
+    tokenizer merges Gemma's blank line with a newline before the image into one token."""
 
     before: tuple[int, ...] = ()
     after: tuple[int, ...] = ()
@@ -37,6 +41,8 @@ class ItemText:
     frame_after: tuple[int, ...] = ()
     timestamps: bool = False
     tokenize: Callable[[str], list[int]] | None = None
+    text_before: str = ""
+    text_after: str = ""
 
     def ids(self, placeholder: int, tokens: int, seconds: list[float] | None = None) -> list[int]:
         """The expansion of one item of ``tokens`` feature tokens; ``seconds``: a video's time of each temporal
@@ -84,8 +90,7 @@ def item_text(model, tokenizer, name: str) -> ItemText | None:
         video = name != composite.spec.modality and kind in PER_FRAME_TIMESTAMPS
         return ItemText(start, end, *((start, end, True, tokenize) if video else ()))
     if kind == "gemma3":
-        blank = tuple(tokenize("\n\n"))
-        return ItemText((*blank, config.boi_token_index), (config.eoi_token_index, *blank))
+        return ItemText((config.boi_token_index,), (config.eoi_token_index,), text_before="\n\n", text_after="\n\n")
     if kind == "internvl":
         return ItemText((_special(tokenizer, "<img>"),), (_special(tokenizer, "</img>"),))
     if kind == "qwen2_audio":  # its chat template's start/end of audio (the "Audio N: " label is the template's)

@@ -81,7 +81,9 @@ class MultimodalProcessor:
                 VideoMetadata(total_num_frames=len(v), frames_indices=list(range(len(v)))) for v in items]
 
     def tokenize(self, text: str) -> tuple[list[int], dict[str, int]]:
-        """Token ids of ``text`` with one placeholder id per marker, and the number of markers per modality."""
+        """Token ids of ``text`` with one placeholder id per marker, and the number of markers per modality. The
+        plain text a family writes just outside each item (``ItemText.text_before`` / ``text_after``) is joined to
+        the neighbouring text before tokenizing, as HF's processor does."""
         ids = []
         pattern = sorted(self.markers.items(), key=lambda kv: -len(kv[1]))
         rest, counts = text, {name: 0 for name in self.markers}
@@ -91,11 +93,13 @@ class MultimodalProcessor:
                 ids += self.tokenizer(rest, add_special_tokens=False)["input_ids"]
                 break
             at, name, marker = min(hits)
-            if at:
-                ids += self.tokenizer(rest[:at], add_special_tokens=False)["input_ids"]
+            rule = self.item_text.get(name)
+            before = rest[:at] + (rule.text_before if rule else "")
+            if before:
+                ids += self.tokenizer(before, add_special_tokens=False)["input_ids"]
             ids.append(self.model.placeholder_ids[name])
             counts[name] += 1
-            rest = rest[at + len(marker):]
+            rest = (rule.text_after if rule else "") + rest[at + len(marker):]
         return ids, counts
 
     def __call__(self, text: str, train_on_prompt: bool = True, **items: list) -> dict:
