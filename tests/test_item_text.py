@@ -1,6 +1,7 @@
 """The text a family's HF processor writes around and inside each item (Qwen-VL's vision start/end, Qwen3-VL's frame
-timestamps, Gemma 3's start/end of image, Qwen2-Audio's start/end of audio), written by the data path: against HF's own processors' expansion, and a
-Qwen3-VL conversation with an image and a decoded video whose loss equals HF's model on the same ids."""
+timestamps, Gemma 3's start/end of image, Qwen2-Audio's start/end of audio), written by the data path: against HF's
+own processors' expansion, and a Qwen3-VL conversation with an image and a decoded video whose loss equals HF's
+model on the same ids."""
 
 import json
 from types import SimpleNamespace

@@ -3,7 +3,8 @@
 A *sample* holds ``input_ids`` (1-D) with ONE placeholder token per modality item, optional ``labels`` (same
 length; default: the text ids, -100 at placeholders), per modality a dict of the items' processed encoder
 inputs (``{"pixel_values": [n_items, ...]}``), and optionally ``item_ids`` (``{modality: [ids per item]}``:
-an item's whole expansion, the special tokens its HF processor writes around it included, ``lightning_mm.data.item_text``).
+an item's whole expansion, the special tokens its HF processor writes around it included;
+``lightning_mm.data.item_text``).
 The collator expands every placeholder to the number of tokens its item's encoder emits (or to its ``item_ids``),
 so the LLM sequence layout is known before any encoder runs, then pads (one sample per
 row) or packs (several samples per row with ``segment_ids``).
