@@ -144,5 +144,5 @@ def test_a_collective_finished_just_before_exit_does_not_abort_the_rank(handler)
     assert peer.wait(timeout=60) == 0
     if handler:
         assert out.returncode == 0, out.stderr[-2000:]
-    else:  # the race this handler exists for (a torch that releases the GIL-free way would make it unnecessary)
+    else:  # the race the handler exists for (a torch that freed these tensors without the GIL would end it)
         assert out.returncode == -6 and "terminate called without an active exception" in out.stderr
