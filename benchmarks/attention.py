@@ -45,7 +45,7 @@ GOAL_VS_FLEX, GOAL_VS_CAUSAL, GOAL_FROM_SEQ = 1.2, 0.70, 16384
 
 def count_allowed_pairs(bam, seg, chunk=2048) -> int:
     """Allowed (query, key) pairs of a [B, S] mask, in query chunks (never an [S, S] tensor at once)."""
-    from lightning_mm import masks
+    from lightning_mm.attention import mask as masks
 
     b, s = bam.shape
     pos = torch.arange(s, device=bam.device).expand(b, s)
@@ -59,7 +59,7 @@ def count_allowed_pairs(bam, seg, chunk=2048) -> int:
 
 def dense_mask(bam, seg, chunk=2048):
     """Bool [B, 1, S, S] for SDPA, filled in query chunks."""
-    from lightning_mm import masks
+    from lightning_mm.attention import mask as masks
 
     b, s = bam.shape
     pos = torch.arange(s, device=bam.device).expand(b, s)
@@ -72,7 +72,7 @@ def dense_mask(bam, seg, chunk=2048):
 
 def flex_mask_mod(bam, seg):
     """The bitfield rule as a FlexAttention mask_mod (same rule as ``masks.allowed``)."""
-    from lightning_mm import masks
+    from lightning_mm.attention import mask as masks
 
     def mask_mod(b, h, q_idx, kv_idx):
         qw, kw = bam[b, q_idx], bam[b, kv_idx]
@@ -91,7 +91,7 @@ def build_impls(names, bam, seg, q, k):
     """Callables ``f(q, k, v) -> out`` for each implementation, plus setup time (ms) of each (mask building)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from lightning_mm.kernels import bitfield_attention
+    from lightning_mm.attention.kernels import bitfield_attention
 
     b, s = bam.shape
     hq, hkv = q.shape[1], k.shape[1]
@@ -158,8 +158,8 @@ def measure(fn, q, k, v, dout, reps_ms):
 
 
 def run_case(s, layout, head_dim, args, device):
-    from lightning_mm import masks
-    from lightning_mm.kernels import FULL, PARTIAL, SKIP, default_config, tile_classes
+    from lightning_mm.attention import mask as masks
+    from lightning_mm.attention.kernels import FULL, PARTIAL, SKIP, default_config, tile_classes
 
     bam, seg = masks.random_bam(layout, s, num_encoders=args.encoders, batch=args.batch, seed=args.seed)
     bam = bam.to(device)

@@ -77,7 +77,7 @@ def child(spec: dict) -> None:
     from torch.utils.data import DataLoader
 
     from lightning_mm.attention import use_bitfield_attention
-    from lightning_mm.callbacks import ContextParallel
+    from lightning_mm.trainer.callbacks import ContextParallel
     from lightning_mm.data import PackingCollator
 
     torch.set_num_threads(1)

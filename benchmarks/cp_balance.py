@@ -36,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.parallel import context as cp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

@@ -16,7 +16,7 @@ the expert weights each rank holds (bytes of its local shards, measured on the p
 its parameters, the expert load imbalance (busiest expert / mean, per layer, of the last step's routing), and the
 all-to-all bytes each rank sends to other ranks per step, measured from the split sizes of every dispatch (forward
 dispatch and combine, and their mirrored backward exchanges), beside the planner's byte model
-(``planner.moe.all_to_all_bytes``: uniform routing) at the same token count.
+(``planner.moe_costs.all_to_all_bytes``: uniform routing) at the same token count.
 
 Simulated (labelled so): the planner's ``evaluate_plan`` for Qwen3-30B-A3B shapes (48 layers, hidden 2048, 128
 experts of width 768, top-8, 4096 tokens per microbatch, bf16 all-to-all, 16 bytes of state per trainable
@@ -99,7 +99,7 @@ class _AllToAllCounter:
         """(measured, modelled) bytes this rank sent to other ranks: a dispatch sends its off-rank pairs forward and
         receives their gradients back; the combine returns the received rows and takes their gradients, so each
         off-rank row crosses twice; the model: ``all_to_all_bytes`` of the same (token, expert) pairs."""
-        from lightning_mm.planner.moe import all_to_all_bytes
+        from lightning_mm.planner.moe_costs import all_to_all_bytes
 
         model = all_to_all_bytes(self.pairs, 1, self.hidden, self.bytes, ep)
         return 2 * (self.sent + self.received) * self.hidden * self.bytes, model["forward"] + model["backward"]
@@ -111,7 +111,7 @@ def _worker(rank, world, ep, args, rendezvous, out):
     from lightning_mm.model.moe import load_imbalance
     from lightning_mm.parallel.engine import PipelineEngine
     from lightning_mm.plan.layout import ParallelSpec, build_layout
-    from lightning_mm.planner.moe import expert_parameter_names
+    from lightning_mm.planner.moe_costs import expert_parameter_names
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
@@ -193,9 +193,9 @@ def simulated(dp: int = 8, pp: int = 4, microbatches: int = 16, tokens: int = 40
     """The planner's prediction at Qwen3-30B-A3B shapes (no model is built): per layer the active parameters'
     work (6 x tokens x active weights, plus the attention's 12 x tokens^2 x width / 2 causal), the experts' state
     (16 bytes per trainable parameter: weights, gradient, two Adam moments) and the all-to-all of
-    ``planner.moe.all_to_all_bytes``; ``evaluate_plan`` at each ep."""
+    ``planner.moe_costs.all_to_all_bytes``; ``evaluate_plan`` at each ep."""
     from lightning_mm.planner.costs import LayerCost
-    from lightning_mm.planner.moe import ExpertShape, all_to_all_bytes
+    from lightning_mm.planner.moe_costs import ExpertShape, all_to_all_bytes
     from lightning_mm.planner.search import ModuleSpec, evaluate_plan
 
     s = QWEN3_30B_A3B

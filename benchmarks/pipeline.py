@@ -159,7 +159,7 @@ def worker(cfg: dict, args, result: str) -> None:
     import torch.distributed as dist
 
     import lightning_mm as lmm
-    from lightning_mm.callbacks import PipelineTimeline
+    from lightning_mm.trainer.callbacks import PipelineTimeline
 
     torch.set_num_threads(args.threads)
     module = build_module(cfg, args)

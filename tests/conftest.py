@@ -15,7 +15,7 @@ def pytest_sessionstart(session):
     """Compile the planner's numba loops once, here, before any test spawns ranks: numba caches what it compiles
     (``cache=True``), so the ranks of the multi-process tests load it instead of compiling it in every process at
     once (on a loaded 2-core machine that outlasted their fault timeouts)."""
-    from lightning_mm import masks
+    from lightning_mm.attention import mask as masks
     from lightning_mm.parallel.context import distribute
 
     for layout in ("ee", "mp"):  # without and with segment ids: numba compiles each signature

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.attention import bitfield_attention
 from lightning_mm.attention.reference import reference_attention
 

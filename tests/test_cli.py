@@ -35,7 +35,7 @@ def test_gpu_examples_parse_to_the_model_and_layout_they_describe():
     import torch
 
     from lightning_mm import MultimodalParallelStrategy, ParallelSpec
-    from lightning_mm.cli import MultimodalCLI
+    from lightning_mm.trainer.cli import MultimodalCLI
 
     cpu = ["--trainer.accelerator=cpu", "--trainer.precision=32-true"]
     with torch.device("meta"):
@@ -59,7 +59,7 @@ def _empty_init_fit(tmp_path, *extra):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-m", "lightning_mm.cli", "fit", "--config", "examples/tiny_vlm.yaml",
+    return subprocess.run([sys.executable, "-m", "lightning_mm.trainer.cli", "fit", "--config", "examples/tiny_vlm.yaml",
                            "--empty_init=true", "--trainer.max_steps=3", f"--trainer.default_root_dir={tmp_path}",
                            *extra], capture_output=True, text=True, timeout=300, cwd=root)
 
@@ -83,7 +83,7 @@ def test_fault_tolerance_is_set_from_the_command_line(monkeypatch):
     ``fault_tolerance`` mapping and the environment fill the rest."""
     import torch
 
-    from lightning_mm.cli import MultimodalCLI
+    from lightning_mm.trainer.cli import MultimodalCLI
     from lightning_mm.fault_tolerance import FaultTolerance
 
     monkeypatch.setenv("LMM_REPLICA_GROUP", "1")
@@ -112,7 +112,7 @@ def test_under_torchrun_num_nodes_follows_the_nodes_of_this_start(monkeypatch):
     the current world size over the ranks per node, so the same command serves every (re)start."""
     import torch
 
-    from lightning_mm.cli import MultimodalCLI
+    from lightning_mm.trainer.cli import MultimodalCLI
 
     for key, value in dict(TORCHELASTIC_RUN_ID="job", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
                            GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555").items():

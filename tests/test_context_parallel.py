@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.parallel import context as cp
 
 # ----------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import lightning_mm as lmm
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.model import tiny_encoder, tiny_language_model
 
 

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.attention import use_bitfield_attention
 from lightning_mm.attention.bitfield_hf import UnsupportedModelError, bitfield_adapter, hf_words
 from lightning_mm.data import PackingCollator, pack_multimodal
@@ -166,7 +166,7 @@ def _callback_refusal(fn, match):
 def test_context_parallel_refuses_strategies_it_cannot_serve():
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 
-    from lightning_mm.callbacks import ContextParallel
+    from lightning_mm.trainer.callbacks import ContextParallel
 
     cb = ContextParallel(2)
     deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # Lightning's class, without deepspeed installed
@@ -197,7 +197,7 @@ def test_context_parallel_refuses_cp_sizes_that_do_not_divide_and_models_it_cann
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_mm.callbacks import ContextParallel
+    from lightning_mm.trainer.callbacks import ContextParallel
 
     _world_of_one()
     trainer = SimpleNamespace(strategy=DDPStrategy())
@@ -226,7 +226,7 @@ def test_context_parallel_refuses_cp_sizes_that_do_not_divide_and_models_it_cann
 
 
 def test_context_parallel_refuses_a_call_without_labels():
-    from lightning_mm.callbacks import ContextParallel
+    from lightning_mm.trainer.callbacks import ContextParallel
 
     cb = ContextParallel(2, block_size=4)
     model = tiny_model("llava")
@@ -330,7 +330,7 @@ def test_example_project_runs_with_packing_and_context_parallelism(tmp_path):
 def _different_batches(rank, world):
     import torch.distributed as dist
 
-    from lightning_mm.callbacks import ContextParallel
+    from lightning_mm.trainer.callbacks import ContextParallel
 
     cb = ContextParallel(2)
     cb.group, cb.cp_rank, cb._adapter = dist.group.WORLD, rank, object()  # as setup leaves them on 2 ranks

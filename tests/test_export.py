@@ -86,7 +86,7 @@ def test_export_refuses_a_config_without_a_fixed_seed(tmp_path):
     from lightning.pytorch.cli import LightningCLI
 
     from lightning_mm.data.synthetic import SyntheticMultimodalDataModule
-    from lightning_mm.module import MultimodalLightningModule
+    from lightning_mm.trainer.module import MultimodalLightningModule
 
     cli = LightningCLI(MultimodalLightningModule, SyntheticMultimodalDataModule, subclass_mode_data=True, run=False,
                        args=["--config", CONFIG, "--trainer.logger=false"], save_config_callback=None)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_mm.faults import FaultWatchdog, WaitRecord, check_finite_loss
+from lightning_mm.fault_tolerance.watchdog import FaultWatchdog, WaitRecord, check_finite_loss
 from tests.helpers.checkpoint_runs import CASE, case_env, reference, run_case
 
 FAULT_TIMEOUT = 3.0
@@ -252,7 +252,7 @@ def test_a_rank_stuck_inside_a_step_ends_every_process_naming_it(tmp_path):
 def test_a_launched_rank_that_exits_before_the_rendezvous_ends_rank_0_naming_it():
     """Lightning's rank 0 launches the other local ranks, then waits for them in the rendezvous, where no signal
     reaches it: one that already exited must end it with its rank and exit code."""
-    from lightning_mm.faults import launched_ranks_watched
+    from lightning_mm.fault_tolerance.watchdog import launched_ranks_watched
 
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     dead = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])

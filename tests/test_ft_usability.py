@@ -15,7 +15,7 @@ pytest.importorskip("torchft")
 
 from helpers.distributed import _free_port  # noqa: E402
 
-from lightning_mm.cli import main  # noqa: E402
+from lightning_mm.trainer.cli import main  # noqa: E402
 from lightning_mm.fault_tolerance import lighthouse_banner  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -57,11 +57,11 @@ def test_a_group_that_never_joins_is_named(tmp_path):
     port = _free_port()
     env = {**ENV, "TORCHFT_LIGHTHOUSE": f"localhost:{port}", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "LMM_REPLICA_GROUP": "0"}
-    lighthouse = subprocess.Popen([sys.executable, "-m", "lightning_mm.cli", "lighthouse", "--bind",
+    lighthouse = subprocess.Popen([sys.executable, "-m", "lightning_mm.trainer.cli", "lighthouse", "--bind",
                                    f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL)
     try:
         proc = subprocess.run(
-            [shutil.which("torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "lightning_mm.cli", "fit",
+            [shutil.which("torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "lightning_mm.trainer.cli", "fit",
              "--config", os.path.join(EXAMPLE, "job.yaml"), "--trainer.max_steps", "2",
              "--trainer.strategy.init_args.fault_tolerance.quorum_timeout", "5"],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)

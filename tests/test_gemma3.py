@@ -113,7 +113,7 @@ def test_gemma3_composite_images_are_bidirectional_blocks_as_in_hf(tmp_path):
     """``Gemma3ForConditionalGeneration``: each image's tokens see each other (HF's ``token_type_ids`` blocks) and
     everything before them, text stays causal, local layers cut both by their window; without the image blocks the
     logits differ (the equality to HF's loss, logits and gradients is in tests/test_hf_composites.py)."""
-    from lightning_mm import masks
+    from lightning_mm.attention import mask as masks
     from tests.test_hf_composites import IMG, batch_for
 
     _, model, ref = _gemma3_composite(tmp_path)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lightning_mm as lmm
-from lightning_mm.callbacks import GenerationWriter
+from lightning_mm.trainer.callbacks import GenerationWriter
 from lightning_mm.data import ConversationDataModule
 from lightning_mm.model import tiny_encoder, tiny_language_model
 from tests.helpers.launch import run_cli
@@ -156,7 +156,7 @@ def test_lightning_mm_predict_writes_the_text_under_vision_pp1_llm_pp2(tmp_path)
     3 ranks (vision pp 1 + LLM pp 2) writes one line per prompt whose token ids are one-process ``generate``'s of
     the checkpoint's model, and whose text is their decoding."""
     from lightning_mm.checkpoint import load_weights
-    from lightning_mm.cli import load_fit_config
+    from lightning_mm.trainer.cli import load_fit_config
 
     proc = make_processor(tmp_path / "processor")
     train = write_data(tmp_path / "data", BASIC)

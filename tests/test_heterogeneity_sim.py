@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from lightning_mm.callbacks.timeline import (RankTimings, deferral_of, deferred_shares, measured_result,
+from lightning_mm.trainer.callbacks.timeline import (RankTimings, deferral_of, deferred_shares, measured_result,
                                              predicted_result)
 from lightning_mm.data.microbatch import PLAN_KEY
 from lightning_mm.plan.balance import METHODS, BatchPlan, Deferral, plan_batch

@@ -232,7 +232,7 @@ def test_lazy_build_reads_only_a_stages_tensors_and_equals_eager(tmp_path, monke
     assert set(lazy.composite.passthrough) == {k for k in eager.composite.passthrough} and all(
         ".encoder.layers.2." in k for k in lazy.composite.passthrough)
     stage = copy.deepcopy(lazy)
-    from lightning_mm.parallel.stages import prune
+    from lightning_mm.parallel.pruning import prune
 
     prune(stage, {n for n, _ in stage.named_parameters() if n.startswith("language_model.model.layers.1")
                   or n.startswith("language_model.lm_head")})
@@ -258,7 +258,7 @@ def test_bidirectional_option_and_collator_positions(tmp_path):
     assert not model.causal_modalities
     batch, _ = batch_for("qwen2_vl", model.composite.config)
     bam = model.build_bam(batch["input_ids"], batch["attention_mask"])
-    from lightning_mm import masks
+    from lightning_mm.attention import mask as masks
 
     image = batch["input_ids"] == IMG
     assert not (bam[image] & masks.CAUSAL).any() and (bam[~image & batch["attention_mask"].bool()] & masks.CAUSAL).all()
@@ -364,7 +364,7 @@ def test_yaml_names_a_composite_folder_and_export_writes_the_composite(tmp_path,
     import yaml
 
     from lightning_mm import checkpoint as ckpt
-    from lightning_mm.cli import MultimodalCLI, main
+    from lightning_mm.trainer.cli import MultimodalCLI, main
 
     folder = save_composite("llava", tmp_path / "src")
     config = tmp_path / "fit.yaml"

@@ -6,7 +6,7 @@ and inside functions (a function-level import is still a dependency; it only run
 module to each lightning_mm module the statement makes Python execute: the named module (``from P import name``:
 the submodule ``P.name`` if there is one, else ``P``) and the packages above it, except the importing module's own
 enclosing packages, which Python has always started importing first (the root ``lightning_mm/__init__.py``
-imports the public API, so every module runs it). ``kernels/`` is ``lightning_mm.kernels``.
+imports the public API, so every module runs it). ``lightning_mm/attention/kernels/`` is ``lightning_mm.attention.kernels``.
 """
 
 from __future__ import annotations
@@ -23,39 +23,43 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "lightning_mm"
 SOURCES = {PACKAGE: ROOT / "lightning_mm", f"{PACKAGE}.kernels": ROOT / "kernels"}
 
-# the layer rules: what each part may not import (directly or through any module it imports)
+# the layer rules (docs/architecture.md): what each part may not import (directly or through any module it imports)
+LIGHTNING_LAYER = ("lightning_mm.trainer",)  # strategy, module, CLI, launch, summary, callbacks
 FORBIDDEN = {
     "lightning_mm.plan": "everything but lightning_mm.plan (pure: rank layout, placement, stages, schedules)",
-    "lightning_mm.planner": ("lightning_mm.parallel", "lightning_mm.strategy", "lightning_mm.cli",
-                             "lightning_mm.checkpoint", "lightning_mm.module", "lightning_mm.callbacks"),
-    "lightning_mm.model": ("lightning_mm.checkpoint", "lightning_mm.cli", "lightning_mm.strategy",
-                           "lightning_mm.parallel", "lightning_mm.module", "lightning_mm.callbacks",
-                           "lightning_mm.planner", "lightning_mm.data"),
-    "lightning_mm.attention": ("lightning_mm.parallel", "lightning_mm.plan", "lightning_mm.planner",
-                               "lightning_mm.strategy", "lightning_mm.model", "lightning_mm.data",
-                               "lightning_mm.module", "lightning_mm.cli", "lightning_mm.checkpoint"),
-    "lightning_mm.kernels": "everything but lightning_mm.kernels and lightning_mm.masks (and its planning_loops)",
-    "lightning_mm.masks": "everything but lightning_mm.planning_loops",
-    "lightning_mm.planning_loops": "everything",
+    "lightning_mm.planner": ("lightning_mm.parallel", "lightning_mm.checkpoint", "lightning_mm.fault_tolerance",
+                             *LIGHTNING_LAYER),
+    "lightning_mm.model": ("lightning_mm.checkpoint", "lightning_mm.parallel", "lightning_mm.planner",
+                           "lightning_mm.data", "lightning_mm.fault_tolerance", *LIGHTNING_LAYER),
+    "lightning_mm.attention": ("lightning_mm.parallel", "lightning_mm.planner", "lightning_mm.model",
+                               "lightning_mm.data", "lightning_mm.checkpoint", "lightning_mm.fault_tolerance",
+                               *LIGHTNING_LAYER),
+    "lightning_mm.attention.kernels": "everything but the kernels, the mask and plan/ (the mask's loops)",
+    "lightning_mm.attention.mask": "everything but lightning_mm.plan (the mask's numba loops, plan/cp_loops.py)",
+    "lightning_mm.plan.cp_loops": "everything",
     "lightning_mm.loss": "everything",
-    "lightning_mm.faults": "everything",
-    "lightning_mm.parallel": ("lightning_mm.strategy", "lightning_mm.cli", "lightning_mm.checkpoint",
-                              "lightning_mm.module", "lightning_mm.callbacks"),
-    "lightning_mm.checkpoint": ("lightning_mm.cli", "lightning_mm.strategy", "lightning_mm.parallel",
-                                "lightning_mm.module"),
-    "lightning_mm.data": ("lightning_mm.parallel", "lightning_mm.strategy", "lightning_mm.cli",
-                          "lightning_mm.checkpoint", "lightning_mm.planner"),
-    "lightning_mm.strategy": ("lightning_mm.cli",),
+    "lightning_mm.fault_tolerance.watchdog": "everything",
+    "lightning_mm.parallel": ("lightning_mm.checkpoint", "lightning_mm.fault_tolerance.training", *LIGHTNING_LAYER),
+    "lightning_mm.checkpoint": ("lightning_mm.parallel", *LIGHTNING_LAYER),
+    "lightning_mm.data": ("lightning_mm.parallel", "lightning_mm.checkpoint", "lightning_mm.planner",
+                          *LIGHTNING_LAYER),
+    "lightning_mm.fault_tolerance": LIGHTNING_LAYER,
+    "lightning_mm.trainer.strategy": ("lightning_mm.trainer.cli",),
 }
 ALLOWED_ONLY = {"lightning_mm.plan": ("lightning_mm.plan",),
-                "lightning_mm.kernels": ("lightning_mm.kernels", "lightning_mm.masks", "lightning_mm.planning_loops"),
-                "lightning_mm.masks": ("lightning_mm.planning_loops",), "lightning_mm.planning_loops": (),
-                "lightning_mm.loss": (), "lightning_mm.faults": ()}
-# third-party imports a part may not make itself: no process group in plan/ and planner/, no Lightning in the model
+                "lightning_mm.attention.kernels": ("lightning_mm.attention.kernels", "lightning_mm.attention.mask",
+                                                   "lightning_mm.plan"),
+                "lightning_mm.attention.mask": ("lightning_mm.plan",), "lightning_mm.plan.cp_loops": (),
+                "lightning_mm.loss": (), "lightning_mm.fault_tolerance.watchdog": ()}
+# third-party imports a part may not make itself: no process group in plan/ and planner/, no Lightning below the
+# Lightning layer (the data modules are LightningDataModules, the one exception)
 EXTERNAL_FORBIDDEN = {"lightning_mm.plan": ("torch.distributed", "lightning"),
                       "lightning_mm.planner": ("torch.distributed",),
                       "lightning_mm.model": ("lightning",),
-                      "lightning_mm.attention": ("lightning",)}
+                      "lightning_mm.attention": ("lightning",),
+                      "lightning_mm.parallel": ("lightning",),
+                      "lightning_mm.fault_tolerance": ("lightning",),
+                      "lightning_mm.checkpoint": ("lightning",)}
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -203,11 +207,11 @@ def _path(src: str, dst: str) -> list[str]:
 
 def test_the_graph_sees_function_level_imports():
     """The reader itself: a function-level import counts, and ``from P import submodule`` names the submodule."""
-    internal, _ = imports_of("lightning_mm.cli")
-    assert "lightning_mm.strategy" in internal  # imported inside MultimodalCLI.instantiate_classes
+    internal, _ = imports_of("lightning_mm.trainer.cli")
+    assert "lightning_mm.trainer.strategy" in internal  # imported inside MultimodalCLI.instantiate_classes
     assert "lightning_mm.checkpoint" in internal  # inside export_main
-    assert "lightning_mm.masks" in imports_of("lightning_mm.attention.reference")[0]
-    assert "lightning_mm.kernels.attention" in modules()
+    assert "lightning_mm.attention.mask" in imports_of("lightning_mm.attention.reference")[0]
+    assert "lightning_mm.attention.kernels.attention" in modules()
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -218,8 +222,9 @@ def test_no_import_cycle():
 
 
 def test_layers_import_one_way():
-    """plan <- planner; plan <- parallel <- strategy <- cli; model <- checkpoint <- cli; model knows no checkpoint,
-    CLI, strategy or pipeline runtime; plan/ and planner/ touch no process group; attention knows no pipeline."""
+    """plan <- planner; plan <- parallel <- trainer (strategy <- cli); model <- checkpoint <- cli; model knows no
+    checkpoint, Lightning or pipeline runtime; plan/ and planner/ touch no process group; attention knows no
+    pipeline; nothing below the Lightning layer (trainer/) imports it or Lightning itself."""
     broken = []
     for name in modules():
         reach = reachable(name)
@@ -237,7 +242,7 @@ def test_layers_import_one_way():
                 broken += [f"{name} imports {e}" for e in imports_of(name)[1] if any(_within(e, b) for b in banned)]
     # nothing below the CLI imports it
     broken += [f"{name} imports the CLI" for name in modules()
-               if not _within(name, "lightning_mm.cli") and "lightning_mm.cli" in graph()[name]]
+               if not _within(name, "lightning_mm.trainer.cli") and "lightning_mm.trainer.cli" in graph()[name]]
     assert not broken, "\n".join(broken)
 
 
@@ -250,7 +255,7 @@ failed = {}
 for name in json.loads(sys.argv[1]):
     for m in [m for m in sys.modules if m == "lightning_mm" or m.startswith("lightning_mm.")]:
         del sys.modules[m]
-    StrategyRegistry.pop("multimodal", None)  # registered by lightning_mm.strategy on import
+    StrategyRegistry.pop("multimodal", None)  # registered by lightning_mm.trainer.strategy on import
     try:
         importlib.import_module(name)
     except ModuleNotFoundError as e:

@@ -1,7 +1,7 @@
 """Triton bitfield attention kernels against the reference backend.
 
 On a machine without CUDA the kernels run under Triton's CPU interpreter: ``TRITON_INTERPRET=1`` must be set
-before the kernels are decorated, so it is set here before anything imports ``lightning_mm.kernels`` (and the
+before the kernels are decorated, so it is set here before anything imports ``lightning_mm.attention.kernels`` (and the
 kernel modules are reloaded if another test imported them first). On CUDA the same tests run natively.
 """
 
@@ -38,20 +38,20 @@ def _load_kernels():
         for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
             if not name.startswith("triton._C"):
                 del sys.modules[name]
-        for name in [m for m in sys.modules if m.startswith("lightning_mm.kernels")]:
+        for name in [m for m in sys.modules if m.startswith("lightning_mm.attention.kernels")]:
             del sys.modules[name]
         import triton.language.standard as standard  # noqa: F811
         from triton.runtime.interpreter import InterpretedFunction  # noqa: F811
         assert isinstance(standard.zeros, InterpretedFunction), "TRITON_INTERPRET=1 did not take effect"
-    import lightning_mm.kernels as kernels_pkg
+    import lightning_mm.attention.kernels as kernels_pkg
 
     return kernels_pkg
 
 
 kernels = _load_kernels()
-from lightning_mm import masks  # noqa: E402
+from lightning_mm.attention import mask as masks  # noqa: E402
 from lightning_mm.attention import bitfield_attention  # noqa: E402
-from lightning_mm.kernels import split, tiles  # noqa: E402
+from lightning_mm.attention.kernels import split, tiles  # noqa: E402
 from tests.helpers.host_reads import HostReads  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -327,7 +327,7 @@ def _clean_env():
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter is lenient; the real compiler (down to a cubin) must accept the kernels too."""
     pytest.importorskip("triton.backends.nvidia")
-    r = subprocess.run([sys.executable, "-m", "lightning_mm.kernels.compile_check", "--dtypes", "bf16",
+    r = subprocess.run([sys.executable, "-m", "lightning_mm.attention.kernels.compile_check", "--dtypes", "bf16",
                         "--head-dims", "128", "--arch", "90"], capture_output=True, text=True, env=_clean_env(),
                        cwd=ROOT, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]

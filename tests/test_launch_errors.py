@@ -44,7 +44,7 @@ def test_layout_error_raised_before_any_rank_is_spawned(tmp_path):
     config["trainer"]["devices"] = 5  # the layout needs a multiple of 4 ranks
     path = tmp_path / "five_devices.yaml"
     path.write_text(yaml.safe_dump(config))
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_mm.cli", "fit", "--config", str(path)], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_mm.trainer.cli", "fit", "--config", str(path)], cwd=tmp_path,
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode != 0
@@ -81,7 +81,7 @@ def test_children_die_with_their_launcher(tmp_path):
 
 
 def test_a_rank_started_after_its_launcher_died_stops():
-    code = "from lightning_mm.launch import end_with_launcher; end_with_launcher(); print('waited')"
+    code = "from lightning_mm.trainer.launch import end_with_launcher; end_with_launcher(); print('waited')"
     env = {**ENV, "LMM_LAUNCHER_PID": "1", "LOCAL_RANK": "1"}  # pid 1 is never this process's parent here
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 1 and "waited" not in proc.stdout
@@ -95,7 +95,7 @@ def test_process_groups_destroyed_at_a_normal_exit_only(failed):
     code = f"""
 import atexit, os
 import torch.distributed as dist
-from lightning_mm import launch
+from lightning_mm.trainer import launch
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{_free_port()}")
 dist.init_process_group("gloo", rank=0, world_size=1)
 launch.release_process_groups_at_exit()
@@ -121,7 +121,7 @@ if rank == 1:
     dist.all_reduce(torch.ones(4))
     os._exit(0)
 if handler:
-    from lightning_mm import launch
+    from lightning_mm.trainer import launch
     launch.release_process_groups_at_exit()
 sys.setswitchinterval(100.0)  # the main thread keeps the GIL from here to the interpreter's end
 dist.all_reduce(torch.ones(4), async_op=True)  # done when rank 1 joins; gloo's worker then releases the tensor

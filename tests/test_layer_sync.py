@@ -121,7 +121,7 @@ def _sync_rank(world_rank, world, store_port):
     torchft ProcessGroupGloo configured under its own prefix of one TCPStore, as a quorum configures them."""
     from torchft.process_group import ProcessGroupGloo
 
-    from lightning_mm.parallel.layer_sync import bucket_process_groups, sync_layers
+    from lightning_mm.parallel.layerwise_reduce import bucket_process_groups, sync_layers
 
     group, rank = (0, world_rank) if world_rank < 2 else (1, 0)
     holding = [_llm_group(2), _llm_group(1)]

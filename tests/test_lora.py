@@ -206,7 +206,7 @@ def test_lora_trains_under_the_strategy_like_one_process_and_predict_generates(t
         assert set(params) == set(ref_params)
         for n, p in ref_params.items():
             torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)
-        if name == "pp2":  # greedy stage to stage (lightning_mm.parallel.generation): one process's tokens
+        if name == "pp2":  # greedy stage to stage (lightning_mm.parallel.pipeline_generation): one process's tokens
             assert all(g == ref["expected"][0] for g in got["generated"]), (got, ref["expected"])
         else:
             assert got["generated"] == got["expected"] and got["generated"] == ref["expected"], got

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 
 
 def rule(wi, wj, i, j, si, sj):

@@ -7,7 +7,7 @@ import torch
 
 import lightning_mm as lmm
 from lightning_mm.model import families, tiny_encoder, tiny_language_model
-from lightning_mm.module import MultimodalLightningModule
+from lightning_mm.trainer.module import MultimodalLightningModule
 
 
 @pytest.mark.parametrize("kind", sorted(families.LANGUAGE_FAMILIES))

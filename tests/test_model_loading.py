@@ -198,7 +198,7 @@ def _multimodal(enc_path, llm_path):
 
 @pytest.mark.parametrize("shard", [None, "12KB"])
 def test_materialising_a_pruned_stage_reads_only_its_tensors(tmp_path, shard):
-    from lightning_mm.parallel.stages import prune
+    from lightning_mm.parallel.pruning import prune
 
     enc_path, llm_path = _folders(tmp_path, shard)
     torch.manual_seed(1)
@@ -222,7 +222,7 @@ def test_materialising_a_pruned_stage_reads_only_its_tensors(tmp_path, shard):
 
 def test_pruned_random_stage_equals_the_whole_model_and_keeps_flags(tmp_path):
     """Layout independence of the random init: a stage's tensors equal the unpruned model's (same seed)."""
-    from lightning_mm.parallel.stages import prune
+    from lightning_mm.parallel.pruning import prune
 
     def build():
         with torch.device("meta"):
@@ -484,7 +484,7 @@ MEMORY_SCRIPT = """
 import gc, sys, time, torch
 sys.path.insert(0, {root!r})
 from lightning_mm.model.loading import load_language_model, materialise
-from lightning_mm.parallel.stages import prune
+from lightning_mm.parallel.pruning import prune
 import transformers
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_mm.planner.costs import LayerCost
-from lightning_mm.planner.moe import ExpertShape, all_to_all_bytes
+from lightning_mm.planner.moe_costs import ExpertShape, all_to_all_bytes
 from lightning_mm.planner.search import ModuleSpec, evaluate_plan, search
 
 LM = "language_model"
@@ -175,7 +175,7 @@ def test_plan_cli_simulates_the_yamls_ep(tmp_path, capsys):
     table shows the ep column and the all-to-all), and the search tries --ep 1,2."""
     from pathlib import Path
 
-    from lightning_mm.cli import plan_main as plan
+    from lightning_mm.trainer.cli import plan_main as plan
 
     root = Path(__file__).resolve().parents[1]
     extra = tmp_path / "moe.yaml"

@@ -150,7 +150,7 @@ def test_frozen_aware_pipeline_trains_like_one_process():
 def test_plan_command_prints_stages_and_writes_timelines(tmp_path, capsys):
     """`lightning-mm plan` on the main-job YAML: one row per configured stage, the search, the files, and a YAML
     block that runs the auto plan."""
-    from lightning_mm.cli import main
+    from lightning_mm.trainer.cli import main
 
     main(["plan", "--config", "examples/tiny_valm_pp.yaml", "--devices", "8", "--out", str(tmp_path)])
     out = capsys.readouterr().out

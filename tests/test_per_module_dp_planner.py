@@ -228,7 +228,7 @@ def test_yaml_carries_dp_on_every_spec_and_parses_back():
 
 
 def test_plan_cli_per_module_dp_writes_a_yaml_with_dp(tmp_path, capsys):
-    from lightning_mm.cli import main
+    from lightning_mm.trainer.cli import main
 
     main(["plan", "--config", "examples/tiny_valm_pp.yaml", "--devices", "8", "--per-module-dp", "--tp", "1,2",
           "--device-flops", "1e12", "--out", str(tmp_path)])
@@ -411,7 +411,7 @@ def test_plan_cli_times_a_yaml_whose_specs_carry_dp_with_each_modules_own_dp(tmp
     refused with the fix."""
     from types import SimpleNamespace
 
-    from lightning_mm.cli import main
+    from lightning_mm.trainer.cli import main
     from lightning_mm.planner.plan_cli import configured_plan
 
     def configured(vision_dp):

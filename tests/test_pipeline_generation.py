@@ -1,4 +1,4 @@
-"""Generation across pipeline stages (``lightning_mm.parallel.generation``): ``trainer.predict`` with
+"""Generation across pipeline stages (``lightning_mm.parallel.pipeline_generation``): ``trainer.predict`` with
 ``generation=`` under LLM pipeline parallelism returns the tokens of one-process references (``model.generate``
 for a LLaVA-style model; HF's own ``Qwen2VLForConditionalGeneration.generate`` for Qwen2-VL's M-RoPE), and what
 it does not serve is refused with the fix."""
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from lightning_mm.parallel.generation import GreedySettings, greedy_settings, unserved_options
+from lightning_mm.parallel.pipeline_generation import GreedySettings, greedy_settings, unserved_options
 from tests.helpers.launch import run_trainer_case
 
 CASE = os.path.join(os.path.dirname(__file__), "helpers", "pipeline_generation_case.py")
@@ -105,7 +105,7 @@ def test_layouts_it_does_not_serve_are_refused_with_the_fix():
     from types import SimpleNamespace
 
     from lightning_mm import ParallelSpec
-    from lightning_mm.parallel.generation import unserved_layout
+    from lightning_mm.parallel.pipeline_generation import unserved_layout
     from lightning_mm.plan.layout import build_layout
 
     def engine(world, fsdp=False, **llm):

@@ -3,7 +3,7 @@ with the ``fit`` that follows it."""
 
 from types import SimpleNamespace
 
-from lightning_mm.cli import planned_version
+from lightning_mm.trainer.cli import planned_version
 from lightning_mm.planner.plan_cli import fewer_devices_reason
 
 

@@ -455,7 +455,7 @@ def test_write_profile_times_the_model_in_the_trainers_precision(tmp_path, monke
 
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_mm.cli import plan_main as plan
+    from lightning_mm.trainer.cli import plan_main as plan
 
     entered = []
     original = MixedPrecision.forward_context
@@ -524,7 +524,7 @@ def test_plan_cli_data_stats_on_conversation_data(tmp_path, capsys):
     import runpy
     from pathlib import Path
 
-    from lightning_mm.cli import plan_main as plan
+    from lightning_mm.trainer.cli import plan_main as plan
 
     root = Path(__file__).resolve().parents[1]
     data = tmp_path / "data"
@@ -623,7 +623,7 @@ def test_cp_llm_stages_take_cp_devices_and_the_table_and_yaml_show_the_mode():
 
 
 def test_plan_cli_searches_cp_modes_and_prints_the_mode_column(tmp_path, capsys):
-    from lightning_mm.cli import main
+    from lightning_mm.trainer.cli import main
 
     main(["plan", "--config", "examples/tiny_valm_pp.yaml", "--devices", "16", "--cp", "2,4", "--cp-mode",
           "allgather,ulysses,hybrid", "--device-flops", "1e12", "--cp-bandwidth", "50", "--out", str(tmp_path)])

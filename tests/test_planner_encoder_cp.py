@@ -216,7 +216,7 @@ def test_plan_cli_writes_encoder_cp_that_the_real_cli_parses(tmp_path, capsys):
     """`lightning-mm plan --encoder-cp 2`: both encoders get 2 CP ranks (the table's cp column and "items" mode,
     the gather in "cp comm"); the printed YAML, layered over the example, loads with the real CLI and builds a
     strategy whose encoders have cp 2 on the planned devices."""
-    from lightning_mm.cli import load_fit_config, main
+    from lightning_mm.trainer.cli import load_fit_config, main
 
     main(["plan", "--config", EXAMPLE, "--devices", "8", "--encoder-cp", "2", "--device-flops", "1e12",
           "--cp-bandwidth", "1", "--out", str(tmp_path)])

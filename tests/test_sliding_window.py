@@ -7,9 +7,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_attention_reference import dense_attention, rand_qkv  # noqa: E402
 
-from lightning_mm import masks  # noqa: E402
+from lightning_mm.attention import mask as masks  # noqa: E402
 from lightning_mm.attention import bitfield_attention  # noqa: E402
-from lightning_mm.kernels import tiles  # noqa: E402
+from lightning_mm.attention.kernels import tiles  # noqa: E402
 from lightning_mm.parallel import context as cp  # noqa: E402
 
 

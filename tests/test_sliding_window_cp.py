@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_attention_reference import dense_attention
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.parallel import context as cp
 
 WINDOWS = (1, 6)

@@ -103,7 +103,7 @@ def test_templates_branch_prints_the_table_and_writes_the_file(tmp_path, capsys)
 
 @pytest.mark.slow
 def test_plan_cli_writes_templates(tmp_path, capsys):
-    from lightning_mm.cli import plan_main as plan
+    from lightning_mm.trainer.cli import plan_main as plan
 
     out = tmp_path / "templates.yaml"
     plan(["--config", "examples/tiny_valm_pp.yaml", "--templates", "--nodes", "5", "--devices-per-node", "1",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lightning_mm.callbacks.timeline import RankTimings, measured_result, stage_costs
+from lightning_mm.trainer.callbacks.timeline import RankTimings, measured_result, stage_costs
 from lightning_mm.plan.schedule import build_stage_graph, one_f_one_b
 from lightning_mm.planner.simulator import simulate_1f1b
 

@@ -22,7 +22,7 @@ EXAMPLE = os.path.join(ROOT, "examples", "tiny_valm_pp.yaml")
 
 # ------------------------------------------------------------------------------------------------ the command line
 def test_help_lists_plan_and_export_without_warnings():
-    proc = subprocess.run([sys.executable, "-m", "lightning_mm.cli", "--help"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "lightning_mm.trainer.cli", "--help"], capture_output=True, text=True,
                           timeout=120, env=case_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
@@ -33,7 +33,7 @@ def test_help_lists_plan_and_export_without_warnings():
 
 
 def test_plan_headers_carry_units_and_files_go_under_the_log_dir(tmp_path, monkeypatch, capsys):
-    from lightning_mm.cli import main
+    from lightning_mm.trainer.cli import main
     from lightning_mm.planner import plan_cli
 
     drawn = []
@@ -70,7 +70,7 @@ def test_progress_bar_shows_steps_of_max_steps_and_only_real_bounds(bounds, tmp_
     from lightning.pytorch.demos.boring_classes import BoringModel
     from lightning.pytorch.loggers import CSVLogger
 
-    from lightning_mm.callbacks import StepProgressBar
+    from lightning_mm.trainer.callbacks import StepProgressBar
 
     seen = []
 
@@ -132,7 +132,7 @@ def test_defaults_under_the_strategy(tmp_path):
 def test_tokens_per_s_sums_every_replica():
     """Two replicas counting 100 and 200 tokens in 1 s and 2 s: the job did 300 tokens in 2 s. The metric's own
     reduction runs with a stand-in for the all-gather between the two processes."""
-    from lightning_mm.callbacks.throughput import GlobalThroughput
+    from lightning_mm.trainer.callbacks.throughput import GlobalThroughput
 
     metrics = []
     peers = {}
@@ -153,7 +153,7 @@ def test_tokens_per_s_sums_every_replica():
 
 
 def test_flop_model_scales_with_tokens_and_skips_frozen_backward():
-    from lightning_mm.callbacks.throughput import FlopModel, rank_bubble
+    from lightning_mm.trainer.callbacks.throughput import FlopModel, rank_bubble
     from lightning_mm.planner.model_costs import sample_batch
     from tests.helpers.pipeline_case import build_model
 

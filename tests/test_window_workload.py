@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import block_workload_reference as ref
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.parallel import context as cp
 
 

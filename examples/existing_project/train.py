@@ -104,7 +104,7 @@ def main(argv=None):
     module = VLM(fsdp2=args.fsdp2)
     collate, callbacks = pad_collate, []
     if args.cp:
-        from lightning_mm.callbacks import ContextParallel
+        from lightning_mm.trainer.callbacks import ContextParallel
         from lightning_mm.data import PackingCollator
 
         collate = PackingCollator(build_model().config, args.max_length)   # lightning-mm: packed rows

@@ -18,7 +18,7 @@ pids=()
 trap 'kill "${pids[@]}" "$lighthouse" 2>/dev/null || true' EXIT
 for g in 0 1; do
   LMM_REPLICA_GROUP=$g torchrun --standalone --nproc-per-node 2 --max-restarts 3 \
-    -m lightning_mm.cli fit --config "$here/job.yaml" "$@" &
+    -m lightning_mm.trainer.cli fit --config "$here/job.yaml" "$@" &
   pids+=($!)
 done
 status=0

@@ -6,7 +6,7 @@ from lightning_mm.attention.dispatch import BACKENDS, bitfield_attention
 from lightning_mm.attention.hf import ATTENTION_NAME, attach, register
 from lightning_mm.attention.reference import reference_attention
 from lightning_mm.attention.bitfield_hf import use_bitfield_attention
-from lightning_mm.masks import check_attention_inputs  # noqa: F401  (shared by every backend)
+from lightning_mm.attention.mask import check_attention_inputs  # noqa: F401  (shared by every backend)
 
 register()
 

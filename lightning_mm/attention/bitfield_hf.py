@@ -21,7 +21,7 @@ import inspect
 import torch
 from torch import nn
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 
 ADAPTER_ATTR = "_lightning_mm_bitfield"
 MODALITY_ATTENTION = ("causal", "bidirectional")
@@ -76,7 +76,7 @@ def hf_words(config, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     if input_ids is None or input_ids.dim() != 2:
         raise ValueError("bitfield attention derives the mask words from input_ids [B,S]: call the model with "
                          "input_ids (not only inputs_embeds), or pass bam=<int64 [B,S]> yourself "
-                         "(lightning_mm.masks builds them)")
+                         "(lightning_mm.attention.mask builds them)")
     ids = modality_token_ids(config)
     bits = {name: 1 << (k + 1) for k, (name, _) in enumerate(MODALITY_TOKENS) if name in ids}
     text = masks.CAUSAL | masks.TEXT | sum(bits.values())
@@ -237,7 +237,7 @@ def use_bitfield_attention(model: nn.Module, modality_attention: str = "causal")
     directions. Returns ``model`` (hooks added once; calling again returns it unchanged).
 
     Inputs are the model's own (``input_ids``, ``attention_mask``, ``position_ids``, ``pixel_values``,
-    ``labels``, ...) plus optionally ``segment_ids`` and ``bam`` (explicit words, ``lightning_mm.masks``);
+    ``labels``, ...) plus optionally ``segment_ids`` and ``bam`` (explicit words, ``lightning_mm.attention.mask``);
     :func:`lightning_mm.data.pack_multimodal` builds packed rows. Raises :class:`UnsupportedModelError` for a
     model whose attention cannot be replaced."""
     adapter = model.__dict__.get(ADAPTER_ATTR)

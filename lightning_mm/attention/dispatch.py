@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_mm.attention.reference import reference_attention
-from lightning_mm.masks import check_attention_inputs, check_window
+from lightning_mm.attention.mask import check_attention_inputs, check_window
 
 BACKENDS = ("auto", "reference", "triton")
 
@@ -15,7 +15,7 @@ def _triton_available(q: torch.Tensor) -> bool:
         return False
     try:
         import triton  # noqa: F401
-        from lightning_mm.kernels.attention import MAX_HEAD_DIM
+        from lightning_mm.attention.kernels.attention import MAX_HEAD_DIM
     except ImportError:
         return False
     return 16 <= q.shape[-1] <= MAX_HEAD_DIM  # tiny test models' head dims take the reference
@@ -44,7 +44,7 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
     leave q and k in fp32 beside a bf16 v). ``cache``: a dict shared by the calls whose mask tensors are the same
     objects (the layers of one microbatch), so that the kernels classify the tiles once, not in every layer.
     ``window``: a sliding window of that many tokens (a key ``window`` or more positions before the query is not
-    attended, :func:`lightning_mm.masks.in_window`), None = none.
+    attended, :func:`lightning_mm.attention.mask.in_window`), None = none.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
@@ -57,7 +57,7 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
         k_positions = _positions(b, sk, q.device, cache)
     scale = d ** -0.5 if scale is None else scale
     if backend == "triton" or (backend == "auto" and _triton_available(q)):
-        from lightning_mm.kernels import bitfield_attention as triton_attention
+        from lightning_mm.attention.kernels import bitfield_attention as triton_attention
         if torch.is_autocast_enabled(q.device.type):
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)

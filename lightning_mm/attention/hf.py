@@ -39,7 +39,7 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
                                                                        query.device)
     if bam is None:
         raise ValueError("attention 'bitfield' needs the mask words: call the model with bam=<int64 [B,S]> "
-                         "(lightning_mm.masks builds them)")
+                         "(lightning_mm.attention.mask builds them)")
     if kwargs.get("softcap") is not None:
         raise ValueError(f"{type(module).__name__} uses attention logit softcapping (Gemma 2), which bitfield "
                          "attention does not implement; set attn_logit_softcapping=None in the model config (Gemma 3 "
@@ -68,7 +68,7 @@ def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     """The sliding window of one attention call, as transformers passes it: the ``sliding_window`` keyword (per
     layer: Gemma 2/3 and Qwen2/3 pass ``None`` on full-attention layers; Mistral and Phi-3 pass the config's),
     else the module's ``sliding_window`` attribute; ``None`` = full attention. A window of ``W`` tokens means
-    transformers' ``sliding_window_overlay`` (``q_pos - k_pos < W``), see :func:`lightning_mm.masks.in_window`.
+    transformers' ``sliding_window_overlay`` (``q_pos - k_pos < W``), see :func:`lightning_mm.attention.mask.in_window`.
     """
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if window is None:

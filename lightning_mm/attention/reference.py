@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 
 DEFAULT_CHUNK = 1024
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.loss import IGNORE_INDEX
 
 

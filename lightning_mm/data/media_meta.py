@@ -12,7 +12,7 @@ and the small index tensors (``image_grid_thw``, ``feature_attention_mask``) rea
   ``[N, 3, H, W]``;
 - Qwen2-VL-like processors: transformers' ``smart_resize`` with the processor's min/max pixels (``size``'s
   ``shortest_edge`` / ``longest_edge``), factor patch size x merge size, then a ``[1, h/p, w/p]`` grid;
-- tiling processors (LLaVA-NeXT, LLaVA-OneVision, InternVL's GotOcr2): ``lightning_mm.model.tiles.header_inputs``;
+- tiling processors (LLaVA-NeXT, LLaVA-OneVision, InternVL's GotOcr2): ``lightning_mm.model.tiled_images.header_inputs``;
 - Whisper feature extractors (also Qwen2-Audio's): padded or cut to ``n_samples``, ``n_samples // hop_length``
   frames, and the attention mask the call returns (frame-level when asked for with ``return_attention_mask``,
   else the padding's sample-level mask when the extractor's config returns one).
@@ -90,7 +90,7 @@ def _size(size, key):
 def image_inputs(proc, sizes: list[tuple[int, int]], kwargs: dict | None = None) -> dict | None:
     """The inputs ``proc(images=...)`` returns for images of ``sizes`` ((width, height) each), pixel tensors on
     the meta device; None when the rules do not cover ``proc`` or ``kwargs``."""
-    from lightning_mm.model.tiles import header_inputs
+    from lightning_mm.model.tiled_images import header_inputs
 
     tiled = header_inputs(base_name(proc), proc, sizes, kwargs) if sizes else None  # AnyRes, InternVL tiles
     if tiled is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.data.microbatch import PLAN_KEY, replica_microbatch_rows
 from lightning_mm.model.multimodal import SEQUENCE_KEYS
 

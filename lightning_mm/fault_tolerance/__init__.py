@@ -8,7 +8,9 @@ r of a healthy group. Groups of different layouts (``FaultTolerance(global_batch
 layer, by parameter name (``layerwise.py``), and with ``templates`` re-form at the layout of their size.
 
 One concern per file: ``config.py`` (the settings and their checks), ``sampler.py`` (the global sampler),
-``training.py`` (the per-step glue), ``layerwise.py`` (groups of different layouts), ``lighthouse.py``.
+``training.py`` (the per-step glue, imported by the strategy: the package itself stays importable from
+``parallel/``), ``layerwise.py`` (groups of different layouts), ``lighthouse.py``, ``watchdog.py`` (a dead or
+stuck rank ends the job naming it; imported by the runtime's collectives).
 
 Per optimiser step (``MultimodalParallelStrategy`` calls these; nothing here is spread through the engine):
 
@@ -35,9 +37,8 @@ from lightning_mm.fault_tolerance.config import (LIGHTHOUSE_ENV, REPLICA_GROUP_E
 from lightning_mm.fault_tolerance.lighthouse import lighthouse_banner, lighthouse_main
 from lightning_mm.fault_tolerance.sampler import (StepTokens, global_batch_indices, global_batches_per_epoch,
                                                   group_shares, microbatch_plan)
-from lightning_mm.fault_tolerance.training import FaultTolerantTraining, set_lightning_step
 
-__all__ = ["FaultTolerance", "FaultToleranceError", "FaultTolerantTraining", "LIGHTHOUSE_ENV", "REPLICA_GROUP_ENV",
+__all__ = ["FaultTolerance", "FaultToleranceError", "LIGHTHOUSE_ENV", "REPLICA_GROUP_ENV",
            "StepTokens", "TOKEN_KEY", "as_fault_tolerance", "check_reachable", "global_batch_indices",
            "global_batches_per_epoch", "group_shares", "import_torchft", "lighthouse_banner", "lighthouse_main",
-           "microbatch_plan", "parse_address", "quiet_torchft", "set_lightning_step"]
+           "microbatch_plan", "parse_address", "quiet_torchft"]

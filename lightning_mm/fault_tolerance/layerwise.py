@@ -4,7 +4,7 @@ each trainable parameter, and every holder reduces its buckets with the holders 
 torchft's Manager keeps the control plane (lighthouse, quorum, ``should_commit``, error reports). Its cross-group
 process group pairs rank r of every group, which groups of different sizes cannot do, so the Manager gets a
 process group that only records where each quorum's store is (:class:`QuorumRecorder`), and the gradients travel
-over one torchft process group per bucket (``plan/layer_sync.py``, ``parallel/layer_sync.py``) configured under
+over one torchft process group per bucket (``plan/layer_sync.py``, ``parallel/layerwise_reduce.py``) configured under
 that store.
 """
 
@@ -123,7 +123,7 @@ def setup_quorum(recorded: dict, group_id: int, group_rank: int, doc: dict, step
             "differ only in pipeline stages, context and data parallelism and encoder placement")
     holdings = [group_holdings(d) for d in docs]
     buckets = layer_buckets([h for h, _ in holdings], holdings[0][1])
-    from lightning_mm.parallel.layer_sync import bucket_process_groups
+    from lightning_mm.parallel.layerwise_reduce import bucket_process_groups
 
     pgs = bucket_process_groups(buckets, index, group_rank,
                                 lambda i, t, pos, size: make_process_group(

@@ -374,7 +374,7 @@ class FaultTolerantTraining:
     def sync_layers_and_commit(self) -> bool:
         """Each bucket of layers reduced with the other groups' holders of it (weighted by label tokens), then
         torchft's commit vote; a failed reduction (a group lost inside the step) is reported and fails the vote."""
-        from lightning_mm.parallel.layer_sync import sync_layers
+        from lightning_mm.parallel.layerwise_reduce import sync_layers
 
         s, m, sync = self.strategy, self.manager, self._sync
         count = self._count if self._count is not None else torch.zeros(1, device=s.root_device)

@@ -1,5 +1,5 @@
 """HF composite multimodal checkpoints in and out: LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen2-Audio;
-LLaVA-NeXT, LLaVA-OneVision and InternVL through their tile adapters (``lightning_mm.model.tiles``).
+LLaVA-NeXT, LLaVA-OneVision and InternVL through their tile adapters (``lightning_mm.model.tiled_images``).
 
 ``from_pretrained(MultimodalModel, folder)`` (what ``MultimodalModel.from_pretrained`` calls) builds a model whose
 forward is the composite class's own: its vision or audio tower (LLaVA's cut after ``vision_feature_layer``, the
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_mm.model import loading, tiles
+from lightning_mm.model import loading, tiled_images as tiles
 from lightning_mm.model.encoder import ModalityEncoder
 from lightning_mm.model.families import (ENCODER_FAMILIES, LANGUAGE_FAMILIES, MROPE_FAMILIES, VideoInputs,
                                          encoder_family)
@@ -82,7 +82,7 @@ class CompositeSpec:
     projector: str | None        # key prefix of the projector (None: the tower's own merger projects)
     mrope: bool = False
     feature_layer: bool = False  # the tower is cut after ``vision_feature_layer`` (LLaVA and its successors)
-    adapter: object = None       # tiled images (lightning_mm.model.tiles): the encoder view and projector extras
+    adapter: object = None       # tiled images (lightning_mm.model.tiled_images): the encoder view and projector extras
     # how the tower reads videos ("qwen2": Qwen2-VL's grids; "qwen2_5": seconds per grid; "qwen3": frame by frame,
     # timestamps as text between the frames; "onevision": frames as images, pooled, a newline after each video)
     video: str | None = None

@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.attention.hf import check_honours_mask, generation_words
 
 # batch keys that only matter for training (or cutting microbatches)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_mm import loss as losses
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.model import moe
 from lightning_mm.attention import ATTENTION_NAME
 from lightning_mm.attention import hf as hf_attention

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_mm.faults import waiting
+from lightning_mm.fault_tolerance.watchdog import waiting
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool]
 MAX_DIMS = 6

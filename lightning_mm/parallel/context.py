@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.loss import IGNORE_INDEX, shift_labels  # the one shift, done globally before sharding
 from lightning_mm.attention.context_parallel import context_parallel_attention
 from lightning_mm.plan.cp_comm import cp_communication_bytes  # pure: the planner times it too
@@ -46,7 +46,7 @@ def _check_cp(num_blocks: int, cp_size: int, block_size: int | None = None) -> N
 def _lpt_plan(work: np.ndarray, cp_size: int) -> list[torch.Tensor]:
     """``lpt_assign``'s plan for the column sums of int64 ``[B, n]`` block work (compiled:
     ``planning_loops.lpt_blocks``)."""
-    from lightning_mm.planning_loops import lpt_blocks
+    from lightning_mm.plan.cp_loops import lpt_blocks
 
     n = work.shape[1]
     if (float(work.sum(dtype=np.float64)) * (n + 1) + n + 1) * cp_size >= 2.0 ** 62:  # with room for rounding

@@ -44,7 +44,7 @@ from lightning_mm.parallel.expert_parallel import ExpertGroups, apply_ep, check_
 from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
 from lightning_mm.parallel.router_metrics import ROUTER_KEY, StepRouterMetrics
 from lightning_mm.parallel.sharding import apply_fsdp
-from lightning_mm.parallel.stages import owned_parameters, prune, tied_embedding_stages
+from lightning_mm.parallel.pruning import owned_parameters, prune, tied_embedding_stages
 from lightning_mm.parallel.tensor_parallel import apply_tp, keep_grads_like_parameters
 from lightning_mm.plan.items import gather_order
 from lightning_mm.plan.layout import RankLayout

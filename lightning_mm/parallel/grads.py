@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_mm.faults import waiting
+from lightning_mm.fault_tolerance.watchdog import waiting
 from lightning_mm.parallel.tensor_parallel import local, shards
 
 

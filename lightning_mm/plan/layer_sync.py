@@ -7,7 +7,7 @@ parameters with one key form a bucket, reduced by one process group whose member
 (one per group, and one such set per tensor-parallel index). There are at most the sum over groups of their
 stage counts buckets, in the model's parameter order, so every rank issues its reductions in one global order.
 
-Pure: names, stages and ranks in, buckets out; the runtime (``lightning_mm.parallel.layer_sync``) reduces them.
+Pure: names, stages and ranks in, buckets out; the runtime (``lightning_mm.parallel.layerwise_reduce``) reduces them.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ its split is that of the first microbatch's items, or of microbatches drawn from
 ``lightning_mm.planner.orchestration``; encoders on their own devices) and prints a YAML with ``dp`` on every spec.
 A mixture-of-experts LLM is planned with its active parameters, its experts' memory at 1/ep per rank and the
 all-to-all of expert parallelism (``--ep 1,2,4`` searches ep, default the YAML's ``language_model`` ep;
-``--ep-bandwidth`` times the all-to-all; ``lightning_mm.planner.moe``).
+``--ep-bandwidth`` times the all-to-all; ``lightning_mm.planner.moe_costs``).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool 
     their mean emitted tokens."""
     from lightning_mm.planner.costs import LayerCost
     from lightning_mm.planner.data_stats import microbatch_items
-    from lightning_mm.planner.moe import expert_layer_bytes, expert_shape
+    from lightning_mm.planner.moe_costs import expert_layer_bytes, expert_shape
     from lightning_mm.planner.workload import WorkloadModel
 
     memory = model_memory(model, batch, recompute)
@@ -332,7 +332,7 @@ def device_name(device) -> str:
 
 def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
     """The report for ``args`` (``parse_args``) on a fit YAML's LightningModule, data module and trainer, built
-    by the CLI (``lightning_mm.cli.plan_main``: ``lightning-mm plan``) and not run."""
+    by the CLI (``lightning_mm.trainer.cli.plan_main``: ``lightning-mm plan``) and not run."""
     strategy, model = trainer.strategy, module.model
     if not hasattr(strategy, "encoder_placement"):
         raise SystemExit("the YAML's trainer.strategy is not lightning_mm.MultimodalParallelStrategy; plan needs it")

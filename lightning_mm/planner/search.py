@@ -7,7 +7,7 @@ are tried too. Every candidate is timed by simulating the strategy's own 1F1B ac
 (frozen-aware) costs, and rejected if a stage exceeds the per-device memory limit. Tensor parallelism, sharding,
 the LLM's context parallelism (degree and mode) and the encoders' context parallelism (items split over ranks,
 parallel placement only) are searched around that, and so is a mixture-of-experts LLM's expert parallelism
-(``ep``: experts split over data-parallel ranks, their all-to-all costed; ``planner.moe``).
+(``ep``: experts split over data-parallel ranks, their all-to-all costed; ``planner.moe_costs``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from lightning_mm.plan.layout import CP_MODES, ParallelSpec, RankLayout, replica
 from lightning_mm.plan.placement import LANGUAGE_MODEL, placement_table, stage_name
 from lightning_mm.plan.schedule import StageGraph, build_stage_graph
 from lightning_mm.planner.costs import LayerCost
-from lightning_mm.planner.moe import ExpertShape, all_to_all_bytes
+from lightning_mm.planner.moe_costs import ExpertShape, all_to_all_bytes
 from lightning_mm.planner.partition import partition, partition_module, stage_sums
 from lightning_mm.planner.simulator import SimulationResult, simulate_1f1b
 
@@ -133,7 +133,7 @@ class ModuleSpec:
     A mixture-of-experts LLM's expert parallelism (``evaluate_plan(ep=)``) reads three more: ``expert_bytes`` per
     layer, the share of ``param_bytes`` that is routed experts (held at 1 / ep per rank), ``expert_grad_bytes`` the
     share of ``grad_bytes`` (reduced only over the ranks holding the same experts), and ``experts``
-    (``planner.moe.ExpertShape``: expert count, top-k, hidden size, tokens per microbatch), which its all-to-all
+    (``planner.moe_costs.ExpertShape``: expert count, top-k, hidden size, tokens per microbatch), which its all-to-all
     bytes are computed from; a layer with expert bytes is a routed layer."""
 
     costs: Sequence[LayerCost]
@@ -399,7 +399,7 @@ def evaluate_plan(
     model state (``ModuleSpec.expert_bytes``) counts at 1 / ep per rank, their gradients
     (``expert_grad_bytes`` / ep) are all-reduced over the dp / ep replicas holding the same experts (x cp ranks),
     the other gradients over dp as today; each routed layer adds its dispatch and combine all-to-alls
-    (``planner.moe.all_to_all_bytes`` for the rank's tokens, the microbatch's over cp x tp) over ``ep_bandwidth``
+    (``planner.moe_costs.all_to_all_bytes`` for the rank's tokens, the microbatch's over cp x tp) over ``ep_bandwidth``
     bytes/s per rank to its forward, and again to its backward where it takes part in it (``Plan.ep_comm``). The
     compute is unchanged (dropless routing, load assumed balanced)."""
     if sharding not in SHARDING_TRAFFIC:

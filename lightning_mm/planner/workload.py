@@ -4,7 +4,7 @@ Each module's work for a sequence of ``x`` tokens is ``a x^2 + b x + c`` (Entrai
 layers), applied per item for encoders (items attend only within themselves) and per sample for the LLM.
 By default the coefficients are forward FLOPs from the modules' shapes (``b``: 2 FLOPs per weight per token,
 projector included for encoders and the head for the LLM; a mixture-of-experts layer's routed experts count at
-top_k / E of their weights, the active parameters a token runs (``planner.moe``), its router and attention whole;
+top_k / E of their weights, the active parameters a token runs (``planner.moe_costs``), its router and attention whole;
 ``a``: 4 x attention width per layer for the score and value products), scaled by the frozen-aware factor
 (F + B) / F: 3 for a trainable module, 2 for a frozen one with a trainable module upstream (input gradients
 only), 1 for a frozen module with nothing trainable before it.
@@ -74,7 +74,7 @@ class WorkloadModel:
             f = _factor(trainable, False)
             encoders[name] = Quadratic(f * 4.0 * width * len(layers), f * b)
             upstream |= trainable
-        from lightning_mm.planner.moe import active_weight_fraction
+        from lightning_mm.planner.moe_costs import active_weight_fraction
 
         lm = model.language_model
         layers = list(model.llm_layers)

@@ -12,7 +12,7 @@ import heapq
 import numpy as np
 import torch
 
-from lightning_mm.masks import _as_batch, _check_block_size, allowed, validate
+from lightning_mm.attention.mask import _as_batch, _check_block_size, allowed, validate
 
 
 def _check_cp(num_blocks, cp_size):

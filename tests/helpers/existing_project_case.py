@@ -166,7 +166,7 @@ def main(spec: str, out: str):
 
         ulysses.ulysses_attention = counted
     if cp:
-        from lightning_mm.callbacks import ContextParallel
+        from lightning_mm.trainer.callbacks import ContextParallel
 
         callbacks.append(ContextParallel(cp, distribution=case.get("distribution", "lpt"),
                                          block_size=case.get("block_size", 8), gather_logits=gather,

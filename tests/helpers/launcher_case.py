@@ -8,7 +8,7 @@ import time
 
 from lightning.fabric.plugins.environments import LightningEnvironment
 
-from lightning_mm.launch import CheckedLauncher
+from lightning_mm.trainer.launch import CheckedLauncher
 
 mode, folder = sys.argv[1], sys.argv[2]
 

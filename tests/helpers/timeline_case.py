@@ -10,7 +10,7 @@ import lightning as L
 import torch
 
 import lightning_mm as lmm
-from lightning_mm.callbacks import PipelineTimeline
+from lightning_mm.trainer.callbacks import PipelineTimeline
 from lightning_mm.model import tiny_encoder, tiny_language_model
 
 

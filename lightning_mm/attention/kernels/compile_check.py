@@ -1,4 +1,4 @@
-"""Compile every kernel ahead of time for a CUDA target, without a GPU: ``python -m lightning_mm.kernels.compile_check``.
+"""Compile every kernel ahead of time for a CUDA target, without a GPU: ``python -m lightning_mm.attention.kernels.compile_check``.
 
 The interpreter accepts code the GPU compiler rejects (non-constexpr globals, type mismatches across ``if``
 branches, shared memory over the limit), so this lowers each kernel with the launch configuration of
@@ -39,9 +39,9 @@ def kernel_jobs(dtype_name: str, head_dim: int):
     """(kernel, pointer types, constexprs, num_warps, num_stages) for every launch of one dtype/head dim."""
     import triton
 
-    from lightning_mm.kernels.backward import dkdv_kernel, dq_kernel
-    from lightning_mm.kernels.config import config_for
-    from lightning_mm.kernels.forward import forward_kernel, merge_kernel
+    from lightning_mm.attention.kernels.backward import dkdv_kernel, dq_kernel
+    from lightning_mm.attention.kernels.launch_config import config_for
+    from lightning_mm.attention.kernels.forward import forward_kernel, merge_kernel
 
     cfg = config_for(DTYPE_NAMES[dtype_name], head_dim, cuda=True)
     t, i64, i32, f32 = "*" + dtype_name, "*i64", "*i32", "*fp32"

@@ -1,4 +1,4 @@
-"""The mask rule of :func:`lightning_mm.masks.allowed`, evaluated on a tile in registers (Triton).
+"""The mask rule of :func:`lightning_mm.attention.mask.allowed`, evaluated on a tile in registers (Triton).
 
 Arguments broadcast: query words/positions/segments shaped [M, 1] and key ones [1, N] give an [M, N] tile,
 the transposed shapes give the [N, M] tile the dk/dv kernel needs.

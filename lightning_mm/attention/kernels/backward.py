@@ -10,8 +10,8 @@ Work items are ``(batch row, tile, list length)`` triples, heaviest first.
 import triton
 import triton.language as tl
 
-from lightning_mm.kernels.matmul import tile_dot
-from lightning_mm.kernels.rule import allowed_tile, finish_softmax, load_rows, load_tokens
+from lightning_mm.attention.kernels.matmul import tile_dot
+from lightning_mm.attention.kernels.rule import allowed_tile, finish_softmax, load_rows, load_tokens
 
 PARTIAL_TILE = tl.constexpr(2)
 

@@ -7,7 +7,7 @@ depends on position only through ``j <= i``, so
 * some pair of two tiles is allowed iff some group pair is allowed at (query max position, key min position);
 * every pair is allowed iff every group pair is allowed at (query min position, key max position).
 
-Both are evaluated with :func:`lightning_mm.masks.allowed` on the summaries, so the classes are exact and use
+Both are evaluated with :func:`lightning_mm.attention.mask.allowed` on the summaries, so the classes are exact and use
 the one implementation of the rule. A sliding window (``masks.in_window``: ``q_pos - k_pos < window``) adds
 a condition on the closest pair for "some" (query min position, key max position) and on the farthest pair for
 "every" (query max position, key min position): tiles entirely outside the window are skipped, tiles it cuts
@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 _PAIR_BUDGET = 1 << 24  # group pairs evaluated at once (bounds the temporary memory)

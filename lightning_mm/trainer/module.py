@@ -8,13 +8,13 @@ from typing import Callable, Iterable
 import lightning.pytorch as pl
 import torch
 
-from lightning_mm.callbacks.throughput import TrainingMetrics
+from lightning_mm.trainer.callbacks.throughput import TrainingMetrics
 from lightning_mm.data.validate import validate_batch
-from lightning_mm.faults import check_finite_loss
+from lightning_mm.fault_tolerance.watchdog import check_finite_loss
 from lightning_mm.model import moe
 from lightning_mm.model.composites import fill_positions
 from lightning_mm.model.multimodal import MultimodalModel
-from lightning_mm.summary import use_whole_model_summary
+from lightning_mm.trainer.summary import use_whole_model_summary
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -24,7 +24,7 @@ class MultimodalLightningModule(pl.LightningModule):
     """Optimises the trainable parameters of ``model`` only; logs the loss, ``train/tokens_per_s`` (label tokens per
     second of the whole job, all replicas), ``train/mfu`` (with ``peak_flops`` FLOP/s per device, or on a GPU
     Lightning knows) and ``pipeline/bubble/<stage>`` every ``bubble_every_n_steps`` (default: each logging step);
-    see ``lightning_mm/callbacks/throughput.py``.
+    see ``lightning_mm/trainer/callbacks/throughput.py``.
 
     ``model`` may be a composite HF folder (``MultimodalModel.from_pretrained``), so a YAML can name it.
     ``optimizer`` maps parameters to an optimiser (LightningCLI's ``OptimizerCallable``); default AdamW(``lr``).
@@ -35,7 +35,7 @@ class MultimodalLightningModule(pl.LightningModule):
 
     ``generation`` (keyword arguments of ``MultimodalModel.generate``, e.g. ``{"max_new_tokens": 32}``) makes
     ``trainer.predict`` decode with a KV cache and return ``{"generated_ids": [B, N]}``; where the strategy splits
-    the model into pipeline stages, greedily, stage to stage (``lightning_mm.parallel.generation``). ``lora``
+    the model into pipeline stages, greedily, stage to stage (``lightning_mm.parallel.pipeline_generation``). ``lora``
     (keyword arguments of ``MultimodalModel.add_lora``, e.g. ``{"modules": ["q_proj", "v_proj"], "r": 8}``) adds
     LoRA adapters after ``freeze``.
     """
@@ -168,7 +168,7 @@ class MultimodalLightningModule(pl.LightningModule):
 
             pipeline = self.pipeline
             if pipeline is not None and not whole_model_on_rank(pipeline.engine, self.model):
-                from lightning_mm.parallel.generation import pipeline_generate  # greedy, stage to stage
+                from lightning_mm.parallel.pipeline_generation import pipeline_generate  # greedy, stage to stage
 
                 with pipeline.precision_plugin.forward_context():
                     return {"generated_ids": pipeline_generate(pipeline.engine, batch, self.generation)}

@@ -37,7 +37,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.attention.bitfield_hf import (BitfieldAdapter, UnsupportedModelError, bitfield_adapter,
                                                 ADAPTER_ATTR, _is_hf_model)
 from lightning_mm.loss import IGNORE_INDEX, shift_labels

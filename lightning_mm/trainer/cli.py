@@ -55,7 +55,7 @@ class MultimodalCLI(LightningCLI):
             super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.set_defaults({"model": {"class_path": "lightning_mm.module.MultimodalLightningModule"},
+        parser.set_defaults({"model": {"class_path": "lightning_mm.trainer.module.MultimodalLightningModule"},
                              "data": {"class_path": "lightning_mm.data.synthetic.SyntheticMultimodalDataModule"}})
         parser.add_argument("--empty_init", type=bool, default=False,
                             help="build the model on the meta device; each rank of MultimodalParallelStrategy "
@@ -110,7 +110,7 @@ class MultimodalCLI(LightningCLI):
             return super().instantiate_classes()
         with torch.device("meta"):
             super().instantiate_classes()
-        from lightning_mm.strategy import MultimodalParallelStrategy
+        from lightning_mm.trainer.strategy import MultimodalParallelStrategy
 
         if not isinstance(self.trainer.strategy, MultimodalParallelStrategy):
             raise ValueError(f"--empty_init builds the model on the meta device, which only MultimodalParallelStrategy "
@@ -224,7 +224,7 @@ def main(args: list[str] | None = None) -> None:
         from lightning_mm.fault_tolerance import lighthouse_main
 
         return lighthouse_main(args[1:])
-    from lightning_mm.callbacks import LossCurve
+    from lightning_mm.trainer.callbacks import LossCurve
 
     # args=None when they come from sys.argv: LightningCLI warns when given both
     MultimodalCLI(args=None if from_argv else args, save_config_kwargs={"overwrite": True},

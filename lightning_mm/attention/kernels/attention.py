@@ -7,11 +7,11 @@ import math
 import torch
 import triton
 
-from lightning_mm.masks import check_attention_inputs, check_window
-from lightning_mm.kernels import split, tiles
-from lightning_mm.kernels.backward import dkdv_kernel, dq_kernel
-from lightning_mm.kernels.config import KernelConfig, default_config, interpreting, num_sms
-from lightning_mm.kernels.forward import forward_kernel, merge_kernel
+from lightning_mm.attention.mask import check_attention_inputs, check_window
+from lightning_mm.attention.kernels import split, tiles
+from lightning_mm.attention.kernels.backward import dkdv_kernel, dq_kernel
+from lightning_mm.attention.kernels.launch_config import KernelConfig, default_config, interpreting, num_sms
+from lightning_mm.attention.kernels.forward import forward_kernel, merge_kernel
 
 LOG2E = 1.4426950408889634
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -191,7 +191,7 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
     """Bitfield attention with the Triton kernels: q [B,Hq,Sq,D], k/v [B,Hkv,Sk,D] -> [B,Hq,Sq,D].
 
     Same semantics as :func:`lightning_mm.attention.bitfield_attention` (the mask rule of
-    :func:`lightning_mm.masks.allowed`; rows with no allowed key give zeros and zero gradients).
+    :func:`lightning_mm.attention.mask.allowed`; rows with no allowed key give zeros and zero gradients).
     ``kv_split``: key tiles per split-KV piece, ``None`` = chosen from the block workload, ``0`` = never split.
     ``config``: tile sizes (default from the device and head dim). ``cache``: a dict shared by calls with the same
     mask tensors (the layers of one microbatch): their tiles are classified once (:func:`tile_maps`).

@@ -19,7 +19,7 @@ from typing import Callable
 
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from lightning_mm.faults import LAUNCHER_ENV, parent_death_signal
+from lightning_mm.fault_tolerance.watchdog import LAUNCHER_ENV, parent_death_signal
 
 
 

@@ -57,7 +57,7 @@ def default_store(timeout: float):
                          wait_for_workers=False)
 
 
-LAUNCHER_ENV = "LMM_LAUNCHER_PID"  # set by lightning_mm.launch.CheckedLauncher for the ranks it spawns
+LAUNCHER_ENV = "LMM_LAUNCHER_PID"  # set by lightning_mm.trainer.launch.CheckedLauncher for the ranks it spawns
 
 
 def parent_death_signal(sig: int) -> None:

@@ -1,4 +1,4 @@
-"""Triton bitfield attention kernels (installed as ``lightning_mm.kernels``).
+"""Triton bitfield attention kernels (installed as ``lightning_mm.attention.kernels``).
 
 ``bitfield_attention`` is the ``backend="triton"`` of :func:`lightning_mm.attention.bitfield_attention`:
 FlashAttention-2 style forward and backward over tiles classified skip / full / partial from the mask words,
@@ -10,8 +10,8 @@ if __name__ == "kernels":
     # transformers probes for the unrelated HF ``kernels`` package by importing it: look absent to it.
     del __file__
 else:
-    from lightning_mm.kernels.attention import bitfield_attention
-    from lightning_mm.kernels.config import KernelConfig, default_config
-    from lightning_mm.kernels.tiles import FULL, PARTIAL, SKIP, tile_classes
+    from lightning_mm.attention.kernels.attention import bitfield_attention
+    from lightning_mm.attention.kernels.launch_config import KernelConfig, default_config
+    from lightning_mm.attention.kernels.tiles import FULL, PARTIAL, SKIP, tile_classes
 
 __all__ = ["bitfield_attention", "KernelConfig", "default_config", "tile_classes", "SKIP", "FULL", "PARTIAL"]

@@ -30,9 +30,10 @@ from lightning_mm.data.balanced import (BalancedBatchSampler, BalancedCollate, B
 from lightning_mm.data.cp_plans import CPPlanCollate
 from lightning_mm.data.microbatch import PLAN_KEY
 from lightning_mm.data.resumable import ResumableDataLoader, loader_options, resumable
-from lightning_mm.launch import CheckedLauncher, mark_failed, release_process_groups_at_exit
-from lightning_mm.faults import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
-from lightning_mm.fault_tolerance import FaultTolerance, FaultTolerantTraining, as_fault_tolerance
+from lightning_mm.trainer.launch import CheckedLauncher, mark_failed, release_process_groups_at_exit
+from lightning_mm.fault_tolerance.watchdog import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
+from lightning_mm.fault_tolerance import FaultTolerance, as_fault_tolerance
+from lightning_mm.fault_tolerance.training import FaultTolerantTraining
 from lightning_mm.model.loading import materialise
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.parallel.comm import check_backend
@@ -190,7 +191,7 @@ class MultimodalParallelStrategy(DDPStrategy):
                                           labels=rank_labels(self.layout)).start()
 
     def _configure_launcher(self) -> None:
-        """Lightning's launcher, with the layout checked before it spawns any rank (``lightning_mm.launch``)."""
+        """Lightning's launcher, with the layout checked before it spawns any rank (``lightning_mm.trainer.launch``)."""
         super()._configure_launcher()
         if type(self._launcher) is _SubprocessScriptLauncher:
             self._launcher = CheckedLauncher(self.cluster_environment, self.num_processes, self.num_nodes,

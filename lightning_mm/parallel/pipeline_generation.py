@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_mm import masks
+from lightning_mm.attention import mask as masks
 from lightning_mm.attention.hf import check_honours_mask, generation_words
 from lightning_mm.model.generation import left_align, next_positions, prompt_positions
 from lightning_mm.parallel.engine import check_same_batch

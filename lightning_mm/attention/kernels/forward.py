@@ -10,8 +10,8 @@ Rows with no allowed key end with ``l = 0``: output 0 and lse ``-inf``.
 import triton
 import triton.language as tl
 
-from lightning_mm.kernels.matmul import tile_dot
-from lightning_mm.kernels.rule import allowed_tile, finish_softmax, load_rows, load_tokens
+from lightning_mm.attention.kernels.matmul import tile_dot
+from lightning_mm.attention.kernels.rule import allowed_tile, finish_softmax, load_rows, load_tokens
 
 PARTIAL_TILE = tl.constexpr(2)
 

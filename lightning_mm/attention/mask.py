@@ -96,7 +96,7 @@ def validate(bam: torch.Tensor, segment_ids: torch.Tensor | None = None) -> None
         raise TypeError(f"bam must be int64 (one word per token), got {bam.dtype}")
     if bool((bam < 0).any()):
         raise ValueError("bam has words with bit 63 set; bit 63 is reserved and must be 0 "
-                         "(build words with lightning_mm.masks.text_word / modality_word)")
+                         "(build words with lightning_mm.attention.mask.text_word / modality_word)")
     if segment_ids is not None and segment_ids.shape != bam.shape:
         raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)} but bam has {tuple(bam.shape)}; "
                          "give one segment id per token")
@@ -188,7 +188,7 @@ def _runs(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int):
     """The runs of a ``[B,S]`` batch for the compiled block relations (``planning_loops.runs``), the block
     counts, and the tables of ``allowed`` between the runs' distinct words. Finding the runs is the only
     per-token work; the rest is O(runs)."""
-    from lightning_mm.planning_loops import runs  # compiled on first use
+    from lightning_mm.plan.cp_loops import runs  # compiled on first use
 
     b, s = bam.shape
     w = bam.detach().cpu().contiguous().numpy().reshape(-1)
@@ -239,7 +239,7 @@ def block_pairs(bam: torch.Tensor, block_size: int = 128, segment_ids: torch.Ten
     allowed pairs all lie outside the window while other pairs lie inside (a superset of ``to_dense(window=)``
     reduced over blocks, equal to it for causal text).
     """
-    from lightning_mm import planning_loops as loops
+    from lightning_mm.plan import cp_loops as loops
 
     _check_block_size(block_size)
     check_window(window)
@@ -276,7 +276,7 @@ def _window_reach(window, block_size: int, nb: int) -> tuple[np.ndarray, np.ndar
 def _block_workload(bam: torch.Tensor, segment_ids: torch.Tensor | None, block_size: int,
                     window=None) -> np.ndarray:
     """``block_workload`` of a ``[B,S]`` batch as a numpy ``[B, nb]`` array."""
-    from lightning_mm import planning_loops as loops
+    from lightning_mm.plan import cp_loops as loops
 
     nb = -(-bam.shape[-1] // block_size)
     reach, weight = _window_reach(window, block_size, nb)
