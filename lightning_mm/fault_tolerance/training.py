@@ -74,7 +74,6 @@ class FaultTolerantTraining:
         self._healed_to: int | None = None
         self._after_failure = False
         self._nominal_microbatches = strategy.num_microbatches
-        self._schedules: dict[int, dict] = {}
         self._count = None
         self.events: list[dict] = []  # quorum changes, heals and redos, for logs and tests
         self.shares: dict[int, int] = {}  # step -> samples of the global batch this group took
@@ -301,10 +300,8 @@ class FaultTolerantTraining:
 
     def use_microbatches(self, count: int) -> None:
         s = self.strategy
-        self._schedules.setdefault(s.engine.num_microbatches, s.engine.schedules)  # schedules per microbatch count
-        if s.engine.num_microbatches != count:
-            s.engine.schedules = self._schedules.setdefault(count, {})
-            s.engine.num_microbatches = s.num_microbatches = count
+        s.engine.set_num_microbatches(count)
+        s.num_microbatches = count
 
     def check_same_job(self) -> None:
         """Every group of a new quorum must run the same layout, model and data: compared over the quorum."""

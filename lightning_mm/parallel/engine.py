@@ -258,9 +258,15 @@ class PipelineEngine:
         self.timings: list[tuple[str, int, float, float]] = []  # (kind, microbatch, start, end) of the last step
 
     # ------------------------------------------------------------------ helpers
+    def set_num_microbatches(self, count: int) -> None:
+        """Run the next steps in ``count`` microbatches (a fault-tolerant group that takes a lost group's share runs
+        more microbatches of the usual size); schedules stay cached per count."""
+        self.num_microbatches = count
+
     def schedule(self, train: bool, deferred: tuple[int, ...] = ()) -> dict:
-        """The action lists of every stage (checked deadlock-free once per deferral pattern, then cached)."""
-        key = (train, deferred)
+        """The action lists of every stage (checked deadlock-free once per microbatch count and deferral pattern,
+        then cached)."""
+        key = (train, self.num_microbatches, deferred)
         if key not in self.schedules:
             graph = self.graph if train else self.frozen_graph
             actions = one_f_one_b(graph, self.num_microbatches, deferred)
