@@ -18,7 +18,7 @@ from lightning_mm.data.cp_plans import CPPlanCollate, CPPlans, EncoderItems, bat
 from lightning_mm.data.metadata import encoder_input_tokens
 from lightning_mm.data.microbatch import PLAN_KEY, microbatch_rows, split_microbatches
 from lightning_mm.parallel.context import distribute, pad_for_context_parallel
-from lightning_mm.parallel.engine import BlockOwners
+from lightning_mm.parallel.context import BlockOwners
 from lightning_mm.plan.items import shard_items
 from tests.helpers.launch import run_trainer_case
 from tests.test_balancing import tiny_model

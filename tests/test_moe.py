@@ -174,7 +174,8 @@ def test_expert_parallel_refusals_before_any_process_group():
     """ep on an encoder, on a dense LLM, not dividing the experts or the replicas: a clear error from the pure
     checks."""
     from lightning_mm.model import tiny_language_model
-    from lightning_mm.parallel.expert_parallel import check_expert_parallel, expert_grad_ranks
+    from lightning_mm.parallel.expert_parallel import check_expert_parallel
+    from lightning_mm.parallel.meshes import expert_grad_ranks
     from lightning_mm.plan.layout import ParallelSpec, build_layout
 
     vision = {"vision": ParallelSpec()}

@@ -102,7 +102,7 @@ class CPPlans:
 def make_cp_plans(batch: dict, num_microbatches: int, encoders: dict[str, EncoderItems], blocks=None) -> CPPlans:
     """The CP plans of every microbatch of a host batch, as the step would make them: encoder plans over the
     encoder microbatches, LLM owners over the LLM microbatches (``microbatch_rows``), from the same rows and items
-    ``split_microbatches`` selects. ``blocks``: the LLM's planner (``parallel.engine.BlockOwners``: ``owner(mb)``),
+    ``split_microbatches`` selects. ``blocks``: the LLM's planner (``parallel.context.BlockOwners``: ``owner(mb)``),
     or None. Raises ``ValueError`` for a batch the step would refuse."""
     encoder_rows, llm_rows = microbatch_rows(batch, num_microbatches)
     items = {}

@@ -149,3 +149,12 @@ def split_microbatches(batch: dict, num_microbatches: int | list[list[int]], mod
                 mb[name] = model.encoders[name].family.select_items(batch[name], index)
         out.append(mb)
     return out
+
+
+def feature_tokens(batch: dict, model) -> dict[str, list[int]]:
+    """Feature tokens of each modality per row (the data loader counts them; else read here once)."""
+    plan = batch.get(PLAN_KEY) or {}
+    if "tokens" in plan:
+        return plan["tokens"]
+    ids = batch["input_ids"]
+    return {e: (ids == pid).sum(1).tolist() for e, pid in model.placeholder_ids.items()}

@@ -19,6 +19,7 @@ import torch
 from lightning_mm.attention import mask as masks
 from lightning_mm.loss import IGNORE_INDEX, shift_labels  # the one shift, done globally before sharding
 from lightning_mm.attention.context_parallel import context_parallel_attention
+from lightning_mm.data.microbatch import PLAN_KEY
 from lightning_mm.plan.cp_comm import cp_communication_bytes  # pure: the planner times it too
 
 METHODS = ("lpt", "random", "zigzag", "contiguous")
@@ -26,7 +27,7 @@ METHODS = ("lpt", "random", "zigzag", "contiguous")
 __all__ = ["METHODS", "IGNORE_INDEX", "distribute", "lpt_assign", "zigzag_plan", "contiguous_plan", "random_plan",
            "plan_workload", "validate_plan", "token_index", "shard", "unshard", "shift_labels", "shard_batch",
            "gather_sequence", "context_parallel_attention", "pad_for_context_parallel", "check_context_parallel",
-           "context_parallel_groups", "hybrid_groups", "cp_communication_bytes"]
+           "cp_communication_bytes"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -171,47 +172,6 @@ def check_context_parallel(model, spec) -> None:
                         f"language_model with cp_mode={spec.cp_mode!r}, cp={spec.cp}, ulysses={degree}, tp={spec.tp}")
 
 
-def context_parallel_groups(layout, rank: int, cp_group):
-    """What this rank's CP attention takes as its group: the plain CP group for ``"allgather"``, else a
-    ``ContextParallelGroups``. For ``"hybrid"`` the Ulysses groups (CP ranks ``g*K .. g*K+K-1``) and the gather
-    groups (CP ranks ``j, K+j, 2K+j, ...``) of every LLM stage, replica and tp rank are created with ``new_group``,
-    in the same order on every rank: call it on every rank."""
-    from lightning_mm.attention.ulysses import ContextParallelGroups
-
-    mode, k = layout.cp_mode, layout.ulysses
-    if mode == "allgather" or (mode == "ulysses" and cp_group is None):
-        return cp_group
-    if mode == "ulysses":
-        return ContextParallelGroups("ulysses", cp_group, ulysses=cp_group)
-    mine = {}
-    for stage in [s for s in layout.stages if layout.cp[s] > 1]:
-        for d in range(layout.dp):
-            for t in range(layout.tp[stage]):
-                ranks = [layout.rank(stage, d, c, t) for c in range(layout.cp[stage])]
-                mine.update(hybrid_groups(ranks, k, rank))
-    if layout.cp[layout.coordinate(rank).stage] == 1:
-        return cp_group
-    return ContextParallelGroups("hybrid", cp_group, ulysses=mine["ulysses"], gather=mine["gather"])
-
-
-def hybrid_groups(ranks: list[int], k: int, rank: int) -> dict:
-    """Create the hybrid groups of one CP group (global ``ranks`` in CP-rank order) with ``new_group``: the
-    Ulysses groups of CP ranks ``g*K .. g*K+K-1`` and the gather groups of CP ranks ``j, K+j, 2K+j, ...``; returns
-    ``{"ulysses": ..., "gather": ...}`` for ``rank`` (empty when it is not in ``ranks``). Every rank calls it for
-    every CP group, in the same order."""
-    import torch.distributed as dist
-
-    mine = {}
-    n = len(ranks)
-    for name, members in [("ulysses", [ranks[g * k:(g + 1) * k] for g in range(n // k)]),
-                          ("gather", [ranks[j::k] for j in range(k)])]:
-        for m in members:
-            group = dist.new_group(m)
-            if rank in m:
-                mine[name] = group
-    return mine
-
-
 def plan_workload(plan: list[torch.Tensor], work: torch.Tensor) -> torch.Tensor:
     """Total block work of each rank ``[cp]`` (``work`` is ``[nb]`` or ``[B,nb]``, summed over rows)."""
     work = torch.as_tensor(work).reshape(-1, work.shape[-1]).sum(0)
@@ -350,3 +310,61 @@ def gather_sequence(local: torch.Tensor, plan: list[torch.Tensor], block_size: i
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded.contiguous(), group=group)
     return unshard([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], plan, block_size, seq_len, dim)
+
+
+class BlockOwners:
+    """What LLM CP plans with, in the data loader (``data/cp_plans.py``) and in the step alike: ``owner(mb)`` is the
+    CP rank of every block of the microbatch, padded to whole blocks first exactly as the step pads it, by
+    ``distribute`` with this method, block size and Ulysses degree. Picklable (loader workers). ``windows``: the
+    LLM's sliding window per layer (``families.layer_windows``; None when no layer has one), so LPT balances the
+    work each layer really does; every stage passes all layers' windows, so every stage plans alike."""
+
+    def __init__(self, cp: int, method: str = "lpt", block_size: int = 128, ulysses: int = 1,
+                 windows: tuple | None = None):
+        self.cp, self.method, self.block_size, self.ulysses = cp, method, block_size, ulysses
+        self.windows = windows
+
+    def num_blocks(self, seq_len: int) -> int:
+        """Blocks of a sequence of ``seq_len`` tokens after ``pad_for_context_parallel``."""
+        return max(-(-seq_len // self.block_size), self.cp)
+
+    def owner(self, mb: dict) -> torch.Tensor:
+        """``[num_blocks]`` int64 on the host (reads ``bam`` and ``segment_ids``: a host read where they are on a
+        device)."""
+        mb = pad_for_context_parallel(mb, self.cp, self.block_size)  # a no-op on the step's padded microbatches
+        plan = distribute(mb["bam"], self.cp, self.method, self.block_size, mb.get("segment_ids"),
+                          ulysses=self.ulysses, window=self.windows)
+        owner = torch.empty(sum(len(p) for p in plan), dtype=torch.long)
+        for r, blocks in enumerate(plan):
+            owner[blocks] = r
+        return owner
+
+
+def llm_windows(model) -> tuple | None:
+    """The sliding window of every LLM layer (from the config: the same on every stage), None without any."""
+    from lightning_mm.model.families import layer_windows
+
+    windows = tuple(layer_windows(model.language_model))
+    return windows if any(w is not None for w in windows) else None
+
+
+def block_owner_plans(block_owners: BlockOwners | None, mbs: list[dict], plans=None,
+                      embeds: bool = True) -> list[torch.Tensor] | None:
+    """Each LLM microbatch's CP distribution as the owning rank of every block, on the host: the data loader's
+    (``plans``, a ``CPPlans``), else made here at the LLM's first stage (``embeds``) (a host read of ``bam`` and ``segment_ids`` per
+    microbatch). The first stage sends it down the LLM pipeline with the hidden states (``"cp_owner"``); a later
+    stage without the loader's plan uses that one (None here)."""
+    if block_owners is None:
+        return None
+    if plans is not None and plans.owners is not None:
+        got = [int(o.numel()) for o in plans.owners]
+        want = [block_owners.num_blocks(mb["input_ids"].shape[1]) for mb in mbs]
+        if got != want:
+            raise ValueError(f"the batch's CP plan (batch['{PLAN_KEY}']['cp']) gives block owners for {got} "
+                             f"blocks per microbatch but this step runs {want}: it was made for another batch or "
+                             "layout; let MultimodalParallelStrategy wrap the loader (it plans for its own "
+                             "layout) or drop the plan from the batch")
+        return plans.owners
+    if not embeds:
+        return None
+    return [block_owners.owner(mb) for mb in mbs]

@@ -12,6 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lightning_mm.data.microbatch import PLAN_KEY
+from lightning_mm.plan.items import gather_order
+
+ITEMS_KEY = "cp_items"  # in a microbatch: {encoder: (item indices per CP rank, LLM tokens per item)}
+
 
 class _GatherItems(torch.autograd.Function):
     @staticmethod
@@ -38,3 +43,40 @@ def gather_items(local: torch.Tensor, counts: list[int], order: torch.Tensor, gr
     """Every rank's item features ``[counts[r], H]`` as one tensor in item order (``order`` from
     ``plan.items.gather_order``); autograd returns each item's gradient to the rank that encoded it."""
     return _GatherItems.apply(local, counts, order, group)
+
+
+def item_shards(item_planners: dict, mbs: list[dict], plans=None) -> None:
+    """Put each microbatch's item plan of every encoder with CP in it (``mb[ITEMS_KEY]``; ``item_planners``:
+    ``EncoderItems`` per encoder): which CP rank encodes
+    which item, and each item's LLM tokens. The data loader's (``plans``) when the batch carries them, else made
+    here (``EncoderItems.plan``: a host read of the items' sizes per microbatch)."""
+    for name, planner in item_planners.items():
+        given = None if plans is None else plans.items.get(name)
+        for m, mb in enumerate(mbs):
+            if name not in mb:
+                continue
+            plan = planner.plan(mb[name]) if given is None else given[m] if len(given) == len(mbs) else None
+            items = planner.family.num_items(planner.family.cp_pieces(mb[name]))
+            if plan is None or len(plan[1]) != items or len(plan[0]) != planner.ranks:
+                raise ValueError(f"the batch's CP plan (batch['{PLAN_KEY}']['cp']) does not fit microbatch {m} "
+                                 f"of {len(mbs)} ({items} items of {name!r} over {planner.ranks} CP ranks): it "
+                                 "was made for another batch or layout; let MultimodalParallelStrategy wrap the "
+                                 "loader (it plans for its own layout) or drop the plan from the batch")
+            mb.setdefault(ITEMS_KEY, {})[name] = plan
+
+
+def no_item_features(enc, device) -> torch.Tensor:
+    """The projected features of no item, in the dtype the projector gives (autocast included); it takes part in
+    the gather and its backward like any rank's."""
+    weight = next(enc.projector.parameters(), None)
+    empty = torch.zeros(0, enc.output_dim, device=device,
+                        dtype=torch.float32 if weight is None else weight.dtype, requires_grad=torch.is_grad_enabled())
+    blocks = 1 + enc.family.deepstack_layers(enc.config)  # DeepStack features packed beside the features
+    return enc.projector(empty).repeat(1, blocks)
+
+
+def gather_item_features(local: torch.Tensor, shards, tokens, group) -> torch.Tensor:
+    """Every CP rank's item features (``local``: this rank's), in item order, over ``group``."""
+    counts = [sum(tokens[i] for i in items) for items in shards]
+    order = torch.tensor(gather_order(shards, tokens), dtype=torch.long, device=local.device)
+    return gather_items(local, counts, order, group)

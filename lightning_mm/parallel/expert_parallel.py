@@ -11,23 +11,19 @@ Ranks: the replicas of the LLM chain, in order, form ``dp / ep`` groups of ``ep`
 one group with the same pipeline stage, CP rank and tp rank are an "ep" group (they exchange tokens and each holds
 ``1 / ep`` of the experts). Tensor-parallel ranks hold the same hidden states: the dispatch sends each tp rank's
 slice of the tokens (transformers' TP slicing), so no token is computed twice. Gradients of expert weights are
-summed over the ranks holding the same experts (``expert_grad_ranks``: the same ep index, every group, CP rank and
+summed over the ranks holding the same experts (``meshes.expert_grad_ranks``: the same ep index, every group, CP rank and
 tp rank); every other parameter keeps its usual reduction, FSDP2's included (the experts stay out of FSDP).
 """
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_mm.model.moe import expert_layer_plan
+from lightning_mm.parallel.meshes import ExpertMeshes
 from lightning_mm.plan.layout import RankLayout
-from lightning_mm.plan.schedule import LANGUAGE_MODEL
 from lightning_mm.plan.stages import StagePlan
 
-EP_MESH_DIMS = ("edp", "ep", "pp", "cp", "tp")
 
 
 def check_expert_parallel(model, layout: RankLayout) -> None:
@@ -49,40 +45,13 @@ def check_expert_parallel(model, layout: RankLayout) -> None:
                          "module the same dp (or none)")
 
 
-def ep_mesh_ranks(layout: RankLayout) -> torch.Tensor:
-    """The LLM chain's ranks as a ``[dp / ep, ep, pp, cp, tp]`` array (``EP_MESH_DIMS``)."""
-    ranks = torch.tensor(layout.mesh_ranks(LANGUAGE_MODEL))
-    return ranks.view(layout.dp // layout.ep, layout.ep, *ranks.shape[1:])
-
-
-def expert_grad_ranks(layout: RankLayout) -> list[list[int]]:
-    """Every group of ranks holding the same experts: per (stage, ep index), all groups, CP ranks and tp ranks."""
-    ranks = ep_mesh_ranks(layout)
-    return [ranks[:, e, s].flatten().tolist() for s in range(ranks.shape[2]) for e in range(layout.ep)]
-
-
-class ExpertGroups:
-    """The meshes and group expert parallelism needs, created in the same order on every rank (collectives)."""
-
-    def __init__(self, layout: RankLayout, rank: int, device_type: str):
-        mesh = DeviceMesh(device_type, ep_mesh_ranks(layout), mesh_dim_names=EP_MESH_DIMS)
-        mine = rank in mesh.mesh.flatten().tolist()
-        self.ep_mesh = mesh["ep"] if mine else None
-        self.tp_mesh = mesh["tp"] if mine else None
-        self.grad, self.grad_size = None, 1
-        for ranks in expert_grad_ranks(layout):
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if rank in ranks:
-                self.grad, self.grad_size = group, len(ranks)
-
-
-def apply_ep(model, plan: StagePlan, groups: ExpertGroups) -> list[nn.Parameter]:
+def apply_ep(model, plan: StagePlan, meshes: ExpertMeshes) -> list[nn.Parameter]:
     """Split the routed experts of this stage's LLM layers over the ep mesh (transformers' plan and runtime);
-    returns the expert parameters (their gradients are summed over ``groups.grad`` only)."""
+    returns the expert parameters (their gradients are summed over ``meshes.grad`` only)."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     sl, lm = plan.language_model, model.language_model
-    if sl is None or groups.ep_mesh is None:
+    if sl is None or meshes.ep is None:
         return []
     layer_plan = expert_layer_plan(lm)
     params: list[nn.Parameter] = []
@@ -91,7 +60,7 @@ def apply_ep(model, plan: StagePlan, groups: ExpertGroups) -> list[nn.Parameter]
         here = {k: v for k, v in layer_plan.items() if _has(layer, k)}  # dense layers (mlp_only_layers) have none
         if not here:
             continue
-        apply_expert_parallelism(layer, groups.ep_mesh, groups.tp_mesh, here, ep_implementation="all_to_all")
+        apply_expert_parallelism(layer, meshes.ep, meshes.tp, here, ep_implementation="all_to_all")
         params += [layer.get_parameter(k) for k, v in here.items() if v == "grouped_gemm"]
     return params
 

@@ -43,7 +43,8 @@ from torch.distributed.tensor import DTensor
 from lightning_mm.attention import mask as masks
 from lightning_mm.attention.hf import check_honours_mask, generation_words
 from lightning_mm.model.generation import left_align, next_positions, prompt_positions
-from lightning_mm.parallel.engine import check_same_batch
+from lightning_mm.parallel.encoder_cp import item_shards
+from lightning_mm.parallel.engine import check_same_batch, deepstack_message, received_deepstack
 from lightning_mm.plan.schedule import LANGUAGE_MODEL
 
 SERVED = ("max_new_tokens", "do_sample", "num_beams", "num_return_sequences", "eos_token_id", "pad_token_id",
@@ -241,11 +242,11 @@ def _run_encoders(engine, batch: dict) -> dict[str, torch.Tensor]:
                                     for p in preds])
     received = dict(zip(preds, got))
     mb = dict(batch)
-    engine.item_shards([mb])  # encoder context parallelism: which rank encodes which item
+    item_shards(engine.item_planners, [mb])  # encoder context parallelism: which rank encodes which item
     if plan.language_model is not None:  # the LLM's first stage: received features and colocated encoders
         features = {k: v for msg in received.values() for k, v in msg.items()}
         with engine.forward_context():
-            features.update({e: engine._encoder_part(e, s, mb, {}) for e, s in plan.encoders.items()})
+            features.update({e: engine.encoder_part(e, s, mb, {}) for e, s in plan.encoders.items()})
         return {k: v for k, v in features.items() if v.numel()}
     message = engine.run_stage(mb, received, None)
     sends = [(message, engine.forward_keys(stage), dst) for succ in graph.successors(stage)
@@ -291,10 +292,10 @@ def _decode(engine, batch: dict, features: dict, settings: GreedySettings) -> tu
         stacks = model.split_features(features)[1] if model.deepstack else {}
     else:
         message = _receive_dict(comm, HIDDEN_KEYS + engine.deepstack_keys(f"{LANGUAGE_MODEL}.{k - 1}"), prev)
-        hidden, stacks = message["hidden"], engine.received_deepstack(message)
+        hidden, stacks = message["hidden"], received_deepstack(engine.model, message)
     deepstack = model.deepstack_context(prompt.input_ids, stacks, sl.start) if model.deepstack else {}
     hidden = forward(hidden, prompt.positions, deepstack)
-    prefill_extra = engine.deepstack_message(deepstack, sl)
+    prefill_extra = deepstack_message(engine.model, deepstack, sl, engine.device)
     produced = 0
     for t in range(settings.max_new_tokens):
         # hidden: this stage's output for the input of step t (the prompt at t = 0)

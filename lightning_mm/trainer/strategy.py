@@ -4,7 +4,9 @@ Launch, process groups, samplers and teardown are Lightning's DDP machinery (pla
 torchrun, SLURM; NCCL on GPU, gloo on CPU); the model is never wrapped in DDP. The model is built on the meta
 device (``trainer.init_module()``), each rank keeps only its pipeline stage and materialises it, and
 ``training_step`` runs the whole 1F1B schedule (forward and backward of every microbatch) through
-:class:`PipelineEngine`, so Lightning's own backward runs its hooks and finishes the gradient reduction.
+:class:`PipelineEngine`, so Lightning's own backward runs its hooks and finishes the gradient reduction. The
+loaders each rank iterates are made in ``trainer/loaders.py``, checkpoints written and read by
+``lightning_mm.checkpoint``.
 """
 
 from __future__ import annotations
@@ -12,24 +14,21 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import shutil
 from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mm import checkpoint as ckpt
-from lightning_mm.data.balanced import (BalancedBatchSampler, BalancedCollate, BalancedDataset,
-                                        balancing_obstacle, metadata_works, no_work)
-from lightning_mm.data.cp_plans import CPPlanCollate
 from lightning_mm.data.microbatch import PLAN_KEY
-from lightning_mm.data.resumable import ResumableDataLoader, loader_options, resumable
 from lightning_mm.trainer.launch import CheckedLauncher, mark_failed, release_process_groups_at_exit
 from lightning_mm.fault_tolerance.watchdog import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
 from lightning_mm.fault_tolerance import FaultTolerance, as_fault_tolerance
@@ -37,21 +36,20 @@ from lightning_mm.fault_tolerance.training import FaultTolerantTraining
 from lightning_mm.model.loading import materialise
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.parallel.comm import check_backend
-from lightning_mm.parallel.engine import PipelineEngine, check_same_batch
+from lightning_mm.parallel.engine import PipelineEngine, StepResult, check_same_batch
 from lightning_mm.parallel.sharding import SHARDING_STRATEGIES
 from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, dtensor_parameters_pinned
 from lightning_mm.parallel.context import check_context_parallel
-from lightning_mm.plan.balance import METHODS as BALANCING_METHODS, plan_batch
+from lightning_mm.plan.balance import METHODS as BALANCING_METHODS
 from lightning_mm.plan.layout import ParallelSpec, RankLayout, build_layout, check_node_locality
 from lightning_mm.plan.placement import LANGUAGE_MODEL
-from lightning_mm.plan.routing import check_group_batch
-from lightning_mm.planner.model_costs import resolve_partition
-from lightning_mm.planner.heterogeneity import num_pipeline_stages
+from lightning_mm.planner.model_costs import PlannedPartition, planner_request, resolve_partition
 from lightning_mm.planner.workload import WorkloadModel
+from lightning_mm.trainer.loaders import prepare_loader
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 DEFAULT_FAULT_TIMEOUT = 60.0  # seconds: a dead rank ends the others well before DEFAULT_TIMEOUT
-DEFAULT_BALANCING = "entrain"  # where the training loader allows it
+Partition = str | dict[str, list[int]] | PlannedPartition  # layers per stage, or how the planner finds them
 
 
 class MultimodalParallelStrategy(DDPStrategy):
@@ -108,8 +106,6 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.language_model_spec = language_model or ParallelSpec()
         self.num_microbatches, self.partition, self.encoder_placement = num_microbatches, partition, encoder_placement
         if profile is not None:
-            from lightning_mm.planner.model_costs import planner_request
-
             self.partition = planner_request(partition, profile)
         self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
         self.activation_checkpointing = bool(activation_checkpointing)
@@ -123,6 +119,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.batch_plans: list[dict] = []
         self.layout: RankLayout | None = None
         self.engine: PipelineEngine | None = None
+        self.last_step: StepResult | None = None  # the last pipeline step's loss, timings and rows (callbacks)
         if fault_timeout is not None and fault_timeout <= 0:
             raise ValueError(f"fault_timeout must be > 0 seconds (or None to disable), got {fault_timeout}")
         if fault_timeout is not None and timeout is not None and fault_timeout >= timeout.total_seconds():
@@ -132,6 +129,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.watchdog: FaultWatchdog | None = None
         self.model_fingerprint: dict[str, list[int]] = {}
         self.trainable_names: list[str] = []
+        self.workload: WorkloadModel | None = None  # per-sample work for batch balancing, from the whole model
         self._accumulating = False
         self.fault_tolerance = as_fault_tolerance(fault_tolerance)  # torchft replica groups (fault_tolerance/)
         self.ft = FaultTolerantTraining(self.fault_tolerance, self) if self.fault_tolerance is not None else None
@@ -148,37 +146,17 @@ class MultimodalParallelStrategy(DDPStrategy):
                             f"{type(model).__name__}")
         return model
 
-    def plan_layout(self) -> RankLayout:
-        model = self.multimodal_model()
-        encoders = model.pipeline_encoders  # an encoder sharing another's tower runs on its stages
-        specs = self.encoder_specs if self.encoder_specs is not None else {e: ParallelSpec() for e in encoders}
-        world = self.num_nodes * self.num_processes
-        if world == 1:  # debug mode: the whole model in this process, whatever the specs say
-            if any(s.size > 1 for s in [*specs.values(), self.language_model_spec]):
-                rank_zero_warn("MultimodalParallelStrategy on 1 device runs the whole model in one process; the "
-                               "ParallelSpecs apply from 2 devices on")
-            return build_layout({e: ParallelSpec() for e in specs}, ParallelSpec(), 1, "replicated", encoders)
-        lm_spec, placement = self.language_model_spec, self.encoder_placement
-        if self.fault_tolerance is not None and self.fault_tolerance.templates:
-            template = self.fault_tolerance.template(world)  # re-formed groups take the layout of their size
-            if problem := self.fault_tolerance.elastic_launch_problem():
-                rank_zero_warn(problem)
-            specs = {e: template.specs.get(e, ParallelSpec()) for e in encoders}
-            lm_spec, placement = template.specs["language_model"], template.placement
-            self.partition = {m: list(v) for m, v in template.partition.items()}
-        layout = build_layout(specs, lm_spec, world, placement, encoders)
-        if layout.disaggregated and self.fault_tolerance is not None:
-            raise ValueError("fault_tolerance runs replica groups of one data-parallel degree; per-module degrees "
-                             f"({ {c: layout.replicas(c) for c in layout.chains()} }) are not served with it: give "
-                             "every module the same dp (or none), or drop fault_tolerance")
-        check_tensor_parallel(model, {e: s.tp for e, s in specs.items()}, lm_spec.tp)
-        check_context_parallel(model, lm_spec)
-        check_node_locality(layout, self.num_processes)
-        return layout
+    def plan_layout(self) -> tuple[RankLayout, Partition]:
+        """This run's rank layout and partition (``resolve_layout``), checked; the caller keeps them."""
+        return resolve_layout(self.multimodal_model(), encoder_specs=self.encoder_specs,
+                              language_model_spec=self.language_model_spec, placement=self.encoder_placement,
+                              partition=self.partition, world_size=self.num_nodes * self.num_processes,
+                              ranks_per_node=self.num_processes, fault_tolerance=self.fault_tolerance)
 
+    @override
     def setup_environment(self) -> None:
-        self.layout = self.plan_layout()
-        self.check_launch_environment()
+        self.layout, self.partition = self.plan_layout()
+        check_launch_environment(self.cluster_environment, self.world_size, self._launcher)
         check_backend(self._get_process_group_backend(), self.parallel_devices or [self.root_device],
                       tensor_parallel=any(t > 1 for t in self.layout.tp.values()),
                       context_parallel=any(c > 1 for c in self.layout.cp.values()),
@@ -190,6 +168,7 @@ class MultimodalParallelStrategy(DDPStrategy):
             self.watchdog = FaultWatchdog(self.global_rank, self.world_size, self.fault_timeout,
                                           labels=rank_labels(self.layout)).start()
 
+    @override
     def _configure_launcher(self) -> None:
         """Lightning's launcher, with the layout checked before it spawns any rank (``lightning_mm.trainer.launch``)."""
         super()._configure_launcher()
@@ -197,20 +176,8 @@ class MultimodalParallelStrategy(DDPStrategy):
             self._launcher = CheckedLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
                                              check=self.plan_layout)
 
-    def check_launch_environment(self) -> None:
-        """LOCAL_RANK without WORLD_SIZE in the environment (left over from an earlier Trainer run in this process
-        or shell) makes Lightning believe another launcher started the other ranks: rank 0 would wait for them
-        forever. Raise instead, before any process group."""
-        if (isinstance(self.cluster_environment, LightningEnvironment) and self.world_size > 1
-                and not torch.distributed.is_initialized()  # later Trainer calls: WORLD_SIZE is gone by then
-                and "LOCAL_RANK" in os.environ and "WORLD_SIZE" not in os.environ
-                and not getattr(self._launcher, "procs", None)):
-            raise RuntimeError(f"LOCAL_RANK={os.environ['LOCAL_RANK']} is set in the environment but WORLD_SIZE is "
-                               f"not, so Lightning starts none of the other {self.world_size - 1} ranks and would "
-                               "wait for them forever; unset LOCAL_RANK (and NODE_RANK) in this shell or process, "
-                               "or launch every rank yourself (torchrun, SLURM)")
-
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict:
         """The language model's replicas; a rank of per-module data parallelism names its group's first replica
         (``process_dataloader`` then loads every replica of the group)."""
@@ -221,6 +188,7 @@ class MultimodalParallelStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ building
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None):
         """``trainer.init_module()`` and ``configure_model`` build on the meta device (nothing allocated); each rank
         materialises only its stage in ``setup``. ``empty_init=False`` builds eagerly on the CPU instead."""
@@ -231,6 +199,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
 
+    @override
     def setup(self, trainer) -> None:
         if self.ft is not None and trainer.state.fn == TrainerFn.FITTING:
             self.ft.check_before_setup(trainer)  # unservable settings, an unreachable lighthouse: before any build
@@ -264,7 +233,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         self.precision_plugin.convert_module(module)
         self.model_fingerprint = ckpt.model_fingerprint(model)  # before pruning
         self.trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.workload = WorkloadModel.from_model(model)  # per-sample work for batch balancing, from the whole model
+        self.workload = WorkloadModel.from_model(model)
         layer_counts = resolve_partition(model, self.layout.module_stages, self.partition,
                                          recompute=self.activation_checkpointing)
         seed = int(self.broadcast(torch.initial_seed()))  # one init seed for every rank, seeded or not
@@ -277,6 +246,7 @@ class MultimodalParallelStrategy(DDPStrategy):
                                      precision=str(self.precision_plugin.precision))
         model.pipeline_stage = self.engine.stage
 
+    @override
     def model_to_device(self) -> None:  # setup moves the pruned stage only
         pass
 
@@ -290,23 +260,28 @@ class MultimodalParallelStrategy(DDPStrategy):
                 growth_factor=scaler.get_growth_factor(), backoff_factor=scaler.get_backoff_factor(),
                 growth_interval=scaler.get_growth_interval(), enabled=scaler.is_enabled())
 
+    @override
     def configure_ddp(self) -> None:  # the model is pipelined, never wrapped in DDP
         pass
 
     # ------------------------------------------------------------------ the steps
     # The engine enters the precision plugin's forward context around each stage forward and scales the loss
     # itself, so the steps are not wrapped in autocast as a whole (backward would run under it).
+    @override
     def training_step(self, *args, **kwargs):
         if self.ft is not None:  # the quorum, then this step's share of the global batch
             args = (self.ft.begin_step(args[0]), *args[1:])
         return self.lightning_module.training_step(*args, **kwargs)
 
+    @override
     def validation_step(self, *args, **kwargs):
         return self.lightning_module.validation_step(*args, **kwargs)
 
+    @override
     def test_step(self, *args, **kwargs):
         return self.lightning_module.test_step(*args, **kwargs)
 
+    @override
     def predict_step(self, *args, **kwargs):
         return self.lightning_module.predict_step(*args, **kwargs)
 
@@ -315,8 +290,9 @@ class MultimodalParallelStrategy(DDPStrategy):
         check_same_batch(batch, self.engine.groups.replica)
         if train and "encoder" in (batch.get(PLAN_KEY) or {}):  # what each step's balancing did, for callbacks, tests
             self.batch_plans.append({k: list(batch[PLAN_KEY][k]) for k in ("encoder", "llm")})
-        return self.engine.run(batch, train=train, sync=not self._accumulating,
-                               loss_scale=1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+        self.last_step = self.engine.run(batch, train=train, sync=not self._accumulating,
+                                         loss_scale=1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+        return self.last_step.loss
 
     def predict_pipeline(self, batch: dict) -> dict:
         """Forward only; ``logits`` [B, S, V] on the ranks holding the LLM head (None elsewhere) and the greedy
@@ -330,6 +306,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
     @contextmanager
+    @override
     def block_backward_sync(self):
         """Lightning enters this on micro-steps that only accumulate: gradients are reduced once per optimiser
         step, in the backward of the micro-step that steps."""
@@ -339,6 +316,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         finally:
             self._accumulating = False
 
+    @override
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         """The schedule already ran backward. Lightning's backward hooks run here on every rank, around the
         gradient sum over replicas (and CP ranks), which happens once per optimiser step."""
@@ -354,6 +332,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         for opt in self.optimizers:
             opt.zero_grad()
 
+    @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         if self.ft is not None:  # the closure repeats until the replica groups commit it
             closure = self.ft.committed(closure, optimizer)
@@ -366,193 +345,75 @@ class MultimodalParallelStrategy(DDPStrategy):
         return self.engine.clip_gradients(max_norm)
 
     # ------------------------------------------------------------------ data order (exact resume)
-    def process_dataloader(self, dataloader):
-        """Batches resume where a checkpoint left off (Lightning saves and restores the loader's state; predict
-        loaders stay as Lightning made them, whose sampler records the batch indices prediction writers use); the
-        training batches are placed over replicas and microbatches by ``batch_balancing``; under context
-        parallelism every loader's batches carry this rank's CP plans (``with_cp_plans``)."""
-        dataloader = super().process_dataloader(dataloader)
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The loader this rank iterates (``trainer/loaders.py``): resumable, balanced over replicas and
+        microbatches, per-module data-parallel or fault-tolerant, with its CP plans under context parallelism."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.ft is not None and trainer is not None and trainer.training:
-            return self.ft.training_loader(dataloader)  # samples are chosen per step, after the quorum
-        if self.layout is not None and self.layout.disaggregated and trainer is not None:
-            return self.group_dataloader(dataloader, trainer.training)
-        if self.batch_balancing != "none" and trainer is not None and trainer.training:
-            obstacle = balancing_obstacle(dataloader)
-            if self.batch_balancing is not None or not obstacle:
-                return self.with_cp_plans(self.balanced_dataloader(dataloader,
-                                                                   self.batch_balancing or DEFAULT_BALANCING))
-            rank_zero_info(f"batch_balancing: the training loader is not balanced ({obstacle}); its batches are cut "
-                           "into contiguous microbatches")
-        if trainer is not None and trainer.predicting:  # nothing to resume; Lightning reads its batch indices
-            return self.with_cp_plans(dataloader)
-        return self.with_cp_plans(resumable(dataloader))
-
-    def with_cp_plans(self, dataloader):
-        """``dataloader`` whose collate function also makes the context-parallel plans this rank's stage executes
-        (encoder item shards, LLM block owners; ``data/cp_plans.py``), in its workers instead of in the step. Only
-        where this stage runs CP and the loader is a torch DataLoader, and not under ``fault_tolerance`` (whose
-        steps change the microbatch count); other batches are planned in the step."""
-        engine = self.engine
-        if engine is None or not (engine.item_planners or engine.block_owners) or self.ft is not None or \
-                not isinstance(dataloader, DataLoader):
-            return dataloader
-        collate = dataloader.collate_fn
-        if isinstance(collate, CPPlanCollate):  # a loader this strategy processed before (fit, then validate)
-            collate = collate.collate
-        dataloader.collate_fn = CPPlanCollate(collate, engine.num_microbatches, engine.item_planners,
-                                              engine.block_owners)
-        return dataloader
-
-    def group_dataloader(self, dataloader, training: bool):
-        """Per-module data parallelism: ``dataloader`` rebuilt to give every rank its group's batch, the batches
-        its DistributedSampler gives each language-model replica of the group, one after the other, placed by
-        ``batch_balancing`` (training) or in contiguous microbatches, with the routing of their rows between the
-        modules' replicas (``plan/routing.py``) made in the loader."""
-        sampler, batch_size = getattr(dataloader, "sampler", None), getattr(dataloader, "batch_size", None)
-        inner = getattr(dataloader.batch_sampler, "_batch_sampler", None)  # Lightning's predict index wrapper
-        if not isinstance(sampler, DistributedSampler) and inner is not None:
-            sampler, batch_size = getattr(inner, "sampler", None), getattr(inner, "batch_size", None)
-        if not isinstance(sampler, DistributedSampler) or batch_size is None:
-            raise TypeError("per-module data parallelism (ParallelSpec(dp=...)) loads the samples of several "
-                            "language-model replicas on every rank, from the loader's DistributedSampler and "
-                            f"batch_size; this loader has a {type(sampler).__name__} and batch_size "
-                            f"{batch_size}: keep Lightning's use_distributed_sampler=True "
-                            "and give the DataLoader a batch_size")
-        layout, model = self.layout, self.multimodal_model()
-        replicas = layout.per_group(LANGUAGE_MODEL)
-        check_group_batch(batch_size, self.num_microbatches, replicas,
-                          {e: layout.per_group(e) for e in model.pipeline_encoders})
-        method = (self.batch_balancing or DEFAULT_BALANCING) if training else "none"
-        if method != "none" and balancing_obstacle(dataloader):
-            if self.batch_balancing is not None:
-                raise TypeError(f"batch_balancing={method!r} cannot serve this training loader: "
-                                f"{balancing_obstacle(dataloader)}; set batch_balancing='none'")
-            method = "none"
-        first = layout.group_of(self.global_rank) * replicas
-        return self.planned_loader(dataloader, sampler, batch_size, method, list(range(first, first + replicas)),
-                                   self.engine.router)
-
-    def balanced_dataloader(self, dataloader, method: str):
-        """The training loader rebuilt over balanced global batches (``data/balanced.py``): the same samples per
-        step as its DistributedSampler gives every replica, placed by ``plan_batch(method=batch_balancing)``."""
-        obstacle = balancing_obstacle(dataloader)
-        if obstacle:
-            raise TypeError(f"batch_balancing={method!r} cannot serve this training loader: {obstacle}; keep "
-                            "Lightning's use_distributed_sampler=True, a map-style data set with sample_metadata(i) "
-                            "and a batch_size, or set batch_balancing='none'")
-        rank_zero_info(f"batch balancing: {method!r} places each global batch over {self.layout.dp} replicas x "
-                       f"{self.num_microbatches} microbatches (logged: balance/imbalance_before, "
-                       "balance/imbalance_after, balance/deferred_samples)")
-        return self.planned_loader(dataloader, dataloader.sampler, dataloader.batch_size, method,
-                                   self.layout.coordinate(self.global_rank).dp)
-
-    def planned_loader(self, dataloader, sampler, batch_size: int, method: str, replica, router=None):
-        """``dataloader`` rebuilt over the global batches of its DistributedSampler (``data/balanced.py``): the
-        samples of ``replica`` (an index, or the list of a group's replicas), placed by ``plan_batch(method)``
-        ("none": contiguous), with ``router``'s routing (per-module data parallelism) in each batch."""
-        model = self.multimodal_model()
-        depth = num_pipeline_stages(self.engine.graph)  # DistTrain orders microbatches to fill this pipeline
-        work = metadata_works(sampler.dataset, self.workload, model) if method != "none" else no_work
-        batches = BalancedBatchSampler(
-            sampler.dataset, batch_size, self.layout.dp, replica, self.num_microbatches,
-            plan=lambda enc, llm, r, k: plan_batch(enc, llm, r, k, method, num_stages=depth), work=work,
-            shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
-        collate = BalancedCollate(dataloader.collate_fn, model.placeholder_ids, router=router)
-        return ResumableDataLoader(BalancedDataset(sampler.dataset), batch_sampler=batches,
-                                   **{**loader_options(dataloader), "collate_fn": collate})
+        return prepare_loader(super().process_dataloader(dataloader),
+                              stage=trainer.state.stage if trainer is not None else None, layout=self.layout,
+                              rank=self.global_rank, num_microbatches=self.num_microbatches,
+                              batch_balancing=self.batch_balancing, engine=self.engine, workload=self.workload,
+                              fault_tolerance=self.ft)
 
     # ------------------------------------------------------------------ checkpoints
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # a checkpoint loads into this rank's stage and optimiser, which exist after setup
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint restores optimisers by parameter name
 
-    def parameter_names(self) -> dict[int, str]:
-        return {id(p): n for n, p in self.lightning_module.model.named_parameters()}
-
+    @override
     def lightning_module_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's trainable parameters (and frozen ones if ``save_frozen_parameters``), full names."""
-        return {f"model.{n}": p.detach() for n, p in self.lightning_module.model.named_parameters()
-                if n in self.engine.owned and (p.requires_grad or self.save_frozen_parameters)}
+        return ckpt.stage_state_dict(self.lightning_module.model, owned=self.engine.owned,
+                                     frozen=self.save_frozen_parameters)
 
+    @override
     def optimizer_state(self, optimizer) -> dict:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
-        return ckpt.optimizer_state_by_name(optimizer, self.parameter_names())
+        return ckpt.optimizer_state_by_name(optimizer, ckpt.parameter_names(self.lightning_module.model))
 
+    def checkpoint_layout(self) -> dict:
+        """This run as a checkpoint records it (layout.json): the rank layout, world size and model."""
+        return {**self.layout.to_dict(), "world_size": self.world_size, "parameters": self.model_fingerprint,
+                "trainable": self.trainable_names, "frozen_saved": self.save_frozen_parameters}
+
+    @override
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-        """Collective: a DCP folder keyed by the unparallelised names, written atomically (see checkpoint.py)."""
+        """Collective: a DCP folder keyed by the unparallelised names, written atomically (``checkpoint.py``)."""
         if storage_options is not None:
             raise TypeError("MultimodalParallelStrategy writes DCP folders itself: storage_options is not supported")
-        path = os.path.abspath(self.broadcast(str(filepath)))
-        tensors = {f"model/{k.removeprefix('model.')}": v for k, v in checkpoint.pop("state_dict").items()}
-        groups = []
-        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
-            tensors.update(ckpt.optimizer_tensors(i, state))
-            groups.append(state["param_groups"])
-        tensors.update(ckpt.rng_tensors(self.global_rank))
-        meta = ckpt.plain({**checkpoint, "optimizer_param_groups": groups})
-        layout = {**self.layout.to_dict(), "world_size": self.world_size,
-                  "parameters": self.model_fingerprint, "trainable": self.trainable_names,
-                  "frozen_saved": self.save_frozen_parameters}
-        ckpt.save_sharded(path, tensors, meta, layout, self.global_rank)
+        ckpt.save_checkpoint(os.path.abspath(self.broadcast(str(filepath))), checkpoint, rank=self.global_rank,
+                             layout=self.checkpoint_layout())
 
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        """Collective: this rank's parameters, optimiser state (by name) and RNG; returns Lightning's state.
+        """Collective: this rank's parameters, optimiser state (by name) and RNG; returns Lightning's state. A bad
+        checkpoint raises on every rank before any collective read (``lightning_mm.checkpoint``)."""
+        return ckpt.load_checkpoint(os.path.abspath(self.broadcast(str(checkpoint_path))),
+                                    model=self.lightning_module.model, owned=self.engine.owned,
+                                    optimizers=self.optimizers, rank=self.global_rank, layout=self.checkpoint_layout())
 
-        Every check (folder, format, sizes, model identity, checksums of the files this rank reads) runs on
-        every rank before the collective DCP read, so a bad checkpoint raises everywhere instead of hanging."""
-        path = os.path.abspath(self.broadcast(str(checkpoint_path)))
-        layout = ckpt.read_layout(path)
-        ckpt.check_same_model(layout["parameters"], self.model_fingerprint, path)
-        md = ckpt.read_dcp_metadata(path)
-        model, names = self.lightning_module.model, self.parameter_names()
-        target, missing = {}, []
-        for n, p in model.named_parameters():
-            if n not in self.engine.owned:
-                continue
-            if f"model/{n}" in md.state_dict_metadata:
-                target[f"model/{n}"] = p.detach()
-            elif p.requires_grad:
-                missing.append(n)
-        if missing:
-            rank_zero_warn(f"{len(missing)} trainable parameters (e.g. {missing[0]}) are not in {path}; they keep "
-                           "the values the model was built with")
-        target.update(ckpt.optimizer_targets(md, self.optimizers, names))
-        same_ranks = (layout["world_size"] == self.world_size and layout["stages"] == self.layout.stages
-                      and layout.get("cp") == self.layout.cp and layout.get("tp") == self.layout.tp
-                      and layout.get("chain_dp") == self.layout.to_dict().get("chain_dp"))
-        rng = {k: ckpt.empty_like_entry(md, k) for k in md.state_dict_metadata
-               if same_ranks and k.startswith(f"rng/{self.global_rank}/")}
-        if not same_ranks:
-            rank_zero_warn(f"{path} was written by another rank layout: random states are not restored")
-        target.update(rng)
-        ckpt.verify_files(path, layout, ckpt.files_for_keys(md, set(target)))
-        meta = ckpt.load_meta(path)
-        ckpt.load_tensors(path, target)
-        groups = meta.pop("optimizer_param_groups", [])
-        for i, opt in enumerate(self.optimizers):
-            ckpt.load_optimizer_by_name(opt, i, names, target, groups[i] if i < len(groups) else None)
-        if rng:
-            ckpt.set_rng_tensors(self.global_rank, rng)
-        return meta
-
+    @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # load_checkpoint already loaded this stage's parameters
 
+    @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
         pass  # load_checkpoint already loaded the optimisers by parameter name
 
+    @override
     def remove_checkpoint(self, filepath) -> None:
         if self.global_rank == 0:
-            import shutil
-
             shutil.rmtree(filepath, ignore_errors=True)
 
     # ------------------------------------------------------------------ faults
+    @override
     def on_exception(self, exception: BaseException) -> None:
         mark_failed()
         if self.watchdog is not None:
@@ -561,6 +422,7 @@ class MultimodalParallelStrategy(DDPStrategy):
             self.watchdog.report_failure(exception)
         super().on_exception(exception)
 
+    @override
     def teardown(self) -> None:
         if self.ft is not None:
             self.ft.shutdown()
@@ -571,6 +433,52 @@ class MultimodalParallelStrategy(DDPStrategy):
         with dtensor_parameters_pinned(module, self.engine.fsdp_params if self.engine else set()) \
                 if module is not None else contextlib.nullcontext():
             super().teardown()  # moves the module to the CPU: tensor-parallel and meta tensors stay
+
+
+def resolve_layout(model: MultimodalModel, *, encoder_specs: dict[str, ParallelSpec] | None,
+                   language_model_spec: ParallelSpec, placement: str, partition: Partition, world_size: int,
+                   ranks_per_node: int, fault_tolerance: FaultTolerance | None) -> tuple[RankLayout, Partition]:
+    """The rank layout and partition of ``world_size`` ranks (a fault-tolerance template's for that size where
+    there are templates, else the given ones), checked against ``model``, before any process group."""
+    encoders = model.pipeline_encoders  # an encoder sharing another's tower runs on its stages
+    specs = encoder_specs if encoder_specs is not None else {e: ParallelSpec() for e in encoders}
+    if world_size == 1:  # debug mode: the whole model in this process, whatever the specs say
+        if any(s.size > 1 for s in [*specs.values(), language_model_spec]):
+            rank_zero_warn("MultimodalParallelStrategy on 1 device runs the whole model in one process; the "
+                           "ParallelSpecs apply from 2 devices on")
+        return build_layout({e: ParallelSpec() for e in specs}, ParallelSpec(), 1, "replicated", encoders), partition
+    lm_spec = language_model_spec
+    if fault_tolerance is not None and fault_tolerance.templates:
+        template = fault_tolerance.template(world_size)  # re-formed groups take the layout of their size
+        if problem := fault_tolerance.elastic_launch_problem():
+            rank_zero_warn(problem)
+        specs = {e: template.specs.get(e, ParallelSpec()) for e in encoders}
+        lm_spec, placement = template.specs["language_model"], template.placement
+        partition = {m: list(v) for m, v in template.partition.items()}
+    layout = build_layout(specs, lm_spec, world_size, placement, encoders)
+    if layout.disaggregated and fault_tolerance is not None:
+        raise ValueError("fault_tolerance runs replica groups of one data-parallel degree; per-module degrees "
+                         f"({ {c: layout.replicas(c) for c in layout.chains()} }) are not served with it: give "
+                         "every module the same dp (or none), or drop fault_tolerance")
+    check_tensor_parallel(model, {e: s.tp for e, s in specs.items()}, lm_spec.tp)
+    check_context_parallel(model, lm_spec)
+    check_node_locality(layout, ranks_per_node)
+    return layout, partition
+
+
+def check_launch_environment(cluster_environment, world_size: int, launcher) -> None:
+    """LOCAL_RANK without WORLD_SIZE in the environment (left over from an earlier Trainer run in this process
+    or shell) makes Lightning believe another launcher started the other ranks: rank 0 would wait for them
+    forever. Raise instead, before any process group."""
+    if (isinstance(cluster_environment, LightningEnvironment) and world_size > 1
+            and not torch.distributed.is_initialized()  # later Trainer calls: WORLD_SIZE is gone by then
+            and "LOCAL_RANK" in os.environ and "WORLD_SIZE" not in os.environ
+            and not getattr(launcher, "procs", None)):
+        raise RuntimeError(f"LOCAL_RANK={os.environ['LOCAL_RANK']} is set in the environment but WORLD_SIZE is "
+                           f"not, so Lightning starts none of the other {world_size - 1} ranks and would "
+                           "wait for them forever; unset LOCAL_RANK (and NODE_RANK) in this shell or process, "
+                           "or launch every rank yourself (torchrun, SLURM)")
+
 
 StrategyRegistry.register("multimodal", MultimodalParallelStrategy,
                           description="modality-parallel pipelines with data parallelism (lightning-mm)")

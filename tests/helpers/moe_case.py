@@ -72,7 +72,7 @@ def run_rank(rank, world, kind, aux, llm, dp, microbatches, steps, rows, checkpo
     opt = torch.optim.SGD(params, lr=0.5)
     step_losses, auxes, norms = [], [], []
     for batch in batches:
-        step_losses.append(float(engine.run(replica_batch(batch, model, layout.dp, engine.coord.dp))))
+        step_losses.append(float(engine.run(replica_batch(batch, model, layout.dp, engine.coord.dp)).loss))
         auxes.append(float(engine.router_metrics.metrics["aux_loss"]))
         engine.sync_gradients()
         norms.append(float(engine.global_grad_norm()))

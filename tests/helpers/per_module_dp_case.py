@@ -60,10 +60,11 @@ def run_rank(rank, world, modalities, freeze, encoder_specs, llm_spec, microbatc
     opt = torch.optim.SGD(params, lr=lr) if params else None
     losses, probed = [], None
     for batch in batches:
-        losses.append(float(engine.run(group_batch(batch, model, layout, rank))))
+        step = engine.run(group_batch(batch, model, layout, rank))
+        losses.append(float(step.loss))
         if probe and probed is None and engine.feeds_on_encoders:
             first = layout.group_of(rank) * (rows // layout.num_groups)
-            probed = [(features, [first + r for r in mb]) for features, mb in zip(seen, engine.llm_rows)]
+            probed = [(features, [first + r for r in mb]) for features, mb in zip(seen, step.rows)]
         engine.sync_gradients()
         if opt:
             opt.step()

@@ -55,7 +55,7 @@ def train_engine(engine, model, batches, lr=0.5):
     opt = torch.optim.SGD(params, lr=lr) if params else None  # a fully frozen stage has nothing to step
     losses = []
     for batch in batches:
-        losses.append(float(engine.run(replica_batch(batch, model, engine.layout.dp, engine.coord.dp))))
+        losses.append(float(engine.run(replica_batch(batch, model, engine.layout.dp, engine.coord.dp)).loss))
         engine.sync_gradients()
         if opt:
             opt.step()

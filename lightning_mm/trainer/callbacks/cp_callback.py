@@ -41,7 +41,8 @@ from lightning_mm.attention import mask as masks
 from lightning_mm.attention.bitfield_hf import (BitfieldAdapter, UnsupportedModelError, bitfield_adapter,
                                                 ADAPTER_ATTR, _is_hf_model)
 from lightning_mm.loss import IGNORE_INDEX, shift_labels
-from lightning_mm.parallel.context import METHODS, distribute, gather_sequence, hybrid_groups, token_index
+from lightning_mm.parallel.context import METHODS, distribute, gather_sequence, token_index
+from lightning_mm.parallel.meshes import hybrid_groups, new_groups
 from lightning_mm.parallel.encoder_cp import gather_items
 from lightning_mm.plan.items import encoder_width, gather_order, item_work, shard_items
 from lightning_mm.plan.layout import CP_MODES, ParallelSpec
@@ -190,16 +191,15 @@ class ContextParallel(pl.Callback):
             raise ValueError(f"cp_size={self.cp_size} does not divide the {size} data-parallel ranks; choose cp_size "
                              f"among {divisors}, or run on a multiple of {self.cp_size} data-parallel devices")
         rank = dist.get_rank()
+        members = [column[start:start + self.cp_size] for column in columns for start in range(0, size, self.cp_size)]
+        self.group = new_groups(members, rank)  # every rank creates every group, in the same order
         hybrid = {}
-        for column in columns:  # every rank creates every group, in the same order
-            for start in range(0, size, self.cp_size):
-                members = column[start:start + self.cp_size]
-                group = dist.new_group(members) if self.cp_size > 1 else None
-                if self.mode == "hybrid":
-                    hybrid.update(hybrid_groups(members, self.degree, rank))
-                if rank in members:
-                    self.group, self.cp_rank = group, members.index(rank)
-                    self.dp_rank, self.dp_size = start // self.cp_size, size // self.cp_size
+        for ranks in members:
+            if self.mode == "hybrid":
+                hybrid.update(hybrid_groups(ranks, self.degree, rank))
+            if rank in ranks:
+                self.cp_rank, self.dp_rank = ranks.index(rank), members.index(ranks) % (size // self.cp_size)
+        self.dp_size = size // self.cp_size
         self.tp_size = len(columns)
         self.attention_group = self._attention_group(hybrid)
         self._override_sampler(strategy)

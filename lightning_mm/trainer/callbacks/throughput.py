@@ -108,18 +108,18 @@ def rank_bubble(timings: list[tuple[str, int, float, float]]) -> float:
     return max(0.0, 1.0 - busy / span) if span > 0 else 0.0
 
 
-def stage_bubbles(engine, rank: int, world: int, device=None) -> dict[str, float]:
-    """Every stage's bubble fraction of the last step (mean over its ranks): one all-reduce of ``world``
-    numbers; call on every rank."""
+def stage_bubbles(layout, timings, rank: int, world: int, device=None) -> dict[str, float]:
+    """Every stage's bubble fraction of a step (mean over its ranks; ``timings``: this rank's, from the step's
+    ``StepResult``): one all-reduce of ``world`` numbers; call on every rank."""
     import torch.distributed as dist
 
     values = torch.zeros(world, dtype=torch.float64, device=device)
-    values[rank] = rank_bubble(engine.timings)
+    values[rank] = rank_bubble(timings)
     if dist.is_available() and dist.is_initialized() and world > 1:
         dist.all_reduce(values)
     out: dict[str, list[float]] = {}
     for r, v in enumerate(values.tolist()):
-        out.setdefault(engine.layout.coordinate(r).stage, []).append(v)
+        out.setdefault(layout.coordinate(r).stage, []).append(v)
     return {s: sum(v) / len(v) for s, v in out.items()}
 
 
@@ -197,6 +197,6 @@ class TrainingMetrics(nn.Module):
             due = (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % self.bubble_every_n_steps == 0
         if not due:
             return
-        bubbles = stage_bubbles(strategy.engine, trainer.global_rank, trainer.world_size,
+        bubbles = stage_bubbles(strategy.layout, strategy.last_step.timings, trainer.global_rank, trainer.world_size,
                                 device=strategy.root_device if strategy.process_group_backend == "nccl" else None)
         module.log_dict({f"pipeline/bubble/{s}": v for s, v in bubbles.items()}, rank_zero_only=True)

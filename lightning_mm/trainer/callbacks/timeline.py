@@ -185,7 +185,8 @@ class PipelineTimeline(pl.Callback):
         if self._recording is None:
             return
         step, engine = self._recording, self._engine(trainer)
-        rel = tuple((k, m, a - self._t0, b - self._t0) for k, m, a, b in engine.timings)  # clocks differ per node
+        timings = trainer.strategy.last_step.timings
+        rel = tuple((k, m, a - self._t0, b - self._t0) for k, m, a, b in timings)  # clocks differ per node
         mine = RankTimings(trainer.global_rank, engine.stage, engine.coord.dp, rel,
                            *deferral_of(batch, engine.num_microbatches))
         records: list = [None] * dist.get_world_size()
