@@ -125,7 +125,7 @@ def test_bad_settings_fail_before_training(setting, tmp_path):
 
     lighthouse = None
     if setting != "unreachable":
-        from torchft._torchft import LighthouseServer
+        from torchft.coordination import LighthouseServer
 
         lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     try:
@@ -150,7 +150,7 @@ def test_bad_settings_fail_before_training(setting, tmp_path):
 # ---------------------------------------------------------------------------------------------- real failures
 @pytest.fixture
 def lighthouse():
-    from torchft._torchft import LighthouseServer
+    from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=3000,
                               heartbeat_timeout_ms=int(HEARTBEAT_S * 1000))

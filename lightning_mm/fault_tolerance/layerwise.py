@@ -3,9 +3,9 @@ each trainable parameter, and every holder reduces its buckets with the holders 
 
 torchft's Manager keeps the control plane (lighthouse, quorum, ``should_commit``, error reports). Its cross-group
 process group pairs rank r of every group, which groups of different sizes cannot do, so the Manager gets a
-process group that only records where each quorum's store is (:class:`QuorumRecorder`), and the gradients travel
-over one torchft process group per bucket (``plan/layer_sync.py``, ``parallel/layerwise_reduce.py``) configured under
-that store.
+process group that only records where each quorum's store is (``training.quorum_recorder`` over torchft's
+``ProcessGroupDummy``), and the gradients travel over one torchft process group per bucket (``plan/layer_sync.py``,
+``parallel/layerwise_reduce.py``) configured under that store.
 """
 
 from __future__ import annotations
@@ -20,27 +20,6 @@ import torch.distributed as dist
 
 from lightning_mm.fault_tolerance.config import FaultToleranceError
 from lightning_mm.plan.layer_sync import GroupHoldings, LayerBucket, buckets_of, layer_buckets
-
-
-def recorder_class():
-    """A torchft ``ProcessGroupDummy`` that remembers its last ``configure`` (torchft imported lazily)."""
-    from torchft.process_group import ProcessGroupDummy
-
-    class QuorumRecorder(ProcessGroupDummy):
-        """The Manager's process group when layouts differ: it records each quorum's store, rank and size."""
-
-        def __init__(self):
-            super().__init__(0, 1)
-            self.last: dict | None = None
-
-        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
-                      group_world_size=None, global_ranks=None):
-            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
-                              global_ranks)
-            self.last = dict(store=store_addr.split("/torchft/", 1)[0], replica_id=replica_id, index=rank,
-                             groups=world_size, quorum_id=quorum_id)
-
-    return QuorumRecorder()
 
 
 def group_view(recorded: dict, group_world_size: int) -> dict:
@@ -302,4 +281,4 @@ def weighted_params(strategy) -> dict[str, torch.nn.Parameter]:
 
 
 __all__ = ["QuorumSync", "check_servable", "copy_to_stage_copies", "group_holdings", "group_view", "heal_by_name",
-           "holdings_doc", "recorder_class", "release", "setup_quorum", "template_shares", "weighted_params"]
+           "holdings_doc", "release", "setup_quorum", "template_shares", "weighted_params"]

@@ -37,7 +37,7 @@ def lighthouse_main(args: list[str] | None = None) -> None:
     a = parser.parse_args(args)
     quiet_torchft()
     try:
-        from torchft._torchft import LighthouseServer
+        from torchft.coordination import LighthouseServer
     except ImportError as e:
         raise SystemExit(f"lightning-mm lighthouse needs torchft: pip install 'lightning-mm[ft]' ({e})")
     server = LighthouseServer(bind=a.bind, min_replicas=a.min_replicas, join_timeout_ms=a.join_timeout_ms,

@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +26,7 @@ from lightning_mm.fault_tolerance.sampler import (StepTokens, global_batch_indic
                                                   group_shares, microbatch_plan)
 
 log = logging.getLogger("lightning_mm.fault_tolerance")
+
 
 def _local(t):
     from torch.distributed.tensor import DTensor
@@ -60,45 +62,145 @@ def _optimizer_state_like(optimizer, state: dict) -> dict:
     return {"state": out, "param_groups": state["param_groups"]}
 
 
+def unservable(trainer, strategy) -> list[str]:
+    """The settings of a run that fault tolerance cannot serve, each with what to do instead."""
+    reasons = []
+    if trainer.accumulate_grad_batches != 1:
+        reasons.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} (each optimiser step is one "
+                       "quorum and one commit: raise the batch size or num_microbatches instead)")
+    if "16-mixed" in str(strategy.precision_plugin.precision):
+        reasons.append("precision='16-mixed' (the grad scaler's skipped steps are not coordinated across "
+                       "replica groups: use bf16-mixed or 32-true)")
+    if strategy.batch_balancing not in (None, "none"):
+        reasons.append(f"batch_balancing={strategy.batch_balancing!r} (the fault-tolerant global sampler places "
+                       "each step's samples; use batch_balancing=None or 'none')")
+    module = strategy.lightning_module
+    if module is not None and not module.automatic_optimization:
+        reasons.append("manual optimisation (the strategy serves the commit inside Lightning's automatic "
+                       "optimizer_step)")
+    return reasons
+
+
+def job_fingerprint(strategy, data: dict, num_groups: int, *, across_layouts: bool) -> int:
+    """Everything groups must share to train one model together: layout, model, global batch, data order (across
+    layouts: only model, sharding, tensor parallelism and data)."""
+    lay = strategy.layout
+    doc = {"stages": lay.stages, "cp": lay.cp, "tp": lay.tp, "dp": lay.dp, "placement": lay.placement,
+           "module_stages": lay.module_stages, "world_size": strategy.world_size, "model": strategy.model_fingerprint,
+           "sharding": strategy.sharding_strategy, "groups": num_groups,
+           "data": [data.get(k) for k in ("global_batch", "num_samples", "shuffle", "seed")]}
+    if across_layouts:
+        doc = {k: v for k, v in doc.items() if k in ("model", "sharding", "data")}
+        doc["tp"] = sorted(set(lay.tp.values()))
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).digest()
+    return int.from_bytes(digest[:7], "big")
+
+
+def rank_training_state(strategy) -> dict:
+    """This rank's trainable parameters, optimiser and scheduler states (local shards) and Lightning's step."""
+    module = strategy.lightning_module
+    params = {n: _local(p).detach() for n, p in module.model.named_parameters()
+              if n in strategy.engine.owned and p.requires_grad}
+    return {"params": params, "optimizers": [_localise(o.state_dict()) for o in strategy.optimizers],
+            "schedulers": [cfg.scheduler.state_dict() for cfg in strategy.lr_scheduler_configs],
+            "lightning_step": int(module.trainer.global_step)}
+
+
+def load_rank_training_state(strategy, state: dict) -> None:
+    """A peer's :func:`rank_training_state` into this rank's parameters, optimiser and schedulers."""
+    named = dict(strategy.lightning_module.model.named_parameters())
+    with torch.no_grad():
+        for n, t in state["params"].items():
+            _local(named[n]).copy_(t)
+    for opt, sd in zip(strategy.optimizers, state["optimizers"]):
+        opt.load_state_dict(_optimizer_state_like(opt, sd))
+    for cfg, sd in zip(strategy.lr_scheduler_configs, state["schedulers"]):
+        cfg.scheduler.load_state_dict(sd)
+
+
+def quorum_recorder(base: type, *args):
+    """A torchft process group of class ``base`` that also records its last ``configure``: torchft's public call
+    telling a process group of a new quorum (its store, this group's position, the number of groups, the quorum id).
+    """
+
+    class QuorumRecorder(base):
+        last: dict | None = None
+
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                      group_world_size=None, global_ranks=None):
+            # recorded first: a quorum whose process group fails to configure is still a new quorum (its step fails)
+            self.last = dict(store=store_addr.split("/torchft/", 1)[0], replica_id=replica_id, index=rank,
+                             groups=world_size, quorum_id=quorum_id)
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                              global_ranks)
+
+    return QuorumRecorder(*args)
+
+
+def reduce_across_groups(manager, params: list, count: torch.Tensor) -> None:
+    """Each group's gradients (its mean over its ``count`` label tokens) times ``count``, summed over the quorum and
+    divided by the summed counts: the gradient of the whole global batch's loss; a parameter without a gradient in
+    every group keeps none. Left as they are when the all-reduce failed (the commit vote then fails)."""
+    device = count.device
+    sizes = [_local(p).numel() for p in params]
+    n = sum(sizes)
+    flat = torch.zeros(n + len(params) + 1, dtype=torch.float32, device=device)
+    at = 0
+    for p, k in zip(params, sizes):
+        if p.grad is not None:
+            flat[at:at + k] = _local(p.grad).detach().reshape(-1).float() * count[0]
+        at += k
+    flat[n:n + len(params)] = torch.tensor([float(p.grad is not None) for p in params], device=device)
+    flat[-1] = count[0]
+    manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+    if manager.errored() is not None:
+        return
+    total = torch.clamp(flat[-1], min=1.0)
+    at = 0
+    for i, (p, k) in enumerate(zip(params, sizes)):
+        if not bool(flat[n + i] > 0):
+            p.grad = None
+        else:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            _local(p.grad).copy_((flat[at:at + k] / total).view_as(_local(p)))
+        at += k
+
+
+@dataclass
+class StepState:
+    """This rank's view of the quorum and the step between torchft calls (the Manager owns the committed step)."""
+
+    quorum_id: int | None = None  # the quorum the group last trained in
+    participants: int = 0  # groups sharing the step's global batch
+    started: bool = False  # the first step of this process ran
+    healed_to: int | None = None  # the step a peer's state healed this rank to, until the heal is counted
+    after_failure: bool = False  # the last attempt failed: waiting for the next quorum is lost time
+    label_tokens: torch.Tensor | None = None  # the step's label tokens over the group: its weight across groups
+    sync: layerwise.QuorumSync | None = None  # across layouts: this quorum's buckets and their process groups
+
+
 class FaultTolerantTraining:
-    """One rank's torchft glue, owned by ``MultimodalParallelStrategy`` (``strategy.ft``)."""
+    """One rank's torchft glue, owned by ``MultimodalParallelStrategy`` (``strategy.ft``): torchft's Manager for
+    the quorum, the commit and the committed step, a :class:`StepState` for the rest."""
 
     def __init__(self, config: FaultTolerance, strategy):
         self.config, self.strategy = config, strategy
         self.manager = None
         self.data: dict | None = None
+        self.state = StepState()
         self.stats = {"quorum_changes": 0, "healed_steps": 0, "redone_steps": 0, "lost_seconds": 0.0}
-        self.participants = 0
-        self._quorum_id = None
-        self._first = True
-        self._healed_to: int | None = None
-        self._after_failure = False
-        self._nominal_microbatches = strategy.num_microbatches
-        self._count = None
         self.events: list[dict] = []  # quorum changes, heals and redos, for logs and tests
         self.shares: dict[int, int] = {}  # step -> samples of the global batch this group took
         self.layerwise = config.global_batch is not None  # groups may differ in layout
-        self._recorder = self._sync = self._doc = self._pg_class = None
+        self._nominal_microbatches = strategy.num_microbatches
+        self._recorder = self._doc = self._pg_class = None
 
     # ------------------------------------------------------------------ before training
     def check_before_setup(self, trainer) -> None:
         """What fault tolerance cannot serve, and the lighthouse's reachability: errors before any model build."""
         import_torchft()
-        s = self.strategy
-        reasons = []
-        if trainer.accumulate_grad_batches != 1:
-            reasons.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} (each optimiser step is one "
-                           "quorum and one commit: raise the batch size or num_microbatches instead)")
-        if "16-mixed" in str(s.precision_plugin.precision):
-            reasons.append("precision='16-mixed' (the grad scaler's skipped steps are not coordinated across "
-                           "replica groups: use bf16-mixed or 32-true)")
-        if s.batch_balancing not in (None, "none"):
-            reasons.append(f"batch_balancing={s.batch_balancing!r} (the fault-tolerant global sampler places each "
-                           "step's samples; use batch_balancing=None or 'none')")
-        module = s.lightning_module
-        if module is not None and not module.automatic_optimization:
-            reasons.append("manual optimisation (the strategy serves the commit inside Lightning's automatic "
-                           "optimizer_step)")
+        reasons = unservable(trainer, self.strategy)
         if reasons:
             raise FaultToleranceError("fault_tolerance cannot serve this run: " + "; ".join(reasons))
         check_reachable(self.config)
@@ -108,20 +210,22 @@ class FaultTolerantTraining:
         Manager, ProcessGroupGloo, ProcessGroupNCCL = import_torchft()
         s = self.strategy
         if len(s.optimizers) != 1:
-            raise FaultToleranceError(f"fault_tolerance serves one optimiser, the module configured {len(s.optimizers)}")
+            raise FaultToleranceError(f"fault_tolerance serves one optimiser, the module configured "
+                                      f"{len(s.optimizers)}")
         c = self.config
         timeout = timedelta(seconds=c.timeout)
-        pg = ProcessGroupNCCL(timeout) if s.root_device.type == "cuda" else ProcessGroupGloo(timeout)
+        pg_class = ProcessGroupNCCL if s.root_device.type == "cuda" else ProcessGroupGloo
         if self.layerwise:  # the Manager only records each quorum's store; gradients go over per-bucket groups
+            from torchft.process_group import ProcessGroupDummy
+
             layerwise.check_servable(s)
-            pg = layerwise.recorder_class()
-            self._pg_class = type(ProcessGroupNCCL(timeout) if s.root_device.type == "cuda" else
-                                  ProcessGroupGloo(timeout))
-        self._recorder = pg
+            self._recorder, self._pg_class = quorum_recorder(ProcessGroupDummy, 0, 1), pg_class
+        else:
+            self._recorder = quorum_recorder(pg_class, timeout)
         if s.root_device.type != "cuda":
             logging.getLogger("torchft.manager").addFilter(_NoNcclNotes())
         env = s.cluster_environment
-        kw = dict(pg=pg, load_state_dict=self.load_state_dict, state_dict=self.state_dict,
+        kw = dict(pg=self._recorder, load_state_dict=self.load_state_dict, state_dict=self.state_dict,
                   min_replica_size=c.min_replicas, use_async_quorum=False, timeout=timeout,
                   quorum_timeout=timedelta(seconds=c.quorum_timeout),
                   connect_timeout=timedelta(seconds=c.connect_timeout), rank=s.global_rank, world_size=s.world_size,
@@ -167,110 +271,72 @@ class FaultTolerantTraining:
         return StepTokens(global_batches_per_epoch(len(dataset), global_batch) or 1)
 
     def fingerprint(self) -> int:
-        """Everything groups must share to train one model together: layout, model, global batch, data order."""
-        s = self.strategy
-        lay = s.layout
-        d = self.data or {}
-        doc = {"stages": lay.stages, "cp": lay.cp, "tp": lay.tp, "dp": lay.dp, "placement": lay.placement,
-               "module_stages": lay.module_stages, "world_size": s.world_size, "model": s.model_fingerprint,
-               "sharding": s.sharding_strategy, "groups": self.config.num_replica_groups,
-               "data": [d.get(k) for k in ("global_batch", "num_samples", "shuffle", "seed")]}
-        if self.layerwise:  # groups may differ in their layout, not in tensor parallelism
-            doc = {k: v for k, v in doc.items() if k in ("model", "sharding", "data")}
-            doc["tp"] = sorted(set(lay.tp.values()))
-        digest = hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).digest()
-        return int.from_bytes(digest[:7], "big")
+        """Everything groups must share to train one model together (:func:`job_fingerprint`)."""
+        return job_fingerprint(self.strategy, self.data or {}, self.config.num_replica_groups,
+                               across_layouts=self.layerwise)
 
     # ------------------------------------------------------------------ the step
     def begin_step(self, token) -> dict:
-        """The quorum (healing when behind), then this rank's share of the step's global batch, on the device."""
-        s = self.strategy
-        trainer = s.lightning_module.trainer
-        m = self.manager
+        """The quorum (healing when behind), then this rank's share of the step's global batch, planned in
+        microbatches, on the device."""
         if self.data is None:
             raise FaultToleranceError("fault_tolerance: the training loader was not prepared by the strategy")
-        if self._first:  # a run resumed from a checkpoint starts at the step Lightning restored
-            self._first = False
-            # SIGTERM (torchrun stopping a failed group, a preemption) ends the rank at once, even inside a blocking
-            # torchft call, so its group stops heartbeating and the other groups go on after the heartbeat timeout
-            # (Lightning's handler, registered after setup, would wait for the call to return)
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            if m.current_step() < trainer.global_step:
-                m.load_state_dict({"step": trainer.global_step, "batches_committed": m.batches_committed()})
-        t0 = time.perf_counter()
-        self.quorum()
-        # a fresh job starts with every planned group (up to quorum_timeout), so that no group trains alone from
-        # step 0 while the others are still starting; later a quorum is whoever is alive
-        while (m.current_step() == 0 and self._quorum_size() < self.config.num_replica_groups
-               and time.perf_counter() - t0 < self.config.quorum_timeout):
-            time.sleep(0.2)
-            self.quorum()
-        quorum_s = time.perf_counter() - t0
-        if self._after_failure:  # waiting for the new quorum after a failed attempt is lost time too
-            self.stats["lost_seconds"] += quorum_s
-            self._after_failure = False
-        step = m.current_step()
-        if self._healed_to is not None:
-            self.stats["healed_steps"] += 1
-            self.stats["lost_seconds"] += quorum_s
-            self._event("healed", step=step, seconds=round(quorum_s, 3))
-            self._healed_to = None
-        participants, me = m.num_participants(), m.participating_rank()
-        quorum_id = self._recorder.last["quorum_id"] if self.layerwise else m._quorum_id
-        if quorum_id != self._quorum_id:  # every member of a new quorum sees it at the same point
-            self._quorum_id = quorum_id
-            self.stats["quorum_changes"] += 1
-            self._event("quorum", step=step, participants=self._quorum_size(), quorum_id=self._quorum_id)
-            if self.layerwise:
-                if self._doc is None:  # after the loader is known (the data settings are in the fingerprint)
-                    self._doc = layerwise.holdings_doc(s, self.fingerprint())
-                if self._sync is not None:
-                    layerwise.release(self._sync)
-                self._sync = layerwise.setup_quorum(
-                    layerwise.group_view(self._recorder.last, s.world_size), self.config.replica_group, s.global_rank,
-                    self._doc, step, timedelta(seconds=self.config.timeout),
-                    lambda addr, rid, pos, size: self._configured(addr, rid, pos, size))
-                self.warn_missing(sorted(set(range(self.config.num_replica_groups)) - set(self._sync.group_ids)))
-                step = self._heal_by_name(step, quorum_s)
-            else:
-                self.check_same_job()
-        if self.layerwise:  # torchft counts only the groups at the newest step; every group of the quorum trains
-            participants, me = len(self._sync.group_ids), self._sync.index
-        self.participants = participants
-        set_lightning_step(trainer, step)
-        if me is None:
-            raise FaultToleranceError(f"replica group {self.config.replica_group} is not a participant of quorum "
-                                      f"{self._quorum_id}")
-        d = self.data
-        indices = global_batch_indices(step, d["num_samples"], d["global_batch"], d["shuffle"], d["seed"])
-        if self.layerwise and None not in self._sync.templates:  # by planned step time (Eq. 2.6)
-            shares = layerwise.template_shares(self._sync.templates, len(indices), self._rows_per_microbatch())
-        else:
-            shares = group_shares(len(indices), [1.0] * participants)
-        lo, hi = shares[me]
-        self.shares[step] = hi - lo
-        dp = s.layout.dp
-        rlo, rhi = group_shares(hi - lo, [1.0] * dp)[s.layout.coordinate(s.global_rank).dp]
-        mine = indices[lo:hi][rlo:rhi]
-        if not mine:
-            raise FaultToleranceError(
-                f"step {step}: {participants} replica groups of {dp} data-parallel replicas share a global batch of "
-                f"{len(indices)} samples, so a replica gets none; raise the batch size or lower num_replica_groups")
-        batch = d["collate"]([d["dataset"][i] for i in mine])
-        batch = self.plan_microbatches(batch)
-        batch = s.batch_to_device(batch)
-        from lightning_mm import loss as losses
-
-        count = losses.count_label_tokens(batch["labels"]).reshape(1).to(s.root_device, torch.float32)
-        if s.engine.groups.dp is not None:
-            dist.all_reduce(count, group=s.engine.groups.dp)
-        self._count = count
+        step, position = self.join_quorum()
+        batch = self.strategy.batch_to_device(self.plan_microbatches(self.share_of_batch(step, position)))
+        self.state.label_tokens = self._label_tokens(batch)
         if isinstance(token, dict):  # hooks after training_step (on_train_batch_end, callbacks) see the real batch
             token.clear()
             token.update(batch)
             return token
         return batch
+
+    # ------------------------------------------------------------------ the quorum
+    def join_quorum(self) -> tuple[int, int]:
+        """This step's quorum (a new one checked and, across layouts, healed by name): torchft's committed step,
+        which Lightning's step counters follow, and this group's position among the groups sharing the step."""
+        st, m = self.state, self.manager
+        trainer = self.strategy.lightning_module.trainer
+        if not st.started:
+            self._start(trainer)
+        quorum_s = self._wait_for_quorum()
+        step = m.current_step()
+        self._count_lost_time(step, quorum_s)
+        quorum_id = self._recorder.last["quorum_id"]
+        if quorum_id != st.quorum_id:  # every member of a new quorum sees it at the same point
+            step = self._new_quorum(quorum_id, step, quorum_s)
+        if self.layerwise:  # torchft counts only the groups at the newest step; every group of the quorum trains
+            st.participants, position = len(st.sync.group_ids), st.sync.index
+        else:
+            st.participants, position = m.num_participants(), m.participating_rank()
+        set_lightning_step(trainer, step)
+        if position is None:
+            raise FaultToleranceError(f"replica group {self.config.replica_group} is not a participant of quorum "
+                                      f"{st.quorum_id}")
+        return step, position
+
+    def _start(self, trainer) -> None:
+        """The first step of this process: SIGTERM (torchrun stopping a failed group, a preemption) ends the rank at
+        once, even inside a blocking torchft call, so its group stops heartbeating and the other groups go on after
+        the heartbeat timeout (Lightning's handler, registered after setup, would wait for the call to return); a
+        run resumed from a checkpoint starts at the step Lightning restored."""
+        self.state.started = True
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        m = self.manager
+        if m.current_step() < trainer.global_step:
+            m.load_state_dict({"step": trainer.global_step, "batches_committed": m.batches_committed()})
+
+    def _wait_for_quorum(self) -> float:
+        """The step's quorum, in seconds. A fresh job waits (up to quorum_timeout) for every planned group, so that
+        no group trains alone from step 0 while the others are still starting; later a quorum is whoever is alive."""
+        m, c = self.manager, self.config
+        t0 = time.perf_counter()
+        self.quorum()
+        while (m.current_step() == 0 and self._quorum_size() < c.num_replica_groups
+               and time.perf_counter() - t0 < c.quorum_timeout):
+            time.sleep(0.2)
+            self.quorum()
+        return time.perf_counter() - t0
 
     def quorum(self) -> None:
         try:
@@ -282,26 +348,37 @@ class FaultTolerantTraining:
                 f"replica group {self.config.replica_group}: no quorum of at least {self.config.min_replicas} replica "
                 f"groups within {self.config.quorum_timeout:g} s (lighthouse {self.config.lighthouse}): {e}") from e
 
-    def plan_microbatches(self, batch: dict) -> dict:
-        """Microbatches of about the usual row count (more of them for a larger share), as a microbatch plan."""
-        s = self.strategy
-        rows = batch["input_ids"].shape[0]
-        per = self._rows_per_microbatch()
-        plan = microbatch_plan(rows, per)
-        self.use_microbatches(plan[-1] + 1)
-        ids = batch["input_ids"]
-        tokens = {name: (ids == pid).sum(1).tolist() for name, pid in s.multimodal_model().placeholder_ids.items()}
-        batch[PLAN_KEY] = {"encoder": list(plan), "llm": list(plan), "tokens": tokens}
-        return batch
+    def _count_lost_time(self, step: int, quorum_s: float) -> None:
+        """Waiting for a quorum after a failed attempt is lost time, and so is a heal from a peer."""
+        st = self.state
+        if st.after_failure:
+            self.stats["lost_seconds"] += quorum_s
+            st.after_failure = False
+        if st.healed_to is not None:
+            self.stats["healed_steps"] += 1
+            self.stats["lost_seconds"] += quorum_s
+            self._event("healed", step=step, seconds=round(quorum_s, 3))
+            st.healed_to = None
 
-    def _rows_per_microbatch(self) -> int:
-        """The usual microbatch: the loader's batch over the strategy's microbatches."""
-        return max(1, self.data["batch_size"] // self._nominal_microbatches)
-
-    def use_microbatches(self, count: int) -> None:
-        s = self.strategy
-        s.engine.set_num_microbatches(count)
-        s.num_microbatches = count
+    def _new_quorum(self, quorum_id: int, step: int, quorum_s: float) -> int:
+        """A quorum the group has not trained in: counted and its groups checked to train one job; across layouts,
+        its buckets' process groups configured and the groups behind healed by name. Returns the step."""
+        s, st, c = self.strategy, self.state, self.config
+        st.quorum_id = quorum_id
+        self.stats["quorum_changes"] += 1
+        self._event("quorum", step=step, participants=self._quorum_size(), quorum_id=quorum_id)
+        if not self.layerwise:
+            self.check_same_job()
+            return step
+        if self._doc is None:  # after the loader is known (the data settings are in the fingerprint)
+            self._doc = layerwise.holdings_doc(s, self.fingerprint())
+        if st.sync is not None:
+            layerwise.release(st.sync)
+        st.sync = layerwise.setup_quorum(layerwise.group_view(self._recorder.last, s.world_size), c.replica_group,
+                                         s.global_rank, self._doc, step, timedelta(seconds=c.timeout),
+                                         self._bucket_process_group)
+        self.warn_missing(sorted(set(range(c.num_replica_groups)) - set(st.sync.group_ids)))
+        return self._heal_by_name(step, quorum_s)
 
     def check_same_job(self) -> None:
         """Every group of a new quorum must run the same layout, model and data: compared over the quorum."""
@@ -315,9 +392,9 @@ class FaultTolerantTraining:
             return
         if int(t[0]) != -int(t[1]):
             raise FaultToleranceError(
-                f"replica group {self.config.replica_group}: the replica groups of quorum {self._quorum_id} differ in "
-                "their rank layout, model, global batch or data order; every group must run the same strategy "
-                "settings, devices, model and data (only replica_group differs)")
+                f"replica group {self.config.replica_group}: the replica groups of quorum {self.state.quorum_id} "
+                "differ in their rank layout, model, global batch or data order; every group must run the same "
+                "strategy settings, devices, model and data (only replica_group differs)")
         self.warn_missing([g for g, p in enumerate(t[2:].tolist()) if not p])
 
     def warn_missing(self, missing: list[int]) -> None:
@@ -332,65 +409,6 @@ class FaultTolerantTraining:
                     "lighthouse %s)", ", ".join(map(str, missing)), c.num_replica_groups, when,
                     c.num_replica_groups - len(missing), c.lighthouse)
 
-    def reduce_and_commit(self) -> bool:
-        """Sum the gradients across the quorum's groups (weighted by label tokens), then torchft's commit vote."""
-        s, m = self.strategy, self.manager
-        if self.layerwise:
-            return self.sync_layers_and_commit()
-        params = s.engine.trainable_parameters()
-        device = s.root_device
-        sizes = [_local(p).numel() for p in params]
-        n = sum(sizes)
-        flat = torch.zeros(n + len(params) + 1, dtype=torch.float32, device=device)
-        count = self._count if self._count is not None else torch.zeros(1, device=device)
-        at = 0
-        for p, k in zip(params, sizes):
-            if p.grad is not None:
-                flat[at:at + k] = _local(p.grad).detach().reshape(-1).float() * count[0]
-            at += k
-        flat[n:n + len(params)] = torch.tensor([float(p.grad is not None) for p in params], device=device)
-        flat[-1] = count[0]
-        m.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
-        if m.errored() is None:
-            total = torch.clamp(flat[-1], min=1.0)
-            at = 0
-            for i, (p, k) in enumerate(zip(params, sizes)):
-                used = bool(flat[n + i] > 0)
-                if not used:
-                    p.grad = None
-                else:
-                    part = (flat[at:at + k] / total).view_as(_local(p))
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    _local(p.grad).copy_(part)
-                at += k
-        ok = m.should_commit(timeout=timedelta(seconds=self.config.timeout))
-        self._count = None
-        return ok
-
-    def sync_layers_and_commit(self) -> bool:
-        """Each bucket of layers reduced with the other groups' holders of it (weighted by label tokens), then
-        torchft's commit vote; a failed reduction (a group lost inside the step) is reported and fails the vote."""
-        from lightning_mm.parallel.layerwise_reduce import sync_layers
-
-        s, m, sync = self.strategy, self.manager, self._sync
-        count = self._count if self._count is not None else torch.zeros(1, device=s.root_device)
-        params = layerwise.weighted_params(s)
-        try:
-            sync_layers(sync.buckets, sync.index, s.global_rank, params, count, sync.process_groups)
-        except Exception as e:  # noqa: BLE001  (torchft decides: the vote fails and the step is redone)
-            m.report_error(e)
-        if s.engine.groups.grad is not None:  # the stage's data- and context-parallel copies take the result
-            layerwise.copy_to_stage_copies(params, self._stage_holder(), s.engine.groups.grad)
-        ok = m.should_commit(timeout=timedelta(seconds=self.config.timeout))
-        self._count = None
-        return ok
-
-    def _stage_holder(self) -> int:
-        """The rank of this rank's stage (and tp index) that reduces across groups: its dp 0, cp 0 rank."""
-        coord = self.strategy.layout.coordinate(self.strategy.global_rank)
-        return self.strategy.layout.rank(coord.stage, 0, 0, coord.tp)
-
     def _quorum_size(self) -> int:
         """Groups in the current quorum (torchft's participants are only those at the newest step when it does not
         heal, which it does not across layouts)."""
@@ -398,29 +416,87 @@ class FaultTolerantTraining:
             return self._recorder.last["groups"]
         return self.manager.num_participants()
 
-    def _heal_by_name(self, step: int, quorum_s: float) -> int:
-        """Every member of a quorum with a group behind takes part; the group behind takes the newest step."""
-        s, sync = self.strategy, self._sync
-        if len(set(sync.steps)) == 1:
-            return step
-        params = layerwise.weighted_params(s)
-        healed = layerwise.heal_by_name(sync, s.global_rank, params, s.optimizers[0],
-                                        [cfg.scheduler for cfg in s.lr_scheduler_configs], s.root_device)
-        if healed is None:
-            return step
-        if s.engine.groups.grad is not None:
-            layerwise.copy_to_stage_copies(params, self._stage_holder(), s.engine.groups.grad,
-                                           optimizer=s.optimizers[0], device=s.root_device)
-        self.manager.load_state_dict({"step": healed, "batches_committed": self.manager.batches_committed()})
-        self.stats["healed_steps"] += 1
-        self.stats["lost_seconds"] += quorum_s
-        self._event("healed", step=healed, seconds=round(quorum_s, 3), by="name")
-        return healed
+    # ------------------------------------------------------------------ the share of the batch and its plan
+    def share_of_batch(self, step: int, position: int) -> dict:
+        """This rank's samples of the step's global batch, collated: the group's slice (even, or by the templates'
+        planned step times, Eq. 2.6), then this data-parallel replica's even slice of it."""
+        s, d, st = self.strategy, self.data, self.state
+        indices = global_batch_indices(step, d["num_samples"], d["global_batch"], d["shuffle"], d["seed"])
+        if self.layerwise and None not in st.sync.templates:
+            shares = layerwise.template_shares(st.sync.templates, len(indices), self._rows_per_microbatch())
+        else:
+            shares = group_shares(len(indices), [1.0] * st.participants)
+        lo, hi = shares[position]
+        self.shares[step] = hi - lo
+        dp = s.layout.dp
+        rlo, rhi = group_shares(hi - lo, [1.0] * dp)[s.layout.coordinate(s.global_rank).dp]
+        mine = indices[lo:hi][rlo:rhi]
+        if not mine:
+            raise FaultToleranceError(
+                f"step {step}: {st.participants} replica groups of {dp} data-parallel replicas share a global batch "
+                f"of {len(indices)} samples, so a replica gets none; raise the batch size or lower num_replica_groups")
+        return d["collate"]([d["dataset"][i] for i in mine])
 
-    def _configured(self, store_addr: str, replica_id: str, rank: int, world_size: int):
-        pg = self._pg_class(timedelta(seconds=self.config.timeout))
-        pg.configure(store_addr, replica_id, rank, world_size)
-        return pg
+    def plan_microbatches(self, batch: dict) -> dict:
+        """Microbatches of about the usual row count (more of them for a larger share), as a microbatch plan."""
+        rows = batch["input_ids"].shape[0]
+        plan = microbatch_plan(rows, self._rows_per_microbatch())
+        self.use_microbatches(plan[-1] + 1)
+        ids = batch["input_ids"]
+        placeholders = self.strategy.multimodal_model().placeholder_ids
+        tokens = {name: (ids == pid).sum(1).tolist() for name, pid in placeholders.items()}
+        batch[PLAN_KEY] = {"encoder": list(plan), "llm": list(plan), "tokens": tokens}
+        return batch
+
+    def _rows_per_microbatch(self) -> int:
+        """The usual microbatch: the loader's batch over the strategy's microbatches."""
+        return max(1, self.data["batch_size"] // self._nominal_microbatches)
+
+    def use_microbatches(self, count: int) -> None:
+        """The runner's schedule for ``count`` microbatches; the strategy's count follows (the module checks each
+        batch's plan against it)."""
+        s = self.strategy
+        s.engine.set_num_microbatches(count)
+        s.num_microbatches = count
+
+    def _label_tokens(self, batch: dict) -> torch.Tensor:
+        """The step's label tokens over the group's data-parallel replicas: the group's weight across groups."""
+        from lightning_mm import loss as losses
+
+        s = self.strategy
+        count = losses.count_label_tokens(batch["labels"]).reshape(1).to(s.root_device, torch.float32)
+        if s.engine.groups.dp is not None:
+            dist.all_reduce(count, group=s.engine.groups.dp)
+        return count
+
+    # ------------------------------------------------------------------ reduction and commit
+    def reduce_and_commit(self) -> bool:
+        """Sum the gradients across the quorum's groups (weighted by label tokens), then torchft's commit vote."""
+        if self.layerwise:
+            return self.sync_layers_and_commit()
+        reduce_across_groups(self.manager, self.strategy.engine.trainable_parameters(), self._take_label_tokens())
+        return self.manager.should_commit(timeout=timedelta(seconds=self.config.timeout))
+
+    def sync_layers_and_commit(self) -> bool:
+        """Each bucket of layers reduced with the other groups' holders of it (weighted by label tokens), then
+        torchft's commit vote; a failed reduction (a group lost inside the step) is reported and fails the vote."""
+        from lightning_mm.parallel.layerwise_reduce import sync_layers
+
+        s, m, sync = self.strategy, self.manager, self.state.sync
+        params = layerwise.weighted_params(s)
+        try:
+            sync_layers(sync.buckets, sync.index, s.global_rank, params, self._take_label_tokens(),
+                        sync.process_groups)
+        except Exception as e:  # noqa: BLE001  (torchft decides: the vote fails and the step is redone)
+            m.report_error(e)
+        if s.engine.groups.grad is not None:  # the stage's data- and context-parallel copies take the result
+            layerwise.copy_to_stage_copies(params, self._stage_holder(), s.engine.groups.grad)
+        return m.should_commit(timeout=timedelta(seconds=self.config.timeout))
+
+    def _take_label_tokens(self) -> torch.Tensor:
+        """The step's label-token count (zero when the step computed none), cleared for the next attempt."""
+        count, self.state.label_tokens = self.state.label_tokens, None
+        return count if count is not None else torch.zeros(1, device=self.strategy.root_device)
 
     def committed(self, closure, optimizer):
         """Lightning's closure, repeated until the quorum commits it (torchft's own optimiser wrapper refuses
@@ -440,34 +516,47 @@ class FaultTolerantTraining:
                 self._event("redo", step=self.manager.current_step(), seconds=round(lost, 3),
                             error=str(self.manager.errored() or "")[:200])
                 optimizer.zero_grad(set_to_none=True)
-                self._after_failure = True
+                self.state.after_failure = True
 
         return run
 
     # ------------------------------------------------------------------ healing
+    def _stage_holder(self) -> int:
+        """The rank of this rank's stage (and tp index) that reduces across groups: its dp 0, cp 0 rank."""
+        coord = self.strategy.layout.coordinate(self.strategy.global_rank)
+        return self.strategy.layout.rank(coord.stage, 0, 0, coord.tp)
+
+    def _heal_by_name(self, step: int, quorum_s: float) -> int:
+        """Every member of a quorum with a group behind takes part; the group behind takes the newest step."""
+        s, sync = self.strategy, self.state.sync
+        if len(set(sync.steps)) == 1:
+            return step
+        params = layerwise.weighted_params(s)
+        healed = layerwise.heal_by_name(sync, s.global_rank, params, s.optimizers[0],
+                                        [cfg.scheduler for cfg in s.lr_scheduler_configs], s.root_device)
+        if healed is None:
+            return step
+        if s.engine.groups.grad is not None:
+            layerwise.copy_to_stage_copies(params, self._stage_holder(), s.engine.groups.grad,
+                                           optimizer=s.optimizers[0], device=s.root_device)
+        self.manager.load_state_dict({"step": healed, "batches_committed": self.manager.batches_committed()})
+        self.stats["healed_steps"] += 1
+        self.stats["lost_seconds"] += quorum_s
+        self._event("healed", step=healed, seconds=round(quorum_s, 3), by="name")
+        return healed
+
+    def _bucket_process_group(self, store_addr: str, replica_id: str, rank: int, world_size: int):
+        pg = self._pg_class(timedelta(seconds=self.config.timeout))
+        pg.configure(store_addr, replica_id, rank, world_size)
+        return pg
+
     def state_dict(self) -> dict:
         """This rank's part of the training state (sent to the same rank of a recovering group)."""
-        s = self.strategy
-        module = s.lightning_module
-        trainer = module.trainer
-        params = {n: _local(p).detach() for n, p in module.model.named_parameters()
-                  if n in s.engine.owned and p.requires_grad}
-        return {"params": params, "optimizers": [_localise(o.state_dict()) for o in s.optimizers],
-                "schedulers": [cfg.scheduler.state_dict() for cfg in s.lr_scheduler_configs],
-                "lightning_step": int(trainer.global_step)}
+        return rank_training_state(self.strategy)
 
     def load_state_dict(self, state: dict) -> None:
-        s = self.strategy
-        module = s.lightning_module
-        named = dict(module.model.named_parameters())
-        with torch.no_grad():
-            for n, t in state["params"].items():
-                _local(named[n]).copy_(t)
-        for opt, sd in zip(s.optimizers, state["optimizers"]):
-            opt.load_state_dict(_optimizer_state_like(opt, sd))
-        for cfg, sd in zip(s.lr_scheduler_configs, state["schedulers"]):
-            cfg.scheduler.load_state_dict(sd)
-        self._healed_to = state["lightning_step"]
+        load_rank_training_state(self.strategy, state)
+        self.state.healed_to = state["lightning_step"]
 
     # ------------------------------------------------------------------ logs
     def _event(self, kind: str, **info) -> None:
@@ -481,19 +570,22 @@ class FaultTolerantTraining:
         trainer = s.lightning_module.trainer
         if s.global_rank != 0 or not trainer.loggers:
             return
-        metrics = {"ft/participants": float(self.participants), **{f"ft/{k}": float(v) for k, v in self.stats.items()}}
+        metrics = {"ft/participants": float(self.state.participants),
+                   **{f"ft/{k}": float(v) for k, v in self.stats.items()}}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=self.manager.current_step())
 
 
 def set_lightning_step(trainer, step: int) -> None:
-    """Move Lightning's optimiser-step counters (``trainer.global_step``) to torchft's committed step (after a
-    heal, or a resume that the quorum moved)."""
+    """Move Lightning's optimiser-step counters (``trainer.global_step``) and its batches that stepped (the logging
+    step) to torchft's committed step (after a heal, or a resume that the quorum moved): through the optimiser
+    progress's ``increment_by`` and the epoch loop's own checkpoint hooks. Lightning 2.6 has no public setter of
+    the batches that stepped; its checkpoint key names it."""
     loop = trainer.fit_loop.epoch_loop
     progress = loop.automatic_optimization.optim_progress.optimizer.step
     delta = step - progress.total.completed
     if delta:
-        for tracker in (progress.total, progress.current):
-            tracker.ready += delta
-            tracker.completed += delta
-        loop._batches_that_stepped += delta
+        progress.increment_by(delta)
+        state = loop.on_save_checkpoint()
+        state["_batches_that_stepped"] += delta
+        loop.on_load_checkpoint(state)
