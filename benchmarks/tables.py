@@ -6,12 +6,10 @@ A quoted figure or table sits between two markers; what is between them is gener
     | layout | ... |
     <!-- /results -->
 
-Inline quotes work the same way (``... takes <!-- results:...:x -->0.41 ms<!-- /results --> ...``). Each benchmark
-script calls ``main()`` after writing its JSON, so re-running it rewrites the quoted tables;
-``python benchmarks/tables.py --check`` (and tests/test_figures.py) fails when a quote disagrees with its JSON.
-The prose that reads a table ("Reading: ...") is generated the same way, so a re-run leaves no stale number in it;
-tests/test_figures.py also flags a figure with a unit whose sentence neither quotes a JSON nor says how it was
-obtained (measured where, simulated, published, fitted, computed, assumed, estimated).
+Inline quotes work the same way (``... takes <!-- results:...:x -->0.41 ms<!-- /results --> ...``). Every benchmark
+rewrites the quotes after writing its JSON (``harness.write``); ``python benchmarks/tables.py --check`` (and
+tests/test_figures.py) fails when a quote disagrees with its JSON. The prose that reads a table ("Reading: ...") is
+generated the same way, so a re-run leaves no stale number in it.
 
     python benchmarks/tables.py [--check]
 """
@@ -27,7 +25,9 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import harness
+
+ROOT = harness.ROOT
 DOCUMENTS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"<!-- results:(?P<json>[^:\s]+):(?P<name>[\w.-]+) -->(?P<body>.*?)<!-- /results -->", re.S)
 
@@ -42,27 +42,55 @@ def renderer(json_name: str, name: str):
     return register
 
 
+def quotes(json_name: str, fns: dict[str, Callable[[dict], str]]) -> None:
+    """Register several short quotes of one JSON at once."""
+    for name, fn in fns.items():
+        renderer(json_name, name)(fn)
+
+
 def table(header: list[str], rows: list[list], align: str | None = None) -> str:
     """A markdown table; ``align`` is one letter per column ('l' or 'r')."""
-    align = align or "l" * len(header)
-    rule = ["---:" if a == "r" else "---" for a in align]
-    lines = [header, rule, *[[str(c) for c in row] for row in rows]]
-    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+    rule = ["---:" if a == "r" else "---" for a in align or "l" * len(header)]
+    return "\n".join("| " + " | ".join(line) + " |" for line in [header, rule, *[[str(c) for c in r] for r in rows]])
+
+
+def measured_table(data: dict, header: list[str], rows: list[list], align: str) -> str:
+    return f"Measured on {_machine_line(data)}:\n\n" + table(header, rows, align)
 
 
 def _machine_line(data: dict) -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _machine
-
     m = data.get("machine")
-    return f"{_machine.describe(m)}; `{m['command']}`" if isinstance(m, dict) and m.get("command") else \
-        _machine.describe(m)
+    return f"{harness.describe(m)}; `{m['command']}`" if isinstance(m, dict) and m.get("command") else \
+        harness.describe(m)
+
+
+def _where(data: dict) -> str:
+    return f"{data['machine']['cpu']} ({data['machine']['cores']} cores)"
+
+
+def _loaded(data: dict) -> str:
+    m = data["machine"]
+    return f"{m['cpu']}, {m['cores']} cores, load average {m['load_average_start'][0]:.1f} at start"
 
 
 def _range(values, spec=".2f", unit="") -> str:
-    lo, hi = min(values), max(values)
-    a, b = format(lo, spec), format(hi, spec)
+    values = list(values)
+    a, b = format(min(values), spec), format(max(values), spec)
     return f"{a}{unit}" if a == b else f"{a}-{b}{unit}"
+
+
+def _pct(values) -> str:
+    return _range([100 * v for v in values], ".0f", "%")
+
+
+def _wrap(text: str) -> str:
+    """Prose at most 120 characters a line; a line starting with "- " is a bullet (continued indented)."""
+    return "\n".join(textwrap.fill(p, 120, subsequent_indent="  " if p.startswith("- ") else "",
+                                   break_long_words=False, break_on_hyphens=False) for p in text.split("\n"))
+
+
+def _short(name: str) -> str:
+    return name.replace("language_model", "llm").replace("encoders", "enc")
 
 
 # ---------------------------------------- cp_balance.json
@@ -75,8 +103,13 @@ _CP_NAMES = {("ep", ""): "EP", ("ee", ""): "EE", ("mp", ""): "MP (int16 segment 
              ("mp", "just written"): "MP, just written"}
 
 
-def _planning_row(data: dict, layout: str, variant: str = "") -> dict:
-    return next(r for r in data["planning_1m"] if r["layout"] == layout and r.get("variant", "") == variant)
+def _plan_ms(data: dict, layout: str, variant: str = "") -> float:
+    return next(r for r in data["planning_1m"] if r["layout"] == layout and r.get("variant", "") == variant)[
+        "plan_ms_median"]
+
+
+def _imbalance(data: dict) -> dict:
+    return {(r["layout"], r["tokens"], r["cp"], r["method"]): r["imbalance"] for r in data["balance"]}
 
 
 @renderer("cp_balance.json", "planning")
@@ -84,34 +117,25 @@ def cp_planning(data: dict) -> str:
     rows = [[_CP_NAMES.get((r["layout"], r.get("variant", "")), r["layout"]), r["runs"], f"{r['plan_ms_median']:.2f}",
              f"{r['plan_ms_min']:.2f}", f"{r['workload_ms_median']:.2f}", f"{r['lpt_ms_median']:.2f}",
              f"{r['load_average']:.1f}", "met" if r["met"] else "missed"] for r in data["planning_1m"]]
-    m = data["machine"]
     return (f"Measured on {_machine_line(data)} (1 thread, median and minimum of "
-            f"{m.get('repeats', 'the')} repeats of one call; load average at each case's start in the table):\n\n"
-            + table(["layout (1M tokens, cp 8)", "runs", "distribute median ms", "min ms", "workload median ms",
-                     "LPT median ms", "load avg", "goal 1 ms"], rows, "lrrrrrrl"))
+            f"{data['machine'].get('repeats', 'the')} repeats of one call; load average at each case's start in the "
+            "table):\n\n" + table(["layout (1M tokens, cp 8)", "runs", "distribute median ms", "min ms",
+                                   "workload median ms", "LPT median ms", "load avg", "goal 1 ms"], rows, "lrrrrrrl"))
 
 
 @renderer("cp_balance.json", "planning-inline")
 def cp_planning_inline(data: dict) -> str:
-    ms = [_planning_row(data, layout)["plan_ms_median"] for layout in ("ep", "ee", "mp")]
-    cold = [_planning_row(data, layout, "cold cache")["plan_ms_median"] for layout in ("ep", "mp")]
+    ms = [_plan_ms(data, layout) for layout in ("ep", "ee", "mp")]
+    cold = [_plan_ms(data, layout, "cold cache") for layout in ("ep", "mp")]
     return (f"{ms[0]:.2f} / {ms[1]:.2f} / {ms[2]:.2f} ms (EP / EE / MP medians with the arrays in the cache, "
             f"measured by `benchmarks/cp_balance.py --only planning` on {data['machine']['cpu']}, "
             f"{data['machine']['cores']} cores, load average {data['machine']['load_average_start'][0]:.1f}), but "
             f"{_range(cold)} ms when the words and segment ids come from memory (EP / MP, cold cache)")
 
 
-@renderer("cp_balance.json", "evict")
-def cp_evict(data: dict) -> str:
-    m = data["machine"]
-    return (f"{m['evict_bytes'] >> 20} MB (four times the {m['l3']} L3 the measuring machine reports"
-            f"{'' if m.get('l3_bytes') else ', assumed'})")
-
-
 @renderer("cp_balance.json", "imbalance")
 def cp_imbalance(data: dict) -> str:
-    index = {(r["layout"], r["tokens"], r["cp"], r["method"]): r["imbalance"] for r in data["balance"]}
-    methods = ["lpt", "random", "zigzag", "contiguous"]
+    index, methods = _imbalance(data), ["lpt", "random", "zigzag", "contiguous"]
     keys = sorted({k[:3] for k in index}, key=lambda k: (["ep", "ee", "mp"].index(k[0]), k[1], k[2]))
     rows = [[layout.upper(), f"{tokens >> 10}k", cp, *[f"{index[(layout, tokens, cp, m)]:.4f}" for m in methods]]
             for layout, tokens, cp in keys]
@@ -120,9 +144,8 @@ def cp_imbalance(data: dict) -> str:
 
 @renderer("cp_balance.json", "goal")
 def cp_goal(data: dict) -> str:
-    index = {(r["layout"], r["tokens"], r["cp"], r["method"]): r["imbalance"] for r in data["balance"]}
-    lpt = [index[(x, 65536, 8, "lpt")] for x in ("ee", "mp")]
-    zz = [index[(x, 65536, 8, "zigzag")] for x in ("ee", "mp")]
+    index = _imbalance(data)
+    lpt, zz = ([index[(x, 65536, 8, m)] for x in ("ee", "mp")] for m in ("lpt", "zigzag"))
     met = all(v <= data["goals"]["lpt_imbalance_64k_cp8"] for v in lpt)
     return (f"**{'met' if met else 'missed'}** (EE {lpt[0]:.4f}, MP {lpt[1]:.4f}; zigzag {zz[0]:.4f} and "
             f"{zz[1]:.4f}; deterministic, computed by `benchmarks/cp_balance.py`)")
@@ -130,10 +153,9 @@ def cp_goal(data: dict) -> str:
 
 @renderer("cp_balance.json", "modes-bytes")
 def cp_modes_bytes(data: dict) -> str:
-    pick = [(1 << 20, cp, kv) for kv in (8, 64) for cp in (4, 8, 16)] + [(1 << 16, 8, 8)]
     index = {(r["tokens"], r["cp"], r["kv_heads"]): r for r in data["modes_bytes"]}
     rows = []
-    for tokens, cp, kv in pick:
+    for tokens, cp, kv in [(1 << 20, cp, kv) for kv in (8, 64) for cp in (4, 8, 16)] + [(1 << 16, 8, 8)]:
         r = index[(tokens, cp, kv)]
         hybrid = "-" if r["hybrid_mib"] is None else f"{r['hybrid_mib']:.0f} ({r['hybrid_ulysses']})"
         rows.append([f"{tokens >> 20}M" if tokens >= 1 << 20 else f"{tokens >> 10}k", cp, kv,
@@ -141,13 +163,13 @@ def cp_modes_bytes(data: dict) -> str:
     return table(["tokens", "cp", "KV heads", "allgather", "ulysses", "hybrid (K)"], rows, "rrrrrr")
 
 
-@renderer("cp_balance.json", "modes-work")
-def cp_modes_work(data: dict) -> str:
-    rows = data["modes_work"]
-    worst = max(r["allgather_lpt"] for r in rows)
-    hybrid = max(r["hybrid"] for r in rows if r["hybrid"] is not None)
-    return (f"at most {worst:.4f} for allgather-LPT, exactly 1 for Ulysses, and at most {hybrid:.4f} for hybrid over "
-            f"EP/EE/MP at 64k-1M tokens and cp 2-16 (computed by `benchmarks/cp_balance.py`)")
+quotes("cp_balance.json", {
+    "evict": lambda d: (f"{d['machine']['evict_bytes'] >> 20} MB (four times the {d['machine']['l3']} L3 the "
+                        f"measuring machine reports{'' if d['machine'].get('l3_bytes') else ', assumed'})"),
+    "modes-work": lambda d: (
+        f"at most {max(r['allgather_lpt'] for r in d['modes_work']):.4f} for allgather-LPT, exactly 1 for Ulysses, "
+        f"and at most {max(r['hybrid'] for r in d['modes_work'] if r['hybrid'] is not None):.4f} for hybrid over "
+        f"EP/EE/MP at 64k-1M tokens and cp 2-16 (computed by `benchmarks/cp_balance.py`)")})
 
 
 # ---------------------------------------- balance_planning.json
@@ -164,10 +186,10 @@ def balance_planning(data: dict) -> str:
 
 @renderer("balance_planning.json", "inline")
 def balance_planning_inline(data: dict) -> str:
-    ms = {r["method"]: r["plan_ms_median"] for r in data["rows"]}
+    ms, m = {r["method"]: r["plan_ms_median"] for r in data["rows"]}, data["machine"]
     return (f"{ms['disttrain']:.1f} ms (disttrain) and {ms['entrain']:.1f} ms (entrain) per 512-sample batch, "
-            f"medians measured by `benchmarks/balance_planning.py` on {data['machine']['cpu']} "
-            f"({data['machine']['cores']} cores, load average {data['machine']['load_average_start'][0]:.1f})")
+            f"medians measured by `benchmarks/balance_planning.py` on {m['cpu']} "
+            f"({m['cores']} cores, load average {m['load_average_start'][0]:.1f})")
 
 
 # ---------------------------------------- heterogeneity.json
@@ -176,68 +198,41 @@ def _set(d: str, llm: str) -> list[str]:
     return [d, llm.replace("llama-", "").upper()]
 
 
+def _seeds(data: dict, mixed: bool = False) -> list[dict]:
+    return [q for q in data["summary"] if (q["dataset"] == "mixed") == mixed]
+
+
 @renderer("heterogeneity.json", "calibration")
 def het_calibration(data: dict) -> str:
     cal = data["setting"]["calibration"]
     names = list(cal)
-    figures = [q["figure"] for q in cal[names[0]]["checks"]]
     rows = []
-    for i, fig in enumerate(figures):
-        q0 = cal[names[0]]["checks"][i]
+    for i, q0 in enumerate(cal[names[0]]["checks"]):
         target = q0["target"]
         target = f"{target:.2f}" if isinstance(target, float) else f"{target[0]:.2f}-{target[1]:.2f}"
-        rows.append([fig, q0["statistic"].replace("_", " "), target,
+        rows.append([q0["figure"], q0["statistic"].replace("_", " "), target,
                      *[f"{cal[n]['checks'][i]['value']:.2f} {'met' if cal[n]['checks'][i]['met'] else 'MISSED'}"
                        for n in names]])
-    rows.append(["vision seconds per FLOP / Llama-1B's (fitted)", "", "",
-                 *[f"{cal[n]['kappa']:.2f}" for n in names]])
+    rows.append(["vision seconds per FLOP / Llama-1B's (fitted)", "", "", *[f"{cal[n]['kappa']:.2f}" for n in names]])
     rows.append(["Llama-3B seconds per FLOP / Llama-1B's (fitted)", "", "",
                  *[f"{cal[n]['llm_3b_factor']:.2f}" for n in names]])
     return table(["published figure", "statistic", "published (a split: the interval it implies)",
                   *[f"calibration \"{n}\"" for n in names]], rows, "lllrrr")
 
 
-@renderer("heterogeneity.json", "calibration-inline")
-def het_calibration_inline(data: dict) -> str:
-    s = data["setting"]
-    return (f"the vision tower's seconds per FLOP are {s['vision_slowdown']:.2f} x Llama-1B's and Llama-3B's "
-            f"{s['llm_3b_factor']:.2f} x Llama-1B's (fitted to the published splits and the 1.27 ratio, table below)")
-
-
-@renderer("heterogeneity.json", "mean-over-sum")
-def het_mean_over_sum(data: dict) -> str:
-    s = data["setting"]
-    return (f"the mean of per-sample ratios is {s['llava_1b_mean_over_sum']:.3f} x the ratio of sums on the "
-            f"LLaVA-like set (computed from the generated samples), while 2.43 beside 9:7 needs at least "
-            f"{s['fig_4_5_needs_mean_over_sum']:.2f} x")
-
-
 @renderer("heterogeneity.json", "vs-disttrain")
 def het_vs_disttrain(data: dict) -> str:
-    pub = data["published"]["table_4_3"]
     rows = []
-    for q in data["summary"]:
-        if q["dataset"] == "mixed":
-            continue
+    for q in _seeds(data):
         spl = q["published_entrain_split"]
-        dist = ", ".join(f"{k} ({v:.0%})" for k, v in q["disttrain_splits"].items())
         rows.append([*_set(q["dataset"], q["llm"]), f"{q['vision_text_workload_ratio']:.2f}",
-                     f"{q['entrain_split'][0]}/{q['entrain_split'][1]}", f"{spl[0]}/{spl[1]}" if spl else "-", dist,
+                     f"{q['entrain_split'][0]}/{q['entrain_split'][1]}", f"{spl[0]}/{spl[1]}" if spl else "-",
+                     ", ".join(f"{k} ({v:.0%})" for k, v in q["disttrain_splits"].items()),
                      f"{q['entrain_over_disttrain']:.3f}", f"{q['entrain_over_disttrain_best']:.3f}"])
-    assert pub  # Table 4.3 sits in its own table; Fig. 4.12 prints no per-set value
     return table(["set", "LLM", "vision:LLM workload (simulated)", "entrain split (simulated)",
                   "entrain split (published)", "disttrain splits from 1-sample profiles (simulated)",
                   "entrain over disttrain, profiled splits (simulated)",
                   "entrain over disttrain, best split each (simulated)"], rows, "llrllrrr")
-
-
-@renderer("heterogeneity.json", "vs-disttrain-inline")
-def het_vs_disttrain_inline(data: dict) -> str:
-    paper = [q["entrain_over_disttrain"] for q in data["summary"] if q["dataset"] != "mixed"]
-    best = [q["entrain_over_disttrain_best"] for q in data["summary"] if q["dataset"] != "mixed"]
-    return (f"entrain over disttrain {_range(paper, '.2f', 'x')} with each method's split chosen by its own "
-            f"profile, {_range(best, '.2f', 'x')} with each at its best split (simulated at the seeds' scale on "
-            f"the LLaVA- and SynthChart-like sets; published: up to 1.40x over DistTrain and DIP, Fig. 4.12)")
 
 
 @renderer("heterogeneity.json", "std")
@@ -247,8 +242,7 @@ def het_std(data: dict) -> str:
     rows = []
     for d in ("synthchart", "llava"):
         for llm in ("llama-1b", "llama-3b"):
-            for module, key, pkey in (("vision", "vision_forward_std_ms", "vision"),
-                                      ("LLM", "llm_forward_std_ms", llm)):
+            for module, key, pkey in (("vision", "vision_forward_std_ms", "vision"), ("LLM", "llm_forward_std_ms", llm)):
                 dt, en, no = (get[(d, llm, m)][key] for m in ("disttrain", "entrain", "none"))
                 p = pub[d][pkey]
                 rows.append([*_set(d, llm), module, f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f}", f"{p[0] / p[2]:.2f}",
@@ -260,24 +254,11 @@ def het_std(data: dict) -> str:
 
 @renderer("heterogeneity.json", "iterations")
 def het_iterations(data: dict) -> str:
-    rows = []
-    for r in data["simulated"]:
-        rows.append([*_set(r["dataset"], r["llm"]), r["method"], f"{r['iteration_s']:.3f}", r["best_split"],
-                     f"{r['iteration_s_best']:.3f}", f"{r['speedup_vs_none']:.3f}", f"{r['mean_idle_fraction']:.2f}",
-                     f"{r['deferred_samples']:.1f}"])
+    rows = [[*_set(r["dataset"], r["llm"]), r["method"], f"{r['iteration_s']:.3f}", r["best_split"],
+             f"{r['iteration_s_best']:.3f}", f"{r['speedup_vs_none']:.3f}", f"{r['mean_idle_fraction']:.2f}",
+             f"{r['deferred_samples']:.1f}"] for r in data["simulated"]]
     return table(["set", "LLM", "method", "iteration s, profiled split", "best split", "iteration s, best split",
                   "over none, both at entrain's split", "idle", "deferred samples"], rows, "lllrlrrrr")
-
-
-@renderer("heterogeneity.json", "vs-none-inline")
-def het_vs_none_inline(data: dict) -> str:
-    seeds = [q for q in data["summary"] if q["dataset"] != "mixed"]
-    mixed = [q for q in data["summary"] if q["dataset"] == "mixed"]
-    return (f"entrain {_range([q['entrain_over_none'] for q in seeds], '.2f', 'x')} and disttrain "
-            f"{_range([q['disttrain_over_none'] for q in seeds], '.2f', 'x')} over contiguous microbatches (\"none\", "
-            f"which the paper does not run) on the seeds' sets, "
-            f"{_range([q['entrain_over_none'] for q in mixed], '.2f', 'x')}"
-            f" (entrain) on the mixed set the paper does not have (simulated)")
 
 
 @renderer("heterogeneity.json", "ablation")
@@ -305,13 +286,33 @@ def het_planning(data: dict) -> str:
 def het_measured(data: dict) -> str:
     rows = [[r["method"], f"{r['samples_per_s']:.2f}", f"{r['step_s_median']:.3f}",
              _range(r["step_s"][r["warmup"]:], ".2f"), f"{r['encoder_forward_std_ms']:.2f}"] for r in data["measured"]]
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import _machine
-
-    return (f"Measured on {_machine.describe(data.get('measured_machine'))} (`python benchmarks/heterogeneity.py "
+    return (f"Measured on {harness.describe(data.get('measured_machine'))} (`python benchmarks/heterogeneity.py "
             f"--measure`):\n\n"
             + table(["method", "samples/s", "median step s", "measured steps s", "encoder microbatch forward std ms"],
                     rows, "lrrrr"))
+
+
+quotes("heterogeneity.json", {
+    "calibration-inline": lambda d: (
+        f"the vision tower's seconds per FLOP are {d['setting']['vision_slowdown']:.2f} x Llama-1B's and Llama-3B's "
+        f"{d['setting']['llm_3b_factor']:.2f} x Llama-1B's (fitted to the published splits and the 1.27 ratio, "
+        "table below)"),
+    "mean-over-sum": lambda d: (
+        f"the mean of per-sample ratios is {d['setting']['llava_1b_mean_over_sum']:.3f} x the ratio of sums on the "
+        f"LLaVA-like set (computed from the generated samples), while 2.43 beside 9:7 needs at least "
+        f"{d['setting']['fig_4_5_needs_mean_over_sum']:.2f} x"),
+    "vs-disttrain-inline": lambda d: (
+        f"entrain over disttrain {_range([q['entrain_over_disttrain'] for q in _seeds(d)], '.2f', 'x')} with each "
+        f"method's split chosen by its own profile, "
+        f"{_range([q['entrain_over_disttrain_best'] for q in _seeds(d)], '.2f', 'x')} with each at its best split "
+        "(simulated at the seeds' scale on the LLaVA- and SynthChart-like sets; published: up to 1.40x over "
+        "DistTrain and DIP, Fig. 4.12)"),
+    "vs-none-inline": lambda d: (
+        f"entrain {_range([q['entrain_over_none'] for q in _seeds(d)], '.2f', 'x')} and disttrain "
+        f"{_range([q['disttrain_over_none'] for q in _seeds(d)], '.2f', 'x')} over contiguous microbatches (\"none\", "
+        f"which the paper does not run) on the seeds' sets, "
+        f"{_range([q['entrain_over_none'] for q in _seeds(d, mixed=True)], '.2f', 'x')}"
+        f" (entrain) on the mixed set the paper does not have (simulated)")})
 
 
 # ---------------------------------------- fault_tolerance_cpu.json
@@ -345,16 +346,14 @@ def ft_table(data: dict) -> str:
          f"{c['kill']['step']}",
          f"{c['kill_to_first_step_after_resume_s']:.1f} s / {c['kill_to_same_step_again_s']:.1f} s"],
     ]
-    return (f"Measured on {_machine_line(data)}:\n\n"
-            + table(["measured, 2-core CPU, gloo", "value"], rows))
+    return measured_table(data, ["measured, 2-core CPU, gloo", "value"], rows, "ll")
 
 
 @renderer("fault_tolerance_cpu.json", "compare")
 def ft_compare(data: dict) -> str:
     ft, ck = data["runs"]["ft_fail"], data["runs"]["ckpt_fail"]
     stall_ft, stall_ck = ft["kill_to_next_commit_s"], ck["kill_to_first_step_after_resume_s"]
-    degraded = ft["kill_to_rejoined_s"] - stall_ft
-    groups = 2
+    degraded, groups = ft["kill_to_rejoined_s"] - stall_ft, 2
     total_ft = stall_ft + degraded / groups  # the survivor of G groups runs at (G - 1) / G with a device per rank
     total_ck = ck["lost_s"]
     rows = [["stall: the job makes no step (measured)", f"{stall_ft:.1f} s (kill -> next committed step)",
@@ -366,49 +365,22 @@ def ft_compare(data: dict) -> str:
     return table(["like with like", "FT", "checkpoint-restart", "checkpoint-restart / FT"], rows, "lllr")
 
 
-@renderer("fault_tolerance_cpu.json", "inline")
-def ft_inline(data: dict) -> str:
-    ft, ck = data["runs"]["ft_fail"], data["runs"]["ckpt_fail"]
-    return (f"kill to the next committed step {ft['kill_to_next_commit_s']:.1f} s and heal {ft['heal_s']:.1f} s vs "
-            f"{ck['kill_to_first_step_after_resume_s']:.1f} s to the first step after a checkpoint-restart (stall vs "
-            f"stall), measured on {_where(data)} with gloo")
+quotes("fault_tolerance_cpu.json", {
+    "inline": lambda d: (
+        f"kill to the next committed step {d['runs']['ft_fail']['kill_to_next_commit_s']:.1f} s and heal "
+        f"{d['runs']['ft_fail']['heal_s']:.1f} s vs {d['runs']['ckpt_fail']['kill_to_first_step_after_resume_s']:.1f}"
+        f" s to the first step after a checkpoint-restart (stall vs stall), measured on {_where(d)} with gloo"),
+    "lost": lambda d: (f"{d['runs']['ckpt_fail']['expected_lost_s_formula']:.1f} s in the JSON's "
+                       "`expected_lost_s_formula`, computed from the measured phases above"),
+    "step": lambda d: (f"its measured step times are "
+                       f"{_range(d['runs'][k]['step_s_before'] for k in ('ft_fail', 'ckpt_fail'))} s")})
 
 
-
-@renderer("fault_tolerance_cpu.json", "lost")
-def ft_lost(data: dict) -> str:
-    c, f = data["runs"]["ckpt_fail"], data["runs"]["ft_fail"]
-    return (f"{c['expected_lost_s_formula']:.1f} s in the JSON's `expected_lost_s_formula`, computed from the measured "
-            f"phases above")
-
-
-@renderer("fault_tolerance_cpu.json", "step")
-def ft_step(data: dict) -> str:
-    steps = [data["runs"][k]["step_s_before"] for k in ("ft_fail", "ckpt_fail")]
-    return f"its measured step times are {_range(steps)} s"
-
-# ---------------------------------------- pipeline --setup / --sharding
+# ---------------------------------------- pipeline*.json (pipeline.py; --setup; --sharding)
 
 _SETUP_NAMES = {"eager": "eager (random, every rank)", "lazy": "lazy (random, meta)",
                 "folder-eager": "folder, eager on every rank", "folder-lazy": "folder, lazy (meta)",
                 "from_pretrained": "HF `from_pretrained`, one process"}
-
-
-@renderer("pipeline_setup_p4_cpu.json", "table")
-def pipeline_setup_table(data: dict) -> str:
-    rows = []
-    for r in data["rows"]:
-        ranks = r["ranks"]
-        rows.append([_SETUP_NAMES.get(r["name"], r["name"]), len(ranks),
-                     " ".join(f"{x['peak_first_step_mb']:.0f}" for x in ranks),
-                     " ".join(f"{x['peak_end_mb']:.0f}" for x in ranks), f"{max(x['build_s'] for x in ranks):.2f}",
-                     f"{max(x['setup_s'] for x in ranks):.2f}", f"{ranks[0]['to_first_step_s']:.1f}",
-                     f"{ranks[0]['to_first_step_end_s']:.1f}"])
-    return (f"Measured on {_machine_line(data)}:\n\n"
-            + table(["build", "processes", "peak MiB per rank at the first step", "peak MiB per rank at the end",
-                     "build s", "setup s", "rank 0 to 1st step s", "to its end s"], rows, "lrllrrrr"))
-
-
 _SHARDING_NAMES = {"no_shard": ("lightning-mm NO_SHARD", "dp 4"),
                    "shard_grad_op": ("lightning-mm SHARD_GRAD_OP", "dp 4"),
                    "full_shard": ("lightning-mm FULL_SHARD", "dp 4"),
@@ -418,10 +390,46 @@ _SHARDING_NAMES = {"no_shard": ("lightning-mm NO_SHARD", "dp 4"),
                    "lightning_fsdp2": ("Lightning `ModelParallelStrategy` + `fully_shard`", "dp 4")}
 
 
+def _mb(ranks, key: str) -> str:
+    return " ".join(f"{x[key]:.0f}" for x in ranks)
+
+
+def _sharding_runs(data: dict) -> list[dict]:
+    repeat = json.loads((ROOT / "benchmarks/results/pipeline_sharding_p4_cpu_repeat.json").read_text())
+    return [{r["name"]: r for r in d["rows"]} for d in (data, repeat)]
+
+
+@renderer("pipeline_p2_cpu.json", "table")
+def pipeline_table(data: dict) -> str:
+    rows, base = [], data["rows"][0]["samples_per_s"]
+    for r in data["rows"]:
+        stages = "whole model" if r["strategy"] != "multimodal" else ", ".join(
+            f"{_short(m)}{v}" for m, v in r.get("partition", {}).items())
+        ratio = r["iteration_s"] / r["predicted_iteration_s"] if r.get("predicted_iteration_s") else None
+        rows.append([r["name"] + (" (baseline)" if r is data["rows"][0] else ""), f"{stages} ({r['dp']})",
+                     f"{r['samples_per_s']:.2f}", f"{r['samples_per_s'] / base:.2f}x",
+                     ", ".join(f"{x['peak_mb']:.0f} (+{x['peak_mb'] - x['rss_start_mb']:.0f})" for x in r["ranks"]),
+                     ", ".join(f"{_short(s)} {v:.0%}" for s, v in r.get("bubble", {}).items()),
+                     "" if ratio is None else f"{ratio:.2f}", ", ".join(f"{v:.2f}" for v in r["all_samples_per_s"])])
+    return measured_table(data, ["layout", "stages (dp)", "samples/s (best)", "vs DDP",
+                                 "peak RSS MB per rank (growth in training)", "bubble per rank",
+                                 "measured / simulated", "all runs"], rows, "llrrllrl")
+
+
+@renderer("pipeline_setup_p4_cpu.json", "table")
+def pipeline_setup_table(data: dict) -> str:
+    rows = [[_SETUP_NAMES.get(r["name"], r["name"]), len(r["ranks"]), _mb(r["ranks"], "peak_first_step_mb"),
+             _mb(r["ranks"], "peak_end_mb"), f"{max(x['build_s'] for x in r['ranks']):.2f}",
+             f"{max(x['setup_s'] for x in r['ranks']):.2f}", f"{r['ranks'][0]['to_first_step_s']:.1f}",
+             f"{r['ranks'][0]['to_first_step_end_s']:.1f}"] for r in data["rows"]]
+    return measured_table(data, ["build", "processes", "peak MiB per rank at the first step",
+                                 "peak MiB per rank at the end", "build s", "setup s", "rank 0 to 1st step s",
+                                 "to its end s"], rows, "lrllrrrr")
+
+
 @renderer("pipeline_sharding_p4_cpu.json", "table")
 def pipeline_sharding_table(data: dict) -> str:
-    repeat = json.loads((ROOT / "benchmarks/results/pipeline_sharding_p4_cpu_repeat.json").read_text())
-    runs = [{r["name"]: r for r in d["rows"]} for d in (data, repeat)]
+    runs = _sharding_runs(data)
     rows = []
     for name, (strategy, layout) in _SHARDING_NAMES.items():
         r = runs[0].get(name)
@@ -433,396 +441,12 @@ def pipeline_sharding_table(data: dict) -> str:
             continue
         ratio = " / ".join(f"{run[name]['samples_per_s'] / run['no_shard']['samples_per_s']:.2f}" for run in runs)
         st = r["ranks"][0]["state_mb"]
-        loss = statistics.fmean(x["loss"] for x in r["ranks"])
-        rows.append([strategy, layout, ratio, f"{loss:.4f}", " ".join(f"{x['peak_end_mb']:.0f}" for x in r["ranks"]),
+        rows.append([strategy, layout, ratio, f"{statistics.fmean(x['loss'] for x in r['ranks']):.4f}",
+                     _mb(r["ranks"], "peak_end_mb"),
                      f"{st['total']:.0f} ({st['params']:.0f} + {st['grads']:.0f} + {st['optimizer']:.0f})"])
     return (f"Measured on {_machine_line(data)} (run 1) and `pipeline_sharding_p4_cpu_repeat.json` (run 2):\n\n"
             + table(["strategy", "layout", "samples/s vs NO_SHARD dp 4 (run 1 / run 2)", "loss",
                      "peak growth MiB per rank", "state MiB per rank (params + grads + AdamW)"], rows, "llrrll"))
-
-
-# ---------------------------------------- checkpoint.json
-
-@renderer("checkpoint.json", "table")
-def checkpoint_table(data: dict) -> str:
-    o, f = data["checkpoint"]["ours"], data["checkpoint"]["fsdp"]
-    rows = [["size (MB)", f"{o['bytes'] / 1e6:.2f}", f"{f['bytes'] / 1e6:.2f}", f"{o['bytes'] / f['bytes']:.2f}"],
-            ["save (s)", f"{o['save_s']:.3f}", f"{f['save_s']:.3f}", f"{o['save_s'] / f['save_s']:.2f}"],
-            ["load (s)", f"{o['load_s']:.3f}", f"{f['load_s']:.3f}", f"{o['load_s'] / f['load_s']:.2f}"]]
-    return (f"Measured on {_machine_line(data)}:\n\n"
-            + table(["", "ours", "FSDP2 (Lightning)", "ours/FSDP2"], rows, "lrrr"))
-
-
-@renderer("checkpoint.json", "faults")
-def checkpoint_faults(data: dict) -> str:
-    t = data["fault_to_exit_s"]
-    rows = [["SIGKILL rank 1", f"{t['kill rank 1, watchdog 5 s']:.2f} s",
-             f"{t['kill rank 1, no watchdog']:.2f} s (gloo sees the closed socket; Lightning's child observer)"],
-            ["SIGSTOP rank 1 (frozen, sockets open: a lost node / hung device)",
-             f"{t['freeze rank 1, watchdog 5 s']:.2f} s",
-             f"{t['freeze rank 1, no watchdog']:.2f} s (the process-group timeout)"]]
-    return table(["fault (measured, same run)", "watchdog (fault_timeout 5 s)", "no watchdog"], rows, "lrr")
-
-
-# ---------------------------------------- pipeline_p2_cpu.json
-
-def _short(name: str) -> str:
-    return name.replace("language_model", "llm").replace("encoders", "enc")
-
-
-@renderer("pipeline_p2_cpu.json", "table")
-def pipeline_table(data: dict) -> str:
-    rows, base = [], data["rows"][0]["samples_per_s"]
-    for r in data["rows"]:
-        stages = "whole model" if r["strategy"] != "multimodal" else ", ".join(
-            f"{_short(m)}{v}" for m, v in r.get("partition", {}).items())
-        mem = ", ".join(f"{x['peak_mb']:.0f} (+{x['peak_mb'] - x['rss_start_mb']:.0f})" for x in r["ranks"])
-        bubble = ", ".join(f"{_short(s)} {v:.0%}" for s, v in r.get("bubble", {}).items())
-        ratio = r["iteration_s"] / r["predicted_iteration_s"] if r.get("predicted_iteration_s") else None
-        rows.append([r["name"] + (" (baseline)" if r is data["rows"][0] else ""), f"{stages} ({r['dp']})",
-                     f"{r['samples_per_s']:.2f}", f"{r['samples_per_s'] / base:.2f}x", mem, bubble,
-                     "" if ratio is None else f"{ratio:.2f}", ", ".join(f"{v:.2f}" for v in r["all_samples_per_s"])])
-    return (f"Measured on {_machine_line(data)}:\n\n"
-            + table(["layout", "stages (dp)", "samples/s (best)", "vs DDP", "peak RSS MB per rank (growth in training)",
-                     "bubble per rank", "measured / simulated", "all runs"], rows, "llrrllrl"))
-
-
-# ---------------------------------------- cp_modes_cpu.json
-
-_CP_MODES = {"cp1": "cp 1", "allgather2": "allgather cp 2", "ulysses2": "ulysses cp 2", "allgather4": "allgather cp 4",
-             "ulysses4": "ulysses cp 4", "hybrid2x2": "hybrid 2x2"}
-
-
-@renderer("cp_modes_cpu.json", "table")
-def cp_modes_table(data: dict, tokens: int = 8192) -> str:
-    at = {k: next(x for x in m["lengths"] if x["tokens"] == tokens) for k, m in data["modes"].items()}
-    one = at["cp1"]
-    rows = [[_CP_MODES.get(k, k) if k != "cp1" else "cp 1",
-             f"{x['step_s']:.1f}" + ("" if k == "cp1" else f" ({one['step_s'] / x['step_s']:.2f})"),
-             f"{max(x['cpu_s']):.1f}" + ("" if k == "cp1" else f" ({max(one['cpu_s']) / max(x['cpu_s']):.2f})"),
-             f"{sum(x['cpu_s']):.1f}", f"{max(x['peak_rss_mib']):.0f}", f"{x['load_1min']:.1f}"] for k, x in at.items()]
-    return (f"Measured on {_machine_line(data)}:\n\n"
-            + table([f"mode ({tokens >> 10}k tokens)", "step s (x cp 1)", "busiest rank CPU s (x cp 1)",
-                     "CPU s, all ranks", "peak RSS MiB / rank", "load average"], rows, "lrrrrr"))
-
-
-
-def _at(mode: dict, tokens: int) -> dict | None:
-    return next((x for x in mode["lengths"] if x["tokens"] == tokens), None)
-
-
-@renderer("cp_modes_cpu.json", "machine")
-def cp_modes_machine(data: dict) -> str:
-    m = data["machine"]
-    return (f"The runs were measured on the {m['cores']}-core {m['cpu']} machine ({m['l3']} L3) with gloo, "
-            f"{data['threads_per_rank']} thread per rank, load average {data['load_average_before'][0]:.1f} before "
-            f"and {data['load_average_after'][0]:.1f} after (other jobs shared it)")
-
-
-@renderer("cp_modes_cpu.json", "stopped")
-def cp_modes_stopped(data: dict) -> str:
-    modes = data["modes"]
-    stopped = {k: m["stopped"] for k, m in modes.items() if m.get("stopped")}
-    reached = min(max(x["tokens"] for x in m["lengths"]) for m in modes.values())
-    guess = {k: float(re.search(r"~([\d.]+) s", v["skipped"])[1]) for k, v in stopped.items()}
-    cp2 = [v for k, v in guess.items() if modes[k]["cp"] == 2]
-    cp4_load = [_at(m, reached)["load_1min"] for m in modes.values() if m["cp"] == 4]
-    first = {v["tokens"] for v in stopped.values()}
-    return (f"Every mode reached {reached >> 10}k tokens (measured). "
-            f"{'/'.join(f'{t >> 10}k' for t in sorted(first))} stopped at the {data['cap_s']:.0f} s step cap "
-            f"(about {_range(cp2, '.0f')} s estimated by the benchmark at cp 2, about {guess['cp1']:.0f} s at cp 1), "
-            f"not at memory; the load average was {_range(cp4_load, '.1f')} during the cp 4 {reached >> 10}k steps")
-
-
-@renderer("cp_modes_cpu.json", "reading")
-def cp_modes_reading(data: dict) -> str:
-    modes, one = data["modes"], data["modes"]["cp1"]
-    gain = [_at(one, t)["step_s"] / _at(m, t)["step_s"] for t in (2048, 4096)
-            for m in modes.values() if m["cp"] == 2]
-    extra = {cp: [sum(_at(m, 8192)["cpu_s"]) / sum(_at(one, 8192)["cpu_s"]) - 1 for m in modes.values()
-                  if m["cp"] == cp] for cp in (2, 4)}
-    limit = {k: round(m["projected_memory_limit_tokens"] / 1024) for k, m in modes.items()}
-    named = ("allgather4", "hybrid2x2", "allgather2")
-    rest = [v for k, v in limit.items() if k not in named]
-    return (f"At 2k and 4k, cp 2 gave {_range(gain)}x in wall time (measured). At 8k the communication and the "
-            f"split add {_pct(extra[2])} to the total CPU time at cp 2 and {_pct(extra[4])} at cp 4 (measured). "
-            f"With the {data['projected_memory_limit'].split('reaching ')[1].split(' of')[0]} memory limit that the "
-            f"benchmark applies, a straight line through the summed peaks projects (estimated, not run) the memory "
-            f"bound at about {limit['allgather4']}k tokens for allgather cp 4, {limit['hybrid2x2']}k for hybrid, "
-            f"{limit['allgather2']}k for allgather cp 2 and {_range(rest, '.0f')}k for the others")
-
-# ---------------------------------------- frozen_aware.json
-
-_SOURCES = {"flops": "FLOP costs", "per_layer_loo": "leave-one-config-out", "seed_fitted": "seed-fitted profile"}
-
-
-@renderer("frozen_aware.json", "table")
-def frozen_aware_table(data: dict) -> str:
-    sources = [s for s in _SOURCES if s in data["seed_setting_rows"][0]]
-    rows = []
-    for r in data["seed_setting_rows"]:
-        cells = []
-        for s in sources:
-            x = r[s]
-            cells += [f"{x['aware_split']}/{x['forward-variance']['split']}", f"{x['forward-variance']['ratio']:.2f}x",
-                      "yes" if r["meets_seed"][s] else "NO"]
-        rows.append([r["config"], f"{r['seed_ratio']:.2f}x", *cells])
-    met = data["meets_seed_speedup"]
-    rows.append(["meets", "", *[c for s in sources for c in ("", "", met[s])]])
-    header = ["config", "seeds' speedup (published)"]
-    for s in sources:
-        header += [f"{_SOURCES[s]}: a/u", "speedup (simulated)", "meets"]
-    return table(header, rows, "lr" + "lrl" * len(sources))
-
-
-
-def _cfg(row: dict) -> str:
-    return row["config"].removeprefix("MLLM-")
-
-
-@renderer("frozen_aware.json", "ratios")
-def frozen_aware_ratios(data: dict) -> str:
-    flops = [r["flops"]["aware_stages_ms"]["llm_bwd_ms"] / r["flops"]["aware_stages_ms"]["llm_fwd_ms"]
-             for r in data["seed_setting_rows"]]
-    p = data["seed_fitted_profile"]
-    back = p["llm_backward_ratio"]
-    return (f"FLOPs give a frozen LLM backward of {_range(flops, '.1f')}x its forward (computed; B_d ~ F plus one "
-            f"recomputed F); the seeds' published times give {back['S']:.1f}x (LLM-S) and "
-            f"{_range([back['M'], back['L']], '.1f')}x (LLM-M/L), and their encoders run at "
-            f"{_range(p['encoder_forward'].values(), '.1f')}x their FLOP time while their LLM runs at "
-            f"{_range(p['llm_forward'].values(), '.1f')}x (fitted)")
-
-
-@renderer("frozen_aware.json", "loo-mmm")
-def frozen_aware_loo_mmm(data: dict) -> str:
-    r = next(r for r in data["seed_setting_rows"] if _cfg(r) == "MMM")
-    return (f"MMM gets {r['per_layer_loo']['forward-variance']['ratio']:.2f}x (simulated; seeds "
-            f"{r['seed_ratio']:.2f}x, published)")
-
-
-@renderer("frozen_aware.json", "seed-fitted-faster")
-def frozen_aware_seed_fitted_faster(data: dict) -> str:
-    faster = [r for r in data["seed_setting_rows"] if r["ours_vs_seed_aware_layout"] > 1.005]
-    return (f"faster on {len(faster)} configs ("
-            + ", ".join(f"{_cfg(r)} {r['ours_vs_seed_aware_layout']:.2f}x" for r in faster) + "; simulated)")
-
-
-@renderer("frozen_aware.json", "retimed")
-def frozen_aware_retimed(data: dict) -> str:
-    rows = {_cfg(r): r for r in data["seed_setting_rows"]}
-    extra = [pub - sim for r in rows.values()
-             for pub, sim in zip((r["seed_aware_s"], r["seed_unaware_s"]), r["seed_layouts_simulated_s"])]
-    lls = rows["LLS"]
-    return (f"The simulator over-predicts the seeds' ratios when it re-times their two inferred layouts (e.g. "
-            + ", ".join(f"{k} {rows[k]['seed_layouts_simulated_ratio']:.2f}x simulated vs {rows[k]['seed_ratio']:.2f}x "
-                        f"published" for k in ("SSS", "MMM"))
-            + f"): their published iteration times carry {_range(extra, '.0f')} s that 1F1B over their per-stage "
-            f"times does not explain (LLS: {lls['seed_layouts_simulated_s'][0]:.0f} s simulated vs "
-            f"{lls['seed_aware_s']:.0f} s published)")
-
-
-@renderer("frozen_aware.json", "auto-vs-hand")
-def frozen_aware_auto_vs_hand(data: dict) -> str:
-    sources = [s for s in _SOURCES if s in data["seed_setting_rows"][0]]
-    best = {s: max(r[s]["auto_vs_best_hand"] for r in data["seed_setting_rows"]) for s in sources}
-    return ("the free auto search beats the best 6-stage hand split by up to "
-            + ", ".join(f"{v:.2f}x ({_SOURCES[s]})" for s, v in best.items()) + ", simulated")
-
-
-@renderer("frozen_aware.json", "free")
-def frozen_aware_free(data: dict) -> str:
-    plans = [p for r in data["rows"] for p in (r["aware_plan"], r["unaware_plan"])]
-    dp = [int(re.search(r"dp(\d+)", p)[1]) for p in plans]
-    llm = [int(re.search(r"l(\d+)$", p)[1]) for p in plans]
-    gains = sorted(data["rows"], key=lambda r: -r["speedup"])[:2]
-    return (f"with dp allowed the best layouts are dp {_range(dp, '.0f')} with {_range(llm, '.0f')} LLM stages for "
-            f"both modes, and the gain stays {_range([r['speedup'] for r in data['rows']])}x ("
-            + ", ".join(f"{r['config']} {r['speedup']:.2f}x" for r in gains) + "; simulated)")
-
-# ---------------------------------------- quickstart_cpu.json
-
-def _loaded(data: dict) -> str:
-    m = data["machine"]
-    return f"{m['cpu']}, {m['cores']} cores, load average {m['load_average_start'][0]:.1f} at start"
-
-
-@renderer("quickstart_cpu.json", "main-job")
-def quickstart_main_job(data: dict) -> str:
-    return (f"{data['main_job_s']:.0f} s of wall time (measured by `benchmarks/quickstart.py` on {_loaded(data)}; "
-            f"less on an idle machine)")
-
-
-@renderer("quickstart_cpu.json", "make-data")
-def quickstart_make_data(data: dict) -> str:
-    return (f"`make_conversation_data.py` took {data['make_conversation_data_s']:.0f} s (measured by "
-            f"`benchmarks/quickstart.py` on {_loaded(data)})")
-
-
-@renderer("quickstart_cpu.json", "scan")
-def quickstart_scan(data: dict) -> str:
-    rate = data["scan"]["records_per_s"]
-    return (f"about {round(rate, -3):,.0f} records per second on one CPU core (measured by `benchmarks/quickstart.py` "
-            f"on {data['scan']['records']:,} copies of the example's records, {_loaded(data)})")
-
-
-# ---------------------------------------- the others
-
-def _where(data: dict) -> str:
-    m = data["machine"]
-    return f"{m['cpu']} ({m['cores']} cores)"
-
-
-@renderer("encoder_cp_cpu.json", "inline")
-def encoder_cp_inline(data: dict) -> str:
-    return f"{data['speedup_cp2']:.2f}x measured on {_where(data)} with gloo"
-
-
-@renderer("encoder_cp_cpu.json", "sentence")
-def encoder_cp_sentence(data: dict) -> str:
-    t = data["step_s"]
-    return (f"takes {t['cp1']:.3f} s at cp 1 and {t['cp2']:.3f} s at cp 2 ({data['speedup_cp2']:.2f}x; medians, "
-            f"measured on {_machine_line(data)})")
-
-
-@renderer("callback_images_cpu.json", "inline")
-def callback_images_inline(data: dict) -> str:
-    by = {(r["vision"], r["cp"], r["shard_images"]): r["step_s_median"] for r in data["rows"]}
-    ratios = [by[(v, 2, False)] / by[(v, 2, True)] for v in ("frozen", "trained")]
-    return f"{_range(ratios, '.2f', 'x')} faster than encoding every image on every rank, measured on {_where(data)}"
-
-
-@renderer("callback_images_cpu.json", "sentence")
-def callback_images_sentence(data: dict) -> str:
-    by = {(r["vision"], r["cp"], r["shard_images"]): r["step_s_median"] for r in data["rows"]}
-    split = {v: (by[(v, 2, True)], by[(v, 2, False)]) for v in ("frozen", "trained")}
-    gain = [whole / part for part, whole in split.values()]
-    vs_one = [by[(v, 1, True)] / by[(v, 2, True)] for v in ("frozen", "trained")]
-    return (f"a cp 2 step takes {_range(gain, '.2f', 'x')} less time with the images split than with every image "
-            f"on every rank, with the vision tower frozen ({split['frozen'][0]:.2f} vs {split['frozen'][1]:.2f} s) "
-            f"or trained ({split['trained'][0]:.2f} vs {split['trained'][1]:.2f} s). The row is short, so cp 2 "
-            f"itself is slower than one process there ({_range(vs_one, '.2f', 'x')})")
-
-
-def _pm_rows(data: dict, scale: str | None = None, row: str = "per-module") -> list[dict]:
-    return [c["rows"][row] | {"case": c} for c in data["cases"] if scale is None or c["scale"] == scale]
-
-
-@renderer("per_module_dp.json", "cases")
-def per_module_dp_cases(data: dict) -> str:
-    rows = []
-    for c in data["cases"]:
-        for name, r in c["rows"].items():
-            est = f"{r['estimate_s']:.2f}" if "estimate_s" in r else ""
-            plan = f"{r['planning_ms']:.0f}" if "planning_ms" in r else ""
-            rows.append([f"§{c['scale']}", c["model"].removeprefix("MLLM-"), c["setting"], name, r["gpus"],
-                         r["layout"], f"{r['iteration_s']:.2f}", f"{r['samples_per_s']:.1f}", f"{r['mfu']:.1%}",
-                         f"{r['bubble']:.1%}", f"{r['mfu_vs_uniform']:.2f}", f"{r['throughput_vs_uniform']:.2f}", est,
-                         plan])
-    return (table(["scale", "LLM", "setting", "row", "GPUs", "dp x tp x pp", "iteration (s)", "samples/s", "MFU",
-                   "bubble", "MFU x", "throughput x", "Eq. 1-2 (s)", "planning (ms)"], rows, "llllrlrrrrrrrr")
-            + f"\n\nSimulated by {_machine_line(data)} (planning: this CPU's wall time).")
-
-
-@renderer("per_module_dp.json", "gains")
-def per_module_dp_gains(data: dict) -> str:
-    at = {c["model"]: c["rows"]["per-module"] for c in data["cases"] if c["scale"] == "8.1"}
-    small = _pm_rows(data, "8.2.1")
-    g = lambda m: f"{at[m]['mfu_vs_uniform']:.2f}x / {at[m]['throughput_vs_uniform']:.2f}x"  # noqa: E731
-    return (f"At 1296 GPUs, simulated per-module gains over the rigid layout are {g('MLLM-9B')} (MFU / throughput, "
-            f"9B), {g('MLLM-15B')} (15B) and {g('MLLM-72B')} (72B); at 98 GPUs they are "
-            f"{_range([r['mfu_vs_uniform'] for r in small], '.2f', 'x')} MFU and "
-            f"{_range([r['throughput_vs_uniform'] for r in small], '.2f', 'x')} throughput")
-
-
-@renderer("per_module_dp.json", "mfu")
-def per_module_dp_mfu(data: dict) -> str:
-    return f"{_pct([r['mfu'] for r in _pm_rows(data)])} (simulated, the per-module rows)"
-
-
-@renderer("per_module_dp.json", "estimate")
-def per_module_dp_estimate(data: dict) -> str:
-    gap = max(abs(r["estimate_s"] / r["iteration_s"] - 1) for c in data["cases"] for r in c["rows"].values()
-              if "estimate_s" in r)
-    return f"within {gap:.1%} of the simulated time in every row (computed from the table)"
-
-
-@renderer("per_module_dp.json", "replay")
-def per_module_dp_replay(data: dict) -> str:
-    t = max(data["table_2"], key=lambda x: x["gpus"])
-    return (f"the 72B at {t['gpus']} GPUs solves {t['subproblems']} inner problems (the subproblems column), and its "
-            f"replay, one simulation, takes {t['replay_ms']:.0f} ms of the {t['search_ms']:.0f} (measured on "
-            f"{_where(data)})")
-
-
-@renderer("per_module_dp.json", "table-2")
-def per_module_dp_table_2(data: dict) -> str:
-    rows = [[t["gpus"], t["batch"], f"{t['search_ms']:.0f}", f"{t['published_ms']:.0f}", t["subproblems"],
-             t["layout"]] for t in data["table_2"]]
-    return (table(["GPUs", "batch", "search (ms)", "published (ms)", "subproblems", "layout"], rows, "rrrrrl")
-            + f"\n\nSearch times measured on {_machine_line(data)}; layouts simulated.")
-
-
-@renderer("per_module_dp.json", "search-1296")
-def per_module_dp_search_1296(data: dict) -> str:
-    at = {c["model"]: c["rows"]["per-module"]["planning_ms"] for c in data["cases"] if c["scale"] == "8.1"}
-    return (f"{at['MLLM-9B']:.0f}, {at['MLLM-15B']:.0f} and {at['MLLM-72B']:.0f} ms (measured on "
-            f"{_where(data)})")
-
-
-@renderer("per_module_dp_cpu.json", "table")
-def per_module_dp_cpu_table(data: dict) -> str:
-    rows = [[r["layout"], f"{r['step_s']:.3f}", f"{r['busiest_cpu_s']:.3f}", f"{r['step_speedup']:.2f}x",
-             f"{r['busiest_cpu_speedup']:.2f}x",
-             ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s_per_rank"].items())] for r in data["rows"]]
-    return (table(["layout", "step (s)", "busiest rank CPU (s)", "step vs uniform", "busiest CPU vs uniform",
-                   "CPU s per rank"], rows, "lrrrrl") + f"\n\nMeasured on {_machine_line(data)}.")
-
-
-@renderer("moe_cpu.json", "table")
-def moe_cpu_table(data: dict) -> str:
-    rows = [[r["layout"], f"{r['step_s']:.3f}", f"{r.get('tokens_per_s', float('nan')):.0f}",
-             f"{r['busiest_cpu_s']:.3f}", f"{r['step_vs_ep1']:.2f}x",
-             f"{r['expert_bytes_per_rank'] / 2 ** 20:.2f}", f"{r['param_bytes_per_rank'] / 2 ** 20:.2f}",
-             ", ".join(f"{v:.2f}" for v in r["expert_imbalance_per_layer"] or [])] for r in data["rows"]]
-    s = data["settings"]
-    return (table(["layout", "step (s)", "tokens/s", "busiest rank CPU (s)", "step vs dp",
-                   "expert weights per rank (MiB)", "all weights per rank (MiB)", "expert load max/mean per layer"],
-                  rows, "lrrrrrrl")
-            + f"\n\nMeasured on {s['world']} gloo processes (one thread each; {s['steps']} timed steps of {s['batch']} "
-              f"samples) on {_machine_line(data)}. The machine is shared and loaded: wall times include waiting for "
-              "the other rank and other jobs; the busiest rank's CPU seconds are its own work."
-            + "".join(f" {r['layout']}: {r['all_to_all_bytes_measured'] / 2 ** 20:.3f} MiB sent to other ranks by the "
-                      f"expert all-to-alls per rank and step, measured from the dispatch split sizes, against "
-                      f"{r['all_to_all_bytes_model'] / 2 ** 20:.3f} MiB from the planner's byte model on the same "
-                      f"tokens (uniform routing)." for r in data["rows"] if r.get("all_to_all_bytes_model")))
-
-
-@renderer("moe_cpu.json", "simulated")
-def moe_simulated_table(data: dict) -> str:
-    sim = data["simulated"]
-    rows = [[r["ep"], f"{r['ep_bandwidth_GBps']:.0f}", f"{r['memory_GiB_per_rank']:.1f}", f"{r['iteration_s']:.3f}",
-             f"{r.get('all_to_all_MB_per_layer_microbatch', float('nan')):.1f}",
-             f"{r['all_to_all_s_per_microbatch_stage'] * 1e3:.1f}",
-             f"{r['forward_backward_s_per_microbatch_stage'] * 1e3:.1f}"] for r in sim["rows"]]
-    return (table(["ep", "all-to-all GB/s (assumed)", "GiB per rank", "iteration (s)",
-                   "all-to-all MB per rank, routed layer and microbatch", "all-to-all per microbatch and stage (ms)",
-                   "forward + backward per microbatch and stage (ms)"], rows, "rrrrrrr")
-            + f"\n\nSimulated by the planner (`evaluate_plan`; no model built): Qwen3-30B-A3B shapes, dp {sim['dp']} x pp "
-              f"{sim['pp']}, {sim['microbatches']} microbatches of {sim['tokens_per_microbatch']} tokens, "
-              f"{sim['assumed_flops_per_device'] / 1e12:.0f} TFLOP/s per device assumed, 16 bytes of state per "
-              "parameter, activations not counted.")
-
-
-# ---------------------------------------- pipeline "Reading" notes (the figures in the prose under each table)
-
-def _wrap(text: str) -> str:
-    """Prose at most 120 characters a line; a line starting with "- " is a bullet (continued indented)."""
-    return "\n".join(textwrap.fill(p, 120, subsequent_indent="  " if p.startswith("- ") else "",
-                                   break_long_words=False, break_on_hyphens=False) for p in text.split("\n"))
-
-
-def _pct(values) -> str:
-    return _range([100 * v for v in values], ".0f", "%")
 
 
 def _growth(rows) -> list[float]:
@@ -831,49 +455,46 @@ def _growth(rows) -> list[float]:
 
 @renderer("pipeline_p2_cpu.json", "reading")
 def pipeline_reading(data: dict) -> str:
-    by = {r["name"]: r for r in data["rows"]}
-    base = data["rows"][0]
+    by, base = {r["name"]: r for r in data["rows"]}, data["rows"][0]
     split = [by[n] for n in ("parallel", "colocated")]
-    idle = [max(r["bubble"].values()) for r in split]
     rep = by["replicated"]
     sim = [r["iteration_s"] / r["predicted_iteration_s"] for r in data["rows"] if r.get("predicted_iteration_s")]
     noise = max(max(r["all_samples_per_s"]) / min(r["all_samples_per_s"]) for r in data["rows"])
     return _wrap(f"Reading (measured): on 2 devices a model that fits one device trains fastest with plain data "
                  f"parallelism (no bubbles). Parallel/colocated put the frozen encoder alone on rank 0 "
-                 f"(idle {_pct(idle)}, measured) and the "
-            f"whole LLM on rank 1, so they run at "
-            f"{_range([r['samples_per_s'] / base['samples_per_s'] for r in split])}x"
-            f" of DDP's samples/s, as the simulator predicts (measured / simulated iteration time "
-            f"{_range(sim)} over the pipeline rows); replicated balances the LLM over both ranks (frozen-aware "
-            f"boundaries {rep['partition']['language_model']}) and loses its {_pct(rep['bubble'].values())}"
-            f" 1F1B bubble (measured by `PipelineTimeline`). With one encoder, parallel and colocated are the same "
-            f"graph. Memory is the robust result: training grows each pipeline rank's RSS by "
-            f"{_range(_growth(data['rows'][1:]), '.0f')} MB against {_range(_growth([base]), '.0f')} MB for DDP "
-            f"(measured), which keeps gradients and optimiser state of the whole trainable LLM on every rank. The two "
-            f"measured runs of one layout differ by up to {noise:.1f}x (the last column): on that machine only larger "
-            f"differences are meaningful.")
+                 f"(idle {_pct(max(r['bubble'].values()) for r in split)}, measured) and the whole LLM on rank 1, so "
+                 f"they run at {_range([r['samples_per_s'] / base['samples_per_s'] for r in split])}x"
+                 f" of DDP's samples/s, as the simulator predicts (measured / simulated iteration time "
+                 f"{_range(sim)} over the pipeline rows); replicated balances the LLM over both ranks (frozen-aware "
+                 f"boundaries {rep['partition']['language_model']}) and loses its {_pct(rep['bubble'].values())}"
+                 f" 1F1B bubble (measured by `PipelineTimeline`). With one encoder, parallel and colocated are the "
+                 f"same graph. Memory is the robust result: training grows each pipeline rank's RSS by "
+                 f"{_range(_growth(data['rows'][1:]), '.0f')} MB against {_range(_growth([base]), '.0f')} MB for DDP "
+                 f"(measured), which keeps gradients and optimiser state of the whole trainable LLM on every rank. The "
+                 f"two measured runs of one layout differ by up to {noise:.1f}x (the last column): on that machine "
+                 f"only larger differences are meaningful.")
 
 
 @renderer("pipeline_setup_p4_cpu.json", "reading")
 def pipeline_setup_reading(data: dict) -> str:
     by = {r["name"]: r["ranks"] for r in data["rows"]}
     first = lambda name, i: by[name][i]["peak_first_step_mb"]  # noqa: E731
-    eager = [x["peak_first_step_mb"] for x in by["eager"]]
-    folder = [x["peak_first_step_mb"] for x in by["folder-eager"]]
-    ends = [first("lazy", 1), first("lazy", 3)]
     setup = [x["build_s"] + x["setup_s"] for r in data["rows"] for x in r["ranks"]]
     launch = [r["ranks"][0]["to_first_step_s"] for r in data["rows"] if len(r["ranks"]) > 1]
     hf = by["from_pretrained"][0]
     return _wrap("Reading (every figure measured, from the table above):\n"
-            f"- Memory: eager builds put the whole model on every rank ({_range(eager, '.0f')} MiB; from folders "
-            f"{_range(folder, '.0f')}, about the model plus the largest tensor being read, the embedding or head). "
+            f"- Memory: eager builds put the whole model on every rank "
+            f"({_range([x['peak_first_step_mb'] for x in by['eager']], '.0f')} MiB; from folders "
+            f"{_range([x['peak_first_step_mb'] for x in by['folder-eager']], '.0f')}, about the model plus the largest "
+            f"tensor being read, the embedding or head). "
             f"Lazy builds hold the stage: {_range([first('lazy', 0), first('folder-lazy', 0)], '.0f')} MiB on the "
             f"encoder rank, {_range([first('lazy', 2), first('folder-lazy', 2)], '.0f')} on the middle LLM stage, "
-            f"{_range(ends, '.0f')} on the stages with the embeddings or the head (from folders: plus the tensor "
-            f"being read, {first('folder-lazy', 1):.0f} and {first('folder-lazy', 3):.0f}). At the end the last "
-            f"stage reaches {_range([by[n][3]['peak_end_mb'] for n in ('lazy', 'folder-lazy')], '.0f')} MiB in both "
-            f"lazy variants: the step's logits over the vocabulary and their gradient, not parameters (the eager peak "
-            f"already covered it).\n"
+            f"{_range([first('lazy', 1), first('lazy', 3)], '.0f')} on the stages with the embeddings or the head "
+            f"(from folders: plus the tensor being read, {first('folder-lazy', 1):.0f} and "
+            f"{first('folder-lazy', 3):.0f}). At the end the last stage reaches "
+            f"{_range([by[n][3]['peak_end_mb'] for n in ('lazy', 'folder-lazy')], '.0f')} MiB in both lazy variants: "
+            f"the step's logits over the vocabulary and their gradient, not parameters (the eager peak already "
+            f"covered it).\n"
             f"- Time: at this size build + setup take at most {max(setup):.1f} s per rank in every variant. Rank 0's "
             f"{_range(launch, '.0f')} s to the first step is launching the {len(by['eager']) - 1} other processes "
             f"(interpreter start, torch/Lightning/transformers imports, their builds) on "
@@ -886,8 +507,7 @@ def pipeline_setup_reading(data: dict) -> str:
 
 @renderer("pipeline_sharding_p4_cpu.json", "reading")
 def pipeline_sharding_reading(data: dict) -> str:
-    repeat = json.loads((ROOT / "benchmarks/results/pipeline_sharding_p4_cpu_repeat.json").read_text())
-    runs = [{r["name"]: r for r in d["rows"]} for d in (data, repeat)]
+    runs = _sharding_runs(data)
     by = runs[0]
     state = {n: r["ranks"][0]["state_mb"]["total"] for n, r in by.items() if "ranks" in r}
     peak = lambda n: [x["peak_end_mb"] for x in by[n]["ranks"]]  # noqa: E731
@@ -925,67 +545,322 @@ def pipeline_sharding_reading(data: dict) -> str:
             f"dp 4's samples/s on the same 4 processes.")
 
 
-def _model_mib(data: dict) -> str:
-    return f"{data['rows'][0]['model_mb']:.0f} MiB"
+for _json in ("pipeline_setup_p4_cpu.json", "pipeline_sharding_p4_cpu.json"):
+    quotes(_json, {"model": lambda d: f"{d['rows'][0]['model_mb']:.0f} MiB"})
 
 
-renderer("pipeline_setup_p4_cpu.json", "model")(_model_mib)
-renderer("pipeline_sharding_p4_cpu.json", "model")(_model_mib)
+# ---------------------------------------- checkpoint.json
+
+@renderer("checkpoint.json", "table")
+def checkpoint_table(data: dict) -> str:
+    o, f = data["checkpoint"]["ours"], data["checkpoint"]["fsdp"]
+    rows = [["size (MB)", f"{o['bytes'] / 1e6:.2f}", f"{f['bytes'] / 1e6:.2f}", f"{o['bytes'] / f['bytes']:.2f}"]]
+    rows += [[f"{k} (s)", f"{o[k + '_s']:.3f}", f"{f[k + '_s']:.3f}", f"{o[k + '_s'] / f[k + '_s']:.2f}"]
+             for k in ("save", "load")]
+    return measured_table(data, ["", "ours", "FSDP2 (Lightning)", "ours/FSDP2"], rows, "lrrr")
 
 
-@renderer("cp_modes_cpu.json", "wall")
-def cp_modes_wall(data: dict) -> str:
-    return f"{data['wall_s'] / 60:.0f} min of wall time, measured (`wall_s` in the JSON)"
+@renderer("checkpoint.json", "faults")
+def checkpoint_faults(data: dict) -> str:
+    t = data["fault_to_exit_s"]
+    rows = [["SIGKILL rank 1", f"{t['kill rank 1, watchdog 5 s']:.2f} s",
+             f"{t['kill rank 1, no watchdog']:.2f} s (gloo sees the closed socket; Lightning's child observer)"],
+            ["SIGSTOP rank 1 (frozen, sockets open: a lost node / hung device)",
+             f"{t['freeze rank 1, watchdog 5 s']:.2f} s",
+             f"{t['freeze rank 1, no watchdog']:.2f} s (the process-group timeout)"]]
+    return table(["fault (measured, same run)", "watchdog (fault_timeout 5 s)", "no watchdog"], rows, "lrr")
 
 
-@renderer("frozen_aware.json", "duration")
-def frozen_aware_duration(data: dict) -> str:
-    return f"{data['machine']['duration_s']:.0f} s of wall time measured on {_where(data)} (`duration_s` in the JSON)"
+# ---------------------------------------- cp_modes_cpu.json
+
+_CP_MODES = {"cp1": "cp 1", "allgather2": "allgather cp 2", "ulysses2": "ulysses cp 2", "allgather4": "allgather cp 4",
+             "ulysses4": "ulysses cp 4", "hybrid2x2": "hybrid 2x2"}
 
 
-# ---------------------------------------- driver
-
-def render(json_path: str, name: str, cache: dict) -> str:
-    if (json_path, name) not in RENDERERS:
-        raise KeyError(f"no table {name!r} for {json_path} (known: {sorted(RENDERERS)})")
-    if json_path not in cache:
-        cache[json_path] = json.loads((ROOT / json_path).read_text())
-    return RENDERERS[(json_path, name)](cache[json_path])
+def _at(mode: dict, tokens: int) -> dict | None:
+    return next((x for x in mode["lengths"] if x["tokens"] == tokens), None)
 
 
-def regenerate(text: str, cache: dict | None = None, only: str | None = None) -> tuple[str, list[str]]:
-    """``text`` with every quote regenerated (or only those of the JSON ``only``), and the quotes that changed."""
-    cache = {} if cache is None else cache
-    changed = []
-
-    def sub(match):
-        if only is not None and match["json"] != only:
-            return match[0]
-        body = render(match["json"], match["name"], cache)
-        old = match["body"]
-        if old.startswith("\n"):  # a block: keep the blank-line layout around it
-            body = "\n" + body + "\n"
-        if body != old:
-            changed.append(f"{match['json']}:{match['name']}")
-        start, end = match.start("body") - match.start(), match.end("body") - match.start()
-        return match[0][:start] + body + match[0][end:]
-
-    return MARKER.sub(sub, text), changed
+@renderer("cp_modes_cpu.json", "table")
+def cp_modes_table(data: dict, tokens: int = 8192) -> str:
+    at = {k: _at(m, tokens) for k, m in data["modes"].items()}
+    one = at["cp1"]
+    rows = [[_CP_MODES.get(k, k), f"{x['step_s']:.1f}" + ("" if k == "cp1" else f" ({one['step_s'] / x['step_s']:.2f})"),
+             f"{max(x['cpu_s']):.1f}" + ("" if k == "cp1" else f" ({max(one['cpu_s']) / max(x['cpu_s']):.2f})"),
+             f"{sum(x['cpu_s']):.1f}", f"{max(x['peak_rss_mib']):.0f}", f"{x['load_1min']:.1f}"] for k, x in at.items()]
+    return measured_table(data, [f"mode ({tokens >> 10}k tokens)", "step s (x cp 1)", "busiest rank CPU s (x cp 1)",
+                                 "CPU s, all ranks", "peak RSS MiB / rank", "load average"], rows, "lrrrrr")
 
 
-# ---------------------------------------- oobleck.py (simulated re-forming, template planning)
+@renderer("cp_modes_cpu.json", "stopped")
+def cp_modes_stopped(data: dict) -> str:
+    modes = data["modes"]
+    stopped = {k: m["stopped"] for k, m in modes.items() if m.get("stopped")}
+    reached = min(max(x["tokens"] for x in m["lengths"]) for m in modes.values())
+    guess = {k: float(re.search(r"~([\d.]+) s", v["skipped"])[1]) for k, v in stopped.items()}
+    cp2 = [v for k, v in guess.items() if modes[k]["cp"] == 2]
+    cp4_load = [_at(m, reached)["load_1min"] for m in modes.values() if m["cp"] == 4]
+    first = {v["tokens"] for v in stopped.values()}
+    return (f"Every mode reached {reached >> 10}k tokens (measured). "
+            f"{'/'.join(f'{t >> 10}k' for t in sorted(first))} stopped at the {data['cap_s']:.0f} s step cap "
+            f"(about {_range(cp2, '.0f')} s estimated by the benchmark at cp 2, about {guess['cp1']:.0f} s at cp 1), "
+            f"not at memory; the load average was {_range(cp4_load, '.1f')} during the cp 4 {reached >> 10}k steps")
+
+
+@renderer("cp_modes_cpu.json", "reading")
+def cp_modes_reading(data: dict) -> str:
+    modes, one = data["modes"], data["modes"]["cp1"]
+    gain = [_at(one, t)["step_s"] / _at(m, t)["step_s"] for t in (2048, 4096) for m in modes.values() if m["cp"] == 2]
+    extra = {cp: [sum(_at(m, 8192)["cpu_s"]) / sum(_at(one, 8192)["cpu_s"]) - 1 for m in modes.values()
+                  if m["cp"] == cp] for cp in (2, 4)}
+    limit = {k: round(m["projected_memory_limit_tokens"] / 1024) for k, m in modes.items()}
+    rest = [v for k, v in limit.items() if k not in ("allgather4", "hybrid2x2", "allgather2")]
+    return (f"At 2k and 4k, cp 2 gave {_range(gain)}x in wall time (measured). At 8k the communication and the "
+            f"split add {_pct(extra[2])} to the total CPU time at cp 2 and {_pct(extra[4])} at cp 4 (measured). "
+            f"With the {data['projected_memory_limit'].split('reaching ')[1].split(' of')[0]} memory limit that the "
+            f"benchmark applies, a straight line through the summed peaks projects (estimated, not run) the memory "
+            f"bound at about {limit['allgather4']}k tokens for allgather cp 4, {limit['hybrid2x2']}k for hybrid, "
+            f"{limit['allgather2']}k for allgather cp 2 and {_range(rest, '.0f')}k for the others")
+
+
+quotes("cp_modes_cpu.json", {
+    "machine": lambda d: (
+        f"The runs were measured on the {d['machine']['cores']}-core {d['machine']['cpu']} machine "
+        f"({d['machine']['l3']} L3) with gloo, {d['threads_per_rank']} thread per rank, load average "
+        f"{d['load_average_before'][0]:.1f} before and {d['load_average_after'][0]:.1f} after (other jobs shared it)"),
+    "wall": lambda d: f"{d['wall_s'] / 60:.0f} min of wall time, measured (`wall_s` in the JSON)"})
+
+
+# ---------------------------------------- frozen_aware.json
+
+_SOURCES = {"flops": "FLOP costs", "per_layer_loo": "leave-one-config-out", "seed_fitted": "seed-fitted profile"}
+
+
+def _cfg(row: dict) -> str:
+    return row["config"].removeprefix("MLLM-")
+
+
+def _fa_sources(data: dict) -> list[str]:
+    return [s for s in _SOURCES if s in data["seed_setting_rows"][0]]
+
+
+@renderer("frozen_aware.json", "table")
+def frozen_aware_table(data: dict) -> str:
+    sources, rows = _fa_sources(data), []
+    for r in data["seed_setting_rows"]:
+        cells = []
+        for s in sources:
+            x = r[s]
+            cells += [f"{x['aware_split']}/{x['forward-variance']['split']}", f"{x['forward-variance']['ratio']:.2f}x",
+                      "yes" if r["meets_seed"][s] else "NO"]
+        rows.append([r["config"], f"{r['seed_ratio']:.2f}x", *cells])
+    rows.append(["meets", "", *[c for s in sources for c in ("", "", data["meets_seed_speedup"][s])]])
+    header = ["config", "seeds' speedup (published)"]
+    for s in sources:
+        header += [f"{_SOURCES[s]}: a/u", "speedup (simulated)", "meets"]
+    return table(header, rows, "lr" + "lrl" * len(sources))
+
+
+@renderer("frozen_aware.json", "ratios")
+def frozen_aware_ratios(data: dict) -> str:
+    flops = [r["flops"]["aware_stages_ms"]["llm_bwd_ms"] / r["flops"]["aware_stages_ms"]["llm_fwd_ms"]
+             for r in data["seed_setting_rows"]]
+    p = data["seed_fitted_profile"]
+    back = p["llm_backward_ratio"]
+    return (f"FLOPs give a frozen LLM backward of {_range(flops, '.1f')}x its forward (computed; B_d ~ F plus one "
+            f"recomputed F); the seeds' published times give {back['S']:.1f}x (LLM-S) and "
+            f"{_range([back['M'], back['L']], '.1f')}x (LLM-M/L), and their encoders run at "
+            f"{_range(p['encoder_forward'].values(), '.1f')}x their FLOP time while their LLM runs at "
+            f"{_range(p['llm_forward'].values(), '.1f')}x (fitted)")
+
+
+@renderer("frozen_aware.json", "retimed")
+def frozen_aware_retimed(data: dict) -> str:
+    rows = {_cfg(r): r for r in data["seed_setting_rows"]}
+    extra = [pub - sim for r in rows.values()
+             for pub, sim in zip((r["seed_aware_s"], r["seed_unaware_s"]), r["seed_layouts_simulated_s"])]
+    lls = rows["LLS"]
+    return (f"The simulator over-predicts the seeds' ratios when it re-times their two inferred layouts (e.g. "
+            + ", ".join(f"{k} {rows[k]['seed_layouts_simulated_ratio']:.2f}x simulated vs {rows[k]['seed_ratio']:.2f}x "
+                        f"published" for k in ("SSS", "MMM"))
+            + f"): their published iteration times carry {_range(extra, '.0f')} s that 1F1B over their per-stage "
+            f"times does not explain (LLS: {lls['seed_layouts_simulated_s'][0]:.0f} s simulated vs "
+            f"{lls['seed_aware_s']:.0f} s published)")
+
+
+@renderer("frozen_aware.json", "free")
+def frozen_aware_free(data: dict) -> str:
+    plans = [p for r in data["rows"] for p in (r["aware_plan"], r["unaware_plan"])]
+    dp = [int(re.search(r"dp(\d+)", p)[1]) for p in plans]
+    llm = [int(re.search(r"l(\d+)$", p)[1]) for p in plans]
+    gains = sorted(data["rows"], key=lambda r: -r["speedup"])[:2]
+    return (f"with dp allowed the best layouts are dp {_range(dp, '.0f')} with {_range(llm, '.0f')} LLM stages for "
+            f"both modes, and the gain stays {_range([r['speedup'] for r in data['rows']])}x ("
+            + ", ".join(f"{r['config']} {r['speedup']:.2f}x" for r in gains) + "; simulated)")
+
+
+def _faster(data: dict) -> list[dict]:
+    return [r for r in data["seed_setting_rows"] if r["ours_vs_seed_aware_layout"] > 1.005]
+
+
+quotes("frozen_aware.json", {
+    "loo-mmm": lambda d: next(
+        f"MMM gets {r['per_layer_loo']['forward-variance']['ratio']:.2f}x (simulated; seeds {r['seed_ratio']:.2f}x, "
+        "published)" for r in d["seed_setting_rows"] if _cfg(r) == "MMM"),
+    "seed-fitted-faster": lambda d: (
+        f"faster on {len(_faster(d))} configs ("
+        + ", ".join(f"{_cfg(r)} {r['ours_vs_seed_aware_layout']:.2f}x" for r in _faster(d)) + "; simulated)"),
+    "auto-vs-hand": lambda d: "the free auto search beats the best 6-stage hand split by up to " + ", ".join(
+        f"{max(r[s]['auto_vs_best_hand'] for r in d['seed_setting_rows']):.2f}x ({_SOURCES[s]})"
+        for s in _fa_sources(d)) + ", simulated",
+    "duration": lambda d: (f"{d['machine']['duration_s']:.0f} s of wall time measured on {_where(d)} (`duration_s` in "
+                           "the JSON)")})
+
+
+# ---------------------------------------- the others
+
+quotes("quickstart_cpu.json", {
+    "main-job": lambda d: (f"{d['main_job_s']:.0f} s of wall time (measured by `benchmarks/quickstart.py` on "
+                           f"{_loaded(d)}; less on an idle machine)"),
+    "make-data": lambda d: (f"`make_conversation_data.py` took {d['make_conversation_data_s']:.0f} s (measured by "
+                            f"`benchmarks/quickstart.py` on {_loaded(d)})"),
+    "scan": lambda d: (f"about {round(d['scan']['records_per_s'], -3):,.0f} records per second on one CPU core "
+                       f"(measured by `benchmarks/quickstart.py` on {d['scan']['records']:,} copies of the example's "
+                       f"records, {_loaded(d)})")})
+
+quotes("encoder_cp_cpu.json", {
+    "inline": lambda d: f"{d['speedup_cp2']:.2f}x measured on {_where(d)} with gloo",
+    "sentence": lambda d: (f"takes {d['step_s']['cp1']:.3f} s at cp 1 and {d['step_s']['cp2']:.3f} s at cp 2 "
+                           f"({d['speedup_cp2']:.2f}x; medians, measured on {_machine_line(d)})")})
+
+
+def _image_steps(data: dict) -> dict:
+    return {(r["vision"], r["cp"], r["shard_images"]): r["step_s_median"] for r in data["rows"]}
+
+
+@renderer("callback_images_cpu.json", "sentence")
+def callback_images_sentence(data: dict) -> str:
+    by = _image_steps(data)
+    split = {v: (by[(v, 2, True)], by[(v, 2, False)]) for v in ("frozen", "trained")}
+    gain = [whole / part for part, whole in split.values()]
+    vs_one = [by[(v, 1, True)] / by[(v, 2, True)] for v in ("frozen", "trained")]
+    return (f"a cp 2 step takes {_range(gain, '.2f', 'x')} less time with the images split than with every image "
+            f"on every rank, with the vision tower frozen ({split['frozen'][0]:.2f} vs {split['frozen'][1]:.2f} s) "
+            f"or trained ({split['trained'][0]:.2f} vs {split['trained'][1]:.2f} s). The row is short, so cp 2 "
+            f"itself is slower than one process there ({_range(vs_one, '.2f', 'x')})")
+
+
+quotes("callback_images_cpu.json", {"inline": lambda d: (
+    f"{_range([_image_steps(d)[(v, 2, False)] / _image_steps(d)[(v, 2, True)] for v in ('frozen', 'trained')], '.2f', 'x')}"
+    f" faster than encoding every image on every rank, measured on {_where(d)}")})
+
+
+# ---------------------------------------- per_module_dp.json, per_module_dp_cpu.json, moe_cpu.json
+
+def _pm_rows(data: dict, scale: str | None = None) -> list[dict]:
+    return [c["rows"]["per-module"] for c in data["cases"] if scale is None or c["scale"] == scale]
+
+
+def _pm_at(data: dict) -> dict:
+    return {c["model"]: c["rows"]["per-module"] for c in data["cases"] if c["scale"] == "8.1"}
+
+
+@renderer("per_module_dp.json", "cases")
+def per_module_dp_cases(data: dict) -> str:
+    rows = [[f"§{c['scale']}", c["model"].removeprefix("MLLM-"), c["setting"], name, r["gpus"], r["layout"],
+             f"{r['iteration_s']:.2f}", f"{r['samples_per_s']:.1f}", f"{r['mfu']:.1%}", f"{r['bubble']:.1%}",
+             f"{r['mfu_vs_uniform']:.2f}", f"{r['throughput_vs_uniform']:.2f}",
+             f"{r['estimate_s']:.2f}" if "estimate_s" in r else "", f"{r['planning_ms']:.0f}" if "planning_ms" in r else ""]
+            for c in data["cases"] for name, r in c["rows"].items()]
+    return (table(["scale", "LLM", "setting", "row", "GPUs", "dp x tp x pp", "iteration (s)", "samples/s", "MFU",
+                   "bubble", "MFU x", "throughput x", "Eq. 1-2 (s)", "planning (ms)"], rows, "llllrlrrrrrrrr")
+            + f"\n\nSimulated by {_machine_line(data)} (planning: this CPU's wall time).")
+
+
+@renderer("per_module_dp.json", "gains")
+def per_module_dp_gains(data: dict) -> str:
+    at, small = _pm_at(data), _pm_rows(data, "8.2.1")
+    g = lambda m: f"{at[m]['mfu_vs_uniform']:.2f}x / {at[m]['throughput_vs_uniform']:.2f}x"  # noqa: E731
+    return (f"At 1296 GPUs, simulated per-module gains over the rigid layout are {g('MLLM-9B')} (MFU / throughput, "
+            f"9B), {g('MLLM-15B')} (15B) and {g('MLLM-72B')} (72B); at 98 GPUs they are "
+            f"{_range([r['mfu_vs_uniform'] for r in small], '.2f', 'x')} MFU and "
+            f"{_range([r['throughput_vs_uniform'] for r in small], '.2f', 'x')} throughput")
+
+
+@renderer("per_module_dp.json", "table-2")
+def per_module_dp_table_2(data: dict) -> str:
+    rows = [[t["gpus"], t["batch"], f"{t['search_ms']:.0f}", f"{t['published_ms']:.0f}", t["subproblems"],
+             t["layout"]] for t in data["table_2"]]
+    return (table(["GPUs", "batch", "search (ms)", "published (ms)", "subproblems", "layout"], rows, "rrrrrl")
+            + f"\n\nSearch times measured on {_machine_line(data)}; layouts simulated.")
+
+
+quotes("per_module_dp.json", {
+    "mfu": lambda d: f"{_pct([r['mfu'] for r in _pm_rows(d)])} (simulated, the per-module rows)",
+    "estimate": lambda d: "within {:.1%} of the simulated time in every row (computed from the table)".format(max(
+        abs(r["estimate_s"] / r["iteration_s"] - 1) for c in d["cases"] for r in c["rows"].values()
+        if "estimate_s" in r)),
+    "replay": lambda d: next(
+        f"the 72B at {t['gpus']} GPUs solves {t['subproblems']} inner problems (the subproblems column), and its "
+        f"replay, one simulation, takes {t['replay_ms']:.0f} ms of the {t['search_ms']:.0f} (measured on "
+        f"{_where(d)})" for t in [max(d["table_2"], key=lambda x: x["gpus"])]),
+    "search-1296": lambda d: (f"{_pm_at(d)['MLLM-9B']['planning_ms']:.0f}, {_pm_at(d)['MLLM-15B']['planning_ms']:.0f} "
+                              f"and {_pm_at(d)['MLLM-72B']['planning_ms']:.0f} ms (measured on {_where(d)})")})
+
+
+@renderer("per_module_dp_cpu.json", "table")
+def per_module_dp_cpu_table(data: dict) -> str:
+    rows = [[r["layout"], f"{r['step_s']:.3f}", f"{r['busiest_cpu_s']:.3f}", f"{r['step_speedup']:.2f}x",
+             f"{r['busiest_cpu_speedup']:.2f}x", ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s_per_rank"].items())]
+            for r in data["rows"]]
+    return (table(["layout", "step (s)", "busiest rank CPU (s)", "step vs uniform", "busiest CPU vs uniform",
+                   "CPU s per rank"], rows, "lrrrrl") + f"\n\nMeasured on {_machine_line(data)}.")
+
+
+@renderer("moe_cpu.json", "table")
+def moe_cpu_table(data: dict) -> str:
+    rows = [[r["layout"], f"{r['step_s']:.3f}", f"{r.get('tokens_per_s', float('nan')):.0f}",
+             f"{r['busiest_cpu_s']:.3f}", f"{r['step_vs_ep1']:.2f}x", f"{r['expert_bytes_per_rank'] / 2 ** 20:.2f}",
+             f"{r['param_bytes_per_rank'] / 2 ** 20:.2f}",
+             ", ".join(f"{v:.2f}" for v in r["expert_imbalance_per_layer"] or [])] for r in data["rows"]]
+    s = data["settings"]
+    return (table(["layout", "step (s)", "tokens/s", "busiest rank CPU (s)", "step vs dp",
+                   "expert weights per rank (MiB)", "all weights per rank (MiB)", "expert load max/mean per layer"],
+                  rows, "lrrrrrrl")
+            + f"\n\nMeasured on {s['world']} gloo processes (one thread each; {s['steps']} timed steps of {s['batch']} "
+              f"samples) on {_machine_line(data)}. The machine is shared and loaded: wall times include waiting for "
+              "the other rank and other jobs; the busiest rank's CPU seconds are its own work."
+            + "".join(f" {r['layout']}: {r['all_to_all_bytes_measured'] / 2 ** 20:.3f} MiB sent to other ranks by the "
+                      f"expert all-to-alls per rank and step, measured from the dispatch split sizes, against "
+                      f"{r['all_to_all_bytes_model'] / 2 ** 20:.3f} MiB from the planner's byte model on the same "
+                      f"tokens (uniform routing)." for r in data["rows"] if r.get("all_to_all_bytes_model")))
+
+
+@renderer("moe_cpu.json", "simulated")
+def moe_simulated_table(data: dict) -> str:
+    sim = data["simulated"]
+    rows = [[r["ep"], f"{r['ep_bandwidth_GBps']:.0f}", f"{r['memory_GiB_per_rank']:.1f}", f"{r['iteration_s']:.3f}",
+             f"{r.get('all_to_all_MB_per_layer_microbatch', float('nan')):.1f}",
+             f"{r['all_to_all_s_per_microbatch_stage'] * 1e3:.1f}",
+             f"{r['forward_backward_s_per_microbatch_stage'] * 1e3:.1f}"] for r in sim["rows"]]
+    return (table(["ep", "all-to-all GB/s (assumed)", "GiB per rank", "iteration (s)",
+                   "all-to-all MB per rank, routed layer and microbatch", "all-to-all per microbatch and stage (ms)",
+                   "forward + backward per microbatch and stage (ms)"], rows, "rrrrrrr")
+            + f"\n\nSimulated by the planner (`evaluate_plan`; no model built): Qwen3-30B-A3B shapes, dp {sim['dp']} x pp "
+              f"{sim['pp']}, {sim['microbatches']} microbatches of {sim['tokens_per_microbatch']} tokens, "
+              f"{sim['assumed_flops_per_device'] / 1e12:.0f} TFLOP/s per device assumed, 16 bytes of state per "
+              "parameter, activations not counted.")
+
+
+# ---------------------------------------- oobleck.json, oobleck_measured.json (oobleck.py [--measured])
 
 @renderer("oobleck.json", "throughput")
 def oobleck_throughput(data: dict) -> str:
-    rows = []
-    for freq in ("6h", "1h", "10m"):
-        for model, m in data["throughput"].items():
-            c = m["cells"][freq]
-            rows.append([freq, model, f"{c['oobleck']:.2f}", f"{c['identical']:.2f}", f"{c['checkpoint']:.2f}",
-                         f"{c['seed_oobleck']:.2f}", f"{c['seed_varuna']:.2f}"])
-    head = ["failure every", "model", "re-forming (sim.)", "identical groups (sim.)", "checkpoint-restart (sim.)",
-            "Oobleck (seed)", "Varuna (seed)"]
-    return table(head, rows, "llrrrrr")
+    rows = [[freq, model, *[f"{m['cells'][freq][k]:.2f}" for k in ("oobleck", "identical", "checkpoint",
+                                                                   "seed_oobleck", "seed_varuna")]]
+            for freq in ("6h", "1h", "10m") for model, m in data["throughput"].items()]
+    return table(["failure every", "model", "re-forming (sim.)", "identical groups (sim.)",
+                  "checkpoint-restart (sim.)", "Oobleck (seed)", "Varuna (seed)"], rows, "llrrrrr")
 
 
 @renderer("oobleck.json", "planning")
@@ -996,12 +871,7 @@ def oobleck_planning(data: dict) -> str:
                  "rrrrrr") + f"\n\nMeasured on {_machine_line(data)}."
 
 
-@renderer("oobleck.json", "speedup")
-def oobleck_speedup(data: dict) -> str:
-    return _range([r["speedup"] for r in data["planning"]], ",.1f", "x")
-
-
-# ---------------------------------------- oobleck_measured.json (oobleck.py --measured)
+quotes("oobleck.json", {"speedup": lambda d: _range([r["speedup"] for r in d["planning"]], ",.1f", "x")})
 
 _MEASURED_NAMES = {"reforming": "re-forming (group 0 loses a node, re-forms at the 1-node template)",
                    "identical": "identical groups (group 0 loses a rank, stays down)",
@@ -1038,6 +908,48 @@ def oobleck_measured(data: dict) -> str:
             f"{s['global_batch']}, the kill inside step {s['kill_step'] + 1}, on {_machine_line(data)}.")
 
 
+# ---------------------------------------- driver
+
+def render(json_path: str, name: str, cache: dict) -> str:
+    if (json_path, name) not in RENDERERS:
+        raise KeyError(f"no table {name!r} for {json_path} (known: {sorted(RENDERERS)})")
+    if json_path not in cache:
+        cache[json_path] = json.loads((ROOT / json_path).read_text())
+    return RENDERERS[(json_path, name)](cache[json_path])
+
+
+def show(json_name: str, data: dict) -> str:
+    """Every quote of ``benchmarks/results/<json_name>`` rendered from ``data`` (those it has the figures for)."""
+    out = []
+    for (path, name), fn in RENDERERS.items():
+        if Path(path).name == json_name:
+            try:
+                out.append(fn(data))
+            except (KeyError, IndexError, StopIteration, TypeError, ValueError, ZeroDivisionError, OSError):
+                pass  # a partial run (--only ...) lacks what this quote needs
+    return "\n\n".join(out)
+
+
+def regenerate(text: str, cache: dict | None = None, only: str | None = None) -> tuple[str, list[str]]:
+    """``text`` with every quote regenerated (or only those of the JSON ``only``), and the quotes that changed."""
+    cache = {} if cache is None else cache
+    changed = []
+
+    def sub(match):
+        if only is not None and match["json"] != only:
+            return match[0]
+        body = render(match["json"], match["name"], cache)
+        old = match["body"]
+        if old.startswith("\n"):  # a block: keep the blank-line layout around it
+            body = "\n" + body + "\n"
+        if body != old:
+            changed.append(f"{match['json']}:{match['name']}")
+        start, end = match.start("body") - match.start(), match.end("body") - match.start()
+        return match[0][:start] + body + match[0][end:]
+
+    return MARKER.sub(sub, text), changed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="fail when a quoted figure disagrees with its JSON")
@@ -1046,8 +958,7 @@ def main(argv: list[str] | None = None) -> int:
     cache, stale = {}, []
     for doc in DOCUMENTS:
         path = ROOT / doc
-        text = path.read_text()
-        new, changed = regenerate(text, cache)
+        new, changed = regenerate(path.read_text(), cache)
         stale += [f"{doc}: {c}" for c in changed]
         if changed and not args.check:
             path.write_text(new)

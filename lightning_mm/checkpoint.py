@@ -16,6 +16,8 @@ Nothing pickled runs on load: DCP's ``.metadata`` is read by an unpickler that o
 classes, byte (pickled-object) entries are refused, and ``meta.pt`` is loaded with ``weights_only=True``. A save
 is atomic: everything is written to ``<path>.tmp`` and renamed once complete, so a crash mid-save leaves the
 previous checkpoint intact.
+
+``MultimodalParallelStrategy`` saves and loads through :func:`save_checkpoint` and :func:`load_checkpoint`.
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ import os
 import pickle
 import random
 import shutil
+import warnings
 import zlib
 
 import torch
 import torch.distributed as dist
+
+from lightning_mm.plan.layout import RankLayout
 
 FORMAT = "lightning-mm-dcp/1"
 LAYOUT_FILE = "layout.json"
@@ -130,6 +135,18 @@ def check_same_model(saved: dict[str, list[int]], current: dict[str, list[int]],
 
 
 # ---------------------------------------------------------------------------------------------- state to tensors
+def parameter_names(model) -> dict[int, str]:
+    """``{id(parameter): name}`` over ``model``: optimiser state is saved and matched by parameter name."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def stage_state_dict(model, *, owned: set[str], frozen: bool) -> dict[str, torch.Tensor]:
+    """The parameters of ``model`` that this rank's stage holds (``owned`` names), trainable ones and frozen ones
+    if ``frozen``, keyed ``model.<name>`` as in Lightning's ``state_dict``."""
+    return {f"model.{n}": p.detach() for n, p in model.named_parameters()
+            if n in owned and (p.requires_grad or frozen)}
+
+
 def optimizer_state_by_name(optimizer, names: dict[int, str]) -> dict:
     """``{"state": {param name: {key: value}}, "param_groups": [hyperparameters]}`` (parameters by NAME)."""
     sd = optimizer.state_dict()
@@ -234,7 +251,64 @@ def save_sharded(path: str, tensors: dict[str, torch.Tensor], meta: dict, layout
     _barrier()
 
 
+def save_checkpoint(path: str, checkpoint: dict, *, rank: int, layout: dict) -> None:
+    """Collective: Lightning's ``checkpoint`` as the folder ``path`` (atomically, ``save_sharded``): its
+    ``state_dict`` (popped), ``optimizer_states`` (popped; by parameter name) and this rank's random state as
+    tensors, the rest as plain data in meta.pt. ``layout``: the run's record for layout.json (rank layout,
+    ``world_size``, the model's ``parameters``, ``trainable`` names, ``frozen_saved``)."""
+    tensors = {f"model/{k.removeprefix('model.')}": v for k, v in checkpoint.pop("state_dict").items()}
+    groups = []
+    for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+        tensors.update(optimizer_tensors(i, state))
+        groups.append(state["param_groups"])
+    tensors.update(rng_tensors(rank))
+    meta = plain({**checkpoint, "optimizer_param_groups": groups})
+    save_sharded(path, tensors, meta, layout, rank)
+
+
 # ---------------------------------------------------------------------------------------------- load
+def load_checkpoint(path: str, *, model, owned: set[str], optimizers, rank: int, layout: dict) -> dict:
+    """Collective: the parameters of ``model`` that this rank's stage holds (``owned`` names), the
+    ``optimizers``' state by parameter name and, when ``path`` was written by the same rank layout, this rank's
+    random state; returns the rest of Lightning's checkpoint. ``layout``: this run's record, as
+    :func:`save_checkpoint` writes it (its ``parameters`` must be the checkpoint's model).
+
+    Every check (folder, format, sizes, model identity, checksums of the files this rank reads) runs on every rank
+    before the collective DCP read, so a bad checkpoint raises everywhere instead of hanging."""
+    saved = read_layout(path)
+    check_same_model(saved["parameters"], layout["parameters"], path)
+    md = read_dcp_metadata(path)
+    names = parameter_names(model)
+    target, missing = {}, []
+    for n, p in model.named_parameters():
+        if n not in owned:
+            continue
+        if f"model/{n}" in md.state_dict_metadata:
+            target[f"model/{n}"] = p.detach()
+        elif p.requires_grad:
+            missing.append(n)
+    if missing and rank == 0:
+        warnings.warn(f"{len(missing)} trainable parameters (e.g. {missing[0]}) are not in {path}; they keep the "
+                      "values the model was built with", stacklevel=2)
+    target.update(optimizer_targets(md, optimizers, names))
+    same_ranks = saved["world_size"] == layout["world_size"] and \
+        RankLayout.from_dict(saved) == RankLayout.from_dict(layout)
+    rng = {k: empty_like_entry(md, k) for k in md.state_dict_metadata
+           if same_ranks and k.startswith(f"rng/{rank}/")}
+    if not same_ranks and rank == 0:
+        warnings.warn(f"{path} was written by another rank layout: random states are not restored", stacklevel=2)
+    target.update(rng)
+    verify_files(path, saved, files_for_keys(md, set(target)))
+    meta = load_meta(path)
+    load_tensors(path, target)
+    groups = meta.pop("optimizer_param_groups", [])
+    for i, opt in enumerate(optimizers):
+        load_optimizer_by_name(opt, i, names, target, groups[i] if i < len(groups) else None)
+    if rng:
+        set_rng_tensors(rank, rng)
+    return meta
+
+
 def read_layout(path: str) -> dict:
     """``layout.json`` of a checkpoint, checked for format and file sizes (cheap; every rank runs it alike)."""
     if not os.path.isdir(path):

@@ -76,14 +76,17 @@ def test_one_degree_keeps_todays_layout():
         today = build_layout(enc, llm, 3 * sum(s.size for s in [*enc.values(), llm]))
         given = build_layout({n: P(pp=s.pp, tp=s.tp, cp=s.cp, dp=3) for n, s in enc.items()},
                              P(pp=llm.pp, cp=llm.cp, tp=llm.tp, dp=3), today.world_size)
-        assert not given.disaggregated and given.dp == today.dp == 3
+        assert not given.per_module_dp and given.dp == today.dp == 3
         assert [given.coordinate(r) for r in range(today.world_size)] == \
                [today.coordinate(r) for r in range(today.world_size)]
         assert given.to_dict() == today.to_dict()
 
 
 def test_groups_hold_each_chains_share_of_replicas():
-    from lightning_mm.plan.layout import ParallelSpec as P, build_layout
+    import json
+    from dataclasses import replace
+
+    from lightning_mm.plan.layout import ParallelSpec as P, RankLayout, build_layout
 
     layout = build_layout({"vision": P(dp=4)}, P(pp=2, dp=2), 8)
     assert (layout.num_groups, layout.group_size, layout.dp) == (2, 4, 2)
@@ -98,7 +101,9 @@ def test_groups_hold_each_chains_share_of_replicas():
     uneven = build_layout({"vision": P(dp=2, tp=2), "audio": P(dp=1)}, P(dp=3, cp=2), 11)
     assert uneven.num_groups == 1
     assert all(uneven.rank(**vars(uneven.coordinate(r))) == r for r in range(11))
-    assert uneven.to_dict()["chain_dp"] == {"vision": 2, "audio": 1, "language_model": 3}
+    assert uneven.to_dict()["replicas_per_chain"] == {"vision": 2, "audio": 1, "language_model": 3}
+    assert RankLayout.from_dict(json.loads(json.dumps(uneven.to_dict()))) == uneven  # through a checkpoint's JSON
+    assert RankLayout.from_dict({**uneven.to_dict(), "ep": 2}) != uneven and hash(uneven) == hash(replace(uneven))
 
 
 def test_bad_per_module_degrees_fail_with_the_fix():

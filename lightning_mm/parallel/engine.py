@@ -140,7 +140,7 @@ class PipelineEngine:
             actions = one_f_one_b(graph, self.num_microbatches, deferred)
             check_schedule(graph, actions, self.num_microbatches)
             check_rendezvous(actions)
-            if self.layout.disaggregated:  # the many-to-many exchanges of per-module data parallelism too
+            if self.layout.per_module_dp:  # the many-to-many exchanges of per-module data parallelism too
                 check_rendezvous(expand_replicas(actions, {s: self.layout.per_group(self.layout.chain_of(s))
                                                            for s in actions}, self.layout.peer_replicas))
             self.schedules[key] = actions
@@ -576,7 +576,7 @@ def check_stage(model, layout: RankLayout, num_microbatches: int) -> GroupRouter
     """Refuse, before any group exists, what the layout cannot run; return per-module data parallelism's router of
     a group's rows between modules (None without it)."""
     router = None
-    if layout.disaggregated:
+    if layout.per_module_dp:
         if model.shared_encoders:
             raise ValueError(f"per-module data parallelism routes each encoder's rows on its own; the encoders "
                              f"{sorted(model.shared_encoders)} share their owners' towers "

@@ -40,7 +40,7 @@ def check_expert_parallel(model, layout: RankLayout) -> None:
     experts = model.lm_family.num_experts(lm)
     if experts % layout.ep:
         raise ValueError(f"ep={layout.ep} does not divide the {experts} experts; choose an ep dividing {experts}")
-    if layout.disaggregated:
+    if layout.per_module_dp:
         raise ValueError("expert parallelism with per-module data-parallel degrees is not supported; give every "
                          "module the same dp (or none)")
 

@@ -88,7 +88,7 @@ def unserved_layout(engine) -> str | None:
     FSDP check, which is per rank and agreed on by ``_agree``)."""
     layout = engine.layout
     llm = [s for s in layout.stages if layout.chain_of(s) == LANGUAGE_MODEL]
-    if layout.disaggregated:
+    if layout.per_module_dp:
         return ("generation across pipeline stages needs one data-parallel degree for every module (no per-module "
                 "data parallelism): predict with a strategy whose modules share dp")
     if any(layout.cp[s] > 1 for s in llm) or layout.ep > 1:

@@ -8,8 +8,9 @@ has one coordinate (stage, dp, cp, tp). Pure: no process group, so every check r
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from lightning_mm.plan.placement import LANGUAGE_MODEL, PLACEMENTS, placement_table
 
@@ -85,41 +86,57 @@ class Coordinate:
     tp: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankLayout:
-    """Stages of the pipeline DAG, in order, with their context- and tensor-parallel sizes, and how many
-    data-parallel replicas each module chain has. ``widths[stage] = cp[stage] * tp[stage]`` ranks.
+    """Which rank runs what: the stages of the pipeline DAG, in order, with their context- and tensor-parallel sizes,
+    and how many data-parallel replicas each module chain has. ``widths[stage] = cp[stage] * tp[stage]`` ranks.
+    Frozen; ``to_dict`` / ``from_dict`` and equality are what checkpoints, resume checks and fault tolerance compare.
 
-    ``dp`` is the language model's data-parallel degree (the replicas the sampler serves). ``chain_dp`` gives each
-    chain its own degree (per-module data parallelism) or is empty (every chain at ``dp``). Ranks come in
-    ``num_groups = gcd(chain degrees)`` equal groups; group ``k`` holds ``replicas(chain) / num_groups`` consecutive
-    replicas of each chain, chain after chain in stage order, and every rank of a group sees the same batch: the
-    samples of the group's language-model replicas. With one degree a group is one replica of the whole DAG."""
+    Words: a *chain* is the run of stages of one module pipeline (one per encoder under "parallel" placement, one
+    fused encoder chain under "colocated", the LLM's), named by ``chain_of(stage)``; a *replica* is one
+    data-parallel copy of a chain. ``replicas_per_chain`` gives every chain's degree; they differ under per-module
+    data parallelism (``per_module_dp``). Ranks come in ``num_groups = gcd(degrees)`` equal *groups*; group ``k``
+    holds ``replicas(chain) / num_groups`` consecutive replicas of each chain, chain after chain in stage order, and
+    every rank of a group sees the same batch: the samples of the group's language-model replicas. With one degree
+    a group is one replica of the whole DAG. ``dp`` is the language model's degree (the replicas the sampler
+    serves)."""
 
     stages: list[str]
     cp: dict[str, int]
     tp: dict[str, int]
-    dp: int
+    replicas_per_chain: dict[str, int]
     placement: str
     module_stages: dict[str, int] = field(default_factory=dict)  # pp per module (encoders and language_model)
     module_tp: dict[str, int] = field(default_factory=dict)  # tp per module (encoders in an LLM stage: 1 or its tp)
     cp_mode: str = "allgather"  # the LLM's CP attention (ParallelSpec.cp_mode)
     ulysses: int = 1  # its Ulysses degree: 1 for allgather, cp for ulysses, K for hybrid
-    chain_dp: dict[str, int] = field(default_factory=dict)  # per-module data parallelism: replicas per chain
     ep: int = 1  # the LLM's expert-parallel degree (ParallelSpec.ep): experts split over ep of its replicas
+
+    def __post_init__(self):
+        missing = sorted(set(self.chains()) - set(self.replicas_per_chain))
+        if missing:
+            raise ValueError(f"RankLayout.replicas_per_chain has no degree for the chains {missing}")
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+    @property
+    def dp(self) -> int:
+        """The language model's data-parallel degree."""
+        return self.replicas(LANGUAGE_MODEL)
 
     @property
     def widths(self) -> dict[str, int]:
         return {s: self.cp[s] * self.tp[s] for s in self.stages}
 
     @property
-    def disaggregated(self) -> bool:
+    def per_module_dp(self) -> bool:
         """Whether chains differ in data-parallel degree (modules exchange samples across replicas)."""
         return len(set(self.replicas(c) for c in self.chains())) > 1
 
     def replicas(self, chain: str) -> int:
         """Data-parallel replicas of a chain (``chain_of(stage)``)."""
-        return self.chain_dp.get(chain, self.dp)
+        return self.replicas_per_chain[chain]
 
     @staticmethod
     def chain_of(stage: str) -> str:
@@ -245,12 +262,22 @@ class RankLayout:
                  for c in range(self.cp[s])] for s in self.chains()[chain]]
 
     def to_dict(self) -> dict:
-        """The layout as plain data (checkpoints, fingerprints); ``chain_dp`` only when chains differ."""
-        out = {"stages": self.stages, "cp": self.cp, "tp": self.tp, "dp": self.dp, "placement": self.placement,
-               "module_stages": self.module_stages}
-        if self.disaggregated:
-            out["chain_dp"] = {c: self.replicas(c) for c in self.chains()}
-        return out
+        """The layout as plain data, every field (checkpoints, resume checks, fault tolerance's fingerprint)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RankLayout":
+        """The layout ``to_dict`` wrote (extra keys ignored); also reads the form of earlier checkpoints (a ``dp``
+        for every chain, or ``chain_dp`` where chains differed)."""
+        data = dict(data)
+        if "replicas_per_chain" not in data:
+            chains = dict.fromkeys(cls.chain_of(s) for s in data["stages"])
+            data["replicas_per_chain"] = data.get("chain_dp") or {c: data["dp"] for c in chains}
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+    def with_replicas(self, replicas: int) -> "RankLayout":
+        """The same layout with ``replicas`` data-parallel replicas of every chain."""
+        return replace(self, replicas_per_chain={c: replicas for c in self.chains()})
 
 
 def check_node_locality(layout: RankLayout, ranks_per_node: int) -> None:
@@ -274,7 +301,7 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
                  placement: str = "parallel", model_encoders: list[str] | None = None) -> RankLayout:
     """Lay out ranks, or raise (with the fix) when the specs do not fit ``world_size``."""
     layout = replica_layout(encoders, language_model, placement, model_encoders)
-    if layout.chain_dp:
+    if layout.per_module_dp:
         if layout.world_size != world_size:
             parts = " + ".join(f"{c} {layout.replicas(c)}x{layout.chain_width(c)}" for c in layout.chains())
             raise ValueError(f"the ParallelSpecs' data-parallel degrees need {layout.world_size} devices ({parts}: "
@@ -286,7 +313,7 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
         raise ValueError(f"{world_size} devices cannot hold whole replicas of {per_replica} ranks "
                          f"({' + '.join(f'{s}x{layout.widths[s]}' for s in layout.stages)}); use a multiple of "
                          f"{per_replica} devices or change the ParallelSpecs")
-    layout.dp = world_size // per_replica
+    layout = layout.with_replicas(world_size // per_replica)
     if layout.dp % layout.ep:
         raise ValueError(f"language_model ep={layout.ep} splits experts over data-parallel ranks, but there are "
                          f"{layout.dp} replicas; use {per_replica * layout.ep}*k devices or an ep dividing "
@@ -336,9 +363,11 @@ def replica_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSp
                              + ", or use encoder_placement='parallel'")
     if chain_dp and len(set(chain_dp.values())) == 1:  # one degree: today's layout, at that degree
         replicas, chain_dp = language_model.dp, {}
-    return RankLayout(stages, cp, tp, language_model.dp if chain_dp else replicas, placement,
+    chains = dict.fromkeys(RankLayout.chain_of(s) for s in stages)  # differing degrees need parallel placement
+    per_chain = {c: chain_dp[c] for c in chains} if chain_dp else dict.fromkeys(chains, replicas)
+    return RankLayout(stages, cp, tp, per_chain, placement,
                       {n: s.pp for n, s in specs.items()}, {n: s.tp for n, s in specs.items()},
-                      language_model.cp_mode, language_model.ulysses_degree, chain_dp, language_model.ep)
+                      language_model.cp_mode, language_model.ulysses_degree, language_model.ep)
 
 
 def module_dp(encoders: dict[str, ParallelSpec], language_model: ParallelSpec, placement: str) -> dict[str, int]:

@@ -269,7 +269,7 @@ class OrchestrationResult:
 class _Problem:
     def __init__(self, modules, num_devices, num_microbatches, samples, tp_degrees, memory_limit,
                  allreduce_bandwidth, tp_bandwidth, sharding, p2p_latency):
-        self.modules = {m: _Module(s) for m, s in modules.items()}
+        self.specs, self.modules = modules, {m: _Module(s) for m, s in modules.items()}
         self.encoders = _encoders(modules)
         self.n, self.m, self.b = num_devices, num_microbatches, samples
         self.tps, self.limit, self.ar_bw, self.tp_bw = tp_degrees, memory_limit, allreduce_bandwidth, tp_bandwidth
@@ -449,105 +449,26 @@ def search_per_module_dp(
     every choice. Encoders run on their own devices (``placement`` must be "parallel": the runtime refuses unequal
     dps otherwise)."""
     _check_modules(modules)
-    if placement != "parallel":
-        raise ValueError(f"per-module data parallelism needs encoder_placement='parallel' (got {placement!r}): "
-                         "colocated encoders share stages and replicated ones run inside the LLM's first stage, so "
-                         "neither can have its own dp; use encoder_placement='parallel' or the uniform search")
-    if sharding not in SHARDING_TRAFFIC:
-        raise ValueError(f"unknown sharding {sharding!r}; use one of {tuple(SHARDING_TRAFFIC)}")
-    for name, value in (("num_devices", num_devices), ("num_microbatches", num_microbatches),
-                        ("samples_per_microbatch", samples_per_microbatch), ("replay", replay)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    _check_request(placement, sharding, (("num_devices", num_devices), ("num_microbatches", num_microbatches),
+                                         ("samples_per_microbatch", samples_per_microbatch), ("replay", replay)))
     tps = sorted(set(tp_degrees))
     if not tps or any(not isinstance(t, int) or t < 1 for t in tps):
         raise ValueError(f"tp_degrees must be ints >= 1, got {tuple(tp_degrees)!r}")
     started = time.perf_counter()
     problem = _Problem(modules, num_devices, num_microbatches, samples_per_microbatch, tps, memory_limit,
                        allreduce_bandwidth, tp_bandwidth, sharding, p2p_latency)
-    encoders, base = problem.encoders, dict.fromkeys(problem.encoders, tps[0])
-    outer = [(lm_tp, lm_dp) for lm_tp, lm_dp in itertools.product(tps, _divisors(num_microbatches))
-             if lm_dp * lm_tp + len(encoders) <= num_devices]
-    found_at: list[tuple[tuple, Orchestration]] = []  # (enumeration order, candidate)
-    pruned: list[tuple[float, tuple, int, int, dict[str, int]]] = []  # (bound, order, outer choice)
-    subproblems = 0
-
-    def threshold() -> float:  # the replay-th best estimate so far: a layout whose bound exceeds it cannot be replayed
-        if len(found_at) < replay:
-            return math.inf
-        return sorted(c.estimate for _, c in found_at)[replay - 1] * (1 + 1e-9) + 1e-300
-
-    def run(order, lm_tp, lm_dp, enc_tp):
-        nonlocal subproblems
-        subproblems += 1
-        found = problem.solve(lm_tp, lm_dp, enc_tp)
-        if found is not None:
-            found_at.append((order, found))
-
-    def solve_choice(i, lm_tp, lm_dp, prune):
-        """Outer choice ``i`` at the smallest encoder tp, then at every larger tp of the encoders strained there
-        (each skipped, with ``prune``, where its bound exceeds the threshold). An encoder's larger tp only pays where
-        it is strained at the smallest (no fit, its replicas capped at the samples of a microbatch position, or more
-        stages for memory): otherwise tp x C(tp) >= C(smallest tp) makes the same devices as replicas at least as
-        fast for Eq. 2 and Eq. 1."""
-        run((i, 0), lm_tp, lm_dp, base)
-        strained = [e for e in encoders if e in problem.strained]
-        for j, combo in enumerate(itertools.product(tps, repeat=len(strained))):
-            if any(t != tps[0] for t in combo):
-                enc_tp = {**base, **dict(zip(strained, combo))}
-                bound = problem.lower_bound(lm_tp, lm_dp, enc_tp) if prune else -math.inf
-                if bound > threshold():
-                    pruned.append((bound, (i, j), lm_tp, lm_dp, enc_tp))
-                else:
-                    run((i, j), lm_tp, lm_dp, enc_tp)
-
-    # Outer choices from the lowest bound up, each skipped when its bound (and that of every larger encoder tp)
-    # exceeds the replay-th best estimate found: the same layouts are replayed as when every choice is solved.
-    combos = [c for c in itertools.product(tps, repeat=len(encoders)) if any(t != tps[0] for t in c)]
-    bounds = {o: problem.lower_bound(*o, base) for o in outer}
-    for i, (lm_tp, lm_dp) in sorted(enumerate(outer), key=lambda io: bounds[io[1]]):
-        if bounds[lm_tp, lm_dp] > threshold():
-            bound = min([bounds[lm_tp, lm_dp]] + [problem.lower_bound(lm_tp, lm_dp, dict(zip(encoders, c)))
-                                                  for c in combos])
-            if bound > threshold():
-                pruned.append((bound, (i,), lm_tp, lm_dp, base))
-                continue
-        solve_choice(i, lm_tp, lm_dp, prune=True)
-
-    def ranked() -> list[Orchestration]:  # by estimate, then devices, then the order of the full enumeration
-        return [c for _, c in sorted(found_at, key=lambda oc: (oc[1].estimate, oc[1].devices, oc[0]))]
-
-    def replayed_plans(candidates, floor) -> list[Plan] | None:
-        """The first ``replay`` that fit once simulated; None where the list runs into the estimates a pruned choice
-        may reach (``floor``, the least of their bounds) first."""
-        plans = []
-        for c in candidates:
-            if c.estimate * (1 + 1e-9) >= floor:
-                return None
-            layers = {m: problem.modules[m].chain(c.tp[m], tp_bandwidth).sizes(c.pp[m]) for m in modules}
-            plan = evaluate_plan(modules, layers, "parallel", num_microbatches, dict(c.dp), p2p_latency, memory_limit,
-                                 allreduce_bandwidth, dict(c.tp), sharding, tp_bandwidth,
-                                 samples_per_microbatch=samples_per_microbatch)
-            if plan.fits_memory:
-                plans.append(plan)
-                if len(plans) == replay:
-                    break
-        return plans
-
-    candidates, solved = ranked(), time.perf_counter()
+    outer = _OuterSearch(problem, replay)
+    outer.solve_by_bound()
+    candidates, solved = outer.ranked(), time.perf_counter()
     if not candidates:
         raise ValueError(f"no per-module layout of these modules fits {num_devices} devices with "
                          f"memory_limit={memory_limit:.3g} bytes (tp in {tps}); add devices, allow larger tp, or "
                          "recompute activations")
-    replayed = replayed_plans(candidates, min((p[0] for p in pruned), default=math.inf))
-    if replayed is None or (len(replayed) < replay and pruned):  # a pruned choice may rank first: solve them all
-        for _, order, lm_tp, lm_dp, enc_tp in pruned:
-            if len(order) == 2:
-                run(order, lm_tp, lm_dp, enc_tp)
-            else:
-                solve_choice(order[0], lm_tp, lm_dp, prune=False)
-        candidates = ranked()
-        replayed = replayed_plans(candidates, math.inf)
+    replayed = outer.replayed(candidates, min((p[0] for p in outer.pruned), default=math.inf))
+    if replayed is None or (len(replayed) < replay and outer.pruned):  # a pruned choice may rank first: solve them all
+        outer.solve_pruned()
+        candidates = outer.ranked()
+        replayed = outer.replayed(candidates, math.inf)
     if not replayed:
         raise ValueError(f"none of the {len(candidates)} per-module layouts fits {memory_limit:.3g} bytes per device "
                          "once simulated; add devices or recompute activations")
@@ -555,7 +476,109 @@ def search_per_module_dp(
     estimate = next(c.estimate for c in candidates if dict(c.dp) == best.module_dp and dict(c.tp) == best.module_tp
                     and c.pp == best.pp())
     return OrchestrationResult(best, estimate, candidates, replayed, solved - started,
-                               time.perf_counter() - solved, subproblems)
+                               time.perf_counter() - solved, outer.subproblems)
+
+
+def _check_request(placement: str, sharding: str, counts: Sequence[tuple[str, object]]) -> None:
+    """Raise (with the fix) for a placement other than parallel, an unknown sharding or a count below 1."""
+    if placement != "parallel":
+        raise ValueError(f"per-module data parallelism needs encoder_placement='parallel' (got {placement!r}): "
+                         "colocated encoders share stages and replicated ones run inside the LLM's first stage, so "
+                         "neither can have its own dp; use encoder_placement='parallel' or the uniform search")
+    if sharding not in SHARDING_TRAFFIC:
+        raise ValueError(f"unknown sharding {sharding!r}; use one of {tuple(SHARDING_TRAFFIC)}")
+    for name, value in counts:
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+class _OuterSearch:
+    """Algorithm 1's outer loop on one ``_Problem``: its outer choices (the LLM's tp and dp, every encoder's tp)
+    solved from the lowest lower bound up, each skipped (kept in ``pruned``: bound, order, choice) while its bound
+    exceeds the ``replay``-th best estimate found, so that the layouts replayed are those of solving every choice.
+    ``found``: (order in the full enumeration, candidate); ``subproblems``: the choices solved."""
+
+    def __init__(self, problem: _Problem, replay: int):
+        self.problem, self.replay = problem, replay
+        self.base = dict.fromkeys(problem.encoders, problem.tps[0])  # every encoder at the smallest tp
+        self.found: list[tuple[tuple, Orchestration]] = []
+        self.pruned: list[tuple[float, tuple, int, int, dict[str, int]]] = []
+        self.subproblems = 0
+
+    def threshold(self) -> float:
+        """The replay-th best estimate so far: a choice whose bound exceeds it cannot be replayed."""
+        if len(self.found) < self.replay:
+            return math.inf
+        return sorted(c.estimate for _, c in self.found)[self.replay - 1] * (1 + 1e-9) + 1e-300
+
+    def solve(self, order: tuple, lm_tp: int, lm_dp: int, enc_tp: dict[str, int]) -> None:
+        self.subproblems += 1
+        found = self.problem.solve(lm_tp, lm_dp, enc_tp)
+        if found is not None:
+            self.found.append((order, found))
+
+    def solve_choice(self, i: int, lm_tp: int, lm_dp: int, prune: bool) -> None:
+        """Outer choice ``i`` at the smallest encoder tp, then at every larger tp of the encoders strained there
+        (each skipped, with ``prune``, where its bound exceeds the threshold). An encoder's larger tp only pays where
+        it is strained at the smallest (no fit, its replicas capped at the samples of a microbatch position, or more
+        stages for memory): otherwise tp x C(tp) >= C(smallest tp) makes the same devices as replicas at least as
+        fast for Eq. 2 and Eq. 1."""
+        problem, tps = self.problem, self.problem.tps
+        self.solve((i, 0), lm_tp, lm_dp, self.base)
+        strained = [e for e in problem.encoders if e in problem.strained]
+        for j, combo in enumerate(itertools.product(tps, repeat=len(strained))):
+            if any(t != tps[0] for t in combo):
+                enc_tp = {**self.base, **dict(zip(strained, combo))}
+                bound = problem.lower_bound(lm_tp, lm_dp, enc_tp) if prune else -math.inf
+                if bound > self.threshold():
+                    self.pruned.append((bound, (i, j), lm_tp, lm_dp, enc_tp))
+                else:
+                    self.solve((i, j), lm_tp, lm_dp, enc_tp)
+
+    def solve_by_bound(self) -> None:
+        """Every outer choice from the lowest bound up, each skipped when its bound (and that of every larger encoder
+        tp) exceeds the replay-th best estimate found: the same layouts are replayed as when every choice is solved."""
+        problem, tps, encoders, base = self.problem, self.problem.tps, self.problem.encoders, self.base
+        outer = [(lm_tp, lm_dp) for lm_tp, lm_dp in itertools.product(tps, _divisors(problem.m))
+                 if lm_dp * lm_tp + len(encoders) <= problem.n]
+        combos = [c for c in itertools.product(tps, repeat=len(encoders)) if any(t != tps[0] for t in c)]
+        bounds = {o: problem.lower_bound(*o, base) for o in outer}
+        for i, (lm_tp, lm_dp) in sorted(enumerate(outer), key=lambda io: bounds[io[1]]):
+            if bounds[lm_tp, lm_dp] > self.threshold():
+                bound = min([bounds[lm_tp, lm_dp]] + [problem.lower_bound(lm_tp, lm_dp, dict(zip(encoders, c)))
+                                                      for c in combos])
+                if bound > self.threshold():
+                    self.pruned.append((bound, (i,), lm_tp, lm_dp, base))
+                    continue
+            self.solve_choice(i, lm_tp, lm_dp, prune=True)
+
+    def solve_pruned(self) -> None:
+        """Solve the choices skipped so far (a whole outer choice, or one of its larger encoder tps)."""
+        for _, order, lm_tp, lm_dp, enc_tp in self.pruned:
+            if len(order) == 2:
+                self.solve(order, lm_tp, lm_dp, enc_tp)
+            else:
+                self.solve_choice(order[0], lm_tp, lm_dp, prune=False)
+
+    def ranked(self) -> list[Orchestration]:
+        """The candidates by estimate, then devices, then the order of the full enumeration."""
+        return [c for _, c in sorted(self.found, key=lambda oc: (oc[1].estimate, oc[1].devices, oc[0]))]
+
+    def replayed(self, candidates: list[Orchestration], floor: float) -> list[Plan] | None:
+        """The first ``replay`` of ``candidates`` that fit once simulated (``evaluate_plan``); None where the list
+        runs into the estimates a pruned choice may reach (``floor``, the least of their bounds) first."""
+        p, plans = self.problem, []
+        for c in candidates:
+            if c.estimate * (1 + 1e-9) >= floor:
+                return None
+            layers = {m: p.modules[m].chain(c.tp[m], p.tp_bw).sizes(c.pp[m]) for m in p.specs}
+            plan = evaluate_plan(p.specs, layers, "parallel", p.m, dict(c.dp), p.p2p, p.limit, p.ar_bw, dict(c.tp),
+                                 p.sharding, p.tp_bw, samples_per_microbatch=p.b)
+            if plan.fits_memory:
+                plans.append(plan)
+                if len(plans) == self.replay:
+                    break
+        return plans
 
 
 def flop_ratio_split(work: dict[str, float], num_devices: int) -> dict[str, float]:

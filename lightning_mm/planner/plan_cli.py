@@ -337,64 +337,22 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
     if not hasattr(strategy, "encoder_placement"):
         raise SystemExit("the YAML's trainer.strategy is not lightning_mm.MultimodalParallelStrategy; plan needs it")
     profile = args.profile or args.write_profile or getattr(strategy.partition, "profile", None)
-    for flag, value in (("--allreduce-bandwidth", args.allreduce_bandwidth), ("--cp-bandwidth", args.cp_bandwidth),
-                        ("--ep-bandwidth", args.ep_bandwidth)):
-        if math.isfinite(value) and not (profile or args.device_flops):
-            raise SystemExit(f"{flag} needs costs in seconds: add --device-flops (FLOP/s per device) "
-                             "or --profile / --write-profile")
+    _check_bandwidths_have_times(args, profile)
     mb = first_microbatch(module, datamodule, trainer, strategy.num_microbatches)
-    if args.write_profile:  # timed on the Trainer's device in its precision, as training runs
-        save_profile(profile_model(prepared_for_profile(model, trainer),
-                                   forward_context=trainer.precision_plugin.forward_context),
-                     args.write_profile, meta={"config": args.config, "precision": str(trainer.precision),
-                                               "device": device_name(trainer.strategy.root_device)})
-        model.to("cpu")
-        print(f"wrote {args.write_profile}")
-    recompute = strategy.activation_checkpointing
-    microbatches = None  # encoder CP splits the first microbatch's items, or --data-stats' drawn microbatches
-    costs = model_layer_costs(model, profile, batch=mb, recompute=recompute)
-    if args.data_stats:  # costs scaled from this microbatch to the data's mean work (planner.data_stats)
-        from lightning_mm.planner.data_stats import plan_data_stats
-
-        stats, costs, factors = plan_data_stats(model, datamodule, trainer, mb, costs, args.devices,
-                                                args.data_stats_samples)
-        microbatches = stats.microbatches
-        print("data statistics (work: the planner's FLOP model, per sample)\n" + stats.summary())
-        print("costs scaled to the data's mean work: " + ", ".join(f"{m} x{f:.3g}" for m, f in factors.items())
-              + "\n")
-    if profile:  # planner costs in seconds, shown in ms
-        scale, units = 1.0, Units("ms", 1e3, True)
-    elif args.device_flops:
-        scale, units = 1.0 / args.device_flops, Units("ms", 1e3, True)
-    else:  # planner costs in GFLOP
-        scale, units = 1e-9, Units("GFLOP", 1.0, False)
-    specs = module_specs(model, costs, scale, mb, recompute, microbatches)
+    if args.write_profile:
+        _write_profile(args, model, trainer)
+    costs, microbatches = _planning_costs(args, model, datamodule, trainer, mb, profile)
+    scale, units = _cost_units(args, profile)
+    specs = module_specs(model, costs, scale, mb, strategy.activation_checkpointing, microbatches)
     devices = trainer.num_devices * trainer.num_nodes
     out = Path(args.out) if args.out else default_out(trainer)
-    memory_limit = args.memory_limit * GIB
-    bandwidth, tp_bandwidth = args.allreduce_bandwidth * 1e9, args.tp_bandwidth * 1e9
-    tp_degrees = [int(t) for t in args.tp.split(",")]
-    shardings = args.sharding.split(",")
-    llm_spec = strategy.language_model_spec
-    cp_degrees = [int(c) for c in args.cp.split(",")] if args.cp else [llm_spec.cp]
-    cp_modes = args.cp_mode.split(",") if args.cp_mode else [llm_spec.cp_mode]
-    cp_bandwidth, ep_bandwidth = args.cp_bandwidth * 1e9, args.ep_bandwidth * 1e9
-    ep_degrees = [int(e) for e in args.ep.split(",")] if args.ep else [llm_spec.ep]
-    encoder_cp = ([int(c) for arg in args.encoder_cp for c in arg.split(",") if c] if args.encoder_cp else
-                  sorted({s.cp for s in (strategy.encoder_specs or {}).values()}) or [1])
-    source = f"profile {profile}" if profile else "FLOPs counted on the real layers" + (
-        f" at {args.device_flops:.4g} FLOP/s per device" if args.device_flops else "")
-    print(f"costs per microbatch in {units.name} ({source}); memory in GiB"
-          + (f"; gradient all-reduce at {args.allreduce_bandwidth:g} GB/s" if math.isfinite(bandwidth) else "")
-          + (f"; CP attention traffic at {args.cp_bandwidth:g} GB/s" if math.isfinite(cp_bandwidth) else "")
-          + (" (and encoder CP's feature gather)" if math.isfinite(cp_bandwidth) and max(encoder_cp) > 1 else "")
-          + (f"; expert all-to-all at {args.ep_bandwidth:g} GB/s" if math.isfinite(ep_bandwidth) else "")
-          + "\n")
+    options = _SearchOptions.of(args, strategy)
+    print(_costs_header(args, profile, units, options))
     rows = int(mb["input_ids"].shape[0])  # samples per planner microbatch
     if args.templates:
-        return _templates(args, specs, strategy.num_microbatches, tp_degrees, units, out)
-    mine = configured_plan(model, strategy, specs, devices, memory_limit, bandwidth, tp_bandwidth, cp_bandwidth, rows,
-                           ep_bandwidth)
+        return _templates(args, specs, strategy.num_microbatches, options.tp_degrees, units, out)
+    mine = configured_plan(model, strategy, specs, devices, options.memory_limit, options.allreduce_bandwidth,
+                           options.tp_bandwidth, options.cp_bandwidth, rows, options.ep_bandwidth)
     files = _write(mine, out, "configured", units)
     print(stage_table(mine, f"configured: {devices} devices, placement={mine.placement}, dp={mine.dp}, "
                             f"tp={mine.tp}, cp={mine.cp}, cp_mode={cp_mode_label(mine)}, "
@@ -402,11 +360,113 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
                             f"partition={strategy.partition!r}", units))
     budget = args.devices or devices
     if args.per_module_dp:
-        return _per_module(args, specs, mine, budget, rows, tp_degrees, shardings, out, units, files)
-    found = search(specs, budget, mine.microbatches_per_replica * mine.dp, memory_limit,
-                   allreduce_bandwidth=bandwidth, tp_degrees=tp_degrees, sharding_strategies=shardings,
-                   tp_bandwidth=tp_bandwidth, cp_degrees=cp_degrees, cp_modes=cp_modes, cp_bandwidth=cp_bandwidth,
-                   encoder_cp_degrees=encoder_cp, ep_degrees=ep_degrees, ep_bandwidth=ep_bandwidth)
+        return _per_module(specs, mine, budget, rows, options, out, units, files)
+    _auto_search(specs, mine, budget, options, out, units, files)
+
+
+def _check_bandwidths_have_times(args: argparse.Namespace, profile) -> None:
+    """A bandwidth times communication, so it needs costs in seconds (a profile or ``--device-flops``)."""
+    for flag, value in (("--allreduce-bandwidth", args.allreduce_bandwidth), ("--cp-bandwidth", args.cp_bandwidth),
+                        ("--ep-bandwidth", args.ep_bandwidth)):
+        if math.isfinite(value) and not (profile or args.device_flops):
+            raise SystemExit(f"{flag} needs costs in seconds: add --device-flops (FLOP/s per device) "
+                             "or --profile / --write-profile")
+
+
+def _write_profile(args: argparse.Namespace, model, trainer) -> None:
+    """``--write-profile``: the model's parts timed on the Trainer's device in its precision, as training runs."""
+    save_profile(profile_model(prepared_for_profile(model, trainer),
+                               forward_context=trainer.precision_plugin.forward_context),
+                 args.write_profile, meta={"config": args.config, "precision": str(trainer.precision),
+                                           "device": device_name(trainer.strategy.root_device)})
+    model.to("cpu")
+    print(f"wrote {args.write_profile}")
+
+
+def _planning_costs(args: argparse.Namespace, model, datamodule, trainer, mb: dict, profile):
+    """(layer costs of ``mb``, the microbatches of items encoder CP splits): FLOPs or seconds (``profile``) of the
+    first microbatch, and None (its own items); with ``--data-stats`` the costs scaled from it to the data's mean
+    work per sample and microbatches drawn from the data (``planner.data_stats``), its statistics printed."""
+    costs = model_layer_costs(model, profile, batch=mb, recompute=trainer.strategy.activation_checkpointing)
+    if not args.data_stats:
+        return costs, None
+    from lightning_mm.planner.data_stats import plan_data_stats
+
+    stats, costs, factors = plan_data_stats(model, datamodule, trainer, mb, costs, args.devices,
+                                            args.data_stats_samples)
+    print("data statistics (work: the planner's FLOP model, per sample)\n" + stats.summary())
+    print("costs scaled to the data's mean work: " + ", ".join(f"{m} x{f:.3g}" for m, f in factors.items())
+          + "\n")
+    return costs, stats.microbatches
+
+
+def _cost_units(args: argparse.Namespace, profile) -> tuple[float, Units]:
+    """(what the layer costs are multiplied by, how the planner's costs are shown): seconds in ms with a profile or
+    ``--device-flops``, else GFLOP."""
+    if profile:
+        return 1.0, Units("ms", 1e3, True)
+    if args.device_flops:
+        return 1.0 / args.device_flops, Units("ms", 1e3, True)
+    return 1e-9, Units("GFLOP", 1.0, False)
+
+
+@dataclass(frozen=True)
+class _SearchOptions:
+    """What the search is asked for, in the planner's units (bytes, bytes/s): the memory limit per device, the
+    bandwidths, and the degrees tried: ``--tp``, ``--sharding``, and the YAML's own LLM CP degree and mode, ep and
+    encoder CP degrees where ``--cp``, ``--cp-mode``, ``--ep`` and ``--encoder-cp`` are not given."""
+
+    memory_limit: float
+    allreduce_bandwidth: float
+    tp_bandwidth: float
+    cp_bandwidth: float
+    ep_bandwidth: float
+    tp_degrees: list[int]
+    shardings: list[str]
+    cp_degrees: list[int]
+    cp_modes: list[str]
+    ep_degrees: list[int]
+    encoder_cp: list[int]
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, strategy) -> _SearchOptions:
+        llm_spec = strategy.language_model_spec
+        return cls(
+            memory_limit=args.memory_limit * GIB, allreduce_bandwidth=args.allreduce_bandwidth * 1e9,
+            tp_bandwidth=args.tp_bandwidth * 1e9, cp_bandwidth=args.cp_bandwidth * 1e9,
+            ep_bandwidth=args.ep_bandwidth * 1e9,
+            tp_degrees=[int(t) for t in args.tp.split(",")], shardings=args.sharding.split(","),
+            cp_degrees=[int(c) for c in args.cp.split(",")] if args.cp else [llm_spec.cp],
+            cp_modes=args.cp_mode.split(",") if args.cp_mode else [llm_spec.cp_mode],
+            ep_degrees=[int(e) for e in args.ep.split(",")] if args.ep else [llm_spec.ep],
+            encoder_cp=([int(c) for arg in args.encoder_cp for c in arg.split(",") if c] if args.encoder_cp else
+                        sorted({s.cp for s in (strategy.encoder_specs or {}).values()}) or [1]))
+
+
+def _costs_header(args: argparse.Namespace, profile, units: Units, options: _SearchOptions) -> str:
+    """The line above the tables: the costs' unit and source, and the communication that is timed."""
+    source = f"profile {profile}" if profile else "FLOPs counted on the real layers" + (
+        f" at {args.device_flops:.4g} FLOP/s per device" if args.device_flops else "")
+    cp_timed = math.isfinite(options.cp_bandwidth)
+    return (f"costs per microbatch in {units.name} ({source}); memory in GiB"
+            + (f"; gradient all-reduce at {args.allreduce_bandwidth:g} GB/s"
+               if math.isfinite(options.allreduce_bandwidth) else "")
+            + (f"; CP attention traffic at {args.cp_bandwidth:g} GB/s" if cp_timed else "")
+            + (" (and encoder CP's feature gather)" if cp_timed and max(options.encoder_cp) > 1 else "")
+            + (f"; expert all-to-all at {args.ep_bandwidth:g} GB/s" if math.isfinite(options.ep_bandwidth) else "")
+            + "\n")
+
+
+def _auto_search(specs: dict[str, ModuleSpec], mine: Plan, budget: int, options: _SearchOptions, out: Path,
+                 units: Units, files: list) -> None:
+    """The auto-parallel search on ``budget`` devices for the configured plan's global batch: what it left out and
+    why, its table, the configured / auto ratio, why devices stay idle and the YAML that runs its plan."""
+    found = search(specs, budget, mine.microbatches_per_replica * mine.dp, options.memory_limit,
+                   allreduce_bandwidth=options.allreduce_bandwidth, tp_degrees=options.tp_degrees,
+                   sharding_strategies=options.shardings, tp_bandwidth=options.tp_bandwidth,
+                   cp_degrees=options.cp_degrees, cp_modes=options.cp_modes, cp_bandwidth=options.cp_bandwidth,
+                   encoder_cp_degrees=options.encoder_cp, ep_degrees=options.ep_degrees,
+                   ep_bandwidth=options.ep_bandwidth)
     best = found.best
     files += _write(best, out, "auto", units)
     print()
@@ -456,17 +516,18 @@ def module_degrees(plan: Plan) -> str:
     return ", ".join(f"{m} {plan.module_dp[m]}x{plan.module_tp[m]}x{pp}" for m, pp in plan.pp().items())
 
 
-def _per_module(args, specs, mine: Plan, budget: int, rows: int, tp_degrees, shardings, out: Path, units: Units,
-                files: list) -> None:
+def _per_module(specs: dict[str, ModuleSpec], mine: Plan, budget: int, rows: int, options: _SearchOptions,
+                out: Path, units: Units, files: list) -> None:
     """``--per-module-dp``: DistTrain's orchestration on ``budget`` devices (each sharding tried), its table, the
     configured / per-module ratio and the YAML with dp on every ParallelSpec."""
     from lightning_mm.planner.orchestration import search_per_module_dp
 
-    memory_limit, bandwidth = args.memory_limit * GIB, args.allreduce_bandwidth * 1e9
     found = min((search_per_module_dp(specs, budget, mine.microbatches_per_replica * mine.dp,
-                                      samples_per_microbatch=rows, tp_degrees=tp_degrees, memory_limit=memory_limit,
-                                      allreduce_bandwidth=bandwidth, tp_bandwidth=args.tp_bandwidth * 1e9,
-                                      sharding=sharding) for sharding in shardings),
+                                      samples_per_microbatch=rows, tp_degrees=options.tp_degrees,
+                                      memory_limit=options.memory_limit,
+                                      allreduce_bandwidth=options.allreduce_bandwidth,
+                                      tp_bandwidth=options.tp_bandwidth, sharding=sharding)
+                 for sharding in options.shardings),
                 key=lambda r: (r.best.iteration_time, r.best.devices))
     best = found.best
     files += _write(best, out, "auto", units)
@@ -498,7 +559,6 @@ def plan_template(specs: dict[str, ModuleSpec], nodes: int, devices_per_node: in
     simulated: they cannot win. The answer is the one simulating all of them gives."""
     import time
 
-    from lightning_mm.plan.layout import ParallelSpec, check_node_locality, replica_layout
     from lightning_mm.plan.templates import PipelineTemplate
     from lightning_mm.planner.search import candidate_layouts
 
@@ -515,40 +575,8 @@ def plan_template(specs: dict[str, ModuleSpec], nodes: int, devices_per_node: in
                              tp_bandwidth=tp_bandwidth, allreduce_bandwidth=allreduce_bandwidth)
 
     def fastest(microbatches):  # the search's candidate layouts that fill the devices
-        options = []
-        for tp in (t for t in tp_degrees if devices % t == 0):
-            for dp in (d for d in range(1, devices // tp + 1) if (devices // tp) % d == 0 and microbatches % d == 0):
-                for placement, layers in layouts(devices // (dp * tp)):
-                    encoders = {m: ParallelSpec(pp=len(v), tp=tp) for m, v in layers.items() if m != LANGUAGE_MODEL}
-                    llm = ParallelSpec(pp=len(layers[LANGUAGE_MODEL]), tp=tp)
-                    layout = replica_layout(encoders, llm, placement, replicas=dp)
-                    # every chain at one degree: dp replicas of all stages' ranks (world_size, counted faster)
-                    if (layout.world_size if layout.chain_dp else dp * sum(layout.widths.values())) == devices:
-                        options.append((tp, dp, placement, layers))
-        local: dict[int, bool] = {}  # the node-locality check per option (slow: only for plans that can win)
-
-        def usable(i, plan):  # fills the devices within memory, every stage's tp ranks on one node
-            if plan.devices != devices or not plan.fits_memory:
-                return False
-            if i not in local:
-                try:
-                    check_node_locality(plan.layout, devices_per_node)
-                    local[i] = True
-                except ValueError:
-                    local[i] = False
-            return local[i]
-
-        probes = [evaluate(o, o[1]) for o in options]  # one microbatch per replica
-        bounds = [_time_bound(p, microbatches // p.dp) for p in probes]
-        plans, best = {}, math.inf
-        for i in sorted(range(len(options)), key=bounds.__getitem__):
-            if bounds[i] > best:
-                break  # this bound and every later one exceed the time of a usable plan: none of them can win
-            plans[i] = probes[i] if options[i][1] == microbatches else evaluate(options[i], microbatches)
-            if plans[i].iteration_time < best and usable(i, plans[i]):
-                best = plans[i].iteration_time
-        order = sorted(plans, key=lambda i: (plans[i].iteration_time, plans[i].dp, i))
-        return next((plans[i] for i in order if usable(i, plans[i])), None)
+        options = _filling_options(devices, microbatches, tp_degrees, layouts)
+        return _fastest_usable(options, microbatches, evaluate, devices, devices_per_node)
 
     start, devices = time.perf_counter(), nodes * devices_per_node
     best = fastest(num_microbatches)
@@ -564,6 +592,59 @@ def plan_template(specs: dict[str, ModuleSpec], nodes: int, devices_per_node: in
     return PipelineTemplate(nodes, devices_per_node, {**encoders, LANGUAGE_MODEL: llm},
                             {m: tuple(v) for m, v in best.layers.items()}, best.placement, best.dp, per_mb,
                             max(best.iteration_time - num_microbatches * per_mb, 0.0), time.perf_counter() - start)
+
+
+def _filling_options(devices: int, microbatches: int, tp_degrees, layouts) -> list[tuple]:
+    """(tp, dp, placement, layers) for every tp dividing ``devices``, every dp dividing both the devices per tp rank
+    and ``microbatches``, and every layout of ``layouts(devices per replica)`` that fills the ``devices``."""
+    from lightning_mm.plan.layout import ParallelSpec, replica_layout
+
+    options = []
+    for tp in (t for t in tp_degrees if devices % t == 0):
+        for dp in (d for d in range(1, devices // tp + 1) if (devices // tp) % d == 0 and microbatches % d == 0):
+            for placement, layers in layouts(devices // (dp * tp)):
+                encoders = {m: ParallelSpec(pp=len(v), tp=tp) for m, v in layers.items() if m != LANGUAGE_MODEL}
+                llm = ParallelSpec(pp=len(layers[LANGUAGE_MODEL]), tp=tp)
+                layout = replica_layout(encoders, llm, placement, replicas=dp)
+                # every chain at one degree: dp replicas of all stages' ranks (world_size, counted faster)
+                if dp * sum(layout.widths.values()) == devices:
+                    options.append((tp, dp, placement, layers))
+    return options
+
+
+def _fastest_usable(options: list[tuple], microbatches: int, evaluate, devices: int,
+                    devices_per_node: int) -> Plan | None:
+    """The fastest of ``options`` simulated at ``microbatches`` (``evaluate(option, microbatches)``) that fills the
+    ``devices`` within memory with every stage's tp ranks on one node, ties to the smaller dp, then to the earlier
+    option; None if none does. Each option is first simulated at one microbatch per replica for a lower bound on its
+    time (``_time_bound``); the options are simulated in the order of their bounds, until a bound exceeds the time of
+    a usable plan."""
+    from lightning_mm.plan.layout import check_node_locality
+
+    local: dict[int, bool] = {}  # the node-locality check per option (slow: only for plans that can win)
+
+    def usable(i, plan):  # fills the devices within memory, every stage's tp ranks on one node
+        if plan.devices != devices or not plan.fits_memory:
+            return False
+        if i not in local:
+            try:
+                check_node_locality(plan.layout, devices_per_node)
+                local[i] = True
+            except ValueError:
+                local[i] = False
+        return local[i]
+
+    probes = [evaluate(o, o[1]) for o in options]  # one microbatch per replica
+    bounds = [_time_bound(p, microbatches // p.dp) for p in probes]
+    plans, best = {}, math.inf
+    for i in sorted(range(len(options)), key=bounds.__getitem__):
+        if bounds[i] > best:
+            break  # this bound and every later one exceed the time of a usable plan: none of them can win
+        plans[i] = probes[i] if options[i][1] == microbatches else evaluate(options[i], microbatches)
+        if plans[i].iteration_time < best and usable(i, plans[i]):
+            best = plans[i].iteration_time
+    order = sorted(plans, key=lambda i: (plans[i].iteration_time, plans[i].dp, i))
+    return next((plans[i] for i in order if usable(i, plans[i])), None)
 
 
 def _time_bound(probe: Plan, microbatches: int) -> float:

@@ -342,27 +342,12 @@ def state_bytes_per_device(param_bytes: float, trainable: bool, dp: int, tp: int
     return per_tp
 
 
-def evaluate_plan(
-    modules: dict[str, ModuleSpec],
-    layers: dict[str, list[int]],
-    placement: str,
-    num_microbatches: int,
-    dp: int | dict[str, int] = 1,
-    p2p_latency: float = 0.0,
-    memory_limit: float = math.inf,
-    allreduce_bandwidth: float = math.inf,
-    tp: int | dict[str, int] = 1,
-    sharding: str = "NO_SHARD",
-    tp_bandwidth: float = math.inf,
-    cp: int = 1,
-    cp_mode: str = "allgather",
-    ulysses: int | None = None,
-    cp_bandwidth: float = math.inf,
-    encoder_cp: dict[str, int] | None = None,
-    samples_per_microbatch: int = 1,
-    ep: int = 1,
-    ep_bandwidth: float = math.inf,
-) -> Plan:
+def evaluate_plan(modules: dict[str, ModuleSpec], layers: dict[str, list[int]], placement: str, num_microbatches: int,
+                  dp: int | dict[str, int] = 1, p2p_latency: float = 0.0, memory_limit: float = math.inf,
+                  allreduce_bandwidth: float = math.inf, tp: int | dict[str, int] = 1, sharding: str = "NO_SHARD",
+                  tp_bandwidth: float = math.inf, cp: int = 1, cp_mode: str = "allgather", ulysses: int | None = None,
+                  cp_bandwidth: float = math.inf, encoder_cp: dict[str, int] | None = None,
+                  samples_per_microbatch: int = 1, ep: int = 1, ep_bandwidth: float = math.inf) -> Plan:
     """Simulate one layout on one DP replica (num_microbatches / dp microbatches) with the true costs. With
     dp > 1 each stage then all-reduces its gradients over its dp replicas: a ring moves 2 (dp-1)/dp of the
     bytes through each device's link of ``allreduce_bandwidth`` bytes/s (FSDP's FULL_SHARD moves 1.5 times that:
@@ -405,6 +390,52 @@ def evaluate_plan(
     if sharding not in SHARDING_TRAFFIC:
         raise ValueError(f"unknown sharding {sharding!r}; use one of {tuple(SHARDING_TRAFFIC)}")
     _check_modules(modules)
+    degrees = _checked_degrees(modules, layers, placement, num_microbatches, dp=dp, tp=tp, cp=cp, cp_mode=cp_mode,
+                               ulysses=ulysses, encoder_cp=encoder_cp, samples_per_microbatch=samples_per_microbatch,
+                               ep=ep)
+    stages = _plan_stages(modules, layers, placement, degrees)
+    moe = _llm_expert_parts(modules, layers, placement)  # stage -> (expert state, expert grads, routed, in backward)
+    cp_fwd, cp_bwd = _cp_seconds(modules, layers, stages, degrees, cp_bandwidth)
+    ep_f, ep_b = _ep_seconds(modules[LANGUAGE_MODEL].experts, moe, stages.table, degrees, ep_bandwidth)
+    fwd, bwd, comm_f, comm_b, kept = _stage_seconds(stages, tp_bandwidth, (cp_fwd, cp_bwd), (ep_f, ep_b))
+    for s, n in stages.samples.items():  # per-module dp: an encoder stage's work per microbatch position
+        for values in (fwd, bwd, comm_f, comm_b, kept, cp_fwd, cp_bwd):
+            values[s] *= n
+    sync, state, experts_held = _sync_and_state(stages, moe, degrees, sharding, allreduce_bandwidth)
+    per_replica = num_microbatches // degrees.dp
+    result = simulate_1f1b(stages.graph, per_replica, fwd, bwd, p2p_latency, sync, comm_f, comm_b)
+    memory = {s: state_bytes_per_device(state[s], r[5], stages.dp[s] * stages.ranks[s], stages.tp[s], sharding)
+              + experts_held[s] + kept[s] * result.peak_inflight[s] for s, r in stages.table.items()}
+    d = degrees
+    return Plan(placement, {m: list(v) for m, v in layers.items()}, d.dp, per_replica, fwd, bwd, memory, result,
+                all(v <= memory_limit for v in memory.values()), d.tp, sharding, d.cp,
+                d.cp_mode if d.cp > 1 else "allgather", d.ulysses, {s: cp_fwd[s] + cp_bwd[s] for s in stages.table},
+                d.encoder_cp, d.module_dp, d.module_tp, d.samples_per_microbatch, d.ep,
+                {s: ep_f[s] + ep_b[s] for s in stages.table} if d.ep > 1 else {})
+
+
+@dataclass(frozen=True)
+class _Degrees:
+    """The degrees one ``evaluate_plan`` runs with, checked: the LLM's dp and tp (every module's under per-module
+    parallelism, else empty), the LLM's CP degree, mode and Ulysses degree, the encoders' CP degrees above 1, the
+    expert-parallel degree and the samples in one microbatch."""
+
+    dp: int
+    tp: int
+    module_dp: dict[str, int]
+    module_tp: dict[str, int]
+    cp: int
+    cp_mode: str
+    ulysses: int
+    encoder_cp: dict[str, int]
+    ep: int
+    samples_per_microbatch: int
+
+
+def _checked_degrees(modules, layers, placement, num_microbatches, *, dp, tp, cp, cp_mode, ulysses, encoder_cp,
+                     samples_per_microbatch, ep) -> _Degrees:
+    """``evaluate_plan``'s degrees for this layout, or the ValueError (with the fix) for one the runtime refuses:
+    per-module degrees, the CP mode and its Ulysses degree, the stage sizes, the encoders' CP, ep and the layout."""
     module_dp = _module_degrees(dp, modules, "dp") if isinstance(dp, dict) else {}
     module_tp = _module_degrees(tp, modules, "tp") if isinstance(tp, dict) else {}
     if module_dp:
@@ -413,6 +444,23 @@ def evaluate_plan(
         check_module_dp(module_dp, placement, samples_per_microbatch)
         dp = module_dp[LANGUAGE_MODEL]
     llm_tp = module_tp.get(LANGUAGE_MODEL, tp)
+    k = _ulysses_degree(modules[LANGUAGE_MODEL].attention, llm_tp, cp, cp_mode, ulysses)
+    if num_microbatches % dp:
+        raise ValueError(f"num_microbatches={num_microbatches} is not divisible by dp={dp}; pick dp dividing it")
+    _check_stage_sizes(modules, layers, placement)
+    encoder_cp = {e: n for e, n in (encoder_cp or {}).items() if n != 1}
+    unknown = [e for e in encoder_cp if e not in _encoders(modules)]
+    if unknown:
+        raise ValueError(f"encoder_cp names {unknown}, which are not encoders of these modules "
+                         f"({_encoders(modules)}); give a degree per encoder name")
+    check_ep(ep, dp, modules[LANGUAGE_MODEL].experts, bool(module_dp))
+    replica_layout(*_parallel_specs(layers, llm_tp, cp, cp_mode, k, encoder_cp, module_tp, ep=ep), placement)
+    return _Degrees(dp, llm_tp, module_dp, module_tp, cp, cp_mode, k, encoder_cp, ep, samples_per_microbatch)
+
+
+def _ulysses_degree(attention: AttentionShape | None, tp: int, cp: int, cp_mode: str, ulysses: int | None) -> int:
+    """The Ulysses degree ``cp_mode`` runs with on ``cp`` ranks (1 for allgather, cp for ulysses, ``ulysses`` for
+    hybrid), checked against the mode's valid degrees and the LLM's heads at tensor parallelism ``tp``."""
     if not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be an int >= 1, got {cp!r}")
     degrees = cp_degrees_of(cp, cp_mode)
@@ -420,87 +468,130 @@ def evaluate_plan(
     if k not in degrees:
         raise ValueError(f"cp_mode={cp_mode!r} with cp={cp} runs with ulysses in {degrees}, got ulysses={ulysses!r}"
                          + ("" if degrees else f"; cp={cp} has no divisor strictly between 1 and cp"))
-    attention = modules[LANGUAGE_MODEL].attention
-    problem = cp_heads_problem(attention, llm_tp, k)
+    problem = cp_heads_problem(attention, tp, k)
     if problem:
         raise ValueError(f"cp_mode={cp_mode!r} (Ulysses degree {k}) does not fit: {problem}")
-    if num_microbatches % dp:
-        raise ValueError(f"num_microbatches={num_microbatches} is not divisible by dp={dp}; pick dp dividing it")
+    return k
+
+
+def _check_stage_sizes(modules: dict[str, ModuleSpec], layers: dict[str, list[int]], placement: str) -> None:
+    """Raise unless every module's stage sizes are >= 1 and cover its layers (colocated: equal encoder stage counts)."""
     if placement == "colocated" and len({len(layers[e]) for e in _encoders(modules)}) > 1:
-        raise ValueError(f"colocated placement needs equal encoder stage counts, got { {e: len(layers[e]) for e in _encoders(modules)} }")
+        counts = {e: len(layers[e]) for e in _encoders(modules)}
+        raise ValueError(f"colocated placement needs equal encoder stage counts, got {counts}")
     for module, sizes in layers.items():
         if sum(sizes) != len(modules[module].costs) or min(sizes) < 1:
-            raise ValueError(f"{module}: stage sizes {sizes} must be >= 1 and cover its {len(modules[module].costs)} layers")
-    encoder_cp = {e: n for e, n in (encoder_cp or {}).items() if n != 1}
-    unknown = [e for e in encoder_cp if e not in _encoders(modules)]
-    if unknown:
-        raise ValueError(f"encoder_cp names {unknown}, which are not encoders of these modules "
-                         f"({_encoders(modules)}); give a degree per encoder name")
-    experts = modules[LANGUAGE_MODEL].experts
-    check_ep(ep, dp, experts, bool(module_dp))
-    replica_layout(*_parallel_specs(layers, llm_tp, cp, cp_mode, k, encoder_cp, module_tp, ep=ep), placement)
+            raise ValueError(f"{module}: stage sizes {sizes} must be >= 1 and cover its {len(modules[module].costs)} "
+                             "layers")
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """Per graph stage of one layout: its summed layers (``_stage_table``) and the graph; its tp and dp (those of the
+    first module it holds); under per-module dp, the samples its busiest replica encodes per microbatch position
+    (relative to a microbatch; else empty); its LLM part (``_llm_stage_parts``, zeros without one), what context
+    parallelism splits; the ranks its parameters are replicated over (the LLM's cp, an encoder's CP degree, else 1)
+    and the busiest CP rank's (work, token) share (``encoder_cp_split``)."""
+
+    table: dict[str, tuple[float, float, float, float, float, bool, float]]
+    graph: StageGraph
+    tp: dict[str, int]
+    dp: dict[str, int]
+    samples: dict[str, float]
+    llm: dict[str, tuple[float, float, float, int, int]]
+    ranks: dict[str, int]
+    share: dict[str, tuple[float, float]]
+
+
+def _plan_stages(modules, layers, placement, degrees: _Degrees) -> _Stages:
     table = _stage_table(modules, layers, placement)
     graph = plan_graph(modules, layers, placement)
-    per_replica = num_microbatches // dp
     owner = {s: parts[0][0] for s, parts in placement_table({e: len(layers[e]) for e in _encoders(modules)},
                                                                len(layers[LANGUAGE_MODEL]), placement).items()}
-    stage_tp = {s: module_tp.get(owner[s], tp) for s in table}
-    stage_dp = {s: module_dp.get(owner[s], dp) for s in table}
-    samples = {s: encoder_samples(dp, stage_dp[s], samples_per_microbatch) / samples_per_microbatch
-               for s in table} if module_dp else {}
+    stage_tp = {s: degrees.module_tp.get(owner[s], degrees.tp) for s in table}
+    stage_dp = {s: degrees.module_dp.get(owner[s], degrees.dp) for s in table}
+    per_mb = degrees.samples_per_microbatch
+    samples = {s: encoder_samples(degrees.dp, stage_dp[s], per_mb) / per_mb
+               for s in table} if degrees.module_dp else {}
     llm = _llm_stage_parts(modules, layers, placement)  # stage -> (fwd, bwd, kept, layers, layers in backward)
     split = {s: llm.get(s, (0.0, 0.0, 0.0, 0, 0)) for s in table}
-    ranks = {s: cp if s in llm else 1 for s in table}  # the ranks one stage's parameters are replicated over
-    share = {s: (1.0, 1.0) for s in table}  # encoder CP: (work, tokens) share of a stage's busiest CP rank
-    gather_f, gather_b = dict.fromkeys(table, 0.0), dict.fromkeys(table, 0.0)
-    for e, n in encoder_cp.items():
+    ranks = {s: degrees.cp if s in llm else 1 for s in table}
+    share = {s: (1.0, 1.0) for s in table}
+    for e, n in degrees.encoder_cp.items():
         split_e = encoder_cp_split(modules[e], n)
         for i in range(len(layers[e])):
             ranks[stage_name(e, i)], share[stage_name(e, i)] = n, split_e
+    return _Stages(table, graph, stage_tp, stage_dp, samples, split, ranks, share)
+
+
+def _cp_seconds(modules, layers, stages: _Stages, degrees: _Degrees, bandwidth: float) -> tuple[dict, dict]:
+    """Per stage, (forward, backward) seconds of context-parallel communication per microbatch: its LLM layers'
+    ``cp_layer_bytes`` and, on an encoder's last stage, the feature gather (``encoder_gather_seconds``)."""
+    gather_f, gather_b = dict.fromkeys(stages.table, 0.0), dict.fromkeys(stages.table, 0.0)
+    for e, n in degrees.encoder_cp.items():
         last = stage_name(e, len(layers[e]) - 1)
-        gather_f[last], backward = encoder_gather_seconds(modules[e], n, cp_bandwidth, split_e[1])
-        gather_b[last] = backward if graph.node(last).needs_backward else 0.0
-    per_layer = (cp_layer_bytes(attention, cp, cp_mode, k, llm_tp) if cp > 1 and attention is not None
-                 else {"forward": 0.0, "backward": 0.0})
-    cp_fwd = {s: (split[s][3] * per_layer["forward"] / cp_bandwidth if cp > 1 else 0.0) + gather_f[s] for s in table}
-    cp_bwd = {s: (split[s][4] * per_layer["backward"] / cp_bandwidth if cp > 1 else 0.0) + gather_b[s] for s in table}
+        gather_f[last], backward = encoder_gather_seconds(modules[e], n, bandwidth, stages.share[last][1])
+        gather_b[last] = backward if stages.graph.node(last).needs_backward else 0.0
+    cp, attention, split = degrees.cp, modules[LANGUAGE_MODEL].attention, stages.llm
+    per_layer = (cp_layer_bytes(attention, cp, degrees.cp_mode, degrees.ulysses, degrees.tp)
+                 if cp > 1 and attention is not None else {"forward": 0.0, "backward": 0.0})
+    cp_fwd = {s: (split[s][3] * per_layer["forward"] / bandwidth if cp > 1 else 0.0) + gather_f[s]
+              for s in stages.table}
+    cp_bwd = {s: (split[s][4] * per_layer["backward"] / bandwidth if cp > 1 else 0.0) + gather_b[s]
+              for s in stages.table}
+    return cp_fwd, cp_bwd
+
+
+def _ep_seconds(experts: ExpertShape | None, moe: dict, table: dict, degrees: _Degrees,
+                bandwidth: float) -> tuple[dict, dict]:
+    """Per stage, (forward, backward) seconds of expert parallelism's dispatch and combine all-to-alls per
+    microbatch: one pair per routed layer (per routed layer in backward), zero with ep 1."""
+    ep_f, ep_b = dict.fromkeys(table, 0.0), dict.fromkeys(table, 0.0)
+    if degrees.ep > 1 and experts is not None:
+        a2a = all_to_all_bytes(experts.tokens / (degrees.cp * degrees.tp), experts.top_k, experts.hidden,
+                               experts.dtype_bytes, degrees.ep)
+        for s, (_, _, routed, routed_b) in moe.items():
+            ep_f[s], ep_b[s] = routed * a2a["forward"] / bandwidth, routed_b * a2a["backward"] / bandwidth
+    return ep_f, ep_b
+
+
+def _stage_seconds(stages: _Stages, tp_bandwidth: float, cp: tuple[dict, dict], ep: tuple[dict, dict]):
+    """Per stage and microbatch: (forward, backward, communication in forward, in backward, kept activation
+    bytes). Compute and kept activations split over the stage's CP ranks (the LLM part) at the busiest rank's
+    share, compute over its tp ranks; each layer's tensor-parallel all-reduces, and ``cp`` and ``ep`` seconds
+    ((forward, backward) per stage), added."""
+    table, split, ranks, share, stage_tp = stages.table, stages.llm, stages.ranks, stages.share, stages.tp
+    (cp_fwd, cp_bwd), (ep_f, ep_b) = cp, ep
     tp_comm = {s: 2 * allreduce_seconds(r[6], stage_tp[s], tp_bandwidth) for s, r in table.items()}
     compute_f = {s: (r[0] - split[s][0] + split[s][0] / ranks[s]) * share[s][0] for s, r in table.items()}
     compute_b = {s: (r[1] - split[s][1] + split[s][1] / ranks[s]) * share[s][0] for s, r in table.items()}
-    moe = _llm_expert_parts(modules, layers, placement)  # stage -> (expert state, expert grads, routed, in backward)
-    ep_f, ep_b = dict.fromkeys(table, 0.0), dict.fromkeys(table, 0.0)
-    if ep > 1 and experts is not None:
-        a2a = all_to_all_bytes(experts.tokens / (cp * llm_tp), experts.top_k, experts.hidden, experts.dtype_bytes, ep)
-        for s, (_, _, routed, routed_b) in moe.items():
-            ep_f[s], ep_b[s] = routed * a2a["forward"] / ep_bandwidth, routed_b * a2a["backward"] / ep_bandwidth
     comm_f = {s: tp_comm[s] + cp_fwd[s] + ep_f[s] for s in table}
     comm_b = {s: (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] + ep_b[s] for s, r in table.items()}
     fwd = {s: compute_f[s] / stage_tp[s] + tp_comm[s] + cp_fwd[s] + ep_f[s] for s in table}
     bwd = {s: compute_b[s] / stage_tp[s] + (tp_comm[s] if r[1] > 0 else 0.0) + cp_bwd[s] + ep_b[s]
            for s, r in table.items()}
     kept = {s: (r[3] - split[s][2] + split[s][2] / ranks[s]) * share[s][1] for s, r in table.items()}
-    for s, n in samples.items():  # per-module dp: an encoder stage's work per microbatch position
-        for values in (fwd, bwd, comm_f, comm_b, kept, cp_fwd, cp_bwd):
-            values[s] *= n
-    sync = {s: SHARDING_TRAFFIC[sharding] * allreduce_seconds(r[4] / stage_tp[s], stage_dp[s] * ranks[s],
-                                                              allreduce_bandwidth) for s, r in table.items()}
+    return fwd, bwd, comm_f, comm_b, kept
+
+
+def _sync_and_state(stages: _Stages, moe: dict, degrees: _Degrees, sharding: str, bandwidth: float):
+    """Per stage: (gradient sync seconds per step, model-state bytes sharding applies to, expert bytes held per
+    rank). Gradients are all-reduced over the stage's dp x CP ranks; with ep > 1 the experts (outside FSDP, whole
+    on every tp rank) count at 1 / ep of their state per rank, their gradients all-reduced over the dp / ep
+    replicas, CP and tp ranks holding the same experts."""
+    table, traffic = stages.table, SHARDING_TRAFFIC[sharding]
+    sync = {s: traffic * allreduce_seconds(r[4] / stages.tp[s], stages.dp[s] * stages.ranks[s], bandwidth)
+            for s, r in table.items()}
     state, experts_held = {s: r[2] for s, r in table.items()}, dict.fromkeys(table, 0.0)
-    if ep > 1:  # the experts (outside FSDP, whole on every tp rank) at 1 / ep of their state per rank; their
-        # gradients all-reduced over the dp / ep replicas, CP and tp ranks holding the same experts
+    if degrees.ep > 1:
+        ep = degrees.ep
         for s, (expert_state, expert_grads, _, _) in moe.items():
             state[s], experts_held[s] = table[s][2] - expert_state, expert_state / ep
-            sync[s] = (SHARDING_TRAFFIC[sharding] * allreduce_seconds(
-                (table[s][4] - expert_grads) / stage_tp[s], stage_dp[s] * ranks[s], allreduce_bandwidth)
-                + allreduce_seconds(expert_grads / ep, stage_dp[s] // ep * ranks[s] * stage_tp[s],
-                                    allreduce_bandwidth))
-    result = simulate_1f1b(graph, per_replica, fwd, bwd, p2p_latency, sync, comm_f, comm_b)
-    memory = {s: state_bytes_per_device(state[s], r[5], stage_dp[s] * ranks[s], stage_tp[s], sharding)
-              + experts_held[s] + kept[s] * result.peak_inflight[s] for s, r in table.items()}
-    return Plan(placement, {m: list(v) for m, v in layers.items()}, dp, per_replica, fwd, bwd, memory, result,
-                all(v <= memory_limit for v in memory.values()), llm_tp, sharding, cp,
-                cp_mode if cp > 1 else "allgather", k, {s: cp_fwd[s] + cp_bwd[s] for s in table}, encoder_cp,
-                module_dp, module_tp, samples_per_microbatch, ep,
-                {s: ep_f[s] + ep_b[s] for s in table} if ep > 1 else {})
+            sync[s] = (traffic * allreduce_seconds((table[s][4] - expert_grads) / stages.tp[s],
+                                                   stages.dp[s] * stages.ranks[s], bandwidth)
+                       + allreduce_seconds(expert_grads / ep, stages.dp[s] // ep * stages.ranks[s] * stages.tp[s],
+                                           bandwidth))
+    return sync, state, experts_held
 
 
 def check_ep(ep: int, dp: int, experts: ExpertShape | None, per_module_dp: bool = False) -> None:
@@ -725,27 +816,13 @@ def fixed_stage_layouts(modules: dict[str, ModuleSpec], stages: int, placements:
             yield "colocated", {**{e: parts.sizes(e, spare) for e in encoders}, LANGUAGE_MODEL: llm_sizes}
 
 
-def search(
-    modules: dict[str, ModuleSpec],
-    num_devices: int,
-    num_microbatches: int,
-    memory_limit: float = math.inf,
-    p2p_latency: float = 0.0,
-    placements: Sequence[str] = ("parallel", "colocated"),
-    mode: str = "frozen-aware",
-    data_parallel: bool = True,
-    stages: int | None = None,
-    allreduce_bandwidth: float = math.inf,
-    tp_degrees: Sequence[int] = (1,),
-    sharding_strategies: Sequence[str] = ("NO_SHARD",),
-    tp_bandwidth: float = math.inf,
-    cp_degrees: Sequence[int] = (1,),
-    cp_modes: Sequence[str] = ("allgather",),
-    cp_bandwidth: float = math.inf,
-    encoder_cp_degrees: Sequence[int] = (1,),
-    ep_degrees: Sequence[int] = (1,),
-    ep_bandwidth: float = math.inf,
-) -> SearchResult:
+def search(modules: dict[str, ModuleSpec], num_devices: int, num_microbatches: int, memory_limit: float = math.inf,
+           p2p_latency: float = 0.0, placements: Sequence[str] = ("parallel", "colocated"), mode: str = "frozen-aware",
+           data_parallel: bool = True, stages: int | None = None, allreduce_bandwidth: float = math.inf,
+           tp_degrees: Sequence[int] = (1,), sharding_strategies: Sequence[str] = ("NO_SHARD",),
+           tp_bandwidth: float = math.inf, cp_degrees: Sequence[int] = (1,), cp_modes: Sequence[str] = ("allgather",),
+           cp_bandwidth: float = math.inf, encoder_cp_degrees: Sequence[int] = (1,), ep_degrees: Sequence[int] = (1,),
+           ep_bandwidth: float = math.inf) -> SearchResult:
     """Pick DP degree, stage counts, boundaries and placement minimising the simulated time of one global
     batch of `num_microbatches`. Two frozen-unaware baselines believe backward = 2 x forward everywhere and
     partition by that belief; their chosen layout is then re-timed with the true costs (`best`), while
@@ -771,6 +848,40 @@ def search(
     count; NO_SHARD only, as the runtime); ``ep_bandwidth`` (bytes/s per rank) times their all-to-alls
     (``evaluate_plan``). Equal times go to fewer devices, then to the smaller ep."""
     _check_modules(modules)
+    _check_search(num_devices, mode, stages, cp_modes)
+    planning = modules if mode == "frozen-aware" else forward_only_modules(modules)
+    llm, rejected = modules[LANGUAGE_MODEL], []
+    cp_options = _cp_options(cp_degrees, cp_modes, tp_degrees, llm.attention, rejected)
+    encoder_cp = _encoder_cp_options(_encoders(modules), encoder_cp_degrees, placements, rejected)
+    ep_options = _ep_options(ep_degrees, llm.experts, rejected)
+    grid = [(d, t, sh, c, m, k, e) for c, m, k, t in cp_options for d in range(1, num_devices // (t * c) + 1)
+            for sh in (sharding_strategies if d * c > 1 else ("NO_SHARD",))
+            for e in ep_options
+            if num_microbatches % d == 0 and (data_parallel or d == 1)
+            and (stages is None or d * t * stages <= num_devices)
+            and d % e == 0]
+    evaluate = functools.partial(evaluate_plan, num_microbatches=num_microbatches, p2p_latency=p2p_latency,
+                                 memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth,
+                                 tp_bandwidth=tp_bandwidth, cp_bandwidth=cp_bandwidth, ep_bandwidth=ep_bandwidth)
+    # The frozen-aware search also times the layouts the forward-only belief would propose (true costs): the DP
+    # minimises the slowest stage, and among equal bottlenecks where the heavier stages sit changes the 1F1B
+    # time a little, so without them the aware search could lose to the unaware one by a fraction of a percent.
+    proposers = [planning] if planning is not modules else [modules, forward_only_modules(modules)]
+    candidates = _candidate_plans(planning, proposers, itertools.product(grid, encoder_cp), evaluate,
+                                  num_devices=num_devices, placements=placements, stages=stages)
+    if not candidates:
+        why = ("; rejected: " + "; ".join(rejected)) if rejected else ""
+        raise ValueError(f"no layout with stages={stages} and placements={tuple(placements)} exists for these modules "
+                         "(every module needs at least one stage, and no more stages than layers)" + why)
+    best = _best_plan(candidates, mode, memory_limit, suggest_ep=llm.experts is not None and max(ep_options) == 1)
+    if planning is not modules:
+        best = evaluate(modules, best.layers, best.placement, dp=best.dp, tp=best.tp, sharding=best.sharding,
+                        cp=best.cp, cp_mode=best.cp_mode, ulysses=best.ulysses, encoder_cp=best.encoder_cp,
+                        ep=best.ep)
+    return SearchResult(best, candidates, rejected)
+
+
+def _check_search(num_devices: int, mode: str, stages: int | None, cp_modes: Sequence[str]) -> None:
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
     if mode not in SEARCH_MODES:
@@ -779,9 +890,14 @@ def search(
         raise ValueError(f"stages must be an int in [1, num_devices={num_devices}], got {stages!r}")
     for m in cp_modes:
         cp_degrees_of(1, m)  # an unknown mode raises
-    planning = modules if mode == "frozen-aware" else forward_only_modules(modules)
-    attention = modules[LANGUAGE_MODEL].attention
-    cp_grid, rejected = [], []
+
+
+def _cp_options(cp_degrees, cp_modes, tp_degrees, attention: AttentionShape | None,
+                rejected: list[str]) -> list[tuple[int, str, int, int]]:
+    """The (cp, cp_mode, Ulysses degree, tp) the search tries: every CP degree with each mode (allgather alone at
+    cp 1), every valid Ulysses degree of the mode and every tp, where the LLM's heads can run them; the others go
+    to ``rejected``, with the reason."""
+    options = []
     for c in dict.fromkeys(cp_degrees):
         if not isinstance(c, int) or c < 1:
             raise ValueError(f"cp degrees must be ints >= 1, got {c!r}")
@@ -796,41 +912,48 @@ def search(
                         rejected.append(f"cp={c} cp_mode={m!r}" + (f" ulysses={k}" if m == "hybrid" else "")
                                         + f" tp={t}: {problem}")
                     else:
-                        cp_grid.append((c, m, k, t))
-    encoders = _encoders(modules)
-    enc_degrees = list(dict.fromkeys(encoder_cp_degrees))
-    if not enc_degrees or any(not isinstance(n, int) or n < 1 for n in enc_degrees):
+                        options.append((c, m, k, t))
+    return options
+
+
+def _encoder_cp_options(encoders: list[str], encoder_cp_degrees, placements: Sequence[str],
+                        rejected: list[str]) -> list[dict[str, int]]:
+    """Every combination of the encoders' CP degrees; for each placement other than parallel, why it refuses a
+    degree above 1 goes to ``rejected``."""
+    degrees = list(dict.fromkeys(encoder_cp_degrees))
+    if not degrees or any(not isinstance(n, int) or n < 1 for n in degrees):
         raise ValueError(f"encoder_cp_degrees must be ints >= 1, got {tuple(encoder_cp_degrees)!r}")
-    enc_grid = [dict(zip(encoders, c)) for c in itertools.product(enc_degrees, repeat=len(encoders))]
-    if any(n > 1 for n in enc_degrees) and encoders:
+    if any(n > 1 for n in degrees) and encoders:
         for p in placements:
             if p != "parallel":
                 try:
-                    replica_layout({encoders[0]: ParallelSpec(cp=max(enc_degrees))}, ParallelSpec(), p)
+                    replica_layout({encoders[0]: ParallelSpec(cp=max(degrees))}, ParallelSpec(), p)
                 except ValueError as err:
                     rejected.append(f"encoder cp > 1 with placement {p!r}: {err}")
-    experts = modules[LANGUAGE_MODEL].experts
-    ep_grid = list(dict.fromkeys(ep_degrees))
-    if not ep_grid or any(not isinstance(e, int) or e < 1 for e in ep_grid):
+    return [dict(zip(encoders, c)) for c in itertools.product(degrees, repeat=len(encoders))]
+
+
+def _ep_options(ep_degrees, experts: ExpertShape | None, rejected: list[str]) -> list[int]:
+    """The expert-parallel degrees the LLM's experts take (1, and those dividing the expert count); why the others
+    do not goes to ``rejected``."""
+    degrees = list(dict.fromkeys(ep_degrees))
+    if not degrees or any(not isinstance(e, int) or e < 1 for e in degrees):
         raise ValueError(f"ep_degrees must be ints >= 1, got {tuple(ep_degrees)!r}")
-    for e in ep_grid:
+    for e in degrees:
         if e > 1 and experts is None:
             rejected.append(f"ep={e}: the language model has no routed experts (ModuleSpec.experts)")
         elif e > 1 and experts.num_experts % e:
             rejected.append(f"ep={e}: does not divide the {experts.num_experts} experts")
-    ep_grid = [e for e in ep_grid if e == 1 or (experts is not None and experts.num_experts % e == 0)]
-    grid = [(d, t, sh, c, m, k, e) for c, m, k, t in cp_grid for d in range(1, num_devices // (t * c) + 1)
-            for sh in (sharding_strategies if d * c > 1 else ("NO_SHARD",))
-            for e in ep_grid
-            if num_microbatches % d == 0 and (data_parallel or d == 1)
-            and (stages is None or d * t * stages <= num_devices)
-            and d % e == 0]
-    # The frozen-aware search also times the layouts the forward-only belief would propose (true costs): the DP
-    # minimises the slowest stage, and among equal bottlenecks where the heavier stages sit changes the 1F1B
-    # time a little, so without them the aware search could lose to the unaware one by a fraction of a percent.
-    proposers = [planning] if planning is not modules else [modules, forward_only_modules(modules)]
+    return [e for e in degrees if e == 1 or (experts is not None and experts.num_experts % e == 0)]
+
+
+def _candidate_plans(planning: dict[str, ModuleSpec], proposers: list[dict[str, ModuleSpec]], options, evaluate, *,
+                     num_devices: int, placements: Sequence[str], stages: int | None) -> list[Plan]:
+    """Every layout the ``proposers`` propose for each option ((dp, tp, sharding, cp, cp_mode, Ulysses degree, ep),
+    encoders' CP degrees), timed once with the ``planning`` costs (``evaluate``: ``evaluate_plan`` with the search's
+    batch and bandwidths), that fits ``num_devices``. Encoder CP only with parallel placement."""
     candidates = []
-    for (dp, tp, sharding, cp, cp_mode, k, ep), ecp in itertools.product(grid, enc_grid):
+    for (dp, tp, sharding, cp, cp_mode, k, ep), ecp in options:
         seen = set()
         for proposer in proposers:
             layouts = (candidate_layouts(proposer, num_devices // (dp * tp), placements, cp, ecp) if stages is None
@@ -839,15 +962,16 @@ def search(
                 key = (placement, tuple((m, tuple(v)) for m, v in layers.items()))
                 if key not in seen and (placement == "parallel" or all(n == 1 for n in ecp.values())):
                     seen.add(key)
-                    plan = evaluate_plan(planning, layers, placement, num_microbatches, dp, p2p_latency, memory_limit,
-                                         allreduce_bandwidth, tp, sharding, tp_bandwidth, cp, cp_mode, k, cp_bandwidth,
-                                         ecp, ep=ep, ep_bandwidth=ep_bandwidth)
+                    plan = evaluate(planning, layers, placement, dp=dp, tp=tp, sharding=sharding, cp=cp,
+                                    cp_mode=cp_mode, ulysses=k, encoder_cp=ecp, ep=ep)
                     if plan.devices <= num_devices:
                         candidates.append(plan)
-    if not candidates:
-        why = ("; rejected: " + "; ".join(rejected)) if rejected else ""
-        raise ValueError(f"no layout with stages={stages} and placements={tuple(placements)} exists for these modules "
-                         "(every module needs at least one stage, and no more stages than layers)" + why)
+    return candidates
+
+
+def _best_plan(candidates: list[Plan], mode: str, memory_limit: float, suggest_ep: bool) -> Plan:
+    """The candidate within ``memory_limit`` that ``mode`` ranks first (equal times to fewer devices, then the
+    smaller ep), or the ValueError with what would make one fit (``suggest_ep``: splitting the experts)."""
     feasible = [p for p in candidates if p.fits_memory]
     if not feasible:
         need = min((max(p.memory.values()) for p in candidates), default=math.nan)
@@ -855,19 +979,12 @@ def search(
             f"no layout fits {memory_limit:.3g} bytes per device (the smallest needs {need:.3g}); "
             "add devices, raise memory_limit, or recompute activations (MultimodalParallelStrategy("
             "activation_checkpointing=True); costs and memory with recompute=True)"
-            + ("; or split the experts over data-parallel ranks (ep_degrees=(1, 2, ...))"
-               if experts is not None and max(ep_grid) == 1 else "")
+            + ("; or split the experts over data-parallel ranks (ep_degrees=(1, 2, ...))" if suggest_ep else "")
         )
     if mode == "forward-variance":
-        best = min(feasible, key=lambda p: (statistics.pvariance(p.forward.values()), p.iteration_time, p.devices,
+        return min(feasible, key=lambda p: (statistics.pvariance(p.forward.values()), p.iteration_time, p.devices,
                                             p.ep))
-    else:
-        best = min(feasible, key=lambda p: (p.iteration_time, p.devices, p.ep))
-    if planning is not modules:
-        best = evaluate_plan(modules, best.layers, best.placement, num_microbatches, best.dp, p2p_latency, memory_limit,
-                             allreduce_bandwidth, best.tp, best.sharding, tp_bandwidth, best.cp, best.cp_mode,
-                             best.ulysses, cp_bandwidth, best.encoder_cp, ep=best.ep, ep_bandwidth=ep_bandwidth)
-    return SearchResult(best, candidates, rejected)
+    return min(feasible, key=lambda p: (p.iteration_time, p.devices, p.ep))
 
 
 def cp_mode_label(plan: Plan) -> str:

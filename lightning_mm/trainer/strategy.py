@@ -181,7 +181,7 @@ class MultimodalParallelStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict:
         """The language model's replicas; a rank of per-module data parallelism names its group's first replica
         (``process_dataloader`` then loads every replica of the group)."""
-        if self.layout.disaggregated:
+        if self.layout.per_module_dp:
             first = self.layout.group_of(self.global_rank) * self.layout.per_group(LANGUAGE_MODEL)
             return {"num_replicas": self.layout.dp, "rank": first}
         return {"num_replicas": self.layout.dp, "rank": self.layout.coordinate(self.global_rank).dp}
@@ -456,7 +456,7 @@ def resolve_layout(model: MultimodalModel, *, encoder_specs: dict[str, ParallelS
         lm_spec, placement = template.specs["language_model"], template.placement
         partition = {m: list(v) for m, v in template.partition.items()}
     layout = build_layout(specs, lm_spec, world_size, placement, encoders)
-    if layout.disaggregated and fault_tolerance is not None:
+    if layout.per_module_dp and fault_tolerance is not None:
         raise ValueError("fault_tolerance runs replica groups of one data-parallel degree; per-module degrees "
                          f"({ {c: layout.replicas(c) for c in layout.chains()} }) are not served with it: give "
                          "every module the same dp (or none), or drop fault_tolerance")

@@ -129,7 +129,7 @@ class WholeModelSummary(ModelSummary):
             dist.all_gather_object(records, mine)
         if trainer.is_global_zero:
             layout = strategy.layout
-            dp = ", ".join(f"{c} {layout.replicas(c)}" for c in layout.chains()) if layout.disaggregated else layout.dp
+            dp = ", ".join(f"{c} {layout.replicas(c)}" for c in layout.chains()) if layout.per_module_dp else layout.dp
             rank_zero_info(whole_model_table(records, dp))
         return None
 

@@ -141,7 +141,7 @@ class TrainingMetrics(nn.Module):
 
     def prepare(self, module, stage: str | None = None) -> None:
         """Resolve the peak FLOP/s and, when MFU can be computed, the FLOP model of the whole (uncut) model."""
-        if stage not in (None, "fit") or module._trainer is None:
+        if stage not in (None, "fit") or module.attached_trainer is None:
             return
         self._peak = self.peak_flops if self.peak_flops is not None else peak_device_flops(module.trainer)
         if self._peak is None or self.flop_model is not None:
@@ -166,7 +166,7 @@ class TrainingMetrics(nn.Module):
         if strategy is None or strategy.engine is None:
             return True
         layout, coord = strategy.layout, strategy.engine.coord
-        first = not layout.disaggregated or coord.dp % layout.per_group(layout.chain_of(coord.stage)) == 0
+        first = not layout.per_module_dp or coord.dp % layout.per_group(layout.chain_of(coord.stage)) == 0
         return coord.stage == layout.stages[-1] and coord.cp == 0 and first
 
     def batch_end(self, module, batch: dict) -> None:
