@@ -173,6 +173,23 @@ def test_watchdog_names_a_rank_that_is_alive_but_stuck():
     assert "main thread is at" in faults[2][0] and "main thread is at" not in faults[0][0]
 
 
+def test_a_rank_that_names_a_stuck_one_ends_only_after_the_stuck_rank_wrote_its_stack():
+    """Once one rank ends, the launcher kills the others (Lightning's child-process observer, torchrun's agent):
+    the rank that names a stuck one must not end before the stuck rank has written its stack, even when the stuck
+    rank's watchdog beats ten times more slowly (its stack would come one slow beat after the namer ended)."""
+    store, faults, waits = dist.HashStore(), {0: [], 1: []}, WaitRecord()
+    stuck = FaultWatchdog(0, 2, UNIT_TIMEOUT, interval=0.5, store=store, on_fault=faults[0].append,
+                          waits=WaitRecord())
+    namer = FaultWatchdog(1, 2, UNIT_TIMEOUT, interval=0.05, store=store, on_fault=faults[1].append, waits=waits)
+    stuck.start()
+    namer.start()
+    with waits.waiting("recv hidden", peer=0):
+        assert _wait(lambda: faults[1])
+        namer._thread.join(30)  # where the default on_fault ends the process
+        assert faults[0] and "main thread is at" in faults[0][0], faults
+    assert faults[1][0].startswith("rank 0 is stuck") and "main thread is at" not in faults[1][0], faults[1]
+
+
 def test_watchdog_names_waits_that_wait_on_each_other_and_lets_silence_be_a_heartbeat_fault():
     dogs, faults, waits = _three(dist.HashStore())
     for d in dogs:

@@ -25,7 +25,9 @@ watchdog publishes that record at each beat. When this rank has been inside one 
 it follows "who waits on whom" through the published records to the rank that is alive but not waiting on
 anything, and ends every process with a message naming that rank, its pipeline stage and the wait that timed out;
 the stuck rank also prints where its main thread is. If every rank on the path waits (a collective entered by
-only some ranks, mismatched operations), the message lists each rank's wait instead.
+only some ranks, mismatched operations), the message lists each rank's wait instead. No rank ends before every
+stuck rank has printed its stack (bounded): a launcher kills the other ranks as soon as one ends (Lightning's
+child-process observer within 5 s, torchrun's agent), which would lose that stack.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -66,9 +69,13 @@ def parent_death_signal(sig: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
 
 
-def exit_process(message: str) -> None:
+def write_fault(message: str) -> None:
     sys.stderr.write(f"lightning-mm fault: {message}\n")
     sys.stderr.flush()
+
+
+def exit_process(message: str) -> None:
+    write_fault(message)
     os._exit(FAULT_EXIT_CODE)
 
 
@@ -195,11 +202,12 @@ def rank_labels(layout) -> dict[int, str]:
 
 class FaultWatchdog:
     """Heartbeat and stuck-wait monitor for ``world`` ranks; ``on_fault(message)`` runs once when a peer is lost
-    or stuck. ``labels`` names each rank's place (``rank_labels(layout)``) in messages; ``waits`` is the record of
-    this rank's training thread (default: the process's, set by :func:`waiting`)."""
+    or stuck (None: write it to stderr and end the process with ``FAULT_EXIT_CODE``). ``labels`` names each rank's
+    place (``rank_labels(layout)``) in messages; ``waits`` is the record of this rank's training thread (default:
+    the process's, set by :func:`waiting`)."""
 
     def __init__(self, rank: int, world: int, timeout: float = 60.0, interval: float | None = None,
-                 store=None, on_fault=exit_process, run_id: str = "0", labels: dict[int, str] | None = None,
+                 store=None, on_fault=None, run_id: str = "0", labels: dict[int, str] | None = None,
                  waits: WaitRecord = WAITS):
         if timeout <= 0:
             raise ValueError(f"fault_timeout must be > 0 seconds (or None to disable), got {timeout}")
@@ -250,6 +258,8 @@ class FaultWatchdog:
         deadline = time.monotonic() + seconds
         while not self._fired and not self._stop.is_set() and time.monotonic() < deadline:
             time.sleep(self.interval / 4)
+        if self._fired and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()  # it ends this process once the stuck ranks' stacks are out (its waits are bounded)
         return self._fired
 
     def finish(self) -> None:
@@ -267,11 +277,31 @@ class FaultWatchdog:
         self.stop()
 
     # ------------------------------------------------------------------ the thread
-    def _fault(self, message: str) -> None:
-        if not self._fired and not self._stop.is_set():
-            self._fired = True
-            self._stop.set()
-            self.on_fault(f"{message}; stopping rank {self.rank} instead of waiting for the process-group timeout")
+    def _fault(self, message: str, stuck: Sequence[int] = ()) -> None:
+        """Report ``message`` once and end this rank, after (bounded) every ``stuck`` rank has written its stack:
+        the launcher kills the rest when one ends."""
+        if self._fired or self._stop.is_set():
+            return
+        self._fired = True
+        self._stop.set()
+        (self.on_fault or write_fault)(f"{message}; stopping rank {self.rank} instead of waiting for the process-group "
+                                       "timeout")
+        self._stacks_written(stuck)
+        if self.on_fault is None:
+            os._exit(FAULT_EXIT_CODE)
+
+    def _stacks_written(self, stuck: Sequence[int]) -> None:
+        """Mark this rank's stack as written if it is in ``stuck``, then wait (bounded) until every ``stuck`` rank's
+        is, or the store is gone (its host, rank 0, ended after writing its own)."""
+        try:
+            if self.rank in stuck:
+                self.store.set(self.key(f"stack/{self.rank}"), "written")
+            keys = [self.key(f"stack/{r}") for r in stuck]
+            deadline = time.monotonic() + 5 * self.interval + 2
+            while keys and not self.store.check(keys) and time.monotonic() < deadline:
+                time.sleep(self.interval / 4)
+        except Exception:  # noqa: BLE001
+            pass
 
     def _seen_failure(self) -> None:
         """Count this rank as having read the job's failure; rank 0 (the store's host) then waits, bounded, until
@@ -285,6 +315,12 @@ class FaultWatchdog:
         except Exception:  # noqa: BLE001
             pass
 
+    def _with_stack(self, message: str, stuck: list[int]) -> str:
+        """``message``, with this rank's main thread stack when it is one of the ``stuck`` ranks."""
+        if self.rank not in stuck:
+            return message
+        return f"{message}; {self.label(self.rank)}'s main thread is at:\n{main_thread_stack()}\n"
+
     def _end_all(self, message: str, stuck: list[int]) -> None:
         """Publish ``message`` as the job's failure (every peer ends at its next beat), then end this rank. The
         ``stuck`` ranks add their main thread's stack to it."""
@@ -293,10 +329,9 @@ class FaultWatchdog:
             self.store.set(self.key("failed"), message[:4000])
         except Exception:  # noqa: BLE001
             pass
+        message = self._with_stack(message, stuck)
         self._seen_failure()
-        if self.rank in stuck:
-            message += f"; {self.label(self.rank)}'s main thread is at:\n{main_thread_stack()}\n"
-        self._fault(message)
+        self._fault(message, stuck)
 
     def current_wait(self) -> Wait | None:
         """The training thread's wait: the one marked with :func:`waiting`, else (for the process's own record)
@@ -397,10 +432,9 @@ class FaultWatchdog:
                     failed = self.store.get(self.key("failed")).decode()
                     has_stuck = self.store.check([self.key("stuck")])
                     stuck = json.loads(self.store.get(self.key("stuck"))) if has_stuck else []
-                    if self.rank in stuck:
-                        failed += f"; {self.label(self.rank)}'s main thread is at:\n{main_thread_stack()}\n"
+                    failed = self._with_stack(failed, stuck)
                     self._seen_failure()
-                    self._fault(failed)
+                    self._fault(failed, stuck)
                     return
                 values = [int(self.store.add(self.key(f"beat/{r}"), 0)) for r in peers]
                 if int(self.store.add(self.key("done"), 0)) >= self.world:
