@@ -1,30 +1,20 @@
 """Attention benchmark: our Triton bitfield kernels vs FlexAttention vs SDPA (dense mask) vs SDPA causal flash.
 
-For each sequence length, head dimension and mask layout (EP/EE/MP from ``masks.random_bam``, seeded; MP is a
-packed batch: several samples in one row, attention kept within each by segment ids) it measures forward and
-forward+backward time in bf16, effective TFLOP/s counted over the allowed (query, key) pairs only (4*D flops per
-pair forward, 3.5x that for forward+backward, the FlashAttention convention) and peak memory. FlexAttention is
-compiled and gets the same rule as a ``mask_mod`` with its block mask; SDPA gets the dense boolean mask. The causal
-flash row counts causal pairs: it is the ceiling for a kernel that skips nothing it need not compute.
+For each sequence length, head dimension and mask layout (EP/EE/MP from ``masks.random_bam``, seeded) it measures
+forward and forward+backward time in bf16, effective TFLOP/s over the allowed (query, key) pairs (4*D flops per
+pair forward, 3.5x that for forward+backward) and peak memory. FlexAttention is compiled with the same rule as a
+``mask_mod``; SDPA gets the dense boolean mask; the causal flash row counts causal pairs (the ceiling). Goals:
+forward+backward at least 1.2x FlexAttention on every EE/MP case from 16k, and at least 70% of causal flash's
+TFLOP/s on every case. Writes ``benchmarks/results/attention_<device>.json`` after every case (an OOM is recorded
+and the rest still runs). Without a GPU it says so and exits 0.
 
     python benchmarks/attention.py                  # S = 4k..64k, head dims 64 and 128
     python benchmarks/attention.py --quick          # S = 16k, head dim 128, fewer repetitions
     python benchmarks/attention.py --head-dims 64 --out benchmarks/results/attention_d64.json
-
-The goals checked at the end: forward+backward at least 1.2x FlexAttention on every EE/MP case from 16k, and at
-least 70% of causal flash attention's effective TFLOP/s on every case.
-
-Writes ``benchmarks/results/attention_<device>.json`` after every case (``complete`` says whether all ran) and
-prints a table. Each case runs in its own
-try/except, so an OOM (SDPA's dense mask at 64k) is recorded and the rest still runs. Without a GPU it says
-so and exits 0.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import re
 import sys
 import time
@@ -33,11 +23,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _machine  # noqa: E402
-import tables  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests import this file by path
+import harness  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 IMPLS = ("ours", "flex", "sdpa_dense", "sdpa_causal")
 FWD_BWD_FACTOR = 3.5  # forward + backward = 2 + 5 matmuls of the forward's 2
 GOAL_VS_FLEX, GOAL_VS_CAUSAL, GOAL_FROM_SEQ = 1.2, 0.70, 16384
@@ -247,70 +235,28 @@ def goals(cases) -> dict:
             "fwd_bwd_tflops_vs_causal_flash": check(vs_causal, GOAL_VS_CAUSAL)}
 
 
-def print_table(cases):
-    head = (f"{'S':>6} {'d':>4} {'layout':6} {'impl':12} {'fwd ms':>9} {'f+b ms':>9} {'fwd TF/s':>9} {'f+b TF/s':>9} "
-            f"{'peak MiB':>9}")
-    print(head)
-    print("-" * len(head))
-    for c in cases:
-        for name, r in c["results"].items():
-            if r.get("status") == "ok":
-                print(f"{c['seq_len']:>6} {c.get('head_dim', ''):>4} {c['layout']:6} {name:12} {r['fwd_ms']:9.2f} "
-                      f"{r['fwd_bwd_ms']:9.2f} {r['fwd_tflops']:9.1f} {r['fwd_bwd_tflops']:9.1f} {r['peak_mib']:9.0f}")
-            else:
-                print(f"{c['seq_len']:>6} {c.get('head_dim', ''):>4} {c['layout']:6} {name:12} "
-                      f"{str(r.get('status'))[:60]}")
-        s = c.get("summary", {})
-        if s:
-            print("       " + "  ".join(f"{k}={v:.2f}" for k, v in s.items()))
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Bitfield attention kernels vs FlexAttention vs SDPA")
-    p.add_argument("--quick", action="store_true", help="S=16k and head dim 128 only, shorter timing")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="default 4096 8192 16384 32768 65536")
-    p.add_argument("--layouts", nargs="+", default=["ep", "ee", "mp"], choices=["ep", "ee", "mp"])
-    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
-    p.add_argument("--encoders", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rep-ms", type=int, default=None, help="timing budget per measurement (do_bench rep)")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default results/attention_<device>.json)")
-    args = p.parse_args(argv)
+def main(argv=None) -> int:
+    args = harness.cli(
+        __doc__, argv, quick=(False, "S=16k and head dim 128 only, shorter timing"),
+        seq_lens=dict(type=int, nargs="+", help="default 4096 8192 16384 32768 65536"),
+        layouts=dict(nargs="+", default=["ep", "ee", "mp"], choices=["ep", "ee", "mp"]),
+        impls=dict(nargs="+", default=list(IMPLS), choices=list(IMPLS)), batch=1, heads=32, kv_heads=8,
+        head_dims=dict(type=int, nargs="+", help="default 64 128"), encoders=2, seed=0,
+        rep_ms=dict(type=int, help="timing budget per measurement (do_bench rep)"),
+        out=dict(type=Path, help="JSON path (default results/attention_<device>.json)"))
     args.seq_lens = args.seq_lens or ([16384] if args.quick else [4096, 8192, 16384, 32768, 65536])
     args.head_dims = args.head_dims or ([128] if args.quick else [64, 128])
     args.rep_ms = args.rep_ms or (50 if args.quick else 200)
-    return args
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("no GPU present: the attention benchmark needs CUDA; nothing was measured "
               "(the kernels are tested under TRITON_INTERPRET=1 in tests/test_kernels.py)")
         return 0
     import triton
 
-    device = torch.device("cuda")
+    start, device = harness.record(), torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    out = args.out or RESULTS / f"attention_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out or harness.RESULTS / f"attention_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.json"
     cases = []
-    machine = _machine.record()
-
-    def write() -> dict:  # after every case: a run stopped by a time limit keeps what it measured
-        report = dict(benchmark="attention", device=name, torch=torch.__version__, triton=triton.__version__,
-                      python=platform.python_version(), dtype="bfloat16", batch=args.batch, heads=args.heads,
-                      kv_heads=args.kv_heads, head_dims=args.head_dims, encoders=args.encoders, seed=args.seed,
-                      flops="allowed pairs x 4 x D x heads (fwd), x3.5 (fwd+bwd); causal flash counts causal pairs",
-                      complete=len(cases) == len(args.seq_lens) * len(args.head_dims) * len(args.layouts),
-                      cases=cases, goals=goals(cases), machine=_machine.finish(machine))
-        out.write_text(json.dumps(report, indent=2))
-        return report
-
     for s in args.seq_lens:
         for head_dim in args.head_dims:
             for layout in args.layouts:
@@ -324,14 +270,21 @@ def main(argv=None) -> int:
                                 status=f"error: {type(e).__name__}: {e}"[:300])
                 case["summary"] = summarise(case)
                 cases.append(case)
-                write()
-                print(f"done S={s} d={head_dim} {layout}", flush=True)
-    report = write()
-    print_table(cases)
-    for name, g in report["goals"].items():
+                report = dict(  # after every case: a run stopped by a time limit keeps what it measured
+                    benchmark="attention", device=name, torch=torch.__version__, triton=triton.__version__,
+                    python=start["python"], dtype="bfloat16", batch=args.batch, heads=args.heads,
+                    kv_heads=args.kv_heads, head_dims=args.head_dims, encoders=args.encoders, seed=args.seed,
+                    flops="allowed pairs x 4 x D x heads (fwd), x3.5 (fwd+bwd); causal flash counts causal pairs",
+                    complete=len(cases) == len(args.seq_lens) * len(args.head_dims) * len(args.layouts),
+                    cases=cases, goals=goals(cases))
+                harness.write(out, report, start)
+    harness.print_rows([dict(S=c["seq_len"], d=c.get("head_dim"), layout=c["layout"], impl=k, **r, **c["summary"])
+                        for c in cases for k, r in c["results"].items()],
+                       ["S", "d", "layout", "impl", "status", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops",
+                        "peak_mib", "fwd_bwd_speedup_vs_flex", "fwd_bwd_tflops_vs_causal_flash"])
+    for goal, g in report["goals"].items():
         worst = "n/a" if g["worst"] is None else f"{g['worst']:.2f}"
-        print(f"goal {name} >= {g['bound']}: {'met' if g['met'] else 'NOT met'} (worst {worst})")
-    print(f"wrote {out}")
+        print(f"goal {goal} >= {g['bound']}: {'met' if g['met'] else 'NOT met'} (worst {worst})")
     return 0
 
 

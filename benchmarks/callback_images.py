@@ -1,17 +1,12 @@
 """The ContextParallel callback's image split: one training step with every image encoded on every CP rank vs
 each rank encoding its LPT share (``shard_images``).
 
-A plain LightningModule around a random LLaVA (nothing downloads) whose vision tower is the heavy part (CLIP,
-``--vision-layers`` layers of width ``--vision-width`` on ``--image-size`` square images, patch 8) and whose LLM
-is small (its attention runs dense on CPU, so the rows stay short); batches of ``--images`` images (two per
-sample) packed into one row. The vision tower is frozen (LLaVA's second stage: the projector and the LLM train)
-and, separately, trained. Each variant is a real ``Trainer.fit``
-under Lightning's ``DDPStrategy`` on gloo: "cp 1" (one process, no callback), "cp 2, images on every rank"
-(``shard_images=False``) and "cp 2, images split" (the default). A step's time is rank 0's wall time from
-``on_train_batch_start`` to ``on_train_batch_end``; the table gives the median after ``--warmup`` steps. On this
-2-core machine the two CP ranks share the cores with nothing else, so the ratio is what the split buys here;
-with a trained tower, DDP's all-reduce of its gradients over gloo is part of every cp 2 step.
-Writes benchmarks/results/callback_images_cpu.json.
+A plain LightningModule around a random LLaVA whose vision tower is the heavy part (CLIP, ``--vision-layers`` x
+``--vision-width`` on ``--image-size`` square images, patch 8) and whose LLM is small; batches of ``--images``
+images (two per sample) packed into one row; the tower frozen and, separately, trained. Each variant is a real
+``Trainer.fit`` under Lightning's ``DDPStrategy`` on gloo: cp 1 (one process, no callback), cp 2 with the images on
+every rank (``shard_images=False``) and cp 2 with the images split. A step is rank 0's wall time from
+``on_train_batch_start`` to ``on_train_batch_end``; median after ``--warmup`` steps.
 
     python benchmarks/callback_images.py [--steps 6] [--warmup 2] [--images 16] [--image-size 32]
                                          [--vision-width 512] [--vision-layers 8]
@@ -22,21 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import _machine  # noqa: E402
-import tables  # noqa: E402
+import harness
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 IMAGE = 100  # the image placeholder id of the config
 VARIANTS = [("cp 1", 1, True), ("cp 2, images on every rank", 2, False), ("cp 2, images split", 2, True)]
 
@@ -70,18 +60,18 @@ def samples(n: int, size: int) -> list[dict]:
     return out
 
 
-def child(spec: dict) -> None:
-    """One Trainer.fit of a variant; rank 0 writes its step times to ``spec["out"]``."""
+def worker(spec: dict, result: str) -> None:
+    """One Trainer.fit of a variant; rank 0 writes its step times."""
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader
 
     from lightning_mm.attention import use_bitfield_attention
-    from lightning_mm.trainer.callbacks import ContextParallel
     from lightning_mm.data import PackingCollator
+    from lightning_mm.trainer.callbacks import ContextParallel
 
     torch.set_num_threads(1)
-    times: list[float] = []
+    cp, times = spec["cp"], []
 
     class StepTimer(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -104,68 +94,42 @@ def child(spec: dict) -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=1e-3)
 
-    cp = spec["cp"]
-    callbacks = [StepTimer()]
-    if cp > 1:
-        callbacks.append(ContextParallel(cp, block_size=32, shard_images=spec["shard_images"]))
+    callbacks = [StepTimer()] + ([ContextParallel(cp, block_size=32, shard_images=spec["shard_images"])]
+                                 if cp > 1 else [])
     per_batch = spec["images"] // 2
     data = samples(per_batch * (spec["steps"] + spec["warmup"]), spec["image_size"])
     row = per_batch * data[0]["input_ids"].shape[1]  # one row holds the batch, no padding
     loader = DataLoader(data, batch_size=per_batch, collate_fn=PackingCollator(build_model(spec).config, row))
-    trainer = L.Trainer(accelerator="cpu", devices=cp, strategy=DDPStrategy(process_group_backend="gloo",
-                                                                           find_unused_parameters=True),
-                        max_steps=spec["steps"] + spec["warmup"], callbacks=callbacks, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=cp, max_steps=spec["steps"] + spec["warmup"], callbacks=callbacks,
+                        strategy=DDPStrategy(process_group_backend="gloo", find_unused_parameters=True),
+                        **harness.QUIET)
     trainer.fit(VLM(), loader)
     if trainer.global_rank == 0:
-        pathlib.Path(spec["out"]).write_text(json.dumps(times))
+        Path(result).write_text(json.dumps({"step_s": times}))
 
 
-def run_variant(name: str, cp: int, shard: bool, frozen: bool, args, tmp: pathlib.Path) -> dict:
-    out = tmp / f"{name.replace(' ', '_').replace(',', '')}_{frozen}.json"
-    spec = dict(cp=cp, shard_images=shard, frozen_vision=frozen, images=args.images, steps=args.steps,
-                warmup=args.warmup, image_size=args.image_size, vision_width=args.vision_width,
-                vision_layers=args.vision_layers, out=str(out))
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
-    times = json.loads(out.read_text())[args.warmup:]
-    return dict(variant=name, vision="frozen" if frozen else "trained", cp=cp, shard_images=shard,
-                step_s_median=statistics.median(times), step_s=times)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--images", type=int, default=16, help="images per batch (two per sample)")
-    parser.add_argument("--image-size", type=int, default=32, help="pixels per side (a multiple of 8)")
-    parser.add_argument("--vision-width", type=int, default=512)
-    parser.add_argument("--vision-layers", type=int, default=8)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    start = _machine.record()
-    if args.child:
-        child(json.loads(args.child))
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_variant(name, cp, shard, frozen, args, pathlib.Path(tmp))
-                for frozen in (True, False) for name, cp, shard in VARIANTS]
-    print(f"\nContextParallel image split: one step, {args.images} images of {(args.image_size // 8) ** 2} tokens, "
-          f"CLIP {args.vision_layers}x{args.vision_width}, gloo on {os.cpu_count()} CPU cores (median of "
-          f"{args.steps} steps)")
-    print(f"{'vision tower':13} {'variant':28} {'step s':>8} {'vs cp 1':>8} {'vs every rank':>14}")
-    for i, r in enumerate(rows):
-        base, whole = rows[i - i % 3]["step_s_median"], rows[i - i % 3 + 1]["step_s_median"]
-        print(f"{r['vision']:13} {r['variant']:28} {r['step_s_median']:8.3f} {base / r['step_s_median']:7.2f}x "
-              f"{whole / r['step_s_median']:13.2f}x")
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "callback_images_cpu.json"
-    path.write_text(json.dumps(dict(device=f"CPU ({platform.processor() or platform.machine()}, "
-                                           f"{os.cpu_count()} cores), gloo", load_average=os.getloadavg()[0],
-                                    args=vars(args), rows=rows, machine=_machine.finish(start)), indent=2))
-    print(f"wrote {path}")
-    tables.main(["--quiet"])
+def main(argv=None) -> None:
+    args = harness.cli(__doc__, argv, steps=6, warmup=2, images=(16, "images per batch (two per sample)"),
+                       image_size=(32, "pixels per side (a multiple of 8)"), vision_width=512, vision_layers=8,
+                       worker=dict(help=argparse.SUPPRESS), result=dict(help=argparse.SUPPRESS))
+    if args.worker:
+        return worker(json.loads(args.worker), args.result)
+    start = harness.record()
+    settings = {k: v for k, v in vars(args).items() if k not in ("worker", "result")}
+    os.environ["PYTHONWARNINGS"] = "ignore"
+    rows = []
+    for frozen in (True, False):
+        for name, cp, shard in VARIANTS:
+            spec = dict(cp=cp, shard_images=shard, frozen_vision=frozen, **settings)
+            doc = harness.run_worker(__file__, spec, timeout=3600)
+            if "error" in doc:
+                sys.exit(f"{name}: {doc['error']}")
+            times = doc["step_s"]
+            rows.append(dict(variant=name, vision="frozen" if frozen else "trained", cp=cp, shard_images=shard,
+                             step_s_median=statistics.median(times[args.warmup:]), step_s=times[args.warmup:]))
+    harness.write(harness.RESULTS / "callback_images_cpu.json", dict(
+        device=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), gloo",
+        load_average=os.getloadavg()[0], args=settings, rows=rows), start)
 
 
 if __name__ == "__main__":

@@ -1,49 +1,33 @@
 """CP load balance of the token distributions, planning time, and the three CP modes' work and traffic.
 
-1. For EP/EE/MP masks (random placement, seeded) at 16k..128k tokens and cp 2..16: imbalance = max over ranks of
-   the summed block work (``masks.block_workload``, block 128) / the mean, for lpt, random, zigzag, contiguous
-   (mean over seeds).
-2. Planning time: the wall time of ``distribute(..., "lpt")`` for one 1M-token row at cp 8, block 128, per layout
-   (goal: at most 1 ms), with its two parts (block workload, LPT); single thread, median and minimum of repeats,
-   and the load average while it ran (the machine is shared). Segment ids are int16 as the collator makes them;
-   MP is timed again with int32 and int64 ones, EE with 256-token items (about 4k runs) shows the cost per run,
-   and EP and MP once more from a cold cache (four times the machine's L3 read before every repeat, untimed:
-   ``evict_bytes``) and just written (the cache emptied, then the arrays copied, as a collator plans them).
-3. Per-rank attention work of the CP modes at 64k..1M tokens, cp 2..16: allgather with the LPT plan (a rank's
-   queries against all keys, all heads), ulysses (every rank: the whole sequence, heads / cp of the heads) and
-   hybrid (Ulysses in groups of 2, or 4 from cp 8; LPT over the groups): the slowest rank's work over the ideal
-   (total / cp), in block pairs x heads.
-4. Bytes one rank receives per layer (forward; backward moves as much) for a 70B-shaped layer (64 heads, 8 KV
-   heads, head dim 128, bf16) and for the same layer without GQA (64 KV heads), each mode, 64k..1M tokens.
+1. EP/EE/MP masks (random placement, seeded) at 16k..128k tokens and cp 2..16: imbalance = max over ranks of the
+   summed block work (``masks.block_workload``, block 128) / the mean, for lpt, random, zigzag, contiguous.
+2. Planning time of ``distribute(..., "lpt")`` for one 1M-token row at cp 8 per layout (goal: at most 1 ms) and its
+   parts; one thread, median and minimum of repeats, the load average at each case. Variants: int32/int64 segment
+   ids, 256-token items, a cold cache (four times the L3 read before every repeat: ``evict_bytes``) and arrays just
+   written. ``--only windowed``: the windowed planning (Gemma 3's pattern) of 128k-token rows.
+3. Per-rank attention work of allgather (LPT), ulysses and hybrid at 64k..1M tokens, cp 2..16, over the ideal.
+4. Bytes one rank receives per layer for a 70B-shaped layer with and without GQA, each mode.
 5. With CUDA: the per-rank attention time of one 70B-shaped layer, rank by rank on the one device, lpt vs zigzag.
-
-Writes benchmarks/results/cp_balance.json (+ .png chart; with the machine and the command) and rewrites the tables
-README.md and docs/ quote from it (benchmarks/tables.py).
 
     python benchmarks/cp_balance.py [--seeds 3] [--repeats 200] [--gpu-tokens 65536] [--only planning|windowed]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import pathlib
 import statistics
-import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
+import harness
 from lightning_mm.attention import mask as masks
 from lightning_mm.parallel import context as cp
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import _machine  # noqa: E402
-import tables  # noqa: E402
-
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = harness.RESULTS
 LENGTHS = (16384, 32768, 65536, 131072)
 CP_SIZES = (2, 4, 8, 16)
 BLOCK = 128
@@ -98,7 +82,7 @@ PLANNING_CASES = [(layout, "", None) for layout in masks.LAYOUTS] + [
 
 def evict_bytes() -> int:
     """Bytes read before each cold-cache repeat: four times the machine's L3 (32 MB assumed when it does not say)."""
-    return 4 * (_machine.l3_bytes() or _machine.L3_FALLBACK)
+    return 4 * (harness.l3_bytes() or harness.L3_FALLBACK)
 
 
 def planning_times(repeats: int, tokens: int = 1 << 20, size: int = 8) -> list[dict]:
@@ -121,8 +105,9 @@ def planning_times(repeats: int, tokens: int = 1 << 20, size: int = 8) -> list[d
         total = _time_ms(lambda: cp.distribute(arrays[0], size, "lpt", BLOCK, arrays[1]), repeats, before)
         wl = _time_ms(lambda: masks.block_workload(arrays[0], BLOCK, arrays[1]), repeats, before)
         lpt = _time_ms(lambda: cp.lpt_assign(work, size), repeats)
-        rows.append(dict(layout=layout, variant=variant, tokens=tokens, cp=size, runs=int(masks._runs(
-                             *masks._as_batch(bam, seg)[:2], BLOCK)[0].size), plan_ms_median=total[0], plan_ms_min=total[1],
+        runs = int(masks._runs(*masks._as_batch(bam, seg)[:2], BLOCK)[0].size)
+        rows.append(dict(layout=layout, variant=variant, tokens=tokens, cp=size, runs=runs, plan_ms_median=total[0],
+                         plan_ms_min=total[1],
                          workload_ms_median=wl[0], workload_ms_min=wl[1], lpt_ms_median=lpt[0], lpt_ms_min=lpt[1],
                          load_average=load, met=total[0] <= GOAL_PLAN_MS))
     return rows
@@ -174,19 +159,6 @@ def planning_windowed(repeats: int, size: int = 8) -> list[dict]:
                              workload_ms_median=wl[0], workload_ms_min=wl[1], plan_ms_median=plan[0],
                              plan_ms_min=plan[1], band_ms_median=band and band[0], load_average=load))
     return rows
-
-
-def print_windowed(rows) -> None:
-    print(f"\nwindowed planning, one {WINDOW_TOKENS}-token row, block {BLOCK}, cp 8 (ms, median; 1 thread; "
-          f"gemma3 = {GEMMA3_LAYERS} layers, the window on 5 of 6)")
-    settings = list(dict.fromkeys(r["window"] for r in rows))
-    print(f"{'row':18} {'runs':>5} {'':9}" + "".join(f"{s:>13}" for s in settings))
-    for name in dict.fromkeys(r["row"] for r in rows):
-        mine = {r["window"]: r for r in rows if r["row"] == name}
-        for key, title in (("workload_ms_median", "workload"), ("plan_ms_median", "plan"),
-                           ("band_ms_median", "former")):
-            print(f"{name:18} {mine[settings[0]]['runs']:5d} {title:9}"
-                  + "".join("{:>13}".format("-" if mine[s][key] is None else f"{mine[s][key]:.3f}") for s in settings))
 
 
 def _hybrid_degree(size: int) -> int | None:
@@ -272,67 +244,9 @@ def gpu_rank_times(tokens: int, repeats: int = 5) -> list[dict] | str:
     return rows
 
 
-def print_modes(work, traffic) -> None:
-    if work:
-        print("\nslowest rank's attention work / ideal (total / cp): allgather (LPT plan), ulysses, hybrid (K)")
-        print(f"{'layout':6} {'tokens':>8} {'cp':>3} {'allgather':>10} {'ulysses':>8} {'hybrid':>8} {'K':>3}")
-        for r in work:
-            hybrid = "-" if r["hybrid"] is None else f"{r['hybrid']:.4f}"
-            print(f"{r['layout']:6} {r['tokens']:8d} {r['cp']:3d} {r['allgather_lpt']:10.4f} {r['ulysses']:8.4f} "
-                  f"{hybrid:>8} {r['hybrid_ulysses'] or '-':>3}")
-    if traffic:
-        print("\nMiB one rank receives per layer, forward (backward the same); 64 heads, head dim 128, bf16")
-        print(f"{'kv':>3} {'tokens':>8} {'cp':>3} {'allgather':>10} {'ulysses':>9} {'hybrid':>9} {'K':>3}")
-        for r in traffic:
-            hybrid = "-" if r["hybrid_mib"] is None else f"{r['hybrid_mib']:.1f}"
-            print(f"{r['kv_heads']:3d} {r['tokens']:8d} {r['cp']:3d} {r['allgather_mib']:10.1f} "
-                  f"{r['ulysses_mib']:9.1f} "
-                  f"{hybrid:>9} {r['hybrid_ulysses'] or '-':>3}")
-
-
-def print_balance(balance) -> None:
-    print(f"\nimbalance = max/mean block work per rank (block {BLOCK}, mean over seeds)")
-    print(f"{'layout':6} {'tokens':>7} {'cp':>3} " + " ".join(f"{m:>10}" for m in cp.METHODS))
-    index = {(r["layout"], r["tokens"], r["cp"], r["method"]): r["imbalance"] for r in balance}
-    for layout in masks.LAYOUTS:
-        for seq in LENGTHS:
-            for size in CP_SIZES:
-                vals = " ".join(f"{index[(layout, seq, size, m)]:10.4f}" for m in cp.METHODS)
-                print(f"{layout:6} {seq:7d} {size:3d} {vals}")
-    print(f"\ngoal: lpt <= {GOAL_IMBALANCE} at 64k tokens on 8 ranks (EE, MP); zigzag beside it")
-    for layout in ("ee", "mp", "ep"):
-        lpt, zz = index[(layout, 65536, 8, "lpt")], index[(layout, 65536, 8, "zigzag")]
-        ok = "met" if lpt <= GOAL_IMBALANCE else "MISSED"
-        print(f"  {layout}: lpt {lpt:.4f} ({ok}), zigzag {zz:.4f}")
-
-
-def print_planning(planning) -> None:
-    print(f"\nplanning one 1M-token row, block {BLOCK}, cp 8 (goal <= {GOAL_PLAN_MS} ms; 1 thread, shared machine)")
-    print(f"{'layout':26} {'runs':>5} {'plan median':>12} {'plan min':>9} {'workload':>9} {'lpt':>7} {'load avg':>9}")
-    for r in planning:
-        name = r["layout"] + (f" ({r['variant']})" if r.get("variant") else "")
-        print(f"{name:26} {r.get('runs', 0):5d} {r['plan_ms_median']:12.3f} {r['plan_ms_min']:9.3f} "
-              f"{r['workload_ms_median']:9.3f} {r['lpt_ms_median']:7.3f} {r['load_average']:9.2f}  "
-              f"{'met' if r['met'] else 'MISSED'}")
-
-
-def print_gpu(gpu) -> None:
-    if isinstance(gpu, str):
-        print("\n" + gpu)
-        return
-    print("\nper-rank attention fwd of a 70B layer (ms), rank by rank on one device")
-    for r in gpu:
-        print(f"  {r['layout']:3} {r['method']:7} max {r['max_ms']:8.2f} mean {r['mean_ms']:8.2f}  "
-              + " ".join(f"{t:.1f}" for t in r["rank_ms"]))
-
-
-def plot(balance, path: pathlib.Path) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+def plot(balance, path: Path) -> str | None:
+    plt = harness.pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
     for ax, layout in zip(axes, masks.LAYOUTS):
@@ -351,45 +265,33 @@ def plot(balance, path: pathlib.Path) -> str | None:
     return str(path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--gpu-tokens", type=int, default=65536)
-    parser.add_argument("--only", choices=("planning", "windowed"),
-                        help="time the planning only, or the windowed planning only (keeps the other results)")
-    args = parser.parse_args()
-    start = _machine.record()
+def main(argv=None) -> None:
+    args = harness.cli(__doc__, argv, seeds=3, repeats=200, gpu_tokens=65536, only=dict(
+        choices=("planning", "windowed"),
+        help="time the planning only, or the windowed planning only (keeps the other results)"))
+    start = harness.record()
     torch.set_num_threads(1)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "cp_balance.json"
-    out = json.loads(path.read_text()) if args.only and path.exists() else {}
+    out = harness.read(path) if args.only else {}
+    machine = dict(numpy=np.__version__, threads=1, repeats=args.repeats)
     if args.only != "planning":
         rows = planning_windowed(args.repeats)
-        print_windowed(rows)
-        out["planning_windowed"] = dict(rows=rows, block_size=BLOCK, machine=dict(
-            _machine.finish(start), numpy=np.__version__, threads=1, repeats=args.repeats))
+        harness.print_rows(rows, ["row", "runs", "window", "workload_ms_median", "plan_ms_median", "band_ms_median"],
+                           f"windowed planning, one {WINDOW_TOKENS}-token row, block {BLOCK}, cp 8 (ms)")
+        out["planning_windowed"] = dict(rows=rows, block_size=BLOCK, machine=dict(harness.finish(start), **machine))
         if args.only == "windowed":  # the other results and the tables they render stay as they are
-            path.write_text(json.dumps(out, indent=1))
-            print(f"\nwrote {path}")
+            harness.write(path, out)
             return
     out["planning_1m"] = planning_times(args.repeats)
-    print_planning(out["planning_1m"])
     if not args.only:
         out["balance"] = balance_table(args.seeds)
         out["modes_work"], out["modes_bytes"] = mode_work(), mode_bytes()
         out["gpu"] = gpu_rank_times(args.gpu_tokens)
-        print_balance(out["balance"])
-        print_modes(out["modes_work"], out["modes_bytes"])
-        print_gpu(out["gpu"])
         out["chart"] = plot(out["balance"], RESULTS / "cp_balance.png")
         out["seeds"] = args.seeds
     out.update(block_size=BLOCK, goals=dict(lpt_imbalance_64k_cp8=GOAL_IMBALANCE, plan_1m_ms=GOAL_PLAN_MS),
-               machine=dict(_machine.finish(start), numpy=np.__version__, threads=1, repeats=args.repeats,
-                            evict_bytes=evict_bytes()), layer_70b=LAYER_70B)
-    path.write_text(json.dumps(out, indent=1))
-    print(f"\nwrote {path}" + (f" and {out['chart']}" if out.get("chart") else ""))
-    tables.main(["--quiet"])
+               machine=dict(harness.finish(start), **machine, evict_bytes=evict_bytes()), layer_70b=LAYER_70B)
+    harness.write(path, out)
 
 
 if __name__ == "__main__":

@@ -1,37 +1,17 @@
 """LLM context-parallel modes on CPU processes: one training step per mode, up to the longest sequence that fits.
 
-Modes (``ParallelSpec`` of the language model): cp 1 (one process, the baseline), allgather cp 2, ulysses cp 2,
-allgather cp 4, ulysses cp 4, hybrid 2x2 (cp 4, Ulysses in groups of 2, all-gather across the 2 groups). Every mode
-runs on its own gloo processes (one per CP rank, ``--threads`` torch threads each), through ``PipelineEngine`` (what
-``MultimodalParallelStrategy`` drives each training step; the Lightning Trainer around it adds a constant and is
-left out so that the lengths of one mode share one launch), with the strategy's layout check
-(``check_context_parallel``) and the default LPT distribution over blocks of 128 tokens.
+Modes (``ParallelSpec`` of the language model): cp 1 (one process), allgather and ulysses at cp 2 and 4, hybrid 2x2.
+Every mode runs on its own gloo processes (one per CP rank, ``--threads`` torch threads each) through
+``PipelineEngine``, with the strategy's layout check and the LPT distribution over blocks of 128 tokens. Model: a
+frozen tiny SigLIP + trainable MLP projector + a trainable Qwen2 decoder (``--hidden``, ``--layers``, 8 query and 2
+KV heads, vocabulary 1024), encoders replicated, fp32. Data: synthetic samples (64-768 text tokens, 1-4 images)
+packed first-fit into one row of the length. A step: ``engine.run``, the gradient all-reduce and an SGD update.
 
-Model: a frozen tiny SigLIP (64 tokens per image) + trainable MLP projector + a trainable Qwen2 decoder
-(``--hidden`` 256, ``--layers`` 2, 8 query heads of 32, 2 KV heads: GQA, so Ulysses over 4 ranks repeats each KV
-head; vocabulary 1024), replicated encoder placement (the encoder runs inside the LLM stage on every CP rank, so a
-mode uses exactly cp processes), fp32. Data: the synthetic data set, multimodal packing (MP): samples of 64-768
-text tokens with 1-4 images embedded at random places (EE), packed first-fit into one row of the length (the rest
-is padding): 4 samples and 7 images at 2k tokens, 13 and 30 at 8k, bidirectional image runs inside causal text. A step is the real
-training step: ``engine.run`` (embedding, every decoder layer with the mode's CP attention -- K/V all-gather and
-reduce-scatter, or the Ulysses all-to-alls, or both -- loss, backward), the gradient all-reduce over the CP ranks,
-and an SGD update. Attention on CPU is the chunked reference backend (queries in chunks of 1024 against all keys):
-its work is dense, the mask does not skip blocks, so a rank's attention time follows its query count x keys.
-
-Per mode the lengths (``--lengths``) run in ascending order on the same processes: ``--warmup`` untimed steps
-before the first length (before every length with ``--warmup-each``), then ``--steps`` timed steps per length (one
-where a step is predicted to take over ``--long-step`` seconds; median reported; a step = barrier to barrier, rank
-0's clock), each rank's CPU seconds in the step (process time: its own work, robust to other jobs on the machine),
-the peak resident set of every rank (VmHWM, reset before each length) and the rank's resident set before it. The next length is skipped when its step time
-(``a S + b S^2`` through the last two lengths) would pass ``--cap`` seconds, when the memory of all ranks scaled
-linearly (the growth above the resident set before the length) would pass ``--mem-fraction`` of what the machine
-has available, or when the mode's share of ``--budget`` (what is left over the modes left, launches included)
-would run out; the reason is recorded. A rank that dies (e.g. killed for memory) or a mode that overruns ends that
-mode with the error kept; the other modes still run.
-
-On this machine cp 4 puts 4 processes on 2 cores: its times show the communication and the split work, not a
-speed-up. Times are ratios on a shared, noisy machine, not claims about GPUs; the load average is recorded before
-and after. Writes benchmarks/results/cp_modes_cpu.json and prints a table.
+Per mode the lengths (``--lengths``) run in ascending order: ``--warmup`` untimed steps (before every length with
+``--warmup-each``), ``--steps`` timed ones (one where a step is predicted to take over ``--long-step`` s), each
+rank's CPU seconds, peak resident set (VmHWM) and the resident set before it. The next length is skipped when its
+predicted step (``a S + b S^2``) passes ``--cap``, its linearly scaled memory passes ``--mem-fraction`` of what is
+available, or the mode's share of ``--budget`` would run out; a rank that dies ends that mode with the error kept.
 
     python benchmarks/cp_modes.py [--lengths 2048,4096,...,65536] [--modes cp1,allgather2,ulysses2,...]
                                   [--steps 2] [--warmup 1] [--warmup-each] [--long-step 20] [--cap 60]
@@ -40,26 +20,21 @@ and after. Writes benchmarks/results/cp_modes_cpu.json and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
-import pathlib
 import platform
 import statistics
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import _machine  # benchmarks/_machine.py: the machine record
-import tables  # benchmarks/tables.py: the figures the docs quote
+import harness
 
-from pipeline import _rss_reset, _status_kb  # benchmarks/pipeline.py: peak-RSS helpers
-
-RESULTS = pathlib.Path(__file__).parent / "results"
 # name -> (cp, cp_mode, ulysses)
 MODES = {"cp1": (1, "allgather", None), "allgather2": (2, "allgather", None), "ulysses2": (2, "ulysses", None),
          "allgather4": (4, "allgather", None), "ulysses4": (4, "ulysses", None), "hybrid2x2": (4, "hybrid", 2)}
@@ -67,14 +42,8 @@ LENGTHS = (2048, 4096, 8192, 16384, 32768, 65536)
 BLOCK = 128
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-def _meminfo_mib(key: str) -> float:
-    """A /proc/meminfo field (MemTotal, MemAvailable) in MiB."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    return float("inf")
+def _mib(key: str) -> float:
+    return harness.proc_kb(key, "/proc/meminfo" if key.startswith("Mem") else "/proc/self/status") / 1024
 
 
 def build_model(hidden: int, layers: int, max_len: int):
@@ -110,20 +79,8 @@ def packed_row(model, length: int, seed: int = 0) -> dict:
     return batch
 
 
-# ---------------------------------------------------------------------------------------------------- one rank
-def _worker(rank: int, world: int, name: str, args, rendezvous: str, out_path: str, deadline: float) -> None:
-    torch.set_num_threads(args.threads)
-    try:
-        _run(rank, world, name, args, rendezvous, out_path, deadline)
-    except BaseException:  # noqa: BLE001  (kept in the results, the parent ends the others)
-        with open(f"{out_path}.err{rank}", "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
 def timed_steps(args, predicted_s: float) -> int:
-    """``--steps``, or one where a step is predicted to take over ``--long-step`` seconds (its noise is small
-    against its length; the whole run has to fit in ``--budget``)."""
+    """``--steps``, or one where a step is predicted to take over ``--long-step`` seconds."""
     return 1 if predicted_s > args.long_step else args.steps
 
 
@@ -137,9 +94,42 @@ def predict_step(done: list[tuple[int, float]], length: int) -> float:
     (s1, t1) = done[-2]
     b = (t2 / s2 - t1 / s1) / (s2 - s1)
     a = t2 / s2 - b * s2
-    if a < 0 or b < 0:
-        return quad
-    return max(a * length + b * length ** 2, t2)
+    return quad if a < 0 or b < 0 else max(a * length + b * length ** 2, t2)
+
+
+def _worker(rank: int, world: int, name: str, args, rendezvous: str, out_path: str, deadline: float) -> None:
+    torch.set_num_threads(args.threads)
+    try:
+        _run(rank, world, name, args, rendezvous, out_path, deadline)
+    except BaseException:  # noqa: BLE001  (kept in the results, the parent ends the others)
+        Path(f"{out_path}.err{rank}").write_text(traceback.format_exc())
+        raise
+
+
+def _skip(args, prev: dict, done: list, length: int, deadline: float) -> str | None:
+    """Why rank 0 skips ``length`` (time cap, memory, budget), or None."""
+    step_next = predict_step(done, length)
+    mem_next = sum(b + (p - b) * length / prev["tokens"] for b, p in zip(prev["rss_before_mib"], prev["peak_rss_mib"]))
+    room = args.mem_fraction * (_mib("MemAvailable") + sum(prev["rss_before_mib"]))
+    left = deadline - time.time()
+    steps_next = timed_steps(args, step_next) + (args.warmup if args.warmup_each else 0)
+    if step_next > args.cap:
+        return f"time cap: a step would take ~{step_next:.0f} s > {args.cap:.0f} s"
+    if mem_next > room:
+        return (f"memory: ~{mem_next / 1024:.1f} GiB over all ranks > {args.mem_fraction:.0%} of "
+                f"{room / args.mem_fraction / 1024:.1f} GiB available")
+    if step_next * steps_next + 5 > left:
+        return (f"budget: ~{step_next * steps_next:.0f} s for this length > {max(left, 0):.0f} s left of the mode's "
+                "share of --budget")
+    return None
+
+
+def _share(world: int, value, src: int = 0):
+    """``value`` of rank ``src`` on every rank."""
+    box = [value]
+    if world > 1:
+        dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def _run(rank: int, world: int, name: str, args, rendezvous: str, out_path: str, deadline: float) -> None:
@@ -160,42 +150,21 @@ def _run(rank: int, world: int, name: str, args, rendezvous: str, out_path: str,
     opt = torch.optim.SGD(engine.trainable_parameters(), lr=1e-4)
     prev, done = None, []
     for length in lengths:
-        if prev is not None:  # decide on rank 0, the same answer everywhere
-            reason = [None]
-            if rank == 0:
-                grow = length / prev["tokens"]
-                step_next = predict_step(done, length)
-                mem_next = sum(b + (p - b) * grow for b, p in zip(prev["rss_before_mib"], prev["peak_rss_mib"]))
-                mem_now = sum(prev["rss_before_mib"])
-                room = args.mem_fraction * (_meminfo_mib("MemAvailable") + mem_now)
-                left = deadline - time.time()
-                steps_next = timed_steps(args, step_next) + (args.warmup if args.warmup_each else 0)
-                if step_next > args.cap:
-                    reason[0] = f"time cap: a step would take ~{step_next:.0f} s > {args.cap:.0f} s"
-                elif mem_next > room:
-                    reason[0] = (f"memory: ~{mem_next / 1024:.1f} GiB over all ranks > {args.mem_fraction:.0%} of "
-                                 f"{room / args.mem_fraction / 1024:.1f} GiB available")
-                elif step_next * steps_next + 5 > left:
-                    reason[0] = (f"budget: ~{step_next * steps_next:.0f} s for this length > {max(left, 0):.0f} s "
-                                 "left of the mode's share of --budget")
-            if world > 1:
-                dist.broadcast_object_list(reason, src=0)
-            if reason[0] is not None:
+        if prev is not None:  # decided on rank 0, the same answer everywhere
+            reason = _share(world, _skip(args, prev, done, length, deadline) if rank == 0 else None)
+            if reason is not None:
                 if rank == 0:
-                    _append(out_path, {"tokens": length, "skipped": reason[0]})
+                    _append(out_path, {"tokens": length, "skipped": reason})
                 break
         batch = packed_row(model, length)
         padded = pad_for_context_parallel(batch, cp, BLOCK)  # as the step pads a sequence of fewer than cp blocks
         plan = distribute(padded["bam"], cp, "lpt", BLOCK, padded.get("segment_ids"), ulysses=layout.ulysses)
         local_tokens = [len(token_index(p, BLOCK, padded["bam"].shape[1])) for p in plan]
         times, cpu = [], []
-        before = _status_kb("VmRSS") / 1024
-        reset = _rss_reset()
+        before, reset = _mib("VmRSS"), harness.rss_reset()
         warmup = args.warmup if (args.warmup_each or prev is None) else 0
-        steps = [args.steps if not done else timed_steps(args, predict_step(done, length))]  # rank 0 predicts
-        if world > 1:
-            dist.broadcast_object_list(steps, src=0)
-        for _ in range(warmup + steps[0]):
+        steps = _share(world, args.steps if not done else timed_steps(args, predict_step(done, length)))
+        for _ in range(warmup + steps):
             if world > 1:
                 dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -207,12 +176,11 @@ def _run(rank: int, world: int, name: str, args, rendezvous: str, out_path: str,
             if world > 1:
                 dist.barrier()
             times.append(time.perf_counter() - t0)
-        peak = _status_kb("VmHWM") / 1024
-        mine = (before, peak, statistics.median(cpu[warmup:]))
-        mem = [mine]
+        mem = [(before, _mib("VmHWM"), statistics.median(cpu[warmup:]))]
         if world > 1:
             mem = [None] * world
-            dist.all_gather_object(mem, mine)
+            dist.all_gather_object(mem, (before, _mib("VmHWM"), statistics.median(cpu[warmup:])))
+        prev = {}
         if rank == 0:
             timed = times[warmup:]
             prev = {"tokens": length, "step_s": statistics.median(timed), "steps_s": timed,
@@ -227,12 +195,7 @@ def _run(rank: int, world: int, name: str, args, rendezvous: str, out_path: str,
             done.append((length, prev["step_s"]))
             print(f"  {name:>10} {length:>6} tokens: {prev['step_s']:7.2f} s/step, CPU s per rank {prev['cpu_s']}, "
                   f"peak RSS {max(prev['peak_rss_mib']):.0f} MiB/rank (load {os.getloadavg()[0]:.2f})", flush=True)
-        else:
-            prev = {}
-        if world > 1:
-            box = [prev]
-            dist.broadcast_object_list(box, src=0)
-            prev = box[0]
+        prev = _share(world, prev)
     dist.destroy_process_group()
 
 
@@ -241,18 +204,15 @@ def _append(path: str, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-# ---------------------------------------------------------------------------------------------------- one mode
-def run_mode(name: str, args, tmp: pathlib.Path, share: float) -> dict:
+def run_mode(name: str, args, tmp: Path, share: float) -> dict:
     """Run one mode on its processes; ``share``: the seconds it may take (launch included)."""
-    cp = MODES[name][0]
-    out_path = tmp / f"{name}.jsonl"
+    cp, mode, ulysses = MODES[name]
+    out_path, rendezvous = tmp / f"{name}.jsonl", tmp / f"{name}.rendezvous"  # a file rendezvous: no port to pick
     out_path.unlink(missing_ok=True)
-    ctx = mp.get_context("spawn")
-    rendezvous = tmp / f"{name}.rendezvous"  # a file rendezvous: no port to pick
     rendezvous.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    procs = [ctx.Process(target=_worker, args=(r, cp, name, args, str(rendezvous), str(out_path), time.time() + share))
-             for r in range(cp)]
+    procs = [mp.get_context("spawn").Process(target=_worker, args=(r, cp, name, args, str(rendezvous), str(out_path),
+                                                                   time.time() + share)) for r in range(cp)]
     for p in procs:
         p.start()
     deadline = t0 + share + 2 * args.cap * (args.steps + args.warmup) + 60  # the last length's overrun
@@ -260,8 +220,7 @@ def run_mode(name: str, args, tmp: pathlib.Path, share: float) -> dict:
     while any(p.is_alive() for p in procs):
         dead = [(r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive() and p.exitcode]
         if dead or time.perf_counter() > deadline:
-            error = (f"rank {dead[0][0]} exited with code {dead[0][1]}" if dead else
-                     f"overran {deadline - t0:.0f} s")
+            error = f"rank {dead[0][0]} exited with code {dead[0][1]}" if dead else f"overran {deadline - t0:.0f} s"
             break
         time.sleep(0.5)
     for p in procs:  # only the processes this run started
@@ -279,51 +238,17 @@ def run_mode(name: str, args, tmp: pathlib.Path, share: float) -> dict:
             e.unlink()
     if error and "code -9" in error:  # not ours: this run kills only after an overrun, and says so
         error += " (SIGKILL from outside, e.g. the kernel's out-of-memory killer)"
-    cp_, mode, ulysses = MODES[name]
-    return {"cp": cp_, "cp_mode": mode, "ulysses": ulysses, "processes": cp_, "wall_s": time.perf_counter() - t0,
+    return {"cp": cp, "cp_mode": mode, "ulysses": ulysses, "processes": cp, "wall_s": time.perf_counter() - t0,
             "lengths": [r for r in rows if "step_s" in r], "stopped": next((r for r in rows if "skipped" in r), None),
             "error": error}
-
-
-# ---------------------------------------------------------------------------------------------------- main
-def _k(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
-
-
-def _grid(result: dict, title, cell, ratio_of) -> list[str]:
-    """Mode x length table: ``cell(row)`` per measured length and the speed-up over cp 1 of ``ratio_of(row)``."""
-    lengths = sorted({r["tokens"] for m in result["modes"].values() for r in m["lengths"]})
-    base = {r["tokens"]: ratio_of(r) for r in result["modes"].get("cp1", {"lengths": []})["lengths"]}
-    lines = [f"{'mode':>11} {'procs':>5} " + " ".join(f"{f'{_k(n)} {title}':>24}" for n in lengths)]
-    for name, m in result["modes"].items():
-        cells = {r["tokens"]: r for r in m["lengths"]}
-        row = []
-        for n in lengths:
-            r = cells.get(n)
-            ratio = f"{base[n] / ratio_of(r):.2f}" if r is not None and n in base and name != "cp1" else "-"
-            row.append(f"{'-':>24}" if r is None else f"{cell(r)} | {ratio:>5}")
-        lines.append(f"{name:>11} {m['processes']:>5} " + " ".join(row))
-    return lines
-
-
-def _table(result: dict) -> list[str]:
-    lines = _grid(result, "s | MiB | x cp1", lambda r: f"{r['step_s']:>9.2f} | {max(r['peak_rss_mib']):>5.0f}",
-                  lambda r: r["step_s"])
-    lines[0] += "  longest  memory-bound (projected)"
-    for i, (name, m) in enumerate(result["modes"].items(), 1):
-        proj = m.get("projected_memory_limit_tokens")
-        lines[i] += f"  {_k(max((r['tokens'] for r in m['lengths']), default=0)):>7}  " + \
-            (f"~{proj / 1024:.0f}k" if proj else "-")
-    return lines
 
 
 def command(args) -> str:
     parts = []
     for k, v in vars(args).items():
-        if k == "out" or v is False:
-            continue
-        flag = "--" + k.replace("_", "-")
-        parts.append(flag if v is True else f"{flag} {','.join(map(str, v)) if isinstance(v, list) else v}")
+        if k != "out" and v is not False:
+            flag = "--" + k.replace("_", "-")
+            parts.append(flag if v is True else f"{flag} {','.join(map(str, v)) if isinstance(v, list) else v}")
     return "python benchmarks/cp_modes.py " + " ".join(parts)
 
 
@@ -338,94 +263,56 @@ def memory_projection(mode: dict, limit_mib: float) -> int | None:
     return None if slope <= 0 else int(s2 + (limit_mib - m2) / slope)
 
 
-def _cpu_table(result: dict) -> list[str]:
-    """CPU seconds of a step: the busiest rank (a step's time with a free core per rank and free communication)
-    and the sum over ranks (the work the mode costs in all, communication copies included)."""
-    return _grid(result, "max | sum | x cp1", lambda r: f"{max(r['cpu_s']):>8.2f} | {sum(r['cpu_s']):>7.2f}",
-                 lambda r: max(r["cpu_s"]))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)),
-                        help="comma-separated sequence lengths, tried in ascending order per mode")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per length (median reported)")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed steps before the first length (before every length with --warmup-each)")
-    parser.add_argument("--warmup-each", action="store_true")
-    parser.add_argument("--long-step", type=float, default=20.0,
-                        help="seconds: a length whose step is predicted to take longer gets one timed step")
-    parser.add_argument("--cap", type=float, default=60.0, help="seconds one step may take")
-    parser.add_argument("--budget", type=float, default=780.0,
-                        help="seconds for all modes, launches included: each mode gets what is left / modes left")
-    parser.add_argument("--mem-fraction", type=float, default=0.8,
-                        help="share of the available memory all ranks of a mode may be predicted to use")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--out", default=str(RESULTS / "cp_modes_cpu.json"))
-    args = parser.parse_args()
-    start = _machine.record()
-    args.lengths = [int(x) for x in args.lengths.split(",")]
-    args.modes = args.modes.split(",")
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-
+def main(argv=None) -> None:
+    args = harness.cli(
+        __doc__, argv,
+        lengths=(",".join(map(str, LENGTHS)), "comma-separated sequence lengths, tried in ascending order per mode"),
+        modes=(",".join(MODES), f"comma-separated, of {','.join(MODES)}"),
+        steps=(2, "timed steps per length (median reported)"),
+        warmup=(1, "untimed steps before the first length (before every length with --warmup-each)"),
+        warmup_each=False, long_step=(20.0, "seconds: a length whose step is predicted to take longer gets one timed "
+                                            "step"),
+        cap=(60.0, "seconds one step may take"),
+        budget=(780.0, "seconds for all modes, launches included: each mode gets what is left / modes left"),
+        mem_fraction=(0.8, "share of the available memory all ranks of a mode may be predicted to use"),
+        threads=(1, "torch threads per rank"), hidden=256, layers=2, out=str(harness.RESULTS / "cp_modes_cpu.json"))
+    start = harness.record()
+    args.lengths, args.modes = [int(x) for x in args.lengths.split(",")], args.modes.split(",")
+    if [m for m in args.modes if m not in MODES]:
+        raise SystemExit(f"unknown modes {[m for m in args.modes if m not in MODES]}; choose from {list(MODES)}")
     load_before = os.getloadavg()
-    print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}; "
-          f"{os.cpu_count()} cores, {_meminfo_mib('MemAvailable') / 1024:.1f} GiB available", flush=True)
-    tmp = RESULTS / ".cp_modes_tmp"
+    print(f"load average before: {load_before[0]:.2f}; {os.cpu_count()} cores, "
+          f"{_mib('MemAvailable') / 1024:.1f} GiB available", flush=True)
+    tmp = harness.RESULTS / ".cp_modes_tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     modes = {}
     for i, name in enumerate(args.modes):
         share = (args.budget - (time.perf_counter() - t0)) / (len(args.modes) - i)  # what earlier modes left over
         print(f"{name}: {MODES[name][0]} process(es), up to {share:.0f} s", flush=True)
-        modes[name] = run_mode(name, args, tmp, share)
-        if modes[name]["stopped"]:
-            print(f"  {name:>10} stopped before {modes[name]['stopped']['tokens']}: {modes[name]['stopped']['skipped']}")
-        if modes[name]["error"]:
-            print(f"  {name:>10} ERROR: {modes[name]['error']}")
+        modes[name] = m = run_mode(name, args, tmp, share)
+        if m["stopped"] or m["error"]:
+            print(f"  {name:>10} stopped: {m['stopped'] and m['stopped']['skipped']}; error: {m['error']}")
     for f in tmp.glob("*"):
         f.unlink()
     tmp.rmdir()
-    load_after = os.getloadavg()
-    limit = args.mem_fraction * _meminfo_mib("MemTotal")
     for m in modes.values():
-        m["projected_memory_limit_tokens"] = memory_projection(m, limit)
-    result = {
+        m["projected_memory_limit_tokens"] = memory_projection(m, args.mem_fraction * _mib("MemTotal"))
+    harness.write(args.out, {
         "device": f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), gloo",
         "how": "measured", "torch": torch.__version__, "command": command(args),
-        "load_average_before": load_before, "load_average_after": load_after,
-        "threads_per_rank": args.threads,
+        "load_average_before": load_before, "load_average_after": os.getloadavg(), "threads_per_rank": args.threads,
         "note": "cp 4 runs 4 processes on this machine's cores; times are ratios on a shared CPU, not GPU claims",
         "model": {"llm": "Qwen2", "hidden": args.hidden, "layers": args.layers, "heads": 8, "kv_heads": 2,
                   "head_dim": args.hidden // 8, "vocab": 1024, "encoder": "SigLIP tiny (frozen, 64 tokens/image), "
                   "MLP projector", "placement": "replicated", "data": "synthetic, MP (EE samples packed)",
                   "cp_distribution": "lpt", "cp_block_size": BLOCK, "precision": "fp32", "optimizer": "SGD"},
-        "memory_total_mib": round(_meminfo_mib("MemTotal")),
+        "memory_total_mib": round(_mib("MemTotal")),
         "projected_memory_limit": f"summed peak RSS of a mode's ranks, linear in the length through its last two "
                                   f"lengths, reaching {args.mem_fraction:.0%} of the machine's memory (projected, "
                                   "not run)",
         "steps": args.steps, "warmup": args.warmup, "cap_s": args.cap, "budget_s": args.budget,
-        "wall_s": time.perf_counter() - t0, "modes": modes, "machine": _machine.finish(start)}
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    tables.main(["--quiet"])
-    print(f"\none training step per mode (measured, {result['device']}, {args.threads} thread(s) per rank; "
-          f"median of {args.steps} after {args.warmup} warm-up, 1 step where one takes over {args.long_step:.0f} s):")
-    print("cell: step seconds | peak RSS MiB (largest rank) | speed-up over cp 1 at that length")
-    for line in _table(result):
-        print(line)
-    print("CPU seconds per step (process time, median): busiest rank | sum over ranks | cp 1 over the busiest rank")
-    for line in _cpu_table(result):
-        print(line)
-    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min); "
-          f"{os.cpu_count()} cores: cp 4 = 4 processes share them")
-    print(f"wrote {out}")
+        "wall_s": time.perf_counter() - t0, "modes": modes}, start)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,24 @@
 """Encoder context parallelism: one step of a vision encoder on a microbatch of 8 images, cp 1 vs cp 2.
 
-Two gloo processes on this machine; each step is the encoder part only: the rank's images (LPT shares of the
-microbatch, as the runtime plans them) through a Qwen2-VL vision tower and its projector, the feature all-gather,
-and the backward of a sum over the gathered features. cp 1 runs the same in one process. Median over --steps
-after --warmup; writes benchmarks/results/encoder_cp_cpu.json and prints a table. On 2 CPU cores the two ranks
-share the machine with nothing else, so the ratio is what splitting the images buys at best here.
+Each step is the encoder part only: the rank's images (LPT shares of the microbatch, as the runtime plans them)
+through a Qwen2-VL vision tower and its projector, the feature all-gather, and the backward of a sum over the
+gathered features; cp 1 runs the same in one process. Median over --steps after --warmup, gloo processes.
 
     python benchmarks/encoder_cp.py [--steps 7] [--warmup 2] [--hidden 512] [--layers 8]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import pathlib
 import platform
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import _machine  # noqa: E402
-import tables  # noqa: E402
+import harness
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 SIDES = [(8, 8), (16, 16), (4, 8), (12, 12), (8, 16), (4, 4), (16, 8), (12, 4)]  # patch grids of 8 images
 
 
@@ -45,7 +35,7 @@ def build(hidden: int, layers: int):
     return enc, inputs
 
 
-def step(enc, inputs, group, cp: int, rank: int) -> float:
+def step(enc, inputs, cp: int, rank: int) -> float:
     from lightning_mm.data.metadata import encoder_input_tokens
     from lightning_mm.parallel.encoder_cp import gather_items
     from lightning_mm.plan.items import gather_order, shard_items
@@ -54,52 +44,31 @@ def step(enc, inputs, group, cp: int, rank: int) -> float:
     tokens = enc.num_tokens(inputs)
     work = [t * (t + 6 * enc.config.hidden_size) for t in (encoder_input_tokens(enc, n) for n in tokens)]
     shards = shard_items(work, cp)
-    mine = enc.family.select_items(inputs, torch.tensor(shards[rank]))
-    feats = enc(mine)
+    feats = enc(enc.family.select_items(inputs, torch.tensor(shards[rank])))
     if cp > 1:
         counts = [sum(tokens[i] for i in s) for s in shards]
-        feats = gather_items(feats, counts, torch.tensor(gather_order(shards, tokens)), group)
+        feats = gather_items(feats, counts, torch.tensor(gather_order(shards, tokens)), None)
     feats.float().square().mean().backward()
     if cp > 1:
-        dist.barrier(group)
+        dist.barrier()
     return time.perf_counter() - t0
 
 
-def worker(rank: int, cp: int, args, port: int, out: dict) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=cp)
-    enc, inputs = build(args.hidden, args.layers)
-    times = [step(enc, inputs, None, cp, rank) for _ in range(args.warmup + args.steps)][args.warmup:]
-    if rank == 0:
-        out[cp] = times
-    dist.destroy_process_group()
+def worker(rank: int, cp: int, args: dict) -> list[float]:
+    enc, inputs = build(args["hidden"], args["layers"])
+    return [step(enc, inputs, cp, rank) for _ in range(args["warmup"] + args["steps"])][args["warmup"]:]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    args = parser.parse_args()
-    start = _machine.record()
-    manager = mp.Manager()
-    out = manager.dict()
-    for i, cp in enumerate((1, 2)):
-        mp.spawn(worker, args=(cp, args, 29650 + i, out), nprocs=cp, join=True)
-    rows = {cp: statistics.median(out[cp]) for cp in (1, 2)}
-    result = {"device": f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), gloo",
-              "how": "measured", "images": SIDES, "hidden": args.hidden, "layers": args.layers,
-              "step_s": {f"cp{cp}": t for cp, t in rows.items()}, "all_steps_s": {f"cp{cp}": list(out[cp]) for cp in (1, 2)},
-              "speedup_cp2": rows[1] / rows[2], "machine": _machine.finish(start)}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "encoder_cp_cpu.json").write_text(json.dumps(result, indent=1))
-    print(f"encoder step on 8 images (measured, {result['device']}), median of {args.steps}:")
-    print(f"{'cp':>4} {'step s':>8} {'vs cp 1':>8}")
-    for cp, t in rows.items():
-        print(f"{cp:>4} {t:8.3f} {rows[1] / t:8.2f}")
-    tables.main(["--quiet"])
+def main(argv=None) -> None:
+    args = harness.cli(__doc__, argv, steps=7, warmup=2, hidden=512, layers=8)
+    start = harness.record()
+    times = {cp: harness.spawn(worker, cp, vars(args))[0] for cp in (1, 2)}
+    medians = {cp: statistics.median(t) for cp, t in times.items()}
+    harness.write(harness.RESULTS / "encoder_cp_cpu.json", {
+        "device": f"CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), gloo",
+        "how": "measured", "images": SIDES, "hidden": args.hidden, "layers": args.layers,
+        "step_s": {f"cp{cp}": t for cp, t in medians.items()}, "all_steps_s": {f"cp{cp}": t for cp, t in times.items()},
+        "speedup_cp2": medians[1] / medians[2]}, start)
 
 
 if __name__ == "__main__":

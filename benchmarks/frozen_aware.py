@@ -1,42 +1,14 @@
 """Frozen-aware vs frozen-unaware planning on the seeds' MLLM configurations (003 Table 3.2), simulated.
 
-Models: 003 Table 3.1 sizes (layers, hidden, params) on the seeds' data (1k text tokens + one 1280x720 image +
-one 2-minute audio clip per sample, microbatch 4, global batch 48 -> 12 microbatches). Encoders and LLM frozen,
-projectors trainable, activation recomputation on.
-
-Headline (the seeds' Table 3.2 setting, 003 sec. 3.5.3): ONE pipeline of 6 stages (24 A40s, each stage a
-TP2 x CP2 group of 4), encoders colocated. Each planner chooses how many of the 6 stages go to the encoders
-and to the LLM and where the boundaries lie; every chosen layout is then timed by the simulator with the same
-costs (frozen layers skip their gradients, as in the seeds' baseline). Planners: ours (`frozen-aware`, Eq.
-3.1-3.3), the seeds' baseline (`forward-variance`: minimise the variance of forward time across stages) and
-the strongest frozen-unaware planner (`forward-only`: minimise the simulated time believing backward = 2F).
-
-Nothing here ran on a GPU: every number is the simulator's, on one of three cost sources, printed side by side
-(the speedup is the seeds' baseline layout / our layout, and "meets" means at least the seeds' published
-speedup):
-- FLOP costs: dense 2*t*P, attention 4*t^2*h (2*t^2*h causal), on an A40 at 45% MFU. First principles only: no
-  number of the seeds' is used, so this is what the planner predicts before anyone profiles.
-- Leave-one-config-out (LOO): the FLOP costs rescaled to the seeds' published A40 per-stage times, with one
-  encoder scale per encoder pair (what a per-layer profile would give: the same encoders cost the same in every
-  configuration), fitted on the OTHER 8 configurations only. Out of sample: the row being judged never saw
-  its own times.
-- Seed-fitted profile: the same rescaling fitted on all 9 configurations (one encoder scale per configuration,
-  one LLM forward scale and the LLM's backward/forward ratio per LLM size: 15 numbers fitted to the 54
-  per-stage times). In sample: it shows what the planner does on costs shaped like the seeds' hardware, not an
-  independent prediction. The iteration times and speedups are never fitted, in any source. The seeds' layouts
-  (how many of the 6 stages each row gave the encoders) are not published; they are inferred with the scales,
-  as the splits that make the published per-stage forward times most consistent with the FLOP proportions.
-
-A fourth source, only with `--layer-profile PATH` (a JSON of `benchmarks/layer_profile.py`):
-- Measured layer profile: every transformer layer's forward, input-grad and weight-grad time (and each projector's)
-  is the one measured on ONE real layer of that family and size at the benchmark's shapes, divided by the GPUs of a
-  stage (ideal TP/CP scaling, exactly as the FLOP source divides its FLOPs). The times were measured on the
-  profile's device, not on the seeds' A40s: compare speedups (ratios) with the seeds', not absolute times. With
-  `--no-recompute` a layer's activation bytes are the measured ones too. The results go to
-  `frozen_aware_measured.json` (the other sources' files and `frozen_aware.json` are left as they are).
-
-Second table: each mode searches its own dp / stage counts / placement on 24 single-GPU devices (FLOP costs),
-and the auto search is compared with a grid of hand plans.
+Models: 003 Table 3.1 sizes on the seeds' data (1k text tokens + one 1280x720 image + a 2-minute audio clip per
+sample, microbatch 4, 12 microbatches); encoders and LLM frozen, projectors trainable, recomputation on. Headline
+(Table 3.2's setting): ONE pipeline of 6 stages of 4 GPUs, encoders colocated; each planner (ours `frozen-aware`,
+the seeds' baseline `forward-variance`, the strongest frozen-unaware `forward-only`) chooses the stage split and
+boundaries, and the simulator times every layout on the same costs. Cost sources, side by side: FLOP costs (first
+principles), leave-one-config-out (FLOPs rescaled to the seeds' published per-stage times, fitted on the other 8
+configurations), the seed-fitted profile (fitted on all 9: in sample) and, with `--layer-profile PATH` (a
+`benchmarks/layer_profile.py` JSON), the measured layer profile (results in `frozen_aware_measured.json`).
+Second table: each mode searches dp / stages / placement on 24 single-GPU devices, beside a grid of hand plans.
 
     python benchmarks/frozen_aware.py [--skip-free] [--no-recompute] [--out benchmarks/results]
                                       [--layer-profile layer_profile_<device>.json] [--configs MMM,LLL]
@@ -44,16 +16,15 @@ and the auto search is compared with a grid of hand plans.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import harness
 from lightning_mm.planner import (
     ModuleSpec,
     ModuleTimes,
@@ -66,10 +37,6 @@ from lightning_mm.planner import (
     timeline_png,
 )
 from lightning_mm.planner.costs import fit_cost_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _machine  # noqa: E402
-import tables  # noqa: E402
 
 LM = "language_model"
 # 003 Table 3.1: (layers, hidden, parameters)
@@ -94,6 +61,7 @@ SEED_TABLE_3_2 = {
 SEED_STAGES = 6  # inferred (see docs/planner.md): 24 GPUs / (TP2 x CP2); "a maximum of 6 pipeline stages" (001)
 STAGE_GPUS = 4
 MICROBATCHES = 12
+STAGE_COLUMNS = ("enc_fwd_ms", "llm_fwd_ms", "enc_bwd_ms", "llm_bwd_ms")
 
 TEXT_TOKENS = 1000
 VISION_PATCHES = (1288 // 14) * (728 // 14)  # Qwen2-VL resizes to multiples of 28: 92 x 52 patches of 14 px
@@ -357,8 +325,8 @@ def seed_setting_plans(key: str, profile: SeedFittedProfile | None, stages: int,
              for mode in ("frozen-aware", *BASELINES)}
     # auto (the free search: dp, stage counts <= `stages`, parallel or colocated) vs every hand split of `stages`
     auto = search(modules, stages, MICROBATCHES, memory, latency, **ALLREDUCE).best
-    hands = [p for p in search(modules, stages, MICROBATCHES, memory, latency, data_parallel=False, stages=stages, **ALLREDUCE,
-                               placements=("colocated", "parallel")).candidates if p.fits_memory]
+    hands = [p for p in search(modules, stages, MICROBATCHES, memory, latency, data_parallel=False, stages=stages,
+                               placements=("colocated", "parallel"), **ALLREDUCE).candidates if p.fits_memory]
     best_hand = min(hands, key=lambda p: p.iteration_time)
     return plans, auto, best_hand
 
@@ -372,8 +340,9 @@ def describe_plans(plans, auto, best_hand) -> dict:
            "auto_vs_best_hand": best_hand.iteration_time / auto.iteration_time}
     for mode in BASELINES:
         plan = plans[mode]
-        out[mode] = {"s": plan.iteration_time, "split": split(plan), "ratio": plan.iteration_time / aware.iteration_time,
-                     "stages_ms": stage_breakdown(plan), "summary": plan_summary(plan)}
+        out[mode] = {"s": plan.iteration_time, "split": split(plan),
+                     "ratio": plan.iteration_time / aware.iteration_time, "stages_ms": stage_breakdown(plan),
+                     "summary": plan_summary(plan)}
     return out
 
 
@@ -391,8 +360,8 @@ def seed_setting_row(key: str, stages: int, full: SeedFittedProfile, out: Path |
     row = {"config": f"MLLM-{key}", "seed_aware_s": seed_aware[4], "seed_unaware_s": seed_unaware[4],
            "seed_ratio": seed_unaware[4] / seed_aware[4],
            "seed_splits": [f"{e}+{stages - e}" for e in full.splits[key]],
-           "seed_aware_stages_ms": dict(zip(("enc_fwd_ms", "llm_fwd_ms", "enc_bwd_ms", "llm_bwd_ms"), seed_aware[:4])),
-           "seed_unaware_stages_ms": dict(zip(("enc_fwd_ms", "llm_fwd_ms", "enc_bwd_ms", "llm_bwd_ms"), seed_unaware[:4]))}
+           "seed_aware_stages_ms": dict(zip(STAGE_COLUMNS, seed_aware[:4])),
+           "seed_unaware_stages_ms": dict(zip(STAGE_COLUMNS, seed_unaware[:4]))}
     sources = (("flops", None), ("per_layer_loo", held_out), ("seed_fitted", full))
     for source, profile in sources + ((("measured", None),) if measured is not None else ()):
         plans, auto, best_hand = seed_setting_plans(key, profile, stages, measured if source == "measured" else None)
@@ -416,92 +385,6 @@ def seed_setting_row(key: str, stages: int, full: SeedFittedProfile, out: Path |
     return row
 
 
-def print_profile(profile: SeedFittedProfile) -> None:
-    kind = "per encoder pair" if profile.per_pair else "per configuration"
-    print(f"Seed-fitted profile (FLOP costs rescaled to the seeds' published A40 per-stage times; nothing measured "
-          f"here), encoder scale {kind}, fitted on 003 Table 3.2 ({len(profile.fitted_on)} configs; rms log error "
-          f"{profile.rms_log_error:.2f}, i.e. x{math.exp(profile.rms_log_error):.2f}):")
-    print("  encoder forward, published/FLOP: " + ", ".join(f"{k} {v:.2f}" for k, v in profile.encoder_forward.items()))
-    print("  LLM forward, published/FLOP:     " + ", ".join(f"{k} {v:.2f}" for k, v in profile.llm_forward.items()))
-    ratios = ", ".join(f"{k} {v:.2f}" for k, v in profile.llm_backward_ratio.items())
-    print("  LLM backward/forward, published: " + ratios
-          + f"   (FLOPs: input grad + recompute = {2.0 if RECOMPUTE else 1.0:.1f} + attention share)")
-
-
-WHAT_EACH_PROVES = {
-    "flops": "first principles only, no number of the seeds' used: what the planner predicts before profiling",
-    "per_layer_loo": "fitted on the other 8 configurations only: an out-of-sample prediction of the judged row",
-    "seed_fitted": "fitted on all 9 configurations, the judged row included: in sample, shows behaviour on costs "
-                   "shaped like the seeds' hardware, not independent evidence",
-    "measured": "one real layer per family and size timed on {device}, no number of the seeds' used: out of sample, "
-                "but on other hardware than the seeds' A40s, so compare its speedups, not its absolute times",
-}
-
-
-def print_measured(measured: MeasuredProfile, keys) -> None:
-    m = measured.meta
-    print(f"Measured layer profile {measured.path}: one layer per family and size timed on {measured.device} (torch "
-          f"{m['torch']}, {m['dtype']}{', TINY shapes' if m['tiny'] else ''}; audio layer {m['audio_layer']}), divided "
-          f"by the {STAGE_GPUS} GPUs of a stage (ideal TP/CP). Measured on {measured.device}, not on the seeds' A40s: "
-          "compare speedups (ratios), not absolute times.")
-    tokens = TEXT_TOKENS + VISION_PATCHES // VISION_MERGE + AUDIO_TOKENS
-    sizes = [size for size in LLAMA3 if any(k[2] == size for k in keys)]
-    print(f"  LLM backward/forward at {tokens} tokens, measured: "
-          + ", ".join(f"{k} {measured.llm_backward_ratio(k, tokens):.2f}" for k in sizes)
-          + f"   ({'input grad + recomputed forward' if RECOMPUTE else 'input grad'}; the seeds' published ratios are "
-          "the seed-fitted profile's LLM backward/forward above)")
-
-
-def print_seed_setting(rows, stages: int, measured: MeasuredProfile | None = None) -> bool:
-    sources = active_sources(measured)
-    print(f"003 Table 3.2 setting (simulated): one pipeline of {stages} stages x {STAGE_GPUS} GPUs, encoders "
-          f"colocated, {MICROBATCHES} microbatches of {SAMPLES_PER_MICROBATCH} samples, recompute")
-    cell = 24
-    header = f"{'config':<9} {'seeds':>7} | " + " | ".join(f"{SOURCE_NAMES[s]:^{cell}}" for s in sources)
-    sub = f"{'':<9} {'speedup':>7} | " + " | ".join(f"{'a/u':>7} {'speedup':>8} {'meets':>6} " for _ in sources)
-    print(header)
-    print(sub)
-    print("-" * len(header))
-    for r in rows:
-        cells = []
-        for s in sources:
-            x = r[s]
-            cells.append(f"{x['aware_split'] + '/' + x['forward-variance']['split']:>7} "
-                         f"{x['forward-variance']['ratio']:>7.2f}x {'yes' if r['meets_seed'][s] else 'NO':>6} ")
-        print(f"{r['config']:<9} {r['seed_ratio']:>6.2f}x | " + " | ".join(cells))
-    met = {s: sum(r["meets_seed"][s] for r in rows) for s in sources}
-    print("-" * len(header))
-    print(f"{'meets':<9} {'':>7} | " + " | ".join(f"{str(met[s]) + '/' + str(len(rows)):>{cell}}" for s in sources))
-    print("speedup = the seeds' baseline plan (forward-variance) / our frozen-aware plan, both timed by the simulator "
-          "on that column's costs; meets = speedup >= the seeds' published speedup; a/u = encoder+LLM stages, ours / "
-          "the baseline's. What each column proves:")
-    for s in sources:
-        what = WHAT_EACH_PROVES[s].format(device=measured.device if measured is not None else "")
-        print(f"  {SOURCE_NAMES[s]} ({met[s]}/{len(rows)}): {what}")
-    print()
-    print("Checks on the seed-fitted profile:")
-    header = (f"{'config':<9} {'seeds a/u':>9} {'vs minmax':>9} {'seeds sim':>9} {'ours/seeds a':>12} {'auto/hand':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        m = r["seed_fitted"]
-        print(f"{r['config']:<9} {'/'.join(r['seed_splits']):>9} {m['forward-only']['ratio']:>8.2f}x "
-              f"{r['seed_layouts_simulated_ratio']:>8.2f}x {r['ours_vs_seed_aware_layout']:>11.2f}x "
-              f"{min(r[s]['auto_vs_best_hand'] for s in sources):>8.2f}x")
-    print("seeds a/u = the seeds' layouts as inferred by the profile fit; vs minmax = our plan against the strongest "
-          "frozen-unaware planner (forward-only); seeds sim = the seeds' two layouts re-timed with the profile (compare "
-          "with their published speedup); ours/seeds a = the seeds' aware layout / ours (>= 1: our planner finds a "
-          "layout at least as fast); auto/hand = best hand split / free auto search, lowest over the cost sources "
-          "(>= 1: auto never loses)")
-    never_loses = all(min(r[s]["auto_vs_best_hand"] for s in sources) >= 1 - 1e-9 for r in rows)
-    same = sum(r["seed_fitted"]["forward-variance"]["split"] == r["seed_splits"][1] for r in rows)
-    print(f"the seeds' baseline rule on the seed-fitted profile chooses the layout the seeds ran in {same}/{len(rows)} "
-          "configs")
-    extra = f", measured layer profile {met['measured']}/{len(rows)}" if "measured" in met else ""
-    print(f"'match the seeds' speedups': FLOP costs {met['flops']}/{len(rows)}, leave-one-config-out "
-          f"{met['per_layer_loo']}/{len(rows)}, seed-fitted profile {met['seed_fitted']}/{len(rows)}{extra}; "
-          f"'auto never loses to a hand plan': {'HOLDS' if never_loses else 'DOES NOT HOLD'}")
-    return met, never_loses
 
 
 def hand_plans(modules, devices: int, microbatches: int, latency: float):
@@ -519,7 +402,8 @@ def hand_plans(modules, devices: int, microbatches: int, latency: float):
                     continue
                 layers = {e: partition_module(modules[e].costs, c) for e, c in zip(encoders, counts)}
                 layers[LM] = partition_module(modules[LM].costs, lp)
-                plans.append(evaluate_plan(modules, layers, placement, microbatches, dp, latency, MEMORY_LIMIT, **ALLREDUCE))
+                plans.append(evaluate_plan(modules, layers, placement, microbatches, dp, latency, MEMORY_LIMIT,
+                                           **ALLREDUCE))
     return [p for p in plans if p.fits_memory]
 
 
@@ -586,77 +470,57 @@ def configurations():
         yield f"ALM-{size}", None, size, size
 
 
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", type=int, default=24)
-    parser.add_argument("--microbatches", type=int, default=12)
-    parser.add_argument("--stages", type=int, default=SEED_STAGES, help="fixed stage count of the Table 3.2 setting")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--no-recompute", action="store_true", help="keep full activations (no checkpointing)")
-    parser.add_argument("--skip-free", action="store_true", help="only the Table 3.2 setting")
-    parser.add_argument("--layer-profile", type=Path, default=None,
-                        help="a benchmarks/layer_profile.py JSON: adds the 'measured layer profile' cost source to the "
-                             "Table 3.2 setting and writes frozen_aware_measured.json instead of frozen_aware.json")
-    parser.add_argument("--configs", default=None,
-                        help="comma-separated Table 3.2 configurations to run, e.g. MMM,LLL (default: all 9; the "
-                             "profile fits always use all 9)")
-    args = parser.parse_args(argv)
-    args.machine = _machine.record()
+    args = harness.cli(
+        __doc__, argv, devices=24, microbatches=12,
+        stages=(SEED_STAGES, "fixed stage count of the Table 3.2 setting"), out=harness.RESULTS,
+        no_recompute=(False, "keep full activations (no checkpointing)"),
+        skip_free=(False, "only the Table 3.2 setting"),
+        layer_profile=dict(type=Path, help="a benchmarks/layer_profile.py JSON: adds the 'measured layer profile' "
+                                           "cost source to the Table 3.2 setting and writes frozen_aware_measured.json "
+                                           "instead of frozen_aware.json"),
+        configs=dict(help="comma-separated Table 3.2 configurations to run, e.g. MMM,LLL (default: all 9; the "
+                          "profile fits always use all 9)"))
+    start = harness.record()
     global RECOMPUTE
     RECOMPUTE = not args.no_recompute
     keys = tuple(SEED_TABLE_3_2)
     if args.configs:
         keys = tuple(k.strip().upper().removeprefix("MLLM-") for k in args.configs.split(","))
-        unknown = [k for k in keys if k not in SEED_TABLE_3_2]
-        if unknown:
-            parser.error(f"--configs: unknown {unknown}; choose from {', '.join(SEED_TABLE_3_2)}")
+        if [k for k in keys if k not in SEED_TABLE_3_2]:
+            raise SystemExit(f"--configs: unknown {[k for k in keys if k not in SEED_TABLE_3_2]}; choose from "
+                             f"{', '.join(SEED_TABLE_3_2)}")
     measured = load_measured_profile(args.layer_profile) if args.layer_profile else None
     args.out.mkdir(parents=True, exist_ok=True)
-    full = fit_seed_profile(tuple(SEED_TABLE_3_2))
-    per_pair = fit_seed_profile(tuple(SEED_TABLE_3_2), per_pair=True)
-    for profile in (full, per_pair):
-        print_profile(profile)
-    if measured is not None:
-        print_measured(measured, keys)
-    print()
+    full, per_pair = fit_seed_profile(tuple(SEED_TABLE_3_2)), fit_seed_profile(tuple(SEED_TABLE_3_2), per_pair=True)
     seed_rows = [seed_setting_row(key, args.stages, full, args.out, measured) for key in keys]
-    met, never_loses = print_seed_setting(seed_rows, args.stages, measured)
-    rows = [] if args.skip_free else [run_config(*cfg, args.devices, args.microbatches, args.out) for cfg in configurations()]
-    fmt = lambda v, spec: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)  # noqa: E731
-    if rows:
-        print()
-        print(f"Free layouts: each mode searches dp / stage counts / placement on {args.devices} single-GPU devices")
-        header = (f"{'config':<10} {'aware s':>8} {'unaware s':>9} {'speedup':>7} {'bounds':>6} {'seed':>5} "
-                  f"{'aware plan':<22} {'unaware plan':<22} {'best hand s':>11} {'auto/hand':>9} {'PP-only':>7} "
-                  f"{'PP aware plan':<22} {'PP unaware plan':<22}")
-        print(header)
-        print("-" * len(header))
-        for r in rows:
-            print(f"{r['config']:<10} {r['frozen_aware_s']:>8.2f} {r['forward_only_s']:>9.2f} {r['speedup']:>6.2f}x "
-                  f"{r['boundaries_only_speedup']:>5.2f}x {fmt(r['seed_speedup'], '>4.2f')}x {r['aware_plan']:<22} "
-                  f"{r['unaware_plan']:<22} {fmt(r['best_hand_s'], '>11.2f')} {fmt(r['auto_vs_best_hand'], '>8.2f')}x "
-                  f"{r['pp_only_speedup']:>6.2f}x {r['pp_only_aware_plan']:<22} {r['pp_only_unaware_plan']:<22}")
-        print("speedup = forward-only plan / frozen-aware plan (both timed by the simulator on FLOP costs); bounds = same stage counts,"
-              " only boundaries forward-only; seed = 003 Table 3.2; auto/hand = best hand plan / auto plan (>= 1: auto wins);"
-              " PP-only = the same speedup with dp fixed to 1 (all devices in one pipeline)")
-    doc = {"devices": args.devices, "microbatches": args.microbatches, "memory_limit": MEMORY_LIMIT, "recompute": RECOMPUTE,
-           "effective_flops": EFFECTIVE_FLOPS, "stages": args.stages, "stage_gpus": STAGE_GPUS,
-           "tokens": {"text": TEXT_TOKENS, "vision_patches": VISION_PATCHES, "vision_to_llm": VISION_PATCHES // VISION_MERGE,
-                      "audio": AUDIO_TOKENS, "samples_per_microbatch": SAMPLES_PER_MICROBATCH},
-           "meets_seed_speedup": {s: f"{met[s]}/{len(seed_rows)}" for s in active_sources(measured)},
-           "auto_never_loses": never_loses, "seed_fitted_profile": asdict(full), "per_pair_profile": asdict(per_pair),
-           "seed_setting_rows": seed_rows, "rows": rows}
+    sources = active_sources(measured)
+    rows = [] if args.skip_free else [run_config(*cfg, args.devices, args.microbatches, args.out)
+                                      for cfg in configurations()]
+    doc = {"devices": args.devices, "microbatches": args.microbatches, "memory_limit": MEMORY_LIMIT,
+           "recompute": RECOMPUTE, "effective_flops": EFFECTIVE_FLOPS, "stages": args.stages, "stage_gpus": STAGE_GPUS,
+           "tokens": {"text": TEXT_TOKENS, "vision_patches": VISION_PATCHES,
+                      "vision_to_llm": VISION_PATCHES // VISION_MERGE, "audio": AUDIO_TOKENS,
+                      "samples_per_microbatch": SAMPLES_PER_MICROBATCH},
+           "meets_seed_speedup": {s: f"{sum(r['meets_seed'][s] for r in seed_rows)}/{len(seed_rows)}" for s in sources},
+           "auto_never_loses": all(min(r[s]["auto_vs_best_hand"] for s in sources) >= 1 - 1e-9 for r in seed_rows),
+           "seed_fitted_profile": asdict(full), "per_pair_profile": asdict(per_pair), "seed_setting_rows": seed_rows,
+           "rows": rows}
     name = "frozen_aware.json"
     if measured is not None:
+        tokens = TEXT_TOKENS + VISION_PATCHES // VISION_MERGE + AUDIO_TOKENS
         doc["measured_layer_profile"] = {
-            **measured.describe(), "note": f"per-layer times measured on {measured.device}, divided by the {STAGE_GPUS} "
-            "GPUs of a stage (ideal TP/CP); not the seeds' A40s: compare speedups, not absolute times",
-            "llm_backward_ratio": {k: measured.llm_backward_ratio(k, TEXT_TOKENS + VISION_PATCHES // VISION_MERGE
-                                                                  + AUDIO_TOKENS) for k in LLAMA3}}
+            **measured.describe(), "note": f"per-layer times measured on {measured.device}, divided by the "
+            f"{STAGE_GPUS} GPUs of a stage (ideal TP/CP); not the seeds' A40s: compare speedups, not absolute times",
+            "llm_backward_ratio": {k: measured.llm_backward_ratio(k, tokens) for k in LLAMA3}}
         name = "frozen_aware_measured.json"
-    doc["machine"] = dict(_machine.finish(args.machine), note="simulated: the machine does not change these figures")
-    (args.out / name).write_text(json.dumps(doc, indent=1))
-    tables.main(["--quiet"])
+    doc["machine"] = dict(harness.finish(start), note="simulated: the machine does not change these figures")
+    harness.write(args.out / name, doc)
+    harness.print_rows([dict(config=r["config"], seeds=r["seed_ratio"], **{s: r[s]["forward-variance"]["ratio"]
+                                                                           for s in sources}) for r in seed_rows],
+                       ["config", "seeds", *sources], "speedup over the seeds' baseline plan (simulated), per source")
     return seed_rows, rows
 
 

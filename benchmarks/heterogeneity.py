@@ -1,37 +1,22 @@
 """Data heterogeneity: iteration time and microbatch forward-time spread of batch balancing (none / disttrain /
 entrain), simulated at the seeds' scale, measured on CPU processes, and the planning time.
 
-a) Simulated (every figure labelled "simulated"): Qwen2.5-Vision (32 layers, hidden 1280, 14-px patches, 2x2 merge)
-   + Llama-3.2-1B / 3B, built on the meta device from transformers configs (no weights) and costed by the runtime's
-   own ``WorkloadModel.from_model`` (forward FLOPs x 3 for trainable modules), with one correction: 28 of the
-   tower's 32 blocks attend within 8x8-patch windows, so their quadratic term becomes linear. Seconds = FLOPs /
-   (tp x EFFECTIVE_FLOPS) for Llama-1B; the vision tower's and Llama-3B's seconds per FLOP are factors of that,
-   fitted to Entrain's published GPU splits and its 1.27:1 ratio (``calibrate``, which also shows the fit to every
-   figure including Fig. 4.5's 2.43, and the earlier fit to 2.43 alone). B 512, dp 4, tp 2, 32 microbatches,
-   8 stages per replica (Entrain's Table 4.1 setting: 64 GPUs). Each method's vision/LLM stage split is chosen as
-   the paper does: proportional to the workload of its profiling batch (DistTrain: 1 sample, so a distribution over
-   59 draws; Entrain: 256 samples); every split is also simulated, giving each method's best. Iteration time = the
-   slowest replica's (as Entrain measures it; the gradient all-reduce is not modelled). The forward-time std is
-   Table 4.3's statistic: a microbatch's forward time summed over the module's stages. Published numbers (Entrain
-   Tables 4.1-4.3, C.1-C.6, Fig. 4.5, Fig. 4.12) are stored beside them, labelled "published".
-b) ``--measure``: samples/s of each method on 6 CPU processes (gloo; tiny Qwen2-VL vision pp 1 + tiny Llama pp 2,
-   dp 2) on the same global batches of a 0-8-image set, and the encoder's per-microbatch forward-time std from the
-   engine's timings ("measured, 2-core CPU, gloo").
-c) Planning time of ``plan_batch`` per 512-sample global batch (goal < 50 ms), timed with
-   ``benchmarks/balance_planning.py``'s ``planning_ms`` on these data sets.
+a) Simulated: Qwen2.5-Vision + Llama-3.2-1B / 3B built on meta and costed by ``WorkloadModel.from_model`` (window
+   attention corrected), seconds per FLOP of the tower and of Llama-3B fitted to Entrain's published splits
+   (``calibrate``); B 512, dp 4, tp 2, 32 microbatches, 8 stages per replica (Entrain's Table 4.1 setting). Each
+   method's stage split is chosen from its profiling batch as the paper does; every split is also simulated.
+b) ``--measure``: samples/s of each method on 6 CPU processes (gloo; vision pp 1 + LLM pp 2, dp 2, tiny models) on
+   the same global batches, and the encoder's per-microbatch forward-time std.
+c) Planning time of ``plan_batch`` per 512-sample global batch (``balance_planning.planning_ms``).
 
-Writes benchmarks/results/heterogeneity.json, heterogeneity.png (bars) and heterogeneity_timeline_<method>.png
-(replica 0 of one simulated mixed-set batch at Entrain's split, deferred work hatched).
+Also writes heterogeneity.png and heterogeneity_timeline_<method>.png (replica 0 of a simulated mixed-set batch).
 
     python benchmarks/heterogeneity.py [--batches 16] [--repeats 10] [--measure [--steps 4]]
-
-It then rewrites the tables README.md and docs/ quote from the JSON (benchmarks/tables.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -44,18 +29,16 @@ from pathlib import Path
 
 import torch
 
+import balance_planning as bp
+import harness
 from lightning_mm.data.metadata import SampleMeta
 from lightning_mm.plan.balance import METHODS, BatchPlan
 from lightning_mm.plan.schedule import build_stage_graph
 from lightning_mm.planner.heterogeneity import compare_methods, simulate_plan
 from lightning_mm.planner.workload import Quadratic, WorkloadModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _machine  # noqa: E402
-import tables  # noqa: E402
+RESULTS = harness.RESULTS
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
 
 B, DP, TP, K = 512, 4, 2, 32
 EFFECTIVE_FLOPS = 60e12  # per GPU: 40% of an A40's 149.7 TFLOP/s bf16 dense peak (Entrain's hardware)
@@ -76,15 +59,6 @@ LLAMA = {"llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_l
          "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                           num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)}
 
-
-def _balance_planning():
-    path = HERE / "balance_planning.py"
-    if "balance_planning" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("balance_planning", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["balance_planning"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["balance_planning"]
 
 
 # ------------------------------------------------------------------------------------------------ cost model
@@ -284,7 +258,6 @@ def _graph(vision_pp: int):
 
 def simulate_seed_scale(batches: int, repeats: int) -> tuple[list[dict], list[dict], dict]:
     """Every method at every stage split of each set and LLM; the paper's protocol picks each method's split."""
-    bp = _balance_planning()
     works = {}
     info = {}
     for llm in LLAMA:
@@ -435,8 +408,7 @@ def worker(spec: str, out: str) -> None:
                                               batch_balancing=case["method"], process_group_backend="gloo")
     timer = Timer()
     trainer = L.Trainer(accelerator="cpu", devices=6, strategy=strategy, max_steps=case["steps"], callbacks=[timer],
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0)
+                        use_distributed_sampler=False, num_sanity_val_steps=0, **harness.QUIET)
     data = Data(num_samples=case["samples"], batch_size=case["batch_size"], text_tokens=tuple(case["text"]),
                 items_per_sample=tuple(case["items"]))
     trainer.fit(module, data)
@@ -469,16 +441,9 @@ def measure(steps: int, warmup: int) -> list[dict]:
     return rows
 
 
-# ------------------------------------------------------------------------------------------------ output
-
 def plot(summary: list[dict], rows: list[dict], timelines, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = harness.pyplot()
+    if plt is None:
         return
     from lightning_mm.planner.simulator import timeline_png
 
@@ -515,60 +480,25 @@ def plot(summary: list[dict], rows: list[dict], timelines, path: Path) -> None:
                      title=f"simulated, mixed set, Llama-1B, replica 0, {method}: {result.iteration_time:.2f} s",
                      xlabel="time (s)")
 
-
-def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, default=16, help="simulated global batches per data set")
-    ap.add_argument("--repeats", type=int, default=10, help="timed planning runs per batch (2 batches)")
-    ap.add_argument("--measure", action="store_true", help="also run the CPU processes (6 ranks, a few minutes)")
-    ap.add_argument("--steps", type=int, default=4, help="measured steps per method (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+def main(argv=None) -> None:
+    args = harness.cli(__doc__, argv, batches=(16, "simulated global batches per data set"),
+                       repeats=(10, "timed planning runs per batch (2 batches)"),
+                       measure=(False, "also run the CPU processes (6 ranks, a few minutes)"),
+                       steps=(4, "measured steps per method (after --warmup)"), warmup=1,
+                       worker=dict(nargs=2, help=argparse.SUPPRESS))
     if args.worker:
         return worker(*args.worker)
-    start = _machine.record()
-    print(f"a) simulated: B {B}, dp {DP}, tp {TP}, {K} microbatches, {STAGES} stages per replica, split per method")
+    start = harness.record()
     rows, plan_rows, info = simulate_seed_scale(args.batches, args.repeats)
-    timelines = info.pop("timelines")
-    for name, c in info["calibration"].items():
-        print(f"calibration {name}: vision s/FLOP = {c['kappa']:.3f} x Llama-1B's, Llama-3B's = "
-              f"{c['llm_3b_factor']:.3f} x Llama-1B's")
-        for q in c["checks"]:
-            print(f"  {'met ' if q['met'] else 'MISS'} {q['figure']}: {q['value']:.2f}")
-    print(f"{'data':10} {'llm':8} {'method':9} | {'iter s':>7} {'best split':>10} {'best s':>7} {'x none':>6} "
-          f"{'vis std':>8} {'llm std':>8} {'idle':>5} {'defer':>5}   (simulated; std summed over a module's stages)")
-    for r in rows:
-        print(f"{r['dataset']:10} {r['llm']:8} {r['method']:9} | {r['iteration_s']:7.3f} {r['best_split']:>10} "
-              f"{r['iteration_s_best']:7.3f} {r['speedup_vs_none']:6.3f} {r['vision_forward_std_ms']:8.2f} "
-              f"{r['llm_forward_std_ms']:8.2f} {r['mean_idle_fraction']:5.2f} {r['deferred_samples']:5.1f}")
-    print("entrain over disttrain (simulated; published: up to 1.40x over DistTrain and DIP, Fig. 4.12):")
-    for q in info["summary"]:
-        print(f"  {q['dataset']:10} {q['llm']:8} paper protocol {q['entrain_over_disttrain']:.3f}  best splits "
-              f"{q['entrain_over_disttrain_best']:.3f}  (entrain split {q['entrain_split']}, published "
-              f"{q['published_entrain_split']}; disttrain splits {q['disttrain_splits']})")
-    print("c) planning time per global batch of 512 (ms, this CPU):")
-    for r in plan_rows:
-        print(f"  {r['dataset']:10} {r['llm']:8} {r['method']:9} median {r['plan_ms_median']:6.2f} "
-              f"max {r['plan_ms_max']:6.2f} (goal < {r['goal_ms']:.0f})")
-    RESULTS.mkdir(exist_ok=True)
+    timelines, summary = info.pop("timelines"), info.pop("summary")
     out = RESULTS / "heterogeneity.json"
-    previous = json.loads(out.read_text()) if out.exists() else {}
+    previous = harness.read(out)
     measured, measured_machine = previous.get("measured", []), previous.get("measured_machine")
     if args.measure:
-        print("b) measured, 2-core CPU, gloo: 6 processes (vision pp 1 + LLM pp 2, dp 2), tiny models")
-        measure_start = _machine.record()
+        measure_start = harness.record()
         measured = measure(args.steps, args.warmup)
-        measured_machine = _machine.finish(measure_start)
-        for r in measured:
-            print(f"  {r['method']:9} {r['samples_per_s']:7.2f} samples/s  step {r['step_s_median']:.3f} s  "
-                  f"encoder microbatch forward std {_fmt(r['encoder_forward_std_ms'], '.2f')} ms")
-    summary = info.pop("summary")
-    out.write_text(json.dumps(dict(
+        measured_machine = harness.finish(measure_start)
+    harness.write(out, dict(
         setting=dict(batch=B, dp=DP, tp=TP, microbatches=K, stages_per_replica=STAGES,
                      profile_size=PROFILE_SIZE, disttrain_draws=DISTTRAIN_DRAWS,
                      effective_flops_per_gpu=EFFECTIVE_FLOPS, batches=args.batches,
@@ -579,12 +509,9 @@ def main() -> None:
         published=dict(table_4_3=TABLE_4_3, speedup_up_to=PUBLISHED_SPEEDUP, targets=PUBLISHED_TARGETS,
                        entrain_splits={f"{d}/{l}": v for (d, l), v in PUBLISHED_ENTRAIN_SPLITS.items()},
                        label="published (Entrain: Tables 4.1-4.3, C.1-C.6, Fig. 4.5, Fig. 4.12, section 4.7.3)"),
-        simulated=rows, summary=summary, planning=plan_rows,
-        measured=measured, measured_machine=measured_machine,
-        machine=_machine.finish(start)), indent=1))
-    print(f"wrote {out}")
+        simulated=rows, summary=summary, planning=plan_rows, measured=measured, measured_machine=measured_machine),
+        start)
     plot(summary, rows, timelines, RESULTS / "heterogeneity.png")
-    tables.main(["--quiet"])
 
 
 if __name__ == "__main__":

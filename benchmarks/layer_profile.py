@@ -1,28 +1,13 @@
 """One real transformers layer of each family and size of `benchmarks/frozen_aware.py`, timed on one device.
 
-For every size of the three model tables of the frozen-aware benchmark (LLAMA3, QWEN2_VISION, PHI4_AUDIO:
-layers, hidden, parameters) it builds ONE layer at full size, in bf16, with random weights:
-
-- LLM: `transformers`' `LlamaDecoderLayer` (sdpa, causal, rotary position embeddings, grouped-query attention as
-  Llama 3: 8 key/value heads, head dim 64 at hidden 2048 and 128 above).
-- Vision: `transformers`' `Qwen2VLVisionBlock` (head dim 80 as Qwen2-VL; the microbatch's images packed into one
-  sequence with `cu_seqlens`, 2-D rotary embeddings), non-causal.
-- Audio: `transformers`' Phi-4 multimodal conformer layer (`Phi4MultimodalAudioConformerEncoderLayer`: two
-  half-step feed-forwards, attention with a relative-position bias, a depthwise convolution module; head dim 64).
-  Like `Phi4MultimodalAudioModel`, a clip longer than 500 frames is cut into chunks of 500 that attend within
-  themselves. Where the installed `transformers` has no Phi-4 multimodal model, a plain non-causal
-  `torch.nn.TransformerEncoderLayer` of that hidden size stands in; the JSON names which (`audio_layer`).
-- The trainable 2-layer MLP projector of each (encoder size, LLM size) pair, at the shapes `frozen_aware.py` uses.
-
-Each layer's MLP width is chosen so that its parameter count matches the table's parameters / layers (within a
-few percent; the JSON has both), because the benchmark's FLOP costs are computed from that number. The input is
-[SAMPLES_PER_MICROBATCH, tokens, hidden] at the token counts the benchmark gives that module: the encoders' own
-(vision patches, audio frames) and, for the LLM, every LLM sequence length of the benchmark's configurations.
-
-Timing: `lightning_mm.planner.profiler.profile_layer` (medians of forward, the gradient w.r.t. the input only and
-w.r.t. the weights only, each on a fresh forward). Activation bytes: the storages autograd saves in one forward,
-measured with saved-tensor hooks (`lightning_mm.planner.model_costs.part_activation_bytes`), with the weights
-frozen (what a frozen layer keeps: only what its input gradient needs) and trainable.
+For every size of the frozen-aware benchmark's model tables (LLAMA3, QWEN2_VISION, PHI4_AUDIO) it builds ONE layer
+at full size, bf16, random weights: `LlamaDecoderLayer` (sdpa, causal, GQA with 8 KV heads), `Qwen2VLVisionBlock`
+(the microbatch's images packed with `cu_seqlens`), the Phi-4 multimodal conformer layer (clips cut into chunks of
+500 frames; where transformers lacks it, a `torch.nn.TransformerEncoderLayer` stands in: `audio_layer` in the JSON),
+and the trainable MLP projector of each (encoder size, LLM size) pair. Each layer's MLP width makes its parameter
+count match the table's parameters / layers. Inputs are [SAMPLES_PER_MICROBATCH, tokens, hidden] at the benchmark's
+token counts. Timing: `profile_layer` (medians of forward, input-grad and weight-grad); activation bytes: the
+storages autograd saves in one forward, frozen and trainable (`part_activation_bytes`).
 
     python benchmarks/layer_profile.py --device cuda          # writes benchmarks/results/layer_profile_<device>.json
     python benchmarks/frozen_aware.py --skip-free --layer-profile benchmarks/results/layer_profile_<device>.json
@@ -33,9 +18,6 @@ Without a GPU and without `--device cpu` it says so and exits 0.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
 import math
 import platform
 import re
@@ -46,28 +28,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _machine  # noqa: E402
-import tables  # noqa: E402
-
+import frozen_aware as fa  # its model tables and token counts are what is profiled here
+import harness
 from lightning_mm.planner.model_costs import part_activation_bytes
 from lightning_mm.planner.profiler import profile_layer
 
-
-def _frozen_aware():
-    """benchmarks/frozen_aware.py (its model tables and token counts are what is profiled here), imported by path."""
-    if "frozen_aware" not in sys.modules:
-        path = Path(__file__).resolve().with_name("frozen_aware.py")
-        spec = importlib.util.spec_from_file_location("frozen_aware", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["frozen_aware"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["frozen_aware"]
-
-
-fa = _frozen_aware()
-
-RESULTS = Path(__file__).resolve().parent / "results"
 FORMAT = "lightning-mm layer profile"
 VERSION = 1
 TINY_SHRINK = 64  # --tiny: every hidden size and token count / this
@@ -372,60 +337,30 @@ def profile_all(device: torch.device, dtype: torch.dtype, tiny: bool, warmup: in
     }
 
 
-def print_table(doc: dict) -> None:
-    print(f"Layer profile on {doc['device']} (torch {doc['torch']}, {doc['dtype']}"
-          f"{', TINY: hidden sizes and tokens / ' + str(doc['shrink']) if doc['tiny'] else ''}), "
-          f"microbatch of {doc['samples_per_microbatch']} samples, medians of {doc['repeats']} runs")
-    header = (f"{'family':<13} {'size':<4} {'class':<41} {'params/layer':>12} {'target':>8} {'tokens':>6} "
-              f"{'fwd ms':>9} {'in-grad ms':>10} {'w-grad ms':>9} {'(F+B_d)/F':>9} {'act MiB frozen':>14}")
-    print(header)
-    print("-" * len(header))
-    for family, sizes in doc["layers"].items():
-        for size, info in sizes.items():
-            for tokens, t in info["tokens"].items():
-                print(f"{family:<13} {size:<4} {info['class']:<41} {info['params_per_layer'] / 1e6:>11.2f}M "
-                      f"{info['params_per_layer'] / info['target_params_per_layer']:>7.2f}x {tokens:>6} "
-                      f"{1e3 * t['forward_s']:>9.3f} {1e3 * t['input_grad_s']:>10.3f} {1e3 * t['weight_grad_s']:>9.3f} "
-                      f"{(t['forward_s'] + t['input_grad_s']) / t['forward_s']:>8.2f}x "
-                      f"{t['activation_bytes_frozen'] / 2**20:>14.1f}")
-    print("target = measured parameters / the table's parameters per layer; (F+B_d)/F = a frozen layer's backward "
-          "under recomputation (input gradient + recomputed forward) over its forward; act = bytes autograd saves per "
-          "microbatch for a frozen layer")
-    for modality, pairs in doc["projectors"].items():
-        cells = ", ".join(f"{k} {1e3 * (v['forward_s'] + v['input_grad_s'] + v['weight_grad_s']):.2f}"
-                          for k, v in pairs.items())
-        print(f"{modality} projector F+B ms (encoder->LLM size): {cells}")
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tiny", action="store_true",
-                        help=f"every hidden size and token count / {TINY_SHRINK}: seconds on a CPU, for tests")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="JSON path (default benchmarks/results/layer_profile_<device>[_tiny].json)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
-                        help="bfloat16 (default, as trained); float32 for a quick CPU check")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args(argv)
+    args = harness.cli(
+        __doc__, argv, device=dict(choices=("cuda", "cpu"), default="cuda"),
+        tiny=(False, f"every hidden size and token count / {TINY_SHRINK}: seconds on a CPU, for tests"),
+        out=dict(type=Path, help="JSON path (default benchmarks/results/layer_profile_<device>[_tiny].json)"),
+        dtype=dict(choices=sorted(DTYPES), default="bfloat16",
+                   help="bfloat16 (default, as trained); float32 for a quick CPU check"),
+        warmup=3, repeats=10)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("layer_profile: no CUDA device here; nothing measured (use --device cpu to time on the CPU)")
         return 0
-    device = torch.device(args.device)
-    started = time.perf_counter()
-    machine = _machine.record()
-    audio = "Phi4MultimodalAudioConformerEncoderLayer" if phi4_audio_available() else "torch.nn.TransformerEncoderLayer"
-    print(f"profiling one layer per family and size on {device_name(device)}{' (tiny)' if args.tiny else ''}, "
-          f"audio layer: {audio}")
+    device, started, start = torch.device(args.device), time.perf_counter(), harness.record()
+    print(f"profiling one layer per family and size on {device_name(device)}{' (tiny)' if args.tiny else ''}")
     doc = profile_all(device, DTYPES[args.dtype], args.tiny, args.warmup, args.repeats)
     doc["seconds"] = time.perf_counter() - started
-    doc["machine"] = _machine.finish(machine)
-    out = args.out or RESULTS / f"layer_profile_{slug(doc['device'])}{'_tiny' if args.tiny else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    print_table(doc)
-    print(f"wrote {out} ({doc['seconds']:.0f} s)")
+    out = args.out or harness.RESULTS / f"layer_profile_{slug(doc['device'])}{'_tiny' if args.tiny else ''}.json"
+    harness.write(out, doc, start)
+    harness.print_rows([dict(family=f, size=s, layer=i["class"], params=i["params_per_layer"] / 1e6, tokens=int(t),
+                             fwd_ms=1e3 * x["forward_s"], in_grad_ms=1e3 * x["input_grad_s"],
+                             w_grad_ms=1e3 * x["weight_grad_s"], act_mib_frozen=x["activation_bytes_frozen"] / 2**20)
+                        for f, sizes in doc["layers"].items() for s, i in sizes.items()
+                        for t, x in i["tokens"].items()],
+                       ["family", "size", "layer", "params", "tokens", "fwd_ms", "in_grad_ms", "w_grad_ms",
+                        "act_mib_frozen"], f"layer profile on {doc['device']} (params in millions per layer)")
     return 0
 
 

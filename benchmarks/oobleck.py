@@ -1,48 +1,19 @@
 """Oobleck-style re-forming (pipeline templates + Eq. 2.6's batch split) vs identical replica groups vs
-checkpoint-restart, SIMULATED at the seed's scale (003 sec. 2.7), and the time to plan one template beside the
-seed's Table 2.3.
+checkpoint-restart, SIMULATED at the seed's scale (003 sec. 2.7), and the time to plan one template (Table 2.3).
 
-Throughput (beside Table 2.2): 30 nodes x 1 GPU (40 GiB, 200 Gb/s) lose one node every 6 h / 1 h / 10 min down
-to 15 nodes; the run lasts 16 intervals (the last one on 15 nodes). Models of Table 2.1 (BERT-Large, GPT-2,
-GPT-3 Medium / 2.7b / 6.7b; sequence 1024, activation checkpointing, fp32 weights + Adam = 16 bytes a parameter),
-global batch and microbatch as there. Layer costs are FLOP counts (24 b s h^2 + 4 b s^2 h forward, backward 3x
-with recompute); the FLOP/s of a GPU is calibrated per model so that the Oobleck column matches the seed's 6 h
-cell, and every other cell follows from the same model. Per method:
+Throughput (beside Table 2.2): 30 nodes x 1 GPU (40 GiB, 200 Gb/s) lose one node every 6 h / 1 h / 10 min down to
+15; the models of Table 2.1 with FLOP layer costs, each GPU's FLOP/s calibrated so that re-forming matches the
+seed's 6 h cell. Re-forming: templates (``build_templates``), groups from ``instantiate`` and the batch from
+``split_batch`` at every node count; identical groups: G groups of one template, a group that loses a node stays
+down (failures on random live nodes, ``--trials`` orders); checkpoint: one job (``search``) checkpointing every 10
+steps at ``--storage-gbps``. Planning: seconds of ``plan_template`` for a GPT-3 2.7b-wide model of 24-96 layers,
+measured on this CPU after a garbage collection.
 
-- oobleck: templates for n0 .. 30 - n0 nodes (``build_templates``, f = 1); at every node count the groups come from
-  ``instantiate`` and the batch split from ``split_batch`` (the global batch never changes). A lost node costs a
-  restart (``--restart-s``), the lost group's share of model state copied at 200 Gb/s, and half a step redone.
-- identical: today's fault tolerance: G groups of one template (the fastest on 30 nodes with G >= 2); a group that
-  loses a node stays down (its other nodes idle); the global batch shrinks with the groups; nothing trains once
-  every group is down. Failures hit a uniformly random live node, averaged over ``--trials`` orders.
-- checkpoint: one job planned by ``search`` on the live nodes (Varuna-like): a checkpoint every 10 steps (model
-  state written at ``--storage-gbps``); a failure loses the steps since the last checkpoint, then the job
-  restarts and loads the checkpoint.
-
-Planning (beside Table 2.3): seconds to plan one template (``plan_template``: the fastest of the search's candidate
-layouts that fill nodes x GPUs per node devices, tp 1-8 within a node, simulated at N_b = 4 x nodes microbatches;
-those whose lower bound exceeds the best time found are skipped, the answer is unchanged) for a GPT-3 2.7b-wide
-model of 24-96 layers, measured on this CPU, each after a garbage collection (so that a collection the earlier work
-is owed does not land in one cell of a few milliseconds).
-
-Measured (``--measured``, ``benchmarks/results/oobleck_measured.json``): the three methods as real CPU processes
-(gloo) through the fault-tolerance tests' launcher (``tests/helpers/ft_case.py``: the tiny model, data and training
-of tests/test_fault_tolerance.py), the same global batch (4 samples) and step count, a lighthouse in this process,
-one failure inside the step after ``--kill-step``:
-
-- reforming: group 0 on two torchrun agents (``--nnodes 1:2``, the tests' two templates: 2 nodes = LLM pp 2, 1 node
-  = the whole model) beside group 1 (one rank, the 1-node template), ``global_batch=4`` split by the templates'
-  speeds; group 0's second node (rank and agent) is killed for good. Group 1 redoes the step alone and goes on;
-  group 0 re-forms on its surviving agent at the 1-node template, heals by name and rejoins.
-- identical: today's fault tolerance: 2 groups of the same layout (2 ranks each, LLM pp 2, no global_batch); rank 1
-  of group 0 is killed for good (no restart): group 0 stays down and group 1 takes the whole global batch.
-- checkpoint_restart: one job (no fault tolerance) of 4 ranks (pp 2 x dp 2), a checkpoint every ``--save-every``
-  steps; rank 1 is killed, torchrun restarts the job once and it resumes from the latest checkpoint.
-
-Committed steps come from the steps log of a group that never stops (group 1; the job itself for
-checkpoint-restart). Phases: before the kill (first 2 steps skipped), during (kill -> recovery: the re-formed group's
-first commit; the first step after resume; identical groups never recover, so "during" lasts to the end), after
-recovery. The machine is small and shared (2 cores for 3-4 ranks): absolute figures are noisy.
+``--measured`` (``oobleck_measured.json``): the three methods as real CPU processes (gloo) through the
+fault-tolerance tests' launcher, global batch 4, one failure inside the step after ``--kill-step``: re-forming
+(group 0 on two torchrun agents loses one for good, re-forms at the 1-node template, heals by name), identical
+groups (group 0 loses a rank and stays down) and checkpoint-restart (one 4-rank job, a checkpoint every
+``--save-every`` steps, restarted once). Committed steps/s before, during and after the failure, and the recovery.
 
     python benchmarks/oobleck.py [--trials 200] [--planning-grid full|small]
     python benchmarks/oobleck.py --measured [--steps 1200] [--kill-step 8] [--save-every 5] [--only NAME ...]
@@ -50,31 +21,27 @@ recovery. The machine is small and shared (2 cores for 3-4 ranks): absolute figu
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _machine  # noqa: E402
-import tables  # noqa: E402
+import harness
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(harness.ROOT))  # tests.* (the measured runs' launcher)
 
 from lightning_mm.plan.templates import instantiate, split_batch, step_time  # noqa: E402
 from lightning_mm.planner.costs import LayerCost  # noqa: E402
 from lightning_mm.planner.plan_cli import build_templates, plan_template  # noqa: E402
 from lightning_mm.planner.search import ModuleSpec, search  # noqa: E402
 
-OUT = ROOT / "benchmarks" / "results" / "oobleck.json"
-MEASURED_OUT = ROOT / "benchmarks" / "results" / "oobleck_measured.json"
+OUT = harness.RESULTS / "oobleck.json"
+MEASURED_OUT = harness.RESULTS / "oobleck_measured.json"
 MEASURED_BATCH = 4  # samples per step in all three measured runs
 RUNS = ("reforming", "identical", "checkpoint_restart")
 GIB = 2 ** 30
@@ -243,15 +210,11 @@ def phases(rows, killed: float, recovered: float | None, batch: int = MEASURED_B
     end = recovered if recovered is not None else (rows[-1][1] if rows else None)
 
     def rate(sel):
-        if len(sel) < 2 or sel[-1][1] <= sel[0][1]:
-            return None
-        return (sel[-1][0] - sel[0][0]) / (sel[-1][1] - sel[0][1])
+        return None if len(sel) < 2 or sel[-1][1] <= sel[0][1] else (sel[-1][0] - sel[0][0]) / (sel[-1][1] - sel[0][1])
 
     during = None
     if end is not None and end > killed:
-        new = [s for s, t, *_ in rows if killed < t <= end]
-        during = max([last, *new]) - last
-        during = during / (end - killed)
+        during = (max([last, *[s for s, t, *_ in rows if killed < t <= end]]) - last) / (end - killed)
     out = {"steps_per_s_before": rate(before[2:]), "steps_per_s_during": during,
            "steps_per_s_after": rate([(s, t) for s, t, *_ in rows if t >= recovered]) if recovered else None,
            "kill_to_first_commit_s": first_after[0] - killed if first_after else None,
@@ -262,16 +225,96 @@ def phases(rows, killed: float, recovered: float | None, batch: int = MEASURED_B
     return out
 
 
-def measured(args) -> None:
-    import fault_tolerance as ftb  # benchmarks/fault_tolerance.py: lighthouse, steps logs, waiting
-    import tempfile
-
+def _reforming(args, out: str, common: dict) -> dict:
     import torch
 
+    import fault_tolerance as ftb
     from tests.helpers.distributed import _free_port
     from tests.test_fault_tolerance import _launch, _launch_elastic, _templates
 
-    start = _machine.record()
+    server, lh = ftb._lighthouse(1, 2000, 3000)
+    store_port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
+    cfg = {**common, "lighthouse": lh, "groups": 2, "out": out, "global_batch": MEASURED_BATCH,
+           "templates": _templates(Path(out) / "templates.yaml"),
+           "kill": {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward", "agent": True}}
+    t0 = time.time()
+    try:
+        procs = [_launch_elastic({**cfg, "group": 0, "devices": 1, "elastic": True}, r, store_port) for r in (0, 1)]
+        codes = ftb._wait(procs + [_launch({**cfg, "group": 1, "devices": 1}, restarts=0, nproc=1)], args.timeout)
+    finally:
+        server.shutdown()
+        del store
+    wall = time.time() - t0
+    killed, g0, g1, r0 = _killed_at(out), ftb._steps(out, 0), ftb._steps(out, 1), ftb._json(out, "result_0.json")
+    back = [t for s, t, r in g0 if r >= 1]
+    healed = [e for e in r0.get("events", []) if e.get("event") == "healed"]
+    return {"layout": "group 0: 2 torchrun agents x 1 rank (--nnodes 1:2, 2-node template: LLM pp 2) -> 1 rank "
+                      "(1-node template); group 1: 1 rank (1-node template); global_batch 4 split by planned speed",
+            "kill": cfg["kill"], "codes": codes, "wall_s": wall, "steps_from": "steps_1.log (group 1, never stops)",
+            **phases(g1, killed, back[0] if back else None), "kill_to_recovered_s": back[0] - killed if back else None,
+            "kill_to_reformed_process_start_s": r0["started"] - killed if r0.get("started") else None,
+            "heal_s": healed[0].get("seconds") if healed else None,
+            "healed_at_step": healed[0].get("step") if healed else None, "restart": r0.get("restart"),
+            "reformed_world_size": r0.get("world_size"),
+            "shares_before_after": [ftb._json(out, "result_1.json").get("shares", {}).get(k)
+                                    for k in ("0", str(args.steps - 1))],
+            "completed": codes[0] == 0 and codes[2] == 0 and bool(g1) and g1[-1][0] == args.steps}
+
+
+def _identical(args, out: str, common: dict) -> dict:
+    import fault_tolerance as ftb
+    from tests.test_fault_tolerance import _launch
+
+    server, lh = ftb._lighthouse(1, 2000, 3000)
+    kill = {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward"}
+    t0 = time.time()
+    try:
+        codes = ftb._wait([_launch({**common, "lighthouse": lh, "groups": 2, "group": g, "out": out, "kill": kill},
+                                   restarts=0, nproc=2) for g in (0, 1)], args.timeout)
+    finally:
+        server.shutdown()
+    g1 = ftb._steps(out, 1)
+    return {"layout": "2 groups x 2 ranks (LLM pp 2), no global_batch (per-group batch 2, the survivor takes all 4)",
+            "kill": kill, "codes": codes, "wall_s": time.time() - t0,
+            "steps_from": "steps_1.log (group 1, never stops)",
+            **phases(g1, _killed_at(out), None), "kill_to_recovered_s": None,
+            "note": "group 0 never returns: 'during' runs from the kill to the end of the run",
+            "completed": codes[1] == 0 and bool(g1) and g1[-1][0] == args.steps}
+
+
+def _checkpoint_restart(args, out: str, common: dict) -> dict:
+    import fault_tolerance as ftb
+    from tests.test_fault_tolerance import _launch
+
+    kill = {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward"}
+    t0 = time.time()
+    codes = ftb._wait([_launch({**common, "ft": False, "group": 0, "devices": 4, "out": out, "kill": kill,
+                                "save_every": args.save_every, "ckpt_dir": os.path.join(out, "ckpt"),
+                                "resume": "last"}, restarts=1, nproc=4)], args.timeout)
+    killed = _killed_at(out)
+    # rank 0 may finish the killed step in its first launch (its pipeline peer died after the backward): that
+    # step is in no checkpoint and on no other rank, so only the restarted job's steps count after the kill
+    rows = [x for x in ftb._steps(out, 0) if x[1] < killed or x[2] >= 1]
+    r = ftb._json(out, "result_0.json")
+    second = [x for x in rows if x[2] >= 1]
+    again = [t for s, t, _ in second if s == args.kill_step + 1]
+    return {"layout": "one job of 4 ranks (pp 2 x dp 2, no fault tolerance), batch 2 per dp rank",
+            "kill": kill, "codes": codes, "wall_s": time.time() - t0, "steps_from": "steps_0.log (the job)",
+            **phases(rows, killed, second[0][1] if second else None),
+            "kill_to_recovered_s": second[0][1] - killed if second else None,
+            "resumed_from": os.path.basename(r.get("resumed_from") or "") or None,
+            "first_step_after_resume": second[0][0] if second else None,
+            "kill_to_killed_step_committed_s": again[0] - killed if again else None,
+            "completed": codes[0] == 0 and bool(rows) and rows[-1][0] == args.steps}
+
+
+def _killed_at(out: str) -> float:
+    return float(open(os.path.join(out, "killed_at")).read())
+
+
+def measured(args) -> None:
+    start = harness.record()
     base = tempfile.mkdtemp(prefix="lmm-oobleck-measured-")
     res = {"what": "measured committed steps/s and samples/s (global batch 4) before, during and after one failure, "
                    "and the time to recover, of re-forming vs identical replica groups vs checkpoint-restart; CPU "
@@ -279,146 +322,44 @@ def measured(args) -> None:
            "settings": {"steps": args.steps, "kill_step": args.kill_step, "save_every": args.save_every,
                         "global_batch": MEASURED_BATCH, "heartbeat_s": 2.0, "join_s": 3.0},
            "model": "tests/helpers/ft_case.py: tiny siglip (frozen) + tiny llama, SGD momentum, StepLR",
-           "runs": {}}
-    if set(args.only) != set(RUNS) and MEASURED_OUT.exists():
-        res["runs"] = json.loads(MEASURED_OUT.read_text()).get("runs", {})
+           "runs": harness.read(MEASURED_OUT).get("runs", {}) if set(args.only) != set(RUNS) else {}}
     common = {"mode": "group", "steps": args.steps, "timeout": 10.0, "wait_rejoin": False}
-
-    def folder(name):
-        out = os.path.join(base, name)
-        os.makedirs(out)
-        return out
-
-    def killed_at(out):
-        return float(open(os.path.join(out, "killed_at")).read())
-
-    if "reforming" in args.only:
-        out = folder("reforming")
-        server, lh = ftb._lighthouse(1, 2000, 3000)
-        store_port = _free_port()
-        store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
-        cfg = {**common, "lighthouse": lh, "groups": 2, "out": out, "global_batch": MEASURED_BATCH,
-               "templates": _templates(Path(out) / "templates.yaml"),
-               "kill": {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward", "agent": True}}
-        t0 = time.time()
-        try:
-            procs = [_launch_elastic({**cfg, "group": 0, "devices": 1, "elastic": True}, r, store_port) for r in (0, 1)]
-            procs.append(_launch({**cfg, "group": 1, "devices": 1}, restarts=0, nproc=1))
-            codes = ftb._wait(procs, args.timeout)
-        finally:
-            server.shutdown()
-            del store
-        wall = time.time() - t0
-        print(f"reforming: exit codes {codes}, {wall:.1f} s", flush=True)
-        killed, g0, g1 = killed_at(out), ftb._steps(out, 0), ftb._steps(out, 1)
-        r0 = ftb._json(out, "result_0.json") or {}
-        back = [t for s, t, r in g0 if r >= 1]
-        healed = [e for e in r0.get("events", []) if e.get("event") == "healed"]
-        res["runs"]["reforming"] = {
-            "layout": "group 0: 2 torchrun agents x 1 rank (--nnodes 1:2, 2-node template: LLM pp 2) -> 1 rank "
-                      "(1-node template); group 1: 1 rank (1-node template); global_batch 4 split by planned speed",
-            "kill": cfg["kill"], "codes": codes, "wall_s": wall, "steps_from": "steps_1.log (group 1, never stops)",
-            **phases(g1, killed, back[0] if back else None),
-            "kill_to_recovered_s": back[0] - killed if back else None,
-            "kill_to_reformed_process_start_s": r0["started"] - killed if r0.get("started") else None,
-            "heal_s": healed[0].get("seconds") if healed else None,
-            "healed_at_step": healed[0].get("step") if healed else None, "restart": r0.get("restart"),
-            "reformed_world_size": r0.get("world_size"),
-            "shares_before_after": [(ftb._json(out, "result_1.json") or {}).get("shares", {}).get(k)
-                                    for k in ("0", str(args.steps - 1))],
-            "completed": codes[0] == 0 and codes[2] == 0 and bool(g1) and g1[-1][0] == args.steps}
-    if "identical" in args.only:
-        out = folder("identical")
-        server, lh = ftb._lighthouse(1, 2000, 3000)
-        kill = {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward"}
-        t0 = time.time()
-        try:
-            procs = [_launch({**common, "lighthouse": lh, "groups": 2, "group": g, "out": out, "kill": kill},
-                             restarts=0, nproc=2) for g in (0, 1)]
-            codes = ftb._wait(procs, args.timeout)
-        finally:
-            server.shutdown()
-        wall = time.time() - t0
-        print(f"identical: exit codes {codes}, {wall:.1f} s", flush=True)
-        killed, g1 = killed_at(out), ftb._steps(out, 1)
-        res["runs"]["identical"] = {
-            "layout": "2 groups x 2 ranks (LLM pp 2), no global_batch (per-group batch 2, the survivor takes all 4)",
-            "kill": kill, "codes": codes, "wall_s": wall, "steps_from": "steps_1.log (group 1, never stops)",
-            **phases(g1, killed, None), "kill_to_recovered_s": None,
-            "note": "group 0 never returns: 'during' runs from the kill to the end of the run",
-            "completed": codes[1] == 0 and bool(g1) and g1[-1][0] == args.steps}
-    if "checkpoint_restart" in args.only:
-        out = folder("checkpoint_restart")
-        kill = {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward"}
-        t0 = time.time()
-        procs = [_launch({**common, "ft": False, "group": 0, "devices": 4, "out": out, "kill": kill,
-                          "save_every": args.save_every, "ckpt_dir": os.path.join(out, "ckpt"), "resume": "last"},
-                         restarts=1, nproc=4)]
-        codes = ftb._wait(procs, args.timeout)
-        wall = time.time() - t0
-        print(f"checkpoint_restart: exit codes {codes}, {wall:.1f} s", flush=True)
-        killed, rows = killed_at(out), ftb._steps(out, 0)
-        # rank 0 may finish the killed step in its first launch (its pipeline peer died after the backward): that
-        # step is in no checkpoint and on no other rank, so only the restarted job's steps count after the kill
-        rows = [x for x in rows if x[1] < killed or x[2] >= 1]
-        r = ftb._json(out, "result_0.json") or {}
-        second = [x for x in rows if x[2] >= 1]
-        again = [t for s, t, _ in second if s == args.kill_step + 1]
-        res["runs"]["checkpoint_restart"] = {
-            "layout": "one job of 4 ranks (pp 2 x dp 2, no fault tolerance), batch 2 per dp rank",
-            "kill": kill, "codes": codes, "wall_s": wall, "steps_from": "steps_0.log (the job)",
-            **phases(rows, killed, second[0][1] if second else None),
-            "kill_to_recovered_s": second[0][1] - killed if second else None,
-            "resumed_from": os.path.basename(r.get("resumed_from") or "") or None,
-            "first_step_after_resume": second[0][0] if second else None,
-            "kill_to_killed_step_committed_s": again[0] - killed if again else None,
-            "completed": codes[0] == 0 and bool(rows) and rows[-1][0] == args.steps}
-    res["machine"] = _machine.finish(start)
-    MEASURED_OUT.parent.mkdir(parents=True, exist_ok=True)
-    MEASURED_OUT.write_text(json.dumps(res, indent=1))
-    print(tables.oobleck_measured(res))
-    print(f"wrote {MEASURED_OUT} (run folders under {base})")
-    tables.main(["--quiet"])
+    for name, run in (("reforming", _reforming), ("identical", _identical),
+                      ("checkpoint_restart", _checkpoint_restart)):
+        if name in args.only:
+            os.makedirs(os.path.join(base, name))
+            res["runs"][name] = run(args, os.path.join(base, name), common)
+            print(f"{name}: exit codes {res['runs'][name]['codes']}, {res['runs'][name]['wall_s']:.1f} s", flush=True)
+    harness.write(MEASURED_OUT, res, start)
+    print(f"run folders under {base}")
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trials", type=int, default=200, help="failure orders averaged for identical groups")
-    p.add_argument("--restart-s", type=float, default=11.0, help="seconds to restart a group or a job")
-    p.add_argument("--storage-gbps", type=float, default=2.5, help="checkpoint storage GB/s (write and read)")
-    p.add_argument("--planning-grid", choices=("full", "small"), default="full")
-    p.add_argument("--measured", action="store_true", help="the measured CPU-process comparison (see above)")
-    p.add_argument("--steps", type=int, default=1200,
-                   help="--measured: steps of every run (the survivor must outlast the re-forming)")
-    p.add_argument("--kill-step", type=int, default=8, help="--measured: the kill comes inside the next step")
-    p.add_argument("--save-every", type=int, default=5, help="--measured: checkpoint-restart's checkpoint interval")
-    p.add_argument("--only", nargs="+", choices=RUNS, default=list(RUNS),
-                   help="--measured: runs to make (the others are kept from the results file)")
-    p.add_argument("--timeout", type=float, default=480, help="--measured: seconds a run may take")
-    args = p.parse_args(argv)
+    args = harness.cli(
+        __doc__, argv, trials=(200, "failure orders averaged for identical groups"),
+        restart_s=(11.0, "seconds to restart a group or a job"),
+        storage_gbps=(2.5, "checkpoint storage GB/s (write and read)"),
+        planning_grid=dict(choices=("full", "small"), default="full"),
+        measured=(False, "the measured CPU-process comparison (see above)"),
+        steps=(1200, "--measured: steps of every run (the survivor must outlast the re-forming)"),
+        kill_step=(8, "--measured: the kill comes inside the next step"),
+        save_every=(5, "--measured: checkpoint-restart's checkpoint interval"),
+        only=dict(nargs="+", choices=RUNS, default=list(RUNS),
+                  help="--measured: runs to make (the others are kept from the results file)"),
+        timeout=(480.0, "--measured: seconds a run may take"))
     if args.measured:
-        measured(args)
-        return
-    start = _machine.record()
+        return measured(args)
+    start = harness.record()
     with tqdm(total=len(MODELS), desc="throughput (simulated)", disable=None) as bar:
         thr = throughput(args, bar.update)
-    cells = sum(len(v) for v in SEED_PLANNING.values())
-    with tqdm(total=cells, desc="planning (measured)", disable=None) as bar:
+    with tqdm(total=sum(len(v) for v in SEED_PLANNING.values()), desc="planning (measured)", disable=None) as bar:
         plan_rows = planning(args, bar.update)
-    out = {"what": "simulated throughput (samples/s) beside the seed's Table 2.2; planning seconds per template "
-                   "measured on this CPU beside Table 2.3",
-           "settings": {"nodes": NODES, "floor": FLOOR, "memory_gib": MEMORY / GIB, "link_gbps": 200,
-                        "restart_s": args.restart_s, "storage_gbps": args.storage_gbps, "trials": args.trials,
-                        "sequence": SEQ, "failures_tolerated": 1},
-           "throughput": thr, "planning": plan_rows}
-    out["machine"] = _machine.finish(start)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(out, indent=1))
-    print(tables.oobleck_throughput(out))
-    print()
-    print(tables.oobleck_planning(out))
-    print(f"wrote {OUT}")
-    tables.main([])
+    harness.write(OUT, {"what": "simulated throughput (samples/s) beside the seed's Table 2.2; planning seconds per "
+                                "template measured on this CPU beside Table 2.3",
+                        "settings": {"nodes": NODES, "floor": FLOOR, "memory_gib": MEMORY / GIB, "link_gbps": 200,
+                                     "restart_s": args.restart_s, "storage_gbps": args.storage_gbps,
+                                     "trials": args.trials, "sequence": SEQ, "failures_tolerated": 1},
+                        "throughput": thr, "planning": plan_rows}, start)
 
 
 if __name__ == "__main__":

@@ -1,38 +1,19 @@
 """Per-module data parallelism (DistTrain's disaggregated orchestration), simulated at the seed's scale.
 
-Every figure is "simulated" (the planner's discrete-event simulator on a FLOP cost model) or "published"
-(DistTrain, seed 004). Setup: A800 bf16 peak 312 TFLOP/s, layers running at KERNEL_EFFICIENCY of it, 8-GPU nodes
-(tensor parallelism inside a node over NVLink, gradients across nodes over the RoCE rail), ViT-H/16 (32 layers,
-hidden 1280, MLP 5120: 0.63B) + a 2-layer MLP projector + Llama-3-7B/13B/70B shapes (the seed's Table 1), 8192-token
-samples with IMAGES_PER_SAMPLE 512x512 images (1024 patch tokens each; the seed's Fig. 5 prints no values: an
-assumption), LLM microbatch = 1 sample. Per-layer FLOPs are counted from the shapes (GEMMs 2 x tokens x params,
-attention 4 s^2 h, causal halved; B_d = F_gemm + 2 F_attn, B_w = F_gemm) and made frozen-aware by the planner's
-``mllm_layer_costs``; the LLM recomputes activations (its costs then carry the extra forward, its stages keep only
-their layer inputs), weights are sharded ZeRO-2 style (``SHARD_GRAD_OP``) and each device has 80 GiB.
-
-Rows per (model, GPUs, global batch):
-- uniform: Megatron's rigid layout, one dp; LLM tp 8 and pp 1/2/10, the encoder one stage of 8 ranks splitting the
-  images (encoder context parallelism 8), the largest dp dividing the batch that fits the GPUs;
-- flop-ratio: GPUs split in proportion to each module's work (the seed's strawman), LLM at Megatron's tp/pp;
-- per-module: ``search_per_module_dp`` (tp in 1/2/4/8 per module), with its solve and replay times.
-Reported: GPUs, every module's dp x tp x pp, iteration time, samples/s, MFU (model FLOPs without recomputation /
-(time x GPUs x peak)), bubble (1 - device-weighted busy / (time x GPUs)), the Eq. 1-2 estimate, planning ms; then
-the search's time on the 72B at Table 2's GPU counts (median of --repeats runs). The generator (SD-2.1) and StepCCL
-are not modelled: compare ratios, not absolute MFU.
-
-``--measured`` also runs ``benchmarks/per_module_dp_cpu.py`` (uniform vs per-module dp trained on CPU processes,
-its own JSON).
-
-Writes benchmarks/results/per_module_dp.json, prints the table and rewrites the figures README.md and docs/ quote
-from it (benchmarks/tables.py).
+Every figure is simulated (the planner's simulator on a FLOP cost model) or published (DistTrain, seed 004):
+A800 bf16 peak 312 TFLOP/s at KERNEL_EFFICIENCY, 8-GPU nodes, ViT-H/16 + MLP projector + Llama-3-7B/13B/70B shapes,
+8192-token samples with IMAGES_PER_SAMPLE 512x512 images (an assumption), LLM microbatch = 1 sample, frozen-aware
+FLOP costs (``mllm_layer_costs``), LLM recomputation, ``SHARD_GRAD_OP``, 80 GiB a device. Rows per (model, GPUs,
+global batch): uniform (Megatron's rigid layout: one dp, LLM tp 8 and pp 1/2/10, the encoder one stage of 8 ranks
+splitting the images), flop-ratio (GPUs in proportion to each module's work) and per-module
+(``search_per_module_dp``, tp 1/2/4/8 per module, with its solve and replay times); then the search's time on the
+72B at Table 2's GPU counts (median of --repeats runs). ``--measured`` also runs ``per_module_dp_cpu.py``.
 
     python benchmarks/per_module_dp.py [--repeats 5] [--models 9B,15B,72B] [--measured]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
@@ -45,11 +26,9 @@ from lightning_mm.planner.orchestration import flop_ratio_split, search_per_modu
 from lightning_mm.planner.partition import partition_module
 from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _machine  # noqa: E402
-import tables  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests import this file by path
+import harness  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PEAK = 312e12  # A800 bf16 dense FLOP/s
 KERNEL_EFFICIENCY = 0.6  # achieved share of the peak inside a layer (an assumption; sets absolute MFU, not ratios)
 TP_BANDWIDTH = 150e9  # bytes/s per GPU for tensor-parallel all-reduces (NVLink 300 GB/s bidirectional)
@@ -210,36 +189,13 @@ def table_2(repeats: int) -> list[dict]:
     return out
 
 
-def print_tables(doc: dict) -> None:
-    head = (f"{'scale':<6} {'model':<10} {'setting':<15} {'row':<11} {'GPUs':>5} {'dp x tp x pp':<28} {'iter s':>7} "
-            f"{'samples/s':>9} {'MFU':>6} {'bubble':>6} {'MFU x':>6} {'tput x':>6} {'Eq.1-2 s':>8} {'plan ms':>7}")
-    print("simulated (planner's simulator, FLOP cost model; published ratios beside)\n" + head + "\n" + "-" * len(head))
-    for case in doc["cases"]:
-        for name, r in case["rows"].items():
-            extra = (f" {r['estimate_s']:>8.2f} {r['planning_ms']:>7.1f}" if name == "per-module" else "")
-            print(f"{case['scale']:<6} {case['model']:<10} {case['setting']:<15} {name:<11} {r['gpus']:>5} "
-                  f"{r['layout']:<28} {r['iteration_s']:>7.2f} {r['samples_per_s']:>9.1f} {r['mfu']:>6.1%} "
-                  f"{r['bubble']:>6.1%} {r['mfu_vs_uniform']:>6.2f} {r['throughput_vs_uniform']:>6.2f}{extra}")
-        print(f"{'':<6} published (§{case['scale']}): {case['published']}")
-    print("\nsearch time, MLLM-72B (simulated layouts; wall time on this CPU vs published CVXPY times, Table 2)")
-    print(f"{'GPUs':>5} {'batch':>6} {'search ms':>9} {'solve ms':>8} {'replay ms':>9} {'subproblems':>11} "
-          f"{'published ms':>12}  layout")
-    for r in doc["table_2"]:
-        print(f"{r['gpus']:>5} {r['batch']:>6} {r['search_ms']:>9.1f} {r['solve_ms']:>8.1f} {r['replay_ms']:>9.1f} "
-              f"{r['subproblems']:>11} {r['published_ms']:>12.0f}  {r['layout']}")
-
-
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=5, help="timed runs of each search (median)")
-    p.add_argument("--models", default="9B,15B,72B")
-    p.add_argument("--out", default=str(RESULTS / "per_module_dp.json"))
-    p.add_argument("--measured", action="store_true",
-                   help="also measure uniform vs per-module dp on CPU processes (benchmarks/per_module_dp_cpu.py)")
-    args = p.parse_args(argv)
-    start = _machine.record()
-    models = args.models.split(",")
-    work = [(scale, m, setting) for scale in SCALES for m in models
+    args = harness.cli(__doc__, argv, repeats=(5, "timed runs of each search (median)"), models="9B,15B,72B",
+                       out=str(harness.RESULTS / "per_module_dp.json"),
+                       measured=(False, "also measure uniform vs per-module dp on CPU processes "
+                                        "(benchmarks/per_module_dp_cpu.py)"))
+    start = harness.record()
+    work = [(scale, m, setting) for scale in SCALES for m in args.models.split(",")
             for setting in (SETTINGS if scale == "8.2.1" else ("trained",))]
     cases = []
     for scale, model, setting in tqdm(work, desc="cases", disable=None):
@@ -253,18 +209,13 @@ def main(argv=None) -> dict:
                          image_tokens=IMAGE_TOKENS, llm_recompute=True, sharding="SHARD_GRAD_OP",
                          microbatch_samples=1),
         cases=cases, table_2=table_2(args.repeats),
-        published=dict(mfu_disttrain="51.8-54.7% (§8.1)", ratios=PUBLISHED, table_2_ms={g: s * 1e3 for g, (_, s) in
-                                                                                     TABLE_2.items()}),
-        machine=_machine.finish(start))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
-    print_tables(doc)
-    print(f"\nwrote {args.out}")
+        published=dict(mfu_disttrain="51.8-54.7% (§8.1)", ratios=PUBLISHED,
+                       table_2_ms={g: s * 1e3 for g, (_, s) in TABLE_2.items()}))
+    harness.write(args.out, doc, start)
     if args.measured:
         import per_module_dp_cpu
 
         per_module_dp_cpu.main([])
-    tables.main(["--quiet"])
     return doc
 
 

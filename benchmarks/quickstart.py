@@ -2,19 +2,14 @@
 
 1. ``lightning-mm fit --config examples/tiny_valm_pp.yaml`` (the main job: 4 CPU processes, 30 steps) and
    ``python examples/make_conversation_data.py``: wall seconds of the whole command, start to exit.
-2. The scan of ``ConversationDataset(scan=True)`` (structure and media files of every record, checked up front):
-   the examples' records repeated to --records, one torch thread, records per second = records / (construction
-   with the scan - construction without it), median of --repeats.
-
-Writes benchmarks/results/quickstart_cpu.json (with the machine and the command) and rewrites the figures README.md
-quotes from it (benchmarks/tables.py).
+2. The scan of ``ConversationDataset(scan=True)``: the examples' records repeated to --records, one torch thread,
+   records per second = records / (construction with the scan - without it), median of --repeats.
 
     python benchmarks/quickstart.py [--records 20000] [--repeats 3] [--skip-fit]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -26,12 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _machine  # noqa: E402
-import tables  # noqa: E402
+import harness
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 MAIN_JOB = ["lightning-mm", "fit", "--config", "examples/tiny_valm_pp.yaml"]
 
 
@@ -70,32 +61,22 @@ def scan_rate(folder: Path, records: int, repeats: int) -> dict:
                 construct_without_scan_s=times[False], records_per_s=records / (times[True] - times[False]))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--records", type=int, default=20000)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip-fit", action="store_true", help="keep the main job's time from the JSON")
-    args = ap.parse_args()
-    start = _machine.record()
-    out = RESULTS / "quickstart_cpu.json"
-    doc = json.loads(out.read_text()) if out.exists() else {}
+def main(argv=None) -> None:
+    args = harness.cli(__doc__, argv, records=20000, repeats=3,
+                       skip_fit=(False, "keep the main job's time from the JSON"))
+    start = harness.record()
+    out = harness.RESULTS / "quickstart_cpu.json"
+    doc = harness.read(out)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "conversation_data"
         doc["make_conversation_data_s"] = wall([sys.executable, "examples/make_conversation_data.py", str(folder)],
-                                               ROOT)
+                                               harness.ROOT)
         doc["scan"] = scan_rate(folder, args.records, args.repeats)
         if not args.skip_fit:
-            logs = Path(tmp) / "logs"
-            shutil.copytree(ROOT / "examples", Path(tmp) / "examples")
-            doc["main_job_s"] = wall([*MAIN_JOB, f"--trainer.default_root_dir={logs}"], Path(tmp))
+            shutil.copytree(harness.ROOT / "examples", Path(tmp) / "examples")
+            doc["main_job_s"] = wall([*MAIN_JOB, f"--trainer.default_root_dir={Path(tmp) / 'logs'}"], Path(tmp))
             doc["main_job_command"] = " ".join(MAIN_JOB)
-    doc["machine"] = _machine.finish(start)
-    RESULTS.mkdir(exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    print(f"main job {doc.get('main_job_s', float('nan')):.1f} s, make_conversation_data "
-          f"{doc['make_conversation_data_s']:.1f} s, scan {doc['scan']['records_per_s']:.0f} records/s")
-    print(f"wrote {out}")
-    tables.main(["--quiet"])
+    harness.write(out, doc, start)
 
 
 if __name__ == "__main__":

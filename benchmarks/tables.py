@@ -242,7 +242,8 @@ def het_std(data: dict) -> str:
     rows = []
     for d in ("synthchart", "llava"):
         for llm in ("llama-1b", "llama-3b"):
-            for module, key, pkey in (("vision", "vision_forward_std_ms", "vision"), ("LLM", "llm_forward_std_ms", llm)):
+            for module, key, pkey in (("vision", "vision_forward_std_ms", "vision"),
+                                      ("LLM", "llm_forward_std_ms", llm)):
                 dt, en, no = (get[(d, llm, m)][key] for m in ("disttrain", "entrain", "none"))
                 p = pub[d][pkey]
                 rows.append([*_set(d, llm), module, f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f}", f"{p[0] / p[2]:.2f}",
@@ -585,7 +586,8 @@ def _at(mode: dict, tokens: int) -> dict | None:
 def cp_modes_table(data: dict, tokens: int = 8192) -> str:
     at = {k: _at(m, tokens) for k, m in data["modes"].items()}
     one = at["cp1"]
-    rows = [[_CP_MODES.get(k, k), f"{x['step_s']:.1f}" + ("" if k == "cp1" else f" ({one['step_s'] / x['step_s']:.2f})"),
+    rows = [[_CP_MODES.get(k, k),
+             f"{x['step_s']:.1f}" + ("" if k == "cp1" else f" ({one['step_s'] / x['step_s']:.2f})"),
              f"{max(x['cpu_s']):.1f}" + ("" if k == "cp1" else f" ({max(one['cpu_s']) / max(x['cpu_s']):.2f})"),
              f"{sum(x['cpu_s']):.1f}", f"{max(x['peak_rss_mib']):.0f}", f"{x['load_1min']:.1f}"] for k, x in at.items()]
     return measured_table(data, [f"mode ({tokens >> 10}k tokens)", "step s (x cp 1)", "busiest rank CPU s (x cp 1)",
@@ -680,7 +682,7 @@ def frozen_aware_retimed(data: dict) -> str:
     extra = [pub - sim for r in rows.values()
              for pub, sim in zip((r["seed_aware_s"], r["seed_unaware_s"]), r["seed_layouts_simulated_s"])]
     lls = rows["LLS"]
-    return (f"The simulator over-predicts the seeds' ratios when it re-times their two inferred layouts (e.g. "
+    return ("The simulator over-predicts the seeds' ratios when it re-times their two inferred layouts (e.g. "
             + ", ".join(f"{k} {rows[k]['seed_layouts_simulated_ratio']:.2f}x simulated vs {rows[k]['seed_ratio']:.2f}x "
                         f"published" for k in ("SSS", "MMM"))
             + f"): their published iteration times carry {_range(extra, '.0f')} s that 1F1B over their per-stage "
@@ -751,8 +753,8 @@ def callback_images_sentence(data: dict) -> str:
 
 
 quotes("callback_images_cpu.json", {"inline": lambda d: (
-    f"{_range([_image_steps(d)[(v, 2, False)] / _image_steps(d)[(v, 2, True)] for v in ('frozen', 'trained')], '.2f', 'x')}"
-    f" faster than encoding every image on every rank, measured on {_where(d)}")})
+    _range([_image_steps(d)[(v, 2, False)] / _image_steps(d)[(v, 2, True)] for v in ("frozen", "trained")], ".2f", "x")
+    + f" faster than encoding every image on every rank, measured on {_where(d)}")})
 
 
 # ---------------------------------------- per_module_dp.json, per_module_dp_cpu.json, moe_cpu.json
@@ -770,7 +772,8 @@ def per_module_dp_cases(data: dict) -> str:
     rows = [[f"§{c['scale']}", c["model"].removeprefix("MLLM-"), c["setting"], name, r["gpus"], r["layout"],
              f"{r['iteration_s']:.2f}", f"{r['samples_per_s']:.1f}", f"{r['mfu']:.1%}", f"{r['bubble']:.1%}",
              f"{r['mfu_vs_uniform']:.2f}", f"{r['throughput_vs_uniform']:.2f}",
-             f"{r['estimate_s']:.2f}" if "estimate_s" in r else "", f"{r['planning_ms']:.0f}" if "planning_ms" in r else ""]
+             f"{r['estimate_s']:.2f}" if "estimate_s" in r else "",
+             f"{r['planning_ms']:.0f}" if "planning_ms" in r else ""]
             for c in data["cases"] for name, r in c["rows"].items()]
     return (table(["scale", "LLM", "setting", "row", "GPUs", "dp x tp x pp", "iteration (s)", "samples/s", "MFU",
                    "bubble", "MFU x", "throughput x", "Eq. 1-2 (s)", "planning (ms)"], rows, "llllrlrrrrrrrr")
@@ -846,9 +849,9 @@ def moe_simulated_table(data: dict) -> str:
     return (table(["ep", "all-to-all GB/s (assumed)", "GiB per rank", "iteration (s)",
                    "all-to-all MB per rank, routed layer and microbatch", "all-to-all per microbatch and stage (ms)",
                    "forward + backward per microbatch and stage (ms)"], rows, "rrrrrrr")
-            + f"\n\nSimulated by the planner (`evaluate_plan`; no model built): Qwen3-30B-A3B shapes, dp {sim['dp']} x pp "
-              f"{sim['pp']}, {sim['microbatches']} microbatches of {sim['tokens_per_microbatch']} tokens, "
-              f"{sim['assumed_flops_per_device'] / 1e12:.0f} TFLOP/s per device assumed, 16 bytes of state per "
+            + "\n\nSimulated by the planner (`evaluate_plan`; no model built): Qwen3-30B-A3B shapes, "
+              f"dp {sim['dp']} x pp {sim['pp']}, {sim['microbatches']} microbatches of {sim['tokens_per_microbatch']} "
+              f"tokens, {sim['assumed_flops_per_device'] / 1e12:.0f} TFLOP/s per device assumed, 16 bytes of state per "
               "parameter, activations not counted.")
 
 

@@ -64,13 +64,13 @@ def test_the_documents_quote_results():
 @pytest.mark.parametrize("path", sorted(p.name for p in RESULTS.glob("*.json") if not p.name.endswith(".trace.json")))
 def test_every_results_json_names_its_machine_and_command(path):
     machine = json.loads((RESULTS / path).read_text()).get("machine")
-    assert isinstance(machine, dict), f"{path} has no machine record (benchmarks/_machine.py)"
+    assert isinstance(machine, dict), f"{path} has no machine record (benchmarks/harness.py)"
     assert MACHINE_KEYS <= set(machine), f"{path}: machine record lacks {MACHINE_KEYS - set(machine)}"
     assert machine["command"].startswith("python benchmarks/")
 
 
 def test_machine_record_names_cpu_cache_and_command():
-    import _machine
+    import harness as _machine
 
     assert _machine._size("32768K") == 32 << 20 and _machine._size("16 MiB") == 16 << 20
     record = _machine.finish(_machine.record())

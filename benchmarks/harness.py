@@ -1,0 +1,263 @@
+"""What every benchmark shares: the machine record, the command line, worker processes, the results JSON.
+
+    start = harness.record()                 # at the start (machine, command, load average before the run)
+    args = harness.cli(__doc__, argv, steps=5, warmup=(2, "untimed steps"))
+    harness.write(RESULTS / "x.json", doc, start)   # JSON + machine record, its doc quotes printed and rewritten
+
+``l3_bytes()`` sizes cache-dependent benchmarks from the machine (the cold-cache eviction of cp_balance.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+L3_FALLBACK = 32 << 20  # bytes assumed when the machine does not say
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+# ---------------------------------------------------------------------------------------------- the machine record
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (or platform where that is missing)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _size(text: str) -> int:
+    text = text.strip().upper().replace("IB", "").replace(" ", "")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * scale[text[-1]]) if text[-1:] in scale else int(text)
+
+
+def l3_bytes() -> int | None:
+    """Size of the L3 (last-level) cache cpu0 sees, from sysfs, else lscpu; None when neither says."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "3":
+                return _size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        line = next(x for x in out.splitlines() if x.startswith("L3 cache:"))
+        return _size(" ".join(line.split(":", 1)[1].split()[:2]))
+    except (OSError, StopIteration, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def command() -> str:
+    """The command that ran, as typed from the repository root."""
+    argv = list(sys.argv)
+    try:
+        argv[0] = str(Path(argv[0]).resolve().relative_to(ROOT))
+    except ValueError:
+        pass
+    return "python " + shlex.join(argv)
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def record() -> dict:
+    """Machine, software and command at the start of a run."""
+    import torch
+
+    l3 = l3_bytes()
+    return dict(cpu=cpu_model(), cores=os.cpu_count(), l3_bytes=l3, l3=f"{l3 >> 20} MB" if l3 else "unknown",
+                torch=torch.__version__, python=platform.python_version(), load_average_start=load(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=command(), _t0=time.time())
+
+
+def finish(start: dict) -> dict:
+    """``start`` with the load average at the end and the run's duration added."""
+    out = {k: v for k, v in start.items() if k != "_t0"}
+    out["load_average_end"] = load()
+    out["duration_s"] = round(time.time() - start.get("_t0", time.time()), 1)
+    return out
+
+
+def describe(machine: dict | str | None) -> str:
+    """One phrase naming the machine of a results JSON, for the text beside its figures."""
+    if not isinstance(machine, dict):
+        return "an unrecorded machine"
+    load_start = machine.get("load_average_start")
+    where = f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {machine.get('l3', '?')} L3"
+    when = f", {machine['date'][:10]}" if machine.get("date") else ""
+    return where + when + (f", load average {load_start[0]:.1f} at start" if load_start else "")
+
+
+# ---------------------------------------------------------------------------------------------- command line, JSON
+def cli(doc: str, argv=None, **options) -> argparse.Namespace:
+    """Parse ``argv``, one ``--option`` per keyword: ``name=default``, ``name=(default, help)`` or a dict of
+    ``add_argument`` keywords. The type follows the default; a False default makes a flag."""
+    parser = argparse.ArgumentParser(description=doc.strip().split("\n\n")[0])
+    for name, spec in options.items():
+        kw = dict(spec) if isinstance(spec, dict) else dict(zip(("default", "help"), spec if isinstance(spec, tuple)
+                                                                 else (spec,)))
+        default = kw.get("default")
+        if default is False:
+            kw["action"] = "store_true"
+        elif default is not None and not {"type", "nargs", "action", "choices"} & set(kw):
+            kw["type"] = type(default)
+        parser.add_argument("--" + name.replace("_", "-"), **kw)
+    return parser.parse_args(argv)
+
+
+def write(path: Path | str, doc: dict, start: dict | None = None) -> Path:
+    """Write a results JSON (with the machine record when ``start`` is given) and print the figures the docs quote
+    from it; written under benchmarks/results/, the quotes in README.md and docs/ are rewritten too."""
+    path = Path(path)
+    if start is not None:
+        doc["machine"] = finish(start)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    shown = tables.show(path.name, doc)
+    if shown:
+        print(shown)
+    if path.resolve().parent == RESULTS:
+        tables.main(["--quiet"])
+    print(f"wrote {path}")
+    return path
+
+
+def print_rows(rows: list[dict], columns: list[str], title: str = "") -> None:
+    """``rows`` as aligned text columns, one per key of ``columns`` (numbers to 3 decimals, missing: -)."""
+    cells = [[c, *["-" if r.get(c) is None else f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c])
+                   for r in rows]] for c in columns]
+    widths = [max(map(len, col)) for col in cells]
+    print("\n".join(([title] if title else []) + ["  ".join(col[i].rjust(w) for col, w in zip(cells, widths))
+                                                  for i in range(len(rows) + 1)]))
+
+
+def read(path: Path | str) -> dict:
+    """A results JSON, or {} where there is none yet."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def error_line(error: str) -> str:
+    """The first exception's message (a teardown error raised while handling it comes after)."""
+    lines = [x.strip() for x in error.split("During handling of the above exception")[0].splitlines() if x.strip()]
+    return lines[-1] if lines else error
+
+
+def run_worker(script: str, cfg: dict, timeout: float, argv=()) -> dict:
+    """``script [argv] --worker CFG --result FILE`` in fresh processes of a session of their own (all of it ended
+    after: ranks left waiting in a collective when another failed): the JSON it wrote, else its error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result, log = Path(tmp, "result.json"), Path(tmp, "stderr.txt")
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, str(Path(script).resolve()), *argv, "--worker", json.dumps(cfg), "--result",
+               str(result)]
+        with open(log, "w") as err:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT,
+                                    start_new_session=True)
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = f"killed after {timeout:.0f} s"
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        stderr = log.read_text(errors="replace")
+        if not result.exists():
+            return {**cfg, "error": f"no result (exit {code}):\n{stderr[-3000:]}"}
+        doc = json.loads(result.read_text())
+        if code != 0 and "error" not in doc:  # measured and written, then failed in teardown: keep it, say so
+            doc["exit"] = f"exit code {code} after writing results: {stderr.strip()[-300:]}"
+        return doc
+
+
+def spawn(fn, world: int, *args) -> list:
+    """``fn(rank, world, *args)`` on ``world`` gloo processes of one torch thread (file rendezvous); what each
+    rank returns (JSON), in rank order."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_spawned, args=(world, tmp, fn, args), nprocs=world)
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _spawned(rank: int, world: int, tmp: str, fn, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    try:
+        Path(tmp, f"rank{rank}.json").write_text(json.dumps(fn(rank, world, *args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def timed(step, steps: int, warmup: int) -> tuple[list[float], list[float], list]:
+    """Wall and CPU (process) seconds of ``steps`` calls of ``step(i)`` after ``warmup`` untimed ones, barrier to
+    barrier, and what each timed call returned."""
+    import torch.distributed as dist
+
+    walls, cpus, outs = [], [], []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = step(i)
+        c1 = time.process_time()
+        dist.barrier()
+        if i >= warmup:
+            walls.append(time.perf_counter() - t0)
+            cpus.append(c1 - c0)
+            outs.append(out)
+    return walls, cpus, outs
+
+
+# ---------------------------------------------------------------------------------------------- memory, plots
+def rss_reset() -> bool:
+    """Reset this process's peak-RSS mark (Linux clear_refs 5); False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def proc_kb(key: str, path: str = "/proc/self/status") -> float:
+    """A field of /proc/self/status (VmRSS, VmHWM) or /proc/meminfo (MemTotal, MemAvailable), in KiB."""
+    with open(path) as f:
+        return next((int(line.split()[1]) for line in f if line.startswith(key + ":")), 0)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return None
+    return plt
+
+
+import tables  # noqa: E402  (benchmarks/tables.py, which imports this module's names above)
