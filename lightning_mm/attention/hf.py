@@ -87,7 +87,7 @@ def register() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTENTION_NAME, hf_bitfield_attention)
-    for name in ["eager", *ALL_ATTENTION_FUNCTIONS._global_mapping]:
+    for name in ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]:
         if not is_bitfield(name) and not name.startswith("paged|"):
             register_dispatch(name)
 
@@ -139,12 +139,12 @@ def register_dispatch(fallback: str) -> str:
     name = f"{ATTENTION_NAME}{SEPARATOR}{fallback}"
     if fallback != "eager" and fallback not in ALL_ATTENTION_FUNCTIONS:
         raise ValueError(f"attention implementation {fallback!r} is not registered with transformers")
-    if name not in ALL_ATTENTION_FUNCTIONS._global_mapping:
+    if name not in ALL_ATTENTION_FUNCTIONS:
         fn = functools.partial(dispatching_attention, fallback=fallback)
         functools.update_wrapper(fn, dispatching_attention)
         AttentionInterface.register(name, fn)
-        if fallback in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[fallback])
+        if fallback in ALL_MASK_ATTENTION_FUNCTIONS:
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[fallback])
     return name
 
 

@@ -159,12 +159,11 @@ def _local_slices(t) -> tuple[slice, ...] | None:
     """The region of the global tensor a DTensor holds on this rank, when it is one block (plain ``Shard`` and
     ``Replicate`` placements: FSDP2 and TP); None for layouts that interleave (strided sharding)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not all(type(p) in (Shard, Replicate) for p in t.placements):
         return None
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    (chunk,) = t.__create_chunk_list__()  # DTensor's checkpoint protocol: this rank's block of the global tensor
+    return tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
 
 
 def _from_local(old, local: torch.Tensor):

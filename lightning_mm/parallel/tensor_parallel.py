@@ -226,8 +226,12 @@ def is_dtensor(t) -> bool:
 
 
 def local(t):
-    """The local tensor of a DTensor (a view: in-place changes reach the DTensor), else ``t``."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    """The local tensor of a DTensor (its own, as ``to_local`` gives it without grad mode: in-place changes reach
+    the DTensor, no autograd node is recorded), else ``t``."""
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():
+        return t.to_local()
 
 
 def shards(t) -> int:

@@ -87,7 +87,8 @@ class MultimodalCLI(LightningCLI):
         ``<default_root_dir>/lightning_logs/version_N/metrics.csv`` as before. A replica group of a fault-tolerant
         job logs to ``lightning_logs/group_<g>/version_N`` (groups on one host would share the folder); a version
         folder that ``lightning-mm plan`` wrote for this run is reused (``planned_version``)."""
-        trainer = self._get(self.config_init, "trainer", default={})
+        config = self.config_init
+        trainer = config.get(str(self.subcommand), config).get("trainer", {})
         if "logger" in kwargs or trainer.get("logger") not in (None, True):
             return super().instantiate_trainer(**kwargs)
         ft = getattr(trainer.get("strategy"), "fault_tolerance", None)

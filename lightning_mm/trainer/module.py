@@ -59,9 +59,18 @@ class MultimodalLightningModule(pl.LightningModule):
         self.nan_guard = nan_guard
 
     @property
+    def attached_trainer(self) -> pl.Trainer | None:
+        """The Trainer this module is attached to, or None (where ``trainer`` raises)."""
+        try:
+            return self.trainer
+        except RuntimeError:
+            return None
+
+    @property
     def pipeline(self):
         """The MultimodalParallelStrategy running this module, or None in a single process / other strategies."""
-        strategy = self._trainer.strategy if self._trainer is not None else None
+        trainer = self.attached_trainer
+        strategy = trainer.strategy if trainer is not None else None
         return strategy if hasattr(strategy, "run_pipeline") else None
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -84,7 +93,7 @@ class MultimodalLightningModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.train_metrics.prepare(self, stage)  # before the strategy cuts the model into stages
-        use_whole_model_summary(self._trainer)  # the summary shows every stage, not rank 0's only
+        use_whole_model_summary(self.attached_trainer)  # the summary shows every stage, not rank 0's only
 
     def on_train_batch_start(self, batch, batch_idx):
         self.train_metrics.batch_start()
@@ -137,7 +146,7 @@ class MultimodalLightningModule(pl.LightningModule):
     def log_balance(self) -> None:
         """Where batch balancing runs, this step's global batch as the balanced sampler planned it: replica
         imbalance before and after, deferred samples (``balance/*``; ``data/balanced.py``)."""
-        loader = getattr(self._trainer, "train_dataloader", None) if self._trainer is not None else None
+        loader = getattr(self.attached_trainer, "train_dataloader", None)
         planned = getattr(getattr(loader, "batch_sampler", None), "planned", None)
         if planned:
             for key, value in planned.popleft().items():
