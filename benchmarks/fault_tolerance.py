@@ -35,7 +35,7 @@ RUNS = ["ft", "dp", "ft_fail", "ckpt_fail"]
 
 
 def _lighthouse(min_replicas: int, heartbeat_ms: int, join_ms: int):
-    from torchft._torchft import LighthouseServer
+    from torchft.coordination import LighthouseServer
 
     from lightning_mm.fault_tolerance import parse_address
 

@@ -391,9 +391,9 @@ def worker(spec: str, out: str) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             dist.barrier()
             self.steps.append(time.perf_counter() - self.t0)
-            engine = trainer.strategy.engine
-            if engine.stage.startswith("vision"):
-                self.encoder.append([end - start for kind, _, start, end in engine.timings if kind == "forward"])
+            if trainer.strategy.engine.stage.startswith("vision"):
+                timings = trainer.strategy.last_step.timings
+                self.encoder.append([end - start for kind, _, start, end in timings if kind == "forward"])
 
     torch.manual_seed(0)
     vision = lmm.ModalityEncoder(tiny_encoder("qwen2_vl", embed_dim=64, num_heads=4, depth=4))

@@ -85,8 +85,7 @@ def job_fingerprint(strategy, data: dict, num_groups: int, *, across_layouts: bo
     """Everything groups must share to train one model together: layout, model, global batch, data order (across
     layouts: only model, sharding, tensor parallelism and data)."""
     lay = strategy.layout
-    doc = {"stages": lay.stages, "cp": lay.cp, "tp": lay.tp, "dp": lay.dp, "placement": lay.placement,
-           "module_stages": lay.module_stages, "world_size": strategy.world_size, "model": strategy.model_fingerprint,
+    doc = {"layout": lay.to_dict(), "world_size": strategy.world_size, "model": strategy.model_fingerprint,
            "sharding": strategy.sharding_strategy, "groups": num_groups,
            "data": [data.get(k) for k in ("global_batch", "num_samples", "shuffle", "seed")]}
     if across_layouts:
