@@ -65,14 +65,16 @@ def item_shards(item_planners: dict, mbs: list[dict], plans=None) -> None:
             mb.setdefault(ITEMS_KEY, {})[name] = plan
 
 
-def no_item_features(enc, device) -> torch.Tensor:
-    """The projected features of no item, in the dtype the projector gives (autocast included); it takes part in
-    the gather and its backward like any rank's."""
-    weight = next(enc.projector.parameters(), None)
-    empty = torch.zeros(0, enc.output_dim, device=device,
-                        dtype=torch.float32 if weight is None else weight.dtype, requires_grad=torch.is_grad_enabled())
+def no_item_features(enc, device, empty: torch.Tensor | None = None) -> torch.Tensor:
+    """The projected features of no item (of ``empty``, a ``[0, output_dim]`` input, when given), in the dtype the
+    projector gives (autocast included); it takes part in the gather and its backward like any rank's."""
+    if empty is None:
+        weight = next(enc.projector.parameters(), None)
+        empty = torch.zeros(0, enc.output_dim, device=device, dtype=torch.float32 if weight is None else weight.dtype,
+                            requires_grad=torch.is_grad_enabled())
     blocks = 1 + enc.family.deepstack_layers(enc.config)  # DeepStack features packed beside the features
-    return enc.projector(empty).repeat(1, blocks)
+    out = enc.projector(empty)
+    return out if blocks == 1 else out.repeat(1, blocks)
 
 
 def gather_item_features(local: torch.Tensor, shards, tokens, group) -> torch.Tensor:

@@ -168,39 +168,29 @@ class PipelineEngine:
         return [p for n, p in self.model.named_parameters() if n in self.owned and p.requires_grad]
 
     # ------------------------------------------------------------------ stage compute
-    def _run_layers(self, run, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """``run(hidden, start, end)``, layer by layer under activation checkpointing when it is on and autograd
-        records (a no_grad stage has nothing to recompute)."""
-        if not (self.activation_checkpointing and torch.is_grad_enabled()):
-            return run(hidden, start, end)
-        for i in range(start, end):
-            hidden = checkpoint(run, hidden, i, i + 1, use_reentrant=False)
-        return hidden
-
     def encoder_part(self, name, sl, mb, received):
-        enc = self.model.encoders[name]
-        if name not in mb:  # no item of this modality in the microbatch
-            return torch.zeros(0, self.model.hidden_size if sl.head else 0, device=self.device)
-        items = mb[name]
-        if self.encoder_cp > 1:  # this CP rank's items only; the last stage gathers every rank's features
+        """Encoder ``name``'s slice ``sl`` on microbatch ``mb``: features (head) or hidden states. A rank with no item
+        here (none in the microbatch or its CP shard) skips the encoder, but under FSDP, where every rank of a shard
+        group runs each unit's collectives, runs it on a stand-in item and adds zero times the result."""
+        enc, items, shards, tokens = self.model.encoders[name], mb.get(name), None, None
+        if items is not None and self.encoder_cp > 1:  # this CP rank's items; the last stage gathers every rank's
             shards, tokens = mb[ITEMS_KEY][name]
             mine = shards[self.coord.cp]
-            if not mine:  # nothing to encode; the last stage still joins the gather
-                return gather_item_features(no_item_features(enc, self.device), shards, tokens, self.groups.cp) if sl.head else \
-                    torch.zeros(0, device=self.device)
             items = enc.family.select_items(enc.family.cp_pieces(items),
-                                            torch.tensor(mine, dtype=torch.long, device=self.device))
-        inputs = enc.preprocess(items) if enc.preprocess and not sl.embed else items
-        if sl.embed:
-            hidden, ctx = enc.embed(items)
-        else:
-            ctx = enc.family.context(enc.module, inputs)
-            hidden = enc.family.stage_input(enc.module, received[name], ctx)
-        hidden = self._run_layers(lambda h, a, b: enc.run_layers(h, ctx, a, b), hidden, sl.start, sl.end)
+                                            torch.tensor(mine, dtype=torch.long, device=self.device)) if mine else None
+        if items is not None:
+            out = encode(enc, name, sl, items, received, self.activation_checkpointing)
+            return gather_item_features(out, shards, tokens, self.groups.cp) if shards and sl.head else out
+        if not self.fsdp_params:  # nothing to run; the gather of encoder CP still counts this rank
+            if shards is not None and sl.head:
+                return gather_item_features(no_item_features(enc, self.device), shards, tokens, self.groups.cp)
+            return torch.zeros(0, self.model.hidden_size if sl.head else 0, device=self.device)
+        out = encode(enc, name, sl, stand_in_items(enc, self.device), received, self.activation_checkpointing, False)
         if not sl.head:
-            return enc.family.stage_output(enc.module, hidden, ctx)
-        feats = enc.head(hidden, ctx, items)
-        return gather_item_features(feats, shards, tokens, self.groups.cp) if self.encoder_cp > 1 else feats
+            return out
+        # the projector on no rows, zero times the stand-in's features: gradients 0, the units in their usual order
+        out = no_item_features(enc, self.device, out[:0] + 0.0 * out.sum())
+        return gather_item_features(out, shards, tokens, self.groups.cp) if shards is not None else out
 
     def _language_part(self, mb, received, num_label_tokens, owner):
         sl, model = self.plan.language_model, self.model
@@ -219,8 +209,11 @@ class PipelineEngine:
         if sl.embed:
             features = {k: v for msg in received.values() for k, v in msg.items()}
             features.update({e: self.encoder_part(e, s, mb, {}) for e, s in self.plan.encoders.items()})
+            stand_ins = [v for v in features.values() if not v.numel() and v.requires_grad]  # see encoder_part
             features = {k: v for k, v in features.items() if v.numel()}
             hidden = local(model.embed(mb["input_ids"], features))
+            for empty in stand_ins:  # an empty tensor's sum is 0; it carries the stand-in's backward
+                hidden = hidden + empty.sum()
             stacks = model.split_features(features)[1] if model.deepstack else {}
         else:
             msg = received[self.graph.predecessors(self.stage)[0]]
@@ -229,7 +222,8 @@ class PipelineEngine:
             ctx.deepstack = model.deepstack_context(mb["input_ids"], stacks, sl.start, local)
         routed = None if sl.embed else received[self.graph.predecessors(self.stage)[0]].get(ROUTER_KEY)
         with moe.recording(model.lm_family, model.language_model, ctx.bam, routed) as router:
-            hidden = self._run_layers(lambda h, a, b: model.run_llm_layers(h, ctx, a, b), hidden, sl.start, sl.end)
+            hidden = run_layers(lambda h, a, b: model.run_llm_layers(h, ctx, a, b), hidden, sl,
+                                self.activation_checkpointing)
         aux = None if router is None else self.router_metrics.add(router, sl.head)
         if not sl.head:
             out = {"hidden": hidden} if router is None else {"hidden": hidden, ROUTER_KEY: router.vector}
@@ -533,6 +527,37 @@ def predict_step(engine: PipelineEngine, batch: dict) -> dict:
         last = engine.layout.stages[-1]
         dist.broadcast(ids, engine.layout.rank(last, engine.coord.dp), group=engine.groups.replica)
     return {"logits": logits, "predicted_ids": ids}
+
+
+def run_layers(run, hidden: torch.Tensor, sl, checkpointing: bool) -> torch.Tensor:
+    """``run(hidden, start, end)`` over slice ``sl``, layer by layer under activation checkpointing when it is on
+    and autograd records (a no_grad stage has nothing to recompute)."""
+    if not (checkpointing and torch.is_grad_enabled()):
+        return run(hidden, sl.start, sl.end)
+    for i in range(sl.start, sl.end):
+        hidden = checkpoint(run, hidden, i, i + 1, use_reentrant=False)
+    return hidden
+
+
+def encode(enc, name, sl, items, received, checkpointing: bool, project: bool = True):
+    """Run a stage's slice ``sl`` of encoder ``enc`` on ``items`` (from its embedding or ``received`` hidden states);
+    at the head, the projected features (``project``) or the tower's."""
+    inputs = enc.preprocess(items) if enc.preprocess and not sl.embed else items
+    if sl.embed:
+        hidden, ctx = enc.embed(items)
+    else:
+        ctx = enc.family.context(enc.module, inputs)
+        hidden = enc.family.stage_input(enc.module, received[name], ctx)
+    hidden = run_layers(lambda h, a, b: enc.run_layers(h, ctx, a, b), hidden, sl, checkpointing)
+    if not sl.head:
+        return enc.family.stage_output(enc.module, hidden, ctx)
+    return enc.head(hidden, ctx, items) if project else enc.family.final(enc.module, hidden, ctx)
+
+
+def stand_in_items(enc, device) -> dict:
+    """The one item a rank with nothing to encode runs under FSDP: the same on every stage of the encoder."""
+    items = enc.family.random_inputs(enc.config, 1, generator=torch.Generator().manual_seed(0))
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in items.items()}
 
 
 def replica_reducer(params: list[torch.nn.Parameter], built: BuiltStage, bucket_mb: float) -> GradientReducer:

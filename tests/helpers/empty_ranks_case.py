@@ -1,0 +1,55 @@
+"""Ranks with nothing to do: a replica whose samples are all text-only (or have no audio) under FSDP, trained on
+every rank and, as the reference, in one process."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import lightning_mm as lmm
+from helpers.pipeline_case import build_model, replica_batch, train_reference
+from lightning_mm.parallel.engine import PipelineEngine
+from lightning_mm.plan.layout import ParallelSpec, build_layout
+
+
+def uneven_batches(model, steps: int, rows: int, without: tuple[str, ...]) -> list[dict]:
+    """Global batches whose first half of rows (replica 0's share) has 1-3 items of every modality and whose second
+    half (replica 1's) has none of ``without`` (text-only when it names every encoder)."""
+    full = lmm.data.SyntheticMultimodalDataset(model, steps * rows, items_per_sample=(1, 3), seed=1)
+    partial = lmm.data.SyntheticMultimodalDataset(model, steps * rows, items_per_sample=(1, 3), seed=2)
+    collate = lmm.data.MultimodalCollator(model)
+    out = []
+    for s in range(steps):
+        mine = [full[s * rows + r] for r in range(rows // 2)]
+        other = [dict(partial[s * rows + r]) for r in range(rows // 2)]
+        for sample in other:
+            for name in without:
+                sample.pop(name, None)
+                sample["input_ids"] = sample["input_ids"][sample["input_ids"] != model.placeholder_ids[name]]
+        out.append(collate(mine + other))
+    return out
+
+
+def run_reference(modalities, freeze, without, steps=2, rows=4):
+    model = build_model(modalities, freeze)
+    return train_reference(model, uneven_batches(model, steps, rows, without))
+
+
+def run_rank(rank, world, modalities, freeze, without, placement, llm_pp, sharding, steps=2, rows=4):
+    model = build_model(modalities, freeze)
+    batches = uneven_batches(model, steps, rows, without)
+    layout = build_layout({m: ParallelSpec() for m in modalities}, ParallelSpec(pp=llm_pp), world, placement,
+                          list(modalities))
+    engine = PipelineEngine(model, layout, rank, 2, sharding_strategy=sharding)
+    params = engine.trainable_parameters()
+    opt = torch.optim.SGD(params, lr=0.5) if params else None
+    losses = []
+    for batch in batches:
+        losses.append(float(engine.run(replica_batch(batch, model, layout.dp, engine.coord.dp)).loss))
+        engine.sync_gradients()
+        if opt:
+            opt.step()
+            opt.zero_grad()
+    full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731  (collective over its mesh)
+    return losses, {n: full(p.detach()).clone() for n, p in model.named_parameters()
+                    if n in engine.owned and p.requires_grad}

@@ -1,0 +1,31 @@
+"""Ranks with nothing to do: every rank runs every collective of every step, whatever its data.
+
+A replica whose samples are all text-only (or have images but no audio) skips an encoder; under FSDP the other
+replicas' ranks then wait for its all-gathers and reduce-scatters. The engine runs such a rank's encoder stage on a
+stand-in item with zero weight (``PipelineEngine.encoder_part``). Each case trains two replicas, the second
+without the modality, against one process (gloo, fp32), under the test timeout: a hang is a failure."""
+
+import pytest
+from helpers.distributed import run_distributed
+from helpers.empty_ranks_case import run_rank, run_reference
+from helpers.pipeline_case import check_like_reference
+
+VA = ("vision", "audio")
+CASES = [  # (modalities, freeze, the modalities replica 1 lacks, placement, llm pp, sharding, world)
+    pytest.param((("vision",), "encoder", ("vision",), "parallel", 1, "FULL_SHARD", 4), marks=pytest.mark.ci),
+    pytest.param((("vision",), "encoder", ("vision",), "replicated", 2, "FULL_SHARD", 4), marks=pytest.mark.ci),
+    (("vision",), "projectors", ("vision",), "parallel", 2, "SHARD_GRAD_OP", 6),
+    (("vision",), "encoder", ("vision",), "colocated", 1, "FULL_SHARD", 4),
+    (("vision",), "encoder", ("vision",), "parallel", 2, "SHARD_GRAD_OP", 6),
+    (VA, "encoder", ("audio",), "parallel", 1, "FULL_SHARD", 6),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{'+'.join(c[0])}-{c[1]}-no-{'+'.join(c[2])}-{c[3]}-llm{c[4]}-"
+                                                      f"{c[5]}")
+def test_a_replica_without_items_trains_like_one_process(case):
+    modalities, freeze, without, placement, llm_pp, sharding, world = case
+    ref_losses, ref_params = run_reference(modalities, freeze, without)
+    results = run_distributed(run_rank, world, modalities, freeze, without, placement, llm_pp, sharding)
+    check_like_reference(results, ref_losses, ref_params)
