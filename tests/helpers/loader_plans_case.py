@@ -1,7 +1,7 @@
 """trainer_case.py with context-parallel planning forbidden inside the step.
 
 ``python loader_plans_case.py '<json>' <out_dir>``: the same run as trainer_case.py (same JSON keys), except that
-the planning functions (``distribute`` as ``parallel/engine.py``'s ``BlockOwners`` calls it, ``shard_items`` as
+the planning functions (``distribute`` as ``parallel/context.py``'s ``BlockOwners`` calls it, ``shard_items`` as
 ``data/cp_plans.py``'s ``EncoderItems`` calls it, for the loader and the step alike) raise when called inside
 ``PipelineEngine.run``, and each rank writes ``loader_plans_<rank>.json``: how many steps it ran, how many of their
 batches carried the loader's CP plans, and whether its stage runs CP.
@@ -12,6 +12,7 @@ import os
 import sys
 
 import lightning_mm.data.cp_plans as cp_plans
+import lightning_mm.parallel.context as context
 import lightning_mm.parallel.engine as engine
 from tests.helpers import trainer_case  # run_script puts the repository on PYTHONPATH
 
@@ -27,7 +28,7 @@ def forbidden_in_step(fn):
     return planning
 
 
-engine.distribute = forbidden_in_step(engine.distribute)
+context.distribute = forbidden_in_step(context.distribute)
 cp_plans.shard_items = forbidden_in_step(cp_plans.shard_items)
 _run = engine.PipelineEngine.run
 
