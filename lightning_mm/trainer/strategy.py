@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from typing_extensions import override
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -375,7 +376,7 @@ class MultimodalParallelStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer) -> dict:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         return ckpt.optimizer_state_by_name(optimizer, ckpt.parameter_names(self.lightning_module.model))
 
     def checkpoint_layout(self) -> dict:
