@@ -11,7 +11,7 @@ For every microbatch the step will run (``microbatch_rows``: equal slices or a b
 the plans, a ``CPPlans``, at ``batch["microbatches"]["cp"]``. ``CPPlans`` is no collection, so Lightning's
 ``transfer_batch_to_device`` leaves it on the host, and ``pin_memory`` pins its owner tensors. The step
 (``PipelineEngine``) uses it when the batch carries it and otherwise plans with the same planners it hands the
-loader, ``EncoderItems`` (here) and ``BlockOwners`` (``parallel/engine.py``, next to ``distribute``, which data/ may
+loader, ``EncoderItems`` (here) and ``BlockOwners`` (``parallel/context.py``, next to ``distribute``, which data/ may
 not import): a batch from elsewhere costs one host read per microbatch, as before. Each rank plans what its own
 stage needs; everything here is picklable (loader workers, spawn or fork) as long as the encoders' ``preprocess`` /
 ``num_tokens`` callbacks are.

@@ -15,6 +15,10 @@ replicas (``grads.py``) overlaps the step's last backward. A stage with tp > 1 i
 (``tensor_parallel.py``), one with ``sharding_strategy`` other than NO_SHARD is sharded over its dp x cp ranks
 with FSDP2 (``sharding.py``, which then reduces its gradients). Every tensor the engine makes lives on ``device``.
 
+The stage itself is built by ``build.py`` (what the rank holds, then TP, EP, FSDP over ``meshes.py``'s groups); a
+rank with nothing to encode under FSDP still runs every collective (``encoder_part``). ``run`` returns a
+``StepResult``.
+
 Context-parallel plans (encoder item shards, LLM block owners) are host data made by the data loader
 (``data/cp_plans.py``); the step only executes them, and plans with the same functions itself (reading the sizes
 and mask words to the host) only for a batch that carries none.
