@@ -328,15 +328,69 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
     instead of HF's causal pattern. Parameters take the default dtype; under the meta device nothing is read."""
     folder = loading._open_folder(path)
     config = folder.config
-    spec = composite_spec(config)
+    spec = _supported_spec(folder)
+    with torch.device("meta"):
+        hf = spec.hf_class()(copy.deepcopy(config))
+    stored, converted = _folder_tensors(spec, folder, hf)
+    tied = hf.lm_head.weight is hf.model.language_model.embed_tokens.weight
+
+    # the parts, built on meta, then materialised from the folder unless the caller builds on meta
+    text_config = copy.deepcopy(config.get_text_config())
+    text_config.tie_word_embeddings = tied
+    tower_config, drop_first = _tower_config(spec, folder)
+    with torch.device("meta"):
+        lm = _language_class(text_config)(text_config)
+        tower = _encoder_class(tower_config)(tower_config)
+        projector = type(hf.get_submodule(spec.projector[:-1]))(copy.deepcopy(config)) if spec.projector else \
+            nn.Identity()
+        if spec.adapter is not None:
+            projector = spec.adapter.build_projector(projector, config)
+    parts = {"language_model": lm, f"encoders.{spec.modality}.module": tower}
+    if spec.projector:
+        parts[f"encoders.{spec.modality}.projector"] = projector
+    used = _load_parts(parts, spec, stored, folder, converted)
+
+    enc = ModalityEncoder(tower, projector=projector)
+    if spec.adapter is not None:
+        enc.family = spec.adapter.family(encoder_family(tower), copy.deepcopy(config), drop_first)
+    elif drop_first is not None:
+        enc.family = FeatureSelectFamily(encoder_family(tower), drop_first)
+    placeholder = getattr(config, spec.token_id)
+    encoders, placeholders = {spec.modality: enc}, {spec.modality: placeholder}
+    kinds = [MRopeItems(spec.modality, placeholder)]
+    if spec.video is not None and getattr(config, "video_token_id", None) is not None:
+        encoders["video"] = _video_encoder(spec, config, tower, projector, enc.family, drop_first)
+        placeholders["video"] = config.video_token_id
+        seconds = spec.video == "qwen2_5"
+        kinds.append(MRopeItems("video", config.video_token_id, "video_grid_thw",
+                                "second_per_grid_ts" if seconds else None,
+                                getattr(tower_config, "tokens_per_second", 1.0) if seconds else 1.0,
+                                per_frame=spec.video == "qwen3"))
+    model = model_class(encoders, lm, placeholder_ids=placeholders)
+    model.causal_modalities = causal_modalities
+    model.bidirectional_items = spec.bidirectional_items and causal_modalities
+    if spec.mrope:
+        model.position_ids_fn = MRopePositions(tuple(kinds), tower_config.spatial_merge_size)
+    model.composite = CompositeSource(spec, copy.deepcopy(config), folder.path,
+                                      {k: v for k, v in stored.items() if k not in used})
+    return model
+
+
+def _supported_spec(folder) -> CompositeSpec:
+    """The composite ``folder``'s config describes, or the error listing the supported ones."""
+    spec = composite_spec(folder.config)
     if spec is None:
         supported = ", ".join(f"{s.class_name} ({s.model_type})" for s in SPECS.values())
         raise ModelFolderError(f"{os.path.join(folder.path, loading.CONFIG_FILE)} describes "
-                               f"{loading._describe(config)}, not a supported composite; supported: {supported}. "
-                               "Folders of separate parts load with ModalityEncoder(folder) and "
+                               f"{loading._describe(folder.config)}, not a supported composite; supported: "
+                               f"{supported}. Folders of separate parts load with ModalityEncoder(folder) and "
                                "MultimodalModel(language_model=folder)")
-    with torch.device("meta"):
-        hf = spec.hf_class()(copy.deepcopy(config))
+    return spec
+
+
+def _folder_tensors(spec: CompositeSpec, folder, hf: nn.Module) -> tuple[dict, dict]:
+    """The folder's tensors by the composite class's names (``hf``: the class on meta): (stored: name -> (file, key
+    in the file), converted: name -> tensor, for those transformers converts on load, read eagerly through it)."""
     rename = loading._hf_renamer(hf)
     expected = set(hf.state_dict())
     stored, converted = {}, {}
@@ -352,36 +406,33 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
         state = spec.hf_class().from_pretrained(folder.path, dtype=torch.get_default_dtype(),
                                                 local_files_only=True).state_dict()
         converted = {name: state[name] for name in converted}
-    tied = hf.lm_head.weight is hf.model.language_model.embed_tokens.weight
+    return stored, converted
 
-    # the parts, built on meta, then materialised from the folder unless the caller builds on meta
-    text_config = copy.deepcopy(config.get_text_config())
-    text_config.tie_word_embeddings = tied
+
+def _tower_config(spec: CompositeSpec, folder):
+    """(the encoder tower's config, whether its first token is dropped): LLaVA and its successors cut the tower after
+    ``vision_feature_layer`` and drop the first token with the "default" select strategy (None: no cut)."""
+    config = folder.config
     tower_config = copy.deepcopy(getattr(config, spec.tower_config))
-    drop_first = None
-    if spec.feature_layer:
-        layer = config.vision_feature_layer
-        if not isinstance(layer, int):
-            raise ModelFolderError(f"{folder.path}: vision_feature_layer={layer!r} (several layers concatenated) is "
-                                   "not supported; only one feature layer is")
-        total = tower_config.num_hidden_layers
-        keep = layer if layer >= 0 else total + 1 + layer
-        if not 0 <= keep <= total:
-            raise ModelFolderError(f"{folder.path}: vision_feature_layer={layer} is outside the tower's {total} "
-                                   "layers")
-        tower_config.num_hidden_layers = keep
-        drop_first = config.vision_feature_select_strategy == "default"
-    with torch.device("meta"):
-        lm = _language_class(text_config)(text_config)
-        tower = _encoder_class(tower_config)(tower_config)
-        projector = type(hf.get_submodule(spec.projector[:-1]))(copy.deepcopy(config)) if spec.projector else \
-            nn.Identity()
-        if spec.adapter is not None:
-            projector = spec.adapter.build_projector(projector, config)
+    if not spec.feature_layer:
+        return tower_config, None
+    layer = config.vision_feature_layer
+    if not isinstance(layer, int):
+        raise ModelFolderError(f"{folder.path}: vision_feature_layer={layer!r} (several layers concatenated) is "
+                               "not supported; only one feature layer is")
+    total = tower_config.num_hidden_layers
+    keep = layer if layer >= 0 else total + 1 + layer
+    if not 0 <= keep <= total:
+        raise ModelFolderError(f"{folder.path}: vision_feature_layer={layer} is outside the tower's {total} "
+                               "layers")
+    tower_config.num_hidden_layers = keep
+    return tower_config, config.vision_feature_select_strategy == "default"
+
+
+def _load_parts(parts: dict[str, nn.Module], spec: CompositeSpec, stored: dict, folder, converted: dict) -> set[str]:
+    """Record where each part's tensors live (``_record_sources``) and, unless building on meta, read them (what
+    transformers converted on load copied in). Returns the composite names the parts use."""
     used: set[str] = set()
-    parts = {"language_model": lm, f"encoders.{spec.modality}.module": tower}
-    if spec.projector:
-        parts[f"encoders.{spec.modality}.projector"] = projector
     for prefix, part in parts.items():
         _record_sources(part, prefix, spec, stored, folder, used, converted)
     if not loading.building_on_meta():
@@ -392,35 +443,17 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
                     theirs = to_theirs(spec, f"{prefix}.{name}")
                     if theirs in converted:
                         tensor.copy_(converted[theirs])
+    return used
 
-    enc = ModalityEncoder(tower, projector=projector)
-    if spec.adapter is not None:
-        enc.family = spec.adapter.family(encoder_family(tower), copy.deepcopy(config), drop_first)
-    elif drop_first is not None:
-        enc.family = FeatureSelectFamily(encoder_family(tower), drop_first)
-    placeholder = getattr(config, spec.token_id)
-    encoders, placeholders = {spec.modality: enc}, {spec.modality: placeholder}
-    kinds = [MRopeItems(spec.modality, placeholder)]
-    if spec.video is not None and getattr(config, "video_token_id", None) is not None:
-        # videos run through the same tower and projector (one copy of the parameters, shared_encoders)
-        encoders["video"] = ModalityEncoder(tower, projector=projector)
-        encoders["video"].family = tiles.OneVisionVideoFamily(encoder_family(tower), copy.deepcopy(config),
-                                                              drop_first) \
-            if spec.video == "onevision" else VideoInputs(enc.family)
-        placeholders["video"] = config.video_token_id
-        seconds = spec.video == "qwen2_5"
-        kinds.append(MRopeItems("video", config.video_token_id, "video_grid_thw",
-                                "second_per_grid_ts" if seconds else None,
-                                getattr(tower_config, "tokens_per_second", 1.0) if seconds else 1.0,
-                                per_frame=spec.video == "qwen3"))
-    model = model_class(encoders, lm, placeholder_ids=placeholders)
-    model.causal_modalities = causal_modalities
-    model.bidirectional_items = spec.bidirectional_items and causal_modalities
-    if spec.mrope:
-        model.position_ids_fn = MRopePositions(tuple(kinds), tower_config.spatial_merge_size)
-    model.composite = CompositeSource(spec, copy.deepcopy(config), folder.path,
-                                      {k: v for k, v in stored.items() if k not in used})
-    return model
+
+def _video_encoder(spec: CompositeSpec, config, tower: nn.Module, projector: nn.Module, image_family,
+                   drop_first: bool | None) -> ModalityEncoder:
+    """The videos' encoder: the same tower and projector as the images (one copy of the parameters,
+    shared_encoders), reading frames as LLaVA-OneVision does or through the image family (``VideoInputs``)."""
+    video = ModalityEncoder(tower, projector=projector)
+    video.family = tiles.OneVisionVideoFamily(encoder_family(tower), copy.deepcopy(config), drop_first) \
+        if spec.video == "onevision" else VideoInputs(image_family)
+    return video
 
 
 # ---------------------------------------------------------------------------------------------- saving
