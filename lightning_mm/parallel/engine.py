@@ -27,6 +27,7 @@ and mask words to the host) only for a batch that carries none.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -558,8 +559,10 @@ def encode(enc, name, sl, items, received, checkpointing: bool, project: bool = 
     return enc.head(hidden, ctx, items) if project else enc.family.final(enc.module, hidden, ctx)
 
 
+@functools.lru_cache(maxsize=8)
 def stand_in_items(enc, device) -> dict:
-    """The one item a rank with nothing to encode runs under FSDP: the same on every stage of the encoder."""
+    """The one item a rank with nothing to encode runs under FSDP: the same on every stage of the encoder (made and
+    moved to ``device`` once per encoder, not per microbatch)."""
     items = enc.family.random_inputs(enc.config, 1, generator=torch.Generator().manual_seed(0))
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in items.items()}
 
