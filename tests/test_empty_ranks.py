@@ -7,7 +7,7 @@ without the modality, against one process (gloo, fp32), under the test timeout: 
 
 import pytest
 from helpers.distributed import run_distributed
-from helpers.empty_ranks_case import run_rank, run_reference
+from helpers.empty_ranks_case import run_per_module_rank, run_per_module_reference, run_rank, run_reference
 from helpers.pipeline_case import check_like_reference
 
 VA = ("vision", "audio")
@@ -29,3 +29,25 @@ def test_a_replica_without_items_trains_like_one_process(case):
     ref_losses, ref_params = run_reference(modalities, freeze, without)
     results = run_distributed(run_rank, world, modalities, freeze, without, placement, llm_pp, sharding)
     check_like_reference(results, ref_losses, ref_params)
+
+
+SHARDED_ENCODER_CASES = [  # (encoder specs, LLM spec, world)
+    pytest.param({"vision": dict(dp=2)}, dict(dp=1, pp=2), 4, id="per-module-dp-vision-dp2-llm-pp2"),
+    pytest.param({"vision": dict(cp=2)}, dict(), 3, id="vision-cp2"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoder_specs,llm_spec,world", SHARDED_ENCODER_CASES)
+def test_a_sharded_encoder_rank_without_items(encoder_specs, llm_spec, world):
+    """The vision tower trained under FULL_SHARD over two ranks (two per-module dp replicas, or two encoder CP
+    ranks), on batches where one microbatch holds a single image (one of the two ranks gets nothing) and another
+    none: like one process, and each of the two ranks holds about half of the tower's parameters."""
+    ref_losses, ref_params = run_per_module_reference()
+    results = run_distributed(run_per_module_rank, world, encoder_specs, llm_spec)
+    check_like_reference(results, ref_losses, ref_params)
+    shards = [sizes for *_, sizes in results if sizes[1]]
+    assert len(shards) == 2
+    for local, full in shards:
+        assert 0.4 * full <= local <= 0.6 * full, shards
+    assert sum(local for local, _ in shards) == shards[0][1]

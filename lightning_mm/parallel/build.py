@@ -107,8 +107,7 @@ def build_stage(model, holding: StageHolding, *, layout: RankLayout, rank: int, 
                 sharding_strategy: str = "NO_SHARD", precision: str = "32-true",
                 materialise: Callable[[nn.Module], None] | None = None) -> BuiltStage:
     """Prune ``model`` to ``holding``'s stage, create every group (``Meshes.build``, on every rank), then apply TP,
-    EP and FSDP (``forward`` becomes the FSDP root unit's forward) and ``materialise`` the owned tensors. Per-module
-    data parallelism shards the language model only (an encoder replica may have no rows in a microbatch)."""
+    EP and FSDP (``forward`` becomes the FSDP root unit's forward) and ``materialise`` the owned tensors."""
     prune(model, set(holding.owned))
     device = stage_device(model, device)
     mesh_device = device.type if carries_device_tensors(dist.get_backend(), device.type) else "cpu"
@@ -120,7 +119,7 @@ def build_stage(model, holding: StageHolding, *, layout: RankLayout, rank: int, 
     tp_allreduce = [names[id(p)] for p in tp_allreduce]
     expert_params = apply_ep(model, plan, meshes.experts) if meshes.experts is not None else []
     run_stage, fsdp_params = forward, set()
-    if meshes.shard_mesh is not None and not (layout.per_module_dp and plan.language_model is None):
+    if meshes.shard_mesh is not None:
         run_stage = apply_fsdp(model, plan, meshes.shard_mesh, sharding_strategy, forward, precision, expert_params)
         fsdp_params = {id(p) for p in model.parameters()} - {id(p) for p in expert_params}
     if materialise is not None:

@@ -53,3 +53,58 @@ def run_rank(rank, world, modalities, freeze, without, placement, llm_pp, shardi
     full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731  (collective over its mesh)
     return losses, {n: full(p.detach()).clone() for n, p in model.named_parameters()
                     if n in engine.owned and p.requires_grad}
+
+
+def sparse_global_batches(model, steps: int, rows: int) -> list[dict]:
+    """Global batches of 1-3 images per sample (images of different sizes) but for: in the first step the first
+    row holds one image and the second none (a microbatch of two rows with one item: one encoder replica, or one
+    encoder CP rank, gets nothing), in the second step the third and fourth rows are text-only (a microbatch with no
+    image at all)."""
+    data = lmm.data.SyntheticMultimodalDataset(model, num_samples=steps * rows, seed=0, items_per_sample=(1, 3))
+    single = lmm.data.SyntheticMultimodalDataset(model, num_samples=1, seed=3, items_per_sample=(1, 1))
+    collate = lmm.data.MultimodalCollator(model)
+    empty = {0: (1,), 1: (2, 3)}
+    out = []
+    for s in range(steps):
+        samples = [dict(data[s * rows + r]) for r in range(rows)]
+        if s == 0:
+            samples[0] = dict(single[0])
+        for r in empty.get(s, ()):
+            samples[r].pop("vision")
+            samples[r]["input_ids"] = samples[r]["input_ids"][samples[r]["input_ids"] != model.placeholder_ids["vision"]]
+        out.append(collate(samples))
+    return out
+
+
+def run_per_module_rank(rank, world, encoder_specs, llm_spec, steps=3, rows=4, microbatches=2):
+    """(losses, owned trainable parameters, (local, full) element counts of this rank's encoder parameters) of one
+    rank of ``encoder_specs`` / ``llm_spec`` (per-module dp, encoder cp) under FULL_SHARD, on
+    ``sparse_global_batches``."""
+    from helpers.per_module_dp_case import build_model as build, group_batch, layout_of
+
+    model = build(("vision",), "encoder")
+    batches = sparse_global_batches(model, steps, rows)
+    layout = layout_of(("vision",), encoder_specs, llm_spec, world)
+    engine = PipelineEngine(model, layout, rank, microbatches, sharding_strategy="FULL_SHARD")
+    params = engine.trainable_parameters()
+    opt = torch.optim.SGD(params, lr=0.5) if params else None
+    losses = []
+    for batch in batches:
+        losses.append(float(engine.run(group_batch(batch, model, layout, rank)).loss))
+        engine.sync_gradients()
+        if opt:
+            opt.step()
+            opt.zero_grad()
+    encoder = [p for n, p in model.named_parameters() if n in engine.owned and n.startswith("encoders.")]
+    sizes = (sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in encoder),
+             sum(p.numel() for p in encoder))
+    full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731  (collective over its mesh)
+    return losses, {n: full(p.detach()).clone() for n, p in model.named_parameters()
+                    if n in engine.owned and p.requires_grad}, sizes
+
+
+def run_per_module_reference(steps=3, rows=4):
+    from helpers.per_module_dp_case import build_model as build
+
+    model = build(("vision",), "encoder")
+    return train_reference(model, sparse_global_batches(model, steps, rows))
