@@ -99,17 +99,31 @@ def test_layout_trains_like_one_process(case):
     """Vision pp 1 + a MoE LLM (pp 2 on 3 gloo ranks; tp 2; cp 2; FSDP2 over dp 2; activation checkpointing): the
     losses (aux included), the aux losses, the global gradient norms and every parameter after three SGD steps equal
     one process running the same microbatches."""
+    check_layout_like_one_process(case)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_rank_that_receives_no_token_under_fsdp():
+    """Qwen3-MoE ep 2 over dp 2 under FULL_SHARD, the router never choosing experts 4-7 (ep rank 1's): that rank
+    receives no token for any of its experts in any microbatch, yet runs every collective, and training equals one
+    process (its experts get no gradient, as in one process)."""
+    load = check_layout_like_one_process(("qwen3_moe", True, {"ep": 2}, 2, 2, False, "FULL_SHARD"), (4, 5, 6, 7))
+    assert float(load[:, 4:].sum()) == 0 and float(load[:, :4].sum()) > 0
+
+
+def check_layout_like_one_process(case, silent_experts=()):
+    """Runs ``case`` on every rank and in one process and compares them; returns the last step's expert load."""
     from helpers.distributed import run_distributed
     from helpers.moe_case import build_moe_model, run_rank, train_reference, world_of
     from helpers.pipeline_case import global_batches
 
     kind, aux, llm, dp, microbatches, recompute, sharding = case
     steps, rows = 3, 4 * dp
-    model = build_moe_model(kind, aux)
+    model = build_moe_model(kind, aux, silent_experts)
     batches = global_batches(model, steps, rows)
     ref_losses, ref_aux, ref_params, ref_norms = train_reference(model, batches, microbatches, dp)
     results = run_distributed(run_rank, world_of(llm, dp), kind, aux, llm, dp, microbatches, steps, rows, recompute,
-                              sharding)
+                              sharding, silent_experts)
     merged = {}
     ep = llm.get("ep", 1)
     for losses, auxes, params, load, (held, whole), norms in results:
@@ -128,6 +142,7 @@ def test_layout_trains_like_one_process(case):
     for name, p in ref_params.items():
         torch.testing.assert_close(merged[name], p, rtol=1e-4, atol=1e-5, msg=name)
     assert ref_losses[0] != ref_losses[-1]
+    return load
 
 
 class _Metrics:

@@ -15,11 +15,30 @@ from lightning_mm.plan.layout import ParallelSpec, build_layout
 from helpers.pipeline_case import global_batches, replica_batch
 
 
-def build_moe_model(kind: str, aux: bool):
-    """Siglip + MLP projector + a tiny MoE LLM (8 experts, top-2), everything trainable."""
+def build_moe_model(kind: str, aux: bool, silent_experts: tuple[int, ...] = ()):
+    """Siglip + MLP projector + a tiny MoE LLM (8 experts, top-2), everything trainable. ``silent_experts``: experts
+    no token is routed to (their router logits pushed to -1e4 after HF's router computed them, then HF's top-k
+    again), to force an expert-parallel rank that receives nothing for them."""
     torch.manual_seed(0)
     lm = tiny_language_model(kind, output_router_logits=aux, router_aux_loss_coef=0.5 if aux else 0.01)
-    return lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"), projector="mlp")}, lm)
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"), projector="mlp")}, lm)
+    if silent_experts:
+        for router in model.lm_family.routers(model.language_model).values():
+            router.register_forward_hook(_silence(list(silent_experts)))
+    return model
+
+
+def _silence(experts: list[int]):
+    """A forward hook on an HF top-k router (Qwen3-MoE's, Mixtral's: softmax, top-k, optional renormalisation) that
+    routes no token to ``experts``."""
+    def hook(router, args, out):
+        logits = out[0].index_fill(-1, torch.tensor(experts, device=out[0].device), -1e4)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        top, index = torch.topk(probs, router.top_k, dim=-1)
+        if getattr(router, "norm_topk_prob", True):
+            top = top / top.sum(dim=-1, keepdim=True)
+        return logits, top.to(logits.dtype), index
+    return hook
 
 
 def train_reference(model, batches, microbatches: int, dp: int = 1, lr: float = 0.5):
@@ -54,14 +73,15 @@ def world_of(llm: dict, dp: int) -> int:
     return (1 + llm.get("pp", 1) * llm.get("cp", 1) * llm.get("tp", 1)) * dp
 
 
-def run_rank(rank, world, kind, aux, llm, dp, microbatches, steps, rows, checkpointing=False, sharding="NO_SHARD"):
+def run_rank(rank, world, kind, aux, llm, dp, microbatches, steps, rows, checkpointing=False, sharding="NO_SHARD",
+             silent_experts=()):
     """Vision pp 1 + the MoE LLM under ``ParallelSpec(**llm)``, ``dp`` replicas: (losses, aux losses, owned
     trainable parameters as full tensors, the last step's expert load, (expert weight elements held here, expert
     weight elements of this stage's layers), the global gradient norm of each step)."""
     from lightning_mm.parallel.expert_parallel import local_expert_count
     from torch.distributed.tensor import DTensor
 
-    model = build_moe_model(kind, aux)
+    model = build_moe_model(kind, aux, silent_experts)
     batches = global_batches(model, steps, rows)
     layout = build_layout({"vision": ParallelSpec()}, ParallelSpec(**llm), world, "parallel", ["vision"])
     engine = PipelineEngine(model, layout, rank, microbatches, activation_checkpointing=checkpointing,
