@@ -204,7 +204,7 @@ def single(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["none", "disttrain", pytest.param("entrain", marks=pytest.mark.ci)])
+@pytest.mark.parametrize("method", ["none", "disttrain", "entrain"])
 def test_balanced_training_equals_one_process(method, single, tmp_path):
     """dp 2 x (vision pp 1 + LLM pp 2), 0-5 images of different sizes per sample (some text-only), everything
     trainable: the same parameters as one process on the same global batches."""

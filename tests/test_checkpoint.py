@@ -26,7 +26,6 @@ def test_pipeline_run_matches_one_process_and_consolidates():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_resume_is_bit_exact():
     ref = reference()
     out = os.path.join(ref["dir"], "resume.json")

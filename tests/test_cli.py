@@ -10,7 +10,7 @@ import pytest
 ABOUT_THE_CONFIG = "You defined a `validation_step` but have no `val_dataloader`. Skipping val loop."
 
 
-@pytest.mark.parametrize("config", ["examples/tiny_vlm.yaml",
+@pytest.mark.parametrize("config", [pytest.param("examples/tiny_vlm.yaml", marks=pytest.mark.slow),
                                     pytest.param("examples/tiny_valm.yaml", marks=pytest.mark.slow),
                                     "examples/tiny_valm_pp.yaml"])
 def test_cli_example_trains(config, tmp_path):

@@ -45,7 +45,6 @@ def _short_run(tmp_path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_export_cli_writes_folders_that_from_pretrained_loads(tmp_path):
     from safetensors.torch import load_file
     from transformers import Qwen2ForCausalLM, SiglipVisionModel

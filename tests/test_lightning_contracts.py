@@ -47,7 +47,6 @@ def test_accumulation_pipeline_validate_test_predict_consolidate(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_accumulation_with_data_parallel_replicas(tmp_path):
     """dp 2 x (vision, audio, LLM) = 6 processes, accumulate 2: gradients are reduced once per optimiser step.
     SGD: Adam would turn the last-bit differences of summing replicas in another order into lr-sized steps on
@@ -76,7 +75,6 @@ def test_nan_guard_skip_on_three_processes(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_lazy_build_trains_like_debug_mode_on_one_device(tmp_path):
     """Built under init_module(empty_init=True) (meta), each rank materialises its stage with the init derived
     from the seed and each parameter's name: pp 1, 2 and 3 (3, 4 and 5 processes) equal the whole model in one

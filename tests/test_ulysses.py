@@ -29,7 +29,7 @@ def _assert_same(results, ref_losses, ref_params):
 # (llm pp, cp, cp_mode, ulysses, placement, dp, microbatches, layout, cp distribution); the tiny Llama has 4 query
 # heads and 2 KV heads, so Ulysses over 4 ranks repeats each KV head
 CASES = [
-    pytest.param((1, 2, "ulysses", None, "parallel", 1, 2, "ee", "lpt"), marks=pytest.mark.ci),
+    (1, 2, "ulysses", None, "parallel", 1, 2, "ee", "lpt"),
     (1, 2, "ulysses", None, "replicated", 1, 2, "ep", "zigzag"),
     (1, 2, "ulysses", None, "replicated", 1, 1, "mp", "lpt"),
     (1, 4, "ulysses", None, "replicated", 1, 1, "mp", "lpt"),  # GQA: 2 KV heads < 4 Ulysses ranks
