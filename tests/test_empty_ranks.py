@@ -13,9 +13,12 @@ from helpers.pipeline_case import check_like_reference
 VA = ("vision", "audio")
 CASES = [  # (modalities, freeze, the modalities replica 1 lacks, placement, llm pp, sharding, world)
     (("vision",), "encoder", ("vision",), "parallel", 1, "FULL_SHARD", 4),
-    pytest.param((("vision",), "encoder", ("vision",), "replicated", 2, "FULL_SHARD", 4), marks=pytest.mark.ci),
-    (("vision",), "projectors", ("vision",), "parallel", 2, "SHARD_GRAD_OP", 6),
-    (("vision",), "encoder", ("vision",), "colocated", 1, "FULL_SHARD", 4),
+    pytest.param((("vision",), "encoder", ("vision",), "replicated", 2, "FULL_SHARD", 4),
+                 marks=[pytest.mark.ci, pytest.mark.combines("fsdp", "placement", "pipeline")]),
+    pytest.param((("vision",), "projectors", ("vision",), "parallel", 2, "SHARD_GRAD_OP", 6),
+                 marks=pytest.mark.combines("fsdp", "pipeline")),
+    pytest.param((("vision",), "encoder", ("vision",), "colocated", 1, "FULL_SHARD", 4),
+                 marks=pytest.mark.combines("fsdp", "placement")),
     (("vision",), "encoder", ("vision",), "parallel", 2, "SHARD_GRAD_OP", 6),
     (VA, "encoder", ("audio",), "parallel", 1, "FULL_SHARD", 6),
 ]
