@@ -50,14 +50,70 @@ def _mark_call(node: ast.AST, where: str) -> tuple[str, tuple, dict] | None:
     return node.func.attr, args, kwargs
 
 
-def _cases(func: ast.FunctionDef, assigns: dict[str, ast.AST]) -> list[ast.Call]:
-    """The ``pytest.param(...)`` calls of ``func``'s parametrize lists (inline or a module-level name)."""
+def _is_param(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and ast.unparse(node.func) == "pytest.param"
+
+
+def _id_function(ids: ast.AST | None, defs: dict[str, ast.FunctionDef]):
+    """The ``ids=`` callable of a parametrize (a lambda, or a module-level function), made from its source alone."""
+    try:
+        if isinstance(ids, ast.Lambda):
+            return eval(compile(ast.Expression(ids), "<ids>", "eval"), {})
+        if isinstance(ids, ast.Name) and ids.id in defs:
+            namespace: dict = {}
+            exec(compile(ast.Module([defs[ids.id]], []), "<ids>", "exec"), namespace)
+            return namespace[ids.id]
+    except Exception:  # noqa: BLE001  (no id then: the cell names the test function)
+        return None
+    return None
+
+
+def _case_id(case: ast.Call, argnames: list[str], index: int, make_id) -> str | None:
+    """pytest's id of one ``pytest.param`` case: its ``id=``, else each value's id joined by "-" (from ``ids=``, or
+    the value itself when it is a plain constant, else the argument name and the case's index); None when the
+    values are not literals."""
+    explicit = next((k.value for k in case.keywords if k.arg == "id"), None)
+    if explicit is not None:
+        return ast.literal_eval(explicit)
+    values = [_literal(a) for a in case.args]  # NOT_LITERAL for a call: pytest names it by argument name and index
+    if make_id is not None:
+        if any(v is NOT_LITERAL for v in values):
+            return None
+        try:
+            return "-".join(str(make_id(v)) for v in values)
+        except Exception:  # noqa: BLE001  (no id then: the cell names the test function)
+            return None
+    plain = (str, int, float, bool, type(None))
+    return "-".join(str(v) if isinstance(v, plain) else f"{name}{index}" for v, name in zip(values, argnames))
+
+
+NOT_LITERAL = object()
+
+
+def _literal(node: ast.AST):
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return NOT_LITERAL
+
+
+def _cases(func: ast.FunctionDef, assigns: dict[str, ast.AST], defs: dict[str, ast.FunctionDef]):
+    """``(pytest.param call, its id or None)`` of ``func``'s parametrize lists (inline or a module-level name)."""
     cases = []
     for dec in func.decorator_list:
-        if isinstance(dec, ast.Call) and ast.unparse(dec.func) == "pytest.mark.parametrize" and len(dec.args) > 1:
-            values = dec.args[1]
-            values = assigns.get(values.id, values) if isinstance(values, ast.Name) else values
-            cases += [n for n in ast.walk(values) if isinstance(n, ast.Call) and ast.unparse(n.func) == "pytest.param"]
+        if not (isinstance(dec, ast.Call) and ast.unparse(dec.func) == "pytest.mark.parametrize" and len(dec.args) > 1):
+            continue
+        names = ast.literal_eval(dec.args[0])
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        values = dec.args[1]
+        values = assigns.get(values.id, values) if isinstance(values, ast.Name) else values
+        make_id = _id_function(next((k.value for k in dec.keywords if k.arg == "ids"), None), defs)
+        entries = values.elts if isinstance(values, (ast.List, ast.Tuple)) else [values]
+        for index, entry in enumerate(entries):
+            if _is_param(entry):
+                cases.append((entry, _case_id(entry, names, index, make_id)))
+            else:  # a starred generator of cases: their ids are not literal
+                cases += [(n, None) for n in ast.walk(entry) if _is_param(n)]
     return cases
 
 
@@ -77,14 +133,14 @@ def _file_marks(path: Path) -> list[Mark]:
     assigns = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
                if isinstance(t, ast.Name)}
     funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    defs = {f.name: f for f in funcs}
     funcs += [m for c in tree.body if isinstance(c, ast.ClassDef) for m in c.body if isinstance(m, ast.FunctionDef)]
     marks = []
     for func in (f for f in funcs if f.name.startswith("test")):
         test = f"{path.relative_to(ROOT).as_posix()}::{func.name}"
         body = _strings(func.body)
         found = [(test, body, d) for d in func.decorator_list]
-        for case in _cases(func, assigns):
-            case_id = next((ast.literal_eval(k.value) for k in case.keywords if k.arg == "id"), None)
+        for case, case_id in _cases(func, assigns, defs):
             name = f"{test}[{case_id}]" if case_id else test
             found += [(name, body + _strings([case]), m) for m in _case_marks(case)]
         for name, strings, node in found:
@@ -104,7 +160,7 @@ def collect(root: Path = ROOT) -> list[Mark]:
 def cells(marks: list[Mark]) -> dict[frozenset, tuple[str, str]]:
     """(status, evidence) of every pair: tested > refused > documented limit > not applicable > unknown."""
     limits = load_limits()
-    tested: dict[frozenset, list[str]] = {}
+    tested: dict[frozenset, dict[str, str]] = {}  # pair -> {test: note}, an unnoted entry winning
     refused: dict[frozenset, list[str]] = {}
     for m in marks:
         if m.kind == "combines":
@@ -112,13 +168,14 @@ def cells(marks: list[Mark]) -> dict[frozenset, tuple[str, str]]:
             for a in m.names:
                 for b in m.names:
                     if a < b:
-                        tested.setdefault(frozenset((a, b)), []).append(f"`{m.test}`{note}")
+                        tests = tested.setdefault(frozenset((a, b)), {})
+                        tests[m.test] = min(tests.get(m.test, note), note, key=len)
         else:
             refused.setdefault(frozenset(m.names), []).append(f"`{m.test}`: \"{m.kwargs['message']}\"")
     out = {}
     for pair in PAIRS:
         if pair in tested:
-            shown = list(dict.fromkeys(tested[pair]))
+            shown = [f"`{test}`{note}" for test, note in tested[pair].items()]
             more = f"; {len(shown) - 3} more" if len(shown) > 3 else ""
             also = f"; refused in part: {refused[pair][0]}" if pair in refused else ""
             out[pair] = "tested", "; ".join(shown[:3]) + more + also

@@ -219,8 +219,8 @@ def test_balanced_training_equals_one_process(method, single, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", [
-    "none", *(pytest.param(m, marks=pytest.mark.combines("balancing", "pipeline", "llm_cp"))
-              for m in ("disttrain", "entrain"))])
+    "none", pytest.param("disttrain", marks=pytest.mark.combines("balancing", "pipeline", "llm_cp")),
+    pytest.param("entrain", marks=pytest.mark.combines("balancing", "pipeline", "llm_cp"))])
 @pytest.mark.combines("pipeline", "llm_cp")
 def test_balanced_training_with_context_parallelism_equals_one_process(method, single, tmp_path):
     """Each method under dp 2 x (vision pp 1 + LLM pp 2 x cp 2), 10 processes: under entrain, deferred rows join
