@@ -221,8 +221,9 @@ def render(marks: list[Mark]) -> str:
                "page and the tests disagree."),
         "",
         *_wrap("- **tested** (T): a test runs both together and compares with the unparallelised model in one "
-               "process (or HF's own model); it is marked `@pytest.mark.combines(...)`. The first three such tests "
-               "are named; a note says where a capability is on by default rather than chosen by the test.", "  "),
+               "process (or HF's own model; for a resumed checkpoint, the uninterrupted run); it is marked "
+               "`@pytest.mark.combines(...)`. The first three such tests are named; a note says where a capability "
+               "is on by default rather than chosen by the test.", "  "),
         *_wrap("- **refused** (R): the run stops before training with an error naming the fix; the test asserting "
                "it is marked `@pytest.mark.refuses(..., message=...)`, the message being part of that error.", "  "),
         "- **limit** (L): it runs, with a documented limit (`tests/compatibility_limits.toml`).",
