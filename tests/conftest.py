@@ -25,6 +25,22 @@ def pytest_sessionstart(session):
 
 
 def pytest_collection_modifyitems(config, items):
+    _check_capability_markers(items)
+    _skip_slow_outside_ci(config, items)
+
+
+def _check_capability_markers(items):
+    """A ``combines`` / ``refuses`` marker naming an unknown capability (or malformed) fails collection: the
+    compatibility page (docs/compatibility.md) is generated from these markers."""
+    from capabilities import marker_problem
+
+    for item in items:
+        for mark in (*item.iter_markers("combines"), *item.iter_markers("refuses")):
+            if problem := marker_problem(mark.name, mark.args, mark.kwargs):
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{mark.name}{mark.args}: {problem}")
+
+
+def _skip_slow_outside_ci(config, items):
     """By default, slow multi-process cases run only when also marked ``ci``: a representative subset (every
     placement, dp, pp, cp, the Lightning contracts, faults, memory) that keeps the suite within 20 minutes on 2
     cores. ``--full`` (or ``LMM_FULL_TESTS=1``) runs every test."""

@@ -204,7 +204,9 @@ def single(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["none", "disttrain", "entrain"])
+@pytest.mark.parametrize("method", [
+    "none", pytest.param("disttrain", marks=pytest.mark.combines("balancing", "pipeline")),
+    pytest.param("entrain", marks=pytest.mark.combines("balancing", "pipeline"))])
 def test_balanced_training_equals_one_process(method, single, tmp_path):
     """dp 2 x (vision pp 1 + LLM pp 2), 0-5 images of different sizes per sample (some text-only), everything
     trainable: the same parameters as one process on the same global batches."""
@@ -216,7 +218,10 @@ def test_balanced_training_equals_one_process(method, single, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["none", "disttrain", "entrain"])
+@pytest.mark.parametrize("method", [
+    "none", pytest.param("disttrain", marks=pytest.mark.combines("balancing", "pipeline", "llm_cp")),
+    pytest.param("entrain", marks=pytest.mark.combines("balancing", "pipeline", "llm_cp"))])
+@pytest.mark.combines("pipeline", "llm_cp")
 def test_balanced_training_with_context_parallelism_equals_one_process(method, single, tmp_path):
     """Each method under dp 2 x (vision pp 1 + LLM pp 2 x cp 2), 10 processes: under entrain, deferred rows join
     the partner microbatch's CP plan."""
@@ -228,6 +233,7 @@ def test_balanced_training_with_context_parallelism_equals_one_process(method, s
 
 
 @pytest.mark.slow
+@pytest.mark.combines("balancing", "pipeline", "checkpoint")
 def test_balanced_training_resumes_mid_epoch(tmp_path):
     """entrain, LLM pp 2: a run resumed from its step-3 checkpoint (mid-epoch: 4 batches an epoch) continues with
     exactly the batches and losses of the uninterrupted run, into the next epoch; both equal one process."""

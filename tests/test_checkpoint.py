@@ -26,6 +26,7 @@ def test_pipeline_run_matches_one_process_and_consolidates():
 
 
 @pytest.mark.slow
+@pytest.mark.combines("checkpoint", "pipeline")
 def test_resume_is_bit_exact():
     ref = reference()
     out = os.path.join(ref["dir"], "resume.json")
@@ -49,30 +50,35 @@ def _continue_elsewhere(ref: dict, there: str, then: str, cp: dict | None = None
 
 
 @pytest.mark.slow
+@pytest.mark.combines("checkpoint", "pipeline")
 def test_reshard_pp2dp1_to_pp1dp2_and_back():
     _continue_elsewhere(reference(), "dp2", "pp2")
 
 
 @pytest.mark.slow
 @pytest.mark.ci
+@pytest.mark.combines("checkpoint", "tp")
 def test_reshard_to_tensor_parallel_and_back():
     """pp2 -> vision + LLM tp2 (3 ranks, DTensor parameters and optimiser state) -> pp2."""
     _continue_elsewhere(reference(), "tp2", "pp2", {"vision.0": 1, "language_model.0": 1})
 
 
 @pytest.mark.slow
+@pytest.mark.combines("checkpoint", "llm_cp")
 def test_reshard_to_context_parallel_and_back():
     """pp2 -> vision + LLM cp2 (3 ranks) -> pp2."""
     _continue_elsewhere(reference(), "cp2", "pp2", {"vision.0": 1, "language_model.0": 2})
 
 
 @pytest.mark.slow
+@pytest.mark.combines("checkpoint", "per_module_dp", "pipeline")
 def test_reshard_per_module_data_parallel_and_back():
     """pp2 -> vision dp 2 + LLM dp 1 pp 2 (per-module data parallelism, 4 ranks) -> pp2 (one degree)."""
     _continue_elsewhere(reference(), "vdp2pp2", "pp2")
 
 
 @pytest.mark.slow  # not in the CI subset (87 s there); test_reshard_to_tensor_parallel_and_back reshards in CI
+@pytest.mark.combines("checkpoint", "llm_cp", "pipeline")
 def test_reshard_context_parallel_with_pipeline_and_data_parallel():
     """pp2 -> LLM pp2 x cp2 (5 ranks, two CP-sharded LLM stages) -> LLM cp2 x dp2 (6 ranks)."""
     _continue_elsewhere(reference(), "pp2cp2", "cp2dp2", {"vision.0": 1, "language_model.0": 2, "language_model.1": 2})
@@ -156,6 +162,7 @@ def test_resumable_loader_continues_mid_epoch():
 
 
 @pytest.mark.slow
+@pytest.mark.combines("checkpoint", "ep")
 def test_reshard_expert_parallel_to_no_ep_and_to_pipeline_stages(tmp_path):
     """A Qwen3-MoE LLM under dp 2 x ep 2 (each replica holds half the experts, as DTensor shards) checkpointed at
     step 3 continues under dp 2 without ep and under LLM pp 2 with the uninterrupted run's losses."""

@@ -13,9 +13,12 @@ from helpers.pipeline_case import check_like_reference
 VA = ("vision", "audio")
 CASES = [  # (modalities, freeze, the modalities replica 1 lacks, placement, llm pp, sharding, world)
     (("vision",), "encoder", ("vision",), "parallel", 1, "FULL_SHARD", 4),
-    pytest.param((("vision",), "encoder", ("vision",), "replicated", 2, "FULL_SHARD", 4), marks=pytest.mark.ci),
-    (("vision",), "projectors", ("vision",), "parallel", 2, "SHARD_GRAD_OP", 6),
-    (("vision",), "encoder", ("vision",), "colocated", 1, "FULL_SHARD", 4),
+    pytest.param((("vision",), "encoder", ("vision",), "replicated", 2, "FULL_SHARD", 4),
+                 marks=[pytest.mark.ci, pytest.mark.combines("fsdp", "placement", "pipeline")]),
+    pytest.param((("vision",), "projectors", ("vision",), "parallel", 2, "SHARD_GRAD_OP", 6),
+                 marks=pytest.mark.combines("fsdp", "pipeline")),
+    pytest.param((("vision",), "encoder", ("vision",), "colocated", 1, "FULL_SHARD", 4),
+                 marks=pytest.mark.combines("fsdp", "placement")),
     (("vision",), "encoder", ("vision",), "parallel", 2, "SHARD_GRAD_OP", 6),
     (VA, "encoder", ("audio",), "parallel", 1, "FULL_SHARD", 6),
 ]
@@ -32,8 +35,9 @@ def test_a_replica_without_items_trains_like_one_process(case):
 
 
 SHARDED_ENCODER_CASES = [  # (encoder specs, LLM spec, world)
-    pytest.param({"vision": dict(dp=2)}, dict(dp=1, pp=2), 4, id="per-module-dp-vision-dp2-llm-pp2"),
-    pytest.param({"vision": dict(cp=2)}, dict(), 3, id="vision-cp2"),
+    pytest.param({"vision": dict(dp=2)}, dict(dp=1, pp=2), 4, id="per-module-dp-vision-dp2-llm-pp2",
+                 marks=pytest.mark.combines("fsdp", "per_module_dp", "pipeline")),
+    pytest.param({"vision": dict(cp=2)}, dict(), 3, id="vision-cp2", marks=pytest.mark.combines("fsdp", "encoder_cp")),
 ]
 
 

@@ -37,6 +37,7 @@ def test_encoder_cp_layout_pairs_each_llm_rank_with_one_encoder_rank():
     assert layout.grad_group_ranks("vision.0") == [0, 1]  # both encode with the same weights: gradients summed
 
 
+@pytest.mark.refuses("encoder_cp", "placement", message="needs encoder_placement='parallel'")
 def test_bad_encoder_cp_specs_fail_before_any_process_group():
     with pytest.raises(ValueError, match="needs encoder_placement='parallel'"):
         build_layout({"vision": ParallelSpec(cp=2)}, ParallelSpec(), 3, "colocated")

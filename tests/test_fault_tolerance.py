@@ -116,7 +116,10 @@ def test_an_unreachable_lighthouse_is_named_after_connect_timeout_and_a_late_one
         server.close()
 
 
-@pytest.mark.parametrize("setting", ["unreachable", "accumulate", "balancing"])
+@pytest.mark.parametrize("setting", [
+    "unreachable",
+    pytest.param("accumulate", marks=pytest.mark.refuses("ft", "accumulation", message="accumulate_grad_batches=2")),
+    pytest.param("balancing", marks=pytest.mark.refuses("ft", "balancing", message="batch_balancing='entrain'"))])
 def test_bad_settings_fail_before_training(setting, tmp_path):
     """In one process (devices=1): the error comes from the strategy's setup, before the model is built."""
     import lightning as L
@@ -246,6 +249,7 @@ def _check_group_0(out, codes, results, kill):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.combines("ft", "pipeline", "placement")  # each group: LLM pp 2, the encoder replicated into its stages
 def test_a_killed_group_restarts_heals_from_its_peer_and_the_math_is_the_uninterrupted_run(tmp_path, lighthouse):
     kill = {"group": 1, "rank": 1, "step": 3, "where": "batch_end"}
     out, codes, results = _run_two_groups(tmp_path, lighthouse, kill, restarts_1=1, wait_rejoin=True)
@@ -298,6 +302,7 @@ def test_replica_groups_with_different_layouts_stop_before_training(tmp_path, li
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.combines("ft", "pipeline", "placement")
 def test_groups_of_different_pipeline_stages_train_like_one_process(tmp_path, lighthouse):
     """Group 0: the LLM in 2 stages on 2 ranks; group 1: the whole model on 1 rank. With ``global_batch`` each
     layer's gradient is reduced with the other group's holder of that layer: both equal one process."""

@@ -153,6 +153,7 @@ def test_attention_that_cannot_honour_the_mask_is_an_error_naming_the_fix():
     model(**batch)
 
 
+@pytest.mark.refuses("generation", "packing", message="these rows are packed")
 def test_generate_rejects_caches_and_packing_it_cannot_index():
     from transformers import StaticCache
 
@@ -166,7 +167,7 @@ def test_generate_rejects_caches_and_packing_it_cannot_index():
     packed = dict(batch, segment_ids=torch.tensor([[0] * 12 + [1] * 12, [0] * 24]))
     packed["attention_mask"] = torch.ones_like(batch["attention_mask"])
     packed["bam"] = model.build_bam(packed["input_ids"], packed["attention_mask"])
-    with pytest.raises(ValueError, match="packed"):
+    with pytest.raises(ValueError, match="these rows are packed"):
         model.generate(**packed, max_new_tokens=2)
 
 

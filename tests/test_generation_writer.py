@@ -151,6 +151,7 @@ def _predict(config: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess
 
 
 @pytest.mark.slow
+@pytest.mark.combines("generation", "checkpoint", "pipeline")  # saved by one process, decoded over 2 LLM stages
 def test_lightning_mm_predict_writes_the_text_under_vision_pp1_llm_pp2(tmp_path):
     """A one-step fit in one process writes the checkpoint; ``lightning-mm predict --config x.yaml --ckpt_path`` on
     3 ranks (vision pp 1 + LLM pp 2) writes one line per prompt whose token ids are one-process ``generate``'s of

@@ -170,6 +170,10 @@ def test_groups_of_different_stages_reduce_each_layer_with_its_own_peers():
                 torch.testing.assert_close(got, expected[n], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.refuses("ft", "tp", message="with global_batch (replica groups of different layouts) cannot serve this "
+                                          "run: tensor parallelism inside a group")
+@pytest.mark.refuses("ft", "fsdp", message="with global_batch (replica groups of different layouts) cannot serve this "
+                                            "run: sharding_strategy='FULL_SHARD'")
 def test_what_layerwise_fault_tolerance_does_not_serve_is_named_before_training():
     from types import SimpleNamespace
 
@@ -182,10 +186,14 @@ def test_what_layerwise_fault_tolerance_does_not_serve_is_named_before_training(
 
     check_servable(strategy())
     check_servable(strategy(dp=2, cp=2))  # a stage's copies take the synced result from its holder
-    with pytest.raises(FaultToleranceError, match="use tp 1"):
+    with pytest.raises(FaultToleranceError, match="use tp 1") as refused:
         check_servable(strategy(tp=2))
-    with pytest.raises(FaultToleranceError, match="use NO_SHARD"):
+    assert ("with global_batch (replica groups of different layouts) cannot serve this run: "
+            "tensor parallelism inside a group") in str(refused.value)
+    with pytest.raises(FaultToleranceError, match="use NO_SHARD") as refused:
         check_servable(strategy(sharding="FULL_SHARD"))
+    assert ("with global_batch (replica groups of different layouts) cannot serve this run: "
+            "sharding_strategy='FULL_SHARD'") in str(refused.value)
 
 
 def test_a_published_group_reads_back_as_its_holdings():

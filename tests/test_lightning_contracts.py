@@ -32,6 +32,7 @@ def assert_same_training(got, ref, rtol=1e-5, atol=1e-6, param_tol=(1e-4, 1e-5))
 
 @pytest.mark.slow
 @pytest.mark.ci
+@pytest.mark.combines("accumulation", "pipeline")
 def test_accumulation_pipeline_validate_test_predict_consolidate(tmp_path):
     """pp 2 (4 processes), accumulate 2, SGD, clipping: every micro-step loss and every trainable parameter as one
     process; then validate, test and predict give one process's numbers; consolidate runs on rank 0 after fit."""
@@ -56,6 +57,7 @@ def test_accumulation_with_data_parallel_replicas(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.combines("mixed_precision", "pipeline")
 def test_bf16_mixed_matches_one_process_within_bf16_tolerance(tmp_path):
     base = dict(precision="bf16-mixed", steps=2)
     got, ref = run({**base, "llm_pp": 2, "microbatches": 2}, tmp_path, "pp2"), run(base, tmp_path, "single")

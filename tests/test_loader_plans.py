@@ -145,6 +145,8 @@ ENCODER_CP = dict(steps=2, optimizer="sgd", lr=0.5, modalities=["vision"], visio
 
 
 @pytest.mark.slow
+@pytest.mark.combines("encoder_cp", "llm_cp")
+@pytest.mark.combines("encoder_cp", "balancing", note="balancing: the default entrain, not asserted")
 def test_encoder_and_llm_cp_train_like_one_process_without_planning_in_the_step(tmp_path):
     """vision cp 2 + LLM cp 2 (4 processes), balanced training batches and unbalanced validation batches, loader
     workers (num_workers=1): every CP rank's batches carry their plans, planning inside the step raises, and

@@ -194,6 +194,8 @@ def _run(case: dict, tmp_path, name: str):
 
 
 @pytest.mark.slow
+@pytest.mark.combines("lora", "pipeline", "generation")
+@pytest.mark.combines("lora", "placement", "generation")
 def test_lora_trains_under_the_strategy_like_one_process_and_predict_generates(tmp_path):
     """LoRA + a trainable projector, 2 SGD steps: LLM in 2 pipeline stages (3 processes) and 2 data-parallel
     replicas of the whole model (encoders replicated) train exactly like one process. trainer.predict with
@@ -213,6 +215,8 @@ def test_lora_trains_under_the_strategy_like_one_process_and_predict_generates(t
 
 
 @pytest.mark.slow
+@pytest.mark.combines("lora", "tp", "placement")
+@pytest.mark.combines("lora", "fsdp", "placement")
 def test_lora_under_tensor_parallelism_and_fsdp_trains_like_one_process(tmp_path):
     """LoRA on column-wise (q, v, up) and row-wise (o, down) maps of the LLM: under tp 2 the base layer takes the
     plan's style, lora_B splits like a column-wise base and lora_A like a row-wise one; under FULL_SHARD dp 2 the
@@ -228,6 +232,7 @@ def test_lora_under_tensor_parallelism_and_fsdp_trains_like_one_process(tmp_path
             torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
 
 
+@pytest.mark.refuses("lora", "tp", message="LoRA dropout on 'self_attn.q_proj' under tensor parallelism")
 def test_lora_dropout_under_tensor_parallelism_is_refused():
     from lightning_mm.parallel.tensor_parallel import _styles
 

@@ -70,19 +70,24 @@ PIPELINE_CASES = [
     pytest.param(("qwen3_moe", True, {"pp": 2}, 1, 2, False, "NO_SHARD"), marks=pytest.mark.ci),
     ("mixtral", False, {"pp": 2}, 1, 2, False, "NO_SHARD"),
     ("mixtral", True, {"pp": 2}, 1, 2, False, "NO_SHARD"),
-    ("qwen3_moe", True, {"pp": 2}, 1, 2, True, "NO_SHARD"),
+    pytest.param(("qwen3_moe", True, {"pp": 2}, 1, 2, True, "NO_SHARD"),
+                 marks=pytest.mark.combines("pipeline", "activation_checkpointing")),
     ("qwen3_moe", True, {"tp": 2}, 1, 2, False, "NO_SHARD"),
     ("mixtral", True, {"cp": 2}, 1, 2, False, "NO_SHARD"),
     ("qwen3_moe", True, {"pp": 1}, 2, 2, False, "FULL_SHARD"),
     ("qwen3_moe", True, {"ep": 2}, 2, 2, False, "NO_SHARD"),
-    ("mixtral", True, {"pp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
-    ("qwen3_moe", True, {"cp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
-    ("qwen3_moe", True, {"tp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
+    pytest.param(("mixtral", True, {"pp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
+                 marks=pytest.mark.combines("ep", "pipeline")),
+    pytest.param(("qwen3_moe", True, {"cp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
+                 marks=pytest.mark.combines("ep", "llm_cp")),
+    pytest.param(("qwen3_moe", True, {"tp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
+                 marks=pytest.mark.combines("ep", "tp")),
     ("mixtral", False, {"ep": 2}, 2, 2, False, "NO_SHARD"),
     ("qwen3_moe", False, {"pp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
     ("mixtral", True, {"cp": 2, "ep": 2}, 2, 2, False, "NO_SHARD"),
-    ("qwen3_moe", True, {"ep": 2}, 2, 2, False, "FULL_SHARD"),
-    ("mixtral", True, {"pp": 2, "ep": 2}, 2, 2, True, "SHARD_GRAD_OP"),
+    pytest.param(("qwen3_moe", True, {"ep": 2}, 2, 2, False, "FULL_SHARD"), marks=pytest.mark.combines("ep", "fsdp")),
+    pytest.param(("mixtral", True, {"pp": 2, "ep": 2}, 2, 2, True, "SHARD_GRAD_OP"),
+                 marks=pytest.mark.combines("ep", "pipeline", "activation_checkpointing", "fsdp")),
 ]
 
 
@@ -214,6 +219,7 @@ TRAINER_CASE = str(__import__("pathlib").Path(__file__).parent / "helpers" / "tr
 
 
 @pytest.mark.slow
+@pytest.mark.combines("pipeline", "accumulation")
 def test_strategy_trains_a_moe_llm_like_one_process(tmp_path):
     """Through Lightning and MultimodalParallelStrategy: Qwen3-MoE with the aux loss on, LLM pp 2 (4 processes),
     clipping and accumulation: every step's loss, the aux loss it logged and every parameter as one process (one
@@ -244,7 +250,9 @@ def test_strategy_trains_a_moe_llm_like_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["none", "entrain"])
+@pytest.mark.parametrize("method", ["none", pytest.param("entrain", marks=pytest.mark.combines("ep", "pipeline",
+                                                                                           "balancing"))])
+@pytest.mark.combines("ep", "pipeline")
 def test_expert_parallel_pipeline_with_batch_balancing_trains_like_one_process(method, tmp_path):
     """dp 2 x (vision pp 1 + Qwen3-MoE LLM pp 2 x ep 2), 6 processes, samples of 0-5 images of different sizes (some
     text-only), with and without entrain balancing: every step's loss and every parameter as one process on the same

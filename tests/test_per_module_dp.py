@@ -9,19 +9,24 @@ from helpers.pipeline_case import check_like_reference
 
 # (modalities, freeze, encoder specs, llm spec, microbatches, rows per global batch[, sharding_strategy])
 CASES = [
-    pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=1, pp=2), 2, 4), id="vision-dp2-llm-dp1-pp2"),
+    pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=1, pp=2), 2, 4), id="vision-dp2-llm-dp1-pp2",
+                 marks=pytest.mark.combines("per_module_dp", "pipeline")),
     pytest.param((("vision",), "encoder", {"vision": dict(dp=1)}, dict(dp=2), 2, 8), id="vision-dp1-llm-dp2"),
     pytest.param((("vision", "audio"), "encoder", {"vision": dict(dp=2), "audio": dict(dp=1)}, dict(dp=1), 2, 4),
                  id="vision-dp2-audio-dp1-llm-dp1"),
     pytest.param((("vision", "audio"), "encoder", {"vision": dict(dp=2), "audio": dict(dp=1)}, dict(dp=2), 2, 8),
                  id="vision-dp2-audio-dp1-llm-dp2"),
-    pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=1, cp=2), 2, 4), id="vision-dp2-llm-cp2"),
+    pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=1, cp=2), 2, 4), id="vision-dp2-llm-cp2",
+                 marks=pytest.mark.combines("per_module_dp", "llm_cp")),
     pytest.param((("vision",), "encoder", {"vision": dict(dp=2)}, dict(dp=3), 2, 12), id="vision-dp2-llm-dp3"),
     # with the other pieces: encoder stages, a frozen tower, LLM tensor parallelism; encoder CP, the LLM under FSDP2
     pytest.param((("vision",), "projectors", {"vision": dict(dp=2, pp=2)}, dict(dp=1, tp=2), 2, 4),
-                 id="vision-dp2-pp2-frozen-llm-tp2"),
+                 id="vision-dp2-pp2-frozen-llm-tp2", marks=pytest.mark.combines("per_module_dp", "pipeline", "tp")),
     pytest.param((("vision",), "encoder", {"vision": dict(dp=1, cp=2)}, dict(dp=2), 2, 8, "FULL_SHARD"),
-                 id="vision-dp1-cp2-llm-dp2-fsdp"),
+                 id="vision-dp1-cp2-llm-dp2-fsdp",
+                 marks=[pytest.mark.combines("per_module_dp", "encoder_cp"),
+                        pytest.mark.combines("per_module_dp", "fsdp"),
+                        pytest.mark.combines("encoder_cp", "fsdp", note="FSDP shards only the LLM (tower dp 1)")]),
 ]
 
 
@@ -106,6 +111,7 @@ def test_groups_hold_each_chains_share_of_replicas():
     assert RankLayout.from_dict({**uneven.to_dict(), "ep": 2}) != uneven and hash(uneven) == hash(replace(uneven))
 
 
+@pytest.mark.refuses("per_module_dp", "placement", message="need encoder_placement='parallel'")
 def test_bad_per_module_degrees_fail_with_the_fix():
     from lightning_mm.plan.layout import ParallelSpec as P, build_layout
     from lightning_mm.plan.routing import check_group_batch
@@ -114,7 +120,7 @@ def test_bad_per_module_degrees_fail_with_the_fix():
         build_layout({"vision": P(dp=2)}, P(), 3)
     with pytest.raises(ValueError, match="need 5 devices.*vision 2x1 \\+ language_model 1x3"):
         build_layout({"vision": P(dp=2)}, P(dp=1, pp=3), 4)
-    with pytest.raises(ValueError, match="encoder_placement='parallel'"):
+    with pytest.raises(ValueError, match="need encoder_placement='parallel'"):
         build_layout({"vision": P(dp=2)}, P(dp=1), 3, "replicated")
     with pytest.raises(ValueError, match="dp must be an int >= 1"):
         P(dp=0)
@@ -181,6 +187,7 @@ def test_many_to_many_schedules_are_deadlock_free_at_every_rank():
 # ---------------------------------------------------------------------------------------------- Lightning
 @pytest.mark.slow
 @pytest.mark.parametrize("balancing", [pytest.param("entrain", marks=pytest.mark.ci), "disttrain"])
+@pytest.mark.combines("per_module_dp", "pipeline", "balancing")
 def test_trainer_fit_validate_test_predict_like_one_process(tmp_path, balancing):
     """Trainer.fit under vision dp 2 + LLM dp 1 pp 2 (4 processes, the vision tower trained) with batch
     balancing, then validate/test/predict: every loss, every trainable parameter, the evaluation losses and the

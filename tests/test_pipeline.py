@@ -14,8 +14,10 @@ CASES = [
     pytest.param((("vision", "audio"), "encoder", (2, 1), 2, "parallel", 1, 2), marks=pytest.mark.ci),
     (("vision", "audio"), "projectors", (1, 1), 3, "parallel", 1, 4),
     (("vision", "audio"), "llm", (1, 2), 1, "parallel", 2, 2),
-    pytest.param((("vision", "audio"), "encoder", (2, 2), 1, "colocated", 1, 2), marks=pytest.mark.ci),
-    pytest.param((("vision", "audio"), "llm", (1, 1), 2, "replicated", 2, 2), marks=pytest.mark.ci),
+    pytest.param((("vision", "audio"), "encoder", (2, 2), 1, "colocated", 1, 2),
+                 marks=[pytest.mark.ci, pytest.mark.combines("pipeline", "placement")]),
+    pytest.param((("vision", "audio"), "llm", (1, 1), 2, "replicated", 2, 2),
+                 marks=[pytest.mark.ci, pytest.mark.combines("pipeline", "placement")]),
     (("vision", "image2"), "encoder", (1, 1), 2, "replicated", 1, 4),
 ]
 
@@ -63,10 +65,14 @@ def test_bad_specs_fail_before_any_process_group():
 # (modalities, freeze, encoder pp, llm pp, llm cp, placement, dp, microbatches, layout, cp distribution)
 CP_CASES = [
     (("vision",), "llm", (1,), 1, 2, "parallel", 1, 2, "ee", "lpt"),
-    pytest.param((("vision",), "encoder", (1,), 2, 2, "parallel", 1, 2, "ep", "zigzag"), marks=pytest.mark.ci),
-    (("vision", "audio"), "llm", (1, 1), 1, 2, "replicated", 2, 2, "ee", "random"),
-    (("vision",), "llm", (1,), 1, 4, "replicated", 1, 1, "mp", "lpt"),
-    (("vision",), "projectors", (1,), 1, 2, "parallel", 1, 1, "mp", "contiguous"),
+    pytest.param((("vision",), "encoder", (1,), 2, 2, "parallel", 1, 2, "ep", "zigzag"),
+                 marks=[pytest.mark.ci, pytest.mark.combines("pipeline", "llm_cp")]),
+    pytest.param((("vision", "audio"), "llm", (1, 1), 1, 2, "replicated", 2, 2, "ee", "random"),
+                 marks=pytest.mark.combines("llm_cp", "placement")),
+    pytest.param((("vision",), "llm", (1,), 1, 4, "replicated", 1, 1, "mp", "lpt"),
+                 marks=pytest.mark.combines("llm_cp", "placement", "packing")),  # "mp": packed rows
+    pytest.param((("vision",), "projectors", (1,), 1, 2, "parallel", 1, 1, "mp", "contiguous"),
+                 marks=pytest.mark.combines("llm_cp", "packing")),
 ]
 
 
@@ -86,8 +92,10 @@ def test_context_parallel_layout_trains_like_one_process(case):
 
 # (modalities, freeze, encoder pp, llm pp, llm cp, microbatches)
 CHECKPOINT_CASES = [
-    (("vision", "audio"), "encoder", (2, 1), 2, 1, 2),
-    pytest.param((("vision",), "llm", (1,), 1, 2, 2), marks=pytest.mark.ci),
+    pytest.param((("vision", "audio"), "encoder", (2, 1), 2, 1, 2),
+                 marks=pytest.mark.combines("activation_checkpointing", "pipeline")),
+    pytest.param((("vision",), "llm", (1,), 1, 2, 2),
+                 marks=[pytest.mark.ci, pytest.mark.combines("activation_checkpointing", "llm_cp")]),
 ]
 
 

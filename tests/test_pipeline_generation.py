@@ -47,6 +47,7 @@ def test_greedy_settings_follow_the_generation_config():
 
 @pytest.mark.slow
 @pytest.mark.ci
+@pytest.mark.combines("generation", "pipeline")
 def test_llava_generation_under_llm_pp2_equals_one_process(tmp_path):
     """Vision pp 1 + LLM pp 2 (3 gloo ranks), three prompts of different lengths with 1, 2 and 1 images, stop tokens
     that end the rows at different steps (rows leave the stages' caches) and all before 8 (every stage stops): the
@@ -57,6 +58,7 @@ def test_llava_generation_under_llm_pp2_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.combines("generation", "pipeline")
 def test_qwen2_vl_generation_under_llm_pp2_equals_hf_generate(tmp_path):
     """M-RoPE: two rows with 2 and 1 images of different grids; the pipeline's tokens equal HF's own composite
     ``generate`` (its rope_deltas positions) on the left-padded batch."""
@@ -80,6 +82,7 @@ def test_llava_generation_under_llm_pp3_and_dp2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.combines("generation", "pipeline", "tp")
 def test_generation_under_llm_tp2_equals_one_process(tmp_path):
     """LLM pp 2 x tp 2 (5 ranks: each stage's layers and KV cache split by heads, the vocabulary-parallel logits of
     the last position gathered to pick), LLaVA with stop tokens; and Qwen2-VL (M-RoPE) under LLM tp 2 in one stage
@@ -92,6 +95,7 @@ def test_generation_under_llm_tp2_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.combines("generation", "pipeline", "placement")
 def test_llava_generation_with_an_encoder_pipeline_and_with_encoders_in_the_first_llm_stage(tmp_path):
     """Vision pp 2 + LLM pp 2 (5 ranks: features cross two encoder stages first), and encoders replicated into the
     LLM's stages with LLM pp 2 (2 ranks: the first LLM stage encodes the images itself)."""
@@ -99,6 +103,10 @@ def test_llava_generation_with_an_encoder_pipeline_and_with_encoders_in_the_firs
     _check(_run({"kind": "llava", "llm_pp": 2, "placement": "replicated", "early_stop": True}, tmp_path, "repl"), 2)
 
 
+@pytest.mark.refuses("generation", "llm_cp", message="runs each LLM stage without context or expert parallelism")
+@pytest.mark.refuses("generation", "ep", message="runs each LLM stage without context or expert parallelism")
+@pytest.mark.refuses("generation", "fsdp", message="does not run a sharded (FSDP) language model")
+@pytest.mark.refuses("generation", "per_module_dp", message="needs one data-parallel degree for every module")
 def test_layouts_it_does_not_serve_are_refused_with_the_fix():
     """Context or expert parallelism on the LLM, a sharded LLM and per-module data parallelism; every rank
     derives the same answer from the layout (the FSDP check is agreed on over the replica before any message)."""
@@ -108,13 +116,18 @@ def test_layouts_it_does_not_serve_are_refused_with_the_fix():
     from lightning_mm.parallel.pipeline_generation import unserved_layout
     from lightning_mm.plan.layout import build_layout
 
-    def engine(world, fsdp=False, **llm):
-        layout = build_layout({"vision": ParallelSpec(pp=1)}, ParallelSpec(**llm), world, model_encoders=["vision"])
+    def engine(world, fsdp=False, vision=ParallelSpec(pp=1), **llm):
+        layout = build_layout({"vision": vision}, ParallelSpec(**llm), world, model_encoders=["vision"])
         plan = SimpleNamespace(language_model=object())
         return SimpleNamespace(layout=layout, plan=plan, fsdp_params={1} if fsdp else set())
 
     assert unserved_layout(engine(3, pp=2)) is None
     assert unserved_layout(engine(6, pp=2)) is None  # dp 2
     assert unserved_layout(engine(5, pp=2, tp=2)) is None
-    assert "cp=1, ep=1" in unserved_layout(engine(5, pp=2, cp=2))
-    assert "NO_SHARD" in unserved_layout(engine(6, fsdp=True, pp=2))
+    without = "runs each LLM stage without context or expert parallelism"
+    assert without in unserved_layout(engine(5, pp=2, cp=2)) and "cp=1, ep=1" in unserved_layout(engine(5, pp=2, cp=2))
+    assert without in unserved_layout(engine(4, ep=2))  # dp 2, the experts split over both replicas
+    fsdp = unserved_layout(engine(6, fsdp=True, pp=2))
+    assert "does not run a sharded (FSDP) language model" in fsdp and "NO_SHARD" in fsdp
+    per_module = unserved_layout(engine(4, vision=ParallelSpec(dp=2), pp=2, dp=1))  # vision dp 2, LLM dp 1 pp 2
+    assert "needs one data-parallel degree for every module" in per_module

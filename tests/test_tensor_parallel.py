@@ -91,11 +91,16 @@ def test_bad_tensor_parallel_specs_fail_before_any_process_group():
 # ---------------------------------------------------------------------------------------------- against one process
 @pytest.mark.slow
 @pytest.mark.parametrize("name, case, freeze", [
-    ("tp2", dict(llm_tp=2), "llm"),
-    ("pp2_tp2_vision_tp2", dict(llm_pp=2, llm_tp=2, encoder_tp=[2, 1]), "all"),
-    ("tp2_cp2", dict(llm_tp=2, llm_cp=2), "llm"),
-    ("tp2_colocated_tp2_recompute_clip", dict(llm_tp=2, encoder_tp=[2, 2], placement="colocated", recompute=True,
-                                              clip=0.05), "all"),
+    pytest.param("tp2", dict(llm_tp=2), "llm",  # 2 microbatches: the strategy's default balancing places them
+                 marks=pytest.mark.combines("tp", "balancing", note="balancing: the default entrain, not asserted")),
+    pytest.param("pp2_tp2_vision_tp2", dict(llm_pp=2, llm_tp=2, encoder_tp=[2, 1]), "all",
+                 marks=pytest.mark.combines("tp", "pipeline")),
+    pytest.param("tp2_cp2", dict(llm_tp=2, llm_cp=2), "llm", marks=pytest.mark.combines("tp", "llm_cp")),
+    pytest.param("tp2_colocated_tp2_recompute_clip", dict(llm_tp=2, encoder_tp=[2, 2], placement="colocated",
+                                                          recompute=True, clip=0.05), "all",
+                 marks=[pytest.mark.combines("tp", "placement", "activation_checkpointing"),
+                        pytest.mark.combines("placement", "activation_checkpointing", "balancing",
+                                             note="balancing: the default entrain, not asserted")]),
     ("qwen3_tp2", dict(llm="qwen3", llm_tp=2), "llm"),  # per-head q/k norms: gradients summed over tp
     ("phi3_tp2", dict(llm="phi3", llm_tp=2), "llm"),  # fused qkv: gathered output, split input
     ("dinov2_tp2", dict(vision="dinov2", llm_tp=2, encoder_tp=[2, 1]), "all"),
@@ -109,11 +114,16 @@ def test_tensor_parallel_trains_like_one_process(tmp_path, name, case, freeze):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, case, freeze", [
-    ("full_shard_dp2", dict(sharding="FULL_SHARD"), "all"),
-    ("shard_grad_op_dp2_pp2_lazy", dict(sharding="SHARD_GRAD_OP", llm_pp=2, lazy=True), "projectors"),
+    pytest.param("full_shard_dp2", dict(sharding="FULL_SHARD"), "all",
+                 marks=pytest.mark.combines("fsdp", "balancing", note="balancing: the default entrain, not asserted")),
+    pytest.param("shard_grad_op_dp2_pp2_lazy", dict(sharding="SHARD_GRAD_OP", llm_pp=2, lazy=True), "projectors",
+                 marks=pytest.mark.combines("fsdp", "pipeline")),
     pytest.param("full_shard_dp2_tp2_lazy", dict(sharding="FULL_SHARD", llm_tp=2, lazy=True), "llm",
-                 marks=pytest.mark.ci),
-    ("full_shard_dp2_accumulate2_clip", dict(sharding="FULL_SHARD", accumulate=2, clip=0.05), "llm"),
+                 marks=[pytest.mark.ci, pytest.mark.combines("fsdp", "tp")]),
+    pytest.param("full_shard_dp2_accumulate2_clip", dict(sharding="FULL_SHARD", accumulate=2, clip=0.05), "llm",
+                 marks=[pytest.mark.combines("fsdp", "accumulation"),
+                        pytest.mark.combines("accumulation", "balancing",
+                                             note="balancing: the default entrain, not asserted")]),
 ])
 def test_sharded_data_parallel_trains_like_one_process(tmp_path, name, case, freeze):
     """A lazy (meta) build is compared with a lazy build in one process (the strategy's devices=1 mode): its
@@ -126,6 +136,8 @@ def test_sharded_data_parallel_trains_like_one_process(tmp_path, name, case, fre
 
 
 @pytest.mark.slow
+@pytest.mark.combines("fsdp", "mixed_precision")
+@pytest.mark.combines("mixed_precision", "balancing", note="balancing: the default entrain, not asserted")
 def test_full_shard_bf16_mixed_matches_one_process_within_bf16_tolerance(tmp_path):
     """FSDP2 gathers parameters in bf16 and reduces gradients in fp32 (MixedPrecisionPolicy from the precision)."""
     base = dict(precision="bf16-mixed", steps=2, microbatches=2)
@@ -206,6 +218,7 @@ def test_qwen_vl_towers_split_over_tp_train_like_one_process(kind, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.combines("tp", "fsdp")
 def test_qwen_vl_tower_tp_with_fsdp_over_dp_trains_like_one_process(tmp_path):
     """A Qwen2.5-VL tower over 2 tp ranks inside FSDP2 (FULL_SHARD over 2 data-parallel replicas: a 2-D tp x dp
     mesh for the tower, the LLM sharded over dp): one process's losses and trained parameters."""

@@ -30,12 +30,16 @@ def _assert_same(results, ref_losses, ref_params):
 # heads and 2 KV heads, so Ulysses over 4 ranks repeats each KV head
 CASES = [
     (1, 2, "ulysses", None, "parallel", 1, 2, "ee", "lpt"),
-    (1, 2, "ulysses", None, "replicated", 1, 2, "ep", "zigzag"),
-    (1, 2, "ulysses", None, "replicated", 1, 1, "mp", "lpt"),
+    pytest.param((1, 2, "ulysses", None, "replicated", 1, 2, "ep", "zigzag"),
+                 marks=pytest.mark.combines("llm_cp", "placement")),
+    pytest.param((1, 2, "ulysses", None, "replicated", 1, 1, "mp", "lpt"),  # "mp": packed rows
+                 marks=pytest.mark.combines("llm_cp", "placement", "packing")),
     (1, 4, "ulysses", None, "replicated", 1, 1, "mp", "lpt"),  # GQA: 2 KV heads < 4 Ulysses ranks
-    (1, 4, "hybrid", 2, "replicated", 1, 1, "mp", "lpt"),
+    pytest.param((1, 4, "hybrid", 2, "replicated", 1, 1, "mp", "lpt"),
+                 marks=pytest.mark.combines("llm_cp", "placement", "packing")),
     (1, 4, "hybrid", 2, "replicated", 1, 1, "ee", "zigzag"),
-    (2, 2, "ulysses", None, "replicated", 1, 2, "ep", "lpt"),  # LLM pp 2
+    pytest.param((2, 2, "ulysses", None, "replicated", 1, 2, "ep", "lpt"),  # LLM pp 2
+                 marks=pytest.mark.combines("llm_cp", "placement", "pipeline")),
     (1, 2, "ulysses", None, "replicated", 2, 2, "ee", "lpt"),  # dp 2
 ]
 
@@ -55,6 +59,7 @@ def test_ulysses_and_hybrid_train_like_one_process(case):
 
 
 @pytest.mark.slow
+@pytest.mark.combines("llm_cp", "activation_checkpointing")
 def test_hybrid_with_activation_checkpointing_trains_like_one_process():
     """Recomputation re-runs the all-to-alls and the K/V all-gather in backward, on every rank alike."""
     from helpers.pipeline_case import run_rank_checkpointed
@@ -68,6 +73,7 @@ def test_hybrid_with_activation_checkpointing_trains_like_one_process():
 
 
 @pytest.mark.slow
+@pytest.mark.combines("tp", "llm_cp")
 def test_tensor_parallel_times_ulysses_trains_like_one_process(tmp_path):
     """tp 2 x Ulysses 2 under the Lightning strategy: each tp rank's 2 query heads and 1 KV head are split over
     its 2 Ulysses ranks (the KV head repeated)."""

@@ -107,6 +107,7 @@ def test_collated_videos_equal_hf(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.combines("encoder_cp", "llm_cp")  # the "vcp2_cp2" run
 def test_videos_under_pipeline_stages_train_like_one_process(tmp_path):
     """Images and videos through one tower: vision pp 2 + LLM pp 2 (the video runs on the tower's stages, whose
     one copy of the parameters gets both modalities' gradients), LLM cp 2, and vision cp 2 + LLM cp 2 (a video's

@@ -68,7 +68,7 @@ def unservable(trainer, strategy) -> list[str]:
     if trainer.accumulate_grad_batches != 1:
         reasons.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} (each optimiser step is one "
                        "quorum and one commit: raise the batch size or num_microbatches instead)")
-    if "16-mixed" in str(strategy.precision_plugin.precision):
+    if str(strategy.precision_plugin.precision) == "16-mixed":  # not bf16-mixed, which the message offers
         reasons.append("precision='16-mixed' (the grad scaler's skipped steps are not coordinated across "
                        "replica groups: use bf16-mixed or 32-true)")
     if strategy.batch_balancing not in (None, "none"):

@@ -1,0 +1,54 @@
+"""Pairs of capabilities refused before any process group, each with the fix in its message (the refusals the
+other test files do not already assert; docs/compatibility.md lists them all)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+import lightning_mm as lmm
+from lightning_mm.model import tiny_encoder, tiny_language_model
+from lightning_mm.plan.layout import ParallelSpec, build_layout
+
+
+@pytest.mark.refuses("ft", "per_module_dp", message="fault_tolerance runs replica groups of one data-parallel degree")
+def test_fault_tolerance_with_per_module_dp_is_refused():
+    from lightning_mm.trainer.strategy import resolve_layout
+
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model())
+    ft = lmm.FaultTolerance(lighthouse="127.0.0.1:29510", replica_group=0)
+    kw = dict(encoder_specs={"vision": ParallelSpec(dp=2)}, language_model_spec=ParallelSpec(dp=1, pp=2),
+              placement="parallel", partition="uniform", world_size=4, ranks_per_node=4)
+    resolve_layout(model, fault_tolerance=None, **kw)  # the layout alone is served
+    with pytest.raises(ValueError, match="fault_tolerance runs replica groups of one data-parallel degree"):
+        resolve_layout(model, fault_tolerance=ft, **kw)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.refuses("ep", "per_module_dp",
+                     message="expert parallelism with per-module data-parallel degrees is not supported")
+def test_expert_parallelism_with_per_module_dp_is_refused():
+    from lightning_mm.parallel.expert_parallel import check_expert_parallel
+
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))},
+                                tiny_language_model("qwen3_moe"))
+    check_expert_parallel(model, build_layout({"vision": ParallelSpec()}, ParallelSpec(ep=2), 4, "parallel",
+                                              ["vision"]))  # one dp degree: served
+    layout = build_layout({"vision": ParallelSpec(dp=1)}, ParallelSpec(dp=2, ep=2), 3, "parallel", ["vision"])
+    with pytest.raises(ValueError, match="expert parallelism with per-module data-parallel degrees is not supported"):
+        check_expert_parallel(model, layout)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.refuses("ft", "mixed_precision", message="precision='16-mixed' (the grad scaler's skipped steps")
+def test_fault_tolerance_with_16_mixed_is_refused_and_bf16_mixed_is_served():
+    from lightning_mm.fault_tolerance.training import unservable
+
+    def reasons(precision):
+        strategy = SimpleNamespace(precision_plugin=SimpleNamespace(precision=precision), batch_balancing=None,
+                                   lightning_module=None)
+        return unservable(SimpleNamespace(accumulate_grad_batches=1), strategy)
+
+    assert reasons("bf16-mixed") == [] and reasons("32-true") == []
+    (reason,) = reasons("16-mixed")
+    assert "precision='16-mixed' (the grad scaler's skipped steps" in reason and "use bf16-mixed" in reason
