@@ -14,7 +14,6 @@ without it (process-group timeout ``--pg-timeout``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -158,10 +157,9 @@ def time_fault(args, fault: str, rank: int, fault_timeout) -> float | None:
 
 def main(argv=None) -> None:
     args = harness.cli(__doc__, argv, hidden=256, layers=4, repeats=3, pg_timeout=60.0,
-                       results=str(harness.RESULTS), worker=dict(help=argparse.SUPPRESS),
-                       result=dict(help=argparse.SUPPRESS))
+                       results=str(harness.RESULTS), worker=True)
     if args.worker:
-        cfg = json.loads(args.worker)
+        cfg = args.worker
         return worker_fault(cfg) if cfg["part"] == "fault" else worker_checkpoint(cfg, args.result)
     start = harness.record()
     rows = {}

@@ -16,7 +16,6 @@ Also writes heterogeneity.png and heterogeneity_timeline_<method>.png (replica 0
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -348,9 +347,9 @@ def simulate_seed_scale(batches: int, repeats: int) -> tuple[list[dict], list[di
 MEASURE = dict(microbatches=4, batch_size=8, items=(0, 8), max_side=7, text=(8, 64), samples=96)
 
 
-def worker(spec: str, out: str) -> None:
-    """One Lightning run (re-launched for every rank by Lightning): vision pp 1 + LLM pp 2, dp 2 on gloo."""
-    case = json.loads(spec)
+def worker(case: dict, out: str) -> None:
+    """One Lightning run (re-launched for every rank by Lightning): vision pp 1 + LLM pp 2, dp 2 on gloo; each rank
+    writes ``out``/rank<r>.json."""
     torch.set_num_threads(1)
     import lightning as L
     import torch.distributed as dist
@@ -424,7 +423,7 @@ def measure(steps: int, warmup: int) -> list[dict]:
         case = {**MEASURE, "method": method, "steps": steps + warmup}
         with tempfile.TemporaryDirectory() as out:
             t = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(case), out], capture_output=True,
+            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(case), "--result", out], capture_output=True,
                                   text=True, timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "1"})
             if proc.returncode:
                 raise RuntimeError(f"measured run {method} failed:\n{proc.stderr[-4000:]}")
@@ -485,9 +484,9 @@ def main(argv=None) -> None:
                        repeats=(10, "timed planning runs per batch (2 batches)"),
                        measure=(False, "also run the CPU processes (6 ranks, a few minutes)"),
                        steps=(4, "measured steps per method (after --warmup)"), warmup=1,
-                       worker=dict(nargs=2, help=argparse.SUPPRESS))
+                       worker=True)
     if args.worker:
-        return worker(*args.worker)
+        return worker(args.worker, args.result)
     start = harness.record()
     rows, plan_rows, info = simulate_seed_scale(args.batches, args.repeats)
     timelines, summary = info.pop("timelines"), info.pop("summary")

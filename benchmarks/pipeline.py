@@ -28,7 +28,6 @@ FSDPStrategy and ModelParallelStrategy + ``fully_shard``: per rank the peak memo
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -487,11 +486,10 @@ def main(argv=None) -> None:
         sharding=(False, "measure sharded data parallelism and tensor parallelism vs Lightning's FSDP strategies"),
         text_tokens=128, threads=(1, "torch threads per process (cores / procs)"),
         only=dict(help="comma-separated layout names to run"), out=str(harness.RESULTS), timeout=900.0,
-        repeats=(1, "runs per layout (best kept): noisy shared machines"), worker=dict(help=argparse.SUPPRESS),
-        result=dict(help=argparse.SUPPRESS))
+        repeats=(1, "runs per layout (best kept): noisy shared machines"), worker=True)
     if args.worker:
         run = sharding_worker if args.sharding else setup_worker if args.setup else worker
-        return run(json.loads(args.worker), args, args.result)
+        return run(args.worker, args, args.result)
     start = harness.record()
     only = set(args.only.split(",")) if args.only else None
     if args.setup:
