@@ -203,8 +203,8 @@ def engine_steps(model, layout, rank: int, args: dict, **data):
     from lightning_mm.data.microbatch import split_microbatches
     from lightning_mm.parallel.engine import PipelineEngine
 
-    engine, batch, count = PipelineEngine(model, layout, rank, args["microbatches"]), args["batch"], args["warmup"]
-    count += args["steps"]
+    batch, count = args["batch"], args["warmup"] + args["steps"]
+    engine = PipelineEngine(model, layout, rank, args["microbatches"])
     samples = lmm.data.SyntheticMultimodalDataset(model, num_samples=batch * count, seed=1, **data)
     collate, params = lmm.data.MultimodalCollator(model), engine.trainable_parameters()
     opt = torch.optim.SGD(params, lr=1e-3) if params else None

@@ -15,7 +15,7 @@ fault-tolerance tests' launcher, global batch 4, one failure inside the step aft
 groups (group 0 loses a rank and stays down) and checkpoint-restart (one 4-rank job, a checkpoint every
 ``--save-every`` steps, restarted once). Committed steps/s before, during and after the failure, and the recovery.
 
-    python benchmarks/oobleck.py [--trials 200] [--planning-grid full|small]
+    python benchmarks/oobleck.py [--trials 200]
     python benchmarks/oobleck.py --measured [--steps 1200] [--kill-step 8] [--save-every 5] [--only NAME ...]
 """
 
@@ -181,11 +181,8 @@ def throughput(args, progress) -> dict:
 
 def planning(args, progress) -> list[dict]:
     rows = []
-    grid = SEED_PLANNING if args.planning_grid == "full" else {k: v for k, v in SEED_PLANNING.items() if k[0] == 8}
-    for (nodes, per_node), seed in grid.items():
+    for (nodes, per_node), seed in SEED_PLANNING.items():
         for layers, seed_s in seed.items():
-            if args.planning_grid == "small" and layers > 32:
-                continue
             specs = gpt_specs(layers, 2560, 2)
             tp = tuple(t for t in (1, 2, 4, 8) if t <= per_node)
             gc.collect()  # a full collection owed by earlier allocations (imports, throughput) is not this cell's
@@ -339,7 +336,6 @@ def main(argv=None) -> None:
         __doc__, argv, trials=(200, "failure orders averaged for identical groups"),
         restart_s=(11.0, "seconds to restart a group or a job"),
         storage_gbps=(2.5, "checkpoint storage GB/s (write and read)"),
-        planning_grid=dict(choices=("full", "small"), default="full"),
         measured=(False, "the measured CPU-process comparison (see above)"),
         steps=(1200, "--measured: steps of every run (the survivor must outlast the re-forming)"),
         kill_step=(8, "--measured: the kill comes inside the next step"),
