@@ -770,17 +770,15 @@ def _pm_at(data: dict) -> dict:
     return {c["model"]: c["rows"]["per-module"] for c in data["cases"] if c["scale"] == "8.1"}
 
 
-@renderer("per_module_dp.json", "cases")
-def per_module_dp_cases(data: dict) -> str:
-    rows = [[f"§{c['scale']}", c["model"].removeprefix("MLLM-"), c["setting"], name, r["gpus"], r["layout"],
-             f"{r['iteration_s']:.2f}", f"{r['samples_per_s']:.1f}", f"{r['mfu']:.1%}", f"{r['bubble']:.1%}",
-             f"{r['mfu_vs_uniform']:.2f}", f"{r['throughput_vs_uniform']:.2f}",
-             f"{r['estimate_s']:.2f}" if "estimate_s" in r else "",
-             f"{r['planning_ms']:.0f}" if "planning_ms" in r else ""]
-            for c in data["cases"] for name, r in c["rows"].items()]
-    return (table(["scale", "LLM", "setting", "row", "GPUs", "dp x tp x pp", "iteration (s)", "samples/s", "MFU",
-                   "bubble", "MFU x", "throughput x", "Eq. 1-2 (s)", "planning (ms)"], rows, "llllrlrrrrrrrr")
-            + f"\n\nSimulated by {_machine_line(data)} (planning: this CPU's wall time).")
+grid("per_module_dp.json", "cases",
+     lambda d: [dict(r, case=c, row=name) for c in d["cases"] for name, r in c["rows"].items()], "llllrlrrrrrrrr", [
+         ("scale", "§{case[scale]}"), ("LLM", lambda r: r["case"]["model"].removeprefix("MLLM-")),
+         ("setting", "{case[setting]}"), ("row", "{row}"), ("GPUs", "{gpus}"), ("dp x tp x pp", "{layout}"),
+         ("iteration (s)", "{iteration_s:.2f}"), ("samples/s", "{samples_per_s:.1f}"), ("MFU", "{mfu:.1%}"),
+         ("bubble", "{bubble:.1%}"), ("MFU x", "{mfu_vs_uniform:.2f}"), ("throughput x", "{throughput_vs_uniform:.2f}"),
+         ("Eq. 1-2 (s)", lambda r: f"{r['estimate_s']:.2f}" if "estimate_s" in r else ""),
+         ("planning (ms)", lambda r: f"{r['planning_ms']:.0f}" if "planning_ms" in r else "")],
+     after="\n\nSimulated by {on} (planning: this CPU's wall time).")
 
 
 @renderer("per_module_dp.json", "gains")
