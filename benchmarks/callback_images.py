@@ -14,7 +14,6 @@ every rank (``shard_images=False``) and cp 2 with the images split. A step is ra
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -111,9 +110,9 @@ def worker(spec: dict, result: str) -> None:
 def main(argv=None) -> None:
     args = harness.cli(__doc__, argv, steps=6, warmup=2, images=(16, "images per batch (two per sample)"),
                        image_size=(32, "pixels per side (a multiple of 8)"), vision_width=512, vision_layers=8,
-                       worker=dict(help=argparse.SUPPRESS), result=dict(help=argparse.SUPPRESS))
+                       worker=True)
     if args.worker:
-        return worker(json.loads(args.worker), args.result)
+        return worker(args.worker, args.result)
     start = harness.record()
     settings = {k: v for k, v in vars(args).items() if k not in ("worker", "result")}
     os.environ["PYTHONWARNINGS"] = "ignore"

@@ -14,7 +14,6 @@ without it (process-group timeout ``--pg-timeout``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -158,10 +157,9 @@ def time_fault(args, fault: str, rank: int, fault_timeout) -> float | None:
 
 def main(argv=None) -> None:
     args = harness.cli(__doc__, argv, hidden=256, layers=4, repeats=3, pg_timeout=60.0,
-                       results=str(harness.RESULTS), worker=dict(help=argparse.SUPPRESS),
-                       result=dict(help=argparse.SUPPRESS))
+                       worker=True)
     if args.worker:
-        cfg = json.loads(args.worker)
+        cfg = args.worker
         return worker_fault(cfg) if cfg["part"] == "fault" else worker_checkpoint(cfg, args.result)
     start = harness.record()
     rows = {}
@@ -173,7 +171,7 @@ def main(argv=None) -> None:
             raise RuntimeError(f"{mode} failed:\n{rows[mode]['error']}")
     faults = {f"{'kill' if fault == 'kill' else 'freeze'} rank 1, {'watchdog 5 s' if t else 'no watchdog'}":
               time_fault(args, fault, 1, t) for fault in ("kill", "hang") for t in (5.0, None)}
-    harness.write(Path(args.results, "checkpoint.json"), {
+    harness.write(harness.RESULTS / "checkpoint.json", {
         "model": {"hidden": args.hidden, "layers": args.layers, "devices": 4, "backend": "gloo (CPU)"},
         "checkpoint": rows, "fault_to_exit_s": faults, "pg_timeout_s": args.pg_timeout}, start)
 

@@ -7,14 +7,14 @@ frozen tiny SigLIP + trainable MLP projector + a trainable Qwen2 decoder (``--hi
 KV heads, vocabulary 1024), encoders replicated, fp32. Data: synthetic samples (64-768 text tokens, 1-4 images)
 packed first-fit into one row of the length. A step: ``engine.run``, the gradient all-reduce and an SGD update.
 
-Per mode the lengths (``--lengths``) run in ascending order: ``--warmup`` untimed steps (before every length with
-``--warmup-each``), ``--steps`` timed ones (one where a step is predicted to take over ``--long-step`` s), each
+Per mode the lengths (``--lengths``) run in ascending order: ``--warmup`` untimed steps (before the first length),
+``--steps`` timed ones (one where a step is predicted to take over ``--long-step`` s), each
 rank's CPU seconds, peak resident set (VmHWM) and the resident set before it. The next length is skipped when its
 predicted step (``a S + b S^2``) passes ``--cap``, its linearly scaled memory passes ``--mem-fraction`` of what is
 available, or the mode's share of ``--budget`` would run out; a rank that dies ends that mode with the error kept.
 
     python benchmarks/cp_modes.py [--lengths 2048,4096,...,65536] [--modes cp1,allgather2,ulysses2,...]
-                                  [--steps 2] [--warmup 1] [--warmup-each] [--long-step 20] [--cap 60]
+                                  [--steps 2] [--warmup 1] [--long-step 20] [--cap 60]
                                   [--budget 780] [--mem-fraction 0.8] [--threads 1] [--hidden 256] [--layers 2]
 """
 
@@ -112,7 +112,7 @@ def _skip(args, prev: dict, done: list, length: int, deadline: float) -> str | N
     mem_next = sum(b + (p - b) * length / prev["tokens"] for b, p in zip(prev["rss_before_mib"], prev["peak_rss_mib"]))
     room = args.mem_fraction * (_mib("MemAvailable") + sum(prev["rss_before_mib"]))
     left = deadline - time.time()
-    steps_next = timed_steps(args, step_next) + (args.warmup if args.warmup_each else 0)
+    steps_next = timed_steps(args, step_next)
     if step_next > args.cap:
         return f"time cap: a step would take ~{step_next:.0f} s > {args.cap:.0f} s"
     if mem_next > room:
@@ -162,7 +162,7 @@ def _run(rank: int, world: int, name: str, args, rendezvous: str, out_path: str,
         local_tokens = [len(token_index(p, BLOCK, padded["bam"].shape[1])) for p in plan]
         times, cpu = [], []
         before, reset = _mib("VmRSS"), harness.rss_reset()
-        warmup = args.warmup if (args.warmup_each or prev is None) else 0
+        warmup = args.warmup if prev is None else 0
         steps = _share(world, args.steps if not done else timed_steps(args, predict_step(done, length)))
         for _ in range(warmup + steps):
             if world > 1:
@@ -269,8 +269,7 @@ def main(argv=None) -> None:
         lengths=(",".join(map(str, LENGTHS)), "comma-separated sequence lengths, tried in ascending order per mode"),
         modes=(",".join(MODES), f"comma-separated, of {','.join(MODES)}"),
         steps=(2, "timed steps per length (median reported)"),
-        warmup=(1, "untimed steps before the first length (before every length with --warmup-each)"),
-        warmup_each=False, long_step=(20.0, "seconds: a length whose step is predicted to take longer gets one timed "
+        warmup=(1, "untimed steps before the first length"), long_step=(20.0, "seconds: a length whose step is predicted to take longer gets one timed "
                                             "step"),
         cap=(60.0, "seconds one step may take"),
         budget=(780.0, "seconds for all modes, launches included: each mode gets what is left / modes left"),

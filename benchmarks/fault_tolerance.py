@@ -68,6 +68,11 @@ def _json(out: str, name: str) -> dict:
     return harness.read(os.path.join(out, name))
 
 
+def _killed_at(out: str) -> float:
+    """When the run's kill came (the time its victim wrote before dying)."""
+    return float(open(os.path.join(out, "killed_at")).read())
+
+
 def _rate(rows, t0=None, t1=None) -> float | None:
     """Committed samples/s between the first and last step end in [t0, t1] (steps counted between them)."""
     rows = [(s, t) for s, t, *_ in rows if (t0 is None or t >= t0) and (t1 is None or t <= t1)]
@@ -103,7 +108,7 @@ def ft_fail(a, base: str, common: dict) -> dict:
     kill = {"group": 1, "rank": 1, "step": a.kill_step, "where": "batch_end"}
     out, codes, wall = _with_lighthouse(a, 1, "ft_fail", base, [
         ({**common, "groups": 2, "group": g, "steps": a.fail_steps, "kill": kill}, 1 if g else 0, 2) for g in (0, 1)])
-    killed = float(open(os.path.join(out, "killed_at")).read())
+    killed = _killed_at(out)
     g0, g1, r1 = _steps(out, 0), _steps(out, 1), _json(out, "result_1.json")
     rejoin = [t for s, t, r in g1 if r == 1]
     t_rejoin = rejoin[0] if rejoin else None
@@ -131,7 +136,7 @@ def ckpt_fail(a, base: str, common: dict) -> dict:
                                                  "steps": a.fail_steps, "kill": kill, "save_every": a.save_every,
                                                  "ckpt_dir": os.path.join(base, "ckpt_fail", "ckpt"),
                                                  "resume": "last"}, 1, 4)], a.timeout)
-    killed = float(open(os.path.join(out, "killed_at")).read())
+    killed = _killed_at(out)
     rows, r = _steps(out, 0), _json(out, "result_0.json")
     first, second = [x for x in rows if x[2] == 0], [x for x in rows if x[2] == 1]
     last_ckpt = (a.ckpt_kill_step // a.save_every) * a.save_every

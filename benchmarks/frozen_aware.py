@@ -385,8 +385,6 @@ def seed_setting_row(key: str, stages: int, full: SeedFittedProfile, out: Path |
     return row
 
 
-
-
 def hand_plans(modules, devices: int, microbatches: int, latency: float):
     """The plans a person would try: dp dividing the microbatches, LLM pp in {1,2,4,6,8}, encoder pp in
     {1,2,4}, parallel and colocated, frozen-aware boundaries."""
@@ -468,8 +466,6 @@ def configurations():
     for size in "SML":
         yield f"VLM-{size}", size, None, size
         yield f"ALM-{size}", None, size, size
-
-
 
 
 def main(argv=None):

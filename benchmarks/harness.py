@@ -104,10 +104,14 @@ def describe(machine: dict | str | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- command line, JSON
-def cli(doc: str, argv=None, **options) -> argparse.Namespace:
+def cli(doc: str, argv=None, worker: bool = False, **options) -> argparse.Namespace:
     """Parse ``argv``, one ``--option`` per keyword: ``name=default``, ``name=(default, help)`` or a dict of
-    ``add_argument`` keywords. The type follows the default; a False default makes a flag."""
+    ``add_argument`` keywords. The type follows the default; a False default makes a flag. ``worker``: the hidden
+    ``--worker CFG`` (JSON, parsed) and ``--result FILE`` that ``run_worker`` passes."""
     parser = argparse.ArgumentParser(description=doc.strip().split("\n\n")[0])
+    if worker:
+        parser.add_argument("--worker", type=json.loads, help=argparse.SUPPRESS)
+        parser.add_argument("--result", help=argparse.SUPPRESS)
     for name, spec in options.items():
         kw = dict(spec) if isinstance(spec, dict) else dict(zip(("default", "help"), spec if isinstance(spec, tuple)
                                                                  else (spec,)))
@@ -187,6 +191,41 @@ def run_worker(script: str, cfg: dict, timeout: float, argv=()) -> dict:
         if code != 0 and "error" not in doc:  # measured and written, then failed in teardown: keep it, say so
             doc["exit"] = f"exit code {code} after writing results: {stderr.strip()[-300:]}"
         return doc
+
+
+def engine_steps(model, layout, rank: int, args: dict, **data):
+    """This rank's ``PipelineEngine`` of ``model`` under ``layout``, the global batches (``args["batch"]`` synthetic
+    samples each, seed 1, ``data``: more ``SyntheticMultimodalDataset`` keywords) and ``step(i)``: run batch i's
+    share of this rank's group, sync the gradients, step SGD. For ``timed``."""
+    import torch
+
+    import lightning_mm as lmm
+    from lightning_mm.data.microbatch import split_microbatches
+    from lightning_mm.parallel.engine import PipelineEngine
+
+    batch, count = args["batch"], args["warmup"] + args["steps"]
+    engine = PipelineEngine(model, layout, rank, args["microbatches"])
+    samples = lmm.data.SyntheticMultimodalDataset(model, num_samples=batch * count, seed=1, **data)
+    collate, params = lmm.data.MultimodalCollator(model), engine.trainable_parameters()
+    opt = torch.optim.SGD(params, lr=1e-3) if params else None
+    batches = [collate([samples[i * batch + j] for j in range(batch)]) for i in range(count)]
+    mine = [split_microbatches(b, layout.num_groups, model)[layout.group_of(rank)] for b in batches]
+
+    def step(i):
+        engine.run(mine[i])
+        engine.sync_gradients()
+        if opt:
+            opt.step()
+            opt.zero_grad()
+
+    return engine, batches, step
+
+
+def busiest_cpu_s(ranks: list[dict]) -> float:
+    """The median over timed steps of the busiest rank's CPU seconds (``cpu``: each rank's per step)."""
+    import statistics
+
+    return statistics.median(max(c) for c in zip(*(r["cpu"] for r in ranks)))
 
 
 def spawn(fn, world: int, *args) -> list:

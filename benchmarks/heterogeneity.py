@@ -16,7 +16,6 @@ Also writes heterogeneity.png and heterogeneity_timeline_<method>.png (replica 0
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -58,7 +57,6 @@ LLAMA = {"llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_l
                           num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
          "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                           num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)}
-
 
 
 # ------------------------------------------------------------------------------------------------ cost model
@@ -256,10 +254,77 @@ def _graph(vision_pp: int):
                               **{f"language_model.{i}": True for i in range(llm_pp)}})
 
 
+def _method_rows(name: str, llm: str, by_split: dict, kept: dict, entrain_split: int, disttrain_splits: dict,
+                 ablation: float) -> list[dict]:
+    """One row per method of one set and LLM: its iteration time as the paper picks its split (disttrain: the
+    expectation over its 1-sample profiles' splits), at every split, at its best, and the forward-time spreads."""
+    rows, at = [], by_split[entrain_split]
+    for method in METHODS:
+        times = {vpp: by_split[vpp][method].iteration_time for vpp in by_split}
+        best = min(times, key=times.get)
+        if method == "disttrain":
+            paper = sum(p * times[v] for v, p in disttrain_splits.items())
+        else:  # none and entrain at Entrain's profiled split
+            paper = times[entrain_split]
+        sims, r = kept[method], at[method]
+        rows.append(dict(
+            dataset=name, llm=llm, method=method, label="simulated",
+            iteration_s=paper, iteration_s_by_split={f"{v}/{STAGES - v}": x for v, x in times.items()},
+            best_split=f"{best}/{STAGES - best}", iteration_s_best=times[best],
+            iteration_s_at_entrain_split=r.iteration_time, speedup_vs_none=at["none"].iteration_time / r.iteration_time,
+            vision_forward_std_ms=1e3 * statistics.fmean(s.module_forward_std("vision") for s in sims),
+            llm_forward_std_ms=1e3 * statistics.fmean(s.module_forward_std("language_model") for s in sims),
+            mean_idle_fraction=statistics.fmean(v / r.iteration_time for v in r.idle.values()),
+            deferred_samples=r.deferred_samples,
+            **({"iteration_s_without_deferral": ablation} if method == "entrain" else {})))
+    return rows
+
+
+def simulate_set(name: str, llm: str, work: WorkloadModel, kappa: float, factor: float, batches: int):
+    """Every method at every stage split of one set and LLM: the method rows, the set's summary, the entrain split's
+    simulations and the batches' works."""
+    make = DATASETS[name]
+    per_work = 1.0 / (TP * EFFECTIVE_FLOPS)  # work units are forward + backward FLOPs (x3 of the forward)
+    rates = {"vision": (kappa * per_work / 3, kappa * per_work * 2 / 3),
+             "language_model": (factor * per_work / 3, factor * per_work * 2 / 3)}
+    batch_works = [work.works(make(B, 1000 * s + 1)) for s in range(batches)]
+    enc_all, llm_all = torch.cat([w[0] for w in batch_works]), torch.cat([w[1] for w in batch_works])
+    entrain_split = profiled_split(*work.works(make(PROFILE_SIZE["entrain"], 777)), kappa, factor)
+    singles = work.works(make(DISTTRAIN_DRAWS, 778))
+    draws = [profiled_split(singles[0][i:i + 1], singles[1][i:i + 1], kappa, factor) for i in range(DISTTRAIN_DRAWS)]
+    disttrain_splits = {v: draws.count(v) / len(draws) for v in sorted(set(draws))}
+    t = time.perf_counter()
+    by_split, kept = {}, None
+    for vpp in range(1, STAGES):
+        by_split[vpp], sims = compare_methods(_graph(vpp), batch_works, rates, DP, K, keep=True)
+        kept = sims if vpp == entrain_split else kept
+    wall = time.perf_counter() - t
+    ablation = statistics.fmean(
+        simulate_plan(_graph(entrain_split), BatchPlan(sim.plan.assignment), enc, l, rates).iteration_time
+        for sim, (enc, l) in zip(kept["entrain"], batch_works))
+    rows = _method_rows(name, llm, by_split, kept, entrain_split, disttrain_splits, ablation)
+    got = {r["method"]: r for r in rows}
+    summary = dict(
+        dataset=name, llm=llm, label="simulated",
+        vision_text_workload_ratio=float(kappa * enc_all.sum() / (factor * llm_all.sum())),
+        entrain_split=[entrain_split, STAGES - entrain_split],
+        published_entrain_split=PUBLISHED_ENTRAIN_SPLITS.get((name, llm)),
+        disttrain_splits={f"{v}/{STAGES - v}": p for v, p in disttrain_splits.items()},
+        entrain_over_disttrain=got["disttrain"]["iteration_s"] / got["entrain"]["iteration_s"],
+        entrain_over_disttrain_best=got["disttrain"]["iteration_s_best"] / got["entrain"]["iteration_s_best"],
+        entrain_over_none=got["none"]["iteration_s"] / got["entrain"]["iteration_s"],
+        disttrain_over_none=(got["none"]["iteration_s_at_entrain_split"] /
+                             got["disttrain"]["iteration_s_at_entrain_split"]))
+    print(f"  simulated {llm} {name}: {STAGES - 1} splits x {batches} batches x {len(METHODS)} methods in "
+          f"{wall:.1f} s; entrain split {entrain_split}/{STAGES - entrain_split}, disttrain splits "
+          f"{summary['disttrain_splits']}")
+    return rows, summary, kept, batch_works
+
+
 def simulate_seed_scale(batches: int, repeats: int) -> tuple[list[dict], list[dict], dict]:
-    """Every method at every stage split of each set and LLM; the paper's protocol picks each method's split."""
-    works = {}
-    info = {}
+    """Every method at every stage split of each set and LLM (the paper's protocol picks each method's split), and
+    the planning time of ``plan_batch`` on two batches of each."""
+    works, info = {}, {}
     for llm in LLAMA:
         works[llm], info[llm] = seed_workload(llm)
     calibration, cal_info = calibrate(works)
@@ -268,69 +333,11 @@ def simulate_seed_scale(batches: int, repeats: int) -> tuple[list[dict], list[di
                 **cal_info)
     rows, plan_rows, timelines = [], [], None
     for llm in LLAMA:
-        factor = 1.0 if llm == "llama-1b" else lam
-        per_work = 1.0 / (TP * EFFECTIVE_FLOPS)  # work units are forward + backward FLOPs (x3 of the forward)
-        rates = {"vision": (kappa * per_work / 3, kappa * per_work * 2 / 3),
-                 "language_model": (factor * per_work / 3, factor * per_work * 2 / 3)}
-        for name, make in DATASETS.items():
-            batch_works = [works[llm].works(make(B, 1000 * s + 1)) for s in range(batches)]
-            enc_all, llm_all = torch.cat([w[0] for w in batch_works]), torch.cat([w[1] for w in batch_works])
-            profile = works[llm].works(make(PROFILE_SIZE["entrain"], 777))
-            entrain_split = profiled_split(*profile, kappa, factor)
-            singles = works[llm].works(make(DISTTRAIN_DRAWS, 778))
-            draws = [profiled_split(singles[0][i:i + 1], singles[1][i:i + 1], kappa, factor)
-                     for i in range(DISTTRAIN_DRAWS)]
-            disttrain_splits = {v: draws.count(v) / len(draws) for v in sorted(set(draws))}
-            t = time.perf_counter()
-            by_split, kept = {}, None
-            for vpp in range(1, STAGES):
-                reports, sims = compare_methods(_graph(vpp), batch_works, rates, DP, K, keep=True)
-                by_split[vpp] = reports
-                if vpp == entrain_split:
-                    kept = sims
-            wall = time.perf_counter() - t
-            at = by_split[entrain_split]
-            base = at["none"].iteration_time
-            ablation = statistics.fmean(
-                simulate_plan(_graph(entrain_split), BatchPlan(sim.plan.assignment), enc, l, rates).iteration_time
-                for sim, (enc, l) in zip(kept["entrain"], batch_works))
-            summary = dict(
-                dataset=name, llm=llm, label="simulated",
-                vision_text_workload_ratio=float(kappa * enc_all.sum() / (factor * llm_all.sum())),
-                entrain_split=[entrain_split, STAGES - entrain_split],
-                published_entrain_split=PUBLISHED_ENTRAIN_SPLITS.get((name, llm)),
-                disttrain_splits={f"{v}/{STAGES - v}": p for v, p in disttrain_splits.items()})
-            for method in METHODS:
-                times = {vpp: by_split[vpp][method].iteration_time for vpp in by_split}
-                best = min(times, key=times.get)
-                if method == "disttrain":
-                    paper = sum(p * times[v] for v, p in disttrain_splits.items())
-                else:  # none and entrain at Entrain's profiled split
-                    paper = times[entrain_split]
-                sims = [sim for sim in kept[method]]
-                r = at[method]
-                rows.append(dict(
-                    dataset=name, llm=llm, method=method, label="simulated",
-                    iteration_s=paper, iteration_s_by_split={f"{v}/{STAGES - v}": x for v, x in times.items()},
-                    best_split=f"{best}/{STAGES - best}", iteration_s_best=times[best],
-                    iteration_s_at_entrain_split=r.iteration_time,
-                    speedup_vs_none=base / r.iteration_time,
-                    vision_forward_std_ms=1e3 * statistics.fmean(s.module_forward_std("vision") for s in sims),
-                    llm_forward_std_ms=1e3 * statistics.fmean(s.module_forward_std("language_model") for s in sims),
-                    mean_idle_fraction=statistics.fmean(v / r.iteration_time for v in r.idle.values()),
-                    deferred_samples=r.deferred_samples,
-                    **({"iteration_s_without_deferral": ablation} if method == "entrain" else {})))
-            got = {r["method"]: r for r in rows[-len(METHODS):]}
-            summary.update(
-                entrain_over_disttrain=got["disttrain"]["iteration_s"] / got["entrain"]["iteration_s"],
-                entrain_over_disttrain_best=got["disttrain"]["iteration_s_best"] / got["entrain"]["iteration_s_best"],
-                entrain_over_none=got["none"]["iteration_s"] / got["entrain"]["iteration_s"],
-                disttrain_over_none=(got["none"]["iteration_s_at_entrain_split"] /
-                                     got["disttrain"]["iteration_s_at_entrain_split"]))
+        for name in DATASETS:
+            got, summary, kept, batch_works = simulate_set(name, llm, works[llm], kappa,
+                                                           1.0 if llm == "llama-1b" else lam, batches)
+            rows += got
             info.setdefault("summary", []).append(summary)
-            print(f"  simulated {llm} {name}: {STAGES - 1} splits x {batches} batches x {len(METHODS)} methods "
-                  f"in {wall:.1f} s; entrain split {entrain_split}/{STAGES - entrain_split}, disttrain splits "
-                  f"{summary['disttrain_splits']}")
             if name == "mixed" and llm == "llama-1b":
                 timelines = {m: kept[m][0].replicas[0] for m in ("none", "entrain")}
             for method in METHODS:
@@ -348,9 +355,9 @@ def simulate_seed_scale(batches: int, repeats: int) -> tuple[list[dict], list[di
 MEASURE = dict(microbatches=4, batch_size=8, items=(0, 8), max_side=7, text=(8, 64), samples=96)
 
 
-def worker(spec: str, out: str) -> None:
-    """One Lightning run (re-launched for every rank by Lightning): vision pp 1 + LLM pp 2, dp 2 on gloo."""
-    case = json.loads(spec)
+def worker(case: dict, out: str) -> None:
+    """One Lightning run (re-launched for every rank by Lightning): vision pp 1 + LLM pp 2, dp 2 on gloo; each rank
+    writes ``out``/rank<r>.json."""
     torch.set_num_threads(1)
     import lightning as L
     import torch.distributed as dist
@@ -424,8 +431,9 @@ def measure(steps: int, warmup: int) -> list[dict]:
         case = {**MEASURE, "method": method, "steps": steps + warmup}
         with tempfile.TemporaryDirectory() as out:
             t = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(case), out], capture_output=True,
-                                  text=True, timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(case), "--result", out],
+                                  capture_output=True, text=True, timeout=1200,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
             if proc.returncode:
                 raise RuntimeError(f"measured run {method} failed:\n{proc.stderr[-4000:]}")
             ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
@@ -485,9 +493,9 @@ def main(argv=None) -> None:
                        repeats=(10, "timed planning runs per batch (2 batches)"),
                        measure=(False, "also run the CPU processes (6 ranks, a few minutes)"),
                        steps=(4, "measured steps per method (after --warmup)"), warmup=1,
-                       worker=dict(nargs=2, help=argparse.SUPPRESS))
+                       worker=True)
     if args.worker:
-        return worker(*args.worker)
+        return worker(args.worker, args.result)
     start = harness.record()
     rows, plan_rows, info = simulate_seed_scale(args.batches, args.repeats)
     timelines, summary = info.pop("timelines"), info.pop("summary")

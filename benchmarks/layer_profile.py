@@ -40,7 +40,6 @@ TINY_HEAD_DIM = {"llama3": 16, "qwen2_vision": 4, "phi4_audio": 16}
 FAMILIES = fa.FAMILY_TABLES
 ENCODER_FAMILY = {modality: family for family, modality in fa.MODALITY.items()}
 AUDIO_CHUNK = 500  # Phi4MultimodalAudioModel unfolds longer clips into chunks of this many frames
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 MLP_MULTIPLE = 256  # MLP widths are rounded to a multiple of this (of 8 under --tiny)
 
 
@@ -342,15 +341,13 @@ def main(argv=None) -> int:
         __doc__, argv, device=dict(choices=("cuda", "cpu"), default="cuda"),
         tiny=(False, f"every hidden size and token count / {TINY_SHRINK}: seconds on a CPU, for tests"),
         out=dict(type=Path, help="JSON path (default benchmarks/results/layer_profile_<device>[_tiny].json)"),
-        dtype=dict(choices=sorted(DTYPES), default="bfloat16",
-                   help="bfloat16 (default, as trained); float32 for a quick CPU check"),
         warmup=3, repeats=10)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("layer_profile: no CUDA device here; nothing measured (use --device cpu to time on the CPU)")
         return 0
     device, started, start = torch.device(args.device), time.perf_counter(), harness.record()
     print(f"profiling one layer per family and size on {device_name(device)}{' (tiny)' if args.tiny else ''}")
-    doc = profile_all(device, DTYPES[args.dtype], args.tiny, args.warmup, args.repeats)
+    doc = profile_all(device, torch.bfloat16, args.tiny, args.warmup, args.repeats)  # bf16, as trained
     doc["seconds"] = time.perf_counter() - started
     out = args.out or harness.RESULTS / f"layer_profile_{slug(doc['device'])}{'_tiny' if args.tiny else ''}.json"
     harness.write(out, doc, start)

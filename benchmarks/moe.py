@@ -82,32 +82,21 @@ class _AllToAllCounter:
 
 
 def worker(rank: int, world: int, ep: int, args: dict) -> dict:
-    import lightning_mm as lmm
-    from lightning_mm.data.microbatch import split_microbatches
     from lightning_mm.model.moe import load_imbalance
-    from lightning_mm.parallel.engine import PipelineEngine
     from lightning_mm.plan.layout import ParallelSpec, build_layout
     from lightning_mm.planner.moe_costs import expert_parameter_names
 
-    model, batch = build_model(args), args["batch"]
+    model = build_model(args)
     layout = build_layout({"vision": ParallelSpec()}, ParallelSpec(ep=ep), world, "replicated", ["vision"])
-    engine = PipelineEngine(model, layout, rank, args["microbatches"])
+    engine, batches, train = harness.engine_steps(model, layout, rank, args, text_tokens=(args["text_tokens"],) * 2,
+                                                  items_per_sample=(1, 2))
     experts = [model.llm_layers[i].get_parameter(n) for i, ns in expert_parameter_names(model).items() for n in ns]
-    data = lmm.data.SyntheticMultimodalDataset(model, num_samples=batch * (args["steps"] + args["warmup"]),
-                                               text_tokens=(args["text_tokens"],) * 2, items_per_sample=(1, 2), seed=1)
-    collate = lmm.data.MultimodalCollator(model)
-    opt = torch.optim.SGD(engine.trainable_parameters(), lr=1e-3)
     counter = _AllToAllCounter() if ep > 1 else None
-    batches = [collate([data[i * batch + j] for j in range(batch)]) for i in range(args["warmup"] + args["steps"])]
-    mine = [split_microbatches(b, layout.num_groups, model)[layout.group_of(rank)] for b in batches]
 
     def step(i):
         if counter is not None:
             counter.reset()
-        engine.run(mine[i])
-        engine.sync_gradients()
-        opt.step()
-        opt.zero_grad()
+        train(i)
         return int(batches[i]["attention_mask"].sum()), counter.step_bytes(ep) if counter is not None else None
 
     walls, cpus, outs = harness.timed(step, args["steps"], args["warmup"])
@@ -125,7 +114,7 @@ def run_layout(ep: int, args: dict) -> dict:
     return {"layout": f"dp {args['world']}" + (f" x ep {ep}" if ep > 1 else ""), "ep": ep,
             "step_s": statistics.median(ranks[0]["wall"]),
             "tokens_per_s": statistics.median(t / w for t, w in zip(ranks[0]["tokens"], ranks[0]["wall"])),
-            "busiest_cpu_s": statistics.median(max(c) for c in zip(*(r["cpu"] for r in ranks))),
+            "busiest_cpu_s": harness.busiest_cpu_s(ranks),
             "expert_bytes_per_rank": max(r["expert_bytes"] for r in ranks),
             "param_bytes_per_rank": max(r["param_bytes"] for r in ranks),
             "expert_imbalance_per_layer": ranks[0]["imbalance"],

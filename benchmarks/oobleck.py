@@ -15,7 +15,7 @@ fault-tolerance tests' launcher, global batch 4, one failure inside the step aft
 groups (group 0 loses a rank and stays down) and checkpoint-restart (one 4-rank job, a checkpoint every
 ``--save-every`` steps, restarted once). Committed steps/s before, during and after the failure, and the recovery.
 
-    python benchmarks/oobleck.py [--trials 200] [--planning-grid full|small]
+    python benchmarks/oobleck.py [--trials 200]
     python benchmarks/oobleck.py --measured [--steps 1200] [--kill-step 8] [--save-every 5] [--only NAME ...]
 """
 
@@ -181,11 +181,8 @@ def throughput(args, progress) -> dict:
 
 def planning(args, progress) -> list[dict]:
     rows = []
-    grid = SEED_PLANNING if args.planning_grid == "full" else {k: v for k, v in SEED_PLANNING.items() if k[0] == 8}
-    for (nodes, per_node), seed in grid.items():
+    for (nodes, per_node), seed in SEED_PLANNING.items():
         for layers, seed_s in seed.items():
-            if args.planning_grid == "small" and layers > 32:
-                continue
             specs = gpt_specs(layers, 2560, 2)
             tp = tuple(t for t in (1, 2, 4, 8) if t <= per_node)
             gc.collect()  # a full collection owed by earlier allocations (imports, throughput) is not this cell's
@@ -246,7 +243,7 @@ def _reforming(args, out: str, common: dict) -> dict:
         server.shutdown()
         del store
     wall = time.time() - t0
-    killed, g0, g1, r0 = _killed_at(out), ftb._steps(out, 0), ftb._steps(out, 1), ftb._json(out, "result_0.json")
+    killed, g0, g1, r0 = ftb._killed_at(out), ftb._steps(out, 0), ftb._steps(out, 1), ftb._json(out, "result_0.json")
     back = [t for s, t, r in g0 if r >= 1]
     healed = [e for e in r0.get("events", []) if e.get("event") == "healed"]
     return {"layout": "group 0: 2 torchrun agents x 1 rank (--nnodes 1:2, 2-node template: LLM pp 2) -> 1 rank "
@@ -278,7 +275,7 @@ def _identical(args, out: str, common: dict) -> dict:
     return {"layout": "2 groups x 2 ranks (LLM pp 2), no global_batch (per-group batch 2, the survivor takes all 4)",
             "kill": kill, "codes": codes, "wall_s": time.time() - t0,
             "steps_from": "steps_1.log (group 1, never stops)",
-            **phases(g1, _killed_at(out), None), "kill_to_recovered_s": None,
+            **phases(g1, ftb._killed_at(out), None), "kill_to_recovered_s": None,
             "note": "group 0 never returns: 'during' runs from the kill to the end of the run",
             "completed": codes[1] == 0 and bool(g1) and g1[-1][0] == args.steps}
 
@@ -292,7 +289,7 @@ def _checkpoint_restart(args, out: str, common: dict) -> dict:
     codes = ftb._wait([_launch({**common, "ft": False, "group": 0, "devices": 4, "out": out, "kill": kill,
                                 "save_every": args.save_every, "ckpt_dir": os.path.join(out, "ckpt"),
                                 "resume": "last"}, restarts=1, nproc=4)], args.timeout)
-    killed = _killed_at(out)
+    killed = ftb._killed_at(out)
     # rank 0 may finish the killed step in its first launch (its pipeline peer died after the backward): that
     # step is in no checkpoint and on no other rank, so only the restarted job's steps count after the kill
     rows = [x for x in ftb._steps(out, 0) if x[1] < killed or x[2] >= 1]
@@ -307,10 +304,6 @@ def _checkpoint_restart(args, out: str, common: dict) -> dict:
             "first_step_after_resume": second[0][0] if second else None,
             "kill_to_killed_step_committed_s": again[0] - killed if again else None,
             "completed": codes[0] == 0 and bool(rows) and rows[-1][0] == args.steps}
-
-
-def _killed_at(out: str) -> float:
-    return float(open(os.path.join(out, "killed_at")).read())
 
 
 def measured(args) -> None:
@@ -339,7 +332,6 @@ def main(argv=None) -> None:
         __doc__, argv, trials=(200, "failure orders averaged for identical groups"),
         restart_s=(11.0, "seconds to restart a group or a job"),
         storage_gbps=(2.5, "checkpoint storage GB/s (write and read)"),
-        planning_grid=dict(choices=("full", "small"), default="full"),
         measured=(False, "the measured CPU-process comparison (see above)"),
         steps=(1200, "--measured: steps of every run (the survivor must outlast the re-forming)"),
         kill_step=(8, "--measured: the kill comes inside the next step"),

@@ -7,9 +7,9 @@ FLOP costs (``mllm_layer_costs``), LLM recomputation, ``SHARD_GRAD_OP``, 80 GiB 
 global batch): uniform (Megatron's rigid layout: one dp, LLM tp 8 and pp 1/2/10, the encoder one stage of 8 ranks
 splitting the images), flop-ratio (GPUs in proportion to each module's work) and per-module
 (``search_per_module_dp``, tp 1/2/4/8 per module, with its solve and replay times); then the search's time on the
-72B at Table 2's GPU counts (median of --repeats runs). ``--measured`` also runs ``per_module_dp_cpu.py``.
+72B at Table 2's GPU counts (median of --repeats runs). Measured on CPU processes: ``per_module_dp_cpu.py``.
 
-    python benchmarks/per_module_dp.py [--repeats 5] [--models 9B,15B,72B] [--measured]
+    python benchmarks/per_module_dp.py [--repeats 5] [--models 9B,15B,72B]
 """
 
 from __future__ import annotations
@@ -191,9 +191,7 @@ def table_2(repeats: int) -> list[dict]:
 
 def main(argv=None) -> dict:
     args = harness.cli(__doc__, argv, repeats=(5, "timed runs of each search (median)"), models="9B,15B,72B",
-                       out=str(harness.RESULTS / "per_module_dp.json"),
-                       measured=(False, "also measure uniform vs per-module dp on CPU processes "
-                                        "(benchmarks/per_module_dp_cpu.py)"))
+                       out=str(harness.RESULTS / "per_module_dp.json"))
     start = harness.record()
     work = [(scale, m, setting) for scale in SCALES for m in args.models.split(",")
             for setting in (SETTINGS if scale == "8.2.1" else ("trained",))]
@@ -212,10 +210,6 @@ def main(argv=None) -> dict:
         published=dict(mfu_disttrain="51.8-54.7% (§8.1)", ratios=PUBLISHED,
                        table_2_ms={g: s * 1e3 for g, (_, s) in TABLE_2.items()}))
     harness.write(args.out, doc, start)
-    if args.measured:
-        import per_module_dp_cpu
-
-        per_module_dp_cpu.main([])
     return doc
 
 

@@ -40,30 +40,11 @@ def layouts(world: int) -> dict[str, tuple[dict, dict]]:
 
 
 def worker(rank: int, world: int, name: str, args: dict) -> dict:
-    import lightning_mm as lmm
-    from lightning_mm.data.microbatch import split_microbatches
-    from lightning_mm.parallel.engine import PipelineEngine
     from lightning_mm.plan.layout import ParallelSpec, build_layout
 
-    model, batch = build_model(args), args["batch"]
-    vision, llm = layouts(world)[name]
+    model, (vision, llm) = build_model(args), layouts(world)[name]
     layout = build_layout({"vision": ParallelSpec(**vision)}, ParallelSpec(**llm), world, "parallel", ["vision"])
-    engine = PipelineEngine(model, layout, rank, args["microbatches"])
-    data = lmm.data.SyntheticMultimodalDataset(model, num_samples=batch * (args["steps"] + args["warmup"]),
-                                               items_per_sample=(2, 4), seed=1)
-    collate = lmm.data.MultimodalCollator(model)
-    params = engine.trainable_parameters()
-    opt = torch.optim.SGD(params, lr=1e-3) if params else None
-    batches = [split_microbatches(collate([data[s * batch + i] for i in range(batch)]), layout.num_groups,
-                                  model)[layout.group_of(rank)] for s in range(args["warmup"] + args["steps"])]
-
-    def step(i):
-        engine.run(batches[i])
-        engine.sync_gradients()
-        if opt:
-            opt.step()
-            opt.zero_grad()
-
+    engine, _, step = harness.engine_steps(model, layout, rank, args, items_per_sample=(2, 4))
     walls, cpus, _ = harness.timed(step, args["steps"], args["warmup"])
     return {"stage": engine.stage, "dp": engine.coord.dp, "wall": walls, "cpu": cpus}
 
@@ -71,7 +52,7 @@ def worker(rank: int, world: int, name: str, args: dict) -> dict:
 def run_layout(name: str, args: dict) -> dict:
     ranks = harness.spawn(worker, args["world"], name, args)
     return {"layout": name, "step_s": statistics.median(ranks[0]["wall"]),
-            "busiest_cpu_s": statistics.median(max(c) for c in zip(*(r["cpu"] for r in ranks))),
+            "busiest_cpu_s": harness.busiest_cpu_s(ranks),
             "cpu_s_per_rank": {f"{r['stage']}/dp{r['dp']}": statistics.median(r["cpu"]) for r in ranks}}
 
 

@@ -28,7 +28,6 @@ FSDPStrategy and ModelParallelStrategy + ``fully_shard``: per rank the peak memo
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -96,16 +95,87 @@ def _start_memory_measure(gpu: bool) -> tuple[bool, int]:
     return reset, torch.cuda.memory_allocated() if gpu else harness.proc_kb("VmRSS") * 1024
 
 
+def _peaks(state: dict, base: int, reset: bool, gpu: bool) -> dict:
+    """Peak growth in MiB at the first step and at the end, from ``base``."""
+    return {"peak_first_step_mb": (state["peak_first_step"] - base) / 2**20,
+            "peak_end_mb": (_peak_bytes(gpu) - base) / 2**20, "base_mb": base / 2**20,
+            "peak_since": "before the build" if reset or gpu else "process start"}
+
+
 def _peak_bytes(gpu: bool) -> int:
     import torch
 
     return torch.cuda.max_memory_allocated() if gpu else harness.proc_kb("VmHWM") * 1024
 
 
-def worker(cfg: dict, args, result: str) -> None:
+def _meter(args, state: dict, mode: str):
+    """A callback filling ``state`` (the three modes' measures in one): setup start and end, the first step's start,
+    peak and end; "pipeline": the peak reset at train start; "pipeline" and "sharding": ``t0`` / ``t1`` around steps
+    ``--warmup`` to ``--warmup + --steps`` (barriers); "sharding": the state bytes before the first timed step's
+    optimiser step."""
     import lightning as L
     import torch
     import torch.distributed as dist
+
+    gpu, timed = args.accelerator == "gpu", mode != "setup"
+
+    class Meter(L.Callback):
+        def setup(self, trainer, pl_module, stage):
+            state["setup_start"] = time.perf_counter()
+
+        def on_fit_start(self, trainer, pl_module):
+            state["setup_end"] = time.perf_counter()
+
+        def on_train_start(self, trainer, pl_module):
+            if mode == "pipeline":
+                state["reset"], state["rss_start_kb"] = harness.rss_reset(), harness.proc_kb("VmRSS")
+                if gpu:
+                    torch.cuda.reset_peak_memory_stats()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if "first_step" not in state:
+                state["first_step"], state["peak_first_step"] = time.perf_counter(), _peak_bytes(gpu)
+            if timed and trainer.global_step == args.warmup:
+                dist.barrier()
+                state["t0"] = time.perf_counter()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if mode == "sharding" and trainer.global_step == args.warmup:
+                state["state_bytes"] = _state_bytes(pl_module, optimizer)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            state.setdefault("first_step_end", time.perf_counter())
+            if timed and trainer.global_step == args.warmup + args.steps:
+                dist.barrier()
+                state["t1"] = time.perf_counter()
+
+    return Meter()
+
+
+def _ranks(trainer, mine: dict) -> list[dict] | None:
+    """Every rank's ``mine`` (with its rank and stage), on rank 0; None on the others."""
+    import torch.distributed as dist
+
+    engine = getattr(trainer.strategy, "engine", None)
+    mine = {"rank": trainer.global_rank, "stage": engine.stage if engine is not None else "whole model", **mine}
+    ranks = [mine]
+    if trainer.world_size > 1:
+        ranks = [None] * trainer.world_size
+        dist.all_gather_object(ranks, mine)
+    return ranks if trainer.global_rank == 0 else None
+
+
+def _rate(trainer, cfg: dict, args, state: dict) -> dict:
+    """Data-parallel degree, global batch and samples/s of the timed steps."""
+    dp = trainer.strategy.layout.dp if cfg["strategy"] == "multimodal" else args.procs
+    seconds = state["t1"] - state["t0"]
+    return {"dp": dp, "global_batch": args.batch * dp, "seconds": seconds,
+            "samples_per_s": args.batch * dp * args.steps / seconds}
+
+
+def worker(cfg: dict, args, result: str) -> None:
+    import lightning as L
+    import torch
 
     import lightning_mm as lmm
     from lightning_mm.trainer.callbacks import PipelineTimeline
@@ -114,8 +184,7 @@ def worker(cfg: dict, args, result: str) -> None:
     module = build_module(cfg, args)
     data = lmm.data.SyntheticMultimodalDataModule(num_samples=args.batch * 64, batch_size=args.batch,
                                                   text_tokens=(args.text_tokens - 8, args.text_tokens))
-    gpu = args.accelerator == "gpu"
-    callbacks = []
+    state, callbacks = {}, []
     if cfg["strategy"] == "multimodal":
         strategy = lmm.MultimodalParallelStrategy(
             encoders={e: lmm.ParallelSpec(pp=cfg["encoder_pp"]) for e in cfg["encoders"]},
@@ -132,42 +201,16 @@ def worker(cfg: dict, args, result: str) -> None:
         from lightning.pytorch.strategies import DDPStrategy
 
         strategy, timeline = DDPStrategy(process_group_backend="gloo", start_method="popen"), None
-    state = {}
-
-    class Meter(L.Callback):
-        def on_train_start(self, trainer, pl_module):
-            state["reset"] = harness.rss_reset()
-            state["rss_start_kb"] = harness.proc_kb("VmRSS")
-            if gpu:
-                torch.cuda.reset_peak_memory_stats()
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if trainer.global_step == args.warmup:
-                dist.barrier()
-                state["t0"] = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == args.warmup + args.steps:
-                dist.barrier()
-                state["t1"] = time.perf_counter()
-
-    callbacks.append(Meter())
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.procs, strategy=strategy,
-                        max_steps=args.warmup + args.steps, callbacks=callbacks, **harness.QUIET)
+                        max_steps=args.warmup + args.steps, callbacks=[*callbacks, _meter(args, state, "pipeline")],
+                        **harness.QUIET)
     trainer.fit(module, data)
-    mine = {"rank": trainer.global_rank,
-            "stage": getattr(getattr(trainer.strategy, "engine", None), "stage", "whole model"),
-            "peak_mb": (torch.cuda.max_memory_allocated() / 2**20 if gpu else harness.proc_kb("VmHWM") / 1024),
-            "rss_start_mb": state["rss_start_kb"] / 1024,
-            "peak_since": "train start" if state["reset"] else "process start"}
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, mine)
-    if trainer.global_rank != 0:
+    ranks = _ranks(trainer, {"peak_mb": _peak_bytes(args.accelerator == "gpu") / 2**20,
+                             "rss_start_mb": state["rss_start_kb"] / 1024,
+                             "peak_since": "train start" if state["reset"] else "process start"})
+    if ranks is None:
         return
-    dp = trainer.strategy.layout.dp if cfg["strategy"] == "multimodal" else args.procs
-    seconds = state["t1"] - state["t0"]
-    doc = {**cfg, "dp": dp, "global_batch": args.batch * dp, "seconds": seconds,
-           "samples_per_s": args.batch * dp * args.steps / seconds, "ranks": ranks}
+    doc = {**cfg, **_rate(trainer, cfg, args, state), "ranks": ranks}
     if timeline is not None and timeline.results:
         measured, predicted = timeline.results[args.warmup]
         doc["bubble"] = measured.bubble_fraction
@@ -225,30 +268,12 @@ def setup_worker(cfg: dict, args, result: str) -> None:
     """One ``--setup`` run: build as ``cfg`` says, fit ``--steps`` steps, write every rank's numbers."""
     import lightning as L
     import torch
-    import torch.distributed as dist
     import transformers
 
     import lightning_mm as lmm
 
     torch.set_num_threads(args.threads)
-    gpu = args.accelerator == "gpu"
-    state = {}
-
-    class Meter(L.Callback):
-        def setup(self, trainer, pl_module, stage):
-            state["setup_start"] = time.perf_counter()
-
-        def on_fit_start(self, trainer, pl_module):
-            state["setup_end"] = time.perf_counter()
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if "first_step" not in state:
-                state["first_step"] = time.perf_counter()
-                state["peak_first_step"] = _peak_bytes(gpu)
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            state.setdefault("first_step_end", time.perf_counter())
-
+    gpu, state = args.accelerator == "gpu", {}
     if cfg.get("single"):
         strategy, devices = "auto", 1
     else:
@@ -257,7 +282,8 @@ def setup_worker(cfg: dict, args, result: str) -> None:
             num_microbatches=1, partition="uniform")
         devices = args.procs
     trainer = L.Trainer(accelerator=args.accelerator, devices=devices, strategy=strategy, max_steps=args.steps,
-                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Meter()], **harness.QUIET)
+                        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[_meter(args, state, "setup")],
+                        **harness.QUIET)
     torch.manual_seed(0)
     reset, base = _start_memory_measure(gpu)
     start = time.perf_counter()
@@ -286,19 +312,11 @@ def setup_worker(cfg: dict, args, result: str) -> None:
     data = lmm.data.SyntheticMultimodalDataModule(num_samples=args.batch * (args.steps + 1), batch_size=args.batch,
                                                   text_tokens=(args.text_tokens - 8, args.text_tokens))
     trainer.fit(module, data)
-    engine = getattr(trainer.strategy, "engine", None)
-    mine = {"rank": trainer.global_rank, "stage": engine.stage if engine is not None else "whole model",
-            "build_s": built - start, "setup_s": state["setup_end"] - state["setup_start"],
-            "to_first_step_s": state["first_step"] - start, "to_first_step_end_s": state["first_step_end"] - start,
-            "peak_build_mb": (peak_build - base) / 2**20,
-            "peak_first_step_mb": (state["peak_first_step"] - base) / 2**20,
-            "peak_end_mb": (_peak_bytes(gpu) - base) / 2**20, "base_mb": base / 2**20,
-            "peak_since": "before the build" if reset or gpu else "process start"}
-    ranks = [mine]
-    if trainer.world_size > 1:
-        ranks = [None] * trainer.world_size
-        dist.all_gather_object(ranks, mine)
-    if trainer.global_rank == 0:
+    ranks = _ranks(trainer, {
+        "build_s": built - start, "setup_s": state["setup_end"] - state["setup_start"],
+        "to_first_step_s": state["first_step"] - start, "to_first_step_end_s": state["first_step_end"] - start,
+        "peak_build_mb": (peak_build - base) / 2**20, **_peaks(state, base, reset, gpu)})
+    if ranks is not None:
         Path(result).write_text(json.dumps({**cfg, "model_mb": model_bytes / 2**20, "ranks": ranks}))
 
 
@@ -369,32 +387,11 @@ def sharding_worker(cfg: dict, args, result: str) -> None:
 def _sharding_worker(cfg: dict, args, result: str) -> None:
     import lightning as L
     import torch
-    import torch.distributed as dist
 
     import lightning_mm as lmm
 
     torch.set_num_threads(args.threads)
-    gpu = args.accelerator == "gpu"
-    procs = args.procs
-    state: dict = {}
-
-    class Meter(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if "peak_first_step" not in state:
-                state["peak_first_step"] = _peak_bytes(gpu)
-            if trainer.global_step == args.warmup:
-                dist.barrier()
-                state["t0"] = time.perf_counter()
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if trainer.global_step == args.warmup:
-                state["state_bytes"] = _state_bytes(pl_module, optimizer)
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == args.warmup + args.steps:
-                dist.barrier()
-                state["t1"] = time.perf_counter()
-
+    gpu, procs, state = args.accelerator == "gpu", args.procs, {}
     module_class = lmm.MultimodalLightningModule
     if cfg["strategy"] == "multimodal":
         strategy = lmm.MultimodalParallelStrategy(
@@ -427,7 +424,7 @@ def _sharding_worker(cfg: dict, args, result: str) -> None:
         module_class = FSDP2Module
     trainer = L.Trainer(accelerator=args.accelerator, devices=procs, strategy=strategy,
                         max_steps=args.warmup + args.steps, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[Meter()], **harness.QUIET)
+                        callbacks=[_meter(args, state, "sharding")], **harness.QUIET)
     torch.manual_seed(0)
     reset, base = _start_memory_measure(gpu)
     if cfg["strategy"] == "fsdp":
@@ -441,22 +438,12 @@ def _sharding_worker(cfg: dict, args, result: str) -> None:
                                                   batch_size=args.batch,
                                                   text_tokens=(args.text_tokens - 8, args.text_tokens))
     trainer.fit(module, data)
-    engine = getattr(trainer.strategy, "engine", None)
-    mine = {"rank": trainer.global_rank, "stage": engine.stage if engine is not None else "whole model",
-            "peak_first_step_mb": (state["peak_first_step"] - base) / 2**20,
-            "peak_end_mb": (_peak_bytes(gpu) - base) / 2**20, "base_mb": base / 2**20,
-            "peak_since": "before the build" if reset or gpu else "process start",
-            "state_mb": {k: v / 2**20 for k, v in state["state_bytes"].items()},
-            "loss": float(trainer.callback_metrics.get("train/loss", float("nan")))}
-    ranks = [None] * trainer.world_size
-    dist.all_gather_object(ranks, mine)
-    if trainer.global_rank != 0:
-        return
-    dp = trainer.strategy.layout.dp if cfg["strategy"] == "multimodal" else procs
-    seconds = state["t1"] - state["t0"]
-    Path(result).write_text(json.dumps({
-        **cfg, "dp": dp, "global_batch": args.batch * dp, "model_mb": model_bytes / 2**20, "seconds": seconds,
-        "samples_per_s": args.batch * dp * args.steps / seconds, "ranks": ranks}))
+    ranks = _ranks(trainer, {**_peaks(state, base, reset, gpu),
+                             "state_mb": {k: v / 2**20 for k, v in state["state_bytes"].items()},
+                             "loss": float(trainer.callback_metrics.get("train/loss", float("nan")))})
+    if ranks is not None:
+        Path(result).write_text(json.dumps({**cfg, **_rate(trainer, cfg, args, state), "model_mb": model_bytes / 2**20,
+                                            "ranks": ranks}))
 
 def _save(args, start: dict, name: str, rows: list[dict]) -> None:
     baseline = {"pipeline": rows[0]["name"], "pipeline_sharding": "no_shard"}.get(name)
@@ -487,11 +474,10 @@ def main(argv=None) -> None:
         sharding=(False, "measure sharded data parallelism and tensor parallelism vs Lightning's FSDP strategies"),
         text_tokens=128, threads=(1, "torch threads per process (cores / procs)"),
         only=dict(help="comma-separated layout names to run"), out=str(harness.RESULTS), timeout=900.0,
-        repeats=(1, "runs per layout (best kept): noisy shared machines"), worker=dict(help=argparse.SUPPRESS),
-        result=dict(help=argparse.SUPPRESS))
+        repeats=(1, "runs per layout (best kept): noisy shared machines"), worker=True)
     if args.worker:
         run = sharding_worker if args.sharding else setup_worker if args.setup else worker
-        return run(json.loads(args.worker), args, args.result)
+        return run(args.worker, args, args.result)
     start = harness.record()
     only = set(args.only.split(",")) if args.only else None
     if args.setup:

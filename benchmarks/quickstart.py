@@ -5,7 +5,7 @@
 2. The scan of ``ConversationDataset(scan=True)``: the examples' records repeated to --records, one torch thread,
    records per second = records / (construction with the scan - without it), median of --repeats.
 
-    python benchmarks/quickstart.py [--records 20000] [--repeats 3] [--skip-fit]
+    python benchmarks/quickstart.py [--records 20000] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -62,8 +62,7 @@ def scan_rate(folder: Path, records: int, repeats: int) -> dict:
 
 
 def main(argv=None) -> None:
-    args = harness.cli(__doc__, argv, records=20000, repeats=3,
-                       skip_fit=(False, "keep the main job's time from the JSON"))
+    args = harness.cli(__doc__, argv, records=20000, repeats=3)
     start = harness.record()
     out = harness.RESULTS / "quickstart_cpu.json"
     doc = harness.read(out)
@@ -72,10 +71,9 @@ def main(argv=None) -> None:
         doc["make_conversation_data_s"] = wall([sys.executable, "examples/make_conversation_data.py", str(folder)],
                                                harness.ROOT)
         doc["scan"] = scan_rate(folder, args.records, args.repeats)
-        if not args.skip_fit:
-            shutil.copytree(harness.ROOT / "examples", Path(tmp) / "examples")
-            doc["main_job_s"] = wall([*MAIN_JOB, f"--trainer.default_root_dir={Path(tmp) / 'logs'}"], Path(tmp))
-            doc["main_job_command"] = " ".join(MAIN_JOB)
+        shutil.copytree(harness.ROOT / "examples", Path(tmp) / "examples")
+        doc["main_job_s"] = wall([*MAIN_JOB, f"--trainer.default_root_dir={Path(tmp) / 'logs'}"], Path(tmp))
+        doc["main_job_command"] = " ".join(MAIN_JOB)
     harness.write(out, doc, start)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -56,6 +57,22 @@ def table(header: list[str], rows: list[list], align: str | None = None) -> str:
 
 def measured_table(data: dict, header: list[str], rows: list[list], align: str) -> str:
     return f"Measured on {_machine_line(data)}:\n\n" + table(header, rows, align)
+
+
+def _text(spec, data: dict) -> str:
+    """A caption: a format string over the JSON (``on``: the machine line) or a function of it."""
+    return spec.format_map({**data, "on": _machine_line(data)}) if isinstance(spec, str) else spec(data)
+
+
+def grid(json_name: str, name: str, rows, align: str, columns: list[tuple], before="", after="") -> None:
+    """Register a table quote of ``benchmarks/results/<json_name>``, one row per item of ``rows`` (a key of the JSON
+    or a function of it); each column a (header, cell) pair, the cell a format string over the item or a function
+    of it; ``before`` and ``after`` (``_text``) around the table."""
+    def render(data: dict) -> str:
+        items = data[rows] if isinstance(rows, str) else rows(data)
+        cells = [[c.format_map(r) if isinstance(c, str) else c(r) for _, c in columns] for r in items]
+        return _text(before, data) + table([h for h, _ in columns], cells, align) + _text(after, data)
+    renderer(json_name, name)(render)
 
 
 def _machine_line(data: dict) -> str:
@@ -112,15 +129,14 @@ def _imbalance(data: dict) -> dict:
     return {(r["layout"], r["tokens"], r["cp"], r["method"]): r["imbalance"] for r in data["balance"]}
 
 
-@renderer("cp_balance.json", "planning")
-def cp_planning(data: dict) -> str:
-    rows = [[_CP_NAMES.get((r["layout"], r.get("variant", "")), r["layout"]), r["runs"], f"{r['plan_ms_median']:.2f}",
-             f"{r['plan_ms_min']:.2f}", f"{r['workload_ms_median']:.2f}", f"{r['lpt_ms_median']:.2f}",
-             f"{r['load_average']:.1f}", "met" if r["met"] else "missed"] for r in data["planning_1m"]]
-    return (f"Measured on {_machine_line(data)} (1 thread, median and minimum of "
-            f"{data['machine'].get('repeats', 'the')} repeats of one call; load average at each case's start in the "
-            "table):\n\n" + table(["layout (1M tokens, cp 8)", "runs", "distribute median ms", "min ms",
-                                   "workload median ms", "LPT median ms", "load avg", "goal 1 ms"], rows, "lrrrrrrl"))
+grid("cp_balance.json", "planning", "planning_1m", "lrrrrrrl", [
+    ("layout (1M tokens, cp 8)", lambda r: _CP_NAMES.get((r["layout"], r.get("variant", "")), r["layout"])),
+    ("runs", "{runs}"), ("distribute median ms", "{plan_ms_median:.2f}"), ("min ms", "{plan_ms_min:.2f}"),
+    ("workload median ms", "{workload_ms_median:.2f}"), ("LPT median ms", "{lpt_ms_median:.2f}"),
+    ("load avg", "{load_average:.1f}"), ("goal 1 ms", lambda r: "met" if r["met"] else "missed")],
+     before=lambda d: (f"Measured on {_machine_line(d)} (1 thread, median and minimum of "
+                       f"{d['machine'].get('repeats', 'the')} repeats of one call; load average at each case's start "
+                       "in the table):\n\n"))
 
 
 @renderer("cp_balance.json", "planning-inline")
@@ -174,14 +190,11 @@ quotes("cp_balance.json", {
 
 # ---------------------------------------- balance_planning.json
 
-@renderer("balance_planning.json", "table")
-def balance_planning(data: dict) -> str:
-    rows = [[r["method"], f"{r['plan_ms_median']:.2f}", f"{r['plan_ms_min']:.2f}", f"{r['enc_max_over_mean']:.3f}",
-             f"{r['llm_max_over_mean']:.3f}", f"{r['deferrals']:.1f}"] for r in data["rows"]]
-    return (f"Measured on {_machine_line(data)}; {data['repeats']} timed runs of one batch, loads over "
-            f"{data['seeds']} seeds:\n\n"
-            + table(["method", "plan median ms", "plan min ms", "encoder max/mean", "LLM max/mean", "deferrals"],
-                    rows, "lrrrrr"))
+grid("balance_planning.json", "table", "rows", "lrrrrr", [
+    ("method", "{method}"), ("plan median ms", "{plan_ms_median:.2f}"), ("plan min ms", "{plan_ms_min:.2f}"),
+    ("encoder max/mean", "{enc_max_over_mean:.3f}"), ("LLM max/mean", "{llm_max_over_mean:.3f}"),
+    ("deferrals", "{deferrals:.1f}")], before="Measured on {on}; {repeats} timed runs of one batch, loads over {seeds} "
+                                              "seeds:\n\n")
 
 
 @renderer("balance_planning.json", "inline")
@@ -196,6 +209,9 @@ def balance_planning_inline(data: dict) -> str:
 
 def _set(d: str, llm: str) -> list[str]:
     return [d, llm.replace("llama-", "").upper()]
+
+
+_SET = [("set", "{dataset}"), ("LLM", lambda r: _set(r["dataset"], r["llm"])[1])]
 
 
 def _seeds(data: dict, mixed: bool = False) -> list[dict]:
@@ -220,19 +236,14 @@ def het_calibration(data: dict) -> str:
                   *[f"calibration \"{n}\"" for n in names]], rows, "lllrrr")
 
 
-@renderer("heterogeneity.json", "vs-disttrain")
-def het_vs_disttrain(data: dict) -> str:
-    rows = []
-    for q in _seeds(data):
-        spl = q["published_entrain_split"]
-        rows.append([*_set(q["dataset"], q["llm"]), f"{q['vision_text_workload_ratio']:.2f}",
-                     f"{q['entrain_split'][0]}/{q['entrain_split'][1]}", f"{spl[0]}/{spl[1]}" if spl else "-",
-                     ", ".join(f"{k} ({v:.0%})" for k, v in q["disttrain_splits"].items()),
-                     f"{q['entrain_over_disttrain']:.3f}", f"{q['entrain_over_disttrain_best']:.3f}"])
-    return table(["set", "LLM", "vision:LLM workload (simulated)", "entrain split (simulated)",
-                  "entrain split (published)", "disttrain splits from 1-sample profiles (simulated)",
-                  "entrain over disttrain, profiled splits (simulated)",
-                  "entrain over disttrain, best split each (simulated)"], rows, "llrllrrr")
+grid("heterogeneity.json", "vs-disttrain", _seeds, "llrllrrr", [
+    *_SET, ("vision:LLM workload (simulated)", "{vision_text_workload_ratio:.2f}"),
+    ("entrain split (simulated)", "{entrain_split[0]}/{entrain_split[1]}"),
+    ("entrain split (published)", lambda q: "/".join(map(str, q["published_entrain_split"] or [])) or "-"),
+    ("disttrain splits from 1-sample profiles (simulated)",
+     lambda q: ", ".join(f"{k} ({v:.0%})" for k, v in q["disttrain_splits"].items())),
+    ("entrain over disttrain, profiled splits (simulated)", "{entrain_over_disttrain:.3f}"),
+    ("entrain over disttrain, best split each (simulated)", "{entrain_over_disttrain_best:.3f}")])
 
 
 @renderer("heterogeneity.json", "std")
@@ -253,21 +264,15 @@ def het_std(data: dict) -> str:
                   "simulated disttrain / entrain"], rows, "lllrrrrr")
 
 
-@renderer("heterogeneity.json", "iterations")
-def het_iterations(data: dict) -> str:
-    rows = [[*_set(r["dataset"], r["llm"]), r["method"], f"{r['iteration_s']:.3f}", r["best_split"],
-             f"{r['iteration_s_best']:.3f}", f"{r['speedup_vs_none']:.3f}", f"{r['mean_idle_fraction']:.2f}",
-             f"{r['deferred_samples']:.1f}"] for r in data["simulated"]]
-    return table(["set", "LLM", "method", "iteration s, profiled split", "best split", "iteration s, best split",
-                  "over none, both at entrain's split", "idle", "deferred samples"], rows, "lllrlrrrr")
-
-
-@renderer("heterogeneity.json", "ablation")
-def het_ablation(data: dict) -> str:
-    rows = [[*_set(r["dataset"], r["llm"]), f"{r['iteration_s_without_deferral']:.3f} s",
-             f"{r['iteration_s_at_entrain_split']:.3f} s"]
-            for r in data["simulated"] if r["method"] == "entrain" and r["deferred_samples"] > 0]
-    return table(["set", "LLM", "without deferral (simulated)", "with deferral (simulated)"], rows, "llrr")
+grid("heterogeneity.json", "iterations", "simulated", "lllrlrrrr", [
+    *_SET, ("method", "{method}"), ("iteration s, profiled split", "{iteration_s:.3f}"),
+    ("best split", "{best_split}"), ("iteration s, best split", "{iteration_s_best:.3f}"),
+    ("over none, both at entrain's split", "{speedup_vs_none:.3f}"),
+    ("idle", "{mean_idle_fraction:.2f}"), ("deferred samples", "{deferred_samples:.1f}")])
+grid("heterogeneity.json", "ablation",
+     lambda d: [r for r in d["simulated"] if r["method"] == "entrain" and r["deferred_samples"] > 0], "llrr", [
+         *_SET, ("without deferral (simulated)", "{iteration_s_without_deferral:.3f} s"),
+         ("with deferral (simulated)", "{iteration_s_at_entrain_split:.3f} s")])
 
 
 @renderer("heterogeneity.json", "planning")
@@ -283,14 +288,12 @@ def het_planning(data: dict) -> str:
             + table(["method", "median of medians ms", "worst median ms", "slowest single run ms"], rows, "lrrr"))
 
 
-@renderer("heterogeneity.json", "measured")
-def het_measured(data: dict) -> str:
-    rows = [[r["method"], f"{r['samples_per_s']:.2f}", f"{r['step_s_median']:.3f}",
-             _range(r["step_s"][r["warmup"]:], ".2f"), f"{r['encoder_forward_std_ms']:.2f}"] for r in data["measured"]]
-    return (f"Measured on {harness.describe(data.get('measured_machine'))} (`python benchmarks/heterogeneity.py "
-            f"--measure`):\n\n"
-            + table(["method", "samples/s", "median step s", "measured steps s", "encoder microbatch forward std ms"],
-                    rows, "lrrrr"))
+grid("heterogeneity.json", "measured", "measured", "lrrrr", [
+    ("method", "{method}"), ("samples/s", "{samples_per_s:.2f}"), ("median step s", "{step_s_median:.3f}"),
+    ("measured steps s", lambda r: _range(r["step_s"][r["warmup"]:], ".2f")),
+    ("encoder microbatch forward std ms", "{encoder_forward_std_ms:.2f}")],
+     before=lambda d: (f"Measured on {harness.describe(d.get('measured_machine'))} (`python "
+                       "benchmarks/heterogeneity.py --measure`):\n\n"))
 
 
 quotes("heterogeneity.json", {
@@ -417,15 +420,15 @@ def pipeline_table(data: dict) -> str:
                                  "measured / simulated", "all runs"], rows, "llrrllrl")
 
 
-@renderer("pipeline_setup_p4_cpu.json", "table")
-def pipeline_setup_table(data: dict) -> str:
-    rows = [[_SETUP_NAMES.get(r["name"], r["name"]), len(r["ranks"]), _mb(r["ranks"], "peak_first_step_mb"),
-             _mb(r["ranks"], "peak_end_mb"), f"{max(x['build_s'] for x in r['ranks']):.2f}",
-             f"{max(x['setup_s'] for x in r['ranks']):.2f}", f"{r['ranks'][0]['to_first_step_s']:.1f}",
-             f"{r['ranks'][0]['to_first_step_end_s']:.1f}"] for r in data["rows"]]
-    return measured_table(data, ["build", "processes", "peak MiB per rank at the first step",
-                                 "peak MiB per rank at the end", "build s", "setup s", "rank 0 to 1st step s",
-                                 "to its end s"], rows, "lrllrrrr")
+grid("pipeline_setup_p4_cpu.json", "table", "rows", "lrllrrrr", [
+    ("build", lambda r: _SETUP_NAMES.get(r["name"], r["name"])), ("processes", lambda r: len(r["ranks"])),
+    ("peak MiB per rank at the first step", lambda r: _mb(r["ranks"], "peak_first_step_mb")),
+    ("peak MiB per rank at the end", lambda r: _mb(r["ranks"], "peak_end_mb")),
+    ("build s", lambda r: f"{max(x['build_s'] for x in r['ranks']):.2f}"),
+    ("setup s", lambda r: f"{max(x['setup_s'] for x in r['ranks']):.2f}"),
+    ("rank 0 to 1st step s", "{ranks[0][to_first_step_s]:.1f}"),
+    ("to its end s", "{ranks[0][to_first_step_end_s]:.1f}")],
+     before="Measured on {on}:\n\n")
 
 
 @renderer("pipeline_sharding_p4_cpu.json", "table")
@@ -767,17 +770,15 @@ def _pm_at(data: dict) -> dict:
     return {c["model"]: c["rows"]["per-module"] for c in data["cases"] if c["scale"] == "8.1"}
 
 
-@renderer("per_module_dp.json", "cases")
-def per_module_dp_cases(data: dict) -> str:
-    rows = [[f"§{c['scale']}", c["model"].removeprefix("MLLM-"), c["setting"], name, r["gpus"], r["layout"],
-             f"{r['iteration_s']:.2f}", f"{r['samples_per_s']:.1f}", f"{r['mfu']:.1%}", f"{r['bubble']:.1%}",
-             f"{r['mfu_vs_uniform']:.2f}", f"{r['throughput_vs_uniform']:.2f}",
-             f"{r['estimate_s']:.2f}" if "estimate_s" in r else "",
-             f"{r['planning_ms']:.0f}" if "planning_ms" in r else ""]
-            for c in data["cases"] for name, r in c["rows"].items()]
-    return (table(["scale", "LLM", "setting", "row", "GPUs", "dp x tp x pp", "iteration (s)", "samples/s", "MFU",
-                   "bubble", "MFU x", "throughput x", "Eq. 1-2 (s)", "planning (ms)"], rows, "llllrlrrrrrrrr")
-            + f"\n\nSimulated by {_machine_line(data)} (planning: this CPU's wall time).")
+grid("per_module_dp.json", "cases",
+     lambda d: [dict(r, case=c, row=name) for c in d["cases"] for name, r in c["rows"].items()], "llllrlrrrrrrrr", [
+         ("scale", "§{case[scale]}"), ("LLM", lambda r: r["case"]["model"].removeprefix("MLLM-")),
+         ("setting", "{case[setting]}"), ("row", "{row}"), ("GPUs", "{gpus}"), ("dp x tp x pp", "{layout}"),
+         ("iteration (s)", "{iteration_s:.2f}"), ("samples/s", "{samples_per_s:.1f}"), ("MFU", "{mfu:.1%}"),
+         ("bubble", "{bubble:.1%}"), ("MFU x", "{mfu_vs_uniform:.2f}"), ("throughput x", "{throughput_vs_uniform:.2f}"),
+         ("Eq. 1-2 (s)", lambda r: f"{r['estimate_s']:.2f}" if "estimate_s" in r else ""),
+         ("planning (ms)", lambda r: f"{r['planning_ms']:.0f}" if "planning_ms" in r else "")],
+     after="\n\nSimulated by {on} (planning: this CPU's wall time).")
 
 
 @renderer("per_module_dp.json", "gains")
@@ -790,12 +791,11 @@ def per_module_dp_gains(data: dict) -> str:
             f"{_range([r['throughput_vs_uniform'] for r in small], '.2f', 'x')} throughput")
 
 
-@renderer("per_module_dp.json", "table-2")
-def per_module_dp_table_2(data: dict) -> str:
-    rows = [[t["gpus"], t["batch"], f"{t['search_ms']:.0f}", f"{t['published_ms']:.0f}", t["subproblems"],
-             t["layout"]] for t in data["table_2"]]
-    return (table(["GPUs", "batch", "search (ms)", "published (ms)", "subproblems", "layout"], rows, "rrrrrl")
-            + f"\n\nSearch times measured on {_machine_line(data)}; layouts simulated.")
+grid("per_module_dp.json", "table-2", "table_2", "rrrrrl", [
+    ("GPUs", "{gpus}"), ("batch", "{batch}"), ("search (ms)", "{search_ms:.0f}"),
+    ("published (ms)", "{published_ms:.0f}"),
+    ("subproblems", "{subproblems}"), ("layout", "{layout}")],
+     after="\n\nSearch times measured on {on}; layouts simulated.")
 
 
 quotes("per_module_dp.json", {
@@ -811,48 +811,40 @@ quotes("per_module_dp.json", {
                               f"and {_pm_at(d)['MLLM-72B']['planning_ms']:.0f} ms (measured on {_where(d)})")})
 
 
-@renderer("per_module_dp_cpu.json", "table")
-def per_module_dp_cpu_table(data: dict) -> str:
-    rows = [[r["layout"], f"{r['step_s']:.3f}", f"{r['busiest_cpu_s']:.3f}", f"{r['step_speedup']:.2f}x",
-             f"{r['busiest_cpu_speedup']:.2f}x", ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s_per_rank"].items())]
-            for r in data["rows"]]
-    return (table(["layout", "step (s)", "busiest rank CPU (s)", "step vs uniform", "busiest CPU vs uniform",
-                   "CPU s per rank"], rows, "lrrrrl") + f"\n\nMeasured on {_machine_line(data)}.")
-
-
-@renderer("moe_cpu.json", "table")
-def moe_cpu_table(data: dict) -> str:
-    rows = [[r["layout"], f"{r['step_s']:.3f}", f"{r.get('tokens_per_s', float('nan')):.0f}",
-             f"{r['busiest_cpu_s']:.3f}", f"{r['step_vs_ep1']:.2f}x", f"{r['expert_bytes_per_rank'] / 2 ** 20:.2f}",
-             f"{r['param_bytes_per_rank'] / 2 ** 20:.2f}",
-             ", ".join(f"{v:.2f}" for v in r["expert_imbalance_per_layer"] or [])] for r in data["rows"]]
-    s = data["settings"]
-    return (table(["layout", "step (s)", "tokens/s", "busiest rank CPU (s)", "step vs dp",
-                   "expert weights per rank (MiB)", "all weights per rank (MiB)", "expert load max/mean per layer"],
-                  rows, "lrrrrrrl")
-            + f"\n\nMeasured on {s['world']} gloo processes (one thread each; {s['steps']} timed steps of {s['batch']} "
-              f"samples) on {_machine_line(data)}. The machine is shared and loaded: wall times include waiting for "
-              "the other rank and other jobs; the busiest rank's CPU seconds are its own work."
-            + "".join(f" {r['layout']}: {r['all_to_all_bytes_measured'] / 2 ** 20:.3f} MiB sent to other ranks by the "
-                      f"expert all-to-alls per rank and step, measured from the dispatch split sizes, against "
-                      f"{r['all_to_all_bytes_model'] / 2 ** 20:.3f} MiB from the planner's byte model on the same "
-                      f"tokens (uniform routing)." for r in data["rows"] if r.get("all_to_all_bytes_model")))
-
-
-@renderer("moe_cpu.json", "simulated")
-def moe_simulated_table(data: dict) -> str:
-    sim = data["simulated"]
-    rows = [[r["ep"], f"{r['ep_bandwidth_GBps']:.0f}", f"{r['memory_GiB_per_rank']:.1f}", f"{r['iteration_s']:.3f}",
-             f"{r.get('all_to_all_MB_per_layer_microbatch', float('nan')):.1f}",
-             f"{r['all_to_all_s_per_microbatch_stage'] * 1e3:.1f}",
-             f"{r['forward_backward_s_per_microbatch_stage'] * 1e3:.1f}"] for r in sim["rows"]]
-    return (table(["ep", "all-to-all GB/s (assumed)", "GiB per rank", "iteration (s)",
-                   "all-to-all MB per rank, routed layer and microbatch", "all-to-all per microbatch and stage (ms)",
-                   "forward + backward per microbatch and stage (ms)"], rows, "rrrrrrr")
-            + "\n\nSimulated by the planner (`evaluate_plan`; no model built): Qwen3-30B-A3B shapes, "
-              f"dp {sim['dp']} x pp {sim['pp']}, {sim['microbatches']} microbatches of {sim['tokens_per_microbatch']} "
-              f"tokens, {sim['assumed_flops_per_device'] / 1e12:.0f} TFLOP/s per device assumed, 16 bytes of state per "
-              "parameter, activations not counted.")
+grid("per_module_dp_cpu.json", "table", "rows", "lrrrrl", [
+    ("layout", "{layout}"), ("step (s)", "{step_s:.3f}"), ("busiest rank CPU (s)", "{busiest_cpu_s:.3f}"),
+    ("step vs uniform", "{step_speedup:.2f}x"), ("busiest CPU vs uniform", "{busiest_cpu_speedup:.2f}x"),
+    ("CPU s per rank", lambda r: ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s_per_rank"].items()))],
+     after="\n\nMeasured on {on}.")
+_MIB = 2 ** 20
+grid("moe_cpu.json", "table", "rows", "lrrrrrrl", [
+    ("layout", "{layout}"), ("step (s)", "{step_s:.3f}"),
+    ("tokens/s", lambda r: f"{r.get('tokens_per_s', math.nan):.0f}"),
+    ("busiest rank CPU (s)", "{busiest_cpu_s:.3f}"), ("step vs dp", "{step_vs_ep1:.2f}x"),
+    ("expert weights per rank (MiB)", lambda r: f"{r['expert_bytes_per_rank'] / _MIB:.2f}"),
+    ("all weights per rank (MiB)", lambda r: f"{r['param_bytes_per_rank'] / _MIB:.2f}"),
+    ("expert load max/mean per layer", lambda r: ", ".join(f"{v:.2f}" for v in r["expert_imbalance_per_layer"] or []))],
+     after=lambda d: (
+         f"\n\nMeasured on {d['settings']['world']} gloo processes (one thread each; {d['settings']['steps']} timed "
+         f"steps of {d['settings']['batch']} samples) on {_machine_line(d)}. The machine is shared and loaded: wall "
+         "times include waiting for the other rank and other jobs; the busiest rank's CPU seconds are its own work."
+         + "".join(f" {r['layout']}: {r['all_to_all_bytes_measured'] / _MIB:.3f} MiB sent to other ranks by the "
+                   f"expert all-to-alls per rank and step, measured from the dispatch split sizes, against "
+                   f"{r['all_to_all_bytes_model'] / _MIB:.3f} MiB from the planner's byte model on the same "
+                   f"tokens (uniform routing)." for r in d["rows"] if r.get("all_to_all_bytes_model"))))
+grid("moe_cpu.json", "simulated", lambda d: d["simulated"]["rows"], "rrrrrrr", [
+    ("ep", "{ep}"), ("all-to-all GB/s (assumed)", "{ep_bandwidth_GBps:.0f}"),
+    ("GiB per rank", "{memory_GiB_per_rank:.1f}"),
+    ("iteration (s)", "{iteration_s:.3f}"), ("all-to-all MB per rank, routed layer and microbatch",
+                                             lambda r: f"{r.get('all_to_all_MB_per_layer_microbatch', math.nan):.1f}"),
+    ("all-to-all per microbatch and stage (ms)", lambda r: f"{r['all_to_all_s_per_microbatch_stage'] * 1e3:.1f}"),
+    ("forward + backward per microbatch and stage (ms)",
+     lambda r: f"{r['forward_backward_s_per_microbatch_stage'] * 1e3:.1f}")],
+     after=lambda d: (
+         "\n\nSimulated by the planner (`evaluate_plan`; no model built): Qwen3-30B-A3B shapes, dp "
+         "{dp} x pp {pp}, {microbatches} microbatches of {tokens_per_microbatch} tokens, ".format_map(d["simulated"])
+         + f"{d['simulated']['assumed_flops_per_device'] / 1e12:.0f} TFLOP/s per device assumed, 16 bytes of state per "
+         "parameter, activations not counted."))
 
 
 # ---------------------------------------- oobleck.json, oobleck_measured.json (oobleck.py [--measured])
@@ -866,12 +858,11 @@ def oobleck_throughput(data: dict) -> str:
                   "checkpoint-restart (sim.)", "Oobleck (seed)", "Varuna (seed)"], rows, "llrrrrr")
 
 
-@renderer("oobleck.json", "planning")
-def oobleck_planning(data: dict) -> str:
-    rows = [[r["nodes"], r["gpus_per_node"], r["layers"], f"{r['seconds']:.3g}", f"{r['seed_seconds']:,.2f}",
-             f"{r['speedup']:,.1f}x"] for r in data["planning"]]
-    return table(["nodes", "GPUs per node", "layers", "this planner (s, measured)", "seed (s)", "faster"], rows,
-                 "rrrrrr") + f"\n\nMeasured on {_machine_line(data)}."
+grid("oobleck.json", "planning", "planning", "rrrrrr", [
+    ("nodes", "{nodes}"), ("GPUs per node", "{gpus_per_node}"), ("layers", "{layers}"),
+    ("this planner (s, measured)", "{seconds:.3g}"), ("seed (s)", "{seed_seconds:,.2f}"),
+    ("faster", "{speedup:,.1f}x")],
+     after="\n\nMeasured on {on}.")
 
 
 quotes("oobleck.json", {"speedup": lambda d: _range([r["speedup"] for r in d["planning"]], ",.1f", "x")})

@@ -16,7 +16,6 @@ model of tests/test_hf_composites.py, a vision tower of ``--depth`` blocks of wi
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -207,11 +206,9 @@ def main(argv=None) -> None:
         depth=(6, "vision tower blocks"), embed_dim=(128, "vision tower width"),
         cps=("1,2,4", "encoder context-parallel sizes"), steps=5, warmup=2, rows=(4, "decoding prompts"),
         repeats=(3, "timed decoding batches"), timeout=(300.0, "seconds per case"),
-        out=str(harness.RESULTS / "video_cpu.json"), worker=dict(help=argparse.SUPPRESS),
-        result=dict(help=argparse.SUPPRESS))
+        out=str(harness.RESULTS / "video_cpu.json"), worker=True)
     if args.worker:
-        cfg = json.loads(args.worker)
-        return (cp_worker if cfg["part"] == "cp" else generate_worker)(cfg, args.result)
+        return (cp_worker if args.worker["part"] == "cp" else generate_worker)(args.worker, args.result)
     if args.quick:
         args.frames, args.steps, args.warmup, args.repeats = min(args.frames, 16), 3, 1, 2
     args.cps = [int(x) for x in str(args.cps).split(",")]
