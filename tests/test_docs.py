@@ -10,8 +10,8 @@ reader, is treated as it says:
 - ``# fragment: ...``, ``# needs a GPU: ...``, ``# needs a cluster: ...``, ``# takes minutes: ...`` (the reason
   after the colon): checked, not run (a YAML fragment must parse).
 
-A README block that shows an examples/ file must equal it. ``-k models.md:76`` runs the chain of blocks that the
-block at line 76 of docs/models.md belongs to."""
+A README block that shows an examples/ file must equal it. A run's id is its page and the line of its first block:
+``-k models.md:11`` runs docs/models.md's loading block and the generation block continuing it."""
 
 import os
 import re
