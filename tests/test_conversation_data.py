@@ -526,3 +526,24 @@ def test_sample_metadata_of_an_unreadable_file_is_a_bad_record(tmp_path, proc_di
     first = ds.sample_metadata(0)
     monkeypatch.setattr(conversation, "image_size", lambda file: pytest.fail("read again"))
     assert ds.sample_metadata(0) is first  # cached per record
+
+
+def test_the_cli_prints_a_cut_data_file_as_one_message(tmp_path, proc_dir, monkeypatch, capsys):
+    """``lightning-mm fit`` of examples/conversation.yaml on a data file cut short: the data file's message alone
+    (file, record, line, fix), no traceback, exit status 1."""
+    from lightning_mm.trainer.cli import main
+
+    path = write_data(tmp_path, BASIC, name="cut.jsonl", jsonl=True)
+    path.write_text(_cut_inside_record(path.read_text(), BASIC, 1, jsonl=True))
+    monkeypatch.setattr("sys.argv", ["lightning-mm", "fit", "--config", "examples/conversation.yaml",
+                                     f"--data.init_args.data_path={path}", f"--data.init_args.processor={proc_dir}",
+                                     f"--data.init_args.media_root={tmp_path / 'media'}",
+                                     f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+                                     f"--trainer.default_root_dir={tmp_path}"])
+    with pytest.raises(SystemExit) as caught:
+        main()
+    err = capsys.readouterr().err
+    assert caught.value.code == 1 and "Traceback" not in err, err
+    assert (f"lightning-mm fit: error: data file {path}: line 2 (record 1) is not valid JSON: Unterminated string "
+            "starting at column") in err, err
+    assert "(the file ends inside it); a file cut short" in err
