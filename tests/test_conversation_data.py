@@ -547,3 +547,25 @@ def test_the_cli_prints_a_cut_data_file_as_one_message(tmp_path, proc_dir, monke
     assert (f"lightning-mm fit: error: data file {path}: line 2 (record 1) is not valid JSON: Unterminated string "
             "starting at column") in err, err
     assert "(the file ends inside it); a file cut short" in err
+
+
+@pytest.mark.parametrize("text, where", [
+    ('[{"a": 1}, {"a": 2}]', None),                                     # a valid list
+    ('{"a": 1}\n\n{"a": 2}\n', None),                                   # valid JSON lines, a blank line between
+    ('{\n  "records": [1, 2]\n}\n', None),                              # one object over several lines
+    ('[{"a": 1}, {"a": 2}', "the list ends after record 1 without its closing ']' (the file ends inside it)"),
+    ('[{"a": 1},\n {"a": 2,}]', "record 1 (from line 2, column 2) is not valid JSON: Expecting property name "
+                                "enclosed in double quotes at line 2, column 10"),
+    ('[{"a": 1} {"a": 2}]', "record 0 is not followed by ',' or ']' (line 1, column 11)"),
+    ('[{"a": 1}] x', "text after the list's closing ']' (line 1, column 12)"),
+    ('{"a": 1}\n{"a": "tw', "line 2 (record 1) is not valid JSON: Unterminated string starting at column 7 "
+                            "(the file ends inside it)"),
+])
+def test_json_error_names_where_a_file_stops_being_json(tmp_path, text, where):
+    from lightning_mm.data.records import json_error
+
+    path = tmp_path / "data.json"
+    path.write_text(text)
+    assert json_error(path) == where
+    path.write_bytes(b'[{"a": "\xff"}]')
+    assert json_error(path) == "byte 8 is not UTF-8 (invalid start byte)"

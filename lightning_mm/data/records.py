@@ -15,6 +15,7 @@ from pathlib import Path
 CUT_SHORT = "a file cut short (an interrupted write or copy) ends inside its last record: write or copy it again"
 MALFORMED = "correct or remove that record"
 ENDS_INSIDE = "(the file ends inside it)"
+NOT_UTF8 = "save the file as UTF-8 (JSON's encoding)"
 
 
 class DataFileError(ValueError):
@@ -48,7 +49,8 @@ def load_records(data_path, cache_dir=None):
     except Exception as err:  # datasets raises DatasetGenerationError, or a ValueError while it infers the schema
         where = json_error(path) if builder == "json" else None
         if where is not None:
-            raise DataFileError(path, where, CUT_SHORT if where.endswith(ENDS_INSIDE) else MALFORMED) from err
+            fix = CUT_SHORT if where.endswith(ENDS_INSIDE) else NOT_UTF8 if where.startswith("byte") else MALFORMED
+            raise DataFileError(path, where, fix) from err
         if not isinstance(err, datasets.exceptions.DatasetGenerationError):
             raise
         cause = err.__cause__ or err.__context__
