@@ -77,7 +77,8 @@ def test_every_block_is_runnable_or_says_why_not(path):
 def test_continuation_and_skip_marks_are_read_from_the_first_line(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("```python\nx = 1\n```\n\n```python\n# continues the block above\nprint(x)\n```\n\n"
-                    "```python\n# fragment: the call's shape\nf(...)\n```\n\n```bash\n# takes minutes\nsleep 1000\n```\n\n"
+                    "```python\n# fragment: the call's shape\nf(...)\n```\n\n"
+                    "```bash\n# takes minutes\nsleep 1000\n```\n\n"
                     "```python\n# a plain comment\nprint(2)\n```\n")
     runs = chains(page)
     assert [[b["line"] for b in run] for run in runs] == [[1, 5], [20]]
