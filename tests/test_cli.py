@@ -27,6 +27,10 @@ def test_cli_example_trains(config, tmp_path):
     assert all(ABOUT_THE_CONFIG in line for line in warned), warned
     assert "Epoch 0 · steps" in proc.stdout and "6/6" in proc.stdout and "/-" not in proc.stdout, proc.stdout
     assert "v_num: 0 " in proc.stdout and "v_num: 0.000" not in proc.stdout, proc.stdout
+    # the last line says where the outputs went
+    assert proc.stdout.rstrip().splitlines()[-1].startswith(f"logs: {tmp_path / 'lightning_logs' / 'version_0'}/ ("), \
+        proc.stdout[-500:]
+    assert all(f in proc.stdout.splitlines()[-1] for f in ("metrics.csv", "loss.png", "config.yaml"))
 
 
 def test_gpu_examples_parse_to_the_model_and_layout_they_describe():
@@ -121,3 +125,80 @@ def test_under_torchrun_num_nodes_follows_the_nodes_of_this_start(monkeypatch):
         cli = MultimodalCLI(args=["--config", "examples/tiny_valm_pp.yaml", "--trainer.logger=false",
                                   "--trainer.devices=1"], run=False, save_config_callback=None)
     assert cli.trainer.num_nodes == 2 and cli.trainer.world_size == 2
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def test_missing_model_folder_is_one_message_naming_the_path(tmp_path):
+    """The real console script, a model folder that does not exist: a few lines on stderr (jsonargparse's wrapping
+    printed over 80, with Namespace dumps), the path and the fix, no traceback, exit status 1."""
+    missing = tmp_path / "weights" / "nope"
+    proc = subprocess.run([shutil.which("lightning-mm"), "fit", "--config", "examples/tiny_vlm.yaml",
+                           f"--model.model={missing}", f"--trainer.default_root_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 1 and len(lines) <= 20, proc.stderr
+    assert f"lightning-mm fit: error: model folder {missing} does not exist (pass a folder written by " \
+           "save_pretrained" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "Namespace(" not in proc.stderr
+    assert "--verbose or LMM_VERBOSE=1 prints the traceback" in lines[-1]
+
+
+def _main_from_argv(monkeypatch, *args):
+    """``lightning-mm <args>`` in this process, as the console script calls it (arguments from sys.argv)."""
+    from lightning_mm.trainer.cli import main
+
+    monkeypatch.setattr("sys.argv", ["lightning-mm", *args])
+    return main()
+
+
+def test_verbose_keeps_the_traceback(monkeypatch, tmp_path):
+    from lightning_mm.model.loading import ModelFolderError
+
+    args = ["fit", "--config", "examples/tiny_vlm.yaml", f"--model.model={tmp_path / 'nope'}"]
+    monkeypatch.setenv("LMM_VERBOSE", "1")
+    with pytest.raises(ValueError) as caught:  # jsonargparse's error, the folder's as its cause
+        _main_from_argv(monkeypatch, *args)
+    assert isinstance(caught.value.__cause__, ModelFolderError)
+    monkeypatch.delenv("LMM_VERBOSE")
+    with pytest.raises(ValueError):
+        _main_from_argv(monkeypatch, *args, "--verbose")  # the flag, anywhere, does the same
+
+
+def test_devices_that_cannot_hold_the_layout_are_one_message(monkeypatch, capsys, tmp_path):
+    """3 devices for a 4-rank replica: the layout's message alone (it was the last line of a 28-line traceback),
+    raised in the launching process before any rank starts."""
+    with pytest.raises(SystemExit) as caught:
+        _main_from_argv(monkeypatch, "fit", "--config", "examples/tiny_valm_pp.yaml", "--trainer.devices=3",
+                        f"--trainer.default_root_dir={tmp_path}")
+    err = capsys.readouterr().err
+    assert caught.value.code == 1 and "Traceback" not in err
+    assert ("lightning-mm fit: error: 3 devices cannot hold whole replicas of 4 ranks (vision.0x1 + audio.0x1 + "
+            "language_model.0x1 + language_model.1x1); use a multiple of 4 devices or change the ParallelSpecs") in err
+
+
+def test_the_error_reported_is_the_cause_not_an_error_met_while_handling_it():
+    from lightning_mm.plan.layout import LayoutError
+    from lightning_mm.trainer.cli import input_error
+
+    def raised(make):
+        try:
+            make()
+        except Exception as err:  # noqa: BLE001  (the test inspects whatever was raised)
+            return err
+
+    def wrapped():  # as jsonargparse wraps an error of the objects it builds
+        try:
+            raise LayoutError("3 devices cannot hold whole replicas of 4 ranks")
+        except LayoutError as err:
+            raise ValueError("Does not validate against any of the Union subtypes") from err
+
+    def while_handling():  # a failure of its own, met while handling the layout's error
+        try:
+            raise LayoutError("3 devices cannot hold whole replicas of 4 ranks")
+        except LayoutError:
+            raise RuntimeError("teardown failed")
+
+    err = raised(wrapped)
+    assert isinstance(input_error(err), LayoutError) and input_error(err) is err.__cause__
+    assert input_error(raised(while_handling)) is None
+    assert input_error(raised(lambda: 1 / 0)) is None

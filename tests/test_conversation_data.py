@@ -233,6 +233,50 @@ def test_bad_records_raise_naming_record_and_file(tmp_path, proc_dir, record, ma
         datamodule(tmp_path, [BASIC[0], record, BASIC[2]], proc_dir)
 
 
+def _cut_inside_record(text: str, records: list[dict], k: int, jsonl: bool) -> str:
+    """``text`` cut in the middle of record ``k`` (found by its own serialisation, not by the parser under test)."""
+    start = text.index(json.dumps(records[k]) if jsonl else json.dumps(records[k])[:20])
+    return text[:start + len(json.dumps(records[k])) // 2]
+
+
+@pytest.mark.parametrize("jsonl", [False, True], ids=["json", "jsonl"])
+def test_a_file_cut_short_names_the_file_the_record_and_the_line(tmp_path, proc_dir, jsonl):
+    """A data file cut inside its record 2: datasets' own error names neither the file nor the record; the data
+    module's names both, the line, and the fix."""
+    from lightning_mm.data import DataFileError
+
+    records = [BASIC[0], BASIC[1], BASIC[2], BASIC[0]]
+    path = write_data(tmp_path, records, name="cut.jsonl" if jsonl else "cut.json", jsonl=jsonl)
+    if not jsonl:  # one record per line, so the record's line is its index + 1 as in JSON lines
+        path.write_text("[\n" + ",\n".join(json.dumps(r) for r in records) + "\n]\n")
+    text = path.read_text()
+    path.write_text(_cut_inside_record(text, records, 2, jsonl))
+    line = 3 if jsonl else 4  # JSON lines: record 2 on line 3; the list: "[" first, then one record a line
+    dm = ConversationDataModule(str(path), str(tmp_path / "media"), str(proc_dir), model=make_model(),
+                                cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataFileError) as caught:
+        dm.prepare_data()
+    message = str(caught.value)
+    assert message.startswith(f"data file {path}: ") and caught.value.path == path
+    assert "record 2" in message and f"line {line}" in message and "the file ends inside it" in message, message
+    assert "write or copy it again" in message
+
+
+def test_a_malformed_record_mid_file_is_named_and_a_missing_file_too(tmp_path, proc_dir):
+    from lightning_mm.data import DataFileError
+
+    path = write_data(tmp_path, BASIC, name="bad.jsonl", jsonl=True)
+    lines = path.read_text().splitlines()
+    lines[1] = lines[1].replace('"conversations":', '"conversations"')  # record 1: a key without its colon
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataFileError, match=r"data file .*bad.jsonl: line 2 \(record 1\) is not valid JSON: "
+                                            r"Expecting ':' delimiter at column \d+; correct or remove that record"):
+        ConversationDataModule(str(path), str(tmp_path / "media"), str(proc_dir), model=make_model(),
+                               cache_dir=str(tmp_path / "cache")).setup("fit")
+    with pytest.raises(FileNotFoundError, match=r"data file .*nothing.json: no such file"):
+        ConversationDataModule(str(tmp_path / "nothing.json"), None, str(proc_dir), model=make_model()).prepare_data()
+
+
 def test_bad_records_skipped_and_counted(tmp_path, proc_dir):
     bad = [{"image": "missing.png", "conversations": conv("<image> what", "a")},
            {"image": "red.png", "conversations": conv("<image> <image> what", "a")},
@@ -482,3 +526,46 @@ def test_sample_metadata_of_an_unreadable_file_is_a_bad_record(tmp_path, proc_di
     first = ds.sample_metadata(0)
     monkeypatch.setattr(conversation, "image_size", lambda file: pytest.fail("read again"))
     assert ds.sample_metadata(0) is first  # cached per record
+
+
+def test_the_cli_prints_a_cut_data_file_as_one_message(tmp_path, proc_dir, monkeypatch, capsys):
+    """``lightning-mm fit`` of examples/conversation.yaml on a data file cut short: the data file's message alone
+    (file, record, line, fix), no traceback, exit status 1."""
+    from lightning_mm.trainer.cli import main
+
+    path = write_data(tmp_path, BASIC, name="cut.jsonl", jsonl=True)
+    path.write_text(_cut_inside_record(path.read_text(), BASIC, 1, jsonl=True))
+    monkeypatch.setattr("sys.argv", ["lightning-mm", "fit", "--config", "examples/conversation.yaml",
+                                     f"--data.init_args.data_path={path}", f"--data.init_args.processor={proc_dir}",
+                                     f"--data.init_args.media_root={tmp_path / 'media'}",
+                                     f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+                                     f"--trainer.default_root_dir={tmp_path}"])
+    with pytest.raises(SystemExit) as caught:
+        main()
+    err = capsys.readouterr().err
+    assert caught.value.code == 1 and "Traceback" not in err, err
+    assert (f"lightning-mm fit: error: data file {path}: line 2 (record 1) is not valid JSON: Unterminated string "
+            "starting at column") in err, err
+    assert "(the file ends inside it); a file cut short" in err
+
+
+@pytest.mark.parametrize("text, where", [
+    ('[{"a": 1}, {"a": 2}]', None),                                     # a valid list
+    ('{"a": 1}\n\n{"a": 2}\n', None),                                   # valid JSON lines, a blank line between
+    ('{\n  "records": [1, 2]\n}\n', None),                              # one object over several lines
+    ('[{"a": 1}, {"a": 2}', "the list ends after record 1 without its closing ']' (the file ends inside it)"),
+    ('[{"a": 1},\n {"a": 2,}]', "record 1 (from line 2, column 2) is not valid JSON: Expecting property name "
+                                "enclosed in double quotes at line 2, column 10"),
+    ('[{"a": 1} {"a": 2}]', "record 0 is not followed by ',' or ']' (line 1, column 11)"),
+    ('[{"a": 1}] x', "text after the list's closing ']' (line 1, column 12)"),
+    ('{"a": 1}\n{"a": "tw', "line 2 (record 1) is not valid JSON: Unterminated string starting at column 7 "
+                            "(the file ends inside it)"),
+])
+def test_json_error_names_where_a_file_stops_being_json(tmp_path, text, where):
+    from lightning_mm.data.records import json_error
+
+    path = tmp_path / "data.json"
+    path.write_text(text)
+    assert json_error(path) == where
+    path.write_bytes(b'[{"a": "\xff"}]')
+    assert json_error(path) == "byte 8 is not UTF-8 (invalid start byte)"

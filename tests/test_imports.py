@@ -1,5 +1,5 @@
-"""Imports run one way (DESIGN.md): no cycle among lightning_mm's modules, the layer rules, and every module imports
-alone.
+"""Imports run one way (docs/architecture.md): no cycle among lightning_mm's modules, the layer rules, and every
+module imports alone.
 
 The graph is read from the source with ``ast``: every ``import`` / ``from ... import`` statement, at module level
 and inside functions (a function-level import is still a dependency; it only runs later). An edge goes from a

@@ -9,7 +9,7 @@ from lightning_mm.attention import mask as masks
 
 
 def rule(wi, wj, i, j, si, sj):
-    """DESIGN.md's rule, written out literally for one pair."""
+    """The mask rule (lightning_mm.attention.mask's docstring), written out literally for one pair."""
     if wi == 0 or wj == 0 or si != sj:
         return False
     mod = (1 << 61) - 1

@@ -1,10 +1,9 @@
-"""``lightning-mm plan`` explains itself: why it proposes fewer devices than given, and it shares its log folder
-with the ``fit`` that follows it."""
+"""``lightning-mm plan`` explains itself: why it proposes fewer devices than given; and it writes to a folder of its
+own, beside the runs' ``version_N`` folders, a new one each time."""
 
 from types import SimpleNamespace
 
-from lightning_mm.trainer.cli import planned_version
-from lightning_mm.planner.plan_cli import fewer_devices_reason
+from lightning_mm.planner.plan_cli import default_out, fewer_devices_reason
 
 
 def plan(devices, dp, time):
@@ -21,10 +20,13 @@ def test_fewer_devices_are_explained():
     assert fewer_devices_reason(plan(8, 2, 1.0), [], 8) == ""
 
 
-def test_plan_folder_is_the_next_fit_folder(tmp_path):
-    assert planned_version(str(tmp_path / "missing")) is None
-    (tmp_path / "version_0").mkdir()
-    (tmp_path / "version_0" / "metrics.csv").write_text("")
-    assert planned_version(str(tmp_path)) is None  # a finished run: fit takes a new version
-    (tmp_path / "version_1" / "plan").mkdir(parents=True)
-    assert planned_version(str(tmp_path)) == 1  # written by plan for the run to come
+def test_plan_folder_is_a_new_plan_folder_beside_the_runs(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    logged = SimpleNamespace(logger=CSVLogger(save_dir=tmp_path / "root", name="lightning_logs"), default_root_dir="x")
+    assert default_out(logged) == tmp_path / "root" / "lightning_logs" / "plan_0"
+    unlogged = SimpleNamespace(logger=None, default_root_dir=str(tmp_path))
+    assert default_out(unlogged) == tmp_path / "lightning_logs" / "plan_0"
+    (tmp_path / "lightning_logs" / "version_0").mkdir(parents=True)  # a run's folder counts for nothing
+    (tmp_path / "lightning_logs" / "plan_0").mkdir()
+    assert default_out(unlogged) == tmp_path / "lightning_logs" / "plan_1"  # the first plan stays

@@ -32,7 +32,7 @@ def test_help_lists_plan_and_export_without_warnings():
     assert "args parameter is intended" not in proc.stdout + proc.stderr
 
 
-def test_plan_headers_carry_units_and_files_go_under_the_log_dir(tmp_path, monkeypatch, capsys):
+def test_plan_headers_carry_units_and_files_go_to_a_plan_folder(tmp_path, monkeypatch, capsys):
     from lightning_mm.trainer.cli import main
     from lightning_mm.planner import plan_cli
 
@@ -44,9 +44,10 @@ def test_plan_headers_carry_units_and_files_go_under_the_log_dir(tmp_path, monke
     for header in ("forward (GFLOP)", "backward (GFLOP)", "busy (GFLOP)", "memory (GiB)"):
         assert header in out
     assert "(critical-path work per device)" in out and "GFLOP on 4 devices" in out
-    plan_dir = tmp_path / "lightning_logs" / "version_0" / "plan"
+    plan_dir = tmp_path / "lightning_logs" / "plan_0"  # beside the runs' version_N folders, not in one
     assert {p.name for p in plan_dir.iterdir()} >= {"configured.trace.json", "auto.trace.json"}
-    assert not (tmp_path / "plan").exists()
+    assert not (tmp_path / "plan").exists() and not list((tmp_path / "lightning_logs").glob("version_*"))
+    assert f"wrote {plan_dir.relative_to(tmp_path)}" in out or f"wrote {plan_dir}" in out
     assert drawn and all("GFLOP" in kw["title"] and kw["xlabel"].startswith("work (GFLOP") for _, kw in drawn)
 
     drawn.clear()

@@ -9,7 +9,7 @@ The collator expands every placeholder to the number of tokens its item's encode
 so the LLM sequence layout is known before any encoder runs, then pads (one sample per
 row) or packs (several samples per row with ``segment_ids``).
 
-A *batch* is the dict of DESIGN.md: ``input_ids``, ``labels``, ``bam``, ``attention_mask``, ``position_ids``,
+A *batch* is a dict: ``input_ids``, ``labels``, ``bam``, ``attention_mask``, ``position_ids``,
 ``segment_ids`` when packing, one dict of concatenated encoder inputs per modality, and ``item_counts``
 (items of each modality per row, used to cut microbatches).
 """

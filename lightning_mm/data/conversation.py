@@ -22,7 +22,8 @@ its answer); a record whose first turn alone is longer is a bad record. An image
 
 Bad records (a missing or unreadable media file, marker counts that differ from the files given, an empty
 conversation, an unknown role, a record too long for ``max_length``) raise a ``BadRecordError`` naming the record
-index and the file, or with ``on_bad_record="skip"`` are skipped and counted.
+index and the file, or with ``on_bad_record="skip"`` are skipped and counted. A file that is not JSON (cut short,
+say) raises a ``DataFileError`` naming the file, the record and its line (``lightning_mm.data.records``).
 
 Prompts (``prompts=True``, the data module's predict set): a record's last turn, when it is an assistant's, is
 dropped and the rest is rendered with the template's generation prompt, so the model answers it; nothing is
@@ -47,6 +48,7 @@ from lightning_mm.data.collator import MultimodalCollator
 from lightning_mm.data.media_meta import audio_inputs, audio_length, blank_audio, blank_image, image_inputs, image_size
 from lightning_mm.data.metadata import SampleMeta, item_sizes
 from lightning_mm.data.processor import MultimodalProcessor
+from lightning_mm.data.records import DataFileError, load_records  # noqa: F401  (DataFileError: re-exported)
 from lightning_mm.data.resumable import ShardedResumableDataLoader, SkippingDistributedSampler
 from lightning_mm.data.video import (SECONDS_PER_GRID_PROCESSORS, VideoOptions, VideoProcessor, load_video_processor,
                                      read_header)
@@ -219,17 +221,6 @@ def _load_audio(file: Path, sampling_rate: int):
             t = np.arange(int(len(wave) * sampling_rate / rate)) * (rate / sampling_rate)
             wave = np.interp(t, np.arange(len(wave)), wave).astype(np.float32)
     return wave
-
-
-def load_records(data_path, cache_dir=None):
-    """The records of a JSON / JSONL / parquet file as a memory-mapped ``datasets.Dataset``."""
-    import datasets
-
-    path = Path(data_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist")
-    builder = "parquet" if path.suffix == ".parquet" else "json"
-    return datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
 
 
 class ConversationDataset(Dataset):

@@ -13,7 +13,7 @@ Methods:
   microbatches balanced on encoder work, then pairwise deferral of LLM work from overloaded to underloaded
   microbatches, chosen by a bottleneck matching (Eq. 4.3).
 
-Choices where the seeds are open (seeds/HETEROGENEITY.md [c]):
+Choices where the seed papers leave it open:
 - Every microbatch is non-empty and there are always exactly K of them, because the runtime's schedule has a
   fixed number of microbatches. Entrain's K_eff = min(K, floor(sum w_enc / max w_enc)) is therefore not used to
   shrink K: when K_eff < K the heaviest sample simply fills its own microbatch, which any plan must accept, and

@@ -18,6 +18,10 @@ from lightning_mm.plan.placement import LANGUAGE_MODEL, PLACEMENTS, placement_ta
 CP_MODES = ("allgather", "ulysses", "hybrid")
 
 
+class LayoutError(ValueError):
+    """ParallelSpecs, a placement or a device count that cannot make a rank layout; the message says which fix."""
+
+
 @dataclass(frozen=True)
 class ParallelSpec:
     """How one module is parallelised: pipeline stages, context-parallel ranks, tensor-parallel ranks.
@@ -44,24 +48,24 @@ class ParallelSpec:
         for k in ("pp", "cp", "tp", "ep"):
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"ParallelSpec.{k} must be an int >= 1, got {v!r}")
+                raise LayoutError(f"ParallelSpec.{k} must be an int >= 1, got {v!r}")
         if self.cp_mode not in CP_MODES:
-            raise ValueError(f"unknown cp_mode {self.cp_mode!r}; choose one of {CP_MODES}")
+            raise LayoutError(f"unknown cp_mode {self.cp_mode!r}; choose one of {CP_MODES}")
         if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
-            raise ValueError(f"ParallelSpec.dp must be an int >= 1 or None, got {self.dp!r}")
+            raise LayoutError(f"ParallelSpec.dp must be an int >= 1 or None, got {self.dp!r}")
         k = self.ulysses
         if k is not None and (not isinstance(k, int) or k < 1):
-            raise ValueError(f"ParallelSpec.ulysses must be an int >= 1 or None, got {k!r}")
+            raise LayoutError(f"ParallelSpec.ulysses must be an int >= 1 or None, got {k!r}")
         if self.cp_mode == "allgather" and k not in (None, 1):
-            raise ValueError(f"ulysses={k} needs cp_mode='hybrid' (Ulysses inside groups of {k} ranks) or "
+            raise LayoutError(f"ulysses={k} needs cp_mode='hybrid' (Ulysses inside groups of {k} ranks) or "
                              "cp_mode='ulysses'; with cp_mode='allgather' leave ulysses unset")
         if self.cp_mode == "ulysses" and k not in (None, self.cp):
-            raise ValueError(f"cp_mode='ulysses' runs Ulysses over all cp={self.cp} ranks, not ulysses={k}; use "
+            raise LayoutError(f"cp_mode='ulysses' runs Ulysses over all cp={self.cp} ranks, not ulysses={k}; use "
                              f"cp_mode='hybrid' with ulysses={k} (all-gather across the groups), or leave ulysses unset")
         if self.cp_mode == "hybrid":
             if k is None or not 1 < k < self.cp or self.cp % k:
                 divisors = [d for d in range(2, self.cp) if self.cp % d == 0]
-                raise ValueError(f"cp_mode='hybrid' needs ulysses = K with 1 < K < cp and K dividing cp={self.cp}, got "
+                raise LayoutError(f"cp_mode='hybrid' needs ulysses = K with 1 < K < cp and K dividing cp={self.cp}, got "
                                  f"ulysses={k}; " + (f"choose K in {divisors}" if divisors else
                                                      f"cp={self.cp} has no such divisor: use cp_mode='ulysses' or "
                                                      "'allgather', or a cp with divisors (4, 6, 8, ...)"))
@@ -115,7 +119,7 @@ class RankLayout:
     def __post_init__(self):
         missing = sorted(set(self.chains()) - set(self.replicas_per_chain))
         if missing:
-            raise ValueError(f"RankLayout.replicas_per_chain has no degree for the chains {missing}")
+            raise LayoutError(f"RankLayout.replicas_per_chain has no degree for the chains {missing}")
 
     def __hash__(self) -> int:
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -289,7 +293,7 @@ def check_node_locality(layout: RankLayout, ranks_per_node: int) -> None:
         for d in range(layout.replicas(layout.chain_of(stage))):
             ranks = layout.stage_ranks(stage, d)
             if ranks[0] // ranks_per_node != ranks[-1] // ranks_per_node:
-                raise ValueError(
+                raise LayoutError(
                     f"stage {stage!r} of replica {d} spans ranks {ranks[0]}-{ranks[-1]}, across nodes "
                     f"{ranks[0] // ranks_per_node} and {ranks[-1] // ranks_per_node} ({ranks_per_node} ranks per node); "
                     "its tensor- and context-parallel ranks must share a node: change the ParallelSpecs so that each "
@@ -304,18 +308,18 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
     if layout.per_module_dp:
         if layout.world_size != world_size:
             parts = " + ".join(f"{c} {layout.replicas(c)}x{layout.chain_width(c)}" for c in layout.chains())
-            raise ValueError(f"the ParallelSpecs' data-parallel degrees need {layout.world_size} devices ({parts}: "
+            raise LayoutError(f"the ParallelSpecs' data-parallel degrees need {layout.world_size} devices ({parts}: "
                              f"dp x ranks of one replica per module), got {world_size}; change the devices or the "
                              "modules' dp")
         return layout
     per_replica = layout.ranks_per_replica
     if world_size % per_replica:
-        raise ValueError(f"{world_size} devices cannot hold whole replicas of {per_replica} ranks "
+        raise LayoutError(f"{world_size} devices cannot hold whole replicas of {per_replica} ranks "
                          f"({' + '.join(f'{s}x{layout.widths[s]}' for s in layout.stages)}); use a multiple of "
                          f"{per_replica} devices or change the ParallelSpecs")
     layout = layout.with_replicas(world_size // per_replica)
     if layout.dp % layout.ep:
-        raise ValueError(f"language_model ep={layout.ep} splits experts over data-parallel ranks, but there are "
+        raise LayoutError(f"language_model ep={layout.ep} splits experts over data-parallel ranks, but there are "
                          f"{layout.dp} replicas; use {per_replica * layout.ep}*k devices or an ep dividing "
                          f"{layout.dp}")
     return layout
@@ -326,24 +330,24 @@ def replica_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSp
     """The layout of ``replicas`` data-parallel replicas of the specs (``build_layout`` without a world size),
     or raise (with the fix) when the specs cannot run."""
     if placement not in PLACEMENTS:
-        raise ValueError(f"unknown encoder_placement {placement!r}; choose one of {PLACEMENTS}")
+        raise LayoutError(f"unknown encoder_placement {placement!r}; choose one of {PLACEMENTS}")
     if model_encoders is not None:
         missing = [m for m in model_encoders if m not in encoders]
         unknown = [m for m in encoders if m not in model_encoders]
         if unknown:
-            raise ValueError(f"encoder specs name unknown modules {unknown}; the model's encoders are {model_encoders}")
+            raise LayoutError(f"encoder specs name unknown modules {unknown}; the model's encoders are {model_encoders}")
         if missing:
-            raise ValueError(f"modality {missing[0]!r} has no ParallelSpec; add encoders={{{missing[0]!r}: "
+            raise LayoutError(f"modality {missing[0]!r} has no ParallelSpec; add encoders={{{missing[0]!r}: "
                              "ParallelSpec(pp=1)}} to the strategy")
     for name, spec in encoders.items():
         if spec.ep > 1:
-            raise ValueError(f"encoder {name!r}: ep={spec.ep}, but expert parallelism applies to a mixture-of-experts "
+            raise LayoutError(f"encoder {name!r}: ep={spec.ep}, but expert parallelism applies to a mixture-of-experts "
                              "language model only; leave the encoder's ep unset")
         if spec.cp > 1 and placement != "parallel":
-            raise ValueError(f"encoder {name!r}: context parallelism shards an encoder's items over the CP ranks of "
+            raise LayoutError(f"encoder {name!r}: context parallelism shards an encoder's items over the CP ranks of "
                              f"its own stages, which needs encoder_placement='parallel' (got {placement!r}); or use cp=1")
         if spec.cp > 1 and spec.cp_mode != "allgather":
-            raise ValueError(f"encoder {name!r}: encoder context parallelism splits items (images, clips) over ranks "
+            raise LayoutError(f"encoder {name!r}: encoder context parallelism splits items (images, clips) over ranks "
                              f"and gathers the features; cp_mode={spec.cp_mode!r} is for the language model: leave "
                              "the encoder's cp_mode unset")
     chain_dp = module_dp(encoders, language_model, placement)
@@ -358,7 +362,7 @@ def replica_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSp
         in_llm_stage = modules[0] == LANGUAGE_MODEL  # an encoder there may also run whole on every rank (tp 1)
         wrong = [m for m in modules[1:] if specs[m].tp not in ((1, tp[s]) if in_llm_stage else (tp[s],))]
         if wrong:
-            raise ValueError(f"stage {s!r} holds {modules}, which must share its tensor-parallel ranks: give "
+            raise LayoutError(f"stage {s!r} holds {modules}, which must share its tensor-parallel ranks: give "
                              f"{wrong} tp={tp[s]}" + (" (or tp=1: run whole on every rank)" if in_llm_stage else "")
                              + ", or use encoder_placement='parallel'")
     if chain_dp and len(set(chain_dp.values())) == 1:  # one degree: today's layout, at that degree
@@ -379,11 +383,11 @@ def module_dp(encoders: dict[str, ParallelSpec], language_model: ParallelSpec, p
         return {}
     if len(given) < len(specs):
         missing = [n for n in specs if n not in given]
-        raise ValueError(f"ParallelSpec.dp is given for {sorted(given)} but not for {missing}: per-module data "
+        raise LayoutError(f"ParallelSpec.dp is given for {sorted(given)} but not for {missing}: per-module data "
                          "parallelism needs dp on every module (encoders and language_model), or on none (one "
                          "degree derived from the device count)")
     if len(set(given.values())) > 1 and placement != "parallel":
-        raise ValueError(f"per-module data-parallel degrees {given} need encoder_placement='parallel' (each encoder "
+        raise LayoutError(f"per-module data-parallel degrees {given} need encoder_placement='parallel' (each encoder "
                          f"its own ranks); with {placement!r} the encoders share the language model's ranks, so give "
                          "every module the same dp")
     return given

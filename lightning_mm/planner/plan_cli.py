@@ -7,7 +7,8 @@ the instantiated objects to ``run``).
 Costs are per microbatch of the configured data module's first batch: FLOPs counted on the real layers, shown
 in GFLOP (the timeline's axis is then work, not time; ``--device-flops`` turns them into ms), or seconds from
 ``--profile`` (write one for this machine with ``--write-profile``), shown in ms. Memory is in GiB, bandwidth in
-GB/s. Files go to ``<the run's log dir>/plan`` (the folder ``fit`` would log to), or ``--out``.
+GB/s. Files go to a new ``lightning_logs/plan_N`` beside the runs' ``version_N`` folders (``default_out``), or
+``--out``.
 ``--data-stats`` reads the training data's metadata (no tensors), reports its encoder:LLM workload ratio and
 Entrain's profiling batch size, and scales the costs to the data's mean work per sample
 (``lightning_mm.planner.data_stats.plan_data_stats``), so both plans are timed on the data, not the first batch.
@@ -73,7 +74,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ep-bandwidth", type=float, default=math.inf,
                    help="GB/s per rank for expert parallelism's token all-to-all (default: free)")
     p.add_argument("--out", default=None,
-                   help="folder for the timeline PNGs and Chrome traces (default: <the run's log dir>/plan)")
+                   help="folder for the timeline PNGs and Chrome traces (default: a new lightning_logs/plan_N, "
+                        "beside the runs' version_N folders)")
     p.add_argument("--data-stats", action="store_true",
                    help="read the training data's metadata: report its encoder:LLM workload ratio and Entrain's "
                         "profiling batch size, and plan on the data's mean work per sample instead of the first batch")
@@ -84,7 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "parallelism; encoder_placement parallel) and print a YAML with dp on every ParallelSpec")
     p.add_argument("--templates", action="store_true",
                    help="write Oobleck pipeline templates (one layout per node count n0 .. N - f x n0) to --out "
-                        "(default <the run's log dir>/plan/templates.yaml); needs --nodes and --devices-per-node")
+                        "(default lightning_logs/plan_N/templates.yaml); needs --nodes and --devices-per-node")
     p.add_argument("--nodes", type=int, default=None, help="with --templates: nodes of the cluster (N)")
     p.add_argument("--devices-per-node", type=int, default=None, help="with --templates: devices per node (M)")
     p.add_argument("--failures", type=int, default=1,
@@ -314,9 +316,15 @@ def _write(plan: Plan, out: Path, name: str, units: Units) -> list[Path]:
 
 
 def default_out(trainer) -> Path:
-    """``<trainer.log_dir>/plan``: the folder the YAML's ``fit`` logs to (or its ``default_root_dir``). A version
-    folder holding only ``plan/`` is the one the next ``lightning-mm fit`` takes (``cli.next_log_version``)."""
-    return Path(trainer.log_dir or trainer.default_root_dir) / "plan"
+    """A new ``plan_N`` (the first N not taken) in the folder of the YAML's runs (its logger's ``root_dir``,
+    ``<default_root_dir>/lightning_logs`` without one), beside their ``version_N``: no run's folder is written, and
+    a second plan does not overwrite the first."""
+    logger = trainer.logger
+    root = Path(getattr(logger, "root_dir", None) or Path(trainer.default_root_dir) / "lightning_logs")
+    n = 0
+    while (root / f"plan_{n}").exists():
+        n += 1
+    return root / f"plan_{n}"
 
 
 def prepared_for_profile(model, trainer):

@@ -85,8 +85,7 @@ class MultimodalCLI(LightningCLI):
         """Lightning's, except that ``trainer.logger`` left at its default without TensorBoard installed gets the
         ``CSVLogger`` Lightning falls back to there, named here (so no warning about tensorboardX): metrics go to
         ``<default_root_dir>/lightning_logs/version_N/metrics.csv`` as before. A replica group of a fault-tolerant
-        job logs to ``lightning_logs/group_<g>/version_N`` (groups on one host would share the folder); a version
-        folder that ``lightning-mm plan`` wrote for this run is reused (``planned_version``)."""
+        job logs to ``lightning_logs/group_<g>/version_N`` (groups on one host would share the folder)."""
         config = self.config_init
         trainer = config.get(str(self.subcommand), config).get("trainer", {})
         if "logger" in kwargs or trainer.get("logger") not in (None, True):
@@ -94,15 +93,14 @@ class MultimodalCLI(LightningCLI):
         ft = getattr(trainer.get("strategy"), "fault_tolerance", None)
         name = "lightning_logs" if ft is None else os.path.join("lightning_logs", f"group_{ft.replica_group}")
         save_dir = trainer.get("default_root_dir") or os.getcwd()
-        version = planned_version(os.path.join(save_dir, name))
         if not (importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")):
             from lightning.pytorch.loggers import CSVLogger
 
-            kwargs["logger"] = CSVLogger(save_dir=save_dir, name=name, version=version)
-        elif ft is not None or version is not None:
+            kwargs["logger"] = CSVLogger(save_dir=save_dir, name=name)
+        elif ft is not None:
             from lightning.pytorch.loggers import TensorBoardLogger
 
-            kwargs["logger"] = TensorBoardLogger(save_dir=save_dir, name=name, version=version)
+            kwargs["logger"] = TensorBoardLogger(save_dir=save_dir, name=name)
         return super().instantiate_trainer(**kwargs)
 
     def instantiate_classes(self) -> None:
@@ -118,18 +116,6 @@ class MultimodalCLI(LightningCLI):
                              f"materialises (per stage); the trainer's strategy is "
                              f"{type(self.trainer.strategy).__name__}: set trainer.strategy to "
                              "lightning_mm.MultimodalParallelStrategy (or 'multimodal'), or drop --empty_init")
-
-
-def planned_version(folder: str) -> int | None:
-    """The newest ``version_N`` under ``folder`` when it holds only ``plan/`` (``lightning-mm plan`` wrote it for
-    the run to come): ``plan`` and the ``fit`` after it then share that folder. None otherwise (a new version)."""
-    if not os.path.isdir(folder):
-        return None
-    versions = [int(d[8:]) for d in os.listdir(folder) if d.startswith("version_") and d[8:].isdigit()]
-    if not versions:
-        return None
-    newest = max(versions)
-    return newest if os.listdir(os.path.join(folder, f"version_{newest}")) == ["plan"] else None
 
 
 def load_fit_config(configs: list[str], extra: list[str] = ()):
@@ -212,11 +198,102 @@ def export_main(args: list[str]) -> None:
           f"({manifest['language_model']['class']}) to {ns.out_dir}")
 
 
+VERBOSE_ENV = "LMM_VERBOSE"  # LMM_VERBOSE=1: a recognised bad input prints its traceback too (as --verbose does)
+
+
+def input_error_types() -> tuple[type[BaseException], ...]:
+    """The errors of bad input that the command line reports in one message (they name the problem and the fix):
+    a model folder, a rank layout the devices cannot hold, a data file or record, a checkpoint."""
+    from lightning_mm.checkpoint import CheckpointError
+    from lightning_mm.data.conversation import BadRecordError
+    from lightning_mm.data.records import DataFileError
+    from lightning_mm.model.loading import ModelFolderError
+    from lightning_mm.plan.layout import LayoutError
+
+    return ModelFolderError, LayoutError, DataFileError, BadRecordError, CheckpointError
+
+
+def input_error(err: BaseException) -> BaseException | None:
+    """The recognised bad-input error in ``err``'s chain (jsonargparse wraps an error raised while it builds the
+    YAML's objects in its own ValueError, with the original as ``__cause__``); None when there is none. Only
+    ``__cause__`` is followed: an error raised while handling another (``__context__``) is a failure of its own."""
+    types, seen = input_error_types(), set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, types):
+            return err
+        seen.add(id(err))
+        err = err.__cause__
+    return None
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def report_input_error(command: str, err: BaseException) -> None:
+    """One message on stderr for a recognised bad input, without the traceback (``--verbose`` keeps it)."""
+    rank = os.environ.get("LOCAL_RANK", "0")
+    who = " ".join(["lightning-mm", command] if command else ["lightning-mm"])
+    who += f" (local rank {rank})" if rank != "0" else ""
+    sys.stderr.write(f"{who}: error: {err}\n(--verbose or {VERBOSE_ENV}=1 prints the traceback)\n")
+    sys.stderr.flush()
+
+
+def outputs_line(trainer) -> str | None:
+    """Where ``fit`` wrote its outputs: the log folder and the files in it (metrics.csv, loss.png, config.yaml),
+    and the checkpoint folder. Reads no collective (rank 0 calls it alone); None without a log folder."""
+    from lightning_mm.trainer.callbacks import LossCurve
+
+    folder = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+    curve = next((c for c in trainer.callbacks if isinstance(c, LossCurve) and c.path is not None), None)
+    if folder is None and curve is not None:
+        folder = curve.path.parent
+    if folder is None or not os.path.isdir(folder):
+        return None
+    files = sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f)))
+    line = f"logs: {_shown(folder)}{os.sep} ({', '.join(files)})"
+    ckpt = trainer.checkpoint_callback
+    dirpath = getattr(ckpt, "dirpath", None)
+    if dirpath and os.path.isdir(dirpath) and os.listdir(dirpath):
+        line += f"; checkpoints: {_shown(dirpath)}{os.sep}"
+    return line
+
+
+def _shown(path) -> str:
+    """``path`` relative to the working folder when it lies inside it, else absolute."""
+    path = os.path.abspath(path)
+    inside = os.path.relpath(path)
+    return path if inside.startswith(os.pardir) else inside
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point: ``lightning-mm fit --config examples/tiny_vlm.yaml``; ``lightning-mm plan --config ...``;
-    ``lightning-mm export --config ... --ckpt_path ... --out_dir ...``."""
+    ``lightning-mm export --config ... --ckpt_path ... --out_dir ...``.
+
+    From the command line (``args`` None), a recognised bad input (``input_error_types``) ends the command with
+    its one-line message and exit status 1; ``--verbose`` (anywhere in the arguments) or ``LMM_VERBOSE=1`` keeps
+    the traceback. Called with ``args``, it raises as any function does."""
     from_argv = args is None
-    args = sys.argv[1:] if args is None else args
+    args = list(sys.argv[1:] if args is None else args)
+    if "--verbose" in args:
+        args = [a for a in args if a != "--verbose"]
+        os.environ[VERBOSE_ENV] = "1"  # the ranks Lightning starts inherit it
+        if from_argv:
+            sys.argv[1:] = args
+    try:
+        run_command(args, from_argv)
+    except Exception as err:
+        found = input_error(err) if from_argv and not verbose() else None
+        if found is None:
+            raise
+        commands = ("fit", "validate", "test", "predict", *EXTRA_COMMANDS)
+        report_input_error(next((a for a in args if a in commands), ""), found)
+        raise SystemExit(1) from None
+
+
+def run_command(args: list[str], from_argv: bool) -> None:
+    """``lightning-mm <command>``: ``plan``, ``export`` and ``lighthouse`` here, the rest through LightningCLI;
+    after ``fit``, rank 0 prints where the run's logs went."""
     if args[:1] == ["plan"]:  # the planner's report, not a Trainer run
         return plan_main(args[1:])
     if args[:1] == ["export"]:  # a checkpoint as HF folders
@@ -228,8 +305,12 @@ def main(args: list[str] | None = None) -> None:
     from lightning_mm.trainer.callbacks import LossCurve
 
     # args=None when they come from sys.argv: LightningCLI warns when given both
-    MultimodalCLI(args=None if from_argv else args, save_config_kwargs={"overwrite": True},
-                  trainer_defaults={"callbacks": [LossCurve()]})  # fit writes loss.png beside metrics.csv
+    cli = MultimodalCLI(args=None if from_argv else args, save_config_kwargs={"overwrite": True},
+                        trainer_defaults={"callbacks": [LossCurve()]})  # fit writes loss.png beside metrics.csv
+    if cli.subcommand == "fit" and cli.trainer.is_global_zero:
+        line = outputs_line(cli.trainer)
+        if line:
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
