@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -292,12 +293,14 @@ def test_a_collective_one_rank_skips_ends_every_process_naming_it(tmp_path, plac
           f"(fault_timeout={STUCK_TIMEOUT:g} s)")
     first, second = SKIP_STAGES[placement]
     assert gone_after < STUCK_TIMEOUT + SLACK, f"took {gone_after:.1f} s\n{text[-3000:]}"
-    skipped = (f"all_reduce #1 of the process group 'skipped-by-one' of every rank (input sizes [[3]]) was entered "
-               f"by rank 0 (stage {first}) but not by rank 1 (stage {second}) (its last there: none)")
+    skipped = re.compile(r"all_reduce #1 of the process group 'skipped-by-one' of every rank \(input sizes \[\[3\]\]\) "
+                         r"was entered (\d+\.\d) s ago by " + re.escape(f"rank 0 (stage {first}) but not by rank 1 "
+                                                                    f"(stage {second}) (its last there: none)"))
     assert "lightning-mm fault: a collective that not every rank entered: " in text, text[-3000:]
     faults = text.split("lightning-mm fault: ")[1:]  # one per rank; a rank that did not arrive adds its stack
-    for rank in (0, 1):  # every rank prints it as it ends
-        assert any(skipped in f and f"stopping rank {rank} instead of" in f for f in faults), (rank, text[-4000:])
+    for rank in (0, 1):  # every rank prints it as it ends, the collective entered longer than fault_timeout ago
+        assert any((m := skipped.search(f)) and float(m.group(1)) > STUCK_TIMEOUT
+                   and f"stopping rank {rank} instead of" in f for f in faults), (rank, text[-4000:])
     assert "main thread is at" in text, text[-3000:]  # rank 1 (it did not arrive) prints where it is
     assert code == FAULT_EXIT_CODE, (code, text[-3000:])
 
@@ -317,9 +320,9 @@ def test_the_flight_recorder_view_names_the_collective_and_who_did_not_arrive():
     tails = {r: collective_tails(entries[r], {g: m for g, m in groups.items() if r in m}, capacity=100)
              for r in range(3)}
     assert tails[1]["1"]["seq"] == 1 and tails[1]["2"]["seq"] == 0 and tails[0]["1"]["op"] == "all_gather"
-    found = unentered_collectives(tails)
-    assert [(f["group"], f["seq"], f["op"], f["entered"], f["behind"]) for f in found] == [
-        ("1", 2, "all_gather", [0], {1: (1, "all_gather")})]
+    found = unentered_collectives(tails, {0: 30 + 6_500_000_000, 1: 40, 2: 50})
+    assert [(f["group"], f["seq"], f["op"], f["entered"], f["behind"], f["age"]) for f in found] == [
+        ("1", 2, "all_gather", [0], {1: (1, "all_gather")}, 6.5)]
     # a full ring buffer may have dropped a group's entries: that group is not judged
     full = collective_tails(entries[2], {"0": [0, 1, 2], "2": [1, 2]}, capacity=1)
     assert full["2"]["seq"] is None
@@ -328,8 +331,14 @@ def test_the_flight_recorder_view_names_the_collective_and_who_did_not_arrive():
     message, behind = unentered_message(found, answers, lambda r: f"rank {r}", 3, 5.0)
     assert behind == [1] and message == (
         "a collective that not every rank entered: all_gather #2 of the process group 'dp' of ranks [0, 1] (input "
-        "sizes [[4]]) was entered by rank 0 but not by rank 1 (its last there: all_gather #1), while rank 1 has "
-        "waited 6.0 s in all_reduce with every rank; no rank has begun or ended a step for 5.5 s (fault_timeout=5 s)")
+        "sizes [[4]]) was entered 6.5 s ago by rank 0 but not by rank 1 (its last there: all_gather #1), while rank 1 "
+        "has waited 6.0 s in all_reduce with every rank; no rank has begun or ended a step for 5.5 s "
+        "(fault_timeout=5 s)")
+    answers[1]["wait"] = None  # the rank behind waits on nothing lightning-mm marks: the stuck-rank message
+    message, behind = unentered_message(found, answers, lambda r: f"rank {r}", 3, 5.0)
+    assert behind == [1] and message.startswith(
+        "rank 1 is stuck: alive (heartbeats) but not in any collective or P2P wait that lightning-mm tracks, and never "
+        "entered all_gather #2 of the process group 'dp' of ranks [0, 1] (input sizes [[4]]) (entered by rank 0); "), message
 
 
 def test_a_launched_rank_that_exits_before_the_rendezvous_ends_rank_0_naming_it():

@@ -260,11 +260,12 @@ def collective_tails(entries: list[dict] | None = None, groups: dict[str, list[i
     return {n: t for n, t in tails.items() if t.get("ranks")}
 
 
-def unentered_collectives(tails: dict[int, dict[str, dict]]) -> list[dict]:
+def unentered_collectives(tails: dict[int, dict[str, dict]], clocks: dict[int, int] | None = None) -> list[dict]:
     """From every rank's :func:`collective_tails`: each group whose members stand at different sequence numbers,
-    as ``{"group", "desc", "ranks", "seq", "op", "sizes", "entered", "behind": {rank: (seq, op)}}`` (collective
-    number ``seq`` of the group, which the ``entered`` ranks issued and the ``behind`` ones did not), in the order
-    they were issued."""
+    as ``{"group", "desc", "ranks", "seq", "op", "sizes", "entered", "behind": {rank: (seq, op)}, "age"}``
+    (collective number ``seq`` of the group, which the ``entered`` ranks issued ``age`` seconds before their
+    ``clocks`` (``time.time_ns()`` when they answered; None: unknown) and the ``behind`` ones did not), in the
+    order they were issued."""
     found = []
     for name in sorted({n for t in tails.values() for n in t}):
         ranks = next(t[name]["ranks"] for t in tails.values() if name in t)
@@ -280,6 +281,8 @@ def unentered_collectives(tails: dict[int, dict[str, dict]]) -> list[dict]:
                       "sizes": head["sizes"], "entered": entered,
                       "behind": {r: (seqs[r], tails[r][name]["op"]) for r in ranks if seqs[r] < top},
                       "created": head.get("created") or 0})
+        clock = (clocks or {}).get(entered[0])
+        found[-1]["age"] = (clock - head["created"]) / 1e9 if clock and head.get("created") else None
     return sorted(found, key=lambda f: f["created"])
 
 
@@ -301,6 +304,9 @@ def unentered_message(found: list[dict], answers: dict[int, dict], label, world:
         seq, op = f["behind"][r]
         return f"{label(r)} (its last there: {f'{op} #{seq}' if seq else 'none'})"
 
+    def ago(f: dict) -> str:
+        return "" if f["age"] is None else f" {f['age']:.1f} s ago"
+
     waits = [f"{label(r)} has waited {a['waited']:.1f} s in {a['wait']}" for r, a in sorted(answers.items())
              if a["wait"] and r not in free]
     idle = min(a["idle"] for a in answers.values())
@@ -311,7 +317,7 @@ def unentered_message(found: list[dict], answers: dict[int, dict], label, world:
         entered = "; ".join(f"{collective(f)} (entered by {', '.join(label(r) for r in f['entered'])})" for f in found)
         return (f"{names} {'is' if len(free) == 1 else 'are'} stuck: alive (heartbeats) but not in any collective or "
                 f"P2P wait that lightning-mm tracks, and never entered {entered}{tail}"), behind
-    parts = [f"{collective(f)} was entered by {', '.join(label(r) for r in f['entered'])} but not by "
+    parts = [f"{collective(f)} was entered{ago(f)} by {', '.join(label(r) for r in f['entered'])} but not by "
              f"{', '.join(last(r, f) for r in f['behind'])}" for f in found]
     return f"a collective that not every rank entered: {'; '.join(parts)}{tail}", behind
 
@@ -537,14 +543,14 @@ class FaultWatchdog:
         record = {"probe": probe, "tails": collective_tails(), "idle": now - self._progress_at,
                   "wait": None if wait is None else self.describe_wait(
                       {"op": wait.operation, "peer": wait.peer, "ranks": wait.ranks(self.world)}),
-                  "waited": 0.0 if wait is None else now - wait.since}
+                  "waited": 0.0 if wait is None else now - wait.since, "clock_ns": time.time_ns()}
         self.store.set(self.key(f"collectives/{self.rank}"), json.dumps(record))
         self._answered = probe
 
     def _check_collectives(self, now: float) -> bool:
         """No step on this rank for the timeout, or a marked wait that long: ask every rank for its last
         collectives (a round), and when two complete rounds in a row agree and show a collective that only some
-        members of its group entered, end every process naming it. True if it fired."""
+        members of its group entered, longer than the timeout ago, end every process naming it. True if it fired."""
         wait = self.current_wait()
         if (wait is None or now - wait.since <= self.timeout) and now - self._progress_at <= self.timeout:
             self._probe, self._round, self._clear = None, None, False
@@ -558,12 +564,12 @@ class FaultWatchdog:
                 return False
             previous, self._round = self._round, {r: a["tails"] for r, a in answers.items()}
             if previous == self._round:
-                found = unentered_collectives(self._round)
-                if found:
+                found = unentered_collectives(self._round, {r: a["clock_ns"] for r, a in answers.items()})
+                if any(f["age"] is None or f["age"] > self.timeout for f in found):
                     message, behind = unentered_message(found, answers, self.label, self.world, self.timeout)
                     self._end_all(message, behind)  # the ranks that did not arrive print where they are
                     return True
-                self._clear = True
+                self._clear = not found  # else: a collective entered too recently to judge yet
         self._probe = int(self.store.add(self.key("probe"), 1))
         return False
 
