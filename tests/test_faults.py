@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_mm.fault_tolerance.watchdog import FaultWatchdog, WaitRecord, check_finite_loss
+from lightning_mm.fault_tolerance.watchdog import (FAULT_EXIT_CODE, FaultWatchdog, WaitRecord, check_finite_loss,
+                                                   collective_tails, unentered_collectives, unentered_message)
 from tests.helpers.checkpoint_runs import CASE, case_env, reference, run_case
 
 FAULT_TIMEOUT = 3.0
@@ -229,13 +231,10 @@ def _group_alive(pgid: int) -> list[int]:
 STUCK_TIMEOUT = 5.0
 
 
-@pytest.mark.slow
-@pytest.mark.ci
-def test_a_rank_stuck_inside_a_step_ends_every_process_naming_it(tmp_path):
-    """Rank 0 (it also hosts the rendezvous store) sleeps inside step 2: rank 1 waits on it beyond fault_timeout,
-    every process ends within fault_timeout + 30 s, and the message names rank 0, its stage and the wait."""
-    marker = tmp_path / "sleeping_since"
-    cfg = {"rank": 0, "step": 2, "fault_timeout": STUCK_TIMEOUT, "marker": str(marker)}
+def _run_stuck_case(cfg: dict) -> tuple[float, str, int]:
+    """Run ``tests/helpers/stuck_case.py`` with ``cfg`` in its own session; returns (seconds from the fault, as the
+    case's marker file records it, to every process gone; the combined output; the main process's exit code)."""
+    marker = cfg["marker"]
     proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(CASE), "stuck_case.py"), json.dumps(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=case_env(),
                             start_new_session=True)
@@ -244,12 +243,12 @@ def test_a_rank_stuck_inside_a_step_ends_every_process_naming_it(tmp_path):
     reader.start()
     try:
         deadline = time.time() + 240
-        while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        while not os.path.exists(marker) and time.time() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        assert marker.exists(), "no rank ever slept"
+        assert os.path.exists(marker), f"the fault was never injected\n{''.join(output)[-3000:]}"
         time.sleep(0.2)
-        since = float(marker.read_text())
-        deadline = since + STUCK_TIMEOUT + SLACK + 30
+        since = float(open(marker).read())
+        deadline = since + cfg["fault_timeout"] + SLACK + 30
         while _group_alive(proc.pid) and time.time() < deadline:
             time.sleep(0.1)
         gone_after = time.time() - since
@@ -257,13 +256,89 @@ def test_a_rank_stuck_inside_a_step_ends_every_process_naming_it(tmp_path):
         for pid in _group_alive(proc.pid):  # never leave a process behind, even when the test fails
             os.kill(pid, signal.SIGKILL)
         reader.join(30)
-    text = output[0] if output else ""
+    return gone_after, output[0] if output else "", proc.returncode
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_a_rank_stuck_inside_a_step_ends_every_process_naming_it(tmp_path):
+    """Rank 0 (it also hosts the rendezvous store) sleeps inside step 2: rank 1 waits on it beyond fault_timeout,
+    every process ends within fault_timeout + 30 s, and the message names rank 0, its stage and the wait."""
+    cfg = {"rank": 0, "step": 2, "fault_timeout": STUCK_TIMEOUT, "marker": str(tmp_path / "sleeping_since")}
+    gone_after, text, code = _run_stuck_case(cfg)
     print(f"every process gone {gone_after:.1f} s after rank 0 started sleeping (fault_timeout={STUCK_TIMEOUT:g} s)")
     assert gone_after < STUCK_TIMEOUT + SLACK, f"took {gone_after:.1f} s\n{text[-3000:]}"
     assert "lightning-mm fault: rank 0 (stage language_model.0) is stuck" in text, text[-3000:]
     assert "while rank 1 (stage language_model.1) has waited" in text, text[-3000:]
     assert "main thread is at" in text and "time.sleep(3600)" in text, text[-3000:]
-    assert proc.returncode != 0
+    assert code != 0
+
+
+# the stage each rank of a 2-process run holds, per placement (tests/helpers/stuck_case.py)
+SKIP_STAGES = {"replicated": ("language_model.0", "language_model.1"), "parallel": ("vision.0", "language_model.0"),
+               "colocated": ("encoders.0", "language_model.0")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", [pytest.param("replicated", marks=pytest.mark.ci), "parallel", "colocated"])
+def test_a_collective_one_rank_skips_ends_every_process_naming_it(tmp_path, placement):
+    """Every rank but rank 1 enters an all-reduce at step 2 and waits for it through its work handle (as FSDP
+    waits for its all-gathers: nothing lightning-mm marks); rank 1 skips it and waits in the next step's
+    collectives. Every rank beats, none progresses: every process ends within fault_timeout + slack with exit
+    code 75 and a message naming the skipped collective, its group and the rank (and stage) that did not arrive."""
+    cfg = {"rank": 1, "step": 2, "fault_timeout": STUCK_TIMEOUT, "marker": str(tmp_path / "entered_at"),
+           "skip": True, "placement": placement}
+    gone_after, text, code = _run_stuck_case(cfg)
+    print(f"{placement}: every process gone {gone_after:.1f} s after rank 0 entered the all-reduce rank 1 skipped "
+          f"(fault_timeout={STUCK_TIMEOUT:g} s)")
+    first, second = SKIP_STAGES[placement]
+    assert gone_after < STUCK_TIMEOUT + SLACK, f"took {gone_after:.1f} s\n{text[-3000:]}"
+    skipped = re.compile(r"all_reduce #1 of the process group 'skipped-by-one' of every rank \(input sizes \[\[3\]\]\) "
+                         r"was entered (\d+\.\d) s ago by " + re.escape(f"rank 0 (stage {first}) but not by rank 1 "
+                                                                    f"(stage {second}) (its last there: none)"))
+    assert "lightning-mm fault: a collective that not every rank entered: " in text, text[-3000:]
+    faults = text.split("lightning-mm fault: ")[1:]  # one per rank; a rank that did not arrive adds its stack
+    for rank in (0, 1):  # every rank prints it as it ends, the collective entered longer than fault_timeout ago
+        assert any((m := skipped.search(f)) and float(m.group(1)) > STUCK_TIMEOUT
+                   and f"stopping rank {rank} instead of" in f for f in faults), (rank, text[-4000:])
+    assert "main thread is at" in text, text[-3000:]  # rank 1 (it did not arrive) prints where it is
+    assert code == FAULT_EXIT_CODE, (code, text[-3000:])
+
+
+def test_the_flight_recorder_view_names_the_collective_and_who_did_not_arrive():
+    """From flight-recorder entries (torch's format): each rank's last collective per group, and the groups whose
+    members stand at different sequence numbers, against the answer worked out by hand."""
+    def entry(group, desc, seq, op, sizes, created, p2p=False):
+        return {"process_group": [group, desc], "collective_seq_id": seq, "profiling_name": f"gloo:{op}",
+                "input_sizes": sizes, "time_created_ns": created, "is_p2p": p2p}
+    groups = {"0": [0, 1, 2], "1": [0, 1], "2": [1, 2]}
+    entries = {0: [entry("0", "default_pg", 1, "all_reduce", [[1]], 10), entry("1", "dp", 1, "all_gather", [[8]], 20),
+                   entry("1", "dp", 2, "all_gather", [[4]], 30)],
+               1: [entry("0", "default_pg", 1, "all_reduce", [[1]], 11), entry("1", "dp", 1, "all_gather", [[8]], 21),
+                   entry("2", "", 0, "send", [[2]], 22, p2p=True)],
+               2: [entry("0", "default_pg", 1, "all_reduce", [[1]], 12)]}
+    tails = {r: collective_tails(entries[r], {g: m for g, m in groups.items() if r in m}, capacity=100)
+             for r in range(3)}
+    assert tails[1]["1"]["seq"] == 1 and tails[1]["2"]["seq"] == 0 and tails[0]["1"]["op"] == "all_gather"
+    found = unentered_collectives(tails, {0: 30 + 6_500_000_000, 1: 40, 2: 50})
+    assert [(f["group"], f["seq"], f["op"], f["entered"], f["behind"], f["age"]) for f in found] == [
+        ("1", 2, "all_gather", [0], {1: (1, "all_gather")}, 6.5)]
+    # a full ring buffer may have dropped a group's entries: that group is not judged
+    full = collective_tails(entries[2], {"0": [0, 1, 2], "2": [1, 2]}, capacity=1)
+    assert full["2"]["seq"] is None
+    answers = {r: {"wait": "all_reduce with every rank" if r == 1 else None, "waited": 6.0, "idle": 7.5 - r}
+               for r in range(3)}
+    message, behind = unentered_message(found, answers, lambda r: f"rank {r}", 3, 5.0)
+    assert behind == [1] and message == (
+        "a collective that not every rank entered: all_gather #2 of the process group 'dp' of ranks [0, 1] (input "
+        "sizes [[4]]) was entered 6.5 s ago by rank 0 but not by rank 1 (its last there: all_gather #1), while rank 1 "
+        "has waited 6.0 s in all_reduce with every rank; no rank has begun or ended a step for 5.5 s "
+        "(fault_timeout=5 s)")
+    answers[1]["wait"] = None  # the rank behind waits on nothing lightning-mm marks: the stuck-rank message
+    message, behind = unentered_message(found, answers, lambda r: f"rank {r}", 3, 5.0)
+    assert behind == [1] and message.startswith(
+        "rank 1 is stuck: alive (heartbeats) but not in any collective or P2P wait that lightning-mm tracks, and never "
+        "entered all_gather #2 of the process group 'dp' of ranks [0, 1] (input sizes [[4]]) (entered by rank 0); "), message
 
 
 def test_a_launched_rank_that_exits_before_the_rendezvous_ends_rank_0_naming_it():

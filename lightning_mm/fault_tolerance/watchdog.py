@@ -28,6 +28,16 @@ the stuck rank also prints where its main thread is. If every rank on the path w
 only some ranks, mismatched operations), the message lists each rank's wait instead. No rank ends before every
 stuck rank has printed its stack (bounded): a launcher kills the other ranks as soon as one ends (Lightning's
 child-process observer within 5 s, torchrun's agent), which would lose that stack.
+
+Not every wait can be marked: FSDP's all-gathers and reduce-scatters are asynchronous and waited for inside torch,
+on the main or the autograd thread. For those, torch's flight recorder (on gloo and NCCL: every collective a
+process group issues, with its sequence number, operation and sizes) tells where a run stands. The strategy calls
+:meth:`FaultWatchdog.progress` at every step; a rank that has made no progress for ``timeout`` (or has waited
+that long in a marked wait) asks every rank to publish the last collective of each of its process groups
+(``probe``, answered at the next beat: nothing is read while steps complete). Members of a group issue its
+collectives in the same order, so when two rounds of answers agree and a group's members stand at different
+sequence numbers, the collective the ones ahead wait in is one the others never entered: every rank ends with a
+message naming that collective, its group, and the ranks (with their stage) that did not arrive.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 FAULT_EXIT_CODE = 75  # EX_TEMPFAIL: resume from the last checkpoint
@@ -189,6 +200,128 @@ def main_thread_stack(limit: int = 8) -> str:
     return "".join(traceback.format_stack(frame)[-limit:]).rstrip()
 
 
+FR_ENV, FR_ENTRIES = "TORCH_FR_BUFFER_SIZE", 2000
+
+
+def enable_flight_recorder() -> None:
+    """Keep torch's flight recorder on (``TORCH_FR_BUFFER_SIZE``; a value the user set wins). Call before the
+    process groups exist: each group reads it when it is created."""
+    os.environ.setdefault(FR_ENV, str(FR_ENTRIES))
+
+
+def flight_records() -> list[dict]:
+    """This process's flight-recorder entries (gloo's and, on CUDA builds, NCCL's); [] where torch has none."""
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    entries = []
+    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            entries += json.loads(dump(True, False)).get("entries", [])
+        except Exception:  # noqa: BLE001  (no recorder for this backend, or nothing recorded yet)
+            continue
+    return entries
+
+
+def group_ranks() -> dict[str, list[int]]:
+    """The global ranks of every process group this rank is a member of, by group name (names agree across
+    ranks: they are how a group's members rendezvous)."""
+    out = {}
+    for pg, name in list(dist.distributed_c10d._world.pg_names.items()):
+        try:
+            out[str(name)] = [int(r) for r in dist.get_process_group_ranks(pg)]
+        except Exception:  # noqa: BLE001  (a group being destroyed)
+            continue
+    return out
+
+
+def collective_tails(entries: list[dict] | None = None, groups: dict[str, list[int]] | None = None,
+                     capacity: int | None = None) -> dict[str, dict]:
+    """``{group name: {"seq", "op", "sizes", "desc", "ranks"}}``: the last collective this rank issued on each of
+    its process groups (``groups``, default :func:`group_ranks`) from the flight recorder's ``entries``. ``seq`` 0:
+    none yet; None: unknown (the recorder's ring buffer of ``capacity`` entries is full and dropped older ones)."""
+    entries = flight_records() if entries is None else entries
+    groups = group_ranks() if groups is None else groups
+    capacity = int(os.environ.get(FR_ENV, FR_ENTRIES)) if capacity is None else capacity
+    tails: dict[str, dict] = {}
+    for e in entries:
+        if e.get("is_p2p"):
+            continue
+        name, desc = (list(e.get("process_group") or []) + ["", ""])[:2]
+        seq = int(e.get("collective_seq_id", 0))
+        if seq > (tails.get(name) or {}).get("seq", -1):
+            tails[name] = {"seq": seq, "op": str(e.get("profiling_name", "")).split(":")[-1],
+                           "sizes": e.get("input_sizes"), "desc": desc, "created": e.get("time_created_ns")}
+    full = len(entries) >= capacity > 0
+    for name, ranks in groups.items():
+        tails.setdefault(name, {"seq": None if full else 0, "op": None, "sizes": None, "desc": "",
+                                "created": None})["ranks"] = ranks
+    return {n: t for n, t in tails.items() if t.get("ranks")}
+
+
+def unentered_collectives(tails: dict[int, dict[str, dict]], clocks: dict[int, int] | None = None) -> list[dict]:
+    """From every rank's :func:`collective_tails`: each group whose members stand at different sequence numbers,
+    as ``{"group", "desc", "ranks", "seq", "op", "sizes", "entered", "behind": {rank: (seq, op)}, "age"}``
+    (collective number ``seq`` of the group, which the ``entered`` ranks issued ``age`` seconds before their
+    ``clocks`` (``time.time_ns()`` when they answered; None: unknown) and the ``behind`` ones did not), in the
+    order they were issued."""
+    found = []
+    for name in sorted({n for t in tails.values() for n in t}):
+        ranks = next(t[name]["ranks"] for t in tails.values() if name in t)
+        if any(name not in tails.get(r, {}) or tails[r][name]["seq"] is None for r in ranks):
+            continue  # a member without an answer, or one whose recorder lost this group's entries
+        seqs = {r: tails[r][name]["seq"] for r in ranks}
+        top = max(seqs.values())
+        if min(seqs.values()) == top:
+            continue
+        entered = [r for r in ranks if seqs[r] == top]
+        head = tails[entered[0]][name]
+        found.append({"group": name, "desc": head["desc"], "ranks": ranks, "seq": top, "op": head["op"],
+                      "sizes": head["sizes"], "entered": entered,
+                      "behind": {r: (seqs[r], tails[r][name]["op"]) for r in ranks if seqs[r] < top},
+                      "created": head.get("created") or 0})
+        clock = (clocks or {}).get(entered[0])
+        found[-1]["age"] = (clock - head["created"]) / 1e9 if clock and head.get("created") else None
+    return sorted(found, key=lambda f: f["created"])
+
+
+def unentered_message(found: list[dict], answers: dict[int, dict], label, world: int,
+                      timeout: float) -> tuple[str, list[int]]:
+    """The fault message for :func:`unentered_collectives` ``found`` and every rank's answer
+    (its marked wait, how long since its last step), and the ranks that did not arrive. Ranks behind that wait on
+    nothing lightning-mm marks are called stuck (the stuck-rank message); otherwise the collectives lead."""
+    behind = sorted({r for f in found for r in f["behind"]})
+    free = [r for r in behind if not answers[r]["wait"]]
+
+    def collective(f: dict) -> str:
+        who = "every rank" if len(f["ranks"]) == world else f"ranks {f['ranks']}"
+        desc = f" '{f['desc']}'" if f["desc"] and f["desc"] != "undefined" else ""
+        sizes = f" (input sizes {f['sizes']})" if f["sizes"] else ""
+        return f"{f['op']} #{f['seq']} of the process group{desc} of {who}{sizes}"
+
+    def last(r: int, f: dict) -> str:
+        seq, op = f["behind"][r]
+        return f"{label(r)} (its last there: {f'{op} #{seq}' if seq else 'none'})"
+
+    def ago(f: dict) -> str:
+        return "" if f["age"] is None else f" {f['age']:.1f} s ago"
+
+    waits = [f"{label(r)} has waited {a['waited']:.1f} s in {a['wait']}" for r, a in sorted(answers.items())
+             if a["wait"] and r not in free]
+    idle = min(a["idle"] for a in answers.values())
+    tail = (f", while {'; '.join(waits)}" if waits else "") + (f"; no rank has begun or ended a step for {idle:.1f} s "
+                                                             f"(fault_timeout={timeout:g} s)")
+    if free and len(free) == len(behind):
+        names = ", ".join(label(r) for r in free)
+        entered = "; ".join(f"{collective(f)} (entered by {', '.join(label(r) for r in f['entered'])})" for f in found)
+        return (f"{names} {'is' if len(free) == 1 else 'are'} stuck: alive (heartbeats) but not in any collective or "
+                f"P2P wait that lightning-mm tracks, and never entered {entered}{tail}"), behind
+    parts = [f"{collective(f)} was entered{ago(f)} by {', '.join(label(r) for r in f['entered'])} but not by "
+             f"{', '.join(last(r, f) for r in f['behind'])}" for f in found]
+    return f"a collective that not every rank entered: {'; '.join(parts)}{tail}", behind
+
+
 def rank_labels(layout) -> dict[int, str]:
     """``{rank: "stage S"}`` (with dp / cp / tp coordinates where those are > 1) from a RankLayout."""
     out = {}
@@ -222,6 +355,15 @@ class FaultWatchdog:
         self._thread: threading.Thread | None = None
         self._fired = False
         self._published: Wait | None | bool = False  # the wait last written to the store (False: nothing yet)
+        self._progress_at = time.monotonic()  # the last step begun or ended on this rank (``progress``)
+        self._answered = 0  # the last probe this rank answered
+        self._probe: int | None = None  # the probe this rank asked, while it sees no progress
+        self._round: dict | None = None  # the collective tails of the last complete round of answers
+        self._clear = False  # two rounds agreed and found no collective that only some ranks entered
+
+    def progress(self) -> None:
+        """A step began or ended on this rank (the strategy calls this): restarts the no-progress clock."""
+        self._progress_at = time.monotonic()
 
     def label(self, rank: int) -> str:
         return f"rank {rank}" + (f" ({self.labels[rank]})" if rank in self.labels else "")
@@ -391,6 +533,46 @@ class FaultWatchdog:
                     queue.append(peer)
         return stuck, waiting_ranks
 
+    def _answer_probe(self) -> None:
+        """When a peer asked (``probe``), publish this rank's last collective on each of its process groups, its
+        marked wait and how long it has gone without a step."""
+        probe = int(self.store.add(self.key("probe"), 0))
+        if probe <= self._answered:
+            return
+        wait, now = self.current_wait(), time.monotonic()
+        record = {"probe": probe, "tails": collective_tails(), "idle": now - self._progress_at,
+                  "wait": None if wait is None else self.describe_wait(
+                      {"op": wait.operation, "peer": wait.peer, "ranks": wait.ranks(self.world)}),
+                  "waited": 0.0 if wait is None else now - wait.since, "clock_ns": time.time_ns()}
+        self.store.set(self.key(f"collectives/{self.rank}"), json.dumps(record))
+        self._answered = probe
+
+    def _check_collectives(self, now: float) -> bool:
+        """No step on this rank for the timeout, or a marked wait that long: ask every rank for its last
+        collectives (a round), and when two complete rounds in a row agree and show a collective that only some
+        members of its group entered, longer than the timeout ago, end every process naming it. True if it fired."""
+        wait = self.current_wait()
+        if (wait is None or now - wait.since <= self.timeout) and now - self._progress_at <= self.timeout:
+            self._probe, self._round, self._clear = None, None, False
+            return False
+        if self._probe is not None:
+            keys = [self.key(f"collectives/{r}") for r in range(self.world)]
+            if not self.store.check(keys):
+                return False
+            answers = {r: json.loads(self.store.get(k)) for r, k in enumerate(keys)}
+            if any(a["probe"] < self._probe for a in answers.values()):
+                return False
+            previous, self._round = self._round, {r: a["tails"] for r, a in answers.items()}
+            if previous == self._round:
+                found = unentered_collectives(self._round, {r: a["clock_ns"] for r, a in answers.items()})
+                if any(f["age"] is None or f["age"] > self.timeout for f in found):
+                    message, behind = unentered_message(found, answers, self.label, self.world, self.timeout)
+                    self._end_all(message, behind)  # the ranks that did not arrive print where they are
+                    return True
+                self._clear = not found  # else: a collective entered too recently to judge yet
+        self._probe = int(self.store.add(self.key("probe"), 1))
+        return False
+
     def _check_wait(self, now: float, last_value: dict[int, int]) -> bool:
         """If this rank has waited longer than the timeout: find the stuck rank, end every process. True if it
         fired. A rank is named stuck only when two checks in a row find it and its heartbeat moved in between
@@ -440,6 +622,7 @@ class FaultWatchdog:
                 if int(self.store.add(self.key("done"), 0)) >= self.world:
                     continue
                 self._publish_wait()
+                self._answer_probe()
             except Exception as e:  # noqa: BLE001
                 if self._stop.is_set():
                     return
@@ -455,7 +638,8 @@ class FaultWatchdog:
                                 f"of memory, or hung; fault_timeout={self.timeout:g} s)")
                     return
             try:
-                if self._check_wait(now, last_value):
+                # a rank named stuck might wait in a collective nobody marked: the flight recorder speaks first
+                if self._check_collectives(now) or (self._clear and self._check_wait(now, last_value)):
                     return
             except Exception:  # noqa: BLE001  (the store went away mid-check: the next beat reports it)
                 pass

@@ -21,12 +21,13 @@ SHARD_MESH_DIMS = ("pp", "dp_cp", "tp")  # FSDP and TP meshes must share a root
 EP_MESH_DIMS = ("edp", "ep", "pp", "cp", "tp")
 
 
-def new_groups(members: list[list[int]], rank: int, backend: str | None = None):
+def new_groups(members: list[list[int]], rank: int, backend: str | None = None, desc: str | None = None):
     """Create one process group per rank list, in the given order (call on every rank); returns the one holding
-    ``rank``, or None where that list has a single rank or no list holds it."""
+    ``rank``, or None where that list has a single rank or no list holds it. ``desc`` names the groups in torch's
+    flight recorder and so in the watchdog's messages."""
     mine = None
     for ranks in members:
-        group = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
+        group = dist.new_group(ranks, backend=backend, group_desc=desc) if len(ranks) > 1 else None
         if rank in ranks:
             mine = group
     return mine
@@ -42,7 +43,7 @@ def hybrid_groups(ranks: list[int], k: int, rank: int) -> dict:
     for name, members in [("ulysses", [ranks[g * k:(g + 1) * k] for g in range(n // k)]),
                           ("gather", [ranks[j::k] for j in range(k)])]:
         for m in members:
-            group = dist.new_group(m)
+            group = dist.new_group(m, group_desc=f"cp {name}")
             if rank in m:
                 mine[name] = group
     return mine
@@ -102,7 +103,8 @@ class ExpertMeshes:
         mine = rank in mesh.mesh.flatten().tolist()
         members = expert_grad_ranks(layout)
         size = next((len(r) for r in members if rank in r), 1)
-        return cls(mesh["ep"] if mine else None, mesh["tp"] if mine else None, new_groups(members, rank), size)
+        return cls(mesh["ep"] if mine else None, mesh["tp"] if mine else None,
+                   new_groups(members, rank, desc="expert gradients"), size)
 
 
 @dataclass
@@ -150,14 +152,15 @@ class Meshes:
         out.tp_mesh = tp_source["tp"] if layout.tp[coord.stage] > 1 else None
         out.tp = out.tp_mesh.get_group() if out.tp_mesh is not None else None
         grads = [layout.grad_group_ranks(s, t) for s in layout.stages for t in range(layout.tp[s])]
-        out.grad = new_groups(grads, rank)
+        out.grad = new_groups(grads, rank, desc="gradients")
         out.grad_size = len(layout.grad_group_ranks(coord.stage, coord.tp))
-        out.headers = dist.new_group(backend="gloo")
-        out.replica = new_groups([layout.group_ranks(g) for g in range(layout.num_groups)], rank)
+        out.headers = dist.new_group(backend="gloo", group_desc="stage message headers")
+        out.replica = new_groups([layout.group_ranks(g) for g in range(layout.num_groups)], rank, desc="replica")
         if tie_stages is not None:
             first, last = tie_stages
             out.tie = new_groups([[layout.rank(first, d, c, t), layout.rank(last, d, c, t)] for d in range(layout.dp)
-                                  for c in range(layout.cp[first]) for t in range(layout.tp[first])], rank)
+                                  for c in range(layout.cp[first]) for t in range(layout.tp[first])], rank,
+                                 desc="tied weights")
         if layout.ep > 1:
             out.experts = ExpertMeshes.build(layout, rank, device_type)
         return out

@@ -31,7 +31,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.data.microbatch import PLAN_KEY
 from lightning_mm.trainer.launch import CheckedLauncher, mark_failed, release_process_groups_at_exit
-from lightning_mm.fault_tolerance.watchdog import FaultWatchdog, is_peer_loss, launched_ranks_watched, rank_labels
+from lightning_mm.fault_tolerance.watchdog import (FaultWatchdog, enable_flight_recorder, is_peer_loss,
+                                                   launched_ranks_watched, rank_labels)
 from lightning_mm.fault_tolerance import FaultTolerance, as_fault_tolerance
 from lightning_mm.fault_tolerance.training import FaultTolerantTraining
 from lightning_mm.model.loading import materialise
@@ -162,6 +163,8 @@ class MultimodalParallelStrategy(DDPStrategy):
                       tensor_parallel=any(t > 1 for t in self.layout.tp.values()),
                       context_parallel=any(c > 1 for c in self.layout.cp.values()),
                       sharded=self.sharding_strategy != "NO_SHARD")
+        if self.fault_timeout is not None:
+            enable_flight_recorder()  # the watchdog reads which collectives a stalled run waits in
         with launched_ranks_watched(getattr(self._launcher, "procs", [])):
             super().setup_environment()
         release_process_groups_at_exit()
@@ -268,23 +271,37 @@ class MultimodalParallelStrategy(DDPStrategy):
     # ------------------------------------------------------------------ the steps
     # The engine enters the precision plugin's forward context around each stage forward and scales the loss
     # itself, so the steps are not wrapped in autocast as a whole (backward would run under it).
+    @contextmanager
+    def step_progress(self):
+        """Tell the watchdog a step began and ended (a run where no step does for ``fault_timeout`` is checked
+        for a collective only some ranks entered)."""
+        if self.watchdog is not None:
+            self.watchdog.progress()
+        yield
+        if self.watchdog is not None:
+            self.watchdog.progress()
+
     @override
     def training_step(self, *args, **kwargs):
-        if self.ft is not None:  # the quorum, then this step's share of the global batch
-            args = (self.ft.begin_step(args[0]), *args[1:])
-        return self.lightning_module.training_step(*args, **kwargs)
+        with self.step_progress():
+            if self.ft is not None:  # the quorum, then this step's share of the global batch
+                args = (self.ft.begin_step(args[0]), *args[1:])
+            return self.lightning_module.training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args, **kwargs):
-        return self.lightning_module.validation_step(*args, **kwargs)
+        with self.step_progress():
+            return self.lightning_module.validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args, **kwargs):
-        return self.lightning_module.test_step(*args, **kwargs)
+        with self.step_progress():
+            return self.lightning_module.test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args, **kwargs):
-        return self.lightning_module.predict_step(*args, **kwargs)
+        with self.step_progress():
+            return self.lightning_module.predict_step(*args, **kwargs)
 
     def run_pipeline(self, batch: dict, train: bool = True) -> torch.Tensor:
         """The schedule over the batch's microbatches (forward and backward); the global normalised loss."""
@@ -339,6 +356,8 @@ class MultimodalParallelStrategy(DDPStrategy):
             closure = self.ft.committed(closure, optimizer)
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         optimizer.zero_grad()  # see MultimodalLightningModule.optimizer_zero_grad
+        if self.watchdog is not None:
+            self.watchdog.progress()
         return out
 
     def clip_gradients_by_norm(self, max_norm: float) -> torch.Tensor:

@@ -192,7 +192,7 @@ class ContextParallel(pl.Callback):
                              f"among {divisors}, or run on a multiple of {self.cp_size} data-parallel devices")
         rank = dist.get_rank()
         members = [column[start:start + self.cp_size] for column in columns for start in range(0, size, self.cp_size)]
-        self.group = new_groups(members, rank)  # every rank creates every group, in the same order
+        self.group = new_groups(members, rank, desc="context parallel")  # every rank creates every group, in order
         hybrid = {}
         for ranks in members:
             if self.mode == "hybrid":
