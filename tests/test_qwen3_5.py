@@ -159,3 +159,50 @@ def test_context_parallel_is_refused_before_any_group(tmp_path):
     hidden = torch.randn(1, 4, model.hidden_size)
     with pytest.raises(ValueError, match="Gated DeltaNet"):
         layer.linear_attn(hidden, bam=torch.ones(1, 4, dtype=torch.int64), cp_group=object())
+
+
+def test_planner_costs_linear_attention_layers_linearly_and_cuts_inside_their_runs(tmp_path):
+    """FLOPs counted on the real layers: a GDN layer's forward grows linearly with the tokens, a full-attention
+    layer's faster (its scores); the workload model's quadratic term counts the 2 attention layers only, its
+    linear term the GDN layers' recurrent work; a 3-stage partition cuts between two GDN layers; the search offers
+    no CP degree above 1 and says why."""
+    from lightning_mm.planner.model_costs import part_flops, part_runners, planned_partition, sample_batch
+    from lightning_mm.planner.plan_cli import attention_shape
+    from lightning_mm.planner.search import _cp_options
+    from lightning_mm.planner.workload import WorkloadModel, linear_attention_token_flops
+
+    model = lmm.MultimodalModel.from_pretrained(save_composite("qwen3_5", tmp_path / "src"))
+    types = model.lm_family.layer_types(model.language_model)
+    assert types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    flops, tokens = {}, {}
+    for text in (52, 244):
+        batch = sample_batch(model, rows=1, text_tokens=text)
+        tokens[text] = batch["input_ids"].shape[1]
+        parts = part_runners(model, batch)["language_model"][1:-1]  # the layers, without embed and head
+        flops[text] = [part_flops(run, x, params)[0] for run, x, params, _ in parts]
+    growth = tokens[244] / tokens[52]
+    assert tokens[52] == 64 and growth == 4  # whole chunks of the delta rule
+    for i, kind in enumerate(types):
+        ratio = flops[244][i] / flops[52][i]
+        if kind == "linear_attention":
+            assert ratio == pytest.approx(growth, rel=1e-2), i  # b T + c: a small constant c
+        else:
+            assert ratio > growth * 1.5, i
+
+    cfg = model.language_model.config
+    work = WorkloadModel.from_model(model).language_model
+    width = cfg.num_attention_heads * cfg.head_dim
+    assert work.a == pytest.approx(3.0 * 4.0 * width * 2)  # trainable: (F + B) / F = 3; two attention layers
+    weights = sum(p.numel() for layer in model.llm_layers for p in layer.parameters() if p.dim() >= 2)
+    head = model.language_model.lm_head.weight.numel()
+    assert work.b == pytest.approx(3.0 * (2.0 * (weights + head) + 6 * linear_attention_token_flops(cfg)))
+
+    sizes = planned_partition(model, {"language_model": 3})["language_model"]
+    cuts = [sum(sizes[:k]) for k in (1, 2)]  # the first layer of stages 2 and 3
+    assert sum(sizes) == 8 and any(types[c - 1] == types[c] == "linear_attention" for c in cuts), sizes
+
+    rejected = []
+    shape = attention_shape(model, sample_batch(model, rows=1))
+    assert shape.linear_layers == 6
+    assert {c for c, *_ in _cp_options([1, 2, 4], ["allgather", "ulysses"], [1], shape, rejected)} == {1}
+    assert len(rejected) == 2 and all("Gated DeltaNet" in r for r in rejected)
