@@ -206,3 +206,23 @@ def test_planner_costs_linear_attention_layers_linearly_and_cuts_inside_their_ru
     assert shape.linear_layers == 6
     assert {c for c, *_ in _cp_options([1, 2, 4], ["allgather", "ulysses"], [1], shape, rejected)} == {1}
     assert len(rejected) == 2 and all("Gated DeltaNet" in r for r in rejected)
+
+
+@pytest.mark.slow
+def test_pipeline_cut_inside_a_run_of_gdn_layers_trains_like_one_process(tmp_path):
+    """LLM pp 2 cut between GDN layers 1 and 2 (the hidden state is all that crosses; each GDN layer's state
+    lives inside it), on packed rows: one process's losses and trained parameters, the GDN ones included."""
+    from tests.helpers.composite_case import run_case
+
+    folder = save_composite("qwen3_5", tmp_path / "src")
+    ref_losses, ref_params = run_case("composite_case.py", {"folder": folder, "pack": 96}, tmp_path, "single")
+    assert len(ref_losses) == 3
+    start = dict(lmm.MultimodalModel.from_pretrained(folder).named_parameters())
+    gdn = [n for n in ref_params if ".linear_attn." in n]
+    assert len(gdn) == 6 * 9 and all(not torch.equal(ref_params[n], start[n]) for n in gdn)  # all trained
+    case = {"folder": folder, "pack": 96, "llm_pp": 2, "partition": {"vision": [2], "language_model": [2, 6]}}
+    losses, params = run_case("composite_case.py", case, tmp_path, "pp2")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert set(params) == set(ref_params)
+    for n, p in ref_params.items():
+        torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)
