@@ -37,6 +37,29 @@ def _sample(seed: int, text: int, grids: list[tuple[int, int, int]]) -> dict:
 SAMPLES = [_sample(1, 12, [(1, 8, 8)]), _sample(2, 70, []), _sample(3, 9, [(1, 4, 8)]), _sample(4, 20, [(1, 8, 4)])]
 
 
+@pytest.mark.parametrize("cls", ["Qwen3_5VisionModel", "Qwen3_5MoeVisionModel"])
+def test_tower_split_into_stages_equals_hf_tower(cls):
+    """Qwen3.5's tower run as two pipeline stages through its family adapter gives HF's merged features."""
+    from lightning_mm.model.families import ENCODER_FAMILIES
+
+    fam = ENCODER_FAMILIES[cls]
+    torch.manual_seed(0)
+    tower = fam.tiny(depth=4)
+    assert type(tower).__name__ == cls and fam.deepstack_layers(tower.config) == 0
+    inputs = fam.random_inputs(tower.config, 2, torch.Generator().manual_seed(0), grids=[(1, 8, 4), (1, 4, 4)])
+    expected = fam.reference(tower, inputs)
+    assert expected.shape == (12, 48) and fam.output_dim(tower) == 48
+    hidden, ctx = fam.embed(tower, inputs)
+    for layer in tower.blocks[:2]:
+        hidden = fam.run_layer(tower, layer, hidden, ctx)
+    sent = fam.stage_output(tower, hidden, ctx)
+    ctx = fam.context(tower, inputs)
+    hidden = fam.stage_input(tower, sent, ctx)
+    for layer in tower.blocks[2:]:
+        hidden = fam.run_layer(tower, layer, hidden, ctx)
+    torch.testing.assert_close(fam.final(tower, hidden, ctx), expected, rtol=0, atol=0)
+
+
 def _hf_alone(ref, collator, sample: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
     """HF's composite on one sample alone: (logits, loss x label tokens, label tokens)."""
     e = collator.expand(sample)
