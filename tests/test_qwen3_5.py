@@ -189,7 +189,7 @@ def test_planner_costs_linear_attention_layers_linearly_and_cuts_inside_their_ru
     layer's faster (its scores); the workload model's quadratic term counts the 2 attention layers only, its
     linear term the GDN layers' recurrent work; a 3-stage partition cuts between two GDN layers; the search offers
     no CP degree above 1 and says why."""
-    from lightning_mm.planner.model_costs import part_flops, part_runners, planned_partition, sample_batch
+    from lightning_mm.planner.model_costs import _flops, part_runners, planned_partition, sample_batch
     from lightning_mm.planner.plan_cli import attention_shape
     from lightning_mm.planner.search import _cp_options
     from lightning_mm.planner.workload import WorkloadModel, linear_attention_token_flops
@@ -202,7 +202,8 @@ def test_planner_costs_linear_attention_layers_linearly_and_cuts_inside_their_ru
         batch = sample_batch(model, rows=1, text_tokens=text)
         tokens[text] = batch["input_ids"].shape[1]
         parts = part_runners(model, batch)["language_model"][1:-1]  # the layers, without embed and head
-        flops[text] = [part_flops(run, x, params)[0] for run, x, params, _ in parts]
+        with torch.no_grad():  # forward FLOPs, counted by torch's FlopCounterMode as the planner counts them
+            flops[text] = [_flops(lambda run=run, x=x: run(x)) for run, x, _, _ in parts]
     growth = tokens[244] / tokens[52]
     assert tokens[52] == 64 and growth == 4  # whole chunks of the delta rule
     for i, kind in enumerate(types):
