@@ -101,7 +101,8 @@ class WorkloadModel:
         from lightning_mm.model.linear_attention import LINEAR, layer_types
 
         linear = layer_types(cfg).count(LINEAR)  # Gated DeltaNet layers: linear in length
-        b += linear * linear_attention_token_flops(cfg)
+        if linear:
+            b += linear * linear_attention_token_flops(cfg)
         return cls(encoders, Quadratic(f * 4.0 * _attention_width(cfg) * (len(layers) - linear), f * b))
 
     @classmethod
