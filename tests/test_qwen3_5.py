@@ -170,14 +170,20 @@ def test_generate_equals_hf_generate(kind, tmp_path):
 
 
 def test_context_parallel_is_refused_before_any_group(tmp_path):
-    """cp > 1 for a model with GDN layers: the layout check names GDN, cp and the fix; a direct call with a CP group
-    to a GDN layer says the same."""
+    """cp > 1 for a model with GDN layers: the layout check (as the strategy's setup runs it) names GDN, cp and the
+    fix; a direct call with a CP group to a GDN layer says the same."""
     from lightning_mm.parallel.context import check_context_parallel
 
     model = lmm.MultimodalModel.from_pretrained(save_composite("qwen3_5", tmp_path / "src"))
     with pytest.raises(ValueError, match=r"Gated DeltaNet.*ParallelSpec\(cp=1\)"):
         check_context_parallel(model, lmm.ParallelSpec(cp=2))
     check_context_parallel(model, lmm.ParallelSpec(cp=1))
+    from lightning_mm.trainer.strategy import resolve_layout
+
+    with pytest.raises(ValueError, match=r"language_model cp=2: .*Gated DeltaNet"):  # the strategy's setup check
+        resolve_layout(model, encoder_specs=None, language_model_spec=lmm.ParallelSpec(cp=2),
+                       placement="replicated", partition="uniform", world_size=2, ranks_per_node=2,
+                       fault_tolerance=None)
     layer = model.llm_layers[0]
     hidden = torch.randn(1, 4, model.hidden_size)
     with pytest.raises(ValueError, match="Gated DeltaNet"):
