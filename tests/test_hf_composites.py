@@ -24,8 +24,14 @@ IMG, VSTART, VEND, PAD = 100, 102, 103, 0
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
 MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
-MROPE_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-VIDEO_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+MROPE_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+VIDEO_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# Qwen3.5: Gated DeltaNet layers 0-2 and 4-6, gated full attention 3 and 7 (HF's 3 : 1), interleaved M-RoPE on half
+# of each 16-dim head
+QWEN3_5_TEXT = dict(num_hidden_layers=8, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                    linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                     "mrope_interleaved": True, "partial_rotary_factor": 0.5})
 
 
 def tiny_composite(kind: str, **extra):
@@ -53,7 +59,18 @@ def tiny_composite(kind: str, **extra):
         if kind == "qwen3_vl_moe":  # routed experts, the load-balancing loss in the loss
             text.update(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
                         router_aux_loss_coef=0.05, output_router_logits=True)
-        if kind in ("qwen3_vl", "qwen3_vl_moe"):  # DeepStack from tower layers 0 and 2 into LLM layers 0 and 1
+        if kind in ("qwen3_5", "qwen3_5_moe"):
+            text.update(QWEN3_5_TEXT)
+            if kind == "qwen3_5_moe":  # routed experts beside a gated shared expert, the aux loss in the loss
+                text.update(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8,
+                            num_experts_per_tok=2, router_aux_loss_coef=0.05, output_router_logits=True)
+            vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                          patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+                          num_position_embeddings=16)
+            vision.update(extra.pop("vision", {}))
+            cls, cfg_cls = (tf.Qwen3_5ForConditionalGeneration, tf.Qwen3_5Config) if kind == "qwen3_5" else \
+                (tf.Qwen3_5MoeForConditionalGeneration, tf.Qwen3_5MoeConfig)
+        elif kind in ("qwen3_vl", "qwen3_vl_moe"):  # DeepStack from tower layers 0 and 2 into LLM layers 0 and 1
             text.update(head_dim=8)
             vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
@@ -150,11 +167,13 @@ def batch_for(kind: str, config):
     return ours, hf_inputs
 
 
-KINDS = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_audio", "gemma3"]
+KINDS = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen2_audio",
+         "gemma3"]
 CLASSES = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
            "gemma3": "Gemma3ForConditionalGeneration",
            "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
-           "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+           "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+           "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
            "qwen2_audio": "Qwen2AudioForConditionalGeneration"}
 
 
@@ -181,7 +200,8 @@ def test_loss_logits_gradients_and_round_trip_equal_hf(kind, tmp_path):
     batch, hf_inputs = batch_for(kind, ref.config)
     # the placeholder counts are known before any encoder runs (grids, per-clip lengths, CLS dropped)
     counts = {"llava": [4, 4, 4], "qwen2_vl": [16, 8, 8], "qwen2_5_vl": [16, 8, 8], "qwen3_vl": [16, 8, 8],
-              "qwen3_vl_moe": [16, 8, 8], "qwen2_audio": [4, 2, 3], "gemma3": [4, 4, 4]}
+              "qwen3_vl_moe": [16, 8, 8], "qwen3_5": [16, 8, 8], "qwen3_5_moe": [16, 8, 8], "qwen2_audio": [4, 2, 3],
+              "gemma3": [4, 4, 4]}
     assert model.encoders[modality].num_tokens(batch[modality]) == counts[kind]
     assert_like_hf(model, ref, spec, batch, hf_inputs, logits_atol=1e-5)
 
@@ -201,7 +221,7 @@ def test_loss_logits_gradients_and_round_trip_equal_hf(kind, tmp_path):
         assert n == m and torch.equal(a, b), n
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl", "qwen3_5"])
 def test_mrope_positions_equal_hf_rope_index(kind, tmp_path):
     """Our M-RoPE positions are HF's get_rope_index (padding 0), with grids of different shapes per row."""
     folder = save_composite(kind, tmp_path / "src")

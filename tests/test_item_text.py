@@ -133,16 +133,16 @@ def test_qwen2_audio_clips_are_framed_as_its_chat_template_does(tmp_path):
     assert rule.ids(audio, 3) == expected and expected.count(audio) == 3 and len(expected) == 5
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """A tiny Qwen3-VL folder, its processor folder (tokenizer, image processor, video processor config) and a
-    conversation with an image and a video."""
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+def qwen3(tmp_path_factory, request):
+    """A tiny Qwen3-VL (or Qwen3.5, whose processor is Qwen3-VL's) folder, its processor folder (tokenizer, image
+    processor, video processor config) and a conversation with an image and a video; and the kind."""
     from PIL import Image
 
     from tests.test_video_data import write_video
 
     root = tmp_path_factory.mktemp("qwen3_item_text")
-    folder = save_composite("qwen3_vl", root / "model")
+    folder = save_composite(request.param, root / "model")
     proc_dir = root / "processor"
     tokenizer().save_pretrained(proc_dir)
     Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
@@ -154,14 +154,14 @@ def qwen3(tmp_path_factory):
     write_video(media / "clip.mp4")
     records = [{"image": "a.png", "video": "clip.mp4",
                 "conversations": conv("<image> and <video> what is this", "a red square")}]
-    return folder, proc_dir, write_data(root / "data", records), media
+    return folder, proc_dir, write_data(root / "data", records), media, request.param
 
 
 def test_qwen3_vl_conversation_with_a_video_equals_hf(qwen3, tmp_path):
     """The decoded video's frames laid out one temporal patch at a time after their timestamps, the image between
     vision start/end: the ids HF's processor would write; metadata counts them without decoding; the model's loss
     and logits on the batch equal HF's."""
-    folder, proc_dir, data, media = qwen3
+    folder, proc_dir, data, media, kind = qwen3
     model = lmm.MultimodalModel.from_pretrained(folder).train()
     dm = ConversationDataModule(str(data), str(media), str(proc_dir), model=model, batch_size=1, shuffle=False,
                                 cache_dir=str(tmp_path / "cache"), video={"fps": 2})
@@ -189,7 +189,7 @@ def test_qwen3_vl_conversation_with_a_video_equals_hf(qwen3, tmp_path):
     assert meta == metadata_of(sample, model)
     assert meta.llm_tokens == len(ids)
 
-    hf = load_hf("qwen3_vl", folder).train()
+    hf = load_hf(kind, folder).train()
     hf_inputs = {**batch["vision"], **batch["video"], "input_ids": batch["input_ids"],
                  "attention_mask": batch["attention_mask"], "labels": batch["labels"],
                  "mm_token_type_ids": (batch["input_ids"] == IMG).int() + 2 * (batch["input_ids"] == VID).int()}
@@ -197,7 +197,7 @@ def test_qwen3_vl_conversation_with_a_video_equals_hf(qwen3, tmp_path):
 
 
 def test_item_ids_that_disagree_with_the_encoder_are_named(qwen3):
-    folder, proc_dir, _, _ = qwen3
+    folder, proc_dir, *_ = qwen3
     model = lmm.MultimodalModel.from_pretrained(folder)
     proc = MultimodalProcessor(model, tokenizer(), {"video": VideoProcessor(Qwen3VLVideoProcessorPil(VIDEO_CONFIG))},
                                markers={"video": "<video>"})

@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-PER_FRAME_TIMESTAMPS = ("qwen3_vl", "qwen3_vl_moe")
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+PER_FRAME_TIMESTAMPS = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # Qwen3.5's processor is Qwen3-VL's
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""HF composite multimodal checkpoints in and out: LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3 and Qwen2-Audio;
+"""HF composite multimodal checkpoints in and out: LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3 and
+Qwen2-Audio (and the MoE variants of Qwen3-VL and Qwen3.5);
 LLaVA-NeXT, LLaVA-OneVision and InternVL through their tile adapters (``lightning_mm.model.tiled_images``).
 
 ``from_pretrained(MultimodalModel, folder)`` (what ``MultimodalModel.from_pretrained`` calls) builds a model whose
@@ -111,6 +112,10 @@ SPECS = {s.class_name: s for s in (
     CompositeSpec("Qwen3VLForConditionalGeneration", "qwen3_vl", "vision", "vision_config", "image_token_id",
                   "model.visual.", None, mrope=True, video="qwen3"),
     CompositeSpec("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe", "vision", "vision_config", "image_token_id",
+                  "model.visual.", None, mrope=True, video="qwen3"),
+    CompositeSpec("Qwen3_5ForConditionalGeneration", "qwen3_5", "vision", "vision_config", "image_token_id",
+                  "model.visual.", None, mrope=True, video="qwen3"),
+    CompositeSpec("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", "vision", "vision_config", "image_token_id",
                   "model.visual.", None, mrope=True, video="qwen3"),
     CompositeSpec("Qwen2AudioForConditionalGeneration", "qwen2_audio", "audio", "audio_config", "audio_token_id",
                   "model.audio_tower.", "model.multi_modal_projector."),

@@ -23,6 +23,7 @@ import torch
 
 from lightning_mm.attention import mask as masks
 from lightning_mm.attention.hf import check_honours_mask, generation_words
+from lightning_mm.model.linear_attention import has_linear_attention
 
 # batch keys that only matter for training (or cutting microbatches)
 _DROPPED = ("labels", "item_counts", "num_label_tokens")
@@ -128,7 +129,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         if not torch.equal(given[real], expected[real]):
             raise ValueError("generate counts positions 0, 1, ... over each row's non-padding tokens (as "
                              "transformers does); these position_ids differ: drop them")
-    kwargs.setdefault("cache", DynamicCache())
+    # a model with Gated DeltaNet layers keeps their convolution and recurrent states in the cache its config lays out
+    kwargs.setdefault("cache", DynamicCache(config=lm.config) if has_linear_attention(lm) else DynamicCache())
     with torch.no_grad():
         features = {name: model.encoders[name](inputs) for name, inputs in modality_inputs.items()}
         embeds = model.embed(input_ids, features)

@@ -1,4 +1,5 @@
-"""Causal LMs for the Qwen2-VL / Qwen2.5-VL / Qwen3-VL (and -MoE) text decoders (transformers has none): the
+"""Causal LMs for the Qwen2-VL / Qwen2.5-VL / Qwen3-VL (and -MoE) / Qwen3.5 (and -MoE) text decoders (transformers
+has none that takes a prompt's M-RoPE positions): the
 language model of those composites as ``MultimodalModel`` holds it (``lightning_mm.model.composites``), and the HF
 class of the M-RoPE decoder families (``lightning_mm.model.families``)."""
 
@@ -11,6 +12,10 @@ from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTe
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLPreTrainedModel, Qwen2_5_VLTextModel
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLPreTrainedModel, Qwen2VLTextModel
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5PreTrainedModel, Qwen3_5TextModel
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoePreTrainedModel, Qwen3_5MoeTextModel
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLPreTrainedModel, Qwen3VLTextModel
 from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
@@ -91,5 +96,15 @@ class Qwen3VLMoeTextForCausalLM(_TextForCausalLM, Qwen3VLMoePreTrainedModel):
     text_model = Qwen3VLMoeTextModel
 
 
+class Qwen3_5TextForCausalLM(_TextForCausalLM, Qwen3_5PreTrainedModel):
+    config: Qwen3_5TextConfig
+    text_model = Qwen3_5TextModel
+
+
+class Qwen3_5MoeTextForCausalLM(_TextForCausalLM, Qwen3_5MoePreTrainedModel):
+    config: Qwen3_5MoeTextConfig
+    text_model = Qwen3_5MoeTextModel
+
+
 __all__ = ["Qwen2VLTextForCausalLM", "Qwen2_5_VLTextForCausalLM", "Qwen3VLTextForCausalLM",
-           "Qwen3VLMoeTextForCausalLM"]
+           "Qwen3VLMoeTextForCausalLM", "Qwen3_5TextForCausalLM", "Qwen3_5MoeTextForCausalLM"]

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_mm import loss as losses
 from lightning_mm.attention import mask as masks
-from lightning_mm.model import moe
+from lightning_mm.model import moe, qwen3_5  # noqa: F401  (registers the MoE and Qwen3.5 families)
 from lightning_mm.attention import ATTENTION_NAME
 from lightning_mm.attention import hf as hf_attention
 from lightning_mm.model.encoder import ModalityEncoder
@@ -134,6 +134,8 @@ class MultimodalModel(nn.Module):
         outer = language_model
         language_model, peft_model = unwrap(language_model)
         self.lm_family = language_family(language_model)
+        if hasattr(self.lm_family, "prepare"):  # Gated DeltaNet layers keep packed samples apart
+            self.lm_family.prepare(language_model)
         for name, enc in encoders.items():
             if not isinstance(enc, ModalityEncoder):
                 raise TypeError(f"encoder {name!r} is a {type(enc).__name__}; wrap it: lmm.ModalityEncoder(model, "

@@ -107,7 +107,8 @@ def first_microbatch(module, datamodule, trainer, num_microbatches: int) -> dict
 
 def attention_shape(model, batch: dict) -> AttentionShape:
     """The LLM's attention as context parallelism moves it for ``batch``: tokens of the microbatch (rows x
-    sequence; every term of the byte model is linear in them), heads, KV heads, head dim, parameter bytes."""
+    sequence; every term of the byte model is linear in them), heads, KV heads, head dim, parameter bytes, and
+    the Gated DeltaNet layers it cannot split."""
     lm = model.language_model
     cfg = getattr(lm.config, "text_config", None) or lm.config
     heads = cfg.num_attention_heads
@@ -115,7 +116,10 @@ def attention_shape(model, batch: dict) -> AttentionShape:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     seq = batch.get("bam") if batch.get("bam") is not None else batch["input_ids"]
     dtype_bytes = next(lm.parameters()).element_size()
-    return AttentionShape(int(seq.numel()), heads, kv_heads, head_dim, dtype_bytes)
+    from lightning_mm.model.linear_attention import LINEAR, layer_types
+
+    return AttentionShape(int(seq.numel()), heads, kv_heads, head_dim, dtype_bytes,
+                          layer_types(lm.config).count(LINEAR))
 
 
 def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool = False,

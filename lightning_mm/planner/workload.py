@@ -5,9 +5,10 @@ layers), applied per item for encoders (items attend only within themselves) and
 By default the coefficients are forward FLOPs from the modules' shapes (``b``: 2 FLOPs per weight per token,
 projector included for encoders and the head for the LLM; a mixture-of-experts layer's routed experts count at
 top_k / E of their weights, the active parameters a token runs (``planner.moe_costs``), its router and attention whole;
-``a``: 4 x attention width per layer for the score and value products), scaled by the frozen-aware factor
-(F + B) / F: 3 for a trainable module, 2 for a frozen one with a trainable module upstream (input gradients
-only), 1 for a frozen module with nothing trainable before it.
+``a``: 4 x attention width per attention layer for the score and value products; a Gated DeltaNet layer adds to
+``b`` only, its recurrent state making it linear in length: ``linear_attention_token_flops``), scaled by the
+frozen-aware factor (F + B) / F: 3 for a trainable module, 2 for a frozen one with a trainable module upstream
+(input gradients only), 1 for a frozen module with nothing trainable before it.
 ``WorkloadModel.fit`` takes measured times at several token counts instead (Entrain's profile).
 """
 
@@ -42,6 +43,18 @@ def _attention_width(config) -> int:
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None) or 1
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return heads * head_dim
+
+
+def linear_attention_token_flops(config, chunk: int = 64) -> float:
+    """Forward FLOPs per token of one Gated DeltaNet layer beyond its weights (the chunked delta rule over chunks
+    of ``chunk`` tokens, and the short convolution), independent of the sequence's length: per value head, the
+    within-chunk key-key and query-key products and the triangular solves for values and keys (``chunk`` x
+    (5 key + 3 value dims)), the three state products (6 key x value dims); 2 x kernel per channel for the
+    convolution."""
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    heads = config.linear_num_value_heads
+    channels = 2 * config.linear_num_key_heads * dk + heads * dv
+    return float(heads * (chunk * (5 * dk + 3 * dv) + 6 * dk * dv) + 2 * config.linear_conv_kernel_dim * channels)
 
 
 def _factor(trainable: bool, upstream: bool) -> float:
@@ -85,7 +98,12 @@ class WorkloadModel:
             b += 2.0 * head.weight.numel()
         f = _factor(_trainable(lm), upstream)
         cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
-        return cls(encoders, Quadratic(f * 4.0 * _attention_width(cfg) * len(layers), f * b))
+        from lightning_mm.model.linear_attention import LINEAR, layer_types
+
+        linear = layer_types(cfg).count(LINEAR)  # Gated DeltaNet layers: linear in length
+        if linear:
+            b += linear * linear_attention_token_flops(cfg)
+        return cls(encoders, Quadratic(f * 4.0 * _attention_width(cfg) * (len(layers) - linear), f * b))
 
     @classmethod
     def fit(cls, tokens: dict[str, list[float]], times: dict[str, list[float]]) -> "WorkloadModel":

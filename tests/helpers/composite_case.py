@@ -15,6 +15,8 @@ MultimodalParallelStrategy, described by a JSON argument.
 - ``videos``: samples also hold videos (the "video" modality of Qwen2-VL / Qwen2.5-VL composites)
 - ``image_size``: images of that fixed size (``pixel_values [n, 3, S, S]``: SigLIP towers, Gemma 3) instead of
   Qwen-VL grids
+- ``partition``: the strategy's explicit ``{module: [layers per stage]}``
+- ``pack``: rows of ``pack`` tokens, samples packed into them (``segment_ids``)
 
 Batches come from ``MultimodalCollator``: samples with one or two images of different grids, so rows differ in
 length (padding) and the M-RoPE ``position_ids`` ``[B, S, 3]`` travel with the tokens.
@@ -109,7 +111,8 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
     rows = samples(model)
     replica = trainer.global_rank // (devices // dp)  # ranks are numbered replica by replica
     sampler = DistributedSampler(rows, num_replicas=dp, rank=replica, shuffle=False) if dp > 1 else None
-    data = DataLoader(rows, batch_size=4 // dp, sampler=sampler, collate_fn=lmm.data.MultimodalCollator(model))
+    collate = lmm.data.MultimodalCollator(model, seq_len=case.get("pack"), pack=bool(case.get("pack")))
+    data = DataLoader(rows, batch_size=4 // dp, sampler=sampler, collate_fn=collate)
     trainer.fit(module, data)
     engine = getattr(trainer.strategy, "engine", None)
     from torch.distributed.tensor import DTensor
@@ -132,7 +135,7 @@ def main(spec: str, out: str):
         strategy = lmm.MultimodalParallelStrategy(
             encoders={"vision": lmm.ParallelSpec(pp=vision_pp, cp=vision_cp, tp=vision_tp)},
             language_model=lmm.ParallelSpec(pp=pp, cp=cp), num_microbatches=2, cp_block_size=8, fault_timeout=120,
-            sharding_strategy=case.get("sharding", "NO_SHARD"))
+            sharding_strategy=case.get("sharding", "NO_SHARD"), partition=case.get("partition", "uniform"))
         devices = (vision_pp * vision_cp * vision_tp + pp * cp) * case.get("dp", 1)
     else:
         strategy, devices = "auto", 1
