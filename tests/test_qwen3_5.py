@@ -190,6 +190,7 @@ def test_context_parallel_is_refused_before_any_group(tmp_path):
         layer.linear_attn(hidden, bam=torch.ones(1, 4, dtype=torch.int64), cp_group=object())
 
 
+@pytest.mark.slow
 def test_planner_costs_linear_attention_layers_linearly_and_cuts_inside_their_runs(tmp_path):
     """FLOPs counted on the real layers: a GDN layer's forward grows linearly with the tokens, a full-attention
     layer's faster (its scores); the workload model's quadratic term counts the 2 attention layers only, its
