@@ -73,7 +73,8 @@ def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if window is None:
         return None
-    if getattr(getattr(module, "config", None), "use_bidirectional_attention", False):
+    if getattr(getattr(module, "config", None), "use_bidirectional_attention", False) in (True, "all"):
+        # (Gemma 4's "vision": image blocks, as the composite's bitfield words give them)
         raise ValueError(f"{type(module).__name__} uses bidirectional attention (use_bidirectional_attention=True, "
                          "an embedding model), which the bitfield words do not express; set it to False, or give "
                          "every token a non-causal word of one modality and no sliding window")

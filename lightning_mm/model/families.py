@@ -164,6 +164,52 @@ class Gemma3DecoderFamily(DecoderFamily):
         return getattr(transformers, self.config_name)(**kw)
 
 
+@dataclass(frozen=True)
+class Gemma4DecoderFamily(Gemma3DecoderFamily):
+    """Gemma 4's text decoder (``Gemma4ForCausalLM``): local (sliding-window) and global layers as Gemma 3's (global
+    layers with their own head size, proportional RoPE and, with ``attention_k_eq_v``, values from the key
+    projection), attention scaling 1 (queries and keys are RMS-normed), and with ``enable_moe_block`` routed experts
+    beside each layer's MLP, run inside the HF layer (Gemma 4 adds no load-balancing loss).
+
+    Refused (``check``): per-layer embeddings (``hidden_size_per_layer_input``, a second embedding of the token
+    ids that every layer reads, which our stages do not carry), KV sharing (``num_kv_shared_layers``: later layers
+    read earlier layers' keys and values, across pipeline stages) and ``use_bidirectional_attention="all"``."""
+
+    def check(self, lm) -> None:
+        c = lm.config
+        fixes = [(c.hidden_size_per_layer_input, "per-layer embeddings (hidden_size_per_layer_input="
+                  f"{c.hidden_size_per_layer_input}), whose second token embedding every layer reads",
+                  "hidden_size_per_layer_input=0"),
+                 (c.num_kv_shared_layers, f"KV sharing (num_kv_shared_layers={c.num_kv_shared_layers}), where later "
+                  "layers reuse earlier layers' keys and values", "num_kv_shared_layers=0"),
+                 (c.use_bidirectional_attention == "all", "bidirectional attention over all tokens "
+                  "(use_bidirectional_attention='all')", "use_bidirectional_attention=None")]
+        for on, what, fix in fixes:
+            if on:
+                raise ValueError(f"Gemma 4 text model with {what} is not supported: pipeline stages, context "
+                                 f"parallelism and the bitfield mask do not carry it. Use a checkpoint with {fix} "
+                                 "(Gemma 4 31B and 26B-A4B have none of these)")
+
+    def run_layer(self, layer, hidden, position_embeddings, position_ids, attn_kwargs):
+        kind = layer.self_attn.layer_type
+        # shared_kv_states: the layer stores its keys and values there for KV-sharing layers (refused); a throwaway
+        return layer(hidden, None, shared_kv_states={}, attention_mask=None,
+                     position_embeddings=position_embeddings[kind], position_ids=position_ids, **attn_kwargs)
+
+    def tiny_config(self, **overrides):
+        import transformers
+
+        kw = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, global_head_dim=16, max_position_embeddings=512,
+                  tie_word_embeddings=False, sliding_window=8, hidden_size_per_layer_input=0,
+                  vocab_size_per_layer_input=128, final_logit_softcapping=30.0,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"])
+        if overrides.pop("moe", False):  # routed experts beside every layer's MLP
+            kw.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+        kw.update(overrides)
+        return transformers.Gemma4TextConfig(**kw)
+
+
 def layer_windows(lm: nn.Module) -> list[int | None]:
     """The sliding window of each decoder layer of a HF causal LM (``None`` = full attention), as its attention
     receives it: ``config.layer_types`` (Gemma 2/3, Qwen2/3) picks ``config.sliding_window`` per layer; without
@@ -189,6 +235,8 @@ MROPE_FAMILIES = {f.model_type: f for f in (
 )}
 LANGUAGE_FAMILIES["gemma3_text"] = Gemma3DecoderFamily("Gemma3", "gemma3_text", "Gemma3ForCausalLM",
                                                        "Gemma3TextConfig")
+LANGUAGE_FAMILIES["gemma4_text"] = Gemma4DecoderFamily("Gemma4", "gemma4_text", "Gemma4ForCausalLM",
+                                                       "Gemma4TextConfig")
 
 
 def language_family(lm: nn.Module) -> DecoderFamily:
@@ -199,6 +247,8 @@ def language_family(lm: nn.Module) -> DecoderFamily:
         supported = ", ".join(f.class_name for f in LANGUAGE_FAMILIES.values())
         raise ValueError(f"unsupported language model {type(lm).__name__} (model_type={model_type!r}); supported "
                          f"families: {supported}. Pass the *ForCausalLM class of one of them")
+    if hasattr(fam, "check"):  # what a family refuses (Gemma 4's per-layer embeddings, KV sharing)
+        fam.check(lm)
     return fam
 
 

@@ -1,0 +1,124 @@
+"""Gemma 4's text decoder (local sliding-window and global layers with their own head size, attention scaling 1,
+final logit softcapping; dense, and with routed experts beside each MLP) inside MultimodalModel computes exactly
+what transformers' ``Gemma4ForCausalLM`` computes (fp32, tiny random models, sequences longer than the window);
+what it cannot serve is refused with the fix."""
+
+import copy
+
+import pytest
+import torch
+
+import lightning_mm as lmm
+from lightning_mm.model import families, tiny_language_model
+
+
+def _gemma4(seed=0, **overrides):
+    """A tiny ``Gemma4ForCausalLM`` with every tensor distinct (HF initialises norms to constants)."""
+    torch.manual_seed(seed)
+    lm = tiny_language_model("gemma4_text", **overrides)
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return lm
+
+
+def _compare(lm, ids, labels, attention_mask=None, implementation="eager"):
+    ref = copy.deepcopy(lm)
+    ref.set_attn_implementation(implementation)
+    model = lmm.MultimodalModel({}, lm)
+    out = model(input_ids=ids, labels=labels, attention_mask=attention_mask)
+    expected = ref(input_ids=ids, labels=labels, attention_mask=attention_mask)
+    live = (attention_mask if attention_mask is not None else torch.ones_like(ids)).bool()
+    torch.testing.assert_close(out.logits[live], expected.logits[live], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
+    out.loss.backward()
+    expected.loss.backward()
+    named = dict(ref.named_parameters())
+    for name, p in lm.named_parameters():
+        q = named[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gemma4_text_with_window_shorter_than_sequence_equals_hf(moe, implementation):
+    lm = _gemma4(moe=moe, attention_k_eq_v=moe)  # the MoE case also takes values from the key projection
+    assert families.layer_windows(lm) == [8, 8, None, None]
+    heads = [layer.self_attn.head_dim for layer in lm.model.layers]
+    assert heads == [8, 8, 16, 16] and lm.model.layers[0].self_attn.scaling == 1.0  # global layers' own head size
+    assert lm.model.layers[0].enable_moe_block == moe
+    if moe:
+        assert lm.model.layers[2].self_attn.v_proj is None
+    ids = torch.randint(0, 128, (2, 29))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    out = _compare(lm, ids, labels, implementation=implementation)
+    # the window matters: without it the model computes something else
+    wide = copy.deepcopy(lm)
+    for layer in wide.model.layers:
+        if layer.self_attn.sliding_window is not None:
+            layer.self_attn.sliding_window = 1000
+    with torch.no_grad():
+        assert not torch.allclose(lmm.MultimodalModel({}, wide)(input_ids=ids).logits, out.logits, atol=1e-3)
+
+
+def test_gemma4_text_left_padding_equals_hf():
+    lm = _gemma4(seed=1, sliding_window=4, moe=True)
+    ids = torch.randint(0, 128, (2, 21))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 6] = -100  # HF would score it from the logits of a padding token
+    _compare(lm, ids, labels, attention_mask=mask)
+
+
+@pytest.mark.parametrize("moe", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["dense", "moe"])
+def test_gemma4_greedy_generation_past_the_window_equals_hf(moe):
+    lm = _gemma4(seed=2, sliding_window=4, moe=moe)
+    ref = copy.deepcopy(lm)
+    ref.set_attn_implementation("eager")
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        ours = lmm.MultimodalModel({}, lm).eval().generate(ids, max_new_tokens=8, do_sample=False,
+                                                           return_dict_in_generate=True, output_logits=True)
+        theirs = ref.eval().generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+                                     output_logits=True)
+    assert ours.sequences.tolist() == theirs.sequences[:, ids.shape[1]:].tolist()
+    for step, (a, b) in enumerate(zip(ours.logits, theirs.logits)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=f"step {step}")
+
+
+def test_gemma4_text_folder_loads_and_saves_back_exactly(tmp_path):
+    """A ``Gemma4ForCausalLM`` folder loads as the language model, computes HF's loss, and ``save_pretrained``
+    writes a folder HF's class loads with exactly the same tensors."""
+    import transformers
+
+    lm = _gemma4(seed=3, moe=True)
+    lm.save_pretrained(tmp_path / "src")
+    model = lmm.MultimodalModel({}, language_model=str(tmp_path / "src"))
+    ref = transformers.Gemma4ForCausalLM.from_pretrained(tmp_path / "src", attn_implementation="eager")
+    ids = torch.randint(0, 128, (2, 19))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss,
+                                   atol=1e-5, rtol=0)
+    model.save_pretrained(tmp_path / "out")
+    written = [d for d in (tmp_path / "out").rglob("config.json")]
+    assert len(written) == 1, written
+    back = transformers.Gemma4ForCausalLM.from_pretrained(written[0].parent).state_dict()
+    original = ref.state_dict()
+    assert back.keys() == original.keys()
+    for name, value in original.items():
+        assert torch.equal(back[name], value), name
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(hidden_size_per_layer_input=4), "per-layer embeddings.*hidden_size_per_layer_input=0"),
+    (dict(num_kv_shared_layers=1), "KV sharing.*num_kv_shared_layers=0"),
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'.*use_bidirectional_attention=None"),
+], ids=["per_layer_embeddings", "kv_sharing", "bidirectional"])
+def test_gemma4_text_features_not_served_are_refused_with_the_fix(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        lmm.MultimodalModel({}, tiny_language_model("gemma4_text", **overrides))
