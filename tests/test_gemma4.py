@@ -122,3 +122,104 @@ def test_gemma4_text_folder_loads_and_saves_back_exactly(tmp_path):
 def test_gemma4_text_features_not_served_are_refused_with_the_fix(overrides, match):
     with pytest.raises(ValueError, match=match):
         lmm.MultimodalModel({}, tiny_language_model("gemma4_text", **overrides))
+
+
+# ---------------------------------------------------------------------------------------------- the composite
+def _gemma4_folder(path, text=None, **extra) -> str:
+    """A tiny ``Gemma4ForConditionalGeneration`` folder: the text model above (local layers with a 7-token window,
+    shorter than the rows), a 2-layer tower of 4-pixel patches pooled 2 x 2."""
+    import transformers as tf
+
+    from tests.test_hf_composites import IMG, VEND, VSTART, save_hf
+
+    text_config = families.LANGUAGE_FAMILIES["gemma4_text"].tiny_config(sliding_window=7, **(text or {})).to_dict()
+    _, _, vision = families.ENCODER_FAMILIES["Gemma4VisionModel"].tiny_spec()
+    cfg = tf.Gemma4Config(text_config=text_config, vision_config=vision, image_token_id=IMG, boi_token_id=VSTART,
+                          eoi_token_id=VEND, **extra)
+    torch.manual_seed(0)
+    return save_hf(tf.Gemma4ForConditionalGeneration(cfg), "gemma4", path)
+
+
+def _gemma4_batch(config):
+    """(our batch, HF's inputs): row 0 with two 4 x 4-patch images (4 tokens each), row 1 with one image whose
+    last two patch rows are padding (2 tokens), right padding."""
+    from tests.test_hf_composites import IMG, PAD, _row
+
+    fam = families.ENCODER_FAMILIES["Gemma4VisionModel"]
+    inputs = fam.random_inputs(config.vision_config, 3, generator=torch.Generator().manual_seed(1))
+    inputs["image_position_ids"][2, 8:] = -1
+    inputs["pixel_values"][2, 8:] = 0
+    counts = [[4, 4], [2]]
+    rows = [_row(c) for c in counts]
+    ids = torch.full((2, max(map(len, rows))), PAD)
+    attention = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+        attention[r, :len(row)] = 1
+    labels = ids.masked_fill((ids == IMG) | (attention == 0), -100)
+    ours = {"input_ids": ids, "attention_mask": attention, "labels": labels, "vision": inputs}
+    return ours, dict(inputs, input_ids=ids, attention_mask=attention, labels=labels)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gemma4_composite_equals_hf_and_saves_back_exactly(moe, tmp_path):
+    """``Gemma4ForConditionalGeneration`` from its folder: the tower (patches with their grid positions, padding
+    patches dropped by the pooler), ``embed_vision`` as the projector and the text model give HF's loss, logits
+    and every gradient; ``save_pretrained`` writes a folder HF's class loads with exactly the same tensors."""
+    import transformers
+
+    from tests.test_hf_composites import IMG, assert_like_hf
+
+    folder = _gemma4_folder(tmp_path / "src", text=dict(moe=moe))
+    ref = transformers.Gemma4ForConditionalGeneration.from_pretrained(folder, attn_implementation="eager").train()
+    model = lmm.MultimodalModel.from_pretrained(folder).train()
+    assert model.placeholder_ids == {"vision": IMG} and not model.bidirectional_items
+    assert families.layer_windows(model.language_model) == [7, 7, None, None]
+    batch, hf_inputs = _gemma4_batch(ref.config)
+    assert model.encoders["vision"].num_tokens(batch["vision"]) == [4, 4, 2]
+    assert_like_hf(model, ref, model.composite.spec, batch, hf_inputs, logits_atol=1e-4)
+
+    model.save_pretrained(tmp_path / "out")
+    back = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "out").state_dict()
+    original = transformers.Gemma4ForConditionalGeneration.from_pretrained(folder).state_dict()
+    assert back.keys() == original.keys()
+    for name, value in original.items():
+        assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
+
+
+def test_gemma4_composite_generate_equals_hf_generate(tmp_path):
+    """Greedy tokens and every step's logits of ``generate`` equal HF's composite ``generate`` on the left-padded
+    batch (decoding past the local layers' window)."""
+    import transformers
+
+    from tests.test_hf_composites import PAD
+
+    folder = _gemma4_folder(tmp_path / "src")
+    ref = transformers.Gemma4ForConditionalGeneration.from_pretrained(folder, attn_implementation="eager").eval()
+    model = lmm.MultimodalModel.from_pretrained(folder).eval()
+    batch, _ = _gemma4_batch(ref.config)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    left_ids, left_mask = torch.full_like(ids, PAD), torch.zeros_like(mask)
+    for r in range(ids.shape[0]):
+        n = int(mask[r].sum())
+        left_ids[r, -n:], left_mask[r, -n:] = ids[r, :n], 1
+    with torch.no_grad():
+        theirs = ref.generate(**batch["vision"], input_ids=left_ids, attention_mask=left_mask, max_new_tokens=8,
+                              do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
+        ours = model.generate(input_ids=ids, attention_mask=mask, vision=batch["vision"], max_new_tokens=8,
+                              do_sample=False, return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(ours.sequences, theirs.sequences[:, left_ids.shape[1]:]), (ours.sequences, theirs.sequences)
+    for step, (a, b) in enumerate(zip(ours.logits, theirs.logits)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("extra, match", [
+    (dict(audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4)), "audio tower"),
+    (dict(text=dict(use_bidirectional_attention="vision")), "use_bidirectional_attention='vision'.*null"),
+], ids=["audio", "vision_blocks_on_local_layers"])
+def test_gemma4_composite_parts_not_served_are_refused(extra, match, tmp_path):
+    from lightning_mm.model.loading import ModelFolderError
+
+    folder = _gemma4_folder(tmp_path / "src", **extra)
+    with pytest.raises(ModelFolderError, match=match):
+        lmm.MultimodalModel.from_pretrained(folder)

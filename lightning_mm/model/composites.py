@@ -87,6 +87,7 @@ class CompositeSpec:
     # timestamps as text between the frames; "onevision": frames as images, pooled, a newline after each video)
     video: str | None = None
     bidirectional_items: bool = False  # each image's tokens also see each other (Gemma 3), causal otherwise
+    projector_configs: tuple[str, ...] = ()  # config attributes the projector class takes (empty: the whole config)
 
     def hf_class(self):
         import transformers
@@ -117,6 +118,8 @@ SPECS = {s.class_name: s for s in (
     CompositeSpec("Gemma3ForConditionalGeneration", "gemma3", "vision", "vision_config", "image_token_id",
                   "model.vision_tower.", "model.multi_modal_projector.", adapter=POOLED_IMAGES,
                   bidirectional_items=True),
+    CompositeSpec("Gemma4ForConditionalGeneration", "gemma4", "vision", "vision_config", "image_token_id",
+                  "model.vision_tower.", "model.embed_vision.", projector_configs=("vision_config", "text_config")),
 )}
 LM_PREFIXES = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
 
@@ -341,8 +344,8 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
     with torch.device("meta"):
         lm = _language_class(text_config)(text_config)
         tower = _encoder_class(tower_config)(tower_config)
-        projector = type(hf.get_submodule(spec.projector[:-1]))(copy.deepcopy(config)) if spec.projector else \
-            nn.Identity()
+        args = [copy.deepcopy(getattr(config, a)) for a in spec.projector_configs] or [copy.deepcopy(config)]
+        projector = type(hf.get_submodule(spec.projector[:-1]))(*args) if spec.projector else nn.Identity()
         if spec.adapter is not None:
             projector = spec.adapter.build_projector(projector, config)
     parts = {"language_model": lm, f"encoders.{spec.modality}.module": tower}
@@ -385,7 +388,24 @@ def _supported_spec(folder) -> CompositeSpec:
                                f"{loading._describe(folder.config)}, not a supported composite; supported: "
                                f"{supported}. Folders of separate parts load with ModalityEncoder(folder) and "
                                "MultimodalModel(language_model=folder)")
+    if spec.model_type == "gemma4":
+        _refuse_gemma4_parts(folder)
     return spec
+
+
+def _refuse_gemma4_parts(folder) -> None:
+    """What of a Gemma 4 composite is not served, refused before anything is built: its audio tower (a Conformer
+    with chunked local attention, no encoder family) and image blocks on local layers only
+    (``use_bidirectional_attention="vision"``: the bitfield words make an image's tokens see each other on every
+    layer, as Gemma 3 does, not on local layers alone)."""
+    config, where = folder.config, os.path.join(folder.path, loading.CONFIG_FILE)
+    if getattr(config, "audio_config", None) is not None:
+        raise ModelFolderError(f"{where}: Gemma 4's audio tower (audio_config) is not supported (no encoder family "
+                               "for Gemma4AudioModel); use a checkpoint without audio, or set audio_config to null")
+    if config.get_text_config().use_bidirectional_attention == "vision":
+        raise ModelFolderError(f"{where}: use_bidirectional_attention='vision' (image tokens see each other on the "
+                               "local layers only) is not supported: the bitfield mask gives image blocks to every "
+                               "layer or to none; set text_config.use_bidirectional_attention to null (causal)")
 
 
 def _folder_tensors(spec: CompositeSpec, folder, hf: nn.Module) -> tuple[dict, dict]:

@@ -919,6 +919,72 @@ class VideoInputs:
 ENCODER_FAMILIES: dict[str, EncoderFamily] = {f.class_names[0]: f for f in (
     ClipFamily(), SiglipFamily(), Dinov2Family(), Qwen2VisionFamily(), Qwen25VisionFamily(), Qwen3VisionFamily(),
     Qwen3MoeVisionFamily(), WhisperFamily(), Qwen2AudioFamily(), InternVLVisionFamily())}
+class Gemma4VisionFamily(EncoderFamily):
+    """Gemma 4's vision tower (``Gemma4VisionModel``): each image comes as its patches, flattened
+    (``pixel_values [images, patches, 3 * p * p]``) with their ``(x, y)`` grid positions (``image_position_ids
+    [images, patches, 2]``, ``(-1, -1)`` for padding), as its image processor gives them. The patch embedder adds
+    2-D position embeddings, the layers attend over an image's real patches with 2-D RoPE, and ``final`` is the
+    tower's pooler: average over ``pooling_kernel_size``-square cells of the grid, scaled by ``sqrt(hidden)``
+    (standardised when the config says so), padding dropped: ``real patches / k^2`` tokens per image."""
+
+    name, class_names = "Gemma 4 vision", ("Gemma4VisionModel",)
+    folder_model_types = {"gemma4_vision": None}
+    embed_modules = ("patch_embedder",)
+
+    def layers(self, enc):
+        return enc.encoder.layers
+
+    def num_tokens(self, config, inputs):
+        real = (inputs["image_position_ids"] != -1).all(-1).sum(-1)
+        return (real // config.pooling_kernel_size ** 2).tolist()
+
+    def encoder_positions(self, config, inputs):
+        return (inputs["image_position_ids"] != -1).all(-1).sum(-1).tolist()
+
+    def context(self, enc, inputs):
+        from transformers.masking_utils import create_bidirectional_mask
+
+        pos = inputs["image_position_ids"]
+        padding = (pos == -1).all(-1)
+        shape = torch.empty(*pos.shape[:2], 1, dtype=enc.patch_embedder.input_proj.weight.dtype, device=pos.device)
+        mask = create_bidirectional_mask(config=enc.config, inputs_embeds=shape, attention_mask=~padding)
+        return {"pos": pos, "padding": padding, "mask": mask,
+                "rope": enc.encoder.rotary_emb(shape, pos)}
+
+    def embed(self, enc, inputs):
+        ctx = self.context(enc, inputs)
+        return enc.patch_embedder(inputs["pixel_values"], ctx["pos"], ctx["padding"]), ctx
+
+    def run_layer(self, enc, layer, hidden, ctx):
+        return layer(hidden, position_embeddings=ctx["rope"], attention_mask=ctx["mask"], position_ids=ctx["pos"])
+
+    def final(self, enc, hidden, ctx):
+        length = hidden.shape[1] // enc.config.pooling_kernel_size ** 2
+        pooled, keep = enc.pooler(hidden, ctx["pos"], ctx["padding"], output_length=length)
+        pooled = pooled[keep]
+        if enc.config.standardize:
+            pooled = (pooled - enc.std_bias.float()) * enc.std_scale.float()
+        return pooled.to(hidden.dtype)
+
+    def reference(self, enc, inputs):
+        return enc(pixel_values=inputs["pixel_values"], pixel_position_ids=inputs["image_position_ids"]
+                   ).last_hidden_state
+
+    def tiny_spec(self):
+        return "Gemma4VisionConfig", "Gemma4VisionModel", dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
+
+    def random_inputs(self, config, num_items, generator=None, grid=None, **_):
+        """Square images of ``grid`` x ``grid`` patches (default: two pooling cells a side), no padding."""
+        g = grid or 2 * config.pooling_kernel_size
+        ys, xs = torch.meshgrid(torch.arange(g), torch.arange(g), indexing="ij")
+        pos = torch.stack([xs.flatten(), ys.flatten()], -1)
+        return {"pixel_values": torch.rand(num_items, g * g, 3 * config.patch_size ** 2, generator=generator),
+                "image_position_ids": pos.expand(num_items, -1, -1).clone()}
+
+
+ENCODER_FAMILIES["Gemma4VisionModel"] = Gemma4VisionFamily()
 TINY_ENCODERS = {"clip": "CLIPVisionModel", "siglip": "SiglipVisionModel", "dinov2": "Dinov2Model",
                  "qwen2_vl": "Qwen2VisionTransformerPretrainedModel",
                  "qwen2_5_vl": "Qwen2_5_VisionTransformerPretrainedModel", "qwen3_vl": "Qwen3VLVisionModel",
