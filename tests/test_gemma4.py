@@ -215,11 +215,37 @@ def test_gemma4_composite_generate_equals_hf_generate(tmp_path):
 
 @pytest.mark.parametrize("extra, match", [
     (dict(audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4)), "audio tower"),
-    (dict(text=dict(use_bidirectional_attention="vision")), "use_bidirectional_attention='vision'.*null"),
-], ids=["audio", "vision_blocks_on_local_layers"])
+], ids=["audio"])
 def test_gemma4_composite_parts_not_served_are_refused(extra, match, tmp_path):
     from lightning_mm.model.loading import ModelFolderError
 
     folder = _gemma4_folder(tmp_path / "src", **extra)
     with pytest.raises(ModelFolderError, match=match):
         lmm.MultimodalModel.from_pretrained(folder)
+
+
+def test_gemma4_composite_image_blocks_on_local_layers_only_equal_hf(tmp_path, monkeypatch):
+    """``use_bidirectional_attention="vision"``: on local layers each image's tokens see each other (within the
+    window), global layers stay causal, as HF's ``create_masks_for_vision_model``; loss, logits and every gradient
+    equal HF's. Image blocks on every layer (Gemma 3's pattern), or on none, compute something else."""
+    import transformers
+
+    from lightning_mm.attention import hf as hf_attention
+    from tests.test_hf_composites import IMG, assert_like_hf
+
+    folder = _gemma4_folder(tmp_path / "src", text=dict(use_bidirectional_attention="vision"))
+    ref = transformers.Gemma4ForConditionalGeneration.from_pretrained(folder, attn_implementation="eager").train()
+    model = lmm.MultimodalModel.from_pretrained(folder).train()
+    assert model.bidirectional_items
+    batch, hf_inputs = _gemma4_batch(ref.config)
+    hf_inputs["mm_token_type_ids"] = (hf_inputs["input_ids"] == IMG).long()
+    assert_like_hf(model, ref, model.composite.spec, batch, hf_inputs, logits_atol=1e-4)
+    ours = {k: v for k, v in batch.items() if k != "labels"}
+    keep = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected = ref.eval()(**{k: v for k, v in hf_inputs.items() if k != "labels"}).logits[keep]
+        model.eval()
+        monkeypatch.setattr(hf_attention, "_blocks_on_local_layers_only", lambda module: False)
+        assert not torch.allclose(model(**ours).logits[keep], expected, atol=1e-3)  # blocks on global layers too
+        model.bidirectional_items = False
+        assert not torch.allclose(model(**ours).logits[keep], expected, atol=1e-3)  # no blocks

@@ -45,6 +45,9 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
                          "attention does not implement; set attn_logit_softcapping=None in the model config (Gemma 3 "
                          "has none), or train this model without bitfield attention")
     window = layer_window(module, kwargs)
+    if window is None and _blocks_on_local_layers_only(module):
+        bam, k_bam = _without_spans(bam), _without_spans(k_bam)
+        kwargs["attn_cache"] = None  # the cached tile classes are those of the words with spans
     if dropout and module.training:
         raise ValueError("bitfield attention has no attention dropout; set attention_dropout=0 in the model config")
     if cp_group is not None:
@@ -62,6 +65,19 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
                                  q_positions=q_positions, k_positions=k_positions, scale=scaling,
                                  cache=kwargs.get("attn_cache"), window=window)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _blocks_on_local_layers_only(module: torch.nn.Module) -> bool:
+    """Gemma 4's ``use_bidirectional_attention="vision"``: image blocks on local (sliding-window) layers only; its
+    global layers are causal over every token."""
+    return getattr(getattr(module, "config", None), "use_bidirectional_attention", None) == "vision"
+
+
+def _without_spans(words):
+    """The words with the SPAN bit cleared: a span's tokens become causal text (its id bits add no pair)."""
+    from lightning_mm.attention.mask import SPAN
+
+    return None if words is None else words & ~SPAN
 
 
 def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:

@@ -372,6 +372,9 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
     model = model_class(encoders, lm, placeholder_ids=placeholders)
     model.causal_modalities = causal_modalities
     model.bidirectional_items = spec.bidirectional_items and causal_modalities
+    if spec.model_type == "gemma4":  # image blocks (on local layers only) with use_bidirectional_attention="vision"
+        model.bidirectional_items = causal_modalities and \
+            config.get_text_config().use_bidirectional_attention == "vision"
     if spec.mrope:
         model.position_ids_fn = MRopePositions(tuple(kinds), tower_config.spatial_merge_size)
     model.composite = CompositeSource(spec, copy.deepcopy(config), folder.path,
@@ -395,17 +398,11 @@ def _supported_spec(folder) -> CompositeSpec:
 
 def _refuse_gemma4_parts(folder) -> None:
     """What of a Gemma 4 composite is not served, refused before anything is built: its audio tower (a Conformer
-    with chunked local attention, no encoder family) and image blocks on local layers only
-    (``use_bidirectional_attention="vision"``: the bitfield words make an image's tokens see each other on every
-    layer, as Gemma 3 does, not on local layers alone)."""
+    with chunked local attention, no encoder family)."""
     config, where = folder.config, os.path.join(folder.path, loading.CONFIG_FILE)
     if getattr(config, "audio_config", None) is not None:
         raise ModelFolderError(f"{where}: Gemma 4's audio tower (audio_config) is not supported (no encoder family "
                                "for Gemma4AudioModel); use a checkpoint without audio, or set audio_config to null")
-    if config.get_text_config().use_bidirectional_attention == "vision":
-        raise ModelFolderError(f"{where}: use_bidirectional_attention='vision' (image tokens see each other on the "
-                               "local layers only) is not supported: the bitfield mask gives image blocks to every "
-                               "layer or to none; set text_config.use_bidirectional_attention to null (causal)")
 
 
 def _folder_tensors(spec: CompositeSpec, folder, hf: nn.Module) -> tuple[dict, dict]:
