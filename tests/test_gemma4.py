@@ -187,14 +187,16 @@ def test_gemma4_composite_equals_hf_and_saves_back_exactly(moe, tmp_path):
         assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
 
 
-def test_gemma4_composite_generate_equals_hf_generate(tmp_path):
+@pytest.mark.parametrize("blocks", [pytest.param(None, marks=pytest.mark.slow), "vision"],
+                         ids=["causal", "vision_blocks"])
+def test_gemma4_composite_generate_equals_hf_generate(blocks, tmp_path):
     """Greedy tokens and every step's logits of ``generate`` equal HF's composite ``generate`` on the left-padded
-    batch (decoding past the local layers' window)."""
+    batch (decoding past the local layers' window), causal and with image blocks on the local layers."""
     import transformers
 
-    from tests.test_hf_composites import PAD
+    from tests.test_hf_composites import IMG, PAD
 
-    folder = _gemma4_folder(tmp_path / "src")
+    folder = _gemma4_folder(tmp_path / "src", text=dict(use_bidirectional_attention=blocks))
     ref = transformers.Gemma4ForConditionalGeneration.from_pretrained(folder, attn_implementation="eager").eval()
     model = lmm.MultimodalModel.from_pretrained(folder).eval()
     batch, _ = _gemma4_batch(ref.config)
@@ -204,8 +206,9 @@ def test_gemma4_composite_generate_equals_hf_generate(tmp_path):
         n = int(mask[r].sum())
         left_ids[r, -n:], left_mask[r, -n:] = ids[r, :n], 1
     with torch.no_grad():
-        theirs = ref.generate(**batch["vision"], input_ids=left_ids, attention_mask=left_mask, max_new_tokens=8,
-                              do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
+        theirs = ref.generate(**batch["vision"], input_ids=left_ids, attention_mask=left_mask,
+                              mm_token_type_ids=(left_ids == IMG).long(), max_new_tokens=8, do_sample=False,
+                              return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
         ours = model.generate(input_ids=ids, attention_mask=mask, vision=batch["vision"], max_new_tokens=8,
                               do_sample=False, return_dict_in_generate=True, output_logits=True)
     assert torch.equal(ours.sequences, theirs.sequences[:, left_ids.shape[1]:]), (ours.sequences, theirs.sequences)
