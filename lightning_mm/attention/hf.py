@@ -45,6 +45,9 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
                          "attention does not implement; set attn_logit_softcapping=None in the model config (Gemma 3 "
                          "has none), or train this model without bitfield attention")
     window = layer_window(module, kwargs)
+    if window is None and _blocks_on_local_layers_only(module):
+        bam, k_bam = _without_spans(bam), _without_spans(k_bam)
+        kwargs["attn_cache"] = None  # the cached tile classes are those of the words with spans
     if dropout and module.training:
         raise ValueError("bitfield attention has no attention dropout; set attention_dropout=0 in the model config")
     if cp_group is not None:
@@ -64,6 +67,19 @@ def hf_bitfield_attention(module: torch.nn.Module, query, key, value, attention_
     return out.transpose(1, 2).contiguous(), None
 
 
+def _blocks_on_local_layers_only(module: torch.nn.Module) -> bool:
+    """Gemma 4's ``use_bidirectional_attention="vision"``: image blocks on local (sliding-window) layers only; its
+    global layers are causal over every token."""
+    return getattr(getattr(module, "config", None), "use_bidirectional_attention", None) == "vision"
+
+
+def _without_spans(words):
+    """The words with the SPAN bit cleared: a span's tokens become causal text (its id bits add no pair)."""
+    from lightning_mm.attention.mask import SPAN
+
+    return None if words is None else words & ~SPAN
+
+
 def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     """The sliding window of one attention call, as transformers passes it: the ``sliding_window`` keyword (per
     layer: Gemma 2/3 and Qwen2/3 pass ``None`` on full-attention layers; Mistral and Phi-3 pass the config's),
@@ -73,7 +89,8 @@ def layer_window(module: torch.nn.Module, kwargs: dict) -> int | None:
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     if window is None:
         return None
-    if getattr(getattr(module, "config", None), "use_bidirectional_attention", False):
+    if getattr(getattr(module, "config", None), "use_bidirectional_attention", False) in (True, "all"):
+        # (Gemma 4's "vision": image blocks, as the composite's bitfield words give them)
         raise ValueError(f"{type(module).__name__} uses bidirectional attention (use_bidirectional_attention=True, "
                          "an embedding model), which the bitfield words do not express; set it to False, or give "
                          "every token a non-causal word of one modality and no sliding window")

@@ -88,6 +88,7 @@ class CompositeSpec:
     # timestamps as text between the frames; "onevision": frames as images, pooled, a newline after each video)
     video: str | None = None
     bidirectional_items: bool = False  # each image's tokens also see each other (Gemma 3), causal otherwise
+    projector_configs: tuple[str, ...] = ()  # config attributes the projector class takes (empty: the whole config)
 
     def hf_class(self):
         import transformers
@@ -122,6 +123,8 @@ SPECS = {s.class_name: s for s in (
     CompositeSpec("Gemma3ForConditionalGeneration", "gemma3", "vision", "vision_config", "image_token_id",
                   "model.vision_tower.", "model.multi_modal_projector.", adapter=POOLED_IMAGES,
                   bidirectional_items=True),
+    CompositeSpec("Gemma4ForConditionalGeneration", "gemma4", "vision", "vision_config", "image_token_id",
+                  "model.vision_tower.", "model.embed_vision.", projector_configs=("vision_config", "text_config")),
 )}
 LM_PREFIXES = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
 
@@ -346,8 +349,8 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
     with torch.device("meta"):
         lm = _language_class(text_config)(text_config)
         tower = _encoder_class(tower_config)(tower_config)
-        projector = type(hf.get_submodule(spec.projector[:-1]))(copy.deepcopy(config)) if spec.projector else \
-            nn.Identity()
+        args = [copy.deepcopy(getattr(config, a)) for a in spec.projector_configs] or [copy.deepcopy(config)]
+        projector = type(hf.get_submodule(spec.projector[:-1]))(*args) if spec.projector else nn.Identity()
         if spec.adapter is not None:
             projector = spec.adapter.build_projector(projector, config)
     parts = {"language_model": lm, f"encoders.{spec.modality}.module": tower}
@@ -374,6 +377,9 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
     model = model_class(encoders, lm, placeholder_ids=placeholders)
     model.causal_modalities = causal_modalities
     model.bidirectional_items = spec.bidirectional_items and causal_modalities
+    if spec.model_type == "gemma4":  # image blocks (on local layers only) with use_bidirectional_attention="vision"
+        model.bidirectional_items = causal_modalities and \
+            config.get_text_config().use_bidirectional_attention == "vision"
     if spec.mrope:
         model.position_ids_fn = MRopePositions(tuple(kinds), tower_config.spatial_merge_size)
     model.composite = CompositeSource(spec, copy.deepcopy(config), folder.path,
@@ -390,7 +396,18 @@ def _supported_spec(folder) -> CompositeSpec:
                                f"{loading._describe(folder.config)}, not a supported composite; supported: "
                                f"{supported}. Folders of separate parts load with ModalityEncoder(folder) and "
                                "MultimodalModel(language_model=folder)")
+    if spec.model_type == "gemma4":
+        _refuse_gemma4_parts(folder)
     return spec
+
+
+def _refuse_gemma4_parts(folder) -> None:
+    """What of a Gemma 4 composite is not served, refused before anything is built: its audio tower (a Conformer
+    with chunked local attention, no encoder family)."""
+    config, where = folder.config, os.path.join(folder.path, loading.CONFIG_FILE)
+    if getattr(config, "audio_config", None) is not None:
+        raise ModelFolderError(f"{where}: Gemma 4's audio tower (audio_config) is not supported (no encoder family "
+                               "for Gemma4AudioModel); use a checkpoint without audio, or set audio_config to null")
 
 
 def _folder_tensors(spec: CompositeSpec, folder, hf: nn.Module) -> tuple[dict, dict]:

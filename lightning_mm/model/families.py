@@ -164,6 +164,52 @@ class Gemma3DecoderFamily(DecoderFamily):
         return getattr(transformers, self.config_name)(**kw)
 
 
+@dataclass(frozen=True)
+class Gemma4DecoderFamily(Gemma3DecoderFamily):
+    """Gemma 4's text decoder (``Gemma4ForCausalLM``): local (sliding-window) and global layers as Gemma 3's (global
+    layers with their own head size, proportional RoPE and, with ``attention_k_eq_v``, values from the key
+    projection), attention scaling 1 (queries and keys are RMS-normed), and with ``enable_moe_block`` routed experts
+    beside each layer's MLP, run inside the HF layer (Gemma 4 adds no load-balancing loss).
+
+    Refused (``check``): per-layer embeddings (``hidden_size_per_layer_input``, a second embedding of the token
+    ids that every layer reads, which our stages do not carry), KV sharing (``num_kv_shared_layers``: later layers
+    read earlier layers' keys and values, across pipeline stages) and ``use_bidirectional_attention="all"``."""
+
+    def check(self, lm) -> None:
+        c = lm.config
+        fixes = [(c.hidden_size_per_layer_input, "per-layer embeddings (hidden_size_per_layer_input="
+                  f"{c.hidden_size_per_layer_input}), whose second token embedding every layer reads",
+                  "hidden_size_per_layer_input=0"),
+                 (c.num_kv_shared_layers, f"KV sharing (num_kv_shared_layers={c.num_kv_shared_layers}), where later "
+                  "layers reuse earlier layers' keys and values", "num_kv_shared_layers=0"),
+                 (c.use_bidirectional_attention == "all", "bidirectional attention over all tokens "
+                  "(use_bidirectional_attention='all')", "use_bidirectional_attention=None")]
+        for on, what, fix in fixes:
+            if on:
+                raise ValueError(f"Gemma 4 text model with {what} is not supported: pipeline stages, context "
+                                 f"parallelism and the bitfield mask do not carry it. Use a checkpoint with {fix} "
+                                 "(Gemma 4 31B and 26B-A4B have none of these)")
+
+    def run_layer(self, layer, hidden, position_embeddings, position_ids, attn_kwargs):
+        kind = layer.self_attn.layer_type
+        # shared_kv_states: the layer stores its keys and values there for KV-sharing layers (refused); a throwaway
+        return layer(hidden, None, shared_kv_states={}, attention_mask=None,
+                     position_embeddings=position_embeddings[kind], position_ids=position_ids, **attn_kwargs)
+
+    def tiny_config(self, **overrides):
+        import transformers
+
+        kw = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, global_head_dim=16, max_position_embeddings=512,
+                  tie_word_embeddings=False, sliding_window=8, hidden_size_per_layer_input=0,
+                  vocab_size_per_layer_input=128, final_logit_softcapping=30.0,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"])
+        if overrides.pop("moe", False):  # routed experts beside every layer's MLP
+            kw.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16)
+        kw.update(overrides)
+        return transformers.Gemma4TextConfig(**kw)
+
+
 def layer_windows(lm: nn.Module) -> list[int | None]:
     """The sliding window of each decoder layer of a HF causal LM (``None`` = full attention), as its attention
     receives it: ``config.layer_types`` (Gemma 2/3, Qwen2/3) picks ``config.sliding_window`` per layer; without
@@ -189,6 +235,8 @@ MROPE_FAMILIES = {f.model_type: f for f in (
 )}
 LANGUAGE_FAMILIES["gemma3_text"] = Gemma3DecoderFamily("Gemma3", "gemma3_text", "Gemma3ForCausalLM",
                                                        "Gemma3TextConfig")
+LANGUAGE_FAMILIES["gemma4_text"] = Gemma4DecoderFamily("Gemma4", "gemma4_text", "Gemma4ForCausalLM",
+                                                       "Gemma4TextConfig")
 
 
 def language_family(lm: nn.Module) -> DecoderFamily:
@@ -199,6 +247,8 @@ def language_family(lm: nn.Module) -> DecoderFamily:
         supported = ", ".join(f.class_name for f in LANGUAGE_FAMILIES.values())
         raise ValueError(f"unsupported language model {type(lm).__name__} (model_type={model_type!r}); supported "
                          f"families: {supported}. Pass the *ForCausalLM class of one of them")
+    if hasattr(fam, "check"):  # what a family refuses (Gemma 4's per-layer embeddings, KV sharing)
+        fam.check(lm)
     return fam
 
 
@@ -869,6 +919,72 @@ class VideoInputs:
 ENCODER_FAMILIES: dict[str, EncoderFamily] = {f.class_names[0]: f for f in (
     ClipFamily(), SiglipFamily(), Dinov2Family(), Qwen2VisionFamily(), Qwen25VisionFamily(), Qwen3VisionFamily(),
     Qwen3MoeVisionFamily(), WhisperFamily(), Qwen2AudioFamily(), InternVLVisionFamily())}
+class Gemma4VisionFamily(EncoderFamily):
+    """Gemma 4's vision tower (``Gemma4VisionModel``): each image comes as its patches, flattened
+    (``pixel_values [images, patches, 3 * p * p]``) with their ``(x, y)`` grid positions (``image_position_ids
+    [images, patches, 2]``, ``(-1, -1)`` for padding), as its image processor gives them. The patch embedder adds
+    2-D position embeddings, the layers attend over an image's real patches with 2-D RoPE, and ``final`` is the
+    tower's pooler: average over ``pooling_kernel_size``-square cells of the grid, scaled by ``sqrt(hidden)``
+    (standardised when the config says so), padding dropped: ``real patches / k^2`` tokens per image."""
+
+    name, class_names = "Gemma 4 vision", ("Gemma4VisionModel",)
+    folder_model_types = {"gemma4_vision": None}
+    embed_modules = ("patch_embedder",)
+
+    def layers(self, enc):
+        return enc.encoder.layers
+
+    def num_tokens(self, config, inputs):
+        real = (inputs["image_position_ids"] != -1).all(-1).sum(-1)
+        return (real // config.pooling_kernel_size ** 2).tolist()
+
+    def encoder_positions(self, config, inputs):
+        return (inputs["image_position_ids"] != -1).all(-1).sum(-1).tolist()
+
+    def context(self, enc, inputs):
+        from transformers.masking_utils import create_bidirectional_mask
+
+        pos = inputs["image_position_ids"]
+        padding = (pos == -1).all(-1)
+        shape = torch.empty(*pos.shape[:2], 1, dtype=enc.patch_embedder.input_proj.weight.dtype, device=pos.device)
+        mask = create_bidirectional_mask(config=enc.config, inputs_embeds=shape, attention_mask=~padding)
+        return {"pos": pos, "padding": padding, "mask": mask,
+                "rope": enc.encoder.rotary_emb(shape, pos)}
+
+    def embed(self, enc, inputs):
+        ctx = self.context(enc, inputs)
+        return enc.patch_embedder(inputs["pixel_values"], ctx["pos"], ctx["padding"]), ctx
+
+    def run_layer(self, enc, layer, hidden, ctx):
+        return layer(hidden, position_embeddings=ctx["rope"], attention_mask=ctx["mask"], position_ids=ctx["pos"])
+
+    def final(self, enc, hidden, ctx):
+        length = hidden.shape[1] // enc.config.pooling_kernel_size ** 2
+        pooled, keep = enc.pooler(hidden, ctx["pos"], ctx["padding"], output_length=length)
+        pooled = pooled[keep]
+        if enc.config.standardize:
+            pooled = (pooled - enc.std_bias.float()) * enc.std_scale.float()
+        return pooled.to(hidden.dtype)
+
+    def reference(self, enc, inputs):
+        return enc(pixel_values=inputs["pixel_values"], pixel_position_ids=inputs["image_position_ids"]
+                   ).last_hidden_state
+
+    def tiny_spec(self):
+        return "Gemma4VisionConfig", "Gemma4VisionModel", dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            head_dim=8, patch_size=4, pooling_kernel_size=2, position_embedding_size=64)
+
+    def random_inputs(self, config, num_items, generator=None, grid=None, **_):
+        """Square images of ``grid`` x ``grid`` patches (default: two pooling cells a side), no padding."""
+        g = grid or 2 * config.pooling_kernel_size
+        ys, xs = torch.meshgrid(torch.arange(g), torch.arange(g), indexing="ij")
+        pos = torch.stack([xs.flatten(), ys.flatten()], -1)
+        return {"pixel_values": torch.rand(num_items, g * g, 3 * config.patch_size ** 2, generator=generator),
+                "image_position_ids": pos.expand(num_items, -1, -1).clone()}
+
+
+ENCODER_FAMILIES["Gemma4VisionModel"] = Gemma4VisionFamily()
 TINY_ENCODERS = {"clip": "CLIPVisionModel", "siglip": "SiglipVisionModel", "dinov2": "Dinov2Model",
                  "qwen2_vl": "Qwen2VisionTransformerPretrainedModel",
                  "qwen2_5_vl": "Qwen2_5_VisionTransformerPretrainedModel", "qwen3_vl": "Qwen3VLVisionModel",

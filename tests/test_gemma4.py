@@ -1,0 +1,254 @@
+"""Gemma 4's text decoder (local sliding-window and global layers with their own head size, attention scaling 1,
+final logit softcapping; dense, and with routed experts beside each MLP) inside MultimodalModel computes exactly
+what transformers' ``Gemma4ForCausalLM`` computes (fp32, tiny random models, sequences longer than the window);
+what it cannot serve is refused with the fix."""
+
+import copy
+
+import pytest
+import torch
+
+import lightning_mm as lmm
+from lightning_mm.model import families, tiny_language_model
+
+
+def _gemma4(seed=0, **overrides):
+    """A tiny ``Gemma4ForCausalLM`` with every tensor distinct (HF initialises norms to constants)."""
+    torch.manual_seed(seed)
+    lm = tiny_language_model("gemma4_text", **overrides)
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return lm
+
+
+def _compare(lm, ids, labels, attention_mask=None, implementation="eager"):
+    ref = copy.deepcopy(lm)
+    ref.set_attn_implementation(implementation)
+    model = lmm.MultimodalModel({}, lm)
+    out = model(input_ids=ids, labels=labels, attention_mask=attention_mask)
+    expected = ref(input_ids=ids, labels=labels, attention_mask=attention_mask)
+    live = (attention_mask if attention_mask is not None else torch.ones_like(ids)).bool()
+    torch.testing.assert_close(out.logits[live], expected.logits[live], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
+    out.loss.backward()
+    expected.loss.backward()
+    named = dict(ref.named_parameters())
+    for name, p in lm.named_parameters():
+        q = named[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    return out
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gemma4_text_with_window_shorter_than_sequence_equals_hf(moe, implementation):
+    lm = _gemma4(moe=moe, attention_k_eq_v=moe)  # the MoE case also takes values from the key projection
+    assert families.layer_windows(lm) == [8, 8, None, None]
+    heads = [layer.self_attn.head_dim for layer in lm.model.layers]
+    assert heads == [8, 8, 16, 16] and lm.model.layers[0].self_attn.scaling == 1.0  # global layers' own head size
+    assert lm.model.layers[0].enable_moe_block == moe
+    if moe:
+        assert lm.model.layers[2].self_attn.v_proj is None
+    ids = torch.randint(0, 128, (2, 29))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    out = _compare(lm, ids, labels, implementation=implementation)
+    # the window matters: without it the model computes something else
+    wide = copy.deepcopy(lm)
+    for layer in wide.model.layers:
+        if layer.self_attn.sliding_window is not None:
+            layer.self_attn.sliding_window = 1000
+    with torch.no_grad():
+        assert not torch.allclose(lmm.MultimodalModel({}, wide)(input_ids=ids).logits, out.logits, atol=1e-3)
+
+
+def test_gemma4_text_left_padding_equals_hf():
+    lm = _gemma4(seed=1, sliding_window=4, moe=True)
+    ids = torch.randint(0, 128, (2, 21))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 6] = -100  # HF would score it from the logits of a padding token
+    _compare(lm, ids, labels, attention_mask=mask)
+
+
+@pytest.mark.parametrize("moe", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["dense", "moe"])
+def test_gemma4_greedy_generation_past_the_window_equals_hf(moe):
+    lm = _gemma4(seed=2, sliding_window=4, moe=moe)
+    ref = copy.deepcopy(lm)
+    ref.set_attn_implementation("eager")
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        ours = lmm.MultimodalModel({}, lm).eval().generate(ids, max_new_tokens=8, do_sample=False,
+                                                           return_dict_in_generate=True, output_logits=True)
+        theirs = ref.eval().generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+                                     output_logits=True)
+    assert ours.sequences.tolist() == theirs.sequences[:, ids.shape[1]:].tolist()
+    for step, (a, b) in enumerate(zip(ours.logits, theirs.logits)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=f"step {step}")
+
+
+def test_gemma4_text_folder_loads_and_saves_back_exactly(tmp_path):
+    """A ``Gemma4ForCausalLM`` folder loads as the language model, computes HF's loss, and ``save_pretrained``
+    writes a folder HF's class loads with exactly the same tensors."""
+    import transformers
+
+    lm = _gemma4(seed=3, moe=True)
+    lm.save_pretrained(tmp_path / "src")
+    model = lmm.MultimodalModel({}, language_model=str(tmp_path / "src"))
+    ref = transformers.Gemma4ForCausalLM.from_pretrained(tmp_path / "src", attn_implementation="eager")
+    ids = torch.randint(0, 128, (2, 19))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss,
+                                   atol=1e-5, rtol=0)
+    model.save_pretrained(tmp_path / "out")
+    written = [d for d in (tmp_path / "out").rglob("config.json")]
+    assert len(written) == 1, written
+    back = transformers.Gemma4ForCausalLM.from_pretrained(written[0].parent).state_dict()
+    original = ref.state_dict()
+    assert back.keys() == original.keys()
+    for name, value in original.items():
+        assert torch.equal(back[name], value), name
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(hidden_size_per_layer_input=4), "per-layer embeddings.*hidden_size_per_layer_input=0"),
+    (dict(num_kv_shared_layers=1), "KV sharing.*num_kv_shared_layers=0"),
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention='all'.*use_bidirectional_attention=None"),
+], ids=["per_layer_embeddings", "kv_sharing", "bidirectional"])
+def test_gemma4_text_features_not_served_are_refused_with_the_fix(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        lmm.MultimodalModel({}, tiny_language_model("gemma4_text", **overrides))
+
+
+# ---------------------------------------------------------------------------------------------- the composite
+def _gemma4_folder(path, text=None, **extra) -> str:
+    """A tiny ``Gemma4ForConditionalGeneration`` folder: the text model above (local layers with a 7-token window,
+    shorter than the rows), a 2-layer tower of 4-pixel patches pooled 2 x 2."""
+    import transformers as tf
+
+    from tests.test_hf_composites import IMG, VEND, VSTART, save_hf
+
+    text_config = families.LANGUAGE_FAMILIES["gemma4_text"].tiny_config(sliding_window=7, **(text or {})).to_dict()
+    _, _, vision = families.ENCODER_FAMILIES["Gemma4VisionModel"].tiny_spec()
+    cfg = tf.Gemma4Config(text_config=text_config, vision_config=vision, image_token_id=IMG, boi_token_id=VSTART,
+                          eoi_token_id=VEND, **extra)
+    torch.manual_seed(0)
+    return save_hf(tf.Gemma4ForConditionalGeneration(cfg), "gemma4", path)
+
+
+def _gemma4_batch(config):
+    """(our batch, HF's inputs): row 0 with two 4 x 4-patch images (4 tokens each), row 1 with one image whose
+    last two patch rows are padding (2 tokens), right padding."""
+    from tests.test_hf_composites import IMG, PAD, _row
+
+    fam = families.ENCODER_FAMILIES["Gemma4VisionModel"]
+    inputs = fam.random_inputs(config.vision_config, 3, generator=torch.Generator().manual_seed(1))
+    inputs["image_position_ids"][2, 8:] = -1
+    inputs["pixel_values"][2, 8:] = 0
+    counts = [[4, 4], [2]]
+    rows = [_row(c) for c in counts]
+    ids = torch.full((2, max(map(len, rows))), PAD)
+    attention = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+        attention[r, :len(row)] = 1
+    labels = ids.masked_fill((ids == IMG) | (attention == 0), -100)
+    ours = {"input_ids": ids, "attention_mask": attention, "labels": labels, "vision": inputs}
+    return ours, dict(inputs, input_ids=ids, attention_mask=attention, labels=labels)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gemma4_composite_equals_hf_and_saves_back_exactly(moe, tmp_path):
+    """``Gemma4ForConditionalGeneration`` from its folder: the tower (patches with their grid positions, padding
+    patches dropped by the pooler), ``embed_vision`` as the projector and the text model give HF's loss, logits
+    and every gradient; ``save_pretrained`` writes a folder HF's class loads with exactly the same tensors."""
+    import transformers
+
+    from tests.test_hf_composites import IMG, assert_like_hf
+
+    folder = _gemma4_folder(tmp_path / "src", text=dict(moe=moe))
+    ref = transformers.Gemma4ForConditionalGeneration.from_pretrained(folder, attn_implementation="eager").train()
+    model = lmm.MultimodalModel.from_pretrained(folder).train()
+    assert model.placeholder_ids == {"vision": IMG} and not model.bidirectional_items
+    assert families.layer_windows(model.language_model) == [7, 7, None, None]
+    batch, hf_inputs = _gemma4_batch(ref.config)
+    assert model.encoders["vision"].num_tokens(batch["vision"]) == [4, 4, 2]
+    assert_like_hf(model, ref, model.composite.spec, batch, hf_inputs, logits_atol=1e-4)
+
+    model.save_pretrained(tmp_path / "out")
+    back = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp_path / "out").state_dict()
+    original = transformers.Gemma4ForConditionalGeneration.from_pretrained(folder).state_dict()
+    assert back.keys() == original.keys()
+    for name, value in original.items():
+        assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
+
+
+@pytest.mark.parametrize("blocks", [pytest.param(None, marks=pytest.mark.slow), "vision"],
+                         ids=["causal", "vision_blocks"])
+def test_gemma4_composite_generate_equals_hf_generate(blocks, tmp_path):
+    """Greedy tokens and every step's logits of ``generate`` equal HF's composite ``generate`` on the left-padded
+    batch (decoding past the local layers' window), causal and with image blocks on the local layers."""
+    import transformers
+
+    from tests.test_hf_composites import IMG, PAD
+
+    folder = _gemma4_folder(tmp_path / "src", text=dict(use_bidirectional_attention=blocks))
+    ref = transformers.Gemma4ForConditionalGeneration.from_pretrained(folder, attn_implementation="eager").eval()
+    model = lmm.MultimodalModel.from_pretrained(folder).eval()
+    batch, _ = _gemma4_batch(ref.config)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    left_ids, left_mask = torch.full_like(ids, PAD), torch.zeros_like(mask)
+    for r in range(ids.shape[0]):
+        n = int(mask[r].sum())
+        left_ids[r, -n:], left_mask[r, -n:] = ids[r, :n], 1
+    with torch.no_grad():
+        theirs = ref.generate(**batch["vision"], input_ids=left_ids, attention_mask=left_mask,
+                              mm_token_type_ids=(left_ids == IMG).long(), max_new_tokens=8, do_sample=False,
+                              return_dict_in_generate=True, output_logits=True, pad_token_id=PAD)
+        ours = model.generate(input_ids=ids, attention_mask=mask, vision=batch["vision"], max_new_tokens=8,
+                              do_sample=False, return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(ours.sequences, theirs.sequences[:, left_ids.shape[1]:]), (ours.sequences, theirs.sequences)
+    for step, (a, b) in enumerate(zip(ours.logits, theirs.logits)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("extra, match", [
+    (dict(audio_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4)), "audio tower"),
+], ids=["audio"])
+def test_gemma4_composite_parts_not_served_are_refused(extra, match, tmp_path):
+    from lightning_mm.model.loading import ModelFolderError
+
+    folder = _gemma4_folder(tmp_path / "src", **extra)
+    with pytest.raises(ModelFolderError, match=match):
+        lmm.MultimodalModel.from_pretrained(folder)
+
+
+def test_gemma4_composite_image_blocks_on_local_layers_only_equal_hf(tmp_path, monkeypatch):
+    """``use_bidirectional_attention="vision"``: on local layers each image's tokens see each other (within the
+    window), global layers stay causal, as HF's ``create_masks_for_vision_model``; loss, logits and every gradient
+    equal HF's. Image blocks on every layer (Gemma 3's pattern), or on none, compute something else."""
+    import transformers
+
+    from lightning_mm.attention import hf as hf_attention
+    from tests.test_hf_composites import IMG, assert_like_hf
+
+    folder = _gemma4_folder(tmp_path / "src", text=dict(use_bidirectional_attention="vision"))
+    ref = transformers.Gemma4ForConditionalGeneration.from_pretrained(folder, attn_implementation="eager").train()
+    model = lmm.MultimodalModel.from_pretrained(folder).train()
+    assert model.bidirectional_items
+    batch, hf_inputs = _gemma4_batch(ref.config)
+    hf_inputs["mm_token_type_ids"] = (hf_inputs["input_ids"] == IMG).long()
+    assert_like_hf(model, ref, model.composite.spec, batch, hf_inputs, logits_atol=1e-4)
+    ours = {k: v for k, v in batch.items() if k != "labels"}
+    keep = batch["attention_mask"].bool()
+    with torch.no_grad():
+        expected = ref.eval()(**{k: v for k, v in hf_inputs.items() if k != "labels"}).logits[keep]
+        model.eval()
+        monkeypatch.setattr(hf_attention, "_blocks_on_local_layers_only", lambda module: False)
+        assert not torch.allclose(model(**ours).logits[keep], expected, atol=1e-3)  # blocks on global layers too
+        model.bidirectional_items = False
+        assert not torch.allclose(model(**ours).logits[keep], expected, atol=1e-3)  # no blocks
