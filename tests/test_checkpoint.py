@@ -65,7 +65,7 @@ def _continue_elsewhere(ref: dict, there: str, then: str, cp: dict | None = None
     final = rank_weights(weights)
     assert set(final) == set(ref["pp2_weights"])
     for name, value in ref["pp2_weights"].items():
-        torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow

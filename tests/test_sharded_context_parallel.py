@@ -1,5 +1,6 @@
 """FSDP2 (FULL_SHARD) composed with context parallelism under MultimodalParallelStrategy: the LLM sharded over its
-CP ranks in each CP mode (all-gather, Ulysses, hybrid), and an encoder sharded over its encoder-CP ranks.
+CP ranks in each CP mode (all-gather, Ulysses, hybrid), and an encoder sharded over its encoder-CP ranks. Each case
+also asserts which ranks FSDP manages parameters on, so a layout that silently ran unsharded fails.
 
 Each case trains two SGD steps and compares the losses and every trainable parameter with plain single-process
 Lightning on the same global batches (tests/helpers/trainer_case.py), as tests/test_tensor_parallel.py does for
@@ -7,28 +8,38 @@ FSDP with dp and tests/test_encoder_cp.py for encoder CP. FSDP shards a stage ov
 holding the same parameters), so with dp 1 these layouts shard over the CP ranks alone.
 """
 
+import json
+
 import pytest
 
 from tests.test_encoder_cp import CASE as ENCODER_CP
 from tests.test_lightning_contracts import assert_same_training, run
 
-SGD = dict(steps=2, optimizer="sgd", lr=0.5, microbatches=2)
+SGD = dict(steps=2, optimizer="sgd", lr=0.5, microbatches=2, modalities=["vision"])
 
-LLM_CP = [  # (name, case, freeze): vision 1 stage + LLM, or (replicated) the encoder on every LLM rank
-    pytest.param("allgather_cp2", dict(llm_cp=2), "llm", marks=pytest.mark.ci),
-    ("ulysses_cp2", dict(llm_cp=2, cp_mode="ulysses"), "llm"),
-    ("hybrid_cp4_ulysses2_replicated", dict(llm_cp=4, cp_mode="hybrid", ulysses=2, placement="replicated"), "llm"),
+LLM_CP = [  # (name, case, freeze, the sharded ranks): vision 1 stage (rank 0) + LLM, or (replicated) the encoder on
+    # every LLM rank
+    pytest.param("allgather_cp2", dict(llm_cp=2), "llm", [1, 2], marks=pytest.mark.ci),
+    ("ulysses_cp2", dict(llm_cp=2, cp_mode="ulysses"), "llm", [1, 2]),
+    ("hybrid_cp4_ulysses2_replicated", dict(llm_cp=4, cp_mode="hybrid", ulysses=2, placement="replicated"), "llm",
+     [0, 1, 2, 3]),
 ]
 
 
+def sharded_ranks(out) -> list[int]:
+    """The ranks of a run where FSDP manages parameters (``fsdp_<rank>.json`` of tests/helpers/trainer_case.py)."""
+    return sorted(int(f.stem.split("_")[1]) for f in out.glob("fsdp_*.json") if json.loads(f.read_text()) > 0)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name, case, freeze", LLM_CP)
-def test_full_shard_over_llm_cp_ranks_trains_like_one_process(tmp_path, name, case, freeze):
+@pytest.mark.parametrize("name, case, freeze, sharded", LLM_CP)
+def test_full_shard_over_llm_cp_ranks_trains_like_one_process(tmp_path, name, case, freeze, sharded):
     """all-gather and Ulysses: vision + LLM cp 2 (3 processes; the LLM stage sharded over its 2 CP ranks); hybrid:
     cp 4 with Ulysses groups of 2, the encoder on every LLM rank (4 processes; the whole stage, projector
     included, sharded over the 4 CP ranks)."""
     ref = run({**SGD, "freeze": freeze}, tmp_path, "single")
     got = run({**SGD, **case, "freeze": freeze, "sharding": "FULL_SHARD"}, tmp_path, name)
+    assert sharded_ranks(tmp_path / name) == sharded
     assert_same_training(got, ref)
 
 
@@ -40,6 +51,7 @@ def test_full_shard_over_encoder_cp_ranks_trains_like_one_process(tmp_path):
     ref = run({**ENCODER_CP, "freeze": "all"}, tmp_path, "single")
     got = run({**ENCODER_CP, "freeze": "all", "encoder_cp": [2], "llm_pp": 1, "sharding": "FULL_SHARD"},
               tmp_path, "encoder_cp2_fsdp")
+    assert sharded_ranks(tmp_path / "encoder_cp2_fsdp") == [0, 1]  # the encoder's CP ranks; the LLM has one holder
     assert_same_training(got, ref)
 
 
