@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from lightning_mm import checkpoint as ckpt
 from lightning_mm.data.resumable import resumable
-from tests.helpers.checkpoint_runs import reference, run_case
+from tests.helpers.checkpoint_runs import rank_weights, reference, run_case
 
 
 @pytest.mark.slow
@@ -34,9 +34,21 @@ def test_resume_is_bit_exact():
     assert resumed == ref["pp2"][3:], "losses after resuming differ from the uninterrupted run"
 
 
-def _continue_elsewhere(ref: dict, there: str, then: str, cp: dict | None = None) -> None:
+def _pieces(path: str) -> dict[str, set[int]]:
+    """How many pieces (DCP chunks: one per FSDP shard) each module's parameters were written in."""
+    md = ckpt.read_dcp_metadata(path)
+    out: dict[str, set[int]] = {}
+    for key, entry in md.state_dict_metadata.items():
+        if key.startswith("model/"):
+            out.setdefault(key.split("/")[1].split(".")[0], set()).add(len(entry.chunks))
+    return out
+
+
+def _continue_elsewhere(ref: dict, there: str, then: str, cp: dict | None = None,
+                        pieces: dict[str, set[int]] | None = None) -> None:
     """The pp2 step-3 checkpoint continued on layout ``there`` (saving at step 5), whose step-5 checkpoint is
-    continued on layout ``then``: every step equals the uninterrupted pp2 run."""
+    continued on layout ``then``: every step, and the parameters after the last, equal the uninterrupted pp2 run.
+    ``pieces``: how the step-5 checkpoint holds each module's parameters (``_pieces``)."""
     d = ref["dir"]
     losses = run_case({"layout": there, "steps": 6, "out": f"{d}/{there}.json", "resume": ref["ckpt3"],
                        "ckpt_dir": f"{d}/{there}", "save_every": 5})
@@ -44,9 +56,16 @@ def _continue_elsewhere(ref: dict, there: str, then: str, cp: dict | None = None
     if cp is not None:
         written = ckpt.read_layout(f"{d}/{there}/step=5.ckpt")
         assert written["cp"] == cp, written["cp"]
+    if pieces is not None:
+        assert _pieces(f"{d}/{there}/step=5.ckpt") == pieces
+    weights = f"{d}/{there}_then_{then}.pt"
     losses = run_case({"layout": then, "steps": 6, "out": f"{d}/{there}_then_{then}.json",
-                       "resume": f"{d}/{there}/step=5.ckpt"})
+                       "resume": f"{d}/{there}/step=5.ckpt", "weights": weights})
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["pp2"][5:]), rtol=1e-5, atol=1e-6)
+    final = rank_weights(weights)
+    assert set(final) == set(ref["pp2_weights"])
+    for name, value in ref["pp2_weights"].items():
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.slow
@@ -61,6 +80,30 @@ def test_reshard_pp2dp1_to_pp1dp2_and_back():
 def test_reshard_to_tensor_parallel_and_back():
     """pp2 -> vision + LLM tp2 (3 ranks, DTensor parameters and optimiser state) -> pp2."""
     _continue_elsewhere(reference(), "tp2", "pp2", {"vision.0": 1, "language_model.0": 1})
+
+
+@pytest.mark.slow
+def test_reshard_full_shard_dp2_to_pipeline_and_back():
+    """pp2 (NO_SHARD) -> vision + LLM 1 stage each under FULL_SHARD over dp 2 (4 ranks: parameters and AdamW
+    state are FSDP2 shards) -> pp2 (NO_SHARD)."""
+    _continue_elsewhere(reference(), "dp2_fsdp", "pp2", pieces={"encoders": {2}, "language_model": {2}})
+
+
+@pytest.mark.slow
+@pytest.mark.combines("checkpoint", "fsdp", "llm_cp")
+def test_full_shard_with_context_parallel_saves_and_resumes():
+    """pp2 -> vision + LLM cp 2 under FULL_SHARD (3 ranks: the LLM sharded over its 2 CP ranks) -> the same
+    layout resumed from its own checkpoint."""
+    _continue_elsewhere(reference(), "cp2_fsdp", "cp2_fsdp", {"vision.0": 1, "language_model.0": 2},
+                        pieces={"encoders": {1}, "language_model": {2}})
+
+
+@pytest.mark.slow
+@pytest.mark.combines("checkpoint", "fsdp", "per_module_dp")
+def test_full_shard_with_per_module_data_parallel_saves_and_resumes():
+    """pp2 -> vision dp 1 + LLM dp 2 under FULL_SHARD (per-module data parallelism, 3 ranks: the LLM sharded over
+    its 2 replicas, the encoder whole) -> the same layout resumed from its own checkpoint."""
+    _continue_elsewhere(reference(), "vdp1dp2_fsdp", "vdp1dp2_fsdp", pieces={"encoders": {1}, "language_model": {2}})
 
 
 @pytest.mark.slow

@@ -119,7 +119,7 @@ def build_stage(model, holding: StageHolding, *, layout: RankLayout, rank: int, 
     tp_allreduce = [names[id(p)] for p in tp_allreduce]
     expert_params = apply_ep(model, plan, meshes.experts) if meshes.experts is not None else []
     run_stage, fsdp_params = forward, set()
-    if meshes.shard_mesh is not None:
+    if meshes.shard_mesh is not None and layout.fsdp_ranks(holding.stage) > 1:
         run_stage = apply_fsdp(model, plan, meshes.shard_mesh, sharding_strategy, forward, precision, expert_params)
         fsdp_params = {id(p) for p in model.parameters()} - {id(p) for p in expert_params}
     if materialise is not None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from lightning_mm.plan.layout import RankLayout
 from lightning_mm.plan.stages import StagePlan
 
 SHARDING_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
@@ -27,6 +28,16 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
     precision and reduce gradients in fp32; everything else keeps the parameters' dtype."""
     half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
     return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32 if half else None)
+
+
+def nothing_to_shard(layout: RankLayout, sharding_strategy: str) -> str | None:
+    """Why ``sharding_strategy`` shards no stage of ``layout`` (every stage's parameters have one holder), or None
+    when it shards some stage or is NO_SHARD."""
+    if sharding_strategy == "NO_SHARD" or any(layout.fsdp_ranks(s) > 1 for s in layout.stages):
+        return None
+    return (f"sharding_strategy={sharding_strategy!r} shards nothing in this layout: FSDP shards a stage over the "
+            "ranks that hold the same parameters (its replicas x CP ranks), and no stage has more than one; every "
+            "rank holds its whole stage. Give a module dp or cp > 1 to shard it, or use sharding_strategy='NO_SHARD'")
 
 
 def sharding_units(model, plan: StagePlan) -> list[nn.Module | list[nn.Module]]:

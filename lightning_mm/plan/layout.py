@@ -245,6 +245,11 @@ class RankLayout:
                                               for rc in range(self.cp[receiver]) if rc % self.cp[sender] == c]
                 for c in range(self.cp[sender]) for t in range(self.tp[sender])}
 
+    def fsdp_ranks(self, stage: str) -> int:
+        """Ranks a sharding strategy shards ``stage`` over: its chain's replicas x its CP ranks (they hold the same
+        parameters)."""
+        return self.replicas(self.chain_of(stage)) * self.cp[stage]
+
     def chains(self) -> dict[str, list[str]]:
         """The stages of each module pipeline in order: one chain per encoder ("parallel"), one fused encoder chain
         ("colocated"), and the LLM's. Each chain gets one device mesh."""

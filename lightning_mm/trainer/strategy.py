@@ -39,7 +39,7 @@ from lightning_mm.model.loading import materialise
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.parallel.comm import check_backend
 from lightning_mm.parallel.engine import PipelineEngine, StepResult, check_same_batch
-from lightning_mm.parallel.sharding import SHARDING_STRATEGIES
+from lightning_mm.parallel.sharding import SHARDING_STRATEGIES, nothing_to_shard
 from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, dtensor_parameters_pinned
 from lightning_mm.parallel.context import check_context_parallel
 from lightning_mm.plan.balance import METHODS as BALANCING_METHODS
@@ -165,6 +165,8 @@ class MultimodalParallelStrategy(DDPStrategy):
                       sharded=self.sharding_strategy != "NO_SHARD")
         if self.fault_timeout is not None:
             enable_flight_recorder()  # the watchdog reads which collectives a stalled run waits in
+        if problem := nothing_to_shard(self.layout, self.sharding_strategy):
+            rank_zero_warn(problem)
         with launched_ranks_watched(getattr(self._launcher, "procs", [])):
             super().setup_environment()
         release_process_groups_at_exit()

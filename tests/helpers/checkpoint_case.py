@@ -6,9 +6,13 @@ ranks (blocks of 8 tokens) on 3 ranks, dp 1; "pp2cp2": vision + LLM 2 stages of 
 "cp2dp2": "cp2" replicated twice on 6 ranks; "tp2": vision + LLM 1 stage of 2 tensor-parallel ranks on 3 ranks;
 "vdp2pp2": per-module data parallelism, vision dp 2 + LLM dp 1 of 2 stages on 4 ranks; "ep2dp2": vision + LLM 1
 stage each, dp 2 with the LLM's experts split over both replicas (ep 2) on 4 ranks;
-"single": one process), steps, out (losses JSON, rank 0),
+"single": one process; a layout name ending in "_fsdp" is that layout under sharding_strategy="FULL_SHARD",
+e.g. "dp2_fsdp": each stage sharded over its 2 replicas, "cp2_fsdp": the LLM stage over its 2 CP ranks,
+"vdp2pp2_fsdp", "vdp1dp2_fsdp": vision dp 1 + LLM dp 2 on 3 ranks (per-module data parallelism shards the LLM
+only)), steps, out (losses JSON, rank 0),
 ckpt_dir, save_every (steps), resume (a checkpoint folder), kill ({"rank": r, "step": s}: SIGKILL that rank
-after step s), weights (single: file for the trained parameters), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
+after step s), weights (file for the trained parameters; each rank of a distributed run writes ``<weights>.<rank>``
+with the whole tensors of the trainable parameters it holds), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
 exception), fault_timeout, pids (folder for one pid file per rank), balancing (batch_balancing), global_batch (default
 4), num_samples (default 16), items ([min, max] images per sample), llm (the language model's kind, default
 "llama"; "qwen3_moe": routed experts).
@@ -22,6 +26,7 @@ import time
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_mm as lmm
@@ -35,6 +40,7 @@ LAYOUTS = {"pp2": dict(devices=3, llm_pp=2, microbatches=2), "dp2": dict(devices
            "tp2": dict(devices=3, llm_pp=1, llm_tp=2, microbatches=2),
            "vdp2pp2": dict(devices=4, llm_pp=2, microbatches=2, encoder_dp=2, llm_dp=1),
            "ep2dp2": dict(devices=4, llm_pp=1, microbatches=1, llm_ep=2),
+           "vdp1dp2": dict(devices=3, llm_pp=1, microbatches=1, encoder_dp=1, llm_dp=2),
            "single": dict(devices=1, llm_pp=None, microbatches=1)}
 
 
@@ -64,8 +70,21 @@ class Events(L.Callback):
                 os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
+def save_weights(trainer, module, path: str) -> None:
+    """The trained parameters this rank holds, whole (a DTensor's ``full_tensor`` is collective over its mesh)."""
+    engine = getattr(trainer.strategy, "engine", None)
+    whole = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
+    params = {n: whole(p.detach()).clone() for n, p in module.model.named_parameters()
+              if p.requires_grad and (engine is None or n in engine.owned)}
+    if engine is None:
+        torch.save(params, path)
+    else:
+        torch.save(params, f"{path}.{trainer.global_rank}")
+
+
 def main(cfg: dict):
-    layout = LAYOUTS[cfg["layout"]]
+    name = cfg["layout"].removesuffix("_fsdp")
+    layout, sharding = LAYOUTS[name], "FULL_SHARD" if cfg["layout"].endswith("_fsdp") else "NO_SHARD"
     global_batch, samples = cfg.get("global_batch", GLOBAL_BATCH), cfg.get("num_samples", 16)
     callbacks = [Events(cfg)]
     if cfg.get("save_every"):
@@ -84,7 +103,7 @@ def main(cfg: dict):
             language_model=lmm.ParallelSpec(pp=layout["llm_pp"], cp=cp, tp=tp, dp=layout.get("llm_dp"),
                                             ep=layout.get("llm_ep", 1)),
             num_microbatches=layout["microbatches"], cp_block_size=8, fault_timeout=cfg.get("fault_timeout", 60.0),
-            batch_balancing=cfg.get("balancing"))
+            batch_balancing=cfg.get("balancing"), sharding_strategy=sharding)
         trainer = L.Trainer(devices=layout["devices"], strategy=strategy, **kw)
         per_rank = global_batch // (layout.get("llm_dp") or layout["devices"] // (1 + layout["llm_pp"] * cp * tp))
     if cfg.get("pids"):
@@ -98,8 +117,8 @@ def main(cfg: dict):
             sampler=DistributedSampler(data._dataset(samples, 0), num_replicas=1, rank=0, shuffle=True, seed=0))
     module = build_module(cfg.get("llm", "llama"))
     trainer.fit(module, data, ckpt_path=cfg.get("resume"))
-    if cfg.get("weights") and trainer.global_rank == 0:  # the single-process reference's trained parameters
-        torch.save({n: p.detach() for n, p in module.model.named_parameters() if p.requires_grad}, cfg["weights"])
+    if cfg.get("weights"):
+        save_weights(trainer, module, cfg["weights"])
     if trainer.global_rank == 0:
         with open(cfg["out"], "w") as f:
             json.dump(callbacks[0].losses, f)

@@ -7,7 +7,7 @@ import json
 import os
 import tempfile
 
-from tests.helpers.launch import LAUNCH_VARIABLES, ROOT, run_script
+from tests.helpers.launch import LAUNCH_VARIABLES, ROOT, merged_params, run_script
 
 CASE = os.path.join(os.path.dirname(__file__), "checkpoint_case.py")
 STEPS = 6
@@ -28,12 +28,22 @@ def run_case(cfg: dict, timeout: float = 300) -> list[float]:
         return json.load(f)
 
 
+def rank_weights(path: str) -> dict:
+    """The trained parameters a distributed case wrote (``<path>.<rank>``: each rank's whole tensors), merged."""
+    import glob
+
+    merged = merged_params(glob.glob(f"{path}.*"))
+    assert merged, f"no {path}.<rank> files"
+    return merged
+
+
 @functools.cache
 def reference() -> dict:
     """An uninterrupted pipeline run (pp2, dp1, checkpoints at steps 3 and 6) and one-process Lightning run."""
     d = tempfile.mkdtemp(prefix="lmm-ckpt-")
     single = run_case({"layout": "single", "steps": STEPS, "out": f"{d}/single.json", "weights": f"{d}/single.pt"})
     pipe = run_case({"layout": "pp2", "steps": STEPS, "out": f"{d}/pp2.json", "ckpt_dir": f"{d}/pp2",
-                     "save_every": 3})
+                     "save_every": 3, "weights": f"{d}/pp2.pt"})
     return {"dir": d, "single": single, "single_weights": f"{d}/single.pt", "pp2": pipe,
+            "pp2_weights": rank_weights(f"{d}/pp2.pt"),
             "ckpt3": f"{d}/pp2/step=3.ckpt", "ckpt6": f"{d}/pp2/step=6.ckpt"}

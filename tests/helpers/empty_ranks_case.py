@@ -71,7 +71,8 @@ def sparse_global_batches(model, steps: int, rows: int) -> list[dict]:
             samples[0] = dict(single[0])
         for r in empty.get(s, ()):
             samples[r].pop("vision")
-            samples[r]["input_ids"] = samples[r]["input_ids"][samples[r]["input_ids"] != model.placeholder_ids["vision"]]
+            ids = samples[r]["input_ids"]
+            samples[r]["input_ids"] = ids[ids != model.placeholder_ids["vision"]]
         out.append(collate(samples))
     return out
 

@@ -69,15 +69,21 @@ def run_command(cmd: list[str], cwd, timeout: float = 420, env: dict | None = No
 def run_trainer_case(script: str, case: dict, tmp_path, name: str) -> tuple[dict, dict]:
     """Run a JSON-driven Trainer case in ``tmp_path / name``; returns rank 0's ``result.json`` and the trainable
     parameters every rank saved (``params_<rank>.pt``, merged by name; replicas must agree exactly)."""
-    import torch
-
     out = tmp_path / name
     out.mkdir()
     run_script(script, json.dumps(case), str(out), cwd=out)
+    return json.loads((out / "result.json").read_text()), merged_params(out.glob("params_*.pt"))
+
+
+def merged_params(files) -> dict:
+    """The parameters each rank saved (one ``{name: whole tensor}`` file per rank), merged by name; ranks holding
+    the same parameter (replicas, CP ranks, tied copies) must hold identical values."""
+    import torch
+
     params = {}
-    for f in out.glob("params_*.pt"):
+    for f in sorted(map(str, files)):
         for n, p in torch.load(f, weights_only=True).items():
-            if n in params:  # replicas of one stage hold identical values
-                torch.testing.assert_close(p, params[n], rtol=0, atol=0, msg=n)
+            if n in params:
+                torch.testing.assert_close(p, params[n], rtol=0, atol=0, msg=f"{n} in {f}")
             params[n] = p
-    return json.loads((out / "result.json").read_text()), params
+    return params

@@ -2,7 +2,8 @@
 
 ``python trainer_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0: per-step losses,
 validation/test loss, predicted ids) and ``<out_dir>/params_<rank>.pt`` (this rank's trainable parameters, full
-names), so a test can compare any layout with one process. Keys of the JSON (all optional):
+names), so a test can compare any layout with one process; under the strategy also ``<out_dir>/fsdp_<rank>.json``
+(how many parameters FSDP manages there). Keys of the JSON (all optional):
 
 - ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp`` / ``encoder_tp`` /
   ``encoder_cp`` ([vision, audio]), ``llm_pp``, ``llm_cp`` (blocks of 8 tokens), ``cp_mode``, ``ulysses``, ``llm_tp``, ``sharding``
@@ -182,6 +183,9 @@ def main(spec: str, out: str):
     full = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731  (collective over its mesh)
     torch.save({n: full(p.detach()).cpu() for n, p in module.model.named_parameters()
                 if p.requires_grad and (owned is None or n in owned.owned)}, os.path.join(out, f"params_{rank}.pt"))
+    if owned is not None:  # how many parameters FSDP manages on this rank (0: its stage is not sharded)
+        with open(os.path.join(out, f"fsdp_{rank}.json"), "w") as f:
+            json.dump(len(owned.fsdp_params), f)
     if accelerator == "cuda":
         with open(os.path.join(out, f"memory_{rank}.json"), "w") as f:
             json.dump({"peak_allocated": torch.cuda.max_memory_allocated()}, f)
