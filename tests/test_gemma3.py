@@ -7,23 +7,8 @@ import pytest
 import torch
 
 import lightning_mm as lmm
+from helpers.text_lm_case import compare_with_hf
 from lightning_mm.model import families, tiny_language_model
-
-
-def _compare(lm, ids, labels, attention_mask=None, implementation="eager"):
-    ref = copy.deepcopy(lm)
-    ref.set_attn_implementation(implementation)
-    model = lmm.MultimodalModel({}, lm)
-    out = model(input_ids=ids, labels=labels, attention_mask=attention_mask)
-    expected = ref(input_ids=ids, labels=labels, attention_mask=attention_mask)
-    live = (attention_mask if attention_mask is not None else torch.ones_like(ids)).bool()
-    torch.testing.assert_close(out.logits[live], expected.logits[live], atol=1e-4, rtol=0)
-    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
-    out.loss.backward()
-    expected.loss.backward()
-    for (name, p), q in zip(lm.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
-    return out
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
@@ -35,7 +20,7 @@ def test_gemma3_text_with_window_shorter_than_sequence_equals_hf(implementation)
     ids = torch.randint(0, 128, (2, 29))
     labels = ids.clone()
     labels[0, :4] = -100
-    out = _compare(lm, ids, labels, implementation=implementation)
+    out = compare_with_hf(lm, ids, labels, implementation=implementation)
     # the window matters: without it the model computes something else
     wide = copy.deepcopy(lm)
     wide.config.sliding_window = 1000
@@ -54,7 +39,7 @@ def test_gemma3_text_left_padding_equals_hf():
     mask[1, :6] = 0
     labels = ids.masked_fill(mask == 0, -100)
     labels[1, 6] = -100  # HF would score it from the logits of a padding token
-    _compare(lm, ids, labels, attention_mask=mask)
+    compare_with_hf(lm, ids, labels, attention_mask=mask)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])
@@ -64,7 +49,7 @@ def test_other_sliding_window_families_equal_hf(kind):
     lm = tiny_language_model(kind, sliding_window=6, **extra)
     assert any(w == 6 for w in families.layer_windows(lm))
     ids = torch.randint(0, 128, (2, 23))
-    _compare(lm, ids, ids.clone(), implementation="sdpa")
+    compare_with_hf(lm, ids, ids.clone(), implementation="sdpa")
 
 
 def test_softcapping_and_two_sided_windows_are_refused_with_the_fix():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lightning_mm as lmm
+from helpers.text_lm_case import compare_with_hf
 from lightning_mm.model import families, tiny_language_model
 
 
@@ -20,26 +21,6 @@ def _gemma4(seed=0, **overrides):
         for p in lm.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return lm
-
-
-def _compare(lm, ids, labels, attention_mask=None, implementation="eager"):
-    ref = copy.deepcopy(lm)
-    ref.set_attn_implementation(implementation)
-    model = lmm.MultimodalModel({}, lm)
-    out = model(input_ids=ids, labels=labels, attention_mask=attention_mask)
-    expected = ref(input_ids=ids, labels=labels, attention_mask=attention_mask)
-    live = (attention_mask if attention_mask is not None else torch.ones_like(ids)).bool()
-    torch.testing.assert_close(out.logits[live], expected.logits[live], atol=1e-4, rtol=0)
-    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
-    out.loss.backward()
-    expected.loss.backward()
-    named = dict(ref.named_parameters())
-    for name, p in lm.named_parameters():
-        q = named[name]
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
-    return out
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
@@ -55,7 +36,7 @@ def test_gemma4_text_with_window_shorter_than_sequence_equals_hf(moe, implementa
     ids = torch.randint(0, 128, (2, 29))
     labels = ids.clone()
     labels[0, :4] = -100
-    out = _compare(lm, ids, labels, implementation=implementation)
+    out = compare_with_hf(lm, ids, labels, implementation=implementation)
     # the window matters: without it the model computes something else
     wide = copy.deepcopy(lm)
     for layer in wide.model.layers:
@@ -72,7 +53,7 @@ def test_gemma4_text_left_padding_equals_hf():
     mask[1, :6] = 0
     labels = ids.masked_fill(mask == 0, -100)
     labels[1, 6] = -100  # HF would score it from the logits of a padding token
-    _compare(lm, ids, labels, attention_mask=mask)
+    compare_with_hf(lm, ids, labels, attention_mask=mask)
 
 
 @pytest.mark.parametrize("moe", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["dense", "moe"])
