@@ -75,7 +75,6 @@ def test_reshard_pp2dp1_to_pp1dp2_and_back():
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 @pytest.mark.combines("checkpoint", "tp")
 def test_reshard_to_tensor_parallel_and_back():
     """pp2 -> vision + LLM tp2 (3 ranks, DTensor parameters and optimiser state) -> pp2."""

@@ -420,6 +420,7 @@ def test_model_loss_on_a_batch_equals_the_hand_computed_one(tmp_path, proc_dir):
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_example_script_and_cli_fit(tmp_path):
     exe = shutil.which("lightning-mm")
     assert exe, "the console script is not installed: pip install -e ."

@@ -267,7 +267,6 @@ def _every_image_once(shards, ranks: int):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_context_parallel_under_ddp_trains_like_data_parallel(tmp_path):
     """LLaVA in a plain LightningModule (training_step returns outputs.loss), DDPStrategy, packed rows; the
     batch's images are split over the 2 CP ranks."""

@@ -66,7 +66,7 @@ def test_bad_specs_fail_before_any_process_group():
 CP_CASES = [
     (("vision",), "llm", (1,), 1, 2, "parallel", 1, 2, "ee", "lpt"),
     pytest.param((("vision",), "encoder", (1,), 2, 2, "parallel", 1, 2, "ep", "zigzag"),
-                 marks=[pytest.mark.ci, pytest.mark.combines("pipeline", "llm_cp")]),
+                 marks=pytest.mark.combines("pipeline", "llm_cp")),
     pytest.param((("vision", "audio"), "llm", (1, 1), 1, 2, "replicated", 2, 2, "ee", "random"),
                  marks=pytest.mark.combines("llm_cp", "placement")),
     pytest.param((("vision",), "llm", (1,), 1, 4, "replicated", 1, 1, "mp", "lpt"),
@@ -154,7 +154,6 @@ def _tied_rank(rank, world):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_tied_embeddings_across_llm_stages_train_like_one_process():
     """The first and last LLM stage each hold the tied weight (under the embedding's name) and sum its gradient."""
     from helpers.pipeline_case import global_batches, train_reference

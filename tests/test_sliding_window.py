@@ -105,8 +105,10 @@ def test_tile_classes_with_window_are_sound_and_skip_outside(layout, window):
             assert torch.equal(got != tiles.SKIP, some)
 
 
-@pytest.mark.parametrize("layout,spans", [*((layout, False) for layout in masks.LAYOUTS), ("ee", True)])
-@pytest.mark.parametrize("window", [3, 24])
+@pytest.mark.parametrize("layout,spans", [("ee", False), *(pytest.param(layout, False, marks=pytest.mark.slow)
+                                                            for layout in masks.LAYOUTS if layout != "ee"),
+                                          ("ee", True)])
+@pytest.mark.parametrize("window", [3, pytest.param(24, marks=pytest.mark.slow)])
 def test_kernels_match_dense_with_window(layout, window, spans):
     """With span words too (Gemma 3's local layers: the window cuts an image's bidirectional block as HF does)."""
     bam, seg = masks.random_bam(layout, 70, num_encoders=2, batch=2, seed=window, mean_item_tokens=12, spans=spans)

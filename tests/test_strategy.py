@@ -21,7 +21,7 @@ def run(mode, tmp_path, accumulate=1):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, pytest.param(2, marks=[  # accumulate 2 also recomputes activations
-    pytest.mark.ci, pytest.mark.combines("pipeline", "accumulation", "activation_checkpointing")])])
+    pytest.mark.combines("pipeline", "accumulation", "activation_checkpointing")])])
 def test_strategy_trains_like_single_process_and_checkpoint_consolidates(tmp_path, accumulate):
     """Per-step losses, validation loss (after step 2), global-norm clipping, gradient accumulation."""
     single, single_ckpt = run("single", tmp_path, accumulate)

@@ -119,7 +119,7 @@ def test_tensor_parallel_trains_like_one_process(tmp_path, name, case, freeze):
     pytest.param("shard_grad_op_dp2_pp2_lazy", dict(sharding="SHARD_GRAD_OP", llm_pp=2, lazy=True), "projectors",
                  marks=pytest.mark.combines("fsdp", "pipeline")),
     pytest.param("full_shard_dp2_tp2_lazy", dict(sharding="FULL_SHARD", llm_tp=2, lazy=True), "llm",
-                 marks=[pytest.mark.ci, pytest.mark.combines("fsdp", "tp")]),
+                 marks=pytest.mark.combines("fsdp", "tp")),
     pytest.param("full_shard_dp2_accumulate2_clip", dict(sharding="FULL_SHARD", accumulate=2, clip=0.05), "llm",
                  marks=[pytest.mark.combines("fsdp", "accumulation"),
                         pytest.mark.combines("accumulation", "balancing",

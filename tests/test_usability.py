@@ -98,7 +98,6 @@ def test_progress_bar_shows_steps_of_max_steps_and_only_real_bounds(bounds, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_defaults_under_the_strategy(tmp_path):
     """PipelineTimeline() with no arguments finishes (it used to hang: the log dir was asked on rank 0 only); the
     whole model's summary is printed once; tokens/s, MFU and per-stage bubbles are logged; loss.png is written."""
