@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lightning_mm as lmm
-from helpers.text_lm_case import compare_with_hf
+from helpers.text_lm_case import compare_with_hf, left_padded
 from lightning_mm.model import families, tiny_language_model
 
 
@@ -182,10 +182,7 @@ def test_gemma4_composite_generate_equals_hf_generate(blocks, tmp_path):
     model = lmm.MultimodalModel.from_pretrained(folder).eval()
     batch, _ = _gemma4_batch(ref.config)
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    left_ids, left_mask = torch.full_like(ids, PAD), torch.zeros_like(mask)
-    for r in range(ids.shape[0]):
-        n = int(mask[r].sum())
-        left_ids[r, -n:], left_mask[r, -n:] = ids[r, :n], 1
+    left_ids, left_mask = left_padded(ids, mask, PAD)
     with torch.no_grad():
         theirs = ref.generate(**batch["vision"], input_ids=left_ids, attention_mask=left_mask,
                               mm_token_type_ids=(left_ids == IMG).long(), max_new_tokens=8, do_sample=False,

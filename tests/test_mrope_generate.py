@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lightning_mm as lmm
+from helpers.text_lm_case import left_padded
 from lightning_mm.model import composites
 from tests.test_hf_composites import IMG, PAD, VEND, VSTART, batch_for, load_hf, save_composite
 
@@ -25,10 +26,7 @@ def _hf_kwargs(ours: dict) -> dict:
     """HF's keyword arguments for our right-padded batch: the same rows padded on the left (HF's composites decode
     batches so), the images' and videos' inputs as they are."""
     ids, mask = ours["input_ids"], ours["attention_mask"]
-    left_ids, left_mask = torch.full_like(ids, PAD), torch.zeros_like(mask)
-    for r in range(ids.shape[0]):
-        n = int(mask[r].sum())
-        left_ids[r, -n:], left_mask[r, -n:] = ids[r, :n], 1
+    left_ids, left_mask = left_padded(ids, mask, PAD)
     return {**ours.get("vision", {}), **ours.get("video", {}), "input_ids": left_ids, "attention_mask": left_mask,
             "mm_token_type_ids": (left_ids == IMG).int() + 2 * (left_ids == VID).int()}
 

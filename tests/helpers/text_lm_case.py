@@ -29,3 +29,12 @@ def compare_with_hf(lm, ids, labels, attention_mask=None, implementation="eager"
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
     return out
+
+
+def left_padded(ids: torch.Tensor, mask: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The right-padded rows ``ids`` (live where ``mask``) padded on the left instead, as HF's generate takes them."""
+    left_ids, left_mask = torch.full_like(ids, pad), torch.zeros_like(mask)
+    for r in range(ids.shape[0]):
+        n = int(mask[r].sum())
+        left_ids[r, -n:], left_mask[r, -n:] = ids[r, :n], 1
+    return left_ids, left_mask
