@@ -70,6 +70,33 @@ def command() -> str:
     return "python " + shlex.join(argv)
 
 
+def commit() -> str:
+    """The checked-out commit, with "+changes" when the code (the package or the benchmarks) differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "lightning_mm",
+                                "benchmarks", ":!benchmarks/results"], cwd=ROOT, capture_output=True,
+                               text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
+def runnable() -> dict[str, int]:
+    """Processes running or ready to run now, by priority against this one: work at a lower priority (a larger
+    nice value) counts in the load average but yields the CPU to the benchmark."""
+    mine, out = os.nice(0), {"same_or_higher_priority": 0, "lower_priority": 0}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "R":
+            out["lower_priority" if int(fields[16]) > mine else "same_or_higher_priority"] += 1
+    return out
+
+
 def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -81,14 +108,15 @@ def record() -> dict:
     l3 = l3_bytes()
     return dict(cpu=cpu_model(), cores=os.cpu_count(), l3_bytes=l3, l3=f"{l3 >> 20} MB" if l3 else "unknown",
                 torch=torch.__version__, python=platform.python_version(), load_average_start=load(),
+                runnable_start=runnable(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command=command(), _t0=time.time())
+                command=command(), commit=commit(), _t0=time.time())
 
 
 def finish(start: dict) -> dict:
     """``start`` with the load average at the end and the run's duration added."""
     out = {k: v for k, v in start.items() if k != "_t0"}
-    out["load_average_end"] = load()
+    out["load_average_end"], out["runnable_end"] = load(), runnable()
     out["duration_s"] = round(time.time() - start.get("_t0", time.time()), 1)
     return out
 
@@ -100,7 +128,10 @@ def describe(machine: dict | str | None) -> str:
     load_start = machine.get("load_average_start")
     where = f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {machine.get('l3', '?')} L3"
     when = f", {machine['date'][:10]}" if machine.get("date") else ""
-    return where + when + (f", load average {load_start[0]:.1f} at start" if load_start else "")
+    commit_ = f", commit {machine['commit']}" if machine.get("commit") else ""
+    lower = (machine.get("runnable_start") or {}).get("lower_priority")
+    yielded = f" ({lower} runnable processes at a lower priority)" if lower else ""
+    return where + when + commit_ + (f", load average {load_start[0]:.1f} at start{yielded}" if load_start else "")
 
 
 # ---------------------------------------------------------------------------------------------- command line, JSON
@@ -124,12 +155,40 @@ def cli(doc: str, argv=None, worker: bool = False, **options) -> argparse.Namesp
     return parser.parse_args(argv)
 
 
-def write(path: Path | str, doc: dict, start: dict | None = None) -> Path:
-    """Write a results JSON (with the machine record when ``start`` is given) and print the figures the docs quote
-    from it; written under benchmarks/results/, the quotes in README.md and docs/ are rewritten too."""
+SOURCES = ("measured", "simulated", "computed", "published")
+
+
+def obtained(doc: dict, given: dict | None = None) -> dict[str, str]:
+    """How each top-level entry of a results JSON was obtained (one of ``SOURCES``): ``given`` where a benchmark
+    says, else by its name (``simulated*`` simulated; ``published*``/``paper*``/``seed*`` published; ``expected*``/
+    ``*formula*`` computed) or, for the rest, measured when the JSON has a machine record and computed otherwise.
+    The doc test checks every quote says the source of each entry it reads."""
+    given = dict(given or {})
+    unknown = {k: v for k, v in given.items() if v not in SOURCES}
+    if unknown:
+        raise ValueError(f"obtained: {unknown} are not among {SOURCES}")
+    out = {}
+    for key in doc:
+        if key in ("machine", "measured_machine", "obtained"):
+            continue
+        low = key.lower()
+        out[key] = given.get(key) or (
+            "simulated" if low.startswith("simulat") else
+            "published" if low.startswith(("published", "paper", "seed")) else
+            "computed" if low.startswith("expected") or "formula" in low else
+            "measured" if isinstance(doc.get("machine"), dict) or isinstance(doc.get("measured_machine"), dict)
+            else "computed")
+    return out
+
+
+def write(path: Path | str, doc: dict, start: dict | None = None, sources: dict | None = None) -> Path:
+    """Write a results JSON (with the machine record when ``start`` is given, and ``obtained``: how each entry was
+    obtained, ``sources`` overriding the names' defaults) and print the figures the docs quote from it; written under
+    benchmarks/results/, the quotes in README.md and docs/ are rewritten too."""
     path = Path(path)
     if start is not None:
         doc["machine"] = finish(start)
+    doc["obtained"] = obtained(doc, sources)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     shown = tables.show(path.name, doc)
