@@ -155,14 +155,15 @@ def cli(doc: str, argv=None, worker: bool = False, **options) -> argparse.Namesp
     return parser.parse_args(argv)
 
 
-SOURCES = ("measured", "simulated", "computed", "published")
+SOURCES = ("measured", "simulated", "computed", "published", "setting")
 
 
 def obtained(doc: dict, given: dict | None = None) -> dict[str, str]:
-    """How each top-level entry of a results JSON was obtained (one of ``SOURCES``): ``given`` where a benchmark
-    says, else by its name (``simulated*`` simulated; ``published*``/``paper*``/``seed*`` published; ``expected*``/
-    ``*formula*`` computed) or, for the rest, measured when the JSON has a machine record and computed otherwise.
-    The doc test checks every quote says the source of each entry it reads."""
+    """How each top-level entry of a results JSON was obtained (one of ``SOURCES``; a setting is an input of the
+    run): ``given`` where a benchmark says, else by its name (``simulated*`` simulated; ``published*``/``paper*``/
+    ``seed*`` published; ``expected*``/``*formula*`` computed; ``setting*``/``config*``/``goals``/``what``/``how``
+    a setting) or, for the rest, measured when the JSON has a machine record and computed otherwise. The doc test
+    checks that every quote says the source of each entry it reads."""
     given = dict(given or {})
     unknown = {k: v for k, v in given.items() if v not in SOURCES}
     if unknown:
@@ -176,6 +177,7 @@ def obtained(doc: dict, given: dict | None = None) -> dict[str, str]:
             "simulated" if low.startswith("simulat") else
             "published" if low.startswith(("published", "paper", "seed")) else
             "computed" if low.startswith("expected") or "formula" in low else
+            "setting" if low.startswith(("setting", "config")) or low in ("goals", "what", "how") else
             "measured" if isinstance(doc.get("machine"), dict) or isinstance(doc.get("measured_machine"), dict)
             else "computed")
     return out
