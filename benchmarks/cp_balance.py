@@ -206,6 +206,10 @@ def mode_bytes(lengths=MODE_LENGTHS) -> list[dict]:
     return rows
 
 
+CP_SOURCES = dict(balance="computed", modes_work="computed", modes_bytes="computed", chart="computed", seeds="setting",
+                  block_size="setting", layer_70b="setting")  # planning_* and gpu: measured
+
+
 def gpu_rank_times(tokens: int, repeats: int = 5) -> list[dict] | str:
     """Per-rank attention (fwd) time of a 70B layer, every rank's queries against all keys, one at a time."""
     if not torch.cuda.is_available():
@@ -280,7 +284,7 @@ def main(argv=None) -> None:
                            f"windowed planning, one {WINDOW_TOKENS}-token row, block {BLOCK}, cp 8 (ms)")
         out["planning_windowed"] = dict(rows=rows, block_size=BLOCK, machine=dict(harness.finish(start), **machine))
         if args.only == "windowed":  # the other results and the tables they render stay as they are
-            harness.write(path, out)
+            harness.write(path, out, sources=CP_SOURCES)
             return
     out["planning_1m"] = planning_times(args.repeats)
     if not args.only:
@@ -291,7 +295,7 @@ def main(argv=None) -> None:
         out["seeds"] = args.seeds
     out.update(block_size=BLOCK, goals=dict(lpt_imbalance_64k_cp8=GOAL_IMBALANCE, plan_1m_ms=GOAL_PLAN_MS),
                machine=dict(harness.finish(start), **machine, evict_bytes=evict_bytes()), layer_70b=LAYER_70B)
-    harness.write(path, out)
+    harness.write(path, out, sources=CP_SOURCES)
 
 
 if __name__ == "__main__":

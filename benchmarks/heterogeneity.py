@@ -518,7 +518,7 @@ def main(argv=None) -> None:
                        entrain_splits={f"{d}/{l}": v for (d, l), v in PUBLISHED_ENTRAIN_SPLITS.items()},
                        label="published (Entrain: Tables 4.1-4.3, C.1-C.6, Fig. 4.5, Fig. 4.12, section 4.7.3)"),
         simulated=rows, summary=summary, planning=plan_rows, measured=measured, measured_machine=measured_machine),
-        start)
+        start, sources=dict(summary="simulated"))
     plot(summary, rows, timelines, RESULTS / "heterogeneity.png")
 
 

@@ -351,7 +351,7 @@ def main(argv=None) -> None:
                         "settings": {"nodes": NODES, "floor": FLOOR, "memory_gib": MEMORY / GIB, "link_gbps": 200,
                                      "restart_s": args.restart_s, "storage_gbps": args.storage_gbps,
                                      "trials": args.trials, "sequence": SEQ, "failures_tolerated": 1},
-                        "throughput": thr, "planning": plan_rows}, start)
+                        "throughput": thr, "planning": plan_rows}, start, sources={"throughput": "simulated"})
 
 
 if __name__ == "__main__":

@@ -209,7 +209,7 @@ def main(argv=None) -> dict:
         cases=cases, table_2=table_2(args.repeats),
         published=dict(mfu_disttrain="51.8-54.7% (§8.1)", ratios=PUBLISHED,
                        table_2_ms={g: s * 1e3 for g, (_, s) in TABLE_2.items()}))
-    harness.write(args.out, doc, start)
+    harness.write(args.out, doc, start, sources={"cases": "simulated", "assumptions": "setting"})
     return doc
 
 

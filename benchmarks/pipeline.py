@@ -448,8 +448,11 @@ def _sharding_worker(cfg: dict, args, result: str) -> None:
 def _save(args, start: dict, name: str, rows: list[dict]) -> None:
     baseline = {"pipeline": rows[0]["name"], "pipeline_sharding": "no_shard"}.get(name)
     doc = {"procs": args.procs, "accelerator": args.accelerator, "args": vars(args) | {"worker": None, "machine": None},
-           **({"baseline": baseline} if baseline else {}), "rows": rows}
-    harness.write(Path(args.out) / f"{name}_p{args.procs}_{args.accelerator}.json", doc, start)
+           **({"baseline": baseline} if baseline else {}), "rows": rows,
+           "model_mb": next((r["model_mb"] for r in rows if "model_mb" in r), None)}
+    harness.write(Path(args.out) / f"{name}_p{args.procs}_{args.accelerator}.json", doc, start,
+                  sources={"model_mb": "computed", "args": "setting", "procs": "setting", "accelerator": "setting",
+                           "baseline": "setting"})
 
 
 def _run(cfg: dict, argv: list[str], timeout: float, fail: bool = True) -> dict:

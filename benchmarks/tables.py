@@ -265,7 +265,7 @@ def het_std(data: dict) -> str:
 
 
 grid("heterogeneity.json", "iterations", "simulated", "lllrlrrrr", [
-    *_SET, ("method", "{method}"), ("iteration s, profiled split", "{iteration_s:.3f}"),
+    *_SET, ("method", "{method}"), ("simulated iteration s, profiled split", "{iteration_s:.3f}"),
     ("best split", "{best_split}"), ("iteration s, best split", "{iteration_s_best:.3f}"),
     ("over none, both at entrain's split", "{speedup_vs_none:.3f}"),
     ("idle", "{mean_idle_fraction:.2f}"), ("deferred samples", "{deferred_samples:.1f}")])
@@ -550,7 +550,7 @@ def pipeline_sharding_reading(data: dict) -> str:
 
 
 for _json in ("pipeline_setup_p4_cpu.json", "pipeline_sharding_p4_cpu.json"):
-    quotes(_json, {"model": lambda d: f"{d['rows'][0]['model_mb']:.0f} MiB"})
+    quotes(_json, {"model": lambda d: f"{d['model_mb']:.0f} MiB"})
 
 
 # ---------------------------------------- checkpoint.json
