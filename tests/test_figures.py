@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-MACHINE_KEYS = {"cpu", "cores", "l3", "torch", "load_average_start", "date", "command"}
+MACHINE_KEYS = {"cpu", "cores", "l3", "torch", "load_average_start", "load_average_end", "date", "commit",
+                "command"}
 
 
 def _tables():
@@ -61,12 +62,48 @@ def test_the_documents_quote_results():
             "benchmarks/results/balance_planning.json", "benchmarks/results/fault_tolerance_cpu.json"} <= quoted
 
 
+def machine_problems(doc: dict) -> list[str]:
+    """Why the machine records of a results JSON cannot back its figures: a record must be written by the run
+    itself (``benchmarks/harness.py``), with the load, the date, the commit and the exact command."""
+    problems = []
+    for key in ("machine", "measured_machine"):
+        m = doc.get(key)
+        if m is None and key == "measured_machine":
+            continue
+        if not isinstance(m, dict):
+            problems.append(f"no {key} record")
+            continue
+        if "recorded_from" in m:
+            problems.append(f"{key} was written afterwards, not measured by the run: re-run `{m.get('command')}`")
+        if MACHINE_KEYS - set(m):
+            problems.append(f"{key} lacks {sorted(MACHINE_KEYS - set(m))}")
+        load = m.get("load_average_start")
+        if not (isinstance(load, list) and load and all(isinstance(x, (int, float)) for x in load)):
+            problems.append(f"{key} has no load average at the start ({load!r})")
+        if not str(m.get("command") or "").startswith("python benchmarks/"):
+            problems.append(f"{key} does not name the command that ran ({m.get('command')!r})")
+    return problems
+
+
 @pytest.mark.parametrize("path", sorted(p.name for p in RESULTS.glob("*.json") if not p.name.endswith(".trace.json")))
 def test_every_results_json_names_its_machine_and_command(path):
-    machine = json.loads((RESULTS / path).read_text()).get("machine")
-    assert isinstance(machine, dict), f"{path} has no machine record (benchmarks/harness.py)"
-    assert MACHINE_KEYS <= set(machine), f"{path}: machine record lacks {MACHINE_KEYS - set(machine)}"
-    assert machine["command"].startswith("python benchmarks/")
+    problems = machine_problems(json.loads((RESULTS / path).read_text()))
+    assert not problems, f"{path}: " + "; ".join(problems)
+
+
+def test_a_reconstructed_or_incomplete_machine_record_is_rejected():
+    import harness as _machine
+
+    good = {**_machine.finish(_machine.record()), "command": "python benchmarks/x.py"}
+    assert machine_problems({"machine": good, "rows": []}) == []
+    planted = {"recorded_from": {**good, "recorded_from": "added afterwards"},
+               "load": {**good, "load_average_start": None},
+               "command": {k: v for k, v in good.items() if k != "command"},
+               "commit": {k: v for k, v in good.items() if k != "commit"}}
+    for what, record in planted.items():
+        assert machine_problems({"machine": record}), what
+    assert machine_problems({"machine": good, "measured_machine": planted["recorded_from"]})
+    assert machine_problems({"rows": []}) == ["no machine record"]
 
 
 def test_machine_record_names_cpu_cache_and_command():
@@ -140,3 +177,92 @@ def test_the_figure_lint_flags_only_unlabelled_figures():
     assert unlabelled_figures(f"It is {quote} faster.") == []
     assert unlabelled_figures("Throughput:\n\n| mode | samples/s |\n| --- | ---: |\n| a | 2.1x |") != []
     assert unlabelled_figures("Simulated:\n\n| mode | samples/s |\n| --- | ---: |\n| a | 2.1x |") == []
+
+
+# ---------------------------------------- a quote says how its figures were obtained, as its JSON records it
+
+class _Reads(dict):
+    """A results JSON that records which of its top-level entries a renderer reads."""
+
+    def __init__(self, data: dict):
+        super().__init__(data)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+
+_SOURCE_WORDS = {"measured": r"measur", "simulated": r"simulat", "computed": r"comput|formula|calculat|expected",
+                 "published": r"publish|paper|seed", "setting": r""}
+
+
+def label_problems(text: str) -> list[str]:
+    """Quotes whose paragraph (the rendered quote with the text around it up to a blank line) does not say how an
+    entry it reads was obtained, by the results JSON's own ``obtained`` record (``harness.obtained``)."""
+    import harness as _machine
+
+    problems = []
+    for match in tables.MARKER.finditer(text):
+        data = json.loads((ROOT / match["json"]).read_text())
+        reads = _Reads(data)
+        body = tables.RENDERERS[(match["json"], match["name"])](reads)
+        sources = data.get("obtained") or _machine.obtained(data)
+        start = text.rfind("\n\n", 0, match.start()) + 1
+        end = text.find("\n\n", match.end())
+        paragraph = text[start:match.start()] + body + text[match.end():end if end >= 0 else len(text)]
+        for key in sorted(reads.read & set(sources)):
+            if not re.search(_SOURCE_WORDS[sources[key]], paragraph, re.I):
+                problems.append(f"{match['json']}:{match['name']} reads {key!r} ({sources[key]}) and its paragraph "
+                                f"does not say so")
+    return problems
+
+
+@pytest.mark.parametrize("doc", tables.DOCUMENTS)
+def test_every_quote_says_how_its_figures_were_obtained(doc):
+    problems = label_problems((ROOT / doc).read_text())
+    assert not problems, f"{doc}:\n  " + "\n  ".join(problems)
+
+
+def test_the_label_check_follows_the_json_not_the_wording(tmp_path, monkeypatch):
+    import harness as _machine
+
+    path = tmp_path / "planted.json"
+    path.write_text(json.dumps({"machine": _machine.finish(_machine.record()), "rows": [1.5],
+                                "obtained": {"rows": "simulated"}}))
+    monkeypatch.setitem(tables.RENDERERS, (str(path), "t"), lambda d: f"{d['rows'][0]}x")
+    quote = f"<!-- results:{path}:t -->x<!-- /results -->"
+    assert label_problems(f"It is {quote} faster.") and label_problems(f"It is {quote} faster (measured).")
+    assert label_problems(f"It is {quote} faster (simulated).") == []
+
+
+def benchmark_figures_not_quoted(text: str) -> list[str]:
+    """Sentences that name a benchmark (a script under benchmarks/ or a results JSON) and hold a figure with a unit
+    that is not quoted from a results JSON: such a figure can contradict the JSON without any test noticing."""
+    text = tables.MARKER.sub(" RESULTS ", text)
+    found = []
+    for block in re.split(r"\n\s*\n", text):
+        for item in re.split(r"\n(?=\s*(?:[-*+]|\d+\.|#+) )", block):
+            for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z(*`])", item.replace("e.g.", "eg")):
+                if re.search(r"benchmarks/\w+\.(?:py|sh)|results/\w+\.json", sentence) and _FIGURE.search(
+                        re.sub(r"`[^`]*`", "CODE", sentence)):
+                    found.append(" ".join(sentence.split()))
+    return found
+
+
+def test_changelog_figures_of_a_benchmark_come_from_its_json():
+    found = benchmark_figures_not_quoted((ROOT / "CHANGELOG.md").read_text())
+    assert not found, ("CHANGELOG.md states figures of a benchmark that are not quoted from its results JSON (quote "
+                       "them with a results marker, or give no number and name the docs page):\n  "
+                       + "\n  ".join(s[:240] for s in found))
+
+
+def test_the_changelog_check_catches_a_figure_beside_its_benchmark():
+    assert benchmark_figures_not_quoted("- `benchmarks/checkpoint.py`: save 0.33x of FSDP2's time.")
+    assert not benchmark_figures_not_quoted("- `benchmarks/checkpoint.py`: save faster (docs/checkpoints.md).")
+    quote = "<!-- results:benchmarks/results/encoder_cp_cpu.json:inline -->1.5x<!-- /results -->"
+    assert not benchmark_figures_not_quoted(f"- `benchmarks/encoder_cp.py`: a cp 2 step is {quote} faster.")
