@@ -17,6 +17,10 @@ MultimodalParallelStrategy, described by a JSON argument.
   Qwen-VL grids
 - ``partition``: the strategy's explicit ``{module: [layers per stage]}``
 - ``pack``: rows of ``pack`` tokens, samples packed into them (``segment_ids``)
+- ``microbatches``: the strategy's ``num_microbatches`` (2 unless given; an MoE's load-balancing loss is a mean over
+  microbatches, so 1 is what one process computes)
+- ``encoder``: the encoder the ``vision_*`` keys lay out ("vision" unless given); "audio" makes Qwen2-Audio samples
+  (``audio_sample``) instead of images
 
 Batches come from ``MultimodalCollator``: samples with one or two images of different grids, so rows differ in
 length (padding) and the M-RoPE ``position_ids`` ``[B, S, 3]`` travel with the tokens.
@@ -35,6 +39,21 @@ import lightning_mm as lmm
 IMG, VID, VSTART, VEND = 100, 101, 102, 103
 GRIDS = [(1, 8, 8), (1, 4, 8), (1, 8, 4), (1, 4, 4)]
 VIDEO_GRIDS = [(2, 4, 4), (4, 4, 8), (3, 8, 4)]
+
+
+def audio_sample(i: int) -> dict:
+    """Every third sample text only, the others one or two clips of 16 mel bins with 10 to 16 real frames of 16."""
+    g = torch.Generator().manual_seed(i)
+    frames = [16 - (i + k) % 7 for k in range(0 if i % 3 == 0 else 1 + i % 2)]
+    ids = torch.randint(1, 90, (3 + i % 3,), generator=g).tolist()
+    for _ in frames:
+        ids += [VSTART, IMG, VEND] + torch.randint(1, 90, (2,), generator=g).tolist()
+    out = {"input_ids": torch.tensor(ids + torch.randint(1, 90, (4,), generator=g).tolist())}
+    if frames:
+        mask = (torch.arange(16)[None, :] < torch.tensor(frames)[:, None]).long()
+        out["audio"] = {"input_features": torch.randn(len(frames), 16, 16, generator=g) * mask[:, None, :],
+                        "feature_attention_mask": mask}
+    return out
 
 
 def sample(i: int, videos: bool = False, image_size: int | None = None) -> dict:
@@ -133,14 +152,16 @@ def main(spec: str, out: str):
         pp, cp, vision_pp = case.get("llm_pp", 1), case.get("llm_cp", 1), case.get("vision_pp", 1)
         vision_cp, vision_tp = case.get("vision_cp", 1), case.get("vision_tp", 1)
         strategy = lmm.MultimodalParallelStrategy(
-            encoders={"vision": lmm.ParallelSpec(pp=vision_pp, cp=vision_cp, tp=vision_tp)},
-            language_model=lmm.ParallelSpec(pp=pp, cp=cp), num_microbatches=2, cp_block_size=8, fault_timeout=120,
+            encoders={case.get("encoder", "vision"): lmm.ParallelSpec(pp=vision_pp, cp=vision_cp, tp=vision_tp)},
+            language_model=lmm.ParallelSpec(pp=pp, cp=cp), num_microbatches=case.get("microbatches", 2),
+            cp_block_size=8, fault_timeout=120,
             sharding_strategy=case.get("sharding", "NO_SHARD"), partition=case.get("partition", "uniform"))
         devices = (vision_pp * vision_cp * vision_tp + pp * cp) * case.get("dp", 1)
     else:
         strategy, devices = "auto", 1
     train(case, out, strategy, devices,
-          lambda model: [sample(i, case.get("videos", False), case.get("image_size")) for i in range(12)])
+          lambda model: [audio_sample(i) if case.get("encoder") == "audio" else
+                         sample(i, case.get("videos", False), case.get("image_size")) for i in range(12)])
 
 
 if __name__ == "__main__":

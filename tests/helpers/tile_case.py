@@ -3,8 +3,9 @@ Lightning, in one process or under MultimodalParallelStrategy, described by a JS
 
 ``python tile_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0: per-step losses) and
 ``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names). Keys of the JSON:
-``folder`` and ``kind`` (required), ``steps``, ``llm_pp`` (the LLM's pipeline stages under the strategy, vision one
-stage; without it plain single-device Lightning), ``lazy`` (build under ``trainer.init_module(empty_init=True)``:
+``folder`` and ``kind`` (required), ``steps``, ``llm_pp`` / ``llm_cp`` (the LLM's pipeline stages and context-parallel
+ranks under the strategy, vision one stage; without them plain single-device Lightning), ``sharding`` (the
+strategy's ``sharding_strategy``), ``lazy`` (build under ``trainer.init_module(empty_init=True)``:
 meta, each rank reads its stage in setup), ``vision_tp`` (the vision tower's tensor-parallel ranks), ``dp`` (replicas
 of that layout; see ``composite_case``).
 
@@ -44,12 +45,13 @@ def sample(kind: str, proc, i: int) -> dict:
 def main(spec: str, out: str):
     case = json.loads(spec)
     torch.set_num_threads(1)
-    if "llm_pp" in case or "vision_tp" in case:
-        pp, tp = case.get("llm_pp", 1), case.get("vision_tp", 1)
+    if {"llm_pp", "llm_cp", "vision_tp"} & set(case):
+        pp, cp, tp = case.get("llm_pp", 1), case.get("llm_cp", 1), case.get("vision_tp", 1)
         strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=1, tp=tp)},
-                                                  language_model=lmm.ParallelSpec(pp=pp),
-                                                  num_microbatches=2, fault_timeout=120)
-        devices = (tp + pp) * case.get("dp", 1)
+                                                  language_model=lmm.ParallelSpec(pp=pp, cp=cp), cp_block_size=8,
+                                                  num_microbatches=2, fault_timeout=120,
+                                                  sharding_strategy=case.get("sharding", "NO_SHARD"))
+        devices = (tp + pp * cp) * case.get("dp", 1)
     else:
         strategy, devices = "auto", 1
     proc = image_processor(case["kind"])
