@@ -585,8 +585,14 @@ def _at(mode: dict, tokens: int) -> dict | None:
     return next((x for x in mode["lengths"] if x["tokens"] == tokens), None)
 
 
+def _reached(data: dict) -> int:
+    """The longest row every mode ran."""
+    return min(max(x["tokens"] for x in m["lengths"]) for m in data["modes"].values())
+
+
 @renderer("cp_modes_cpu.json", "table")
-def cp_modes_table(data: dict, tokens: int = 8192) -> str:
+def cp_modes_table(data: dict) -> str:
+    tokens = _reached(data)
     at = {k: _at(m, tokens) for k, m in data["modes"].items()}
     one = at["cp1"]
     rows = [[_CP_MODES.get(k, k),
@@ -601,7 +607,7 @@ def cp_modes_table(data: dict, tokens: int = 8192) -> str:
 def cp_modes_stopped(data: dict) -> str:
     modes = data["modes"]
     stopped = {k: m["stopped"] for k, m in modes.items() if m.get("stopped")}
-    reached = min(max(x["tokens"] for x in m["lengths"]) for m in modes.values())
+    reached = _reached(data)
     guess = {k: float(re.search(r"~([\d.]+) s", v["skipped"])[1]) for k, v in stopped.items()}
     cp2 = [v for k, v in guess.items() if modes[k]["cp"] == 2]
     cp4_load = [_at(m, reached)["load_1min"] for m in modes.values() if m["cp"] == 4]
@@ -614,13 +620,15 @@ def cp_modes_stopped(data: dict) -> str:
 
 @renderer("cp_modes_cpu.json", "reading")
 def cp_modes_reading(data: dict) -> str:
-    modes, one = data["modes"], data["modes"]["cp1"]
-    gain = [_at(one, t)["step_s"] / _at(m, t)["step_s"] for t in (2048, 4096) for m in modes.values() if m["cp"] == 2]
-    extra = {cp: [sum(_at(m, 8192)["cpu_s"]) / sum(_at(one, 8192)["cpu_s"]) - 1 for m in modes.values()
+    modes, one, top = data["modes"], data["modes"]["cp1"], _reached(data)
+    shorter = [x["tokens"] for x in one["lengths"] if x["tokens"] < top] or [top]
+    gain = [_at(one, t)["step_s"] / _at(m, t)["step_s"] for t in shorter for m in modes.values() if m["cp"] == 2]
+    extra = {cp: [sum(_at(m, top)["cpu_s"]) / sum(_at(one, top)["cpu_s"]) - 1 for m in modes.values()
                   if m["cp"] == cp] for cp in (2, 4)}
     limit = {k: round(m["projected_memory_limit_tokens"] / 1024) for k, m in modes.items()}
     rest = [v for k, v in limit.items() if k not in ("allgather4", "hybrid2x2", "allgather2")]
-    return (f"At 2k and 4k, cp 2 gave {_range(gain)}x in wall time (measured). At 8k the communication and the "
+    return (f"At {' and '.join(f'{t >> 10}k' for t in shorter)}, cp 2 gave {_range(gain)}x in wall time (measured). "
+            f"At {top >> 10}k the communication and the "
             f"split add {_pct(extra[2])} to the total CPU time at cp 2 and {_pct(extra[4])} at cp 4 (measured). "
             f"With the {data['projected_memory_limit'].split('reaching ')[1].split(' of')[0]} memory limit that the "
             f"benchmark applies, a straight line through the summed peaks projects (estimated, not run) the memory "
