@@ -26,9 +26,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lightning_mm.planner.costs import LayerCost, ModuleTimes, mllm_layer_costs
-from lightning_mm.planner.orchestration import flop_ratio_split, search_per_module_dp
+from lightning_mm.planner.orchestration import _Module, flop_ratio_split, search_per_module_dp
 from lightning_mm.planner.partition import partition_module
-from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan
+from lightning_mm.planner.search import ModuleSpec, Plan, encoder_samples, evaluate_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests import this file by path
 import harness  # noqa: E402
@@ -125,22 +125,26 @@ def uniform_row(specs, model: str, gpus: int, batch: int) -> Plan:
 def flop_ratio_row(specs, model: str, gpus: int, batch: int) -> Plan:
     """GPUs in proportion to each module's work (DistTrain's FLOP-ratio baseline). The LLM at Megatron's tp 8 and pp,
     dp the largest divisor of the batch its share holds; the encoder, tp 1, the rest of its share as replicas x
-    stages at the fewest stages (doubling) whose replicas fit memory."""
+    stages at the fewest stages (1, 2, 4, ...) whose replicas fit memory (the search's memory model picks the stage
+    counts worth simulating; the last one tried is returned when none fits)."""
     work = {m: sum(c.total for c in s.costs) for m, s in specs.items()}
     share = flop_ratio_split(work, gpus)
-    llm = min(share["language_model"], gpus - 1)
     pp = LLAMA[model]["megatron_pp"]
-    dp = largest_divisor(batch, int(llm) // (8 * pp))
+    dp = largest_divisor(batch, int(min(share["language_model"], gpus - 1)) // (8 * pp))
     layers = {"language_model": partition_module(specs["language_model"].costs, pp)}
-    spare, vision_pp, plan = gpus - 8 * pp * dp, 1, None
-    while vision_pp <= min(spare, len(specs["vision"].costs)):
+    vision, spare, plan = _Module(specs["vision"]), gpus - 8 * pp * dp, None
+    counts = [p for p in (2 ** i for i in range(6)) if p <= min(spare, len(specs["vision"].costs))]
+    for vision_pp in counts:
         vision_dp = min(dp, max(1, min(spare, round(share["vision"])) // vision_pp))
+        held = vision.stage_memory(vision.chain(1, TP_BANDWIDTH), 1, vision_pp, vision_dp, pp, batch // dp,
+                                   encoder_samples(dp, vision_dp), COMMON["sharding"])
+        if held > MEMORY and vision_pp != counts[-1]:
+            continue
         layers["vision"] = partition_module(specs["vision"].costs, vision_pp)
         plan = evaluate_plan(specs, layers, "parallel", batch, {"vision": vision_dp, "language_model": dp},
                              tp={"vision": 1, "language_model": 8}, **COMMON)
         if plan.fits_memory:
             break
-        vision_pp *= 2
     return plan
 
 
