@@ -6,14 +6,18 @@ A800 bf16 peak 312 TFLOP/s at KERNEL_EFFICIENCY, 8-GPU nodes, ViT-H/16 + MLP pro
 FLOP costs (``mllm_layer_costs``), LLM recomputation, ``SHARD_GRAD_OP``, 80 GiB a device. Rows per (model, GPUs,
 global batch): uniform (Megatron's rigid layout: one dp, LLM tp 8 and pp 1/2/10, the encoder one stage of 8 ranks
 splitting the images), flop-ratio (GPUs in proportion to each module's work) and per-module
-(``search_per_module_dp``, tp 1/2/4/8 per module, with its solve and replay times); then the search's time on the
-72B at Table 2's GPU counts (median of --repeats runs). Measured on CPU processes: ``per_module_dp_cpu.py``.
+(``search_per_module_dp``, tp 1/2/4/8 per module, with its solve and replay times); then every comparison at equal
+GPU counts (``equal_gpus``: the baseline's layout on the GPUs it uses against the per-module search of exactly that
+count, and the FLOP-ratio split of the uniform layout's GPUs), whose throughput ratio is also the MFU ratio; then
+the search's time on the 72B at Table 2's GPU counts (median of --repeats runs, wall and CPU time). Measured on CPU
+processes: ``per_module_dp_cpu.py``.
 
     python benchmarks/per_module_dp.py [--repeats 5] [--models 9B,15B,72B]
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -22,9 +26,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lightning_mm.planner.costs import LayerCost, ModuleTimes, mllm_layer_costs
-from lightning_mm.planner.orchestration import flop_ratio_split, search_per_module_dp
+from lightning_mm.planner.orchestration import _Module, flop_ratio_split, search_per_module_dp
 from lightning_mm.planner.partition import partition_module
-from lightning_mm.planner.search import ModuleSpec, Plan, evaluate_plan
+from lightning_mm.planner.search import ModuleSpec, Plan, encoder_samples, evaluate_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests import this file by path
 import harness  # noqa: E402
@@ -119,16 +123,29 @@ def uniform_row(specs, model: str, gpus: int, batch: int) -> Plan:
 
 
 def flop_ratio_row(specs, model: str, gpus: int, batch: int) -> Plan:
-    """GPUs in proportion to each module's work; the LLM keeps Megatron's tp 8 and pp, the encoder tp 1 pp 1."""
-    pp = LLAMA[model]["megatron_pp"]
+    """GPUs in proportion to each module's work (DistTrain's FLOP-ratio baseline). The LLM at Megatron's tp 8 and pp,
+    dp the largest divisor of the batch its share holds; the encoder, tp 1, the rest of its share as replicas x
+    stages at the fewest stages (1, 2, 4, ...) whose replicas fit memory (the search's memory model picks the stage
+    counts worth simulating; the last one tried is returned when none fits)."""
     work = {m: sum(c.total for c in s.costs) for m, s in specs.items()}
     share = flop_ratio_split(work, gpus)
-    dp = largest_divisor(batch, min(int(share["language_model"]), gpus - 1) // (8 * pp))
-    vision_dp = min(dp, max(1, min(gpus - 8 * pp * dp, round(share["vision"]))))
-    layers = {"vision": [len(specs["vision"].costs)],
-              "language_model": partition_module(specs["language_model"].costs, pp)}
-    return evaluate_plan(specs, layers, "parallel", batch, {"vision": vision_dp, "language_model": dp},
-                         tp={"vision": 1, "language_model": 8}, **COMMON)
+    pp = LLAMA[model]["megatron_pp"]
+    dp = largest_divisor(batch, int(min(share["language_model"], gpus - 1)) // (8 * pp))
+    layers = {"language_model": partition_module(specs["language_model"].costs, pp)}
+    vision, spare, plan = _Module(specs["vision"]), gpus - 8 * pp * dp, None
+    counts = [p for p in (2 ** i for i in range(6)) if p <= min(spare, len(specs["vision"].costs))]
+    for vision_pp in counts:
+        vision_dp = min(dp, max(1, min(spare, round(share["vision"])) // vision_pp))
+        held = vision.stage_memory(vision.chain(1, TP_BANDWIDTH), 1, vision_pp, vision_dp, pp, batch // dp,
+                                   encoder_samples(dp, vision_dp), COMMON["sharding"])
+        if held > MEMORY and vision_pp != counts[-1]:
+            continue
+        layers["vision"] = partition_module(specs["vision"].costs, vision_pp)
+        plan = evaluate_plan(specs, layers, "parallel", batch, {"vision": vision_dp, "language_model": dp},
+                             tp={"vision": 1, "language_model": 8}, **COMMON)
+        if plan.fits_memory:
+            break
+    return plan
 
 
 def degrees(plan: Plan) -> str:
@@ -140,50 +157,75 @@ def degrees(plan: Plan) -> str:
     return f"ViT {plan.dp}x{cp}(cp)x{pp['vision']}, LLM {plan.dp}x{plan.tp}x{pp['language_model']}"
 
 
-def metrics(plan: Plan, batch: int, model_flops: float) -> dict:
+def metrics(plan: Plan, batch: int, model_flops: float, given: int) -> dict:
+    """A row's figures; ``mfu`` counts the GPUs the layout uses, ``mfu_given`` the ``given`` GPUs (idle ones too)."""
     r = plan.result
     widths = plan.layout.widths
     dp_of = plan.stage_modules()
     per_stage = {s: widths[s] * (plan.module_dp.get(dp_of[s], plan.dp) if plan.module_dp else plan.dp)
                  for s in r.stages}
     busy = sum(r.busy[s] * n for s, n in per_stage.items())
-    return dict(gpus=plan.devices, layout=degrees(plan), iteration_s=plan.iteration_time,
-                samples_per_s=batch / plan.iteration_time,
-                mfu=batch * model_flops / (plan.iteration_time * plan.devices * PEAK),
+    flops_per_s = batch * model_flops / plan.iteration_time
+    return dict(gpus=plan.devices, given=given, layout=degrees(plan), iteration_s=plan.iteration_time,
+                samples_per_s=batch / plan.iteration_time, mfu=flops_per_s / (plan.devices * PEAK),
+                mfu_given=flops_per_s / (given * PEAK),
                 bubble=1 - busy / (plan.iteration_time * sum(per_stage.values())),
                 peak_memory_gib=max(plan.memory.values()) / 2**30, fits_memory=plan.fits_memory)
 
 
-def run_case(model: str, setting: str, gpus: int, batch: int, repeats: int) -> dict:
-    specs, model_flops = module_specs(model, SETTINGS[setting])
-    rows = {"uniform": metrics(uniform_row(specs, model, gpus, batch), batch, model_flops),
-            "flop-ratio": metrics(flop_ratio_row(specs, model, gpus, batch), batch, model_flops)}
+def searched(specs, gpus: int, batch: int, model_flops: float, repeats: int = 1) -> dict:
+    """The per-module search on ``gpus`` GPUs: its row, with its Eq. 1-2 estimate and its median planning time."""
     times, found = [], None
     for _ in range(repeats):
         found = search_per_module_dp(specs, gpus, batch, **COMMON)
         times.append(found.solve_seconds + found.replay_seconds)
-    rows["per-module"] = dict(metrics(found.best, batch, model_flops), estimate_s=found.estimate,
-                              planning_ms=statistics.median(times) * 1e3,
-                              solve_ms=found.solve_seconds * 1e3, replay_ms=found.replay_seconds * 1e3,
-                              subproblems=found.subproblems)
-    base = rows["uniform"]
+    return dict(metrics(found.best, batch, model_flops, gpus), estimate_s=found.estimate,
+                planning_ms=statistics.median(times) * 1e3, solve_ms=found.solve_seconds * 1e3,
+                replay_ms=found.replay_seconds * 1e3, subproblems=found.subproblems)
+
+
+def pair(row: dict, base: dict) -> dict:
+    """``row`` against ``base`` on the same given GPUs: the throughput ratio, which is then also the MFU ratio."""
+    assert row["given"] == base["given"], (row["given"], base["given"])
+    return dict(gpus=row["given"], layout=row["layout"], base_layout=base["layout"], used=row["gpus"],
+                base_used=base["gpus"], ratio=row["samples_per_s"] / base["samples_per_s"],
+                mfu=row["mfu_given"], base_mfu=base["mfu_given"], fits=row["fits_memory"] and base["fits_memory"])
+
+
+def run_case(model: str, setting: str, gpus: int, batch: int, repeats: int) -> dict:
+    """The three rows on the scale's ``gpus``, then each comparison at equal GPU counts: the baseline's layout on the
+    GPUs it uses against the per-module search of exactly that count (and the FLOP-ratio split of the uniform's)."""
+    specs, model_flops = module_specs(model, SETTINGS[setting])
+    plans = {"uniform": uniform_row(specs, model, gpus, batch), "flop-ratio": flop_ratio_row(specs, model, gpus, batch)}
+    uniform, flop = (metrics(plans[k], batch, model_flops, gpus) for k in ("uniform", "flop-ratio"))
+    rows = {"uniform": uniform, "flop-ratio": flop, "per-module": searched(specs, gpus, batch, model_flops, repeats)}
     for row in rows.values():
-        row["mfu_vs_uniform"] = row["mfu"] / base["mfu"]
-        row["throughput_vs_uniform"] = row["samples_per_s"] / base["samples_per_s"]
-    return dict(model=f"MLLM-{model}", setting=setting, gpus=gpus, batch=batch, rows=rows)
+        row["mfu_vs_uniform"] = row["mfu"] / uniform["mfu"]
+        row["throughput_vs_uniform"] = row["samples_per_s"] / uniform["samples_per_s"]
+    on_own = {k: metrics(p, batch, model_flops, p.devices) for k, p in plans.items()}  # each on the GPUs it uses
+    n_u = plans["uniform"].devices
+    flop_u = metrics(flop_ratio_row(specs, model, n_u, batch), batch, model_flops, n_u)
+    equal = {f"per-module vs {name}": pair(searched(specs, on_own[k]["given"], batch, model_flops), on_own[k])
+             for k, name in (("flop-ratio", "flop-ratio"), ("uniform", "uniform"))}
+    equal["flop-ratio vs uniform"] = pair(flop_u, on_own["uniform"])
+    return dict(model=f"MLLM-{model}", setting=setting, gpus=gpus, batch=batch, rows=rows, equal_gpus=equal)
 
 
 def table_2(repeats: int) -> list[dict]:
-    """The search's wall time on the 72B at Table 2's GPU counts and batches (median of ``repeats``)."""
+    """The search's wall time on the 72B at Table 2's GPU counts and batches (median and minimum of ``repeats``), its
+    process CPU time (median: the time the core was the search's, which load does not stretch) and the load."""
     specs, _ = module_specs("72B", False)
     out = []
     for gpus, (batch, published) in TABLE_2.items():
-        runs = []
+        runs, cpu = [], []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             found = search_per_module_dp(specs, gpus, batch, **COMMON)
             runs.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
         out.append(dict(gpus=gpus, batch=batch, search_ms=statistics.median(runs) * 1e3,
+                        search_cpu_ms=statistics.median(cpu) * 1e3, search_ms_min=min(runs) * 1e3,
+                        load_average=os.getloadavg()[0],
                         solve_ms=found.solve_seconds * 1e3, replay_ms=found.replay_seconds * 1e3,
                         subproblems=found.subproblems, published_ms=published * 1e3, layout=degrees(found.best)))
     return out

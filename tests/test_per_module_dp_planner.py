@@ -263,6 +263,22 @@ def benchmark_cases():
     return out
 
 
+@pytest.mark.parametrize("model, frozen", [("9B", False), ("15B", True), ("72B", False)])
+def test_at_equal_gpus_the_search_is_not_slower_than_the_flop_ratio_split_or_the_uniform_layout(model, frozen):
+    """The benchmark's baselines (DistTrain's FLOP-ratio split and Megatron's rigid layout) at 98 GPUs, each simulated
+    on the GPUs it uses; the per-module search on exactly that many GPUs must be at least as fast. The baselines'
+    layouts are in the search space, so only the search (its Eq. 1-2 ranking and replay) can lose."""
+    bench = _benchmark()
+    specs, _ = bench.module_specs(model, frozen)
+    gpus, batch = bench.SCALES["8.2.1"][model]
+    for baseline in (bench.flop_ratio_row(specs, model, gpus, batch), bench.uniform_row(specs, model, gpus, batch)):
+        assert baseline.fits_memory and baseline.devices <= gpus
+        found = search_per_module_dp(specs, baseline.devices, batch, **bench.COMMON).best
+        assert found.devices <= baseline.devices and found.fits_memory
+        assert found.iteration_time <= baseline.iteration_time * (1 + 1e-9), (bench.degrees(found),
+                                                                               bench.degrees(baseline))
+
+
 def random_case(seed):
     """A small random search: 1-2 encoders (frozen, trained or partly trained layers) and an LLM of 2-8 layers,
     memory limits that force stages or refuse, tp, sharding, bandwidths, samples per microbatch, replay."""
