@@ -358,7 +358,8 @@ def main(argv=None) -> None:
     if args.planning_only:  # the simulated throughput stays as it is
         with tqdm(total=sum(len(v) for v in SEED_PLANNING.values()), desc="planning", disable=None) as bar:
             rows = planning(args, bar.update)
-        harness.write(OUT, {**{k: v for k, v in harness.read(OUT).items() if k != "machine"}, "planning": rows}, start)
+        harness.write(OUT, {**{k: v for k, v in harness.read(OUT).items() if k != "machine"}, "planning": rows}, start,
+                      sources={"throughput": "simulated"})
         return
     with tqdm(total=len(MODELS), desc="throughput (simulated)", disable=None) as bar:
         thr = throughput(args, bar.update)
