@@ -95,7 +95,7 @@ def test_groups_with_llm_cp_packing_recomputation_lora_and_accumulation_train_li
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-# not yet run to completion: combines("ft", "ep", "balancing", "checkpoint") once it has passed
+@pytest.mark.combines("ft", "ep", "balancing", "checkpoint")
 def test_groups_with_expert_parallelism_and_balancing_resume_from_a_checkpoint_like_one_process(tmp_path, lighthouse):
     """Each group: a Qwen3-MoE LLM whose experts are split over its 2 data-parallel ranks (ep 2), the group's share
     of every step placed over them by ENTRAIN. Both groups train 2 steps and save a checkpoint; a new job of both
