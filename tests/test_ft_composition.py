@@ -122,7 +122,7 @@ def test_groups_with_expert_parallelism_and_balancing_resume_from_a_checkpoint_l
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-# not yet run to completion: combines("ft", "per_module_dp") once it has passed
+@pytest.mark.combines("ft", "per_module_dp")
 def test_groups_with_per_module_data_parallelism_train_like_one_process(tmp_path, lighthouse):
     """Each group (3 ranks): the vision encoder on 2 data-parallel replicas, the LLM on 1 (per-module degrees);
     each group's share is routed between the encoder's replicas and the LLM's. Both equal one process."""
