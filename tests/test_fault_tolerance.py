@@ -118,8 +118,8 @@ def test_an_unreachable_lighthouse_is_named_after_connect_timeout_and_a_late_one
 
 @pytest.mark.parametrize("setting", [
     "unreachable",
-    pytest.param("accumulate", marks=pytest.mark.refuses("ft", "accumulation", message="accumulate_grad_batches=2")),
-    pytest.param("balancing", marks=pytest.mark.refuses("ft", "balancing", message="batch_balancing='entrain'"))])
+    pytest.param("accumulate", marks=pytest.mark.refuses("ft", "accumulation",
+                                                         message="accumulate_grad_batches=2 with global_batch"))])
 def test_bad_settings_fail_before_training(setting, tmp_path):
     """In one process (devices=1): the error comes from the strategy's setup, before the model is built."""
     import lightning as L
@@ -134,14 +134,13 @@ def test_bad_settings_fail_before_training(setting, tmp_path):
     try:
         address = lighthouse.address() if lighthouse else f"127.0.0.1:{_closed_port()}"
         strategy = lmm.MultimodalParallelStrategy(
-            fault_tolerance=FaultTolerance(lighthouse=address, replica_group=0, connect_timeout=1.0),
-            batch_balancing="entrain" if setting == "balancing" else None)
+            fault_tolerance=FaultTolerance(lighthouse=address, replica_group=0, connect_timeout=1.0,
+                                           global_batch=4 if setting == "accumulate" else None))
         trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                             accumulate_grad_batches=2 if setting == "accumulate" else 1, default_root_dir=tmp_path)
         data = lmm.data.SyntheticMultimodalDataModule(num_samples=8, batch_size=2)
-        match = {"unreachable": "unreachable", "accumulate": "accumulate_grad_batches=2",
-                 "balancing": "batch_balancing='entrain'"}[setting]
+        match = {"unreachable": "unreachable", "accumulate": "accumulate_grad_batches=2 with global_batch"}[setting]
         with pytest.raises(FaultToleranceError, match=match):
             trainer.fit(build_module(), data)
         assert strategy.engine is None  # nothing was built

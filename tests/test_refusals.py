@@ -11,20 +11,6 @@ from lightning_mm.model import tiny_encoder, tiny_language_model
 from lightning_mm.plan.layout import ParallelSpec, build_layout
 
 
-@pytest.mark.refuses("ft", "per_module_dp", message="fault_tolerance runs replica groups of one data-parallel degree")
-def test_fault_tolerance_with_per_module_dp_is_refused():
-    from lightning_mm.trainer.strategy import resolve_layout
-
-    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model())
-    ft = lmm.FaultTolerance(lighthouse="127.0.0.1:29510", replica_group=0)
-    kw = dict(encoder_specs={"vision": ParallelSpec(dp=2)}, language_model_spec=ParallelSpec(dp=1, pp=2),
-              placement="parallel", partition="uniform", world_size=4, ranks_per_node=4)
-    resolve_layout(model, fault_tolerance=None, **kw)  # the layout alone is served
-    with pytest.raises(ValueError, match="fault_tolerance runs replica groups of one data-parallel degree"):
-        resolve_layout(model, fault_tolerance=ft, **kw)
-    assert not dist.is_initialized()
-
-
 @pytest.mark.refuses("ep", "per_module_dp",
                      message="expert parallelism with per-module data-parallel degrees is not supported")
 def test_expert_parallelism_with_per_module_dp_is_refused():

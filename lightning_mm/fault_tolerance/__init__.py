@@ -9,7 +9,8 @@ layer, by parameter name (``layerwise.py``), and with ``templates`` re-form at t
 
 One concern per file: ``config.py`` (the settings and their checks), ``sampler.py`` (the global sampler),
 ``training.py`` (the per-step glue, imported by the strategy: the package itself stays importable from
-``parallel/``), ``layerwise.py`` (groups of different layouts), ``lighthouse.py``, ``watchdog.py`` (a dead or
+``parallel/``), ``shares.py`` (this rank's share of a step: placement over replicas, accumulation's
+micro-batches), ``layerwise.py`` (groups of different layouts), ``lighthouse.py``, ``watchdog.py`` (a dead or
 stuck rank ends the job naming it; imported by the runtime's collectives).
 
 Per optimiser step (``MultimodalParallelStrategy`` calls these; nothing here is spread through the engine):

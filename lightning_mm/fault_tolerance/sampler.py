@@ -7,6 +7,7 @@ import math
 import torch
 
 from lightning_mm.fault_tolerance.config import TOKEN_KEY
+from lightning_mm.plan.balance import plan_batch
 
 def global_batches_per_epoch(num_samples: int, global_batch: int) -> int:
     return num_samples // global_batch
@@ -56,6 +57,27 @@ def microbatch_plan(rows: int, rows_per_microbatch: int) -> list[int]:
     count = max(1, min(rows, math.ceil(rows / max(1, rows_per_microbatch))))
     base, extra = divmod(rows, count)
     return [m for m in range(count) for _ in range(base + (m < extra))]
+
+
+def placed_rows(indices: list[int], replicas: int, members: list[int], rows_per_microbatch: int,
+                method: str | None = None, work=None, num_stages: int = 2) -> list[tuple[int, int, int, int]] | None:
+    """A group's share of a step over its ``replicas`` data-parallel replicas x as many microbatches as a
+    replica's part needs (``microbatch_plan``): the rows of the replicas in ``members`` (this rank's replica, or
+    the replicas of its per-module data-parallel group) as ``(index, encoder mb, LLM mb, position in members)``.
+    Contiguous, or placed by ``plan_batch(method)`` as the balanced loader places them without fault tolerance.
+    None where the share does not split evenly over the replicas (a quorum short of groups can leave one
+    uneven)."""
+    per_replica, rest = divmod(len(indices), replicas)
+    if rest or not per_replica:
+        return None
+    plan = microbatch_plan(per_replica, rows_per_microbatch)
+    if method is None:
+        return [(indices[r * per_replica + i], m, m, j) for j, r in enumerate(members) for i, m in enumerate(plan)]
+    encoder_work, llm_work = work(indices)
+    placed = plan_batch(encoder_work, llm_work, replicas, plan[-1] + 1, method, num_stages=num_stages)
+    later = {s for d in placed.deferred for s in d.samples}
+    return [(indices[s], m, m + 1 if s in later else m, j) for j, r in enumerate(members)
+            for m, samples in enumerate(placed.assignment[r]) for s in samples]
 
 
 class StepTokens:

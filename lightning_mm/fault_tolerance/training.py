@@ -18,12 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, RandomSampler
 
-from lightning_mm.data.microbatch import PLAN_KEY
 from lightning_mm.fault_tolerance import layerwise
 from lightning_mm.fault_tolerance.config import (FaultTolerance, FaultToleranceError, _NoNcclNotes, check_reachable,
                                                  import_torchft)
-from lightning_mm.fault_tolerance.sampler import (StepTokens, global_batch_indices, global_batches_per_epoch,
-                                                  group_shares, microbatch_plan)
+from lightning_mm.fault_tolerance.sampler import StepTokens, global_batches_per_epoch
+from lightning_mm.fault_tolerance.shares import StepShares
 
 log = logging.getLogger("lightning_mm.fault_tolerance")
 
@@ -65,15 +64,12 @@ def _optimizer_state_like(optimizer, state: dict) -> dict:
 def unservable(trainer, strategy) -> list[str]:
     """The settings of a run that fault tolerance cannot serve, each with what to do instead."""
     reasons = []
-    if trainer.accumulate_grad_batches != 1:
-        reasons.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} (each optimiser step is one "
-                       "quorum and one commit: raise the batch size or num_microbatches instead)")
+    if trainer.accumulate_grad_batches != 1 and strategy.fault_tolerance.global_batch is not None:
+        reasons.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} with global_batch (replica groups "
+                       "of different layouts exchange no per-batch label counts: raise global_batch instead)")
     if str(strategy.precision_plugin.precision) == "16-mixed":  # not bf16-mixed, which the message offers
         reasons.append("precision='16-mixed' (the grad scaler's skipped steps are not coordinated across "
                        "replica groups: use bf16-mixed or 32-true)")
-    if strategy.batch_balancing not in (None, "none"):
-        reasons.append(f"batch_balancing={strategy.batch_balancing!r} (the fault-tolerant global sampler places "
-                       "each step's samples; use batch_balancing=None or 'none')")
     module = strategy.lightning_module
     if module is not None and not module.automatic_optimization:
         reasons.append("manual optimisation (the strategy serves the commit inside Lightning's automatic "
@@ -179,7 +175,7 @@ class StepState:
     sync: layerwise.QuorumSync | None = None  # across layouts: this quorum's buckets and their process groups
 
 
-class FaultTolerantTraining:
+class FaultTolerantTraining(StepShares):
     """One rank's torchft glue, owned by ``MultimodalParallelStrategy`` (``strategy.ft``): torchft's Manager for
     the quorum, the commit and the committed step, a :class:`StepState` for the rest."""
 
@@ -194,11 +190,13 @@ class FaultTolerantTraining:
         self.layerwise = config.global_batch is not None  # groups may differ in layout
         self._nominal_microbatches = strategy.num_microbatches
         self._recorder = self._doc = self._pg_class = None
+        self.reset_shares()
 
     # ------------------------------------------------------------------ before training
     def check_before_setup(self, trainer) -> None:
         """What fault tolerance cannot serve, and the lighthouse's reachability: errors before any model build."""
         import_torchft()
+        self.accumulate = trainer.accumulate_grad_batches
         reasons = unservable(trainer, self.strategy)
         if reasons:
             raise FaultToleranceError("fault_tolerance cannot serve this run: " + "; ".join(reasons))
@@ -266,8 +264,10 @@ class FaultTolerantTraining:
         s = self.strategy
         global_batch = self.config.global_batch or batch_size * s.layout.dp * self.config.num_replica_groups
         self.data = dict(dataset=dataset, collate=dataloader.collate_fn, batch_size=batch_size, shuffle=shuffle,
-                         seed=seed, global_batch=global_batch, num_samples=len(dataset))
-        return StepTokens(global_batches_per_epoch(len(dataset), global_batch) or 1)
+                         seed=seed, global_batch=global_batch, num_samples=len(dataset),
+                         balance=self._balancing(dataloader, dataset), placed=self._placed_collate(dataloader))
+        k = self.accumulate  # Lightning steps at an epoch's end: whole optimiser steps per epoch
+        return StepTokens(max(k, global_batches_per_epoch(len(dataset), global_batch) // k * k))
 
     def fingerprint(self) -> int:
         """Everything groups must share to train one model together (:func:`job_fingerprint`)."""
@@ -280,9 +280,9 @@ class FaultTolerantTraining:
         microbatches, on the device."""
         if self.data is None:
             raise FaultToleranceError("fault_tolerance: the training loader was not prepared by the strategy")
-        step, position = self.join_quorum()
-        batch = self.strategy.batch_to_device(self.plan_microbatches(self.share_of_batch(step, position)))
-        self.state.label_tokens = self._label_tokens(batch)
+        if self._micro == 0:  # the first micro-batch of a step (or of its redo): the quorum, then every share
+            self.load_step(*self.join_quorum())
+        batch = self._next_micro_batch()
         if isinstance(token, dict):  # hooks after training_step (on_train_batch_end, callbacks) see the real batch
             token.clear()
             token.update(batch)
@@ -415,59 +415,6 @@ class FaultTolerantTraining:
             return self._recorder.last["groups"]
         return self.manager.num_participants()
 
-    # ------------------------------------------------------------------ the share of the batch and its plan
-    def share_of_batch(self, step: int, position: int) -> dict:
-        """This rank's samples of the step's global batch, collated: the group's slice (even, or by the templates'
-        planned step times, Eq. 2.6), then this data-parallel replica's even slice of it."""
-        s, d, st = self.strategy, self.data, self.state
-        indices = global_batch_indices(step, d["num_samples"], d["global_batch"], d["shuffle"], d["seed"])
-        if self.layerwise and None not in st.sync.templates:
-            shares = layerwise.template_shares(st.sync.templates, len(indices), self._rows_per_microbatch())
-        else:
-            shares = group_shares(len(indices), [1.0] * st.participants)
-        lo, hi = shares[position]
-        self.shares[step] = hi - lo
-        dp = s.layout.dp
-        rlo, rhi = group_shares(hi - lo, [1.0] * dp)[s.layout.coordinate(s.global_rank).dp]
-        mine = indices[lo:hi][rlo:rhi]
-        if not mine:
-            raise FaultToleranceError(
-                f"step {step}: {st.participants} replica groups of {dp} data-parallel replicas share a global batch "
-                f"of {len(indices)} samples, so a replica gets none; raise the batch size or lower num_replica_groups")
-        return d["collate"]([d["dataset"][i] for i in mine])
-
-    def plan_microbatches(self, batch: dict) -> dict:
-        """Microbatches of about the usual row count (more of them for a larger share), as a microbatch plan."""
-        rows = batch["input_ids"].shape[0]
-        plan = microbatch_plan(rows, self._rows_per_microbatch())
-        self.use_microbatches(plan[-1] + 1)
-        ids = batch["input_ids"]
-        placeholders = self.strategy.multimodal_model().placeholder_ids
-        tokens = {name: (ids == pid).sum(1).tolist() for name, pid in placeholders.items()}
-        batch[PLAN_KEY] = {"encoder": list(plan), "llm": list(plan), "tokens": tokens}
-        return batch
-
-    def _rows_per_microbatch(self) -> int:
-        """The usual microbatch: the loader's batch over the strategy's microbatches."""
-        return max(1, self.data["batch_size"] // self._nominal_microbatches)
-
-    def use_microbatches(self, count: int) -> None:
-        """The runner's schedule for ``count`` microbatches; the strategy's count follows (the module checks each
-        batch's plan against it)."""
-        s = self.strategy
-        s.engine.set_num_microbatches(count)
-        s.num_microbatches = count
-
-    def _label_tokens(self, batch: dict) -> torch.Tensor:
-        """The step's label tokens over the group's data-parallel replicas: the group's weight across groups."""
-        from lightning_mm import loss as losses
-
-        s = self.strategy
-        count = losses.count_label_tokens(batch["labels"]).reshape(1).to(s.root_device, torch.float32)
-        if s.engine.groups.dp is not None:
-            dist.all_reduce(count, group=s.engine.groups.dp)
-        return count
-
     # ------------------------------------------------------------------ reduction and commit
     def reduce_and_commit(self) -> bool:
         """Sum the gradients across the quorum's groups (weighted by label tokens), then torchft's commit vote."""
@@ -516,6 +463,7 @@ class FaultTolerantTraining:
                             error=str(self.manager.errored() or "")[:200])
                 optimizer.zero_grad(set_to_none=True)
                 self.state.after_failure = True
+                self._micro, self._replay = 0, self.accumulate > 1
 
         return run
 

@@ -310,8 +310,9 @@ class MultimodalParallelStrategy(DDPStrategy):
         check_same_batch(batch, self.engine.groups.replica)
         if train and "encoder" in (batch.get(PLAN_KEY) or {}):  # what each step's balancing did, for callbacks, tests
             self.batch_plans.append({k: list(batch[PLAN_KEY][k]) for k in ("encoder", "llm")})
+        weight = self.ft.loss_weight() if self.ft is not None and train else 1.0  # accumulation across groups
         self.last_step = self.engine.run(batch, train=train, sync=not self._accumulating,
-                                         loss_scale=1.0 / self.lightning_module.trainer.accumulate_grad_batches)
+                                         loss_scale=weight / self.lightning_module.trainer.accumulate_grad_batches)
         return self.last_step.loss
 
     def predict_pipeline(self, batch: dict) -> dict:
@@ -478,10 +479,6 @@ def resolve_layout(model: MultimodalModel, *, encoder_specs: dict[str, ParallelS
         lm_spec, placement = template.specs["language_model"], template.placement
         partition = {m: list(v) for m, v in template.partition.items()}
     layout = build_layout(specs, lm_spec, world_size, placement, encoders)
-    if layout.per_module_dp and fault_tolerance is not None:
-        raise ValueError("fault_tolerance runs replica groups of one data-parallel degree; per-module degrees "
-                         f"({ {c: layout.replicas(c) for c in layout.chains()} }) are not served with it: give "
-                         "every module the same dp (or none), or drop fault_tolerance")
     check_tensor_parallel(model, {e: s.tp for e, s in specs.items()}, lm_spec.tp)
     check_context_parallel(model, lm_spec)
     check_node_locality(layout, ranks_per_node)

@@ -10,7 +10,12 @@ count comes from torchrun's world size),
 timeout (s), global_batch (FaultTolerance's: the groups may differ in layout), wait_rejoin (the surviving group waits 2 steps after the kill until the lost group restarted, so it
 rejoins before the run ends), ft (false: no fault tolerance, e.g. one group over two nodes), save_every (steps:
 ModelCheckpoint into ckpt_dir), resume ("last": a torchrun restart resumes from ckpt_dir's latest checkpoint with
-``trainer.fit(ckpt_path=...)``), pace ({"until": marker, "after": step, "seconds": s, "max": s}: from that step on,
+``trainer.fit(ckpt_path=...)``; a path, "{group}" filled in: every launch resumes from it), llm (the LLM's
+ParallelSpec fields, default ``{"pp": pp}``), vision (the encoder's), moe (an MoE LLM kind, e.g. "qwen3_moe",
+instead of llama), lora (LoRA adapters on q_proj and v_proj), data (more SyntheticMultimodalDataModule arguments:
+layout "mp" + seq_len packs rows, items_per_sample), strategy (more strategy arguments, e.g.
+activation_checkpointing), accumulate (accumulate_grad_batches; the reference accumulates alike), pace ({"until":
+marker, "after": step, "seconds": s, "max": s}: from that step on,
 this group sleeps ``seconds`` after each step until the marker file exists, at most ``max`` in all: slower steps,
 never a blocked peer). Every group's rank 0 writes ``world_<group>_<world size>`` after its first step, appends
 ``<step> <time> <restart>`` to ``steps_<group>.log`` at each batch end and writes ``result_<group>.json`` (without
@@ -36,10 +41,14 @@ NUM_SAMPLES, BATCH = 48, 2  # per-replica batch 2: a global batch of 2 x groups
 STARTED = time.time()
 
 
-def build_module():
+def build_module(cfg=None):
+    cfg = cfg or {}
     torch.manual_seed(0)
-    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, tiny_language_model("llama"))
+    lm = tiny_language_model(cfg.get("moe") or "llama")
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, lm)
     model.freeze(encoders=True, projectors=False, language_model=False)
+    if cfg.get("lora"):  # random A and B: every adapter gets a gradient from the first step
+        model.add_lora(["q_proj", "v_proj"], r=4, alpha=8, init_lora_weights=False)
     return lmm.MultimodalLightningModule(
         model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5))
@@ -85,7 +94,7 @@ class Events(L.Callback):
         kill = self.cfg.get("kill")
         if self.cfg.get("wait_rejoin") and kill and self.cfg["group"] != kill["group"] \
                 and trainer.global_step == kill["step"] + 2:  # the lost group can rejoin before the run ends
-            marker, deadline = os.path.join(self.cfg["out"], f"restarted_{kill['group']}"), time.time() + 120
+            marker, deadline = os.path.join(self.cfg["out"], f"restarted_{kill['group']}"), time.time() + 600
             while not os.path.exists(marker) and time.time() < deadline:
                 time.sleep(0.2)
 
@@ -96,16 +105,20 @@ def group(cfg):
                             hostname="127.0.0.1", global_batch=cfg.get("global_batch"),
                             templates=cfg.get("templates"))
     strategy = lmm.MultimodalParallelStrategy(
-        encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec(pp=cfg.get("pp", 2)),
-        encoder_placement="replicated", num_microbatches=2, fault_timeout=cfg.get("fault_timeout", 20.0),
-        fault_tolerance=ft, **({"process_group_backend": "gloo"}))
+        encoders={"vision": lmm.ParallelSpec(**cfg.get("vision", {}))},
+        language_model=lmm.ParallelSpec(**cfg.get("llm", {"pp": cfg.get("pp", 2)})), fault_tolerance=ft,
+        **{"encoder_placement": "replicated", "num_microbatches": 2, "process_group_backend": "gloo",
+           "fault_timeout": cfg.get("fault_timeout", 20.0), **cfg.get("strategy", {})})
     events = Events(cfg)
     callbacks = [events]
     if cfg.get("save_every"):
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"], filename="{step}",
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"].format(group=cfg["group"]),
+                                                             filename="{step}",
                                                              every_n_train_steps=cfg["save_every"], save_top_k=-1))
     ckpt_path = None
-    if cfg.get("resume") == "last" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if cfg.get("resume") not in (None, "last"):
+        ckpt_path = cfg["resume"].format(group=cfg["group"])
+    elif cfg.get("resume") == "last" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         saved = glob.glob(os.path.join(cfg["ckpt_dir"], "step=*.ckpt"))
         ckpt_path = max(saved, key=lambda p: int(p.rsplit("=", 1)[1].split(".")[0])) if saved else None
     num_nodes = cfg.get("num_nodes", 1)
@@ -115,14 +128,18 @@ def group(cfg):
                         strategy=strategy, max_steps=cfg["steps"], logger=L.pytorch.loggers.CSVLogger(
                             os.path.join(cfg["out"], f"logs_{cfg['group']}")), enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=bool(cfg.get("save_every")),
-                        callbacks=callbacks)
-    module = build_module()
-    data = lmm.data.SyntheticMultimodalDataModule(num_samples=NUM_SAMPLES, batch_size=BATCH)
+                        callbacks=callbacks, accumulate_grad_batches=cfg.get("accumulate", 1))
+    module = build_module(cfg)
+    data = lmm.data.SyntheticMultimodalDataModule(**{"num_samples": NUM_SAMPLES, "batch_size": BATCH,
+                                                     **cfg.get("data", {})})
     fit_start = time.time()
     trainer.fit(module, data, ckpt_path=ckpt_path)
     rank, g = trainer.global_rank, cfg["group"]
-    torch.save({n: p.detach() for n, p in module.model.named_parameters() if p.requires_grad and n in
-                strategy.engine.owned}, os.path.join(cfg["out"], f"params_{g}_{rank}.pt"))
+    from torch.distributed.tensor import DTensor  # expert-parallel weights: gathered on every rank alike
+
+    torch.save({n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                for n, p in module.model.named_parameters() if p.requires_grad and n in strategy.engine.owned},
+               os.path.join(cfg["out"], f"params_{g}_{rank}.pt"))
     timing = {"started": STARTED, "fit_start": fit_start, "train_start": getattr(events, "train_start", None),
               "resumed_from": ckpt_path}
     if rank == 0 and ft is None:  # Lightning's DistributedSampler (dp 1 here): the same order as the global sampler
@@ -147,16 +164,19 @@ def group(cfg):
 def reference(cfg):
     with open(os.path.join(cfg["out"], "data.json")) as f:
         d = json.load(f)
-    module = build_module()
+    module = build_module(cfg)
     model = module.model
-    data = lmm.data.SyntheticMultimodalDataModule(num_samples=NUM_SAMPLES, batch_size=BATCH, model=model)
+    data = lmm.data.SyntheticMultimodalDataModule(model=model, **{"num_samples": NUM_SAMPLES, "batch_size": BATCH,
+                                                                  **cfg.get("data", {})})
     dataset, collate = data._dataset(d["num_samples"], 0), data.collator()
     conf = module.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    k = cfg.get("accumulate", 1)
     for step in range(cfg["steps"]):
-        idx = global_batch_indices(step, d["num_samples"], d["global_batch"], d["shuffle"], d["seed"])
-        batch = collate([dataset[i] for i in idx])
-        model(**batch).loss.backward()
+        for j in range(k):  # Lightning's accumulation in one process: each batch's mean loss, divided by k
+            idx = global_batch_indices(step * k + j, d["num_samples"], d["global_batch"], d["shuffle"], d["seed"])
+            batch = collate([dataset[i] for i in idx])
+            (model(**batch).loss / k).backward()
         opt.step()
         opt.zero_grad()
         sched.step()
