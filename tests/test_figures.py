@@ -202,8 +202,8 @@ _SOURCE_WORDS = {"measured": r"measur", "simulated": r"simulat", "computed": r"c
 
 
 def label_problems(text: str) -> list[str]:
-    """Quotes whose paragraph (the rendered quote with the text around it up to a blank line) does not say how an
-    entry it reads was obtained, by the results JSON's own ``obtained`` record (``harness.obtained``)."""
+    """Quotes whose paragraph (the rendered quote with the text around it up to a blank line; for a block, with the
+    caption above it) does not say how an entry it reads was obtained, by the results JSON's own ``obtained`` record (``harness.obtained``)."""
     import harness as _machine
 
     problems = []
@@ -213,6 +213,8 @@ def label_problems(text: str) -> list[str]:
         body = tables.RENDERERS[(match["json"], match["name"])](reads)
         sources = data.get("obtained") or _machine.obtained(data)
         start = text.rfind("\n\n", 0, match.start()) + 1
+        if not text[start:match.start()].strip():  # a block quote: its caption is the paragraph above
+            start = text.rfind("\n\n", 0, max(start - 1, 0)) + 1
         end = text.find("\n\n", match.end())
         paragraph = text[start:match.start()] + body + text[match.end():end if end >= 0 else len(text)]
         for key in sorted(reads.read & set(sources)):
