@@ -8,6 +8,7 @@ made by HF's own processor (built locally from its parts).
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -212,10 +213,12 @@ def test_what_is_not_served_is_refused_by_name(tmp_path):
 def omni_processor():
     """HF's ``Qwen3OmniMoeProcessor`` built from local parts: a word-level tokenizer holding the thinker's special
     tokens at the tiny config's ids, Whisper's feature extractor (16 mel bins), Qwen2-VL's image and video
-    processors (patches of 4, merge 2, temporal patches of 2)."""
+    processors (patches of 4, merge 2, temporal patches of 2; their PIL backends: torchvision is not installed)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (PreTrainedTokenizerFast, Qwen2VLImageProcessor, Qwen2VLVideoProcessor,
-                              Qwen3OmniMoeProcessor, WhisperFeatureExtractor)
+    from transformers import PreTrainedTokenizerFast, Qwen3OmniMoeProcessor, WhisperFeatureExtractor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from lightning_mm.data.video import Qwen2VLVideoProcessorPil
 
     named = {"<|image_pad|>": IMG, "<|video_pad|>": VID, "<|vision_start|>": VSTART, "<|vision_end|>": VEND,
              "<|audio_pad|>": AUD, "<|audio_start|>": ASTART, "<|audio_end|>": AEND}
@@ -229,11 +232,16 @@ def omni_processor():
              "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"}
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
                                    extra_special_tokens=extra)
-    size = {"shortest_edge": 8 * 8, "longest_edge": 32 * 32}
-    return Qwen3OmniMoeProcessor(
-        image_processor=Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, size=size),
-        video_processor=Qwen2VLVideoProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, size=size),
-        feature_extractor=WhisperFeatureExtractor(feature_size=16), tokenizer=fast)
+    patches = dict(patch_size=4, merge_size=2, temporal_patch_size=2, size=SIZE)
+    # transformers' video processors need torchvision (not installed): ours does the same to the frames, and the
+    # processor's class check, which cannot look it up, is skipped
+    with mock.patch.object(Qwen3OmniMoeProcessor, "check_argument_for_proper_class", lambda *a: None):
+        return Qwen3OmniMoeProcessor(image_processor=Qwen2VLImageProcessorPil(**patches),
+                                     video_processor=Qwen2VLVideoProcessorPil(patches),
+                                     feature_extractor=WhisperFeatureExtractor(feature_size=16), tokenizer=fast)
+
+
+SIZE = {"shortest_edge": 8 * 8, "longest_edge": 32 * 32}
 
 
 def test_a_sample_from_hf_processor_equals_hf_thinker(tmp_path):
@@ -251,7 +259,8 @@ def test_a_sample_from_hf_processor_equals_hf_thinker(tmp_path):
             "<|vision_start|><|video_pad|><|vision_end|> w5 w6")
     inputs = proc(text=[text], audio=[rng.standard_normal(36800).astype(np.float32) * 0.1],
                   images=[(rng.random((16, 32, 3)) * 255).astype(np.uint8)],
-                  videos=[(rng.random((4, 16, 16, 3)) * 255).astype(np.uint8)], videos_kwargs={"fps": 2.0},
+                  videos=[(rng.random((4, 16, 16, 3)) * 255).astype(np.uint8)],
+                  videos_kwargs={"fps": 2.0, "size": SIZE},
                   return_tensors="pt")
     assert inputs["video_grid_thw"].tolist() == [[2, 4, 4]] and inputs["image_grid_thw"].tolist() == [[1, 4, 8]]
     assert inputs["video_second_per_grid"].tolist() == [1.0] and int(inputs["feature_attention_mask"].sum()) == 230
