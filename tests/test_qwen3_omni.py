@@ -277,3 +277,23 @@ def test_a_sample_from_hf_processor_equals_hf_thinker(tmp_path):
              "video": {k: inputs[k] for k in ("pixel_values_videos", "video_grid_thw", "video_second_per_grid")}}
     hf_inputs = {k: v for k, v in inputs.items() if k != "num_audio_tokens"}
     assert_like_hf(model, ref, model.composite.spec, batch, {**hf_inputs, "labels": labels}, logits_atol=1e-4)
+
+
+@pytest.mark.slow
+def test_audio_image_video_under_the_strategy_trains_like_one_process(tmp_path):
+    """The thinker under MultimodalParallelStrategy: the vision encoder (images and videos, one copy) and the audio
+    encoder on ranks of their own, the LLM in 2 pipeline stages, 2 microbatches; samples of a clip, an image and a
+    video (collated: frames padded, items expanded, M-RoPE positions per sample) give one process's losses and
+    trained parameters. The aux loss stays out of the loss here: it is a mean over microbatches, which one process
+    running the batch whole does not compute (its microbatch rule is tested in tests/test_moe.py)."""
+    from tests.helpers.composite_case import run_case
+
+    folder = save_thinker(tmp_path / "src", text={"output_router_logits": False})
+    ref_losses, ref_params = run_case("omni_case.py", {"folder": folder}, tmp_path, "single")
+    assert len(ref_losses) == 3 and ref_losses[-1] < ref_losses[0]
+    assert any(n.startswith("encoders.audio.module.layers.1.") for n in ref_params)
+    losses, params = run_case("omni_case.py", {"folder": folder, "llm_pp": 2}, tmp_path, "pp2")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert set(params) == set(ref_params)
+    for n, p in ref_params.items():
+        torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)
