@@ -1,8 +1,9 @@
 """The text a composite family's HF processor and chat template write around, and inside, each image, video or clip.
 
 A sample holds one placeholder per item; the collator expands it to the item's feature tokens. HF's pipeline
-also writes text there: the chat template wraps a Qwen-VL item in ``<|vision_start|>`` / ``<|vision_end|>`` and
-a Qwen2-Audio clip in ``<|audio_bos|>`` / ``<|audio_eos|>``; Gemma 3's processor writes
+also writes text there: the chat template wraps a Qwen-VL item in ``<|vision_start|>`` / ``<|vision_end|>``,
+a Qwen2-Audio clip in ``<|audio_bos|>`` / ``<|audio_eos|>``, a Qwen3-Omni clip in ``<|audio_start|>`` /
+``<|audio_end|>`` (its images and videos as Qwen-VL's, a video's tokens in one run); Gemma 3's processor writes
 ``"\\n\\n<start_of_image>"`` ... ``"<end_of_image>\\n\\n"``, InternVL's ``<img>`` ... ``</img>``, and Qwen3-VL's
 lays a video out frame by frame, each temporal patch after its timestamp (``"<1.5 seconds>"``) between its own
 start and end tokens. :class:`ItemText` is that rule per family, giving each item's whole expansion
@@ -74,6 +75,12 @@ def _special(tokenizer, token: str) -> int:
     return tid
 
 
+def _config_or_token(config, tokenizer, name: str, token: str) -> int:
+    """The config's ``<name>_token_id``, else the tokenizer's id of ``token``."""
+    tid = getattr(config, f"{name}_token_id", None)
+    return tid if tid is not None else _special(tokenizer, token)
+
+
 def item_text(model, tokenizer, name: str) -> ItemText | None:
     """The rule of modality ``name`` of ``model`` (a composite from ``from_pretrained``), None where its HF processor
     writes nothing besides the item's tokens."""
@@ -93,6 +100,12 @@ def item_text(model, tokenizer, name: str) -> ItemText | None:
         return ItemText((config.boi_token_index,), (config.eoi_token_index,), text_before="\n\n", text_after="\n\n")
     if kind == "internvl":
         return ItemText((_special(tokenizer, "<img>"),), (_special(tokenizer, "</img>"),))
+    if kind == "qwen3_omni_moe_thinker":  # its chat template's start/end of vision and of audio around each item
+        if name in model.encoders and model.encoders[name].family.input_key == "input_features":
+            return ItemText((_config_or_token(config, tokenizer, "audio_start", "<|audio_start|>"),),
+                            (_config_or_token(config, tokenizer, "audio_end", "<|audio_end|>"),))
+        return ItemText((_config_or_token(config, tokenizer, "vision_start", "<|vision_start|>"),),
+                        (_config_or_token(config, tokenizer, "vision_end", "<|vision_end|>"),))
     if kind == "qwen2_audio":  # its chat template's start/end of audio (the "Audio N: " label is the template's)
         return ItemText((_special(tokenizer, "<|audio_bos|>"),), (_special(tokenizer, "<|audio_eos|>"),))
     return None

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_mm.model import loading, tiled_images as tiles
+from lightning_mm.model import loading, qwen3_omni, tiled_images as tiles
 from lightning_mm.model.encoder import ModalityEncoder
 from lightning_mm.model.families import (ENCODER_FAMILIES, LANGUAGE_FAMILIES, MROPE_FAMILIES, VideoInputs,
                                          encoder_family)
@@ -71,6 +71,17 @@ POOLED_IMAGES = tiles.ViewAdapter("Gemma 3", PooledImagesFamily)
 
 # ---------------------------------------------------------------------------------------------- the composites
 @dataclass(frozen=True)
+class TowerSpec:
+    """A further tower of a composite, with its own modality, config attribute, placeholder id attribute and key
+    prefix; its own layers project to the LLM's width (no projector module)."""
+
+    modality: str
+    tower_config: str
+    token_id: str
+    tower: str
+
+
+@dataclass(frozen=True)
 class CompositeSpec:
     """Where a composite class keeps its parts (transformers 5 names; older checkpoints are renamed on load)."""
 
@@ -89,6 +100,8 @@ class CompositeSpec:
     video: str | None = None
     bidirectional_items: bool = False  # each image's tokens also see each other (Gemma 3), causal otherwise
     projector_configs: tuple[str, ...] = ()  # config attributes the projector class takes (empty: the whole config)
+    more_towers: tuple[TowerSpec, ...] = ()  # towers of other modalities beside the main one (Qwen3-Omni's audio)
+    omni_positions: bool = False  # Qwen3-Omni's M-RoPE: temporal steps in position_id_per_seconds, text after max
 
     def hf_class(self):
         import transformers
@@ -125,6 +138,9 @@ SPECS = {s.class_name: s for s in (
                   bidirectional_items=True),
     CompositeSpec("Gemma4ForConditionalGeneration", "gemma4", "vision", "vision_config", "image_token_id",
                   "model.vision_tower.", "model.embed_vision.", projector_configs=("vision_config", "text_config")),
+    CompositeSpec("Qwen3OmniMoeThinkerForConditionalGeneration", "qwen3_omni_moe_thinker", "vision", "vision_config",
+                  "image_token_id", "model.visual.", None, mrope=True, video="omni", omni_positions=True,
+                  more_towers=(TowerSpec("audio", "audio_config", "audio_token_id", "model.audio_tower."),)),
 )}
 LM_PREFIXES = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
 
@@ -142,6 +158,7 @@ def _prefix_table(spec: CompositeSpec) -> list[tuple[str, str]]:
     extra = [(theirs, f"encoders.{spec.modality}.{ours}") for theirs, ours in
              (spec.adapter.extra_prefixes if spec.adapter else ())]  # first: they may sit inside another prefix
     table = extra + list(LM_PREFIXES) + [(spec.tower, f"encoders.{spec.modality}.module.")]
+    table += [(t.tower, f"encoders.{t.modality}.module.") for t in spec.more_towers]
     if spec.projector:
         table.append((spec.projector, f"encoders.{spec.modality}.projector."))
     return table
@@ -200,7 +217,8 @@ class MRopeItems:
     Qwen2.5-VL: ``second_per_grid_ts``) spaces temporal positions by ``tokens_per_second`` per second of each grid
     step, as HF's ``get_rope_index`` does (images and Qwen2-VL's videos: one per step). ``per_frame`` (Qwen3-VL's
     videos, whose frames are apart in the text, each after its timestamp): every temporal step of a grid is an item
-    of its own, ``(1, h, w)``, as HF's ``get_rope_index`` splits them."""
+    of its own, ``(1, h, w)``, as HF's ``get_rope_index`` splits them. Qwen3-Omni spaces a video's temporal steps
+    by ``video_second_per_grid x position_id_per_seconds`` (``seconds_key``), an image's by ``step``."""
 
     modality: str
     placeholder_id: int
@@ -208,18 +226,24 @@ class MRopeItems:
     seconds_key: str | None = None
     tokens_per_second: float = 1.0
     per_frame: bool = False
+    step: float = 1.0  # temporal positions per grid step without seconds (Qwen3-Omni: position_id_per_seconds x s)
+    whole: bool = False  # refuse temporal positions that are not whole numbers (Qwen3-Omni's are floats in HF)
 
 
 @dataclass(frozen=True)
 class MRopePositions:
     """Qwen2-VL's 3-D positions (``get_rope_index``) from the token ids and the items' grids: text counts on from
     the position after the previous item; an item's tokens get (start + t * interval, start + h, start + w) over its
-    merged grid and the next text starts ``max(h, w)`` after it. Consecutive runs of placeholders are split into
-    items by their token counts; each kind (``MRopeItems``: images, videos) takes its items in order. Padding
-    (``attention_mask`` 0) is skipped and gets 0. Returns ``[B, S, 3]``."""
+    merged grid and the next text starts ``max(h, w)`` after it (``after_max``: one past the item's largest
+    position on any axis, as Qwen3-Omni's ``get_rope_index``). Consecutive runs of placeholders are split into
+    items by their token counts; each kind (``MRopeItems``: images, videos) takes its items in order; tokens of no
+    kind (text, Qwen3-Omni's audio) count on by one. Padding (``attention_mask`` 0) is skipped and gets 0. Returns
+    ``[B, S, 3]``."""
 
     kinds: tuple[MRopeItems, ...]
     spatial_merge_size: int
+    after_max: bool = False  # the next text starts after the item's largest position on any axis (Qwen3-Omni)
+    check: object = None  # ``check(input_ids)``: refuses a layout these positions do not compute (Qwen3-Omni's)
 
     def __call__(self, input_ids: torch.Tensor, modality_inputs: dict, attention_mask: torch.Tensor | None = None):
         m = self.spatial_merge_size
@@ -231,8 +255,12 @@ class MRopePositions:
                 grids[kind.placeholder_id] = [[1, h, w] for t, h, w in grids[kind.placeholder_id] for _ in range(t)]
             seconds = inputs.get(kind.seconds_key) if kind.seconds_key else None
             intervals[kind.placeholder_id] = [kind.tokens_per_second * float(s) for s in seconds.tolist()] \
-                if seconds is not None else [1.0] * len(grids[kind.placeholder_id])
+                if seconds is not None else [kind.step] * len(grids[kind.placeholder_id])
+            if kind.whole:
+                _check_whole(kind, grids[kind.placeholder_id], intervals[kind.placeholder_id])
             taken[kind.placeholder_id] = 0
+        if self.check is not None:
+            self.check(input_ids)
         names = {k.placeholder_id: k for k in self.kinds}
         out = torch.zeros(*input_ids.shape, 3, dtype=torch.long)
         for row in range(input_ids.shape[0]):
@@ -262,7 +290,7 @@ class MRopePositions:
                     tt, hh, ww = torch.meshgrid(tt, torch.arange(gh), torch.arange(gw), indexing="ij")
                     parts.append(torch.stack([tt, hh, ww], -1).reshape(-1, 3) + pos)
                     count -= t * gh * gw
-                    pos += max(gh, gw)
+                    pos = int(parts[-1].max()) + 1 if self.after_max else pos + max(gh, gw)
                     taken[pid] = item + 1
                 if count < 0:
                     raise ValueError(f"{names[pid].modality}: a run of placeholder tokens ends inside an item; "
@@ -270,6 +298,17 @@ class MRopePositions:
             if parts:
                 out[row, keep] = torch.cat(parts)
         return out.to(input_ids.device)
+
+
+def _check_whole(kind: MRopeItems, grids: list, intervals: list[float]) -> None:
+    """Refuse temporal positions that are not whole numbers (our positions are integers; HF's Qwen3-Omni keeps
+    ``t x seconds per grid x position_id_per_seconds`` as a float)."""
+    for i, ((t, _, _), step) in enumerate(zip(grids, intervals)):
+        if t > 1 and abs(step - round(step)) > 1e-6:
+            raise ValueError(f"{kind.modality} item {i}: its temporal positions are {step:g} apart, not a whole "
+                             f"number ({kind.seconds_key or 'seconds per grid'} x position_id_per_seconds); sample "
+                             "videos at a frame rate that makes it whole (e.g. fps 1 or 2 with 25 positions a "
+                             "second and temporal_patch_size 2)")
 
 
 def fill_positions(model, batch: dict) -> dict:
@@ -346,9 +385,11 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
     text_config = copy.deepcopy(config.get_text_config())
     text_config.tie_word_embeddings = tied
     tower_config, drop_first = _tower_config(spec, folder)
+    more_configs = {t.modality: copy.deepcopy(getattr(config, t.tower_config)) for t in spec.more_towers}
     with torch.device("meta"):
         lm = _language_class(text_config)(text_config)
         tower = _encoder_class(tower_config)(tower_config)
+        more = {m: _encoder_class(c)(c) for m, c in more_configs.items()}
         args = [copy.deepcopy(getattr(config, a)) for a in spec.projector_configs] or [copy.deepcopy(config)]
         projector = type(hf.get_submodule(spec.projector[:-1]))(*args) if spec.projector else nn.Identity()
         if spec.adapter is not None:
@@ -356,6 +397,7 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
     parts = {"language_model": lm, f"encoders.{spec.modality}.module": tower}
     if spec.projector:
         parts[f"encoders.{spec.modality}.projector"] = projector
+    parts.update({f"encoders.{m}.module": t for m, t in more.items()})
     used = _load_parts(parts, spec, stored, folder, converted)
 
     enc = ModalityEncoder(tower, projector=projector)
@@ -363,17 +405,10 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
         enc.family = spec.adapter.family(encoder_family(tower), copy.deepcopy(config), drop_first)
     elif drop_first is not None:
         enc.family = FeatureSelectFamily(encoder_family(tower), drop_first)
-    placeholder = getattr(config, spec.token_id)
-    encoders, placeholders = {spec.modality: enc}, {spec.modality: placeholder}
-    kinds = [MRopeItems(spec.modality, placeholder)]
-    if spec.video is not None and getattr(config, "video_token_id", None) is not None:
-        encoders["video"] = _video_encoder(spec, config, tower, projector, enc.family, drop_first)
-        placeholders["video"] = config.video_token_id
-        seconds = spec.video == "qwen2_5"
-        kinds.append(MRopeItems("video", config.video_token_id, "video_grid_thw",
-                                "second_per_grid_ts" if seconds else None,
-                                getattr(tower_config, "tokens_per_second", 1.0) if seconds else 1.0,
-                                per_frame=spec.video == "qwen3"))
+    encoders, placeholders, kinds = _media_encoders(spec, config, tower_config, enc, drop_first)
+    for t in spec.more_towers:
+        encoders[t.modality] = ModalityEncoder(more[t.modality], projector=nn.Identity())
+        placeholders[t.modality] = getattr(config, t.token_id)
     model = model_class(encoders, lm, placeholder_ids=placeholders)
     model.causal_modalities = causal_modalities
     model.bidirectional_items = spec.bidirectional_items and causal_modalities
@@ -381,15 +416,45 @@ def from_pretrained(model_class, path, causal_modalities: bool = True):
         model.bidirectional_items = causal_modalities and \
             config.get_text_config().use_bidirectional_attention == "vision"
     if spec.mrope:
-        model.position_ids_fn = MRopePositions(tuple(kinds), tower_config.spatial_merge_size)
+        check = None if not spec.omni_positions else qwen3_omni.AudioInVideo(
+            getattr(config, "vision_start_token_id", None), getattr(config, "audio_start_token_id", None))
+        model.position_ids_fn = MRopePositions(tuple(kinds), tower_config.spatial_merge_size,
+                                               after_max=spec.omni_positions, check=check)
     model.composite = CompositeSource(spec, copy.deepcopy(config), folder.path,
                                       {k: v for k, v in stored.items() if k not in used})
     return model
 
 
+def _media_encoders(spec: CompositeSpec, config, tower_config, enc: ModalityEncoder, drop_first):
+    """(encoders, placeholder ids, M-RoPE item kinds) of the main tower's modality and of its videos (the same tower
+    and projector, when the composite reads videos)."""
+    placeholder = getattr(config, spec.token_id)
+    encoders, placeholders = {spec.modality: enc}, {spec.modality: placeholder}
+    per_second = getattr(config, "position_id_per_seconds", None) if spec.omni_positions else None
+    kinds = [MRopeItems(spec.modality, placeholder, step=per_second or 1.0, whole=per_second is not None)]
+    if spec.video is not None and getattr(config, "video_token_id", None) is not None:
+        encoders["video"] = _video_encoder(spec, config, enc.module, enc.projector, enc.family, drop_first)
+        placeholders["video"] = config.video_token_id
+        if per_second is not None:  # without seconds per grid: the processor's, at 1 frame a second
+            kinds.append(MRopeItems("video", config.video_token_id, "video_grid_thw", "video_second_per_grid",
+                                    per_second, step=per_second * tower_config.temporal_patch_size, whole=True))
+        else:
+            seconds = spec.video == "qwen2_5"
+            kinds.append(MRopeItems("video", config.video_token_id, "video_grid_thw",
+                                    "second_per_grid_ts" if seconds else None,
+                                    getattr(tower_config, "tokens_per_second", 1.0) if seconds else 1.0,
+                                    per_frame=spec.video == "qwen3"))
+    return encoders, placeholders, kinds
+
+
 def _supported_spec(folder) -> CompositeSpec:
     """The composite ``folder``'s config describes, or the error listing the supported ones."""
     spec = composite_spec(folder.config)
+    if spec is None and getattr(folder.config, "model_type", None) == "qwen3_omni_moe":
+        raise ModelFolderError(f"{folder.path} holds the whole Qwen3-Omni model (thinker, talker, code2wav); only its "
+                               "thinker is supported (the talker's speech output is out of scope): save the thinker "
+                               "alone with Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder).thinker"
+                               ".save_pretrained(thinker_folder) and load that folder")
     if spec is None:
         supported = ", ".join(f"{s.class_name} ({s.model_type})" for s in SPECS.values())
         raise ModelFolderError(f"{os.path.join(folder.path, loading.CONFIG_FILE)} describes "

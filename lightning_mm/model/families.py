@@ -848,13 +848,13 @@ class Qwen3MoeVisionFamily(Qwen3VisionFamily):
 
 class VideoInputs:
     """An image family's view for videos through the same tower: HF's processors give videos under their own
-    keys (``pixel_values_videos``, ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``), the tower reads them
-    as images with ``t`` frames (``pixel_values``, ``image_grid_thw``); every method that takes the modality's
-    inputs renames them first. The encoder of a "video" modality shares the image encoder's tower and projector
+    keys (``pixel_values_videos``, ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``, Qwen3-Omni's
+    ``video_second_per_grid``), the tower reads them as images with ``t`` frames (``pixel_values``,
+    ``image_grid_thw``); every method that takes the modality's inputs renames them first. The encoder of a "video" modality shares the image encoder's tower and projector
     (``MultimodalModel.shared_encoders``)."""
 
     RENAMES = {"pixel_values_videos": "pixel_values", "video_grid_thw": "image_grid_thw"}
-    PER_ITEM = ("second_per_grid_ts",)  # one entry per video, not read by the tower
+    PER_ITEM = ("second_per_grid_ts", "video_second_per_grid")  # one entry per video, not read by the tower
 
     def __init__(self, base):
         self.base = base

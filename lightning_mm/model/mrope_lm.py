@@ -1,7 +1,7 @@
-"""Causal LMs for the Qwen2-VL / Qwen2.5-VL / Qwen3-VL (and -MoE) / Qwen3.5 (and -MoE) text decoders (transformers
-has none that takes a prompt's M-RoPE positions): the
-language model of those composites as ``MultimodalModel`` holds it (``lightning_mm.model.composites``), and the HF
-class of the M-RoPE decoder families (``lightning_mm.model.families``)."""
+"""Causal LMs for the Qwen2-VL / Qwen2.5-VL / Qwen3-VL (and -MoE) / Qwen3.5 (and -MoE) / Qwen3-Omni thinker text
+decoders (transformers has none that takes a prompt's M-RoPE positions): the language model of those composites
+as ``MultimodalModel`` holds it (``lightning_mm.model.composites``), and the HF class of the M-RoPE decoder
+families (``lightning_mm.model.families``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5PreTrainedModel, Qwen3_5TextModel
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoePreTrainedModel, Qwen3_5MoeTextModel
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (Qwen3OmniMoeThinkerTextModel,
+                                                                        Qwen3OmniMoeThinkerTextPreTrainedModel)
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLTextConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLPreTrainedModel, Qwen3VLTextModel
 from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
@@ -106,5 +109,11 @@ class Qwen3_5MoeTextForCausalLM(_TextForCausalLM, Qwen3_5MoePreTrainedModel):
     text_model = Qwen3_5MoeTextModel
 
 
+class Qwen3OmniMoeThinkerTextForCausalLM(_TextForCausalLM, Qwen3OmniMoeThinkerTextPreTrainedModel):
+    config: Qwen3OmniMoeTextConfig
+    text_model = Qwen3OmniMoeThinkerTextModel
+
+
 __all__ = ["Qwen2VLTextForCausalLM", "Qwen2_5_VLTextForCausalLM", "Qwen3VLTextForCausalLM",
-           "Qwen3VLMoeTextForCausalLM", "Qwen3_5TextForCausalLM", "Qwen3_5MoeTextForCausalLM"]
+           "Qwen3VLMoeTextForCausalLM", "Qwen3_5TextForCausalLM", "Qwen3_5MoeTextForCausalLM",
+           "Qwen3OmniMoeThinkerTextForCausalLM"]

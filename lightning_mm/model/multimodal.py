@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_mm import loss as losses
 from lightning_mm.attention import mask as masks
-from lightning_mm.model import moe, qwen3_5  # noqa: F401  (registers the MoE and Qwen3.5 families)
+from lightning_mm.model import moe, qwen3_5, qwen3_omni  # noqa: F401  (registers the MoE, Qwen3.5, Omni families)
 from lightning_mm.attention import ATTENTION_NAME
 from lightning_mm.attention import hf as hf_attention
 from lightning_mm.model.encoder import ModalityEncoder
