@@ -19,8 +19,6 @@ import threading
 
 import torch.distributed as dist
 
-from lightning_mm.fault_tolerance.watchdog import exit_process
-
 BYE = b"B"  # sent before a normal close: the end of training is no loss
 CONNECT_S = 120.0  # every rank reached the broadcast just before: only a dead or unreachable rank takes this long
 
@@ -32,7 +30,9 @@ class GroupLinks:
 
     def __init__(self, rank: int, world: int, group: int, on_loss=None):
         self.rank, self.world, self.group = rank, world, group
-        self.on_loss = on_loss or exit_process
+        if on_loss is None:
+            from lightning_mm.fault_tolerance.watchdog import exit_process as on_loss
+        self.on_loss = on_loss
         self._socks: dict[int, socket.socket] = {}  # peer rank -> connection
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
