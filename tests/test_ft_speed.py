@@ -103,6 +103,7 @@ def _steps_log(out: str, group: int) -> list[tuple[int, float, int]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.combines("ft", "pipeline", "placement")  # group 0: LLM pp 2, the encoder replicated into its stages
 def test_a_group_lost_inside_a_step_stalls_the_survivor_a_heartbeat_and_a_step_not_the_timeout(tmp_path, lighthouse):
     """Group 1's stall (the kill to its redone step's commit) is at most the heartbeat timeout plus one of its steps
     alone (the redone step takes the whole global batch), far below the 15 s cross-group timeout; every step is
