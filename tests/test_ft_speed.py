@@ -156,11 +156,10 @@ def test_a_rank_that_ends_without_a_goodbye_is_seen_by_group_rank_0_at_once():
 
     case = os.path.join(os.path.dirname(__file__), "helpers", "links_case.py")
     port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, world_size=3, is_master=True, wait_for_workers=False)
     procs = [subprocess.Popen([sys.executable, case, str(r), "3", str(port), action], env=case_env(),
                               stdout=subprocess.PIPE, text=True) for r, action in ((1, "bye"), (2, "wait"))]
-    try:
-        dist.init_process_group("gloo", store=store, rank=0, world_size=3)
+    try:  # the ranks' env:// rendezvous, as here: one store (this process's), the same key prefix
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=3)
         losses, seen = [], threading.Event()
         GroupLinks(0, 3, group=0, on_loss=lambda m: (losses.append((time.monotonic(), m)), seen.set())).start(
             "127.0.0.1")
