@@ -26,6 +26,9 @@ from tests.test_fault_tolerance import (_assert_both_groups_equal_the_reference,
 torchft = pytest.importorskip("torchft")
 
 HEARTBEAT_S, TIMEOUT_S, STEPS, KILL_STEP = 2.0, 15.0, 8, 3
+# beyond the heartbeat timeout: group 0's rank 0 ending after the kill (its link thread scheduled, the process
+# gone) and the lighthouse's 100 ms quorum tick; 0.66 s measured on the loaded 2-core machine, 1 s allowed
+SLACK_S = 1.0
 
 
 @pytest.fixture
@@ -105,9 +108,10 @@ def _steps_log(out: str, group: int) -> list[tuple[int, float, int]]:
 @pytest.mark.timeout(900)
 @pytest.mark.combines("ft", "pipeline", "placement")  # group 0: LLM pp 2, the encoder replicated into its stages
 def test_a_group_lost_inside_a_step_stalls_the_survivor_a_heartbeat_and_a_step_not_the_timeout(tmp_path, lighthouse):
-    """Group 1's stall (the kill to its redone step's commit) is at most the heartbeat timeout plus one of its steps
-    alone (the redone step takes the whole global batch), far below the 15 s cross-group timeout; every step is
-    applied once and both groups equal one process."""
+    """Every step is applied once and both groups equal one process. Group 1's stall (the kill to its redone step's
+    commit) is the heartbeat timeout (its quorum without group 0; plus ``SLACK_S`` for group 0's exit and the
+    lighthouse's tick) and then one of its steps alone (the redone step takes the whole global batch): far below
+    the 15 s cross-group timeout it waited for before."""
     out, (host, port) = str(tmp_path), lighthouse
     store_port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
@@ -126,15 +130,19 @@ def test_a_group_lost_inside_a_step_stalls_the_survivor_a_heartbeat_and_a_step_n
         r1 = json.load(f)
     rows = _steps_log(out, 1)
     assert [s for s, _, _ in rows] == list(range(1, STEPS + 1)) and r1["stats"]["redone_steps"] >= 1
-    times = dict((s, t) for s, t, _ in rows)
-    step_s = times[KILL_STEP + 2] - times[KILL_STEP + 1]  # one step of group 1 alone (the whole global batch)
-    stall = times[KILL_STEP + 1] - killed  # the kill to the redone step's commit
-    assert stall <= HEARTBEAT_S + step_s, (stall, step_s, r1["events"])
-    assert stall < TIMEOUT_S  # before group links: the timeout, at least
     with open(os.path.join(out, "result_0.json")) as f:
         r0 = json.load(f)
     assert r0["world_size"] == 1 and r0["stats"]["healed_steps"] == 1
     _assert_both_groups_equal_the_reference(out)
+    times = dict((s, t) for s, t, _ in rows)
+    step_s = times[KILL_STEP + 2] - times[KILL_STEP + 1]  # one step of group 1 alone (the whole global batch)
+    alone = [e["at"] for e in r1["events"] if e["event"] == "quorum" and e["participants"] == 1][0]
+    stall = times[KILL_STEP + 1] - killed  # the kill to the redone step's commit
+    timing = (stall, alone - killed, step_s, r1["events"])
+    assert alone - killed <= HEARTBEAT_S + SLACK_S, timing  # the quorum without group 0: its heartbeat timeout
+    assert times[KILL_STEP + 1] - alone <= step_s, timing  # then the step redone alone
+    assert stall <= HEARTBEAT_S + step_s + SLACK_S, timing
+    assert stall < TIMEOUT_S  # before group links: the cross-group timeout at least
 
 
 @pytest.mark.slow
