@@ -98,7 +98,8 @@ class Events(L.Callback):
         kill = self.cfg.get("kill")
         if self.cfg.get("wait_rejoin") and kill and self.cfg["group"] != kill["group"] \
                 and trainer.global_step == kill["step"] + 2:  # the lost group can rejoin before the run ends
-            marker, deadline = os.path.join(self.cfg["out"], f"restarted_{kill['group']}"), time.time() + 120
+            # (up to 600 s: on a loaded 2-core machine a restarted rank's imports alone took 181 s)
+            marker, deadline = os.path.join(self.cfg["out"], f"restarted_{kill['group']}"), time.time() + 600
             while not os.path.exists(marker) and time.time() < deadline:
                 time.sleep(0.2)
 
