@@ -234,6 +234,19 @@ def phases(rows, killed: float, recovered: float | None, batch: int = MEASURED_B
     return out
 
 
+def recovery_phases(result: dict, killed: float, first_commit: float | None) -> dict | None:
+    """Where the lost group's time from the kill to its first commit goes, from the re-formed rank 0's result: the
+    launcher (torchrun noticing, the rendezvous of the remaining nodes, the process start), the imports, the model
+    and Trainer built, Lightning's setup (stage build, torchft manager, group links), and the quorum, heal and
+    first step. Pure."""
+    marks = [result.get(k) for k in ("created", "started", "fit_start", "train_start")]
+    if None in marks or first_commit is None:
+        return None
+    points = [killed, *marks, first_commit]
+    names = ("launcher", "imports", "model_and_trainer", "setup", "quorum_heal_first_step")
+    return {n: b - a for n, a, b in zip(names, points, points[1:])}
+
+
 def _reforming(args, out: str, common: dict) -> dict:
     import torch
 
@@ -263,6 +276,7 @@ def _reforming(args, out: str, common: dict) -> dict:
             "kill": cfg["kill"], "codes": codes, "wall_s": wall, "steps_from": "steps_1.log (group 1, never stops)",
             **phases(g1, killed, back[0] if back else None), "kill_to_recovered_s": back[0] - killed if back else None,
             "kill_to_reformed_process_start_s": r0["started"] - killed if r0.get("started") else None,
+            "recovery_phases_s": recovery_phases(r0, killed, back[0] if back else None),
             "heal_s": healed[0].get("seconds") if healed else None,
             "healed_at_step": healed[0].get("step") if healed else None, "restart": r0.get("restart"),
             "reformed_world_size": r0.get("world_size"),

@@ -370,15 +370,17 @@ def _templates(path) -> str:
     return str(path)
 
 
-def _launch_elastic(cfg: dict, node_rank: int, endpoint: int) -> subprocess.Popen:
+def _launch_elastic(cfg: dict, node_rank: int, endpoint: int, last_call: int = 5) -> subprocess.Popen:
     """One node (torchrun agent, 1 rank) of a group launched with ``--nnodes 1:2``; the rendezvous store is the
-    test's, so that it outlives any node."""
+    test's, so that it outlives any node. A lost node's agent is dropped from the rendezvous after 3 missed
+    keep-alives of 1 s (torchrun's default: 3 of 5 s), and a round waits ``last_call`` seconds for more nodes."""
     # torchrun's shared rendezvous store does not republish the master address when the rank-0 agent stays rank 0
     # across a membership change (a node joining); the documented opt-out publishes it every round
     env = {**case_env(), "PYTHONFAULTHANDLER": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
            "--max-restarts", "2", "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-id", "group0",
-           "--rdzv-endpoint", f"127.0.0.1:{endpoint}", "--rdzv-conf", "is_host=false,last_call_timeout=5",
+           "--rdzv-endpoint", f"127.0.0.1:{endpoint}", "--rdzv-conf",
+           f"is_host=false,last_call_timeout={last_call},keep_alive_interval=1,keep_alive_max_attempt=3",
            CASE, json.dumps(cfg)]
     log = open(os.path.join(cfg["out"], f"launch_{cfg['group']}_{node_rank}.log"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cfg["out"],

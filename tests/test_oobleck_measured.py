@@ -28,3 +28,15 @@ def test_phases_of_a_steps_log():
     redo = [(1, 0.0, 0), (2, 1.0, 0), (3, 2.0, 0), (4, 3.0, 0), (2, 9.0, 1), (3, 10.0, 1), (4, 11.0, 1)]
     r = phases(redo, killed=3.5, recovered=9.0)  # a resume from an older checkpoint redoes steps: no new progress
     assert r["steps_per_s_during"] == 0.0 and r["kill_to_first_commit_s"] == 5.5
+
+
+def test_recovery_phases_split_the_kill_to_the_first_commit():
+    """The re-formed group's recovery split at its process's creation, the end of its imports, the fit's start and
+    the training's start; None when a mark is missing (a run from before the marks)."""
+    phases = _oobleck().recovery_phases
+    got = phases({"created": 9.0, "started": 12.0, "fit_start": 12.5, "train_start": 15.0}, killed=1.0,
+                 first_commit=16.0)
+    assert got == {"launcher": 8.0, "imports": 3.0, "model_and_trainer": 0.5, "setup": 2.5,
+                   "quorum_heal_first_step": 1.0}
+    assert sum(got.values()) == 16.0 - 1.0
+    assert phases({"started": 12.0}, killed=1.0, first_commit=16.0) is None

@@ -11,7 +11,8 @@ One concern per file: ``config.py`` (the settings and their checks), ``sampler.p
 ``training.py`` (the per-step glue, imported by the strategy: the package itself stays importable from
 ``parallel/``), ``shares.py`` (this rank's share of a step: placement over replicas, accumulation's
 micro-batches), ``layerwise.py`` (groups of different layouts), ``lighthouse.py``, ``watchdog.py`` (a dead or
-stuck rank ends the job naming it; imported by the runtime's collectives).
+stuck rank ends the job naming it; imported by the runtime's collectives), ``links.py`` (a rank that ends ends its
+group at once), ``abandon.py`` (a cross-group wait given up when the lighthouse drops a group of the quorum).
 
 Per optimiser step (``MultimodalParallelStrategy`` calls these; nothing here is spread through the engine):
 

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, RandomSampler
 
-from lightning_mm.fault_tolerance import layerwise
+from lightning_mm.fault_tolerance import abandon, layerwise
 from lightning_mm.fault_tolerance.config import (FaultTolerance, FaultToleranceError, _NoNcclNotes, check_reachable,
                                                  import_torchft)
+from lightning_mm.fault_tolerance.links import GroupLinks
 from lightning_mm.fault_tolerance.sampler import StepTokens, global_batches_per_epoch
 from lightning_mm.fault_tolerance.shares import StepShares
 
@@ -189,7 +190,7 @@ class FaultTolerantTraining(StepShares):
         self.shares: dict[int, int] = {}  # step -> samples of the global batch this group took
         self.layerwise = config.global_batch is not None  # groups may differ in layout
         self._nominal_microbatches = strategy.num_microbatches
-        self._recorder = self._doc = self._pg_class = None
+        self._recorder = self._doc = self._pg_class = self._links = None
         self.reset_shares()
 
     # ------------------------------------------------------------------ before training
@@ -239,10 +240,15 @@ class FaultTolerantTraining(StepShares):
             dist.barrier()
         if s.global_rank != 0:
             self.manager = Manager(**kw)
+        if s.world_size > 1:  # a rank that ends ends its group at once (links.py)
+            self._links = GroupLinks(s.global_rank, s.world_size, c.replica_group).start(env.main_address)
         log.info("fault tolerance: replica group %s, group rank %s, lighthouse %s", c.replica_group,
                  s.global_rank, c.url)
 
     def shutdown(self) -> None:
+        if self._links is not None:
+            self._links.close()
+            self._links = None
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
@@ -432,12 +438,20 @@ class FaultTolerantTraining(StepShares):
         params = layerwise.weighted_params(s)
         try:
             sync_layers(sync.buckets, sync.index, s.global_rank, params, self._take_label_tokens(),
-                        sync.process_groups)
+                        sync.process_groups, wait=self._wait_or_abandon)
         except Exception as e:  # noqa: BLE001  (torchft decides: the vote fails and the step is redone)
             m.report_error(e)
         if s.engine.groups.grad is not None:  # the stage's data- and context-parallel copies take the result
             layerwise.copy_to_stage_copies(params, self._stage_holder(), s.engine.groups.grad)
         return m.should_commit(timeout=timedelta(seconds=self.config.timeout))
+
+    def _wait_or_abandon(self, works: list) -> None:
+        """The cross-group reductions, abandoned (``PeerGroupLost``) as soon as the lighthouse marks a group of
+        the quorum as no longer heartbeating (``abandon.py``)."""
+        c, sync = self.config, self.state.sync
+        peers = [f"lmm_group_{g}" for g in sync.group_ids if g != c.replica_group]
+        abandon.wait_or_abandon(works, lambda: abandon.lost_groups(abandon.lighthouse_heartbeats(c.url), peers),
+                                check_every=0.25)
 
     def _take_label_tokens(self) -> torch.Tensor:
         """The step's label-token count (zero when the step computed none), cleared for the next attempt."""
@@ -507,7 +521,7 @@ class FaultTolerantTraining(StepShares):
 
     # ------------------------------------------------------------------ logs
     def _event(self, kind: str, **info) -> None:
-        info = {"event": kind, "group": self.config.replica_group, **info}
+        info = {"event": kind, "group": self.config.replica_group, **info, "at": round(time.time(), 3)}
         self.events.append(info)
         if self.strategy.global_rank == 0:
             log.warning("fault tolerance: %s", json.dumps(info))

@@ -33,11 +33,13 @@ def bucket_process_groups(buckets: Sequence[LayerBucket], group: int, rank: int,
 
 
 def sync_layers(buckets: Sequence[LayerBucket], group: int, rank: int, params: Mapping[str, torch.nn.Parameter],
-                weight: torch.Tensor, process_groups: Mapping[int, dist.ProcessGroup]) -> None:
+                weight: torch.Tensor, process_groups: Mapping[int, dist.ProcessGroup],
+                wait: Callable[[list], None] | None = None) -> None:
     """Replace the gradients of the buckets ``(group, rank)`` holds by their weighted mean over the groups.
 
     ``params``: this rank's parameters by name (local shards under tensor parallelism); ``weight``: a one-element
-    tensor on the parameters' device, this group's weight (its label tokens).
+    tensor on the parameters' device, this group's weight (its label tokens); ``wait(works)``: waits for the
+    issued reductions first (a fault-tolerant caller may give up on them and raise).
     """
     mine = buckets_of(buckets, group, rank)
     pending = []
@@ -50,6 +52,8 @@ def sync_layers(buckets: Sequence[LayerBucket], group: int, rank: int, params: M
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         pending.append((ps, flat, process_groups[i].allreduce([flat], opts)))
+    if wait is not None:
+        wait([work for _, _, work in pending])
     for _, _, work in pending:
         work.wait()
     if not pending:

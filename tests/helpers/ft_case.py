@@ -38,7 +38,20 @@ from lightning_mm.fault_tolerance import global_batch_indices
 from lightning_mm.model import tiny_encoder, tiny_language_model
 
 NUM_SAMPLES, BATCH = 48, 2  # per-replica batch 2: a global batch of 2 x groups
-STARTED = time.time()
+STARTED = time.time()  # the imports done
+
+
+def process_created() -> float | None:
+    """When this process was created (Linux: its start in clock ticks after boot, 10 ms resolution), so that a
+    restart's time splits into the launcher's part and the imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def build_module(cfg=None):
@@ -94,6 +107,7 @@ class Events(L.Callback):
         kill = self.cfg.get("kill")
         if self.cfg.get("wait_rejoin") and kill and self.cfg["group"] != kill["group"] \
                 and trainer.global_step == kill["step"] + 2:  # the lost group can rejoin before the run ends
+            # (up to 600 s: on a loaded 2-core machine a restarted rank's imports alone took 181 s)
             marker, deadline = os.path.join(self.cfg["out"], f"restarted_{kill['group']}"), time.time() + 600
             while not os.path.exists(marker) and time.time() < deadline:
                 time.sleep(0.2)
@@ -140,7 +154,8 @@ def group(cfg):
     torch.save({n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
                 for n, p in module.model.named_parameters() if p.requires_grad and n in strategy.engine.owned},
                os.path.join(cfg["out"], f"params_{g}_{rank}.pt"))
-    timing = {"started": STARTED, "fit_start": fit_start, "train_start": getattr(events, "train_start", None),
+    timing = {"created": process_created(), "started": STARTED, "fit_start": fit_start,
+              "train_start": getattr(events, "train_start", None),
               "resumed_from": ckpt_path}
     if rank == 0 and ft is None:  # Lightning's DistributedSampler (dp 1 here): the same order as the global sampler
         with open(os.path.join(cfg["out"], "data.json"), "w") as f:
