@@ -117,7 +117,7 @@ class Agent:
         self.s, self.name, self.group, self.counts = AgentStore(store), name, group, list(node_counts)
         self.command, self.failures, self.env, self.max_relaunches = command, failures, env, max_relaunches
         self.nodes_alive, self.leader_alive = Liveness(node_timeout), Liveness(lease)
-        self.term, self.proc, self.running = 0, None, None
+        self.term, self.proc, self.running, self.stopping = 0, None, None, None
         self.relaunches, self.finished, self.log = 0, False, []
         self.s.register(name, group)
 
@@ -171,12 +171,17 @@ class Agent:
         return next((int(g) for g, v in a["groups"].items() if self.name in v), None)
 
     def follow(self) -> None:
+        """Run the assigned group's torchrun. A torchrun being stopped is waited for across rounds (the agent keeps
+        beating and leading meanwhile) before another starts."""
+        if self.stopping is not None and not self._stopped():
+            return
         target = self.my_group()
         if self.proc is not None and self.proc.poll() is not None:
             self._exited(self.proc.returncode)
         if self.proc is not None and target != self.running:
             self.stop()
-        if self.proc is None and target is not None and not self.finished and self.relaunches <= self.max_relaunches:
+        elif self.proc is None and target is not None and not self.finished \
+                and self.relaunches <= self.max_relaunches:
             self.start(target)
 
     def _exited(self, code: int) -> None:
@@ -195,16 +200,23 @@ class Agent:
         self.running = group
         self._event("started", group=group)
 
-    def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM the torchrun (it stops its workers and leaves its rendezvous open), SIGKILL after ``grace``."""
-        proc, self.proc = self.proc, None
-        proc.terminate()
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    def stop(self, grace: float = 30.0, wait: bool = False) -> None:
+        """SIGTERM the torchrun (it stops its workers and leaves its rendezvous open); SIGKILL once ``grace``
+        seconds passed. Without ``wait`` the next rounds wait for it to exit."""
+        self.stopping, self.proc = (self.proc, time.monotonic() + grace), None
+        self.stopping[0].terminate()
+        while wait and not self._stopped():
+            time.sleep(0.1)
+
+    def _stopped(self) -> bool:
+        proc, deadline = self.stopping
+        if proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+            return False
+        self.stopping = None
         self._event("stopped", group=self.running)
+        return True
 
     def tick(self) -> None:
         self.s.counter(f"beat/{self.name}", 1)
@@ -270,7 +282,9 @@ def agent_main(args: list[str] | None = None) -> int:
         return agent.run(a.interval)
     finally:
         if agent.proc is not None and agent.proc.poll() is None:
-            agent.stop()
+            agent.stop(wait=True)
+        while agent.stopping is not None and not agent._stopped():
+            time.sleep(0.1)
 
 
 __all__ = ["Agent", "AgentStore", "Liveness", "agent_main", "torchrun_command"]
