@@ -112,6 +112,7 @@ def _check(out, codes, leader, lost, keeper, groups_after):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.combines("ft", "pipeline", "placement")  # groups of LLM pp 2 and pp 3, the encoder in every stage
 def test_a_group_below_its_smallest_template_borrows_a_node_and_both_re_form(tmp_path, lighthouse):  # noqa: F811
     """A on 2 nodes, B on 3, C on 2. A's leading node is lost for good inside step 3: another agent takes the lead,
     A (1 node, below the 2-node template) borrows B's last node (B can spare one: its 2-node template is valid), B
