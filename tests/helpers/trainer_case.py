@@ -24,7 +24,9 @@ names), so a test can compare any layout with one process; under the strategy al
 - ``workers``: the loaders' ``num_workers`` (default 0)
 - ``pack``: rows of ``pack`` tokens with samples packed into them (``segment_ids``); ``text_tokens`` ([min, max])
 - ``lora``: LoRA adapters (r 4, random A and B) on these LLM modules, e.g. ["q_proj", "v_proj"]
-- ``save``: write a checkpoint after fit (``<out_dir>/ckpt``); ``resume``: fit from this checkpoint
+- ``save_every``: a checkpoint every that many optimiser steps during fit (``<out_dir>/ckpt/step=<n>.ckpt``; one
+  written after fit holds no loader position: its loops state has no ``combined_loader``); ``resume``: fit
+  from this checkpoint
 - ``accelerator`` ("cpu" default, "cuda"), ``backend`` (process_group_backend), ``share_gpu``: every rank on
   cuda:0 (the strategy's ``parallel_devices``); on CUDA each rank writes ``memory_<rank>.json`` (peak allocated)
 """
@@ -151,12 +153,15 @@ def main(spec: str, out: str):
             devices = case.get("devices") or sum(s.dp * s.size for s in [*specs.values(), llm])
         dp_batch = case.get("batch_size", 4)
     callbacks = [StateBytes(out)] if case.get("state_bytes") else []
+    if case.get("save_every"):
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), filename="{step}",
+                                                             every_n_train_steps=case["save_every"], save_top_k=-1))
     accelerator = case.get("accelerator", "cpu")
     if case.get("share_gpu") and strategy != "auto":
         strategy.parallel_devices, devices = [torch.device("cuda", 0)] * devices, 1
     trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
                         callbacks=callbacks,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        logger=False, enable_checkpointing=bool(case.get("save_every")), enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                         accumulate_grad_batches=case.get("accumulate", 1), precision=case.get("precision", "32-true"),
                         limit_val_batches=2, limit_test_batches=2, limit_predict_batches=1,
@@ -175,8 +180,6 @@ def main(spec: str, out: str):
                 num_workers=case.get("workers", 0), layout="mp" if case.get("pack") else "ee",
                 seq_len=case.get("pack"), text_tokens=case.get("text_tokens", (8, 24)))
     trainer.fit(module, data, ckpt_path=case.get("resume"))
-    if case.get("save"):
-        trainer.save_checkpoint(os.path.join(out, "ckpt"))
     result = {"train": module.losses}
     if module.packed:
         result["packed"] = module.packed
