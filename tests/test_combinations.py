@@ -41,6 +41,7 @@ def assert_packed(result: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.combines("pipeline", "packing", "activation_checkpointing", "accumulation", "lora", "checkpoint")
 def test_pipeline_packing_recompute_accumulation_lora_resumes_like_one_process(tmp_path):
     """LLM pp 2 (3 processes, 2 microbatches of packed rows), activations recomputed, accumulate 2, LoRA on the
     LLM and a trainable projector: the run, and the run resumed from its step-1 checkpoint, give one process's
