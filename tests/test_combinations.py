@@ -57,6 +57,7 @@ def test_pipeline_packing_recompute_accumulation_lora_resumes_like_one_process(t
 
 
 @pytest.mark.slow
+@pytest.mark.combines("tp", "placement", "packing", "accumulation", "mixed_precision", "checkpoint")
 def test_tensor_parallel_packing_accumulation_bf16_resumes_like_one_process(tmp_path):
     """LLM tp 2 with the encoder replicated on both ranks (2 processes), packed rows, accumulate 2, bf16-mixed,
     the LLM and projector trained: the run, and the run resumed from its step-1 checkpoint, give one process's
