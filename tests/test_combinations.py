@@ -84,6 +84,8 @@ def test_expert_parallel_replicated_packing_accumulation_lora_bf16_like_one_proc
 
 
 @pytest.mark.slow
+@pytest.mark.combines("per_module_dp", "packing", "activation_checkpointing", "accumulation", "lora",
+                      "mixed_precision")
 def test_per_module_dp_packing_recompute_accumulation_lora_bf16_like_one_process(tmp_path):
     """Vision dp 2 + LLM dp 1 (3 processes: the two tower replicas encode halves of the items), packed rows,
     activations recomputed, accumulate 2, LoRA, bf16-mixed: one process within bf16 tolerance."""
