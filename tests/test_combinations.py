@@ -97,6 +97,7 @@ def test_per_module_dp_packing_recompute_accumulation_lora_bf16_like_one_process
 
 
 @pytest.mark.slow
+@pytest.mark.combines("llm_cp", "fsdp", "packing", "accumulation", "lora", "mixed_precision")
 def test_context_parallel_full_shard_packing_accumulation_lora_bf16_like_one_process(tmp_path):
     """LLM cp 2 (blocks of 8 tokens) sharded by FULL_SHARD over its 2 CP ranks (3 processes), packed rows,
     accumulate 2, LoRA, bf16-mixed: one process within bf16 tolerance."""
