@@ -367,4 +367,5 @@ def segment_aware(module: nn.Module) -> nn.Module:
 
 __all__ = ["LINEAR", "HeadwiseLayout", "SegmentLayout", "SegmentedGatedDeltaNet", "cached_layout",
            "check_gdn_heads", "chunked_delta_rule", "gated_delta_net", "has_linear_attention",
-           "headwise_gated_delta_net", "headwise_layout", "layer_types", "segment_aware", "segment_layout", "segmented_causal_conv"]
+           "headwise_gated_delta_net", "headwise_layout", "layer_types", "segment_aware", "segment_layout",
+           "segmented_causal_conv"]
