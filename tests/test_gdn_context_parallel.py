@@ -140,8 +140,10 @@ def _trains_like_one_process(kind: str, case: dict, tmp_path, text: dict | None 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,case", [
     ("qwen3_5", {"llm_cp": 2}),
-    pytest.param("qwen3_5", {"llm_cp": 4, "pack": 128}, marks=pytest.mark.combines("llm_cp", "packing")),
-    pytest.param("qwen3_5_moe", {"llm_cp": 2, "pack": 128}, marks=pytest.mark.combines("llm_cp", "packing")),
+    pytest.param("qwen3_5", {"llm_cp": 4, "pack": 128, "microbatches": 1},
+                 marks=pytest.mark.combines("llm_cp", "packing")),
+    pytest.param("qwen3_5_moe", {"llm_cp": 2, "pack": 128, "microbatches": 1},
+                 marks=pytest.mark.combines("llm_cp", "packing")),
     ("qwen3_5_moe", {"llm_cp": 4}),
 ], ids=["dense-cp2", "dense-cp4-packed", "moe-cp2-packed", "moe-cp4"])
 def test_qwen3_5_under_llm_context_parallelism_trains_like_one_process(kind, case, tmp_path):
@@ -156,7 +158,8 @@ def test_qwen3_5_under_llm_context_parallelism_trains_like_one_process(kind, cas
 def test_qwen3_5_moe_with_expert_parallelism_and_fsdp_trains_like_one_process(tmp_path):
     """Qwen3.5-MoE, ep 2 over 2 FSDP (FULL_SHARD) replicas, packed rows of samples of 0 to 5 images: one process's
     losses (load-balancing loss included) and trained parameters."""
-    _trains_like_one_process("qwen3_5_moe", {"ep": 2, "dp": 2, "sharding": "FULL_SHARD", "pack": 128}, tmp_path)
+    _trains_like_one_process("qwen3_5_moe", {"ep": 2, "dp": 2, "sharding": "FULL_SHARD", "pack": 128,
+                                                "microbatches": 1}, tmp_path)
 
 
 @pytest.mark.slow
@@ -164,5 +167,5 @@ def test_qwen3_5_moe_with_expert_parallelism_and_fsdp_trains_like_one_process(tm
 def test_qwen3_5_with_llm_pipeline_and_data_parallelism_trains_like_one_process(tmp_path):
     """Qwen3.5, vision pp 1 beside LLM pp 2 (cut between GDN layers) x dp 2, packed rows of samples of 0 to 5
     images: one process's losses and trained parameters."""
-    _trains_like_one_process("qwen3_5", {"llm_pp": 2, "dp": 2, "pack": 128,
+    _trains_like_one_process("qwen3_5", {"llm_pp": 2, "dp": 2, "pack": 128, "microbatches": 1,
                                          "partition": {"vision": [4], "language_model": [2, 6]}}, tmp_path)

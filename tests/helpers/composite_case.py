@@ -19,6 +19,7 @@ MultimodalParallelStrategy, described by a JSON argument.
 - ``pack``: rows of ``pack`` tokens, samples packed into them (``segment_ids``)
 - ``images``: sample ``i`` holds ``i % (images + 1)`` images (0 to ``images``) instead of one or two
 - ``ep``: the LLM's expert-parallel degree (a mixture-of-experts LLM; over ``dp`` replicas)
+- ``microbatches``: the strategy's ``num_microbatches`` (2 by default; 1 for packed rows, whose count varies)
 
 Batches come from ``MultimodalCollator``: samples with one or two images of different grids, so rows differ in
 length (padding) and the M-RoPE ``position_ids`` ``[B, S, 3]`` travel with the tokens.
@@ -138,7 +139,8 @@ def main(spec: str, out: str):
         vision_cp, vision_tp = case.get("vision_cp", 1), case.get("vision_tp", 1)
         strategy = lmm.MultimodalParallelStrategy(
             encoders={"vision": lmm.ParallelSpec(pp=vision_pp, cp=vision_cp, tp=vision_tp)},
-            language_model=lmm.ParallelSpec(pp=pp, cp=cp, ep=case.get("ep", 1)), num_microbatches=2, cp_block_size=8, fault_timeout=120,
+            language_model=lmm.ParallelSpec(pp=pp, cp=cp, ep=case.get("ep", 1)),
+            num_microbatches=case.get("microbatches", 2), cp_block_size=8, fault_timeout=120,
             sharding_strategy=case.get("sharding", "NO_SHARD"), partition=case.get("partition", "uniform"))
         devices = (vision_pp * vision_cp * vision_tp + pp * cp) * case.get("dp", 1)
     else:
