@@ -22,6 +22,8 @@ names), so a test can compare any layout with one process; under the strategy al
 - ``encoder_dp`` / ``llm_dp``: per-module data parallelism (every module's ``ParallelSpec.dp``); ``batch_size`` stays
   per language-model replica
 - ``workers``: the loaders' ``num_workers`` (default 0)
+- ``layout``: the synthetic data's layout ("ee" default; "mp": samples packed into rows of ``seq_len`` tokens)
+- ``lora``: LoRA adapters (r 4, alpha 8) on these modules of the LLM (``MultimodalModel.add_lora``)
 - ``accelerator`` ("cpu" default, "cuda"), ``backend`` (process_group_backend), ``share_gpu``: every rank on
   cuda:0 (the strategy's ``parallel_devices``); on CUDA each rank writes ``memory_<rank>.json`` (peak allocated)
 """
@@ -114,7 +116,10 @@ def build(case):
     model = lmm.MultimodalModel({m: encoders[m]() for m in case.get("modalities", ["vision", "audio"])},
                                 tiny_language_model(case.get("llm", "llama"), num_hidden_layers=case.get("llm_layers", 4),
                                                     **case.get("llm_config", {})))
-    return model.freeze(**FREEZE[case.get("freeze", "llm")])
+    model = model.freeze(**FREEZE[case.get("freeze", "llm")])
+    if case.get("lora"):
+        model.add_lora(case["lora"], r=4, alpha=8)
+    return model
 
 
 def main(spec: str, out: str):
@@ -165,7 +170,7 @@ def main(spec: str, out: str):
     module = Module(model, optimizer=lambda p: optimizer(p, lr=case.get("lr", 1e-2)),
                     nan_guard="skip" if "nan_at" in case else None, nan_at=case.get("nan_at"))
     data = Data(num_samples=64, batch_size=dp_batch, val_samples=2 * dp_batch, items_per_sample=case.get("items", (1, 2)),
-                num_workers=case.get("workers", 0))
+                num_workers=case.get("workers", 0), layout=case.get("layout", "ee"), seq_len=case.get("seq_len"))
     trainer.fit(module, data)
     result = {"train": module.losses}
     if module.aux_losses:  # a mixture-of-experts LLM
