@@ -22,8 +22,9 @@ names), so a test can compare any layout with one process; under the strategy al
 - ``encoder_dp`` / ``llm_dp``: per-module data parallelism (every module's ``ParallelSpec.dp``); ``batch_size`` stays
   per language-model replica
 - ``workers``: the loaders' ``num_workers`` (default 0)
-- ``pack``: rows of ``pack`` tokens with samples packed into them (``segment_ids``); ``text_tokens`` ([min, max])
-- ``lora``: LoRA adapters (r 4, random A and B) on these LLM modules, e.g. ["q_proj", "v_proj"]
+- ``pack``: rows of ``pack`` tokens with samples packed into them (``segment_ids``); ``text_tokens`` ([min, max]);
+  or ``layout`` ("ee" default, "mp": packed) with ``seq_len``
+- ``lora``: LoRA adapters (r 4, alpha 8, random A and B) on these LLM modules, e.g. ["q_proj", "v_proj"]
 - ``save_every``: a checkpoint every that many optimiser steps during fit (``<out_dir>/ckpt/step=<n>.ckpt``; one
   written after fit holds no loader position: its loops state has no ``combined_loader``); ``resume``: fit
   from this checkpoint
@@ -122,7 +123,8 @@ def build(case):
     model = lmm.MultimodalModel({m: encoders[m]() for m in case.get("modalities", ["vision", "audio"])},
                                 tiny_language_model(case.get("llm", "llama"), num_hidden_layers=case.get("llm_layers", 4),
                                                     **case.get("llm_config", {})))
-    return model.freeze(**FREEZE[case.get("freeze", "llm")])
+    model = model.freeze(**FREEZE[case.get("freeze", "llm")])
+    return model
 
 
 def main(spec: str, out: str):
@@ -177,8 +179,8 @@ def main(spec: str, out: str):
     module = Module(model, optimizer=lambda p: optimizer(p, lr=case.get("lr", 1e-2)),
                     nan_guard="skip" if "nan_at" in case else None, nan_at=case.get("nan_at"), lora=lora)
     data = Data(num_samples=64, batch_size=dp_batch, val_samples=2 * dp_batch, items_per_sample=case.get("items", (1, 2)),
-                num_workers=case.get("workers", 0), layout="mp" if case.get("pack") else "ee",
-                seq_len=case.get("pack"), text_tokens=case.get("text_tokens", (8, 24)))
+                num_workers=case.get("workers", 0), layout=case.get("layout") or ("mp" if case.get("pack") else "ee"),
+                seq_len=case.get("seq_len") or case.get("pack"), text_tokens=case.get("text_tokens", (8, 24)))
     trainer.fit(module, data, ckpt_path=case.get("resume"))
     result = {"train": module.losses}
     if module.packed:
