@@ -58,9 +58,16 @@ def _continue_elsewhere(ref: dict, there: str, then: str, cp: dict | None = None
         assert written["cp"] == cp, written["cp"]
     if pieces is not None:
         assert _pieces(f"{d}/{there}/step=5.ckpt") == pieces
-    weights = f"{d}/{there}_then_{then}.pt"
-    losses = run_case({"layout": then, "steps": 6, "out": f"{d}/{there}_then_{then}.json",
-                       "resume": f"{d}/{there}/step=5.ckpt", "weights": weights})
+    _continue_from(ref, f"{d}/{there}/step=5.ckpt", then, f"{there}_then_{then}")
+
+
+def _continue_from(ref: dict, checkpoint: str, then: str, name: str) -> None:
+    """A step-5 checkpoint continued on layout ``then``: step 6 and the parameters after it equal the
+    uninterrupted pp2 run."""
+    d = ref["dir"]
+    weights = f"{d}/{name}.pt"
+    losses = run_case({"layout": then, "steps": 6, "out": f"{d}/{name}.json", "resume": checkpoint,
+                       "weights": weights})
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["pp2"][5:]), rtol=1e-5, atol=1e-6)
     final = rank_weights(weights)
     assert set(final) == set(ref["pp2_weights"])
@@ -103,6 +110,37 @@ def test_full_shard_with_per_module_data_parallel_saves_and_resumes():
     """pp2 -> vision dp 1 + LLM dp 2 under FULL_SHARD (per-module data parallelism, 3 ranks: the LLM sharded over
     its 2 replicas, the encoder whole) -> the same layout resumed from its own checkpoint."""
     _continue_elsewhere(reference(), "vdp1dp2_fsdp", "vdp1dp2_fsdp", pieces={"encoders": {1}, "language_model": {2}})
+
+
+@pytest.mark.slow
+def test_shard_grad_op_saves_resumes_and_reshards():
+    """pp2 -> vision + LLM 1 stage each under SHARD_GRAD_OP over dp 2 (4 ranks: parameters and AdamW state are
+    FSDP2 shards, gathered parameters kept from forward to backward) -> the same layout resumed from its own
+    checkpoint, and that checkpoint resharded to pp2 (NO_SHARD)."""
+    ref = reference()
+    _continue_elsewhere(ref, "dp2_sgo", "dp2_sgo", pieces={"encoders": {2}, "language_model": {2}})
+    _continue_from(ref, f"{ref['dir']}/dp2_sgo/step=5.ckpt", "pp2", "dp2_sgo_then_pp2")
+
+
+@pytest.mark.slow
+def test_sharded_encoder_replicas_under_per_module_dp_save_and_resume(tmp_path):
+    """Vision dp 2 under FULL_SHARD (each of the 2 tower replicas holds half of the vision stage) + LLM dp 1 in 2
+    stages (4 ranks), 0-1 images per sample (a replica's share of a step may hold none): the uninterrupted run
+    equals one process; resumed from its step-2 checkpoint (the vision stage written in 2 pieces), steps 3-4 and
+    the parameters after them equal the uninterrupted run."""
+    d, base = str(tmp_path), {"steps": 4, "items": [0, 1]}
+    single = run_case({**base, "layout": "single", "out": f"{d}/single.json", "weights": f"{d}/single.pt"})
+    full = run_case({**base, "layout": "vdp2pp2_fsdp", "out": f"{d}/full.json", "ckpt_dir": f"{d}/full",
+                     "save_every": 2, "weights": f"{d}/full.pt"})
+    torch.testing.assert_close(torch.tensor(full), torch.tensor(single), rtol=1e-5, atol=1e-6)
+    assert _pieces(f"{d}/full/step=2.ckpt") == {"encoders": {2}, "language_model": {1}}
+    resumed = run_case({**base, "layout": "vdp2pp2_fsdp", "out": f"{d}/resumed.json",
+                        "resume": f"{d}/full/step=2.ckpt", "weights": f"{d}/resumed.pt"})
+    assert resumed == full[2:], "losses after resuming differ from the uninterrupted run"
+    expected, got = rank_weights(f"{d}/full.pt"), rank_weights(f"{d}/resumed.pt")
+    assert set(got) == set(expected) == set(torch.load(f"{d}/single.pt", weights_only=True))
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.slow

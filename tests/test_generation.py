@@ -153,8 +153,7 @@ def test_attention_that_cannot_honour_the_mask_is_an_error_naming_the_fix():
     model(**batch)
 
 
-@pytest.mark.refuses("generation", "packing", message="these rows are packed")
-def test_generate_rejects_caches_and_packing_it_cannot_index():
+def test_generate_rejects_caches_it_cannot_index():
     from transformers import StaticCache
 
     model = _vlm()
@@ -164,11 +163,30 @@ def test_generate_rejects_caches_and_packing_it_cannot_index():
     with pytest.raises(ValueError, match="DynamicCache"):
         model.generate(**batch, max_new_tokens=2,
                        past_key_values=StaticCache(config=model.language_model.config, max_cache_len=64))
-    packed = dict(batch, segment_ids=torch.tensor([[0] * 12 + [1] * 12, [0] * 24]))
-    packed["attention_mask"] = torch.ones_like(batch["attention_mask"])
-    packed["bam"] = model.build_bam(packed["input_ids"], packed["attention_mask"])
-    with pytest.raises(ValueError, match="these rows are packed"):
-        model.generate(**packed, max_new_tokens=2)
+
+
+def packable_samples(model, seed: int = 2) -> list[dict]:
+    """Three prompts (20, 41 and 23 tokens with 1, 2 and 1 images) that pack first-fit into rows of 64 tokens as
+    [0, 1] and [2], keeping their order."""
+    g = torch.Generator().manual_seed(seed)
+    enc, pid = model.encoders["vision"], model.placeholder_ids["vision"]
+    images = lambda n: enc.family.random_inputs(enc.module.config, n, generator=g)  # noqa: E731
+    return [{"input_ids": [5, pid, 7, 9, 11], "vision": images(1)},
+            {"input_ids": [3, 4, pid, 8, 12, pid, 13, 14, 20, 21, 22], "vision": images(2)},
+            {"input_ids": [6, 7, 8, pid, 30, 31, 32, 33], "vision": images(1)}]
+
+
+@pytest.mark.combines("generation", "packing")
+def test_packed_prompts_generate_one_row_per_sample():
+    """Rows packed with two samples (segment ids, positions restarting at 0) decode as one prompt per sample, in
+    order: the tokens of ``generate`` on the same samples collated one per row."""
+    model = _vlm(seed=3)
+    samples = packable_samples(model)
+    packed = lmm.data.MultimodalCollator(model, seq_len=64, pack=True)(samples)
+    assert packed["input_ids"].shape[0] == 2 and int(packed["segment_ids"][0].max()) >= 1
+    expected = model.generate(**lmm.data.MultimodalCollator(model)(samples), max_new_tokens=6, do_sample=False)
+    got = model.generate(**packed, max_new_tokens=6, do_sample=False)
+    assert got.shape[0] == 3 and torch.equal(got, expected)
 
 
 def test_trainer_predict_generates_in_one_process_and_under_the_strategy():

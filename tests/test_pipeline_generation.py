@@ -103,13 +103,25 @@ def test_llava_generation_with_an_encoder_pipeline_and_with_encoders_in_the_firs
     _check(_run({"kind": "llava", "llm_pp": 2, "placement": "replicated", "early_stop": True}, tmp_path, "repl"), 2)
 
 
-@pytest.mark.refuses("generation", "llm_cp", message="runs each LLM stage without context or expert parallelism")
-@pytest.mark.refuses("generation", "ep", message="runs each LLM stage without context or expert parallelism")
-@pytest.mark.refuses("generation", "fsdp", message="does not run a sharded (FSDP) language model")
+@pytest.mark.slow
+@pytest.mark.combines("generation", "encoder_cp", "llm_cp", "fsdp", "packing")
+def test_packed_prompts_under_encoder_cp_llm_cp_and_fsdp_equal_one_process(tmp_path):
+    """Vision cp 2 + LLM cp 2, FULL_SHARD (4 ranks: the images shared over the vision cp ranks, each stage's
+    parameters sharded over its cp ranks and gathered once for the whole generation, each LLM cp rank decoding the
+    whole prompt), three prompts packed into two rows (one prompt per sample comes back) and stop tokens ending them
+    at different steps: the greedy tokens of one-process ``model.generate`` on the prompts one per row."""
+    result = _run({"kind": "llava", "llm_pp": 1, "llm_cp": 2, "vision_cp": 2, "sharding": "FULL_SHARD",
+                   "packed": True, "early_stop": True}, tmp_path, "ecp_cp_fsdp_packed")
+    _check(result, 4)
+    assert len(result["generated"][0]) == 3 and 1 < len(result["generated"][0][0]) < 8, result
+    assert all(result["sharded"]), result["sharded"]  # every rank's stage is sharded
+
+
+@pytest.mark.refuses("generation", "ep", message="runs each LLM stage without expert parallelism")
 @pytest.mark.refuses("generation", "per_module_dp", message="needs one data-parallel degree for every module")
 def test_layouts_it_does_not_serve_are_refused_with_the_fix():
-    """Context or expert parallelism on the LLM, a sharded LLM and per-module data parallelism; every rank
-    derives the same answer from the layout (the FSDP check is agreed on over the replica before any message)."""
+    """Expert parallelism on the LLM (the replicas of an ep group would exchange tokens every step in lockstep) and
+    per-module data parallelism; every rank derives the same answer from the layout, before any message."""
     from types import SimpleNamespace
 
     from lightning_mm import ParallelSpec
@@ -124,10 +136,9 @@ def test_layouts_it_does_not_serve_are_refused_with_the_fix():
     assert unserved_layout(engine(3, pp=2)) is None
     assert unserved_layout(engine(6, pp=2)) is None  # dp 2
     assert unserved_layout(engine(5, pp=2, tp=2)) is None
-    without = "runs each LLM stage without context or expert parallelism"
-    assert without in unserved_layout(engine(5, pp=2, cp=2)) and "cp=1, ep=1" in unserved_layout(engine(5, pp=2, cp=2))
-    assert without in unserved_layout(engine(4, ep=2))  # dp 2, the experts split over both replicas
-    fsdp = unserved_layout(engine(6, fsdp=True, pp=2))
-    assert "does not run a sharded (FSDP) language model" in fsdp and "NO_SHARD" in fsdp
+    assert unserved_layout(engine(5, pp=2, cp=2)) is None  # each cp rank decodes the whole prompt
+    assert unserved_layout(engine(6, fsdp=True, pp=2)) is None  # gathered once for the whole generation
+    without = unserved_layout(engine(4, ep=2))  # dp 2, the experts split over both replicas
+    assert "runs each LLM stage without expert parallelism" in without and "ep=1" in without
     per_module = unserved_layout(engine(4, vision=ParallelSpec(dp=2), pp=2, dp=1))  # vision dp 2, LLM dp 1 pp 2
     assert "needs one data-parallel degree for every module" in per_module

@@ -1,6 +1,7 @@
 """Qwen3.5 (dense and MoE): Gated DeltaNet layers under packing against each sample run alone by HF's own
 composite, the segmented convolution and chunked delta rule against transformers' torch functions, ``generate``
-against HF's, and the refusal of context parallelism (loss, logits, gradients and ``save_pretrained`` against
+against HF's (context parallelism, and its refusal of a cp that does not divide the GDN value heads, are in
+``tests/test_gdn_context_parallel.py``; loss, logits, gradients and ``save_pretrained`` against
 HF's class are in ``tests/test_hf_composites.py``).
 
 Folders are written by ``save_pretrained`` from tiny random composites (``save_composite``; nothing downloaded):
@@ -169,33 +170,12 @@ def test_generate_equals_hf_generate(kind, tmp_path):
     _assert_like_hf(model, ref, batch_for(kind, ref.config)[0])
 
 
-def test_context_parallel_is_refused_before_any_group(tmp_path):
-    """cp > 1 for a model with GDN layers: the layout check (as the strategy's setup runs it) names GDN, cp and the
-    fix; a direct call with a CP group to a GDN layer says the same."""
-    from lightning_mm.parallel.context import check_context_parallel
-
-    model = lmm.MultimodalModel.from_pretrained(save_composite("qwen3_5", tmp_path / "src"))
-    with pytest.raises(ValueError, match=r"Gated DeltaNet.*ParallelSpec\(cp=1\)"):
-        check_context_parallel(model, lmm.ParallelSpec(cp=2))
-    check_context_parallel(model, lmm.ParallelSpec(cp=1))
-    from lightning_mm.trainer.strategy import resolve_layout
-
-    with pytest.raises(ValueError, match=r"language_model cp=2: .*Gated DeltaNet"):  # the strategy's setup check
-        resolve_layout(model, encoder_specs=None, language_model_spec=lmm.ParallelSpec(cp=2),
-                       placement="replicated", partition="uniform", world_size=2, ranks_per_node=2,
-                       fault_tolerance=None)
-    layer = model.llm_layers[0]
-    hidden = torch.randn(1, 4, model.hidden_size)
-    with pytest.raises(ValueError, match="Gated DeltaNet"):
-        layer.linear_attn(hidden, bam=torch.ones(1, 4, dtype=torch.int64), cp_group=object())
-
-
 @pytest.mark.slow
 def test_planner_costs_linear_attention_layers_linearly_and_cuts_inside_their_runs(tmp_path):
     """FLOPs counted on the real layers: a GDN layer's forward grows linearly with the tokens, a full-attention
     layer's faster (its scores); the workload model's quadratic term counts the 2 attention layers only, its
     linear term the GDN layers' recurrent work; a 3-stage partition cuts between two GDN layers; the search offers
-    no CP degree above 1 and says why."""
+    the CP degrees that divide the GDN value heads (4) and says why it leaves out cp 3."""
     from lightning_mm.planner.model_costs import _flops, part_runners, planned_partition, sample_batch
     from lightning_mm.planner.plan_cli import attention_shape
     from lightning_mm.planner.search import _cp_options
@@ -235,8 +215,10 @@ def test_planner_costs_linear_attention_layers_linearly_and_cuts_inside_their_ru
     rejected = []
     shape = attention_shape(model, sample_batch(model, rows=1))
     assert shape.linear_layers == 6
-    assert {c for c, *_ in _cp_options([1, 2, 4], ["allgather", "ulysses"], [1], shape, rejected)} == {1}
-    assert len(rejected) == 2 and all("Gated DeltaNet" in r for r in rejected)
+    assert shape.linear_value_heads == 4
+    assert {c for c, *_ in _cp_options([1, 2, 3, 4], ["allgather", "ulysses"], [1], shape, rejected)} == {1, 2, 4}
+    assert rejected == ["cp=3: the language model's 6 Gated DeltaNet layers are split by heads over the CP ranks, "
+                        "and cp=3 does not divide their 4 value heads"]
 
 
 @pytest.mark.slow

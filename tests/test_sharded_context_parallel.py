@@ -56,6 +56,17 @@ def test_full_shard_over_encoder_cp_ranks_trains_like_one_process(tmp_path):
     assert_same_training(got, ref)
 
 
+@pytest.mark.slow
+def test_full_shard_over_encoder_cp_ranks_and_replicas_trains_like_one_process(tmp_path):
+    """vision cp 2 + LLM 1 stage, dp 2 (6 processes), 0-5 images per sample, the tower trained: the encoder stage
+    sharded over its 2 CP ranks x 2 replicas, the LLM stage over its 2 replicas, like one process's global batch."""
+    case = {**ENCODER_CP, "freeze": "all", "batch_size": 2, "dp": 2}
+    ref = run(case, tmp_path, "single")
+    got = run({**case, "encoder_cp": [2], "llm_pp": 1, "sharding": "FULL_SHARD"}, tmp_path, "encoder_cp2_dp2_fsdp")
+    assert sharded_ranks(tmp_path / "encoder_cp2_dp2_fsdp") == list(range(6))
+    assert_same_training(got, ref)
+
+
 def test_fsdp_shards_each_stage_over_its_replicas_and_cp_ranks():
     """Which ranks FSDP shards each stage over, and the warning when a sharding strategy shards nothing."""
     from lightning_mm.parallel.sharding import nothing_to_shard

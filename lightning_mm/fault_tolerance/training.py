@@ -333,11 +333,14 @@ class FaultTolerantTraining(StepShares):
 
     def _wait_for_quorum(self) -> float:
         """The step's quorum, in seconds. A fresh job waits (up to quorum_timeout) for every planned group, so that
-        no group trains alone from step 0 while the others are still starting; later a quorum is whoever is alive."""
+        no group trains alone from step 0 while the others are still starting; later a quorum is whoever is alive
+        (a group behind a quorum's newest step, torchft's ``participating_rank() is None``, joins a job under way:
+        a group that merged into another or stays down is not waited for)."""
         m, c = self.manager, self.config
         t0 = time.perf_counter()
         self.quorum()
-        while (m.current_step() == 0 and self._quorum_size() < c.num_replica_groups
+        while (m.current_step() == 0 and m.participating_rank() is not None
+               and self._quorum_size() < c.num_replica_groups
                and time.perf_counter() - t0 < c.quorum_timeout):
             time.sleep(0.2)
             self.quorum()

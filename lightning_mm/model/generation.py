@@ -67,6 +67,43 @@ def positions_after(prompt: torch.Tensor, start: int, length: int) -> torch.Tens
     return torch.cat([prompt, next_positions(prompt).unsqueeze(1) + steps], 1)[:, start:start + length]
 
 
+def unpack_prompts(segment_ids: torch.Tensor, attention_mask: torch.Tensor, **rows: torch.Tensor | None) -> dict:
+    """One prompt per packed sample: each row's runs of one segment id (over its non-padding tokens) become rows of
+    their own, in order (row by row, then along the row), right-padded with 0; so media placeholders keep their order
+    and the encoders' items still match them. ``rows`` are ``[R, L]`` (or ``[R, L, ...]``) tensors or None; returns
+    them unpacked and ``attention_mask``."""
+    real = attention_mask.ne(0)
+    spans = []  # (row, start, end) of each sample
+    for r in range(segment_ids.shape[0]):
+        at = torch.nonzero(real[r]).flatten().tolist()
+        seg = segment_ids[r].tolist()
+        for i, j in enumerate(at):
+            if i == 0 or seg[j] != seg[at[i - 1]] or j != at[i - 1] + 1:
+                spans.append([r, j, j + 1])
+            else:
+                spans[-1][2] = j + 1
+    width = max((e - s for _, s, e in spans), default=0)
+    out = {}
+    for name, t in {**rows, "attention_mask": attention_mask}.items():
+        if t is None:
+            out[name] = None
+            continue
+        new = t.new_zeros(len(spans), width, *t.shape[2:])
+        for k, (r, s, e) in enumerate(spans):
+            new[k, :e - s] = t[r, s:e] if name != "attention_mask" else 1
+        out[name] = new
+    return out
+
+
+def is_packed(segment_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> bool:
+    """Whether some row holds tokens of more than one segment (padding excluded)."""
+    if segment_ids is None:
+        return False
+    seg = segment_ids if attention_mask is None else segment_ids.masked_fill(attention_mask.eq(0), -1)
+    first = seg.gather(1, seg.ne(-1).long().argmax(1, keepdim=True))
+    return bool((seg.ne(first) & seg.ne(-1)).any())
+
+
 def deepstack_prompt(model, input_ids: torch.Tensor, stacks: dict[str, torch.Tensor]) -> tuple | None:
     """HF's ``(visual_pos_masks, deepstack_visual_embeds)`` of a prompt (Qwen3-VL's text model adds them after its
     first layers at prefill): every DeepStack modality's tokens, and per layer their features in row-major order."""
@@ -91,10 +128,14 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     modality_inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in model.encoders}
     for k in _DROPPED:
         kwargs.pop(k, None)
-    if segment_ids is not None and bool((segment_ids[attention_mask.bool()] if attention_mask is not None
-                                         else segment_ids).ne(segment_ids[:, :1]).any()):
-        raise ValueError("generate takes one prompt per row; these rows are packed (segment_ids): collate the "
-                         "prompts without pack=True")
+    if is_packed(segment_ids, attention_mask):  # one prompt per packed sample; its positions restart at 0
+        if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 3:
+            position_ids = None  # the packer's per-sample M-RoPE positions: the model computes the same per row
+        mask = attention_mask if attention_mask is not None else (bam.ne(0).long() if bam is not None
+                                                                  else torch.ones_like(input_ids))
+        rows = unpack_prompts(segment_ids, mask, input_ids=input_ids, bam=bam, position_ids=position_ids)
+        input_ids, bam, position_ids, attention_mask = (rows[k] for k in ("input_ids", "bam", "position_ids",
+                                                                          "attention_mask"))
     if "past_key_values" in kwargs:  # the name transformers 5 deprecates for generate's ``cache``
         kwargs["cache"] = kwargs.pop("past_key_values")
     cache = kwargs.get("cache")

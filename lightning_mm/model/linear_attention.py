@@ -18,16 +18,32 @@ them. The route here needs neither:
 
 The layout of a microbatch's samples is computed once (``SegmentLayout``, kept in the layers' shared
 ``attn_cache``) and lives on the hidden states' device.
+
+Context parallelism (a call carrying ``cp_group``) runs headwise, as Ulysses splits attention
+(``headwise_gated_delta_net``): each rank projects its own tokens; one all-to-all gives every rank the channels of
+its head group for the whole sequence, put back in its true order (the CP plan deals blocks out of order); the
+rank runs the segmented convolution and chunked delta rule above on the whole sequence for its heads, exactly as
+one process does; a second all-to-all returns each rank its tokens for all heads, and the gated norm and
+``out_proj`` run on them. Rank ``i`` of ``W`` runs value heads ``i * Hv / W ..`` and the key heads they read
+(each key head serves ``Hv / Hk`` consecutive value heads): ``W`` must divide the value heads; where it does not
+divide the key heads, query / key channels are sent once per value head (repeated, their gradients summed back,
+as Ulysses repeats key/value heads under GQA). A rank uses the convolution rows and ``A_log`` / ``dt_bias`` entries
+of its heads only; their gradients are summed over the CP group with every other parameter's.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from lightning_mm.attention.context_parallel import _gather_metadata, _pad_seq
+from lightning_mm.attention.ulysses import _all_to_all
 
 CHUNK = 64  # transformers' chunk size of the chunked delta rule
 _OWN_KWARGS = ("bam", "segment_ids", "token_index", "cp_group", "attn_cache")
@@ -47,13 +63,6 @@ def layer_types(config) -> list[str]:
 def has_linear_attention(lm: nn.Module) -> bool:
     """Whether a language model has Gated DeltaNet (linear attention) layers."""
     return LINEAR in layer_types(getattr(lm, "config", None))
-
-
-def context_parallel_refusal(where: str) -> str:
-    """The error for context parallelism over Gated DeltaNet layers (one message for every place that checks)."""
-    return (f"{where}: the language model has Gated DeltaNet (linear attention) layers, whose recurrent state "
-            "runs through the whole sequence, and context parallelism does not split them; use "
-            "language_model=ParallelSpec(cp=1) and spread long sequences with pipeline or data parallelism")
 
 
 @dataclass(frozen=True)
@@ -202,6 +211,124 @@ def gated_delta_net(gdn: nn.Module, hidden: torch.Tensor, layout: SegmentLayout)
     return gdn.out_proj(core)
 
 
+def check_gdn_heads(value_heads: int, cp: int, where: str) -> None:
+    """Raise, with the fix, unless ``cp`` ranks can split ``value_heads`` GDN value heads (pure: before any group)."""
+    if cp > 1 and value_heads % cp:
+        divisors = [d for d in range(1, value_heads + 1) if value_heads % d == 0]
+        raise ValueError(f"{where}: context parallelism splits each Gated DeltaNet (linear attention) layer by heads "
+                         f"over the cp={cp} ranks, and cp does not divide its {value_heads} value heads "
+                         f"(linear_num_value_heads); choose cp among {divisors}, or spread long sequences with "
+                         "pipeline or data parallelism")
+
+
+@dataclass(frozen=True)
+class HeadwiseLayout:
+    """Where a microbatch's tokens are under CP: ``sizes`` (each rank's token count; all padded to ``smax`` in the
+    all-to-all), ``order`` ``[S]`` (the all-to-all slot, rank-major, of each global position), ``back``
+    ``[W * smax]`` (the global position of each slot, 0 for padding slots) and ``layout``, the ``SegmentLayout`` of
+    the whole sequence."""
+
+    sizes: tuple[int, ...]
+    smax: int
+    order: torch.Tensor
+    back: torch.Tensor
+    layout: SegmentLayout
+
+
+def headwise_layout(bam, segment_ids, token_index, group, cache: dict | None) -> HeadwiseLayout:
+    """The ``HeadwiseLayout`` of the local tokens' mask words, segments and global indices ``[B, S_local]`` (every
+    row holds the same indices: one CP plan per microbatch); gathered once per microbatch (``cache``)."""
+    if cache is not None and "gdn_headwise" in cache:
+        return cache["gdn_headwise"]
+    if token_index is None or tuple(token_index.shape) != tuple(bam.shape):
+        raise ValueError("a Gated DeltaNet layer under context parallelism needs token_index: the global indices "
+                         f"[B, S_local] of the local tokens, shaped like bam {tuple(bam.shape)}, got "
+                         f"{None if token_index is None else tuple(token_index.shape)}")
+    sizes, smax, k_bam, k_seg, k_pos = _gather_metadata(bam, segment_ids, token_index, group)
+    device, w = bam.device, len(sizes)
+    slot = torch.arange(w * smax, device=device)
+    real = slot % smax < torch.tensor(sizes, device=device)[slot // smax]
+    positions = k_pos[0][real]
+    seq_len = sum(sizes)
+    if not bool((k_pos == k_pos[:1]).all()) or \
+            not torch.equal(positions.sort().values, torch.arange(seq_len, device=device)):
+        raise ValueError("the CP ranks' token indices do not partition the sequence 0..S-1 with one plan for every "
+                         "row; shard the microbatch with lightning_mm.parallel.context.shard_batch (one plan)")
+    order = torch.empty(seq_len, dtype=torch.long, device=device)
+    order[positions] = slot[real]
+    back = torch.where(real, k_pos[0], 0)
+    layout = segment_layout(k_bam.index_select(1, order), None if k_seg is None else k_seg.index_select(1, order))
+    out = HeadwiseLayout(tuple(sizes), smax, order, back, layout)
+    if cache is not None:
+        cache["gdn_headwise"] = out
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _channels(hk: int, hv: int, dk: int, dv: int, w: int) -> tuple[torch.Tensor, int, int]:
+    """The channels of ``cat(in_proj_qkv, in_proj_b, in_proj_a)`` each rank runs ``[W, C]`` (q, k, v of its heads,
+    then its b and a), its key heads (after any repetition) and its value heads."""
+    key_heads = hk if hk % w == 0 else hv  # repeated: one key head per value head
+    nk, nv = key_heads // w, hv // w
+    conv_dim = 2 * hk * dk + hv * dv
+    rows = []
+    for i in range(w):
+        src = [e * hk // key_heads for e in range(i * nk, (i + 1) * nk)]
+        q = [h * dk + j for h in src for j in range(dk)]
+        v = [2 * hk * dk + h * dv + j for h in range(i * nv, (i + 1) * nv) for j in range(dv)]
+        heads = list(range(i * nv, (i + 1) * nv))
+        rows.append(q + [hk * dk + c for c in q] + v + [conv_dim + h for h in heads]
+                    + [conv_dim + hv + h for h in heads])
+    return torch.tensor(rows), nk, nv
+
+
+class _AllToAll(torch.autograd.Function):
+    """``[W, ...]``: part ``i`` to rank ``i``; the result's part ``i`` came from rank ``i``. Its own transpose."""
+
+    @staticmethod
+    def forward(ctx, group, x):
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, _all_to_all(grad, ctx.group)
+
+
+def headwise_gated_delta_net(gdn, hidden, bam, segment_ids, token_index, group, cache: dict | None = None):
+    """Qwen3.5's ``GatedDeltaNet.forward`` (no cache) of a CP rank's tokens ``hidden`` ``[B, S_local, H]`` (see the
+    module): equal to one process's output at those tokens. ``group``: the CP process group."""
+    from transformers.activations import ACT2FN
+
+    w, me = dist.get_world_size(group), dist.get_rank(group)
+    check_gdn_heads(gdn.num_v_heads, w, f"layer {gdn.layer_idx}")
+    hl = headwise_layout(bam, segment_ids, token_index, group, cache)
+    chan, nk, nv = _channels(gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, w)
+    chan = chan.to(hidden.device)
+    dk, dv = gdn.head_k_dim, gdn.head_v_dim
+    hidden = hidden * bam.ne(0).unsqueeze(-1).to(hidden.dtype)  # padding zeroed, as transformers' attention_mask
+    b, s, _ = hidden.shape
+    x = torch.cat([gdn.in_proj_qkv(hidden), gdn.in_proj_b(hidden), gdn.in_proj_a(hidden)], -1)
+    send = _pad_seq(x, hl.smax, 1)[..., chan.flatten()].unflatten(-1, chan.shape).movedim(2, 0)  # [W, B, smax, C]
+    x = _AllToAll.apply(group, send.contiguous()).movedim(0, 1).flatten(1, 2).index_select(1, hl.order)  # [B, S, C]
+    n_conv = 2 * nk * dk + nv * dv
+    conv_rows = chan[me, :n_conv]
+    bias = None if gdn.conv1d.bias is None else gdn.conv1d.bias.index_select(0, conv_rows)
+    weight = gdn.conv1d.weight.squeeze(1).index_select(0, conv_rows)
+    mixed = segmented_causal_conv(x[..., :n_conv].transpose(1, 2), weight, bias, hl.layout.run)
+    mixed = ACT2FN[gdn.activation](mixed).to(hidden.dtype).transpose(1, 2)
+    query, key, value = torch.split(mixed, [nk * dk, nk * dk, nv * dv], dim=-1)
+    mine = slice(me * nv, (me + 1) * nv)
+    beta = x[..., n_conv:n_conv + nv].sigmoid()
+    g = -gdn.A_log[mine].float().exp() * F.softplus(x[..., n_conv + nv:].float() + gdn.dt_bias[mine])
+    core = chunked_delta_rule(query.unflatten(-1, (nk, dk)), key.unflatten(-1, (nk, dk)),
+                              value.unflatten(-1, (nv, dv)), g, beta, hl.layout)  # [B, S, nv, dv]
+    send = core.flatten(2).index_select(1, hl.back).unflatten(1, (w, hl.smax)).movedim(1, 0)  # [W, B, smax, nv*dv]
+    core = _AllToAll.apply(group, send.contiguous()).movedim(0, 2)[:, :s].reshape(-1, dv)  # my tokens, all heads
+    z = gdn.in_proj_z(hidden).reshape(-1, dv)
+    return gdn.out_proj(gdn.norm(core, z).reshape(b, s, -1))
+
+
 class SegmentedGatedDeltaNet:
     """Mixed into a HF Gated DeltaNet class (``segment_aware``): a call carrying the mask words keeps packed
     samples apart (see the module docstring); a call without them is transformers' own."""
@@ -210,8 +337,10 @@ class SegmentedGatedDeltaNet:
         own = {k: kwargs.pop(k, None) for k in _OWN_KWARGS}
         if own["bam"] is None:
             return super().forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        if own["cp_group"] is not None or own["token_index"] is not None:
-            raise ValueError(context_parallel_refusal(f"layer {self.layer_idx}"))
+        if own["cp_group"] is not None:  # context parallelism: a ContextParallelGroups or the CP group itself
+            group = getattr(own["cp_group"], "group", own["cp_group"])
+            return headwise_gated_delta_net(self, hidden_states, own["bam"], own["segment_ids"], own["token_index"],
+                                            group, own["attn_cache"])
         layout = cached_layout(own["bam"], own["segment_ids"], own["attn_cache"])
         if layout.packed:
             return gated_delta_net(self, hidden_states, layout)
@@ -236,6 +365,7 @@ def segment_aware(module: nn.Module) -> nn.Module:
     return module
 
 
-__all__ = ["LINEAR", "SegmentLayout", "SegmentedGatedDeltaNet", "cached_layout", "chunked_delta_rule",
-           "context_parallel_refusal", "gated_delta_net", "has_linear_attention", "layer_types", "segment_aware",
-           "segment_layout", "segmented_causal_conv"]
+__all__ = ["LINEAR", "HeadwiseLayout", "SegmentLayout", "SegmentedGatedDeltaNet", "cached_layout",
+           "check_gdn_heads", "chunked_delta_rule", "gated_delta_net", "has_linear_attention",
+           "headwise_gated_delta_net", "headwise_layout", "layer_types", "segment_aware", "segment_layout",
+           "segmented_causal_conv"]

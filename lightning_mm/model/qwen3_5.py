@@ -119,14 +119,15 @@ for _family in (Qwen35VisionFamily(), Qwen35MoeVisionFamily()):
     ENCODER_FAMILIES[_family.class_names[0]] = _family
 
 
-def check_no_context_parallel(lm: nn.Module, cp: int, where: str = "ParallelSpec") -> None:
-    """Refuse context parallelism (``cp > 1``) for a language model with Gated DeltaNet layers, before any group
-    exists."""
-    from lightning_mm.model.linear_attention import context_parallel_refusal
+def check_context_parallel_heads(lm: nn.Module, cp: int, where: str = "ParallelSpec") -> None:
+    """Raise, with the fix, when ``cp`` ranks cannot split the Gated DeltaNet layers of a language model by heads
+    (``cp`` must divide ``linear_num_value_heads``); pure: before any group exists."""
+    from lightning_mm.model.linear_attention import check_gdn_heads
 
     if cp > 1 and has_linear_attention(lm):
-        raise ValueError(context_parallel_refusal(f"{where}: language_model cp={cp}"))
+        cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+        check_gdn_heads(cfg.linear_num_value_heads, cp, f"{where}: language_model cp={cp}")
 
 
 __all__ = ["LINEAR", "LinearAttentionDecoderFamily", "LinearAttentionMoeDecoderFamily", "Qwen35VisionFamily",
-           "Qwen35MoeVisionFamily", "check_no_context_parallel", "has_linear_attention", "layer_types"]
+           "Qwen35MoeVisionFamily", "check_context_parallel_heads", "has_linear_attention", "layer_types"]

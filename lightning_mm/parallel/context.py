@@ -156,14 +156,15 @@ def _grouped_plan(bam, cp_size, method, block_size, segment_ids, seed, k, window
 
 
 def check_context_parallel(model, spec) -> None:
-    """Raise, with the fix, when the language model cannot be split for ``spec``: context parallelism over Gated
-    DeltaNet layers (Qwen3.5), or heads that do not divide by the Ulysses degree (``cp_mode`` "ulysses" or
+    """Raise, with the fix, when the language model cannot be split for ``spec``: Gated DeltaNet layers (Qwen3.5)
+    whose value heads ``cp`` does not divide (they are split by heads), or heads that do not divide by the Ulysses
+    degree (``cp_mode`` "ulysses" or
     "hybrid"): query heads per tensor-parallel rank must divide by it, and key/value
     heads per tensor-parallel rank must divide by it or divide it. Pure: runs before any process group."""
     from lightning_mm.attention.ulysses import check_ulysses_heads
-    from lightning_mm.model.qwen3_5 import check_no_context_parallel
+    from lightning_mm.model.qwen3_5 import check_context_parallel_heads
 
-    check_no_context_parallel(model.language_model, spec.cp)
+    check_context_parallel_heads(model.language_model, spec.cp)
     degree = spec.ulysses_degree
     if degree == 1:
         return

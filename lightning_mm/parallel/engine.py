@@ -90,6 +90,7 @@ class PipelineEngine:
                  materialise: Callable[[torch.nn.Module], None] | None = None, sharding_strategy: str = "NO_SHARD"):
         self.model, self.layout, self.rank, self.num_microbatches = model, layout, rank, num_microbatches
         self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
+        self.sharding_strategy = sharding_strategy
         self.activation_checkpointing = activation_checkpointing
         self.forward_context = forward_context or contextlib.nullcontext
         self.loss_backward = loss_backward or torch.autograd.backward

@@ -27,22 +27,30 @@ Under tensor parallelism every tp rank of an LLM stage runs the stage's split la
 heads), hidden states and tokens go between the ranks of the same tp index, and the last stage gathers the
 vocabulary-parallel logits of the last position only (``rows x vocab``) to pick the token on every tp rank.
 
+Under context parallelism every cp rank of an LLM stage holds the stage's whole weights and decodes the whole prompt
+itself (messages between ranks of the same cp index, no cp collective). Under FSDP each rank gathers its stage's
+parameters once for the whole generation (:func:`unsharded`): replicas decode different numbers of steps, so no
+collective may run per step. Packed rows decode as one prompt per sample (``unpack_prompts``).
+
 Served: greedy decoding (``do_sample=False``, one beam, one sequence per prompt), ``max_new_tokens``,
-``eos_token_id``, ``pad_token_id``; the LLM's stages with tensor parallelism but without context or expert
-parallelism, no sharded (FSDP) LLM and no per-module data parallelism. Everything else is refused with the fix.
+``eos_token_id``, ``pad_token_id``; the LLM's stages with tensor and context parallelism, FSDP, packed prompts.
+Refused with the fix: expert parallelism (its token all-to-all would have to run in lockstep across replicas that
+stop at different steps), per-module data parallelism, and everything else.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_mm.attention import mask as masks
 from lightning_mm.attention.hf import check_honours_mask, generation_words
-from lightning_mm.model.generation import left_align, next_positions, prompt_positions
+from lightning_mm.model.generation import is_packed, left_align, next_positions, prompt_positions, unpack_prompts
 from lightning_mm.parallel.encoder_cp import item_shards
 from lightning_mm.parallel.engine import check_same_batch, deepstack_message, received_deepstack
 from lightning_mm.plan.schedule import LANGUAGE_MODEL
@@ -91,14 +99,29 @@ def unserved_layout(engine) -> str | None:
     if layout.per_module_dp:
         return ("generation across pipeline stages needs one data-parallel degree for every module (no per-module "
                 "data parallelism): predict with a strategy whose modules share dp")
-    if any(layout.cp[s] > 1 for s in llm) or layout.ep > 1:
-        return ("generation across pipeline stages runs each LLM stage without context or expert parallelism: "
-                "predict with language_model=ParallelSpec(pp=..., tp=..., cp=1, ep=1) (the same checkpoint loads "
-                "under any layout)")
-    if engine.plan.language_model is not None and engine.fsdp_params:
-        return ("generation across pipeline stages does not run a sharded (FSDP) language model: predict with "
-                "sharding_strategy='NO_SHARD'")
+    if layout.ep > 1:
+        return ("generation across pipeline stages runs each LLM stage without expert parallelism (the replicas "
+                "of an ep group would have to exchange tokens at every decoding step in lockstep): predict with "
+                "language_model=ParallelSpec(pp=..., tp=..., ep=1) (the same checkpoint loads under any layout)")
     return None
+
+
+@contextlib.contextmanager
+def unsharded(engine):
+    """Every FSDP unit of this rank's stage all-gathered once for the whole generation (and kept so by each forward),
+    then sharded again: replicas decode different numbers of steps, so no collective may run per step. Every rank
+    of a shard group enters together (one generation per predict batch on every rank)."""
+    root = engine.run_stage if isinstance(engine.run_stage, FSDPModule) else None
+    units = [m for m in engine.model.modules() if isinstance(m, FSDPModule)] + ([root] if root is not None else [])
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(engine.sharding_strategy == "FULL_SHARD" and m is not root, recurse=False)
 
 
 def greedy_settings(lm, generation: dict) -> tuple[GreedySettings | None, str | None]:
@@ -140,14 +163,15 @@ def prompt_of(model, batch: dict) -> Prompt:
     """The batch's prompt as ``MultimodalModel.generate`` decodes it: padding moved left, words with padding 0,
     transformers' positions (or the model's own M-RoPE positions, left-aligned the same way)."""
     input_ids, bam = batch["input_ids"], batch.get("bam")
-    mask = batch.get("attention_mask")
-    segment_ids = batch.get("segment_ids")
-    if segment_ids is not None and bool((segment_ids[mask.bool()] if mask is not None else segment_ids)
-                                        .ne(segment_ids[:, :1]).any()):
-        raise ValueError("generate takes one prompt per row; these rows are packed (segment_ids): collate the "
-                         "prompts without pack=True")
+    mask, position_ids = batch.get("attention_mask"), batch.get("position_ids")
     if mask is None:
         mask = bam.ne(0).long() if bam is not None else torch.ones_like(input_ids)
+    if is_packed(batch.get("segment_ids"), mask):  # one prompt per packed sample, as MultimodalModel.generate
+        if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 3:
+            position_ids = None  # the packer's per-sample M-RoPE positions: the model computes the same per row
+        rows = unpack_prompts(batch["segment_ids"], mask, input_ids=input_ids, bam=bam, position_ids=position_ids)
+        input_ids, bam, position_ids, mask = (rows[k] for k in ("input_ids", "bam", "position_ids",
+                                                                "attention_mask"))
     if bam is None:
         bam = model.build_bam(input_ids, mask)
     masks.validate(bam)
@@ -156,11 +180,11 @@ def prompt_of(model, batch: dict) -> Prompt:
     real = aligned.ne(0)
     if getattr(model, "position_ids_fn", None) is not None:  # M-RoPE: [B, S, 3] from the tokens and grids
         inputs = {n: batch[n] for n in model.encoders if isinstance(batch.get(n), dict)}
-        positions = prompt_positions(model, input_ids, mask, inputs, batch.get("position_ids"))
+        positions = prompt_positions(model, input_ids, mask, inputs, position_ids)
     else:
         positions = (aligned.long().ne(0).cumsum(1) - 1).clamp(min=0)
-        if batch.get("position_ids") is not None:
-            given, _ = left_align(batch["position_ids"], attention_mask=mask)
+        if position_ids is not None:
+            given, _ = left_align(position_ids, attention_mask=mask)
             if not torch.equal(given[real], positions[real]):
                 raise ValueError("generate counts positions 0, 1, ... over each row's non-padding tokens (as "
                                  "transformers does); these position_ids differ: drop them")
@@ -215,9 +239,9 @@ def pipeline_generate(engine, batch: dict, generation: dict) -> torch.Tensor:
         settings, problem = greedy_settings(model.language_model, generation)
     _agree(problem, engine.groups.replica, engine.device)
     check_same_batch(batch, engine.groups.replica)
-    rows, steps = batch["input_ids"].shape[0], int(generation["max_new_tokens"])
+    rows, steps = prompt_count(batch), int(generation["max_new_tokens"])
     out, produced = None, 0
-    with torch.no_grad():
+    with torch.no_grad(), unsharded(engine):
         features = _run_encoders(engine, batch)
         if sl is not None:
             out, produced = _decode(engine, batch, features, settings)
@@ -225,9 +249,20 @@ def pipeline_generate(engine, batch: dict, generation: dict) -> torch.Tensor:
     return _share(engine, out, produced, rows, steps)
 
 
+def prompt_count(batch: dict) -> int:
+    """How many prompts the batch holds: its rows, or its samples when rows are packed."""
+    mask = batch.get("attention_mask")
+    if mask is None:
+        mask = batch["bam"].ne(0) if batch.get("bam") is not None else torch.ones_like(batch["input_ids"])
+    if not is_packed(batch.get("segment_ids"), mask):
+        return batch["input_ids"].shape[0]
+    return unpack_prompts(batch["segment_ids"], mask)["attention_mask"].shape[0]
+
+
 def _llm_rank(engine, k: int) -> int:
-    """The rank of LLM stage ``k`` in this replica with this rank's tp index (every LLM stage has the same tp)."""
-    return engine.layout.rank(f"{LANGUAGE_MODEL}.{k}", engine.coord.dp, 0, engine.coord.tp)
+    """The rank of LLM stage ``k`` in this replica with this rank's cp and tp index (every LLM stage has the same
+    cp and tp): under context parallelism each cp rank decodes the whole prompt itself, the same tokens."""
+    return engine.layout.rank(f"{LANGUAGE_MODEL}.{k}", engine.coord.dp, engine.coord.cp, engine.coord.tp)
 
 
 def _run_encoders(engine, batch: dict) -> dict[str, torch.Tensor]:

@@ -43,7 +43,8 @@ class AttentionShape:
     kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
-    linear_layers: int = 0  # Gated DeltaNet layers (Qwen3.5), which context parallelism does not split
+    linear_layers: int = 0  # Gated DeltaNet layers (Qwen3.5), which context parallelism splits by heads
+    linear_value_heads: int = 0  # their value heads: the CP degree must divide them
 
 
 def cp_degrees_of(cp: int, mode: str) -> list[int]:
@@ -896,15 +897,17 @@ def _check_search(num_devices: int, mode: str, stages: int | None, cp_modes: Seq
 def _cp_options(cp_degrees, cp_modes, tp_degrees, attention: AttentionShape | None,
                 rejected: list[str]) -> list[tuple[int, str, int, int]]:
     """The (cp, cp_mode, Ulysses degree, tp) the search tries: every CP degree with each mode (allgather alone at
-    cp 1), every valid Ulysses degree of the mode and every tp, where the LLM's heads can run them (no CP degree
-    above 1 for an LLM with Gated DeltaNet layers); the others go to ``rejected``, with the reason."""
+    cp 1), every valid Ulysses degree of the mode and every tp, where the LLM's heads can run them (for an LLM with
+    Gated DeltaNet layers, CP degrees that divide their value heads); the others go to ``rejected``, with the
+    reason."""
     options = []
     for c in dict.fromkeys(cp_degrees):
         if not isinstance(c, int) or c < 1:
             raise ValueError(f"cp degrees must be ints >= 1, got {c!r}")
-        if c > 1 and attention is not None and attention.linear_layers:
-            rejected.append(f"cp={c}: the language model's {attention.linear_layers} Gated DeltaNet layers carry a "
-                            "recurrent state through the whole sequence; context parallelism does not split them")
+        if c > 1 and attention is not None and attention.linear_layers and attention.linear_value_heads % c:
+            rejected.append(f"cp={c}: the language model's {attention.linear_layers} Gated DeltaNet layers are split "
+                            f"by heads over the CP ranks, and cp={c} does not divide their "
+                            f"{attention.linear_value_heads} value heads")
             continue
         for m in (("allgather",) if c == 1 else dict.fromkeys(cp_modes)):
             ks = cp_degrees_of(c, m)

@@ -26,6 +26,8 @@ EXTRA_COMMANDS = {
     "export": "Write a checkpoint as HuggingFace folders loadable with from_pretrained (lightning-mm export --help).",
     "lighthouse": "Run the torchft quorum service of fault-tolerant replica groups (lightning-mm lighthouse --help; "
                   "docs/fault_tolerance.md).",
+    "agent": "Run one node's agent: it chooses the replica group whose rendezvous this node's torchrun joins, so "
+             "that nodes move between groups (lightning-mm agent --help; docs/fault_tolerance.md).",
 }
 
 
@@ -302,6 +304,10 @@ def run_command(args: list[str], from_argv: bool) -> None:
         from lightning_mm.fault_tolerance import lighthouse_main
 
         return lighthouse_main(args[1:])
+    if args[:1] == ["agent"]:  # the per-node agent that moves nodes between replica groups
+        from lightning_mm.fault_tolerance.agent import agent_main
+
+        raise SystemExit(agent_main(args[1:]))
     from lightning_mm.trainer.callbacks import LossCurve
 
     # args=None when they come from sys.argv: LightningCLI warns when given both

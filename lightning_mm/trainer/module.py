@@ -181,7 +181,12 @@ class MultimodalLightningModule(pl.LightningModule):
 
                 with pipeline.precision_plugin.forward_context():
                     return {"generated_ids": pipeline_generate(pipeline.engine, batch, self.generation)}
-            return {"generated_ids": predict_generate(self, batch, self.generation)}
+            if pipeline is None:
+                return {"generated_ids": predict_generate(self, batch, self.generation)}
+            from lightning_mm.parallel.pipeline_generation import unsharded  # FSDP: gathered once, not per step
+
+            with unsharded(pipeline.engine):
+                return {"generated_ids": predict_generate(self, batch, self.generation)}
         if self.pipeline is not None:
             return self.pipeline.predict_pipeline(batch)
         logits = self.model(**{k: v for k, v in batch.items() if k != "labels"}).logits

@@ -9,7 +9,7 @@ stage each, dp 2 with the LLM's experts split over both replicas (ep 2) on 4 ran
 "single": one process; a layout name ending in "_fsdp" is that layout under sharding_strategy="FULL_SHARD",
 e.g. "dp2_fsdp": each stage sharded over its 2 replicas, "cp2_fsdp": the LLM stage over its 2 CP ranks,
 "vdp2pp2_fsdp", "vdp1dp2_fsdp": vision dp 1 + LLM dp 2 on 3 ranks (per-module data parallelism shards the LLM
-only)), steps, out (losses JSON, rank 0),
+only); "_sgo" likewise under sharding_strategy="SHARD_GRAD_OP"), steps, out (losses JSON, rank 0),
 ckpt_dir, save_every (steps), resume (a checkpoint folder), kill ({"rank": r, "step": s}: SIGKILL that rank
 after step s), weights (file for the trained parameters; each rank of a distributed run writes ``<weights>.<rank>``
 with the whole tensors of the trainable parameters it holds), hang (same, SIGSTOP: a frozen rank whose sockets stay open, like a lost node), raise (same, an
@@ -83,8 +83,9 @@ def save_weights(trainer, module, path: str) -> None:
 
 
 def main(cfg: dict):
-    name = cfg["layout"].removesuffix("_fsdp")
-    layout, sharding = LAYOUTS[name], "FULL_SHARD" if cfg["layout"].endswith("_fsdp") else "NO_SHARD"
+    name = cfg["layout"].removesuffix("_fsdp").removesuffix("_sgo")
+    sharding = {"_fsdp": "FULL_SHARD", "_sgo": "SHARD_GRAD_OP"}.get(cfg["layout"][len(name):], "NO_SHARD")
+    layout = LAYOUTS[name]
     global_batch, samples = cfg.get("global_batch", GLOBAL_BATCH), cfg.get("num_samples", 16)
     callbacks = [Events(cfg)]
     if cfg.get("save_every"):

@@ -17,8 +17,10 @@ MultimodalParallelStrategy, described by a JSON argument.
   Qwen-VL grids
 - ``partition``: the strategy's explicit ``{module: [layers per stage]}``
 - ``pack``: rows of ``pack`` tokens, samples packed into them (``segment_ids``)
-- ``microbatches``: the strategy's ``num_microbatches`` (2 unless given; an MoE's load-balancing loss is a mean over
-  microbatches, so 1 is what one process computes)
+- ``images``: sample ``i`` holds ``i % (images + 1)`` images (0 to ``images``) instead of one or two
+- ``ep``: the LLM's expert-parallel degree (a mixture-of-experts LLM; over ``dp`` replicas)
+- ``microbatches``: the strategy's ``num_microbatches`` (2 unless given; 1 for packed rows, whose count varies, and
+  for an MoE's load-balancing loss, a mean over microbatches, to equal one process)
 - ``encoder``: the encoder the ``vision_*`` keys lay out ("vision" unless given); "audio" makes Qwen2-Audio samples
   (``audio_sample``) instead of images
 
@@ -56,12 +58,14 @@ def audio_sample(i: int) -> dict:
     return out
 
 
-def sample(i: int, videos: bool = False, image_size: int | None = None) -> dict:
-    """One or two images of different grids (or of ``image_size`` pixels); with ``videos``, every sample but every
-    third also holds a video of 2 to 4 temporal patches (before or after its images), and every third sample no
-    image."""
+def sample(i: int, videos: bool = False, image_size: int | None = None, images: int | None = None) -> dict:
+    """One or two images of different grids (or of ``image_size`` pixels; ``images``: ``i % (images + 1)`` of
+    them); with ``videos``, every sample but every third also holds a video of 2 to 4 temporal patches (before or
+    after its images), and every third sample no image."""
     g = torch.Generator().manual_seed(i)
     n_images = 0 if videos and i % 3 == 0 else 1 + i % 2
+    if images is not None:
+        n_images = i % (images + 1)
     grids = [GRIDS[(i + k) % len(GRIDS)] for k in range(n_images)]
     video = VIDEO_GRIDS[i % len(VIDEO_GRIDS)] if videos and i % 3 != 1 else None
     ids = torch.randint(1, 90, (3 + i % 3,), generator=g).tolist()
@@ -148,20 +152,21 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
 def main(spec: str, out: str):
     case = json.loads(spec)
     torch.set_num_threads(1)
-    if {"llm_pp", "llm_cp", "vision_pp", "vision_cp", "vision_tp", "dp"} & set(case):
+    if {"llm_pp", "llm_cp", "vision_pp", "vision_cp", "vision_tp", "dp", "ep"} & set(case):
         pp, cp, vision_pp = case.get("llm_pp", 1), case.get("llm_cp", 1), case.get("vision_pp", 1)
         vision_cp, vision_tp = case.get("vision_cp", 1), case.get("vision_tp", 1)
         strategy = lmm.MultimodalParallelStrategy(
             encoders={case.get("encoder", "vision"): lmm.ParallelSpec(pp=vision_pp, cp=vision_cp, tp=vision_tp)},
-            language_model=lmm.ParallelSpec(pp=pp, cp=cp), num_microbatches=case.get("microbatches", 2),
-            cp_block_size=8, fault_timeout=120,
+            language_model=lmm.ParallelSpec(pp=pp, cp=cp, ep=case.get("ep", 1)),
+            num_microbatches=case.get("microbatches", 2), cp_block_size=8, fault_timeout=120,
             sharding_strategy=case.get("sharding", "NO_SHARD"), partition=case.get("partition", "uniform"))
         devices = (vision_pp * vision_cp * vision_tp + pp * cp) * case.get("dp", 1)
     else:
         strategy, devices = "auto", 1
     train(case, out, strategy, devices,
           lambda model: [audio_sample(i) if case.get("encoder") == "audio" else
-                         sample(i, case.get("videos", False), case.get("image_size")) for i in range(12)])
+                         sample(i, case.get("videos", False), case.get("image_size"), case.get("images"))
+                         for i in range(12)])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,11 @@ marker, "after": step, "seconds": s, "max": s}: from that step on,
 this group sleeps ``seconds`` after each step until the marker file exists, at most ``max`` in all: slower steps,
 never a blocked peer). Every group's rank 0 writes ``world_<group>_<world size>`` after its first step, appends
 ``<step> <time> <restart>`` to ``steps_<group>.log`` at each batch end and writes ``result_<group>.json`` (without
-fault tolerance: steps and timings only). The
+fault tolerance: steps and timings only) and ``healed_<group>`` once it healed. Under ``lightning-mm agent``:
+group null (the agent's ``LMM_REPLICA_GROUP``), kill a list of kills, each of a group's rank or of a "node" (its
+LMM_AGENT_NODE; with "agent": true the lightning-mm agent dies too), wait_for ({"step": s, "marker": name or
+names, "max": s}: wait after step s until those marker files exist; pace's "until" may be a list too),
+quorum_timeout (s). The
 reference reads the data settings a group wrote (``data.json``) and trains one process on the same global batches.
 """
 
@@ -67,20 +71,29 @@ def build_module(cfg=None):
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5))
 
 
+def _markers(out: str, names) -> bool:
+    """Whether the marker file ``names`` (or every one of a list) exists in ``out``."""
+    return all(os.path.exists(os.path.join(out, n)) for n in ([names] if isinstance(names, str) else names))
+
+
 class Events(L.Callback):
     def __init__(self, cfg):
         self.cfg, self.steps = cfg, []
 
     def _kill(self, trainer, where):
-        kill = self.cfg.get("kill")
-        if (kill and kill["where"] == where and kill["group"] == self.cfg["group"]
-                and kill["rank"] == trainer.global_rank and kill["step"] == trainer.global_step
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-            with open(os.path.join(self.cfg["out"], "killed_at"), "w") as f:
-                f.write(str(time.time()))
-            if kill.get("agent"):  # the whole node: its torchrun agent first, so that nothing restarts this rank
-                os.kill(os.getppid(), signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
+        kills = self.cfg.get("kill")
+        for kill in kills if isinstance(kills, list) else [kills]:
+            here = (os.environ.get("LMM_AGENT_NODE") == kill["node"] if kill and "node" in kill else
+                    kill and kill["group"] == self.cfg["group"] and kill["rank"] == trainer.global_rank)
+            if (here and kill["where"] == where and kill["step"] == trainer.global_step
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+                with open(os.path.join(self.cfg["out"], "killed_at"), "w") as f:
+                    f.write(str(time.time()))
+                if kill.get("agent"):  # the whole node: its agents first, so that nothing restarts this rank
+                    if os.environ.get("LMM_AGENT_PID"):  # lightning-mm agent around torchrun
+                        os.kill(int(os.environ["LMM_AGENT_PID"]), signal.SIGKILL)
+                    os.kill(os.getppid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def on_after_backward(self, trainer, pl_module):
         self._kill(trainer, "backward")
@@ -98,14 +111,22 @@ class Events(L.Callback):
             with open(os.path.join(self.cfg["out"], f"steps_{self.cfg['group']}.log"), "a") as f:
                 f.write(f"{trainer.global_step} {self.steps[-1][1]:.6f} "
                         f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
+        ft = getattr(trainer.strategy, "ft", None)
+        if trainer.global_rank == 0 and ft is not None and ft.stats.get("healed_steps"):
+            open(os.path.join(self.cfg["out"], f"healed_{self.cfg['group']}"), "w").close()
         self._kill(trainer, "batch_end")
         pace = self.cfg.get("pace")
         if pace and trainer.global_step >= pace["after"] and self.paced < pace["max"] \
-                and not os.path.exists(os.path.join(self.cfg["out"], pace["until"])):
+                and not _markers(self.cfg["out"], pace["until"]):
             time.sleep(pace["seconds"])
             self.paced += pace["seconds"]
+        wait = self.cfg.get("wait_for")  # {"step": s, "marker": name, "max": seconds}
+        if wait and trainer.global_step == wait["step"]:
+            deadline = time.time() + wait["max"]
+            while not _markers(self.cfg["out"], wait["marker"]) and time.time() < deadline:
+                time.sleep(0.2)
         kill = self.cfg.get("kill")
-        if self.cfg.get("wait_rejoin") and kill and self.cfg["group"] != kill["group"] \
+        if self.cfg.get("wait_rejoin") and isinstance(kill, dict) and self.cfg["group"] != kill["group"] \
                 and trainer.global_step == kill["step"] + 2:  # the lost group can rejoin before the run ends
             # (up to 600 s: on a loaded 2-core machine a restarted rank's imports alone took 181 s)
             marker, deadline = os.path.join(self.cfg["out"], f"restarted_{kill['group']}"), time.time() + 600
@@ -114,8 +135,11 @@ class Events(L.Callback):
 
 
 def group(cfg):
+    if cfg.get("group") is None:  # started by lightning-mm agent: the group it assigned
+        cfg["group"] = int(os.environ["LMM_REPLICA_GROUP"])
     ft = None if cfg.get("ft") is False else lmm.FaultTolerance(lighthouse=cfg["lighthouse"], replica_group=cfg["group"], num_replica_groups=cfg["groups"],
-                            min_replicas=1, timeout=cfg.get("timeout", 10.0), quorum_timeout=60.0, connect_timeout=5.0,
+                            min_replicas=1, timeout=cfg.get("timeout", 10.0),
+                            quorum_timeout=cfg.get("quorum_timeout", 60.0), connect_timeout=5.0,
                             hostname="127.0.0.1", global_batch=cfg.get("global_batch"),
                             templates=cfg.get("templates"))
     strategy = lmm.MultimodalParallelStrategy(

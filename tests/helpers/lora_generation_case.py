@@ -4,7 +4,8 @@
 and what ``trainer.predict`` with ``generation=`` gave: every rank's generated ids in order, or the error it
 raised) and ``<out_dir>/params_<rank>.pt`` (this rank's trainable parameters by full name). JSON keys:
 ``devices`` (1: plain Lightning), ``llm_pp``, ``llm_tp``, ``sharding`` (sharding_strategy), ``placement``,
-``steps``, ``predict`` (default true), ``lora_modules`` (default q_proj and v_proj).
+``steps``, ``predict`` (default true), ``lora_modules`` (default q_proj and v_proj), ``precision`` (the Trainer's;
+the expected tokens then come from ``generate`` under the same autocast).
 """
 
 import json
@@ -49,7 +50,8 @@ def main(spec: str, out: str):
             sharding_strategy=case.get("sharding", "NO_SHARD"))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.get("steps", 2),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0)
+                        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                        precision=case.get("precision", "32-true"))
     model = build()
     module = lmm.MultimodalLightningModule(
         model, optimizer=lambda p: torch.optim.SGD(p, lr=0.5), generation=GENERATION,
@@ -82,7 +84,8 @@ def main(spec: str, out: str):
             gathered = [got.tolist()]
         result["generated"] = gathered
         if owned is None or whole_model_on_rank(owned, module.model):  # else the model is cut into stages
-            result["expected"] = [module.model.generate(**p, **GENERATION).tolist() for p in prompts]
+            with trainer.precision_plugin.forward_context():  # the autocast trainer.predict ran under
+                result["expected"] = [module.model.generate(**p, **GENERATION).tolist() for p in prompts]
     except RuntimeError as e:
         result["error"] = str(e)
     if rank == 0:

@@ -7,7 +7,9 @@ JSON keys: ``kind`` ("llava": a SigLIP tower + llama built from configs; "qwen2_
 composite written by ``tests.test_hf_composites.save_composite``), ``llm_pp``, ``dp`` (replicas, default 1),
 ``max_new_tokens``, ``early_stop`` (stop tokens picked from the reference so rows finish at different steps and
 all before ``max_new_tokens``), ``generation`` (extra options, e.g. to see a refusal), ``llm_tp``, ``vision_pp``,
-``placement`` (``encoder_placement``), ``videos`` (Qwen prompts mixing images and videos).
+``placement`` (``encoder_placement``), ``videos`` (Qwen prompts mixing images and videos), ``vision_cp`` (encoder
+context parallelism), ``llm_cp``, ``sharding`` (``sharding_strategy``), ``packed`` (LLaVA prompts packed two to a
+row; the reference decodes them one per row).
 """
 
 import json
@@ -31,15 +33,19 @@ def build(case: dict):
     return lmm.MultimodalModel.from_pretrained(case["folder"]).eval()
 
 
-def llava_prompts(model, seed: int) -> dict:
-    """Three prompts of different lengths with 1, 2 and 1 images, collated with right padding."""
+def llava_prompts(model, seed: int, packed: bool = False) -> tuple[dict, dict]:
+    """(ours, the one-process reference's): three prompts of different lengths with 1, 2 and 1 images, collated with
+    right padding; with ``packed`` ours packs them first-fit into two rows of 64 tokens ([0, 1] and [2], in order)
+    and the reference has one prompt per row."""
     g = torch.Generator().manual_seed(seed)
     enc, pid = model.encoders["vision"], model.placeholder_ids["vision"]
     images = lambda n: enc.family.random_inputs(enc.module.config, n, generator=g)  # noqa: E731
     samples = [{"input_ids": [5, pid, 7, 9, 11], "vision": images(1)},
                {"input_ids": [3, 4, pid, 8, 12, pid, 13, 14, 20, 21, 22], "vision": images(2)},
                {"input_ids": [6, 7, 8, pid, 30, 31, 32, 33], "vision": images(1)}]
-    return lmm.data.MultimodalCollator(model)(samples[seed % 2:] if seed % 2 else samples)
+    samples = samples[seed % 2:] if seed % 2 else samples
+    plain = lmm.data.MultimodalCollator(model)(samples)
+    return (lmm.data.MultimodalCollator(model, seq_len=64, pack=True)(samples) if packed else plain), plain
 
 
 def qwen_prompts(kind: str, seed: int, videos: bool = False) -> tuple[dict, dict]:
@@ -62,7 +68,7 @@ def qwen_prompts(kind: str, seed: int, videos: bool = False) -> tuple[dict, dict
 
 def reference(case: dict, model, batch: dict, hf_kwargs: dict | None, generation: dict) -> list:
     if case["kind"] == "llava":
-        return model.generate(**batch, **generation).tolist()
+        return model.generate(**hf_kwargs, **generation).tolist()
     from tests.test_hf_composites import load_hf
 
     hf = load_hf(case["kind"], case["folder"]).eval()
@@ -74,19 +80,21 @@ def reference(case: dict, model, batch: dict, hf_kwargs: dict | None, generation
 def main(spec: str, out: str):
     case = json.loads(spec)
     torch.set_num_threads(1)
-    pp, dp, tp = case.get("llm_pp", 2), case.get("dp", 1), case.get("llm_tp", 1)
-    vision_pp, placement = case.get("vision_pp", 1), case.get("placement", "parallel")
-    strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=vision_pp)},
-                                              language_model=lmm.ParallelSpec(pp=pp, tp=tp), num_microbatches=2,
-                                              encoder_placement=placement, fault_timeout=120)
-    per_replica = pp * tp + (0 if placement == "replicated" else vision_pp)
+    pp, dp, tp, cp = case.get("llm_pp", 2), case.get("dp", 1), case.get("llm_tp", 1), case.get("llm_cp", 1)
+    vision_pp, vision_cp = case.get("vision_pp", 1), case.get("vision_cp", 1)
+    placement = case.get("placement", "parallel")
+    strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=vision_pp, cp=vision_cp)},
+                                              language_model=lmm.ParallelSpec(pp=pp, tp=tp, cp=cp),
+                                              num_microbatches=2, encoder_placement=placement, fault_timeout=120,
+                                              sharding_strategy=case.get("sharding", "NO_SHARD"), cp_block_size=8)
+    per_replica = pp * tp * cp + (0 if placement == "replicated" else vision_pp * vision_cp)
     trainer = L.Trainer(accelerator="cpu", devices=dp * per_replica, strategy=strategy, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
     model = build(case)
     generation = {"max_new_tokens": case.get("max_new_tokens", 8), "do_sample": False}
     if case["kind"] == "llava":
-        batches = [(llava_prompts(model, seed), None) for seed in range(dp)]
+        batches = [llava_prompts(model, seed, case.get("packed", False)) for seed in range(dp)]
     else:
         batches = [qwen_prompts(case["kind"], seed, case.get("videos", False)) for seed in range(dp)]
     expected = None
@@ -106,6 +114,9 @@ def main(spec: str, out: str):
         dist.all_gather_object(gathered, got.tolist())
         result["generated"] = gathered
         result["replicas"] = [trainer.strategy.layout.coordinate(r).dp for r in range(trainer.world_size)]
+        sharded = [None] * trainer.world_size  # how many parameters FSDP manages on each rank
+        dist.all_gather_object(sharded, len(trainer.strategy.engine.fsdp_params))
+        result["sharded"] = sharded
     except RuntimeError as e:
         result["error"] = str(e)
     if trainer.global_rank == 0:

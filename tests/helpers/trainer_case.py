@@ -22,6 +22,12 @@ names), so a test can compare any layout with one process; under the strategy al
 - ``encoder_dp`` / ``llm_dp``: per-module data parallelism (every module's ``ParallelSpec.dp``); ``batch_size`` stays
   per language-model replica
 - ``workers``: the loaders' ``num_workers`` (default 0)
+- ``pack``: rows of ``pack`` tokens with samples packed into them (``segment_ids``); ``text_tokens`` ([min, max]);
+  or ``layout`` ("ee" default, "mp": packed) with ``seq_len``
+- ``lora``: LoRA adapters (r 4, alpha 8, random A and B) on these LLM modules, e.g. ["q_proj", "v_proj"]
+- ``save_every``: a checkpoint every that many optimiser steps during fit (``<out_dir>/ckpt/step=<n>.ckpt``; one
+  written after fit holds no loader position: its loops state has no ``combined_loader``); ``resume``: fit
+  from this checkpoint
 - ``accelerator`` ("cpu" default, "cuda"), ``backend`` (process_group_backend), ``share_gpu``: every rank on
   cuda:0 (the strategy's ``parallel_devices``); on CUDA each rank writes ``memory_<rank>.json`` (peak allocated)
 """
@@ -67,7 +73,7 @@ class Data(lmm.data.SyntheticMultimodalDataModule):
 class Module(lmm.MultimodalLightningModule):
     def __init__(self, *args, nan_at=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.nan_at, self.losses, self.aux_losses = nan_at, [], []
+        self.nan_at, self.losses, self.aux_losses, self.packed = nan_at, [], [], []
 
     def compute_loss(self, batch, train=True):
         loss = super().compute_loss(batch, train)
@@ -78,6 +84,9 @@ class Module(lmm.MultimodalLightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         super().on_train_batch_end(outputs, batch, batch_idx)
         self.losses.append(float(outputs["loss"]))
+        if "segment_ids" in batch:  # packed rows: the most samples one row of this batch holds
+            segs, mask = batch["segment_ids"], batch["attention_mask"].bool()
+            self.packed.append(max(len(set(segs[r][mask[r]].tolist())) for r in range(len(segs))))
         if "train/aux_loss" in self.trainer.callback_metrics:  # what this step logged (a mixture-of-experts LLM)
             self.aux_losses.append(float(self.trainer.callback_metrics["train/aux_loss"]))
 
@@ -114,7 +123,8 @@ def build(case):
     model = lmm.MultimodalModel({m: encoders[m]() for m in case.get("modalities", ["vision", "audio"])},
                                 tiny_language_model(case.get("llm", "llama"), num_hidden_layers=case.get("llm_layers", 4),
                                                     **case.get("llm_config", {})))
-    return model.freeze(**FREEZE[case.get("freeze", "llm")])
+    model = model.freeze(**FREEZE[case.get("freeze", "llm")])
+    return model
 
 
 def main(spec: str, out: str):
@@ -145,12 +155,15 @@ def main(spec: str, out: str):
             devices = case.get("devices") or sum(s.dp * s.size for s in [*specs.values(), llm])
         dp_batch = case.get("batch_size", 4)
     callbacks = [StateBytes(out)] if case.get("state_bytes") else []
+    if case.get("save_every"):
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), filename="{step}",
+                                                             every_n_train_steps=case["save_every"], save_top_k=-1))
     accelerator = case.get("accelerator", "cpu")
     if case.get("share_gpu") and strategy != "auto":
         strategy.parallel_devices, devices = [torch.device("cuda", 0)] * devices, 1
     trainer = L.Trainer(accelerator=accelerator, devices=devices, strategy=strategy, max_steps=case.get("steps", 3),
                         callbacks=callbacks,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        logger=False, enable_checkpointing=bool(case.get("save_every")), enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                         accumulate_grad_batches=case.get("accumulate", 1), precision=case.get("precision", "32-true"),
                         limit_val_batches=2, limit_test_batches=2, limit_predict_batches=1,
@@ -162,12 +175,16 @@ def main(spec: str, out: str):
     else:
         model = build(case)
     optimizer = torch.optim.SGD if case.get("optimizer") == "sgd" else torch.optim.AdamW
+    lora = case.get("lora") and {"modules": case["lora"], "r": 4, "alpha": 8, "init_lora_weights": False}
     module = Module(model, optimizer=lambda p: optimizer(p, lr=case.get("lr", 1e-2)),
-                    nan_guard="skip" if "nan_at" in case else None, nan_at=case.get("nan_at"))
+                    nan_guard="skip" if "nan_at" in case else None, nan_at=case.get("nan_at"), lora=lora)
     data = Data(num_samples=64, batch_size=dp_batch, val_samples=2 * dp_batch, items_per_sample=case.get("items", (1, 2)),
-                num_workers=case.get("workers", 0))
-    trainer.fit(module, data)
+                num_workers=case.get("workers", 0), layout=case.get("layout") or ("mp" if case.get("pack") else "ee"),
+                seq_len=case.get("seq_len") or case.get("pack"), text_tokens=case.get("text_tokens", (8, 24)))
+    trainer.fit(module, data, ckpt_path=case.get("resume"))
     result = {"train": module.losses}
+    if module.packed:
+        result["packed"] = module.packed
     if module.aux_losses:  # a mixture-of-experts LLM
         result["aux_loss"] = module.aux_losses
     if case.get("validate"):
