@@ -65,13 +65,11 @@ class MultimodalParallelStrategy(DDPStrategy):
     the LLM's first stage). Each rank's batch is cut into ``num_microbatches``. ``language_model=ParallelSpec(cp=N)``
     shards every LLM sequence over N ranks in blocks of ``cp_block_size`` tokens distributed by ``cp_distribution``
     ("lpt", "zigzag", "random", "contiguous"); shorter sequences pad themselves to N blocks.
-    ``activation_checkpointing=True`` keeps only each encoder/LLM layer's input and recomputes its forward in
-    backward (less activation memory, about one more forward of compute); the planner partitions accordingly.
+    ``activation_checkpointing=True`` recomputes each encoder/LLM layer's forward in backward from its input.
     ``ParallelSpec(tp=N)`` splits a module's layers over N ranks (DTensor; docs/parallelism.md), and
     ``sharding_strategy`` ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") shards each stage's state over its
-    data-parallel ranks with FSDP2. ``parallel_devices`` (Lightning's: the local ranks' devices) may repeat a GPU,
-    e.g. ``["cuda:0"] * 4`` with ``Trainer(devices=1)`` runs 4 ranks on one GPU; NCCL refuses that, so give
-    ``process_group_backend="gloo"`` (pipeline and data parallelism; stage messages go through host memory).
+    data-parallel ranks with FSDP2. ``parallel_devices`` may repeat a GPU (``["cuda:0"] * 4`` with
+    ``Trainer(devices=1)``: 4 ranks on one GPU, with ``process_group_backend="gloo"``, since NCCL refuses it).
     ``batch_balancing`` places each global batch's samples over replicas and microbatches by their encoder and LLM
     work ("none": contiguous slices; "disttrain"; "entrain", which also defers LLM work of an overloaded
     microbatch to the next one; docs/balancing.md). The default (None) is "entrain" where the training loader
