@@ -131,7 +131,6 @@ def test_bad_requests_name_the_fix(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_frozen_aware_pipeline_trains_like_one_process():
     """vision pp=2 cut [3, 1] by the planner + LLM pp=1 (3 processes, 2 microbatches, 3 SGD steps)."""
     steps, rows = 3, 4

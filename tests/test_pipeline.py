@@ -17,7 +17,7 @@ CASES = [
     pytest.param((("vision", "audio"), "encoder", (2, 2), 1, "colocated", 1, 2),
                  marks=[pytest.mark.ci, pytest.mark.combines("pipeline", "placement")]),
     pytest.param((("vision", "audio"), "llm", (1, 1), 2, "replicated", 2, 2),
-                 marks=[pytest.mark.ci, pytest.mark.combines("pipeline", "placement")]),
+                 marks=pytest.mark.combines("pipeline", "placement")),
     (("vision", "image2"), "encoder", (1, 1), 2, "replicated", 1, 4),
 ]
 

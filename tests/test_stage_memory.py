@@ -139,7 +139,6 @@ def _save_folders(tmp_path) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_folders_loaded_under_the_strategy_validate_like_one_process(tmp_path):
     llm, enc = _save_folders(tmp_path)
     base = {"llm": llm, "encoder": enc}

@@ -26,9 +26,9 @@ def test_help_lists_plan_and_export_without_warnings():
                           timeout=120, env=case_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
-    for command in ("fit", "validate", "test", "predict", "plan", "export", "lighthouse"):
+    for command in ("fit", "validate", "test", "predict", "plan", "export", "lighthouse", "agent"):
         assert any(line.strip().startswith(command + " ") for line in lines), (command, proc.stdout)
-    assert "{fit,validate,test,predict,plan,export,lighthouse}" in proc.stdout
+    assert "{fit,validate,test,predict,plan,export,lighthouse,agent}" in proc.stdout
     assert "args parameter is intended" not in proc.stdout + proc.stderr
 
 
