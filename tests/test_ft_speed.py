@@ -20,28 +20,17 @@ import torch
 from lightning_mm.fault_tolerance import abandon
 
 from tests.helpers.distributed import _free_port
+from tests.test_fault_tolerance import HEARTBEAT_S, lighthouse  # noqa: F401  (the fixture: heartbeat 2 s)
 from tests.test_fault_tolerance import (_assert_both_groups_equal_the_reference, _launch, _launch_elastic, _log,
                                         _templates, _wait)
 
 torchft = pytest.importorskip("torchft")
 
-HEARTBEAT_S, TIMEOUT_S, STEPS, KILL_STEP = 2.0, 15.0, 8, 3
+TIMEOUT_S, STEPS, KILL_STEP = 15.0, 8, 3
 # beyond the heartbeat timeout and one step: group 0's rank 0 ending after the kill (its link thread scheduled, the
 # process gone), the lighthouse's 100 ms quorum tick and the new quorum's process groups; 0.13-0.47 s measured in
 # four runs on the loaded 2-core machine, 1 s allowed
 SLACK_S = 1.0
-
-
-@pytest.fixture
-def lighthouse():
-    from torchft.coordination import LighthouseServer
-
-    from lightning_mm.fault_tolerance import parse_address
-
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=3000,
-                              heartbeat_timeout_ms=int(HEARTBEAT_S * 1000))
-    yield parse_address(server.address())
-    server.shutdown()
 
 
 PAGE = """Current quorum_id: 3 <br>
