@@ -21,6 +21,11 @@ CASES = [  # (modalities, freeze, the modalities replica 1 lacks, placement, llm
                  marks=pytest.mark.combines("fsdp", "placement")),
     (("vision",), "encoder", ("vision",), "parallel", 2, "SHARD_GRAD_OP", 6),
     (VA, "encoder", ("audio",), "parallel", 1, "FULL_SHARD", 6),
+    # with the rows above, every pair of (sharding, encoder trained or frozen, placement, LLM pp) is covered
+    pytest.param((("vision",), "projectors", ("vision",), "colocated", 2, "FULL_SHARD", 6),
+                 marks=pytest.mark.combines("fsdp", "placement", "pipeline")),
+    (("vision",), "encoder", ("vision",), "colocated", 1, "SHARD_GRAD_OP", 4),
+    (("vision",), "projectors", ("vision",), "replicated", 1, "SHARD_GRAD_OP", 2),
 ]
 
 
