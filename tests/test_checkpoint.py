@@ -113,6 +113,7 @@ def test_full_shard_with_per_module_data_parallel_saves_and_resumes():
 
 
 @pytest.mark.slow
+@pytest.mark.combines("checkpoint", "fsdp")
 def test_shard_grad_op_saves_resumes_and_reshards():
     """pp2 -> vision + LLM 1 stage each under SHARD_GRAD_OP over dp 2 (4 ranks: parameters and AdamW state are
     FSDP2 shards, gathered parameters kept from forward to backward) -> the same layout resumed from its own
@@ -123,6 +124,7 @@ def test_shard_grad_op_saves_resumes_and_reshards():
 
 
 @pytest.mark.slow
+@pytest.mark.combines("checkpoint", "fsdp", "per_module_dp", "pipeline")
 def test_sharded_encoder_replicas_under_per_module_dp_save_and_resume(tmp_path):
     """Vision dp 2 under FULL_SHARD (each of the 2 tower replicas holds half of the vision stage) + LLM dp 1 in 2
     stages (4 ranks), 0-1 images per sample (a replica's share of a step may hold none): the uninterrupted run
