@@ -215,14 +215,14 @@ def _assert_both_groups_equal_the_reference(out, steps=STEPS):
     _assert_equal_to_reference(_params(out, 1), ref)
 
 
-def _run_two_groups(tmp_path, address, kill, restarts_1, wait_rejoin, layouts=({}, {}), restarts_0=1):
+def _run_two_groups(tmp_path, address, kill, restarts_1, wait_rejoin, layouts=({}, {}), restarts_0=1, wait=420):
     out = str(tmp_path)
     host, port = address
     base = {"mode": "group", "lighthouse": f"{host}:{port}", "groups": 2, "steps": STEPS, "out": out, "kill": kill,
             "wait_rejoin": wait_rejoin, "timeout": 10.0}
     procs = [_launch({**base, "group": g, **layouts[g]}, restarts=restarts_0 if g == 0 else restarts_1,
                      nproc=layouts[g].get("devices", 2)) for g in (0, 1)]
-    codes = _wait(procs, 420)
+    codes = _wait(procs, wait)
     results = {}
     for g in (0, 1):
         path = os.path.join(out, f"result_{g}.json")

@@ -47,7 +47,7 @@ def test_a_groups_share_is_placed_over_its_replicas_as_the_loaders_place_a_batch
 
 def _reference(out: str, cfg: dict, steps: int) -> dict:
     """One process over the global batches the groups recorded (``data.json``), built like the groups' model."""
-    ref = {k: cfg[k] for k in ("lora", "moe", "data", "accumulate") if k in cfg}
+    ref = {k: cfg[k] for k in ("lora", "moe", "data", "accumulate", "precision") if k in cfg}
     subprocess.run([sys.executable, CASE, json.dumps({"mode": "reference", "steps": steps, "out": out, **ref})],
                    check=True, env=case_env(), cwd=out, capture_output=True, timeout=600)
     return torch.load(os.path.join(out, "reference.pt"))
@@ -134,3 +134,35 @@ def test_groups_with_per_module_data_parallelism_train_like_one_process(tmp_path
     ref = _reference(out, cfg, STEPS)
     for g in (0, 1):
         _assert_equal_to_reference(_params(out, g), ref)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("inside", [
+    pytest.param({"llm": {"tp": 2}}, id="tp2", marks=pytest.mark.combines("ft", "tp")),
+    pytest.param({"llm": {"tp": 2}, "precision": "bf16-mixed"}, id="tp2-bf16",
+                 marks=pytest.mark.combines("ft", "tp", "mixed_precision")),
+    pytest.param({"llm": {"pp": 1}, "strategy": {"sharding_strategy": "FULL_SHARD"}}, id="full_shard-dp2",
+                 marks=pytest.mark.combines("ft", "fsdp"))])
+def test_groups_with_sharded_parameters_heal_and_train_like_one_process(tmp_path, lighthouse, inside):
+    """Each group (2 ranks, groups of one layout): the LLM's weights split over tensor-parallel ranks (also under
+    bf16-mixed), or the model under FULL_SHARD over the group's 2 data-parallel ranks. Group 1 loses a rank inside
+    step 3 and restarts: group 0 redoes that step alone, group 1 heals from it (its sharded parameters and optimiser
+    state) and rejoins; both equal one process (autocast to bf16 like the groups, for the bf16 case)."""
+    from tests.test_fault_tolerance import _run_two_groups
+
+    kill = {"group": 1, "rank": 1, "step": 3, "where": "backward"}
+    cfg = {"data": IMAGES, "timeout": 60.0, "fault_timeout": 120.0, **inside}
+    out, codes, results = _run_two_groups(tmp_path, lighthouse, kill, restarts_1=1, wait_rejoin=True,
+                                          layouts=(cfg, cfg), restarts_0=0, wait=1500)
+    assert codes == [0, 0], _log(out, "launch_*.log")
+    r0, r1 = results[0], results[1]
+    assert r0["global_step"] == r1["global_step"] == 8 and r0["stats"]["redone_steps"] >= 1
+    assert r1["restart"] == 1 and r1["stats"]["healed_steps"] == 1
+    ref = _reference(out, cfg, 8)
+    tol = 2e-3 if cfg.get("precision") == "bf16-mixed" else 1e-5  # bf16 matmuls: the groups' sums in another order
+    for g in (0, 1):
+        got = _params(out, g)
+        assert set(got) == set(ref)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], rtol=tol, atol=tol, msg=lambda m: f"{n}: {m}")

@@ -3,7 +3,7 @@
 ``python ft_case.py '<json>'`` with keys: mode ("group" or "reference"), lighthouse ("host:port"), group (replica
 group id), groups (num_replica_groups), steps, out (folder: ``params_<group>_<rank>.pt``, ``result_<group>.json``),
 devices (ranks of the group, default 2: the LLM in 2 pipeline stages, the encoder with the first), num_nodes
-(default 1), kill ({"group": g, "rank": r, "step": s, "where": "batch_end" | "backward"}: SIGKILL that rank in its
+(default 1), precision (the Trainer's; the reference autocasts alike for "bf16-mixed"), kill ({"group": g, "rank": r, "step": s, "where": "batch_end" | "backward"}: SIGKILL that rank in its
 first launch, after step s or inside step s before the cross-group reduction; "agent": true kills its torchrun
 agent too, a node lost for good), pp (LLM stages, default 2), templates (a templates file), elastic (the node
 count comes from torchrun's world size),
@@ -166,7 +166,8 @@ def group(cfg):
                         strategy=strategy, max_steps=cfg["steps"], logger=L.pytorch.loggers.CSVLogger(
                             os.path.join(cfg["out"], f"logs_{cfg['group']}")), enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=bool(cfg.get("save_every")),
-                        callbacks=callbacks, accumulate_grad_batches=cfg.get("accumulate", 1))
+                        callbacks=callbacks, accumulate_grad_batches=cfg.get("accumulate", 1),
+                        precision=cfg.get("precision", "32-true"))
     module = build_module(cfg)
     data = lmm.data.SyntheticMultimodalDataModule(**{"num_samples": NUM_SAMPLES, "batch_size": BATCH,
                                                      **cfg.get("data", {})})
@@ -215,7 +216,9 @@ def reference(cfg):
         for j in range(k):  # Lightning's accumulation in one process: each batch's mean loss, divided by k
             idx = global_batch_indices(step * k + j, d["num_samples"], d["global_batch"], d["shuffle"], d["seed"])
             batch = collate([dataset[i] for i in idx])
-            (model(**batch).loss / k).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.get("precision") == "bf16-mixed"):
+                loss = model(**batch).loss
+            (loss / k).backward()
         opt.step()
         opt.zero_grad()
         sched.step()
