@@ -250,6 +250,23 @@ def test_strategy_trains_a_moe_llm_like_one_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.combines("ep", "per_module_dp")
+def test_expert_parallelism_under_per_module_dp_trains_like_one_process():
+    """The vision tower on 1 replica beside a Qwen3-MoE LLM (trained, with the projector) on 2 replicas whose experts
+    are split over them (ep 2; 3 processes, each microbatch's features routed from the one vision replica to both
+    LLM replicas), samples of 0-5 images of different sizes: every loss and every parameter as one process."""
+    from helpers.distributed import run_distributed
+    from helpers.per_module_dp_case import run_rank, run_reference
+    from helpers.pipeline_case import check_like_reference
+
+    ref_losses, ref_params = run_reference(("vision",), "llm", 3, 8, llm="qwen3_moe")
+    assert any(".mlp.experts." in n for n in ref_params)
+    results = run_distributed(run_rank, 3, ("vision",), "llm", {"vision": dict(dp=1)}, dict(dp=2, ep=2), 2, 3,
+                              8, 0.5, False, "NO_SHARD", "qwen3_moe")
+    check_like_reference(results, ref_losses, ref_params)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["none", pytest.param("entrain", marks=pytest.mark.combines("ep", "pipeline",
                                                                                            "balancing"))])
 @pytest.mark.combines("ep", "pipeline")

@@ -11,18 +11,18 @@ from lightning_mm.model import tiny_encoder, tiny_language_model
 from lightning_mm.plan.layout import ParallelSpec, build_layout
 
 
-@pytest.mark.refuses("ep", "per_module_dp",
-                     message="expert parallelism with per-module data-parallel degrees is not supported")
-def test_expert_parallelism_with_per_module_dp_is_refused():
+def test_expert_parallelism_under_per_module_dp_needs_an_llm_dp_that_ep_divides():
+    """Served (``tests/test_moe.py`` trains it like one process); an ep that does not divide the LLM's own dp is
+    named before any process group."""
     from lightning_mm.parallel.expert_parallel import check_expert_parallel
+    from lightning_mm.plan.layout import LayoutError
 
     model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))},
                                 tiny_language_model("qwen3_moe"))
-    check_expert_parallel(model, build_layout({"vision": ParallelSpec()}, ParallelSpec(ep=2), 4, "parallel",
-                                              ["vision"]))  # one dp degree: served
-    layout = build_layout({"vision": ParallelSpec(dp=1)}, ParallelSpec(dp=2, ep=2), 3, "parallel", ["vision"])
-    with pytest.raises(ValueError, match="expert parallelism with per-module data-parallel degrees is not supported"):
-        check_expert_parallel(model, layout)
+    check_expert_parallel(model, build_layout({"vision": ParallelSpec(dp=1)}, ParallelSpec(dp=2, ep=2), 3, "parallel",
+                                              ["vision"]))
+    with pytest.raises(LayoutError, match=r"ep=2 splits experts over its data-parallel replicas, but its dp=3"):
+        build_layout({"vision": ParallelSpec(dp=1)}, ParallelSpec(dp=3, ep=2), 4, "parallel", ["vision"])
     assert not dist.is_initialized()
 
 

@@ -27,8 +27,8 @@ from lightning_mm.plan.stages import StagePlan
 
 
 def check_expert_parallel(model, layout: RankLayout) -> None:
-    """ep > 1 needs a mixture-of-experts LLM with a plan, an ep dividing its expert count and one data-parallel
-    degree. Pure: runs before any process group exists."""
+    """ep > 1 needs a mixture-of-experts LLM with a plan and an ep dividing its expert count (and the LLM's dp:
+    ``build_layout``). Pure: runs before any process group exists."""
     if layout.ep == 1:
         return
     from lightning_mm.model.moe import is_moe
@@ -40,9 +40,6 @@ def check_expert_parallel(model, layout: RankLayout) -> None:
     experts = model.lm_family.num_experts(lm)
     if experts % layout.ep:
         raise ValueError(f"ep={layout.ep} does not divide the {experts} experts; choose an ep dividing {experts}")
-    if layout.per_module_dp:
-        raise ValueError("expert parallelism with per-module data-parallel degrees is not supported; give every "
-                         "module the same dp (or none)")
 
 
 def apply_ep(model, plan: StagePlan, meshes: ExpertMeshes) -> list[nn.Parameter]:

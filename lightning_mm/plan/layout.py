@@ -316,6 +316,10 @@ def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec
             raise LayoutError(f"the ParallelSpecs' data-parallel degrees need {layout.world_size} devices ({parts}: "
                              f"dp x ranks of one replica per module), got {world_size}; change the devices or the "
                              "modules' dp")
+        if layout.dp % layout.ep:
+            raise LayoutError(f"language_model ep={layout.ep} splits experts over its data-parallel replicas, but its "
+                             f"dp={layout.dp}; give the language model a dp that {layout.ep} divides, or an ep "
+                             f"dividing {layout.dp}")
         return layout
     per_replica = layout.ranks_per_replica
     if world_size % per_replica:

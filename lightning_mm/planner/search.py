@@ -598,7 +598,7 @@ def _sync_and_state(stages: _Stages, moe: dict, degrees: _Degrees, sharding: str
 
 def check_ep(ep: int, dp: int, experts: ExpertShape | None, per_module_dp: bool = False) -> None:
     """Raise (with the fix) for an expert-parallel degree the runtime does not serve (``check_expert_parallel``):
-    ep must divide dp and the expert count, with one dp for every module."""
+    ep must divide dp and the expert count; the search costs it with one dp for every module."""
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep must be an int >= 1, got {ep!r}")
     if ep == 1:
@@ -611,8 +611,8 @@ def check_ep(ep: int, dp: int, experts: ExpertShape | None, per_module_dp: bool 
     if dp % ep:
         raise ValueError(f"ep={ep} splits the experts over data-parallel replicas, but dp={dp}; use an ep dividing dp")
     if per_module_dp:
-        raise ValueError("expert parallelism with per-module data-parallel degrees is not supported; give every "
-                         "module the same dp")
+        raise ValueError("the planner does not cost expert parallelism with per-module data-parallel degrees (the "
+                         "strategy runs it); search with one dp for every module")
 
 
 def _llm_expert_parts(modules, layers, placement) -> dict[str, tuple[float, float, int, int]]:

@@ -17,10 +17,13 @@ from helpers.pipeline_case import FREEZE, train_reference
 KINDS = {"vision": ("qwen2_vl", "linear"), "audio": ("whisper", "linear")}  # Qwen2-VL: images of different sizes
 
 
-def build_model(modalities: tuple[str, ...], freeze: str):
+def build_model(modalities: tuple[str, ...], freeze: str, llm: str = "llama"):
+    """``llm``: the tiny LLM kind; a mixture-of-experts one without its load-balancing loss (a mean over
+    microbatches, which no split of the batch reproduces)."""
     torch.manual_seed(0)
     encoders = {m: lmm.ModalityEncoder(tiny_encoder(KINDS[m][0]), projector=KINDS[m][1]) for m in modalities}
-    return lmm.MultimodalModel(encoders, tiny_language_model("llama")).freeze(**FREEZE[freeze])
+    kw = {"output_router_logits": False} if llm != "llama" else {}
+    return lmm.MultimodalModel(encoders, tiny_language_model(llm, **kw)).freeze(**FREEZE[freeze])
 
 
 def global_batches(model, steps: int, rows: int, seed: int = 0):
@@ -44,10 +47,10 @@ def group_batch(batch: dict, model, layout, rank: int) -> dict:
 
 
 def run_rank(rank, world, modalities, freeze, encoder_specs, llm_spec, microbatches, steps, rows, lr=0.5,
-             probe=False, sharding="NO_SHARD"):
+             probe=False, sharding="NO_SHARD", llm="llama"):
     """(losses, owned trainable parameters, probe) of one rank. ``probe``: on the language model's first stage, the
     features its embedding got in the first step, per microbatch, with the global rows of each microbatch."""
-    model = build_model(modalities, freeze)
+    model = build_model(modalities, freeze, llm)
     batches = global_batches(model, steps, rows)
     layout = layout_of(modalities, encoder_specs, llm_spec, world)
     engine = PipelineEngine(model, layout, rank, microbatches, cp_block_size=8, sharding_strategy=sharding)
@@ -74,6 +77,6 @@ def run_rank(rank, world, modalities, freeze, encoder_specs, llm_spec, microbatc
     return losses, owned, probed
 
 
-def run_reference(modalities, freeze, steps, rows, lr=0.5):
-    model = build_model(modalities, freeze)
+def run_reference(modalities, freeze, steps, rows, lr=0.5, llm="llama"):
+    model = build_model(modalities, freeze, llm)
     return train_reference(model, global_batches(model, steps, rows), lr)
