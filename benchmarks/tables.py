@@ -936,6 +936,16 @@ grid("gdn_cpu.json", "layers", _gdn_pairs, "rrrrrr", [
                       f"{d['settings']['repeats']}, hidden {d['settings']['hidden']}, "
                       f"{d['settings']['threads']} thread); fitted: the planner's FLOPs x one least-squares "
                       "constant per layer type:\n\n")
+def gdn_crossover(data: dict) -> str:
+    longer = [r["tokens"] for r in _gdn_pairs(data) if r["attn"]["step_s"] > r["gdn"]["step_s"]]
+    first = min(longer) if longer else None
+    fit = max(abs(r["fitted_s"] / r["step_s"] - 1) for r in data["rows"] if r["tokens"] == max(longer or [0]))
+    return ((f"the attention layer took longer than the GDN layer from {first} tokens on (measured), and at "
+             f"{max(longer)} tokens the fitted model is within {100 * fit:.0f}% of both") if first else
+            "the attention layer never took longer than the GDN layer (measured)")
+
+
+quotes("gdn_cpu.json", {"crossover": gdn_crossover})
 grid("gdn_cpu.json", "simulated", lambda d: d["simulated"]["rows"], "rrrrrrr", [
     ("cp", "{cp}"), ("step (s)", "{step_s:.3f}"), ("speedup", "{speedup:.2f}x"),
     ("CP comm (s)", "{cp_comm_s:.3f}"), ("GDN layer MB", "{gdn_layer_MB:.0f}"),
