@@ -918,6 +918,49 @@ grid("moe_cpu.json", "simulated", lambda d: d["simulated"]["rows"], "rrrrrrr", [
          "parameter, activations not counted."))
 
 
+# ---------------------------------------- gdn_cpu.json (gdn.py)
+
+def _gdn_pairs(data: dict) -> list[dict]:
+    by = {(r["layer"], r["tokens"]): r for r in data["rows"]}
+    return [{"tokens": n, "gdn": by[("linear_attention", n)], "attn": by[("full_attention", n)]}
+            for n in sorted({r["tokens"] for r in data["rows"]})]
+
+
+grid("gdn_cpu.json", "layers", _gdn_pairs, "rrrrrr", [
+    ("tokens", "{tokens}"), ("GDN layer (s)", lambda r: f"{r['gdn']['step_s']:.3f}"),
+    ("GDN fitted (s)", lambda r: f"{r['gdn']['fitted_s']:.3f}"),
+    ("attention layer (s)", lambda r: f"{r['attn']['step_s']:.3f}"),
+    ("attention fitted (s)", lambda r: f"{r['attn']['fitted_s']:.3f}"),
+    ("attention / GDN", lambda r: f"{r['attn']['step_s'] / r['gdn']['step_s']:.2f}")],
+     before=lambda d: f"Measured on {_machine_line(d)} (forward + backward of one sequence, median of "
+                      f"{d['settings']['repeats']}, hidden {d['settings']['hidden']}, "
+                      f"{d['settings']['threads']} thread); fitted: the planner's FLOPs x one least-squares "
+                      "constant per layer type:\n\n")
+def gdn_crossover(data: dict) -> str:
+    longer = [r["tokens"] for r in _gdn_pairs(data) if r["attn"]["step_s"] > r["gdn"]["step_s"]]
+    first = min(longer) if longer else None
+    fit = max(abs(r["fitted_s"] / r["step_s"] - 1) for r in data["rows"] if r["tokens"] == max(longer or [0]))
+    return ((f"the attention layer took longer than the GDN layer from {first} tokens on (measured), and at "
+             f"{max(longer)} tokens the fitted model is within {100 * fit:.0f}% of both") if first else
+            "the attention layer never took longer than the GDN layer (measured)")
+
+
+quotes("gdn_cpu.json", {"crossover": gdn_crossover})
+grid("gdn_cpu.json", "simulated", lambda d: d["simulated"]["rows"], "rrrrrrr", [
+    ("cp", "{cp}"), ("step (s)", "{step_s:.3f}"), ("speedup", "{speedup:.2f}x"),
+    ("CP comm (s)", "{cp_comm_s:.3f}"), ("GDN layer MB", "{gdn_layer_MB:.0f}"),
+    ("attention layer MB", "{attention_layer_MB:.0f}"),
+    ("step, attention's bytes at every layer (s)", "{step_s_attention_bytes_everywhere:.3f}")],
+     before=lambda d: (
+         "Simulated by the planner (`evaluate_plan`, no model run): a Qwen3.5-9B-like text model (hidden "
+         "{hidden_size}, {num_hidden_layers} layers, attention {num_attention_heads} query / {num_key_value_heads} KV "
+         "heads of {head_dim}, GDN {linear_num_key_heads} key heads / {linear_num_value_heads} value heads of "
+         "{linear_key_head_dim}; our assumption of its shapes) ".format_map(d["simulated"]["model"])
+         + "with {pattern}, one microbatch of {tokens} tokens, {cp_mode}, ".format_map(d["simulated"])
+         + f"{d['simulated']['assumed_flops_per_device'] / 1e12:.0f} TFLOP/s per device and "
+         f"{d['simulated']['cp_bandwidth_GBps']:.0f} GB/s of CP bandwidth per rank assumed; MB per rank, layer and "
+         "forward:\n\n"))
+
 # ---------------------------------------- oobleck.json, oobleck_measured.json (oobleck.py [--measured])
 
 @renderer("oobleck.json", "throughput")

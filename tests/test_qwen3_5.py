@@ -216,6 +216,9 @@ def test_planner_costs_linear_attention_layers_linearly_and_cuts_inside_their_ru
     shape = attention_shape(model, sample_batch(model, rows=1))
     assert shape.linear_layers == 6
     assert shape.linear_value_heads == 4
+    assert shape.linear_ids == (0, 1, 2, 4, 5, 6)  # what the CP byte model charges the GDN all-to-alls to
+    assert (shape.linear_key_heads, shape.linear_key_dim, shape.linear_value_dim) == (
+        cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     assert {c for c, *_ in _cp_options([1, 2, 3, 4], ["allgather", "ulysses"], [1], shape, rejected)} == {1, 2, 4}
     assert rejected == ["cp=3: the language model's 6 Gated DeltaNet layers are split by heads over the CP ranks, "
                         "and cp=3 does not divide their 4 value heads"]

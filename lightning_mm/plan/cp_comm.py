@@ -1,9 +1,10 @@
-"""Bytes each context-parallel mode moves per rank per attention layer: pure arithmetic shared by the runtime
-(``lightning_mm.parallel.context`` re-exports it), the planner's time model and the benchmark."""
+"""Bytes each context-parallel mode moves per rank per attention layer, and what a Gated DeltaNet layer's headwise
+exchange moves: pure arithmetic shared by the runtime (``lightning_mm.parallel.context`` re-exports it), the
+planner's time model and the benchmarks."""
 
 from __future__ import annotations
 
-__all__ = ["cp_communication_bytes"]
+__all__ = ["cp_communication_bytes", "gdn_communication_bytes"]
 
 
 def cp_communication_bytes(mode: str, seq_len: int, cp: int, heads: int, kv_heads: int, head_dim: int,
@@ -30,3 +31,21 @@ def cp_communication_bytes(mode: str, seq_len: int, cp: int, heads: int, kv_head
     fwd = a2a_in + a2a_out + gather
     return {"forward": fwd, "backward": fwd, "all_to_all": a2a_in + a2a_out, "all_gather": gather,
             "collectives_per_layer": (4 if u > 1 else 0) + (2 if groups > 1 else 0)}
+
+
+def gdn_communication_bytes(seq_len: int, cp: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
+                            dtype_bytes: int = 2) -> dict[str, float]:
+    """Bytes one CP rank receives per Gated DeltaNet layer (forward, backward), for ``seq_len`` tokens evenly spread
+    over ``cp`` ranks. Every ``cp_mode`` splits a GDN layer by value heads over the whole CP group
+    (``headwise_gated_delta_net``): forward one all-to-all of the projected q, k, v channels and the ``b``, ``a``
+    gate inputs (one each per value head; query / key heads repeated to one per value head where ``cp`` does not
+    divide ``key_heads``), then one of the delta rule's output (``value_heads x value_dim``); backward the two
+    reversed. Each moves ``(cp-1)/cp`` of the local tokens' channels, like Ulysses."""
+    if cp == 1:
+        return {"forward": 0.0, "backward": 0.0, "all_to_all": 0.0, "all_gather": 0.0, "collectives_per_layer": 0}
+    sent_key_heads = key_heads if key_heads % cp == 0 else value_heads
+    per_channel = (cp - 1) / cp * (seq_len / cp) * dtype_bytes
+    a2a_in = per_channel * (2 * sent_key_heads * key_dim + value_heads * value_dim + 2 * value_heads)
+    a2a_out = per_channel * value_heads * value_dim
+    fwd = a2a_in + a2a_out
+    return {"forward": fwd, "backward": fwd, "all_to_all": fwd, "all_gather": 0.0, "collectives_per_layer": 4}

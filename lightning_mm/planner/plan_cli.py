@@ -108,7 +108,7 @@ def first_microbatch(module, datamodule, trainer, num_microbatches: int) -> dict
 def attention_shape(model, batch: dict) -> AttentionShape:
     """The LLM's attention as context parallelism moves it for ``batch``: tokens of the microbatch (rows x
     sequence; every term of the byte model is linear in them), heads, KV heads, head dim, parameter bytes, and
-    the Gated DeltaNet layers and their value heads (context parallelism splits them by heads)."""
+    the Gated DeltaNet layers and their heads (context parallelism splits them by heads, with all-to-alls)."""
     lm = model.language_model
     cfg = getattr(lm.config, "text_config", None) or lm.config
     heads = cfg.num_attention_heads
@@ -118,8 +118,11 @@ def attention_shape(model, batch: dict) -> AttentionShape:
     dtype_bytes = next(lm.parameters()).element_size()
     from lightning_mm.model.linear_attention import LINEAR, layer_types
 
-    return AttentionShape(int(seq.numel()), heads, kv_heads, head_dim, dtype_bytes,
-                          layer_types(lm.config).count(LINEAR), getattr(cfg, "linear_num_value_heads", 0) or 0)
+    ids = tuple(i for i, kind in enumerate(layer_types(lm.config)) if kind == LINEAR)
+    linear = ({} if not ids else dict(
+        linear_value_heads=cfg.linear_num_value_heads, linear_key_heads=cfg.linear_num_key_heads,
+        linear_key_dim=cfg.linear_key_head_dim, linear_value_dim=cfg.linear_value_head_dim, linear_ids=ids))
+    return AttentionShape(int(seq.numel()), heads, kv_heads, head_dim, dtype_bytes, **linear)
 
 
 def module_specs(model, costs: dict, scale: float, batch: dict, recompute: bool = False,

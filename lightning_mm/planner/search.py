@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from lightning_mm.plan.cp_comm import cp_communication_bytes
+from lightning_mm.plan.cp_comm import cp_communication_bytes, gdn_communication_bytes
 from lightning_mm.plan.items import item_work, shard_items
 from lightning_mm.plan.layout import CP_MODES, ParallelSpec, RankLayout, replica_layout
 from lightning_mm.plan.placement import LANGUAGE_MODEL, placement_table, stage_name
@@ -45,6 +45,22 @@ class AttentionShape:
     dtype_bytes: int = 2
     linear_layers: int = 0  # Gated DeltaNet layers (Qwen3.5), which context parallelism splits by heads
     linear_value_heads: int = 0  # their value heads: the CP degree must divide them
+    linear_key_heads: int = 0  # their query / key heads and head dims: what their all-to-alls move
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_ids: tuple[int, ...] = ()  # which LLM layers (0-based) are GDN layers; the others are attention
+
+    def __post_init__(self):
+        ids = tuple(sorted(int(i) for i in self.linear_ids))
+        object.__setattr__(self, "linear_ids", ids)
+        if ids and not self.linear_layers:
+            object.__setattr__(self, "linear_layers", len(ids))
+        shape = (self.linear_value_heads, self.linear_key_heads, self.linear_key_dim, self.linear_value_dim)
+        if self.linear_layers and (len(ids) != self.linear_layers or min(shape) < 1):
+            raise ValueError(f"AttentionShape: {self.linear_layers} Gated DeltaNet layers need linear_ids (their "
+                             f"{self.linear_layers} layer indices, got {len(ids)}) and positive linear_value_heads, "
+                             f"linear_key_heads, linear_key_dim, linear_value_dim (got {shape}): what their CP "
+                             "all-to-alls move; plan_cli.attention_shape reads them from the model's config")
 
 
 def cp_degrees_of(cp: int, mode: str) -> list[int]:
@@ -75,8 +91,15 @@ def cp_heads_problem(attention: AttentionShape | None, tp: int, degree: int) -> 
     return None
 
 
-def cp_layer_bytes(attention: AttentionShape, cp: int, mode: str, ulysses: int | None, tp: int = 1) -> dict:
-    """``cp_communication_bytes`` for one LLM layer of one microbatch at these degrees (heads per tp rank)."""
+def cp_layer_bytes(attention: AttentionShape, cp: int, mode: str, ulysses: int | None, tp: int = 1,
+                   linear: bool = False) -> dict:
+    """CP bytes of one LLM layer of one microbatch at these degrees (heads per tp rank): an attention layer's
+    ``cp_communication_bytes`` for ``mode``, a Gated DeltaNet layer's (``linear``) headwise all-to-alls
+    (``gdn_communication_bytes``, the same in every mode)."""
+    if linear:
+        return gdn_communication_bytes(attention.seq_len, cp, attention.linear_key_heads // tp,
+                                       attention.linear_value_heads // tp, attention.linear_key_dim,
+                                       attention.linear_value_dim, attention.dtype_bytes)
     return cp_communication_bytes(mode, attention.seq_len, cp, attention.heads // tp, attention.kv_heads // tp,
                                   attention.head_dim, ulysses if mode == "hybrid" else None, attention.dtype_bytes)
 
@@ -358,7 +381,8 @@ def evaluate_plan(modules: dict[str, ModuleSpec], layers: dict[str, list[int]], 
 
     With ``cp`` > 1 every LLM stage spans cp x tp ranks: its LLM layers' compute and kept activations are split
     cp ways, its gradients are reduced (and sharded) over dp x cp ranks, and every LLM layer moves
-    ``cp_communication_bytes`` per microbatch for ``cp_mode`` (``ulysses``: hybrid's K) in forward, and again
+    ``cp_layer_bytes`` per microbatch (an attention layer ``cp_communication_bytes`` for ``cp_mode``,
+    ``ulysses``: hybrid's K; a Gated DeltaNet layer its headwise all-to-alls) in forward, and again
     in backward where the layer takes part in it, over ``cp_bandwidth`` bytes/s per rank (the LLM's
     ``ModuleSpec.attention`` gives the shape; without it CP communication is free). A mode the LLM's heads
     cannot take raises, with the reason.
@@ -397,7 +421,7 @@ def evaluate_plan(modules: dict[str, ModuleSpec], layers: dict[str, list[int]], 
                                ep=ep)
     stages = _plan_stages(modules, layers, placement, degrees)
     moe = _llm_expert_parts(modules, layers, placement)  # stage -> (expert state, expert grads, routed, in backward)
-    cp_fwd, cp_bwd = _cp_seconds(modules, layers, stages, degrees, cp_bandwidth)
+    cp_fwd, cp_bwd = _cp_seconds(modules, layers, placement, stages, degrees, cp_bandwidth)
     ep_f, ep_b = _ep_seconds(modules[LANGUAGE_MODEL].experts, moe, stages.table, degrees, ep_bandwidth)
     fwd, bwd, comm_f, comm_b, kept = _stage_seconds(stages, tp_bandwidth, (cp_fwd, cp_bwd), (ep_f, ep_b))
     for s, n in stages.samples.items():  # per-module dp: an encoder stage's work per microbatch position
@@ -526,21 +550,30 @@ def _plan_stages(modules, layers, placement, degrees: _Degrees) -> _Stages:
     return _Stages(table, graph, stage_tp, stage_dp, samples, split, ranks, share)
 
 
-def _cp_seconds(modules, layers, stages: _Stages, degrees: _Degrees, bandwidth: float) -> tuple[dict, dict]:
+def _cp_seconds(modules, layers, placement, stages: _Stages, degrees: _Degrees,
+                bandwidth: float) -> tuple[dict, dict]:
     """Per stage, (forward, backward) seconds of context-parallel communication per microbatch: its LLM layers'
-    ``cp_layer_bytes`` and, on an encoder's last stage, the feature gather (``encoder_gather_seconds``)."""
-    gather_f, gather_b = dict.fromkeys(stages.table, 0.0), dict.fromkeys(stages.table, 0.0)
+    ``cp_layer_bytes`` (attention and Gated DeltaNet layers each their own; backward for the layers taking part in
+    it) and, on an encoder's last stage, the feature gather (``encoder_gather_seconds``)."""
+    cp_fwd, cp_bwd = dict.fromkeys(stages.table, 0.0), dict.fromkeys(stages.table, 0.0)
     for e, n in degrees.encoder_cp.items():
         last = stage_name(e, len(layers[e]) - 1)
-        gather_f[last], backward = encoder_gather_seconds(modules[e], n, bandwidth, stages.share[last][1])
-        gather_b[last] = backward if stages.graph.node(last).needs_backward else 0.0
-    cp, attention, split = degrees.cp, modules[LANGUAGE_MODEL].attention, stages.llm
-    per_layer = (cp_layer_bytes(attention, cp, degrees.cp_mode, degrees.ulysses, degrees.tp)
-                 if cp > 1 and attention is not None else {"forward": 0.0, "backward": 0.0})
-    cp_fwd = {s: (split[s][3] * per_layer["forward"] / bandwidth if cp > 1 else 0.0) + gather_f[s]
-              for s in stages.table}
-    cp_bwd = {s: (split[s][4] * per_layer["backward"] / bandwidth if cp > 1 else 0.0) + gather_b[s]
-              for s in stages.table}
+        cp_fwd[last], backward = encoder_gather_seconds(modules[e], n, bandwidth, stages.share[last][1])
+        cp_bwd[last] = backward if stages.graph.node(last).needs_backward else 0.0
+    spec = modules[LANGUAGE_MODEL]
+    if degrees.cp == 1 or spec.attention is None:
+        return cp_fwd, cp_bwd
+    linear = set(spec.attention.linear_ids)
+    per_kind = {kind: cp_layer_bytes(spec.attention, degrees.cp, degrees.cp_mode, degrees.ulysses, degrees.tp, kind)
+                for kind in (False, True)}
+
+    def row(sl: slice):  # (forward, backward) bytes of the slice's layers
+        kinds = [(i in linear, c.in_backward) for i, c in zip(range(len(spec.costs))[sl], spec.costs[sl])]
+        return (sum(per_kind[k]["forward"] for k, _ in kinds),
+                sum(per_kind[k]["backward"] for k, back in kinds if back))
+    for s, (fwd, bwd) in _per_llm_stage(modules, layers, placement, row).items():
+        cp_fwd[s] += fwd / bandwidth
+        cp_bwd[s] += bwd / bandwidth
     return cp_fwd, cp_bwd
 
 
