@@ -78,6 +78,7 @@ def test_tensor_parallel_packing_accumulation_bf16_resumes_like_one_process(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.combines("ep", "placement", "packing", "accumulation", "lora", "mixed_precision")
 def test_expert_parallel_replicated_packing_accumulation_lora_bf16_like_one_process(tmp_path):
     """A mixture-of-experts LLM with its experts split over 2 data-parallel replicas (ep 2), the encoder replicated
     on both, packed rows, accumulate 2, LoRA on attention, bf16-mixed: one process's global batch within bf16
