@@ -117,6 +117,7 @@ def test_context_parallel_full_shard_packing_accumulation_lora_bf16_like_one_pro
 
 
 @pytest.mark.slow
+@pytest.mark.combines("mixed_precision", "generation", "pipeline", "lora")
 def test_bf16_mixed_training_and_generation_across_pipeline_stages_like_one_process(tmp_path):
     """LoRA trained under bf16-mixed with the LLM in 2 pipeline stages (3 processes), then trainer.predict with
     generation= decodes greedily stage to stage under the same autocast: the losses within bf16 tolerance and
