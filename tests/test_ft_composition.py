@@ -1,8 +1,8 @@
-"""Fault tolerance composed with the other capabilities: replica groups (torchft, each a torchrun launch of 2 gloo
-ranks on CPU, ``tests/helpers/ft_case.py``) that run context parallelism, packed rows, activation checkpointing,
-LoRA, gradient accumulation, expert parallelism or a resume from a checkpoint inside each group; both groups'
-final parameters are compared with one process trained on the same global batches (fp32, SGD with momentum and a
-step schedule). Samples hold 0-5 images (some are text only)."""
+"""Fault tolerance composed with the other capabilities: replica groups (torchft, each a torchrun launch of 2 or 3
+gloo ranks on CPU, ``tests/helpers/ft_case.py``) that run context parallelism (of the LLM or the encoder), packed
+rows, activation checkpointing, LoRA, gradient accumulation, expert parallelism or a resume from a checkpoint inside
+each group; both groups' final parameters are compared with one process trained on the same global batches (fp32,
+SGD with momentum and a step schedule). Samples hold 0-5 images (some are text only)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_a_groups_share_is_placed_over_its_replicas_as_the_loaders_place_a_batch
 
 def _reference(out: str, cfg: dict, steps: int) -> dict:
     """One process over the global batches the groups recorded (``data.json``), built like the groups' model."""
-    ref = {k: cfg[k] for k in ("lora", "moe", "data", "accumulate", "precision") if k in cfg}
+    ref = {k: cfg[k] for k in ("lora", "moe", "data", "accumulate", "precision", "train_encoder") if k in cfg}
     subprocess.run([sys.executable, CASE, json.dumps({"mode": "reference", "steps": steps, "out": out, **ref})],
                    check=True, env=case_env(), cwd=out, capture_output=True, timeout=600)
     return torch.load(os.path.join(out, "reference.pt"))
@@ -166,3 +166,21 @@ def test_groups_with_sharded_parameters_heal_and_train_like_one_process(tmp_path
         assert set(got) == set(ref)
         for n in ref:
             torch.testing.assert_close(got[n], ref[n], rtol=tol, atol=tol, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.combines("ft", "encoder_cp")
+def test_groups_with_encoder_context_parallelism_train_like_one_process(tmp_path, lighthouse):
+    """Each group (3 ranks): the vision tower trained over 2 context-parallel ranks (each encodes part of a
+    microbatch's 0-5 images, features gathered back in order), the LLM on the third. Both groups equal one
+    process."""
+    out = str(tmp_path)
+    cfg = {"vision": {"cp": 2}, "llm": {"pp": 1}, "devices": 3, "data": IMAGES, "train_encoder": True,
+           "strategy": {"encoder_placement": "parallel"}}
+    results = _two_groups(out, lighthouse, cfg, STEPS)
+    assert results[0]["global_step"] == results[1]["global_step"] == STEPS
+    ref = _reference(out, cfg, STEPS)
+    assert any(n.startswith("encoders.vision") and "proj" not in n for n in ref), sorted(ref)[:5]
+    for g in (0, 1):
+        _assert_equal_to_reference(_params(out, g), ref)

@@ -12,7 +12,8 @@ rejoins before the run ends), ft (false: no fault tolerance, e.g. one group over
 ModelCheckpoint into ckpt_dir), resume ("last": a torchrun restart resumes from ckpt_dir's latest checkpoint with
 ``trainer.fit(ckpt_path=...)``; a path, "{group}" filled in: every launch resumes from it), llm (the LLM's
 ParallelSpec fields, default ``{"pp": pp}``), vision (the encoder's), moe (an MoE LLM kind, e.g. "qwen3_moe",
-instead of llama), lora (LoRA adapters on q_proj and v_proj), data (more SyntheticMultimodalDataModule arguments:
+instead of llama), lora (LoRA adapters on q_proj and v_proj), train_encoder (the vision tower trained too),
+data (more SyntheticMultimodalDataModule arguments:
 layout "mp" + seq_len packs rows, items_per_sample), strategy (more strategy arguments, e.g.
 activation_checkpointing), accumulate (accumulate_grad_batches; the reference accumulates alike), pace ({"until":
 marker, "after": step, "seconds": s, "max": s}: from that step on,
@@ -63,7 +64,7 @@ def build_module(cfg=None):
     torch.manual_seed(0)
     lm = tiny_language_model(cfg.get("moe") or "llama")
     model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"))}, lm)
-    model.freeze(encoders=True, projectors=False, language_model=False)
+    model.freeze(encoders=not cfg.get("train_encoder"), projectors=False, language_model=False)
     if cfg.get("lora"):  # random A and B: every adapter gets a gradient from the first step
         model.add_lora(["q_proj", "v_proj"], r=4, alpha=8, init_lora_weights=False)
     return lmm.MultimodalLightningModule(

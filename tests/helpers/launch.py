@@ -66,12 +66,13 @@ def run_command(cmd: list[str], cwd, timeout: float = 420, env: dict | None = No
     return result
 
 
-def run_trainer_case(script: str, case: dict, tmp_path, name: str) -> tuple[dict, dict]:
-    """Run a JSON-driven Trainer case in ``tmp_path / name``; returns rank 0's ``result.json`` and the trainable
-    parameters every rank saved (``params_<rank>.pt``, merged by name; replicas must agree exactly)."""
+def run_trainer_case(script: str, case: dict, tmp_path, name: str, timeout: float = 420) -> tuple[dict, dict]:
+    """Run a JSON-driven Trainer case in ``tmp_path / name`` (failing after ``timeout`` s); returns rank 0's
+    ``result.json`` and the trainable parameters every rank saved (``params_<rank>.pt``, merged by name; replicas
+    must agree exactly)."""
     out = tmp_path / name
     out.mkdir()
-    run_script(script, json.dumps(case), str(out), cwd=out)
+    run_script(script, json.dumps(case), str(out), cwd=out, timeout=timeout)
     return json.loads((out / "result.json").read_text()), merged_params(out.glob("params_*.pt"))
 
 
