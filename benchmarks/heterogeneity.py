@@ -10,19 +10,12 @@ b) ``--measure``: samples/s of each method on 6 CPU processes (gloo; vision pp 1
 c) Planning time of ``plan_batch`` per 512-sample global batch (``balance_planning.planning_ms``).
 
 Also writes heterogeneity.png and heterogeneity_timeline_<method>.png (replica 0 of a simulated mixed-set batch).
-
-    python benchmarks/heterogeneity.py [--batches 16] [--repeats 10] [--measure [--steps 4]]
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -355,9 +348,9 @@ def simulate_seed_scale(batches: int, repeats: int) -> tuple[list[dict], list[di
 MEASURE = dict(microbatches=4, batch_size=8, items=(0, 8), max_side=7, text=(8, 64), samples=96)
 
 
-def worker(case: dict, out: str) -> None:
-    """One Lightning run (re-launched for every rank by Lightning): vision pp 1 + LLM pp 2, dp 2 on gloo; each rank
-    writes ``out``/rank<r>.json."""
+def worker(case: dict, result: str) -> None:
+    """One Lightning run (re-launched for every rank by Lightning): vision pp 1 + LLM pp 2, dp 2 on gloo; rank 0
+    writes every rank's step and encoder times to ``result``."""
     torch.set_num_threads(1)
     import lightning as L
     import torch.distributed as dist
@@ -419,9 +412,10 @@ def worker(case: dict, out: str) -> None:
     data = Data(num_samples=case["samples"], batch_size=case["batch_size"], text_tokens=tuple(case["text"]),
                 items_per_sample=tuple(case["items"]))
     trainer.fit(module, data)
-    engine = trainer.strategy.engine
-    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump({"stage": engine.stage, "dp": engine.coord.dp, "steps": timer.steps, "encoder": timer.encoder}, f)
+    ranks = harness.rank_rows(trainer, {"dp": trainer.strategy.engine.coord.dp, "steps": timer.steps,
+                                        "encoder": timer.encoder})
+    if ranks is not None:
+        harness.save(result, {"ranks": ranks})
 
 
 def measure(steps: int, warmup: int) -> list[dict]:
@@ -429,14 +423,8 @@ def measure(steps: int, warmup: int) -> list[dict]:
     global_batch = MEASURE["batch_size"] * 2
     for method in METHODS:
         case = {**MEASURE, "method": method, "steps": steps + warmup}
-        with tempfile.TemporaryDirectory() as out:
-            t = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(case), "--result", out],
-                                  capture_output=True, text=True, timeout=1200,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-            if proc.returncode:
-                raise RuntimeError(f"measured run {method} failed:\n{proc.stderr[-4000:]}")
-            ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+        t = time.perf_counter()
+        ranks = harness.launch(__file__, case, 1200, f"measured run {method}")["ranks"]
         step_s = statistics.median(ranks[0]["steps"][warmup:])
         encoder = [r for r in ranks if r["stage"].startswith("vision")]
         stds = [statistics.stdev(mb) for r in encoder for mb in r["encoder"][warmup:] if len(mb) > 1]
