@@ -98,34 +98,32 @@ def _meta(images: list[int], text: int) -> SampleMeta:
     return SampleMeta(text, {"vision": tuple((p, p // 4) for p in images)} if images else {})
 
 
-def llava_like(n: int, seed: int) -> list[SampleMeta]:
-    """LLaVA-150K-like: 90% one image, 5% two, 5% text-only; sides 336-672 px; text log-normal, median 150."""
+def _samples(n: int, seed: int, count, sides: tuple[int, int], text: tuple) -> list[SampleMeta]:
+    """``n`` samples of ``count(g)`` images, sides uniform in [``sides``) px, text tokens ``_lognormal(g, *text)``."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        u = float(torch.rand(1, generator=g))
-        count = 1 if u < 0.90 else 2 if u < 0.95 else 0
-        images = [_patches(*torch.randint(336, 673, (2,), generator=g).tolist()) for _ in range(count)]
-        out.append(_meta(images, _lognormal(g, 150, 0.7, 16, 2048)))
+        images = [_patches(*torch.randint(*sides, (2,), generator=g).tolist()) for _ in range(count(g))]
+        out.append(_meta(images, _lognormal(g, *text)))
     return out
+
+
+def llava_like(n: int, seed: int) -> list[SampleMeta]:
+    """LLaVA-150K-like: 90% one image, 5% two, 5% text-only; sides 336-672 px; text log-normal, median 150."""
+    def count(g):
+        u = float(torch.rand(1, generator=g))
+        return 1 if u < 0.90 else 2 if u < 0.95 else 0
+    return _samples(n, seed, count, (336, 673), (150, 0.7, 16, 2048))
 
 
 def synthchart_like(n: int, seed: int) -> list[SampleMeta]:
     """SynthChartNet-like: one large chart image (sides 672-1344 px), short text (log-normal, median 40)."""
-    g = torch.Generator().manual_seed(seed)
-    return [_meta([_patches(*torch.randint(672, 1345, (2,), generator=g).tolist())], _lognormal(g, 40, 0.5, 8, 256))
-            for _ in range(n)]
+    return _samples(n, seed, lambda g: 1, (672, 1345), (40, 0.5, 8, 256))
 
 
 def mixed(n: int, seed: int) -> list[SampleMeta]:
     """Mixed: 0-8 images (uniform count) of 224-896 px sides; text log-normal, median 200, heavy tail."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        count = int(torch.randint(0, 9, (1,), generator=g))
-        images = [_patches(*torch.randint(224, 897, (2,), generator=g).tolist()) for _ in range(count)]
-        out.append(_meta(images, _lognormal(g, 200, 1.0, 16, 4096)))
-    return out
+    return _samples(n, seed, lambda g: int(torch.randint(0, 9, (1,), generator=g)), (224, 897), (200, 1.0, 16, 4096))
 
 
 DATASETS = {"llava": llava_like, "synthchart": synthchart_like, "mixed": mixed}
