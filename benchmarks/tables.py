@@ -915,13 +915,11 @@ grid("moe_cpu.json", "simulated", lambda d: d["simulated"]["rows"], "rrrrrrr", [
 
 # ---------------------------------------- oobleck.json, oobleck_measured.json (oobleck.py [--measured])
 
-@renderer("oobleck.json", "throughput")
-def oobleck_throughput(data: dict) -> str:
-    rows = [[freq, model, *[f"{m['cells'][freq][k]:.2f}" for k in ("oobleck", "identical", "checkpoint",
-                                                                   "seed_oobleck", "seed_varuna")]]
-            for freq in ("6h", "1h", "10m") for model, m in data["throughput"].items()]
-    return table(["failure every", "model", "re-forming (sim.)", "identical groups (sim.)",
-                  "checkpoint-restart (sim.)", "Oobleck (seed)", "Varuna (seed)"], rows, "llrrrrr")
+grid("oobleck.json", "throughput", lambda d: [dict(m["cells"][f], freq=f, model=n) for f in ("6h", "1h", "10m")
+                                              for n, m in d["throughput"].items()], "llrrrrr", [
+    ("failure every", "{freq}"), ("model", "{model}"), ("re-forming (sim.)", "{oobleck:.2f}"),
+    ("identical groups (sim.)", "{identical:.2f}"), ("checkpoint-restart (sim.)", "{checkpoint:.2f}"),
+    ("Oobleck (seed)", "{seed_oobleck:.2f}"), ("Varuna (seed)", "{seed_varuna:.2f}")])
 
 
 grid("oobleck.json", "planning", "planning", "rrrrrrrrr", [
