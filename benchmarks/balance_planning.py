@@ -3,14 +3,11 @@
 A LLaVA-like synthetic global batch (``llava_like_works``) of B=512 samples, 4 replicas, 32 microbatches (Entrain's
 Table 4.1 setting): median and min wall time of ``plan_batch`` over --repeats runs, and per method (mean over
 seeds) max/mean and std of the microbatch encoder and LLM loads and the deferrals.
-
-    python benchmarks/balance_planning.py [--seeds 5] [--repeats 20]
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -25,12 +22,9 @@ GOAL_PLAN_MS = 50.0
 def planning_ms(enc: torch.Tensor, llm: torch.Tensor, method: str, repeats: int, replicas: int = R,
                 microbatches: int = K, stages: int = STAGES) -> list[float]:
     """Wall milliseconds of ``repeats`` calls of ``plan_batch`` on one global batch."""
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        plan_batch(enc, llm, replicas, microbatches, method, num_stages=stages)
-        times.append((time.perf_counter() - t) * 1e3)
-    return times
+    walls, _, _ = harness.repeat(lambda: plan_batch(enc, llm, replicas, microbatches, method, num_stages=stages),
+                                 repeats)
+    return [w * 1e3 for w in walls]
 
 
 def main(argv=None) -> None:

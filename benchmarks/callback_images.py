@@ -7,20 +7,14 @@ images (two per sample) packed into one row; the tower frozen and, separately, t
 ``Trainer.fit`` under Lightning's ``DDPStrategy`` on gloo: cp 1 (one process, no callback), cp 2 with the images on
 every rank (``shard_images=False``) and cp 2 with the images split. A step is rank 0's wall time from
 ``on_train_batch_start`` to ``on_train_batch_end``; median after ``--warmup`` steps.
-
-    python benchmarks/callback_images.py [--steps 6] [--warmup 2] [--images 16] [--image-size 32]
-                                         [--vision-width 512] [--vision-layers 8]
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -103,8 +97,7 @@ def worker(spec: dict, result: str) -> None:
                         strategy=DDPStrategy(process_group_backend="gloo", find_unused_parameters=True),
                         **harness.QUIET)
     trainer.fit(VLM(), loader)
-    if trainer.global_rank == 0:
-        Path(result).write_text(json.dumps({"step_s": times}))
+    harness.save(result, {"step_s": times}, trainer)
 
 
 def main(argv=None) -> None:
@@ -120,10 +113,7 @@ def main(argv=None) -> None:
     for frozen in (True, False):
         for name, cp, shard in VARIANTS:
             spec = dict(cp=cp, shard_images=shard, frozen_vision=frozen, **settings)
-            doc = harness.run_worker(__file__, spec, timeout=3600)
-            if "error" in doc:
-                sys.exit(f"{name}: {doc['error']}")
-            times = doc["step_s"]
+            times = harness.launch(__file__, spec, 3600, name)["step_s"]
             rows.append(dict(variant=name, vision="frozen" if frozen else "trained", cp=cp, shard_images=shard,
                              step_s_median=statistics.median(times[args.warmup:]), step_s=times[args.warmup:]))
     harness.write(harness.RESULTS / "callback_images_cpu.json", dict(

@@ -8,8 +8,6 @@ dp 2, trainable projector + LLM (frozen encoder not written). FSDP2: Lightning's
 Faults: a 4-process run loses rank 1 after step 3 (SIGKILL, or SIGSTOP: a frozen rank whose sockets stay open,
 like a lost node); timed from the fault to every other process gone, with the watchdog (``fault_timeout`` 5 s) and
 without it (process-group timeout ``--pg-timeout``).
-
-    python benchmarks/checkpoint.py [--hidden 256] [--layers 4] [--repeats 3] [--pg-timeout 60]
 """
 
 from __future__ import annotations
@@ -97,11 +95,10 @@ def worker_checkpoint(cfg: dict, result: str) -> None:
         trainer.strategy.load_checkpoint(path)
         dist.barrier()
         loads.append(time.perf_counter() - t0)
-    if trainer.global_rank == 0:
-        Path(result).write_text(json.dumps({
-            "save_s": statistics.median(saves), "load_s": statistics.median(loads),
-            "bytes": dir_bytes(os.path.join(cfg["dir"], f"{cfg['mode']}-0.ckpt")),
-            "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad)}))
+    harness.save(result, {"save_s": statistics.median(saves), "load_s": statistics.median(loads),
+                          "bytes": dir_bytes(os.path.join(cfg["dir"], f"{cfg['mode']}-0.ckpt")),
+                          "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad)},
+                 trainer)
 
 
 def worker_fault(cfg: dict) -> None:
@@ -162,13 +159,9 @@ def main(argv=None) -> None:
         cfg = args.worker
         return worker_fault(cfg) if cfg["part"] == "fault" else worker_checkpoint(cfg, args.result)
     start = harness.record()
-    rows = {}
-    for mode in ("ours", "fsdp"):
-        cfg = dict(part="checkpoint", mode=mode, dir=tempfile.mkdtemp(prefix=f"lmm-ckpt-{mode}-"), hidden=args.hidden,
-                   layers=args.layers, repeats=args.repeats)
-        rows[mode] = harness.run_worker(__file__, cfg, 900)
-        if "error" in rows[mode]:
-            raise RuntimeError(f"{mode} failed:\n{rows[mode]['error']}")
+    rows = {mode: harness.launch(__file__, dict(part="checkpoint", mode=mode, hidden=args.hidden, layers=args.layers,
+                                                dir=tempfile.mkdtemp(prefix=f"lmm-ckpt-{mode}-"),
+                                                repeats=args.repeats), 900, mode) for mode in ("ours", "fsdp")}
     faults = {f"{'kill' if fault == 'kill' else 'freeze'} rank 1, {'watchdog 5 s' if t else 'no watchdog'}":
               time_fault(args, fault, 1, t) for fault in ("kill", "hang") for t in (5.0, None)}
     harness.write(harness.RESULTS / "checkpoint.json", {

@@ -12,8 +12,6 @@
 3. Per-rank attention work of allgather (LPT), ulysses and hybrid at 64k..1M tokens, cp 2..16, over the ideal.
 4. Bytes one rank receives per layer for a 70B-shaped layer with and without GQA, each mode.
 5. With CUDA: the per-rank attention time of one 70B-shaped layer, rank by rank on the one device, lpt vs zigzag.
-
-    python benchmarks/cp_balance.py [--seeds 3] [--repeats 200] [--gpu-tokens 65536] [--only planning|windowed]
 """
 
 from __future__ import annotations
@@ -63,14 +61,8 @@ def _time_ms(fn, repeats: int, before=None, cpu: bool = False):
     """Median and minimum wall time of ``fn`` in ms (``cpu``: and the median of this thread's CPU time, which leaves
     out the time other processes hold the core); ``before`` runs untimed ahead of every repeat."""
     fn()
-    ts, cs = [], []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        c, t = time.thread_time(), time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e3)
-        cs.append((time.thread_time() - c) * 1e3)
+    ts, cs, _ = harness.repeat(fn, repeats, before, time.thread_time)
+    ts, cs = [t * 1e3 for t in ts], [c * 1e3 for c in cs]
     return (statistics.median(ts), min(ts)) + ((statistics.median(cs),) if cpu else ())
 
 

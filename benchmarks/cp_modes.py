@@ -12,10 +12,6 @@ Per mode the lengths (``--lengths``) run in ascending order: ``--warmup`` untime
 rank's CPU seconds, peak resident set (VmHWM) and the resident set before it. The next length is skipped when its
 predicted step (``a S + b S^2``) passes ``--cap``, its linearly scaled memory passes ``--mem-fraction`` of what is
 available, or the mode's share of ``--budget`` would run out; a rank that dies ends that mode with the error kept.
-
-    python benchmarks/cp_modes.py [--lengths 2048,4096,...,65536] [--modes cp1,allgather2,ulysses2,...]
-                                  [--steps 2] [--warmup 1] [--long-step 20] [--cap 60]
-                                  [--budget 780] [--mem-fraction 0.8] [--threads 1] [--hidden 256] [--layers 2]
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@
 Each step is the encoder part only: the rank's images (LPT shares of the microbatch, as the runtime plans them)
 through a Qwen2-VL vision tower and its projector, the feature all-gather, and the backward of a sum over the
 gathered features; cp 1 runs the same in one process. Median over --steps after --warmup, gloo processes.
-
-    python benchmarks/encoder_cp.py [--steps 7] [--warmup 2] [--hidden 512] [--layers 8]
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ frozen, LLM in 2 pipeline stages, per-replica batch 2). Four runs:
   ``--ckpt-kill-step``; torchrun restarts the job, which resumes from the latest checkpoint.
 
 Times come from each job's rank 0 (``steps_<group>.log``: step, wall time, restart count) and the kill marker.
-
-    python benchmarks/fault_tolerance.py [--steps 100] [--fail-steps 900] [--kill-step 8] [--save-every 5]
 """
 
 from __future__ import annotations
@@ -96,18 +94,21 @@ def run(name: str, base: str, cfgs: list[tuple[dict, int, int]], timeout: float)
     return out, codes, time.time() - t0
 
 
-def _with_lighthouse(a, min_replicas: int, name: str, base: str, cfgs) -> tuple[str, list[int], float]:
-    server, lh = _lighthouse(min_replicas, a.heartbeat_ms, a.join_ms)
+def with_lighthouse(min_replicas: int, name: str, base: str, cfgs, timeout: float, heartbeat_ms: int = 2000,
+                    join_ms: int = 3000) -> tuple[str, list[int], float]:
+    """``run`` beside a lighthouse of this process (each cfg gets its address), shut down after."""
+    server, lh = _lighthouse(min_replicas, heartbeat_ms, join_ms)
     try:
-        return run(name, base, [({**cfg, "lighthouse": lh}, r, n) for cfg, r, n in cfgs], a.timeout)
+        return run(name, base, [({**cfg, "lighthouse": lh}, r, n) for cfg, r, n in cfgs], timeout)
     finally:
         server.shutdown()
 
 
 def ft_fail(a, base: str, common: dict) -> dict:
     kill = {"group": 1, "rank": 1, "step": a.kill_step, "where": "batch_end"}
-    out, codes, wall = _with_lighthouse(a, 1, "ft_fail", base, [
-        ({**common, "groups": 2, "group": g, "steps": a.fail_steps, "kill": kill}, 1 if g else 0, 2) for g in (0, 1)])
+    out, codes, wall = with_lighthouse(1, "ft_fail", base, [
+        ({**common, "groups": 2, "group": g, "steps": a.fail_steps, "kill": kill}, 1 if g else 0, 2) for g in (0, 1)],
+        a.timeout, a.heartbeat_ms, a.join_ms)
     killed = _killed_at(out)
     g0, g1, r1 = _steps(out, 0), _steps(out, 1), _json(out, "result_1.json")
     rejoin = [t for s, t, r in g1 if r == 1]
@@ -175,8 +176,9 @@ def main(argv=None) -> None:
                  "settings": vars(a), "model": "tests/helpers/ft_case.py: tiny siglip (frozen) + tiny llama, LLM pp 2",
                  "global_batch": GLOBAL_BATCH, "runs": dict(previous)}
     if "ft" in a.only:  # min_replicas 2: both groups in every quorum from step 1
-        out, codes, wall = _with_lighthouse(a, 2, "ft", base, [
-            ({**common, "groups": 2, "group": g, "steps": a.steps}, 0, 2) for g in (0, 1)])
+        out, codes, wall = with_lighthouse(2, "ft", base, [
+            ({**common, "groups": 2, "group": g, "steps": a.steps}, 0, 2) for g in (0, 1)], a.timeout, a.heartbeat_ms,
+            a.join_ms)
         res["runs"]["ft"] = {"settings": vars(a).copy(), "codes": codes, "wall_s": wall,
                              "samples_per_s": _rate(_steps(out, 0)[2:]),
                              "stats": _json(out, "result_0.json").get("stats")}

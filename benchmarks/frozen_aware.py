@@ -9,9 +9,6 @@ principles), leave-one-config-out (FLOPs rescaled to the seeds' published per-st
 configurations), the seed-fitted profile (fitted on all 9: in sample) and, with `--layer-profile PATH` (a
 `benchmarks/layer_profile.py` JSON), the measured layer profile (results in `frozen_aware_measured.json`).
 Second table: each mode searches dp / stages / placement on 24 single-GPU devices, beside a grid of hand plans.
-
-    python benchmarks/frozen_aware.py [--skip-free] [--no-recompute] [--out benchmarks/results]
-                                      [--layer-profile layer_profile_<device>.json] [--configs MMM,LLL]
 """
 
 from __future__ import annotations

@@ -254,6 +254,38 @@ def run_worker(script: str, cfg: dict, timeout: float, argv=()) -> dict:
         return doc
 
 
+def launch(script: str, cfg: dict, timeout: float, name: str, argv=(), fail: bool = True) -> dict:
+    """``run_worker`` and one line on how it went: the worker's JSON; its error raised when ``fail``, else kept."""
+    start = time.time()
+    row = run_worker(script, cfg, timeout, argv)
+    if "error" in row and fail:
+        raise RuntimeError(f"{name} failed:\n{row['error']}")
+    what = f"error: {error_line(row['error'])[:200]}" if "error" in row else (
+        f"{row['samples_per_s']:.3f} samples/s" if "samples_per_s" in row else "done")
+    print(f"{name}: {what} ({time.time() - start:.0f} s with launch)" + (
+        f"; warning: {row['exit']}" if "exit" in row else ""), flush=True)
+    return row
+
+
+def save(result: str, doc: dict, trainer=None) -> None:
+    """A worker's JSON written to ``result`` (under a Lightning ``trainer``: by its rank 0 only)."""
+    if trainer is None or trainer.global_rank == 0:
+        Path(result).write_text(json.dumps(doc))
+
+
+def rank_rows(trainer, mine: dict) -> list[dict] | None:
+    """Every rank's ``mine`` (with its rank and stage) on rank 0 of a Lightning run; None on the others."""
+    import torch.distributed as dist
+
+    engine = getattr(trainer.strategy, "engine", None)
+    mine = {"rank": trainer.global_rank, "stage": engine.stage if engine is not None else "whole model", **mine}
+    ranks = [mine]
+    if trainer.world_size > 1:
+        ranks = [None] * trainer.world_size
+        dist.all_gather_object(ranks, mine)
+    return ranks if trainer.global_rank == 0 else None
+
+
 def engine_steps(model, layout, rank: int, args: dict, **data):
     """This rank's ``PipelineEngine`` of ``model`` under ``layout``, the global batches (``args["batch"]`` synthetic
     samples each, seed 1, ``data``: more ``SyntheticMultimodalDataset`` keywords) and ``step(i)``: run batch i's
@@ -309,6 +341,20 @@ def _spawned(rank: int, world: int, tmp: str, fn, args) -> None:
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(fn(rank, world, *args)))
     finally:
         dist.destroy_process_group()
+
+
+def repeat(fn, repeats: int, before=None, cpu_clock=time.process_time) -> tuple[list[float], list[float], object]:
+    """Wall and CPU (``cpu_clock``) seconds of ``repeats`` calls of ``fn``, ``before`` untimed ahead of each, and the
+    last call's result."""
+    walls, cpus, out = [], [], None
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        c, t = cpu_clock(), time.perf_counter()
+        out = fn()
+        walls.append(time.perf_counter() - t)
+        cpus.append(cpu_clock() - c)
+    return walls, cpus, out
 
 
 def timed(step, steps: int, warmup: int) -> tuple[list[float], list[float], list]:

@@ -10,19 +10,12 @@ b) ``--measure``: samples/s of each method on 6 CPU processes (gloo; vision pp 1
 c) Planning time of ``plan_batch`` per 512-sample global batch (``balance_planning.planning_ms``).
 
 Also writes heterogeneity.png and heterogeneity_timeline_<method>.png (replica 0 of a simulated mixed-set batch).
-
-    python benchmarks/heterogeneity.py [--batches 16] [--repeats 10] [--measure [--steps 4]]
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -105,34 +98,32 @@ def _meta(images: list[int], text: int) -> SampleMeta:
     return SampleMeta(text, {"vision": tuple((p, p // 4) for p in images)} if images else {})
 
 
-def llava_like(n: int, seed: int) -> list[SampleMeta]:
-    """LLaVA-150K-like: 90% one image, 5% two, 5% text-only; sides 336-672 px; text log-normal, median 150."""
+def _samples(n: int, seed: int, count, sides: tuple[int, int], text: tuple) -> list[SampleMeta]:
+    """``n`` samples of ``count(g)`` images, sides uniform in [``sides``) px, text tokens ``_lognormal(g, *text)``."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        u = float(torch.rand(1, generator=g))
-        count = 1 if u < 0.90 else 2 if u < 0.95 else 0
-        images = [_patches(*torch.randint(336, 673, (2,), generator=g).tolist()) for _ in range(count)]
-        out.append(_meta(images, _lognormal(g, 150, 0.7, 16, 2048)))
+        images = [_patches(*torch.randint(*sides, (2,), generator=g).tolist()) for _ in range(count(g))]
+        out.append(_meta(images, _lognormal(g, *text)))
     return out
+
+
+def llava_like(n: int, seed: int) -> list[SampleMeta]:
+    """LLaVA-150K-like: 90% one image, 5% two, 5% text-only; sides 336-672 px; text log-normal, median 150."""
+    def count(g):
+        u = float(torch.rand(1, generator=g))
+        return 1 if u < 0.90 else 2 if u < 0.95 else 0
+    return _samples(n, seed, count, (336, 673), (150, 0.7, 16, 2048))
 
 
 def synthchart_like(n: int, seed: int) -> list[SampleMeta]:
     """SynthChartNet-like: one large chart image (sides 672-1344 px), short text (log-normal, median 40)."""
-    g = torch.Generator().manual_seed(seed)
-    return [_meta([_patches(*torch.randint(672, 1345, (2,), generator=g).tolist())], _lognormal(g, 40, 0.5, 8, 256))
-            for _ in range(n)]
+    return _samples(n, seed, lambda g: 1, (672, 1345), (40, 0.5, 8, 256))
 
 
 def mixed(n: int, seed: int) -> list[SampleMeta]:
     """Mixed: 0-8 images (uniform count) of 224-896 px sides; text log-normal, median 200, heavy tail."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        count = int(torch.randint(0, 9, (1,), generator=g))
-        images = [_patches(*torch.randint(224, 897, (2,), generator=g).tolist()) for _ in range(count)]
-        out.append(_meta(images, _lognormal(g, 200, 1.0, 16, 4096)))
-    return out
+    return _samples(n, seed, lambda g: int(torch.randint(0, 9, (1,), generator=g)), (224, 897), (200, 1.0, 16, 4096))
 
 
 DATASETS = {"llava": llava_like, "synthchart": synthchart_like, "mixed": mixed}
@@ -355,9 +346,9 @@ def simulate_seed_scale(batches: int, repeats: int) -> tuple[list[dict], list[di
 MEASURE = dict(microbatches=4, batch_size=8, items=(0, 8), max_side=7, text=(8, 64), samples=96)
 
 
-def worker(case: dict, out: str) -> None:
-    """One Lightning run (re-launched for every rank by Lightning): vision pp 1 + LLM pp 2, dp 2 on gloo; each rank
-    writes ``out``/rank<r>.json."""
+def worker(case: dict, result: str) -> None:
+    """One Lightning run (re-launched for every rank by Lightning): vision pp 1 + LLM pp 2, dp 2 on gloo; rank 0
+    writes every rank's step and encoder times to ``result``."""
     torch.set_num_threads(1)
     import lightning as L
     import torch.distributed as dist
@@ -419,9 +410,10 @@ def worker(case: dict, out: str) -> None:
     data = Data(num_samples=case["samples"], batch_size=case["batch_size"], text_tokens=tuple(case["text"]),
                 items_per_sample=tuple(case["items"]))
     trainer.fit(module, data)
-    engine = trainer.strategy.engine
-    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-        json.dump({"stage": engine.stage, "dp": engine.coord.dp, "steps": timer.steps, "encoder": timer.encoder}, f)
+    ranks = harness.rank_rows(trainer, {"dp": trainer.strategy.engine.coord.dp, "steps": timer.steps,
+                                        "encoder": timer.encoder})
+    if ranks is not None:
+        harness.save(result, {"ranks": ranks})
 
 
 def measure(steps: int, warmup: int) -> list[dict]:
@@ -429,14 +421,8 @@ def measure(steps: int, warmup: int) -> list[dict]:
     global_batch = MEASURE["batch_size"] * 2
     for method in METHODS:
         case = {**MEASURE, "method": method, "steps": steps + warmup}
-        with tempfile.TemporaryDirectory() as out:
-            t = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(case), "--result", out],
-                                  capture_output=True, text=True, timeout=1200,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-            if proc.returncode:
-                raise RuntimeError(f"measured run {method} failed:\n{proc.stderr[-4000:]}")
-            ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+        t = time.perf_counter()
+        ranks = harness.launch(__file__, case, 1200, f"measured run {method}")["ranks"]
         step_s = statistics.median(ranks[0]["steps"][warmup:])
         encoder = [r for r in ranks if r["stage"].startswith("vision")]
         stds = [statistics.stdev(mb) for r in encoder for mb in r["encoder"][warmup:] if len(mb) > 1]

@@ -10,8 +10,6 @@ beside the planner's byte model (``planner.moe_costs.all_to_all_bytes``, uniform
 
 Simulated: the planner's ``evaluate_plan`` at Qwen3-30B-A3B shapes on dp 8 x pp 4, ep 1-8, with an assumed
 400 TFLOP/s per device and all-to-all bandwidths of 50 GB/s and 400 GB/s.
-
-    python benchmarks/moe.py [--world 2] [--batch 8] [--microbatches 2] [--steps 6] [--warmup 2]
 """
 
 from __future__ import annotations

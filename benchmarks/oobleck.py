@@ -15,7 +15,6 @@ fault-tolerance tests' launcher, global batch 4, one failure inside the step aft
 groups (group 0 loses a rank and stays down) and checkpoint-restart (one 4-rank job, a checkpoint every
 ``--save-every`` steps, restarted once). Committed steps/s before, during and after the failure, and the recovery.
 
-    python benchmarks/oobleck.py [--trials 200] [--planning-only]
     python benchmarks/oobleck.py --measured [--steps 1200] [--kill-step 8] [--save-every 5] [--only NAME ...]
 """
 
@@ -191,13 +190,9 @@ def planning(args, progress) -> list[dict]:
         for layers, seed_s in seed.items():
             specs = gpt_specs(layers, 2560, 2)
             tp = tuple(t for t in (1, 2, 4, 8) if t <= per_node)
-            walls, cpus = [], []
-            for _ in range(PLANNING_REPEATS):
-                gc.collect()  # a full collection owed by earlier allocations (imports, throughput) is not this cell's
-                start, start_cpu = time.perf_counter(), time.process_time()
-                t = plan_template(specs, nodes, per_node, 4 * nodes, MEMORY, tp_degrees=tp)  # N_b = 4 S'
-                walls.append(time.perf_counter() - start)
-                cpus.append(time.process_time() - start_cpu)
+            # gc first: a full collection owed by earlier allocations (imports, throughput) is not this cell's
+            walls, cpus, t = harness.repeat(lambda: plan_template(specs, nodes, per_node, 4 * nodes, MEMORY,
+                                                                  tp_degrees=tp), PLANNING_REPEATS, gc.collect)
             seconds, cpu = statistics.median(walls), statistics.median(cpus)
             rows.append({"nodes": nodes, "gpus_per_node": per_node, "layers": layers, "seconds": seconds,
                          "seconds_min": min(walls), "cpu_seconds": cpu, "load_average": os.getloadavg()[0],
@@ -247,7 +242,7 @@ def recovery_phases(result: dict, killed: float, first_commit: float | None) -> 
     return {n: b - a for n, a, b in zip(names, points, points[1:])}
 
 
-def _reforming(args, out: str, common: dict) -> dict:
+def _reforming(args, base: str, common: dict) -> dict:
     import torch
 
     import fault_tolerance as ftb
@@ -255,6 +250,8 @@ def _reforming(args, out: str, common: dict) -> dict:
     from tests.test_fault_tolerance import _launch, _launch_elastic, _templates
 
     server, lh = ftb._lighthouse(1, 2000, 3000)
+    out = os.path.join(base, "reforming")
+    os.makedirs(out)
     store_port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
     cfg = {**common, "lighthouse": lh, "groups": 2, "out": out, "global_batch": MEASURED_BATCH,
@@ -268,6 +265,7 @@ def _reforming(args, out: str, common: dict) -> dict:
         server.shutdown()
         del store
     wall = time.time() - t0
+    print(f"reforming: exit codes {codes}, {wall:.1f} s", flush=True)
     killed, g0, g1, r0 = ftb._killed_at(out), ftb._steps(out, 0), ftb._steps(out, 1), ftb._json(out, "result_0.json")
     back = [t for s, t, r in g0 if r >= 1]
     healed = [e for e in r0.get("events", []) if e.get("event") == "healed"]
@@ -285,36 +283,28 @@ def _reforming(args, out: str, common: dict) -> dict:
             "completed": codes[0] == 0 and codes[2] == 0 and bool(g1) and g1[-1][0] == args.steps}
 
 
-def _identical(args, out: str, common: dict) -> dict:
+def _identical(args, base: str, common: dict) -> dict:
     import fault_tolerance as ftb
-    from tests.test_fault_tolerance import _launch
 
-    server, lh = ftb._lighthouse(1, 2000, 3000)
     kill = {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward"}
-    t0 = time.time()
-    try:
-        codes = ftb._wait([_launch({**common, "lighthouse": lh, "groups": 2, "group": g, "out": out, "kill": kill},
-                                   restarts=0, nproc=2) for g in (0, 1)], args.timeout)
-    finally:
-        server.shutdown()
+    out, codes, wall = ftb.with_lighthouse(1, "identical", base, [
+        ({**common, "groups": 2, "group": g, "kill": kill}, 0, 2) for g in (0, 1)], args.timeout)
     g1 = ftb._steps(out, 1)
     return {"layout": "2 groups x 2 ranks (LLM pp 2), no global_batch (per-group batch 2, the survivor takes all 4)",
-            "kill": kill, "codes": codes, "wall_s": time.time() - t0,
+            "kill": kill, "codes": codes, "wall_s": wall,
             "steps_from": "steps_1.log (group 1, never stops)",
             **phases(g1, ftb._killed_at(out), None), "kill_to_recovered_s": None,
             "note": "group 0 never returns: 'during' runs from the kill to the end of the run",
             "completed": codes[1] == 0 and bool(g1) and g1[-1][0] == args.steps}
 
 
-def _checkpoint_restart(args, out: str, common: dict) -> dict:
+def _checkpoint_restart(args, base: str, common: dict) -> dict:
     import fault_tolerance as ftb
-    from tests.test_fault_tolerance import _launch
 
     kill = {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward"}
-    t0 = time.time()
-    codes = ftb._wait([_launch({**common, "ft": False, "group": 0, "devices": 4, "out": out, "kill": kill,
-                                "save_every": args.save_every, "ckpt_dir": os.path.join(out, "ckpt"),
-                                "resume": "last"}, restarts=1, nproc=4)], args.timeout)
+    out, codes, wall = ftb.run("checkpoint_restart", base, [(
+        {**common, "ft": False, "group": 0, "devices": 4, "kill": kill, "save_every": args.save_every,
+         "ckpt_dir": os.path.join(base, "checkpoint_restart", "ckpt"), "resume": "last"}, 1, 4)], args.timeout)
     killed = ftb._killed_at(out)
     # rank 0 may finish the killed step in its first launch (its pipeline peer died after the backward): that
     # step is in no checkpoint and on no other rank, so only the restarted job's steps count after the kill
@@ -323,7 +313,7 @@ def _checkpoint_restart(args, out: str, common: dict) -> dict:
     second = [x for x in rows if x[2] >= 1]
     again = [t for s, t, _ in second if s == args.kill_step + 1]
     return {"layout": "one job of 4 ranks (pp 2 x dp 2, no fault tolerance), batch 2 per dp rank",
-            "kill": kill, "codes": codes, "wall_s": time.time() - t0, "steps_from": "steps_0.log (the job)",
+            "kill": kill, "codes": codes, "wall_s": wall, "steps_from": "steps_0.log (the job)",
             **phases(rows, killed, second[0][1] if second else None),
             "kill_to_recovered_s": second[0][1] - killed if second else None,
             "resumed_from": os.path.basename(r.get("resumed_from") or "") or None,
@@ -346,9 +336,7 @@ def measured(args) -> None:
     for name, run in (("reforming", _reforming), ("identical", _identical),
                       ("checkpoint_restart", _checkpoint_restart)):
         if name in args.only:
-            os.makedirs(os.path.join(base, name))
-            res["runs"][name] = run(args, os.path.join(base, name), common)
-            print(f"{name}: exit codes {res['runs'][name]['codes']}, {res['runs'][name]['wall_s']:.1f} s", flush=True)
+            res["runs"][name] = run(args, base, common)
     harness.write(MEASURED_OUT, res, start)
     print(f"run folders under {base}")
 

@@ -11,8 +11,6 @@ GPU counts (``equal_gpus``: the baseline's layout on the GPUs it uses against th
 count, and the FLOP-ratio split of the uniform layout's GPUs), whose throughput ratio is also the MFU ratio; then
 the search's time on the 72B at Table 2's GPU counts (median of --repeats runs, wall and CPU time). Measured on CPU
 processes: ``per_module_dp_cpu.py``.
-
-    python benchmarks/per_module_dp.py [--repeats 5] [--models 9B,15B,72B]
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -217,12 +214,7 @@ def table_2(repeats: int) -> list[dict]:
     specs, _ = module_specs("72B", False)
     out = []
     for gpus, (batch, published) in TABLE_2.items():
-        runs, cpu = [], []
-        for _ in range(repeats):
-            start, start_cpu = time.perf_counter(), time.process_time()
-            found = search_per_module_dp(specs, gpus, batch, **COMMON)
-            runs.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
+        runs, cpu, found = harness.repeat(lambda: search_per_module_dp(specs, gpus, batch, **COMMON), repeats)
         out.append(dict(gpus=gpus, batch=batch, search_ms=statistics.median(runs) * 1e3,
                         search_cpu_ms=statistics.median(cpu) * 1e3, search_ms_min=min(runs) * 1e3,
                         load_average=os.getloadavg()[0],

@@ -6,8 +6,6 @@ image) + MLP projector + a trainable 2-layer Llama (width 64). Layouts on ``--wo
 1 rank + LLM 1 rank per replica, dp = world / 2) and ``per-module`` (vision dp = world - 1 + LLM dp 1). Each runs
 ``--warmup`` + ``--steps`` training steps through ``PipelineEngine``, one torch thread per process: rank 0's median
 step (barrier to barrier) and the busiest rank's CPU seconds per step (its own work, robust to shared cores).
-
-    python benchmarks/per_module_dp_cpu.py [--world 4] [--batch 12] [--microbatches 2] [--steps 4] [--warmup 1]
 """
 
 from __future__ import annotations

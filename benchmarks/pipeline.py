@@ -20,7 +20,6 @@ sharded; NO_SHARD / SHARD_GRAD_OP / FULL_SHARD at dp P, NO_SHARD / FULL_SHARD wi
 FSDPStrategy and ModelParallelStrategy + ``fully_shard``: per rank the peak memory growth, the state bytes
 (parameters, gradients, optimiser) before the optimiser step, samples/s and the loss; a failing row keeps its error.
 
-    python benchmarks/pipeline.py [--procs 2] [--steps 5] [--warmup 2] [--repeats 1] [--accelerator cpu|gpu]
     python benchmarks/pipeline.py --setup --procs 4 --hidden 512 --llm-layers 12 --vocab 32000 --steps 1
     python benchmarks/pipeline.py --sharding --procs 4 --hidden 512 --llm-layers 8 --vocab 32000 --batch 1 \
                                   --warmup 2 --steps 3 --text-tokens 64 --timeout 300
@@ -28,7 +27,6 @@ FSDPStrategy and ModelParallelStrategy + ``fully_shard``: per rank the peak memo
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -152,19 +150,6 @@ def _meter(args, state: dict, mode: str):
     return Meter()
 
 
-def _ranks(trainer, mine: dict) -> list[dict] | None:
-    """Every rank's ``mine`` (with its rank and stage), on rank 0; None on the others."""
-    import torch.distributed as dist
-
-    engine = getattr(trainer.strategy, "engine", None)
-    mine = {"rank": trainer.global_rank, "stage": engine.stage if engine is not None else "whole model", **mine}
-    ranks = [mine]
-    if trainer.world_size > 1:
-        ranks = [None] * trainer.world_size
-        dist.all_gather_object(ranks, mine)
-    return ranks if trainer.global_rank == 0 else None
-
-
 def _rate(trainer, cfg: dict, args, state: dict) -> dict:
     """Data-parallel degree, global batch and samples/s of the timed steps."""
     dp = trainer.strategy.layout.dp if cfg["strategy"] == "multimodal" else args.procs
@@ -205,7 +190,7 @@ def worker(cfg: dict, args, result: str) -> None:
                         max_steps=args.warmup + args.steps, callbacks=[*callbacks, _meter(args, state, "pipeline")],
                         **harness.QUIET)
     trainer.fit(module, data)
-    ranks = _ranks(trainer, {"peak_mb": _peak_bytes(args.accelerator == "gpu") / 2**20,
+    ranks = harness.rank_rows(trainer, {"peak_mb": _peak_bytes(args.accelerator == "gpu") / 2**20,
                              "rss_start_mb": state["rss_start_kb"] / 1024,
                              "peak_since": "train start" if state["reset"] else "process start"})
     if ranks is None:
@@ -215,8 +200,8 @@ def worker(cfg: dict, args, result: str) -> None:
         measured, predicted = timeline.results[args.warmup]
         doc["bubble"] = measured.bubble_fraction
         doc["iteration_s"], doc["predicted_iteration_s"] = measured.iteration_time, predicted.iteration_time
-        doc["partition"] = {m: [sl for sl in sizes] for m, sizes in _partition(trainer.strategy.engine).items()}
-    Path(result).write_text(json.dumps(doc))
+        doc["partition"] = _partition(trainer.strategy.engine)
+    harness.save(result, doc)
 
 
 def _partition(engine) -> dict[str, list[int]]:
@@ -312,12 +297,12 @@ def setup_worker(cfg: dict, args, result: str) -> None:
     data = lmm.data.SyntheticMultimodalDataModule(num_samples=args.batch * (args.steps + 1), batch_size=args.batch,
                                                   text_tokens=(args.text_tokens - 8, args.text_tokens))
     trainer.fit(module, data)
-    ranks = _ranks(trainer, {
+    ranks = harness.rank_rows(trainer, {
         "build_s": built - start, "setup_s": state["setup_end"] - state["setup_start"],
         "to_first_step_s": state["first_step"] - start, "to_first_step_end_s": state["first_step_end"] - start,
         "peak_build_mb": (peak_build - base) / 2**20, **_peaks(state, base, reset, gpu)})
     if ranks is not None:
-        Path(result).write_text(json.dumps({**cfg, "model_mb": model_bytes / 2**20, "ranks": ranks}))
+        harness.save(result, {**cfg, "model_mb": model_bytes / 2**20, "ranks": ranks})
 
 
 # ----------------------------------------------------------------------------------------------- --sharding
@@ -380,7 +365,7 @@ def sharding_worker(cfg: dict, args, result: str) -> None:
         _sharding_worker(cfg, args, result)
     except BaseException:
         if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:
-            Path(result).write_text(json.dumps({**cfg, "error": traceback.format_exc()[-3000:]}))
+            harness.save(result, {**cfg, "error": traceback.format_exc()[-3000:]})
         raise
 
 
@@ -438,12 +423,12 @@ def _sharding_worker(cfg: dict, args, result: str) -> None:
                                                   batch_size=args.batch,
                                                   text_tokens=(args.text_tokens - 8, args.text_tokens))
     trainer.fit(module, data)
-    ranks = _ranks(trainer, {**_peaks(state, base, reset, gpu),
+    ranks = harness.rank_rows(trainer, {**_peaks(state, base, reset, gpu),
                              "state_mb": {k: v / 2**20 for k, v in state["state_bytes"].items()},
                              "loss": float(trainer.callback_metrics.get("train/loss", float("nan")))})
     if ranks is not None:
-        Path(result).write_text(json.dumps({**cfg, **_rate(trainer, cfg, args, state), "model_mb": model_bytes / 2**20,
-                                            "ranks": ranks}))
+        harness.save(result, {**cfg, **_rate(trainer, cfg, args, state), "model_mb": model_bytes / 2**20,
+                              "ranks": ranks})
 
 def _save(args, start: dict, name: str, rows: list[dict]) -> None:
     baseline = {"pipeline": rows[0]["name"], "pipeline_sharding": "no_shard"}.get(name)
@@ -453,18 +438,6 @@ def _save(args, start: dict, name: str, rows: list[dict]) -> None:
     harness.write(Path(args.out) / f"{name}_p{args.procs}_{args.accelerator}.json", doc, start,
                   sources={"model_mb": "computed", "args": "setting", "procs": "setting", "accelerator": "setting",
                            "baseline": "setting"})
-
-
-def _run(cfg: dict, argv: list[str], timeout: float, fail: bool = True) -> dict:
-    start = time.time()
-    row = harness.run_worker(__file__, cfg, timeout, argv)
-    if "error" in row and fail:
-        raise RuntimeError(f"{cfg['name']} failed:\n{row['error']}")
-    what = f"error: {harness.error_line(row['error'])[:200]}" if "error" in row else (
-        f"{row['samples_per_s']:.3f} samples/s" if "samples_per_s" in row else "done")
-    print(f"{cfg['name']}: {what} ({time.time() - start:.0f} s with launch)" + (
-        f"; warning: {row['exit']}" if "exit" in row else ""), flush=True)
-    return row
 
 
 def main(argv=None) -> None:
@@ -481,28 +454,26 @@ def main(argv=None) -> None:
     if args.worker:
         run = sharding_worker if args.sharding else setup_worker if args.setup else worker
         return run(args.worker, args, args.result)
-    start = harness.record()
-    only = set(args.only.split(",")) if args.only else None
+    start, only = harness.record(), set(args.only.split(",")) if args.only else None
+    chosen = lambda runs: [c for c in runs if only is None or c["name"] in only]  # noqa: E731
+    run = lambda cfg, fail=True: harness.launch(__file__, cfg, args.timeout, cfg["name"], argv, fail)  # noqa: E731
     if args.setup:
         with tempfile.TemporaryDirectory() as tmp:
             folders = save_folders(args, tmp)
-            rows = [_run({**cfg, "folders": folders}, argv, args.timeout) for cfg in SETUP_RUNS
-                    if only is None or cfg["name"] in only]
+            rows = [run({**cfg, "folders": folders}) for cfg in chosen(SETUP_RUNS)]
         return _save(args, start, "pipeline_setup", [{k: v for k, v in r.items() if k != "folders"} for r in rows])
     if args.sharding:
-        return _save(args, start, "pipeline_sharding", [_run({**cfg, "dp": args.procs // cfg["tp"]}, argv, args.timeout,
-                                                      fail=False)
-                                                 for cfg in SHARDING_RUNS if only is None or cfg["name"] in only])
+        return _save(args, start, "pipeline_sharding",
+                     [run({**cfg, "dp": args.procs // cfg["tp"]}, fail=False) for cfg in chosen(SHARDING_RUNS)])
     configs = layouts(args.procs, args.accelerator)
-    configs = configs[:1] + [c for c in configs[1:] if only is None or c["name"] in only]
+    configs = configs[:1] + chosen(configs[1:])
     runs: dict[str, list[dict]] = {c["name"]: [] for c in configs}
     for r in range(args.repeats):  # rotate the order so slow phases of a shared machine hit every layout
         for cfg in configs[r % len(configs):] + configs[:r % len(configs)]:
-            runs[cfg["name"]].append(_run(cfg, argv, args.timeout))
+            runs[cfg["name"]].append(run(cfg))
     best = {name: max(done, key=lambda d: d["samples_per_s"]) for name, done in runs.items()}  # the least disturbed
     _save(args, start, "pipeline", [{**best[c["name"]], "all_samples_per_s": [d["samples_per_s"] for d in
                                                                               runs[c["name"]]]} for c in configs])
-
 
 if __name__ == "__main__":
     main()

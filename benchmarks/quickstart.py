@@ -4,8 +4,6 @@
    ``python examples/make_conversation_data.py``: wall seconds of the whole command, start to exit.
 2. The scan of ``ConversationDataset(scan=True)``: the examples' records repeated to --records, one torch thread,
    records per second = records / (construction with the scan - without it), median of --repeats.
-
-    python benchmarks/quickstart.py [--records 20000] [--repeats 3]
 """
 
 from __future__ import annotations

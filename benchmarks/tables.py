@@ -120,9 +120,8 @@ _CP_NAMES = {("ep", ""): "EP", ("ee", ""): "EE", ("mp", ""): "MP (int16 segment 
              ("mp", "just written"): "MP, just written"}
 
 
-def _plan_ms(data: dict, layout: str, variant: str = "") -> float:
-    return next(r for r in data["planning_1m"] if r["layout"] == layout and r.get("variant", "") == variant)[
-        "plan_ms_median"]
+def _plan_row(data: dict, layout: str, variant: str = "") -> dict:
+    return next(r for r in data["planning_1m"] if r["layout"] == layout and r.get("variant", "") == variant)
 
 
 def _imbalance(data: dict) -> dict:
@@ -149,16 +148,12 @@ grid("cp_balance.json", "planning", "planning_1m", "lrrrrrrrrrl", [
 
 @renderer("cp_balance.json", "planning-inline")
 def cp_planning_inline(data: dict) -> str:
-    ms = [_plan_ms(data, layout) for layout in ("ep", "ee", "mp")]
-    cold = [_plan_ms(data, layout, "cold cache") for layout in ("ep", "mp")]
+    ms = [_plan_row(data, layout)["plan_ms_median"] for layout in ("ep", "ee", "mp")]
+    cold = [_plan_row(data, layout, "cold cache")["plan_ms_median"] for layout in ("ep", "mp")]
     return (f"{ms[0]:.2f} / {ms[1]:.2f} / {ms[2]:.2f} ms (EP / EE / MP medians with the arrays in the cache, "
             f"measured by `benchmarks/cp_balance.py --only planning` on {data['machine']['cpu']}, "
             f"{data['machine']['cores']} cores, load average {data['machine']['load_average_start'][0]:.1f}), but "
             f"{_range(cold)} ms when the words and segment ids come from memory (EP / MP, cold cache)")
-
-
-def _plan_row(data: dict, layout: str, variant: str = "") -> dict:
-    return next(r for r in data["planning_1m"] if r["layout"] == layout and r.get("variant", "") == variant)
 
 
 @renderer("cp_balance.json", "planning-goal")
@@ -963,13 +958,11 @@ grid("gdn_cpu.json", "simulated", lambda d: d["simulated"]["rows"], "rrrrrrr", [
 
 # ---------------------------------------- oobleck.json, oobleck_measured.json (oobleck.py [--measured])
 
-@renderer("oobleck.json", "throughput")
-def oobleck_throughput(data: dict) -> str:
-    rows = [[freq, model, *[f"{m['cells'][freq][k]:.2f}" for k in ("oobleck", "identical", "checkpoint",
-                                                                   "seed_oobleck", "seed_varuna")]]
-            for freq in ("6h", "1h", "10m") for model, m in data["throughput"].items()]
-    return table(["failure every", "model", "re-forming (sim.)", "identical groups (sim.)",
-                  "checkpoint-restart (sim.)", "Oobleck (seed)", "Varuna (seed)"], rows, "llrrrrr")
+grid("oobleck.json", "throughput", lambda d: [dict(m["cells"][f], freq=f, model=n) for f in ("6h", "1h", "10m")
+                                              for n, m in d["throughput"].items()], "llrrrrr", [
+    ("failure every", "{freq}"), ("model", "{model}"), ("re-forming (sim.)", "{oobleck:.2f}"),
+    ("identical groups (sim.)", "{identical:.2f}"), ("checkpoint-restart (sim.)", "{checkpoint:.2f}"),
+    ("Oobleck (seed)", "{seed_oobleck:.2f}"), ("Varuna (seed)", "{seed_varuna:.2f}")])
 
 
 grid("oobleck.json", "planning", "planning", "rrrrrrrrr", [

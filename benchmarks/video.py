@@ -9,14 +9,10 @@ model of tests/test_hf_composites.py, a vision tower of ``--depth`` blocks of wi
 2. Decoding: ``trainer.predict`` with greedy generation of 32 tokens under LLM pp 2 (3 ranks) against
    one-process ``model.generate`` on the same prompts with images and videos: tokens per second (median over
    ``--repeats`` batches after a warm-up one), and whether the tokens agree.
-
-    python benchmarks/video.py [--quick] [--frames 48] [--side 8] [--depth 6] [--embed-dim 128] [--cps 1,2,4]
-                               [--steps 5] [--warmup 2] [--repeats 3] [--timeout 300]
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -105,10 +101,9 @@ def cp_worker(cfg: dict, result: str) -> None:
     module = lmm.MultimodalLightningModule(model, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
     trainer.fit(module, DataLoader([video_sample(i, cfg["frames"], cfg["side"]) for i in range(total)], batch_size=1,
                                    collate_fn=lmm.data.MultimodalCollator(model)))
-    if trainer.global_rank == 0:
-        steps = [b - a for a, b in zip(ends, ends[1:])]
-        Path(result).write_text(json.dumps({"all_steps_s": steps, "steps_s": steps[cfg["warmup"]:],
-                                            "losses": losses, "processes": trainer.world_size}))
+    steps = [b - a for a, b in zip(ends, ends[1:])]
+    harness.save(result, {"all_steps_s": steps, "steps_s": steps[cfg["warmup"]:], "losses": losses,
+                          "processes": trainer.world_size}, trainer)
 
 
 def generate_worker(cfg: dict, result: str) -> None:
@@ -132,7 +127,7 @@ def generate_worker(cfg: dict, result: str) -> None:
                 t0 = time.perf_counter()
                 ids = model.generate(**batch, **generation)
                 times.append(time.perf_counter() - t0)
-        Path(result).write_text(json.dumps({"batch_s": times[1:], "generated": ids.tolist(), "processes": 1}))
+        harness.save(result, {"batch_s": times[1:], "generated": ids.tolist(), "processes": 1})
         return
     starts, times = [], []
 
@@ -150,17 +145,13 @@ def generate_worker(cfg: dict, result: str) -> None:
     trainer = _trainer(strategy, cfg["pp"] + 1, [Clock()])
     out = trainer.predict(lmm.MultimodalLightningModule(model, generation=generation),
                           DataLoader([batch] * (1 + cfg["repeats"]), batch_size=None))
-    if trainer.global_rank == 0:
-        Path(result).write_text(json.dumps({"batch_s": times[1:], "generated": out[0]["generated_ids"].tolist(),
-                                            "processes": trainer.world_size}))
+    harness.save(result, {"batch_s": times[1:], "generated": out[0]["generated_ids"].tolist(),
+                          "processes": trainer.world_size}, trainer)
 
 
 def launch(cfg: dict, timeout: float, what: str) -> dict:
-    start = time.time()
-    doc = harness.run_worker(__file__, cfg, timeout)
-    doc = {"error": harness.error_line(doc["error"])} if "error" in doc else doc
-    print(f"{what}: {doc.get('error', 'done')} ({time.time() - start:.0f} s with launch)", flush=True)
-    return doc
+    doc = harness.launch(__file__, cfg, timeout, what, fail=False)
+    return {"error": harness.error_line(doc["error"])} if "error" in doc else doc
 
 
 def encoder_cp(args, folder: str, where: str) -> list[dict]:
