@@ -150,3 +150,18 @@ def test_encoder_cp_expert_parallel_balancing_lora_resumes_like_one_process(tmp_
     same_training(resumed, ref, first=1)
     assert len(full[0]["plans"]) == 2 and full[0]["deferred_samples"] > 0  # the balanced plans ran
     assert any(".lora_" in n for n in ref[1]) and any("vision" in n or "visual" in n for n in ref[1])
+
+
+@pytest.mark.slow
+@pytest.mark.combines("balancing", "packing", "per_module_dp")
+def test_balanced_packed_rows_under_per_module_dp_like_one_process(tmp_path):
+    """Vision dp 2 + LLM dp 1 (3 processes), ENTRAIN placing each global batch over 2 microbatches whose samples are
+    packed several to a row (no deferral with packing: docs/balancing.md), 0-5 images per sample: one process's
+    losses and parameters on the same global batches."""
+    case = dict(BASE, vision="qwen2_vl", freeze="all", steps=2, batch_size=6, pack=128, plans=True)
+    ref = run(case, tmp_path, "single")
+    got = run({**case, "encoder_dp": [2], "llm_pp": 1, "llm_dp": 1, "microbatches": 2, "balancing": "entrain"},
+              tmp_path, "vdp2_packed")
+    same_training(got, ref)
+    assert_packed(got[0])
+    assert len(got[0]["plans"]) == 2  # the balanced plans ran
