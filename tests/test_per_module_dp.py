@@ -204,3 +204,39 @@ def test_trainer_fit_validate_test_predict_like_one_process(tmp_path, balancing)
         assert got[0][key] == pytest.approx(ref[0][key], rel=1e-5)
     assert got[0]["predicted_ids"] == ref[0]["predicted_ids"]
     assert len(got[0]["plans"]) == 2  # the balanced plans ran
+
+
+def _trainer_llm_dp2(tmp_path, name: str, **case):
+    """Trainer.fit with the vision tower on 1 replica and the LLM on 2 (3 processes) vs plain one-process Lightning on
+    the same global batches of 8 (samples of 0-5 images of different sizes, everything trained, SGD)."""
+    from tests.test_lightning_contracts import assert_same_training, run
+
+    base = dict(modalities=["vision"], vision="qwen2_vl", freeze="all", items=[0, 5], optimizer="sgd", lr=0.5,
+                steps=2, batch_size=4, **case.pop("base", {}))
+    ref = run({**base, "dp": 2, "accumulate": case.get("accumulate", 1)}, tmp_path, "single")
+    got = run({**base, "encoder_dp": [1], "llm_dp": 2, **case}, tmp_path, name)
+    assert sorted(p.name for p in (tmp_path / name).glob("fsdp_*.json")) == [f"fsdp_{r}.json" for r in range(3)]
+    assert_same_training(got, ref)
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(balancing="none"), id="contiguous"),
+    pytest.param(dict(balancing="entrain", microbatches=2, accumulate=2), id="entrain-mb2-accumulate2",
+                 marks=pytest.mark.combines("per_module_dp", "balancing", "accumulation")),
+])
+def test_trainer_vision_dp1_llm_dp2_like_one_process(tmp_path, case):
+    """Under the Trainer each LLM replica trains its DistributedSampler share of the global batch (the vision
+    replica encodes the rows of both): every micro-step loss and every trained parameter as one process."""
+    _trainer_llm_dp2(tmp_path, case["balancing"], **case)
+
+
+@pytest.mark.slow
+@pytest.mark.combines("ep", "per_module_dp")
+def test_trainer_vision_dp1_moe_llm_dp2_ep2_like_one_process(tmp_path):
+    """The same with a Qwen3-MoE LLM whose experts are split over its 2 replicas (ep 2; aux loss off: a mean over
+    microbatches that no split of the batch reproduces)."""
+    got = _trainer_llm_dp2(tmp_path, "ep2", balancing="none", llm_ep=2,
+                           base=dict(llm="qwen3_moe", llm_config={"output_router_logits": False}))
+    assert any(".mlp.experts." in n for n in got[1])

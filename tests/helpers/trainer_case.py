@@ -5,7 +5,7 @@ validation/test loss, predicted ids) and ``<out_dir>/params_<rank>.pt`` (this ra
 names), so a test can compare any layout with one process; under the strategy also ``<out_dir>/fsdp_<rank>.json``
 (how many parameters FSDP manages there). Keys of the JSON (all optional):
 
-- ``devices`` (1 and no ``llm_pp``: plain single-device Lightning, no strategy), ``encoder_pp`` / ``encoder_tp`` /
+- ``devices`` (1 and none of ``STRATEGY_KEYS``: plain single-device Lightning, no strategy), ``encoder_pp`` / ``encoder_tp`` /
   ``encoder_cp`` ([vision, audio]), ``llm_pp``, ``llm_cp`` (blocks of 8 tokens), ``cp_mode``, ``ulysses``, ``llm_tp``, ``sharding``
   (sharding_strategy),
   ``placement`` (encoder_placement), ``recompute`` (activation_checkpointing), ``microbatches``, ``accumulate``,
@@ -127,10 +127,14 @@ def build(case):
     return model
 
 
+# any of these runs the case under MultimodalParallelStrategy, even when it comes to one process
+STRATEGY_KEYS = {"llm_pp", "llm_tp", "llm_cp", "llm_dp", "llm_ep", "encoder_tp", "encoder_cp", "encoder_dp", "sharding"}
+
+
 def main(spec: str, out: str):
     case = json.loads(spec)
     dp = case.get("dp", 1)
-    if case.get("devices", 1) == 1 and not {"llm_pp", "llm_tp", "llm_cp", "encoder_tp", "encoder_cp", "sharding"} & set(case):
+    if case.get("devices", 1) == 1 and not STRATEGY_KEYS & set(case):
         strategy, devices, dp_batch = "auto", 1, case.get("batch_size", 4) * dp
     else:
         enc, enc_tp, enc_cp = case.get("encoder_pp", [1, 1]), case.get("encoder_tp", [1, 1]), case.get("encoder_cp", [1, 1])
