@@ -136,6 +136,7 @@ def test_a_group_below_its_smallest_template_borrows_a_node_and_both_re_form(tmp
 
 @pytest.mark.slow
 @pytest.mark.timeout(2700)
+@pytest.mark.combines("ft", "pipeline", "placement")  # groups of LLM pp 2, the encoder in every stage
 def test_two_groups_below_their_smallest_template_merge_and_the_third_never_stops(tmp_path, lighthouse):  # noqa: F811
     """A, B and C on 2 nodes each. A's leading node and one of B's are lost for good inside step 3: another agent
     takes the lead, the two survivors merge into group 0 (the lower id) at the 2-node template, heal by name from C
