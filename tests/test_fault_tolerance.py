@@ -154,7 +154,7 @@ def test_bad_settings_fail_before_training(setting, tmp_path):
 def lighthouse():
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=3000,
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=3000, quorum_tick_ms=20,
                               heartbeat_timeout_ms=int(HEARTBEAT_S * 1000))
     yield parse_address(server.address())
     server.shutdown()

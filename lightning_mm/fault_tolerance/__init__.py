@@ -12,7 +12,8 @@ One concern per file: ``config.py`` (the settings and their checks), ``sampler.p
 ``parallel/``), ``shares.py`` (this rank's share of a step: placement over replicas, accumulation's
 micro-batches), ``layerwise.py`` (groups of different layouts), ``lighthouse.py``, ``watchdog.py`` (a dead or
 stuck rank ends the job naming it; imported by the runtime's collectives), ``links.py`` (a rank that ends ends its
-group at once), ``abandon.py`` (a cross-group wait given up when the lighthouse drops a group of the quorum).
+group at once), ``abandon.py`` (a cross-group wait given up when the lighthouse drops a group of the quorum),
+``redo.py`` (a step that lost a group redone while the lighthouse waits out its heartbeat timeout).
 
 Per optimiser step (``MultimodalParallelStrategy`` calls these; nothing here is spread through the engine):
 

@@ -21,7 +21,12 @@ _UNIT = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
 class PeerGroupLost(RuntimeError):
-    """A replica group of the step's quorum stopped heartbeating while this group waited for it."""
+    """A replica group of the step's quorum stopped heartbeating while this group waited for it (``groups``: the
+    lost replica ids)."""
+
+    def __init__(self, message: str, groups: Sequence[str] = ()):
+        super().__init__(message)
+        self.groups = list(groups)
 
 
 def parse_heartbeats(page: str) -> dict[str, tuple[float, bool]]:
@@ -48,7 +53,7 @@ def lost_groups(heartbeats: dict[str, tuple[float, bool]] | None, names: Sequenc
     return [n for n in names if n not in alive]
 
 
-def wait_or_abandon(works: Sequence, lost: Callable[[], list[str]], check_every: float = 0.25,
+def wait_or_abandon(works: Sequence, lost: Callable[[], list[str]], check_every: float = 0.1,
                     poll: float = 0.005) -> None:
     """Wait for ``works`` (``torch.distributed`` Work objects) to complete, asking ``lost()`` every
     ``check_every`` seconds which peer groups are gone; raises :class:`PeerGroupLost` naming them instead of
@@ -61,7 +66,7 @@ def wait_or_abandon(works: Sequence, lost: Callable[[], list[str]], check_every:
             if gone:
                 raise PeerGroupLost(f"replica group(s) {', '.join(gone)} stopped heartbeating to the lighthouse while "
                                     "this group waited for them in the cross-group reduction; the step is redone "
-                                    "without them")
+                                    "without them", gone)
             next_check = now + check_every
         time.sleep(poll)
     for w in works:

@@ -33,7 +33,9 @@ def lighthouse_main(args: list[str] | None = None) -> None:
                         help="how long a quorum waits for groups that heartbeat but have not asked to join")
     parser.add_argument("--heartbeat_timeout_ms", type=int, default=5000,
                         help="a group silent this long is dead: the others go on without it")
-    parser.add_argument("--quorum_tick_ms", type=int, default=100)
+    parser.add_argument("--quorum_tick_ms", type=int, default=20,
+                        help="how often a waiting quorum is checked: groups waiting for a lost group's heartbeat "
+                             "timeout get their quorum at most this long after it (default 20; torchft's 100)")
     a = parser.parse_args(args)
     quiet_torchft()
     try:

@@ -20,6 +20,10 @@ class StepShares:
 
     accumulate = 1  # Lightning's accumulate_grad_batches: global micro-batches per optimiser step
 
+    def share_templates(self) -> list:
+        """The groups' templates the global batch is split by ([None]: evenly by ``participants``)."""
+        return self.state.sync.templates if self.layerwise else [None]
+
     def reset_shares(self) -> None:
         self._batches: list[dict] = []  # this rank's share of each micro-batch of the step, on the host
         self._micro = 0  # the next micro-batch of the step to run
@@ -45,8 +49,9 @@ class StepShares:
         s, d, st = self.strategy, self.data, self.state
         indices = global_batch_indices(step * self.accumulate + micro, d["num_samples"], d["global_batch"],
                                        d["shuffle"], d["seed"])
-        if self.layerwise and None not in st.sync.templates:
-            shares = layerwise.template_shares(st.sync.templates, len(indices), self._rows_per_microbatch())
+        templates = self.share_templates()
+        if self.layerwise and None not in templates:
+            shares = layerwise.template_shares(templates, len(indices), self._rows_per_microbatch())
         else:
             shares = group_shares(len(indices), [1.0] * st.participants)
         lo, hi = shares[position]

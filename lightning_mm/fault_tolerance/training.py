@@ -22,6 +22,7 @@ from lightning_mm.fault_tolerance import abandon, layerwise
 from lightning_mm.fault_tolerance.config import (FaultTolerance, FaultToleranceError, _NoNcclNotes, check_reachable,
                                                  import_torchft)
 from lightning_mm.fault_tolerance.links import GroupLinks
+from lightning_mm.fault_tolerance.redo import EarlyRedo
 from lightning_mm.fault_tolerance.sampler import StepTokens, global_batches_per_epoch
 from lightning_mm.fault_tolerance.shares import StepShares
 
@@ -176,7 +177,7 @@ class StepState:
     sync: layerwise.QuorumSync | None = None  # across layouts: this quorum's buckets and their process groups
 
 
-class FaultTolerantTraining(StepShares):
+class FaultTolerantTraining(EarlyRedo, StepShares):
     """One rank's torchft glue, owned by ``MultimodalParallelStrategy`` (``strategy.ft``): torchft's Manager for
     the quorum, the commit and the committed step, a :class:`StepState` for the rest."""
 
@@ -192,6 +193,7 @@ class FaultTolerantTraining(StepShares):
         self._nominal_microbatches = strategy.num_microbatches
         self._recorder = self._doc = self._pg_class = self._links = None
         self.reset_shares()
+        self.reset_redo()
 
     # ------------------------------------------------------------------ before training
     def check_before_setup(self, trainer) -> None:
@@ -287,7 +289,7 @@ class FaultTolerantTraining(StepShares):
         if self.data is None:
             raise FaultToleranceError("fault_tolerance: the training loader was not prepared by the strategy")
         if self._micro == 0:  # the first micro-batch of a step (or of its redo): the quorum, then every share
-            self.load_step(*self.join_quorum())
+            self.load_step(*self.position_for_step())
         batch = self._next_micro_batch()
         if isinstance(token, dict):  # hooks after training_step (on_train_batch_end, callbacks) see the real batch
             token.clear()
@@ -453,8 +455,15 @@ class FaultTolerantTraining(StepShares):
         the quorum as no longer heartbeating (``abandon.py``)."""
         c, sync = self.config, self.state.sync
         peers = [f"lmm_group_{g}" for g in sync.group_ids if g != c.replica_group]
-        abandon.wait_or_abandon(works, lambda: abandon.lost_groups(abandon.lighthouse_heartbeats(c.url), peers),
-                                check_every=0.25)
+        try:  # the lighthouse is read 10 times a second: its heartbeat timeout is seconds
+            abandon.wait_or_abandon(works, lambda: abandon.lost_groups(abandon.lighthouse_heartbeats(c.url), peers),
+                                    check_every=0.1)
+        except abandon.PeerGroupLost as e:  # the groups lost, for an early redo (redo.py)
+            self.note_lost(int(name.rsplit("_", 1)[1]) for name in e.groups)
+            raise
+        except Exception:
+            self.note_lost(self.failed_bucket_peers(works))
+            raise
 
     def _take_label_tokens(self) -> torch.Tensor:
         """The step's label-token count (zero when the step computed none), cleared for the next attempt."""
@@ -469,6 +478,9 @@ class FaultTolerantTraining(StepShares):
             while True:
                 t0 = time.perf_counter()
                 result = closure()
+                if self._expected is not None and not self.expectation_held():  # an early redo's quorum differed
+                    optimizer.zero_grad(set_to_none=True)
+                    result = closure()
                 if self.reduce_and_commit():
                     self.use_microbatches(self._nominal_microbatches)
                     self.log_metrics()
@@ -481,6 +493,7 @@ class FaultTolerantTraining(StepShares):
                 optimizer.zero_grad(set_to_none=True)
                 self.state.after_failure = True
                 self._micro, self._replay = 0, self.accumulate > 1
+                self.expect_quorum()  # the redo is computed before its quorum forms (redo.py)
 
         return run
 
