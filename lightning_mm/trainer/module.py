@@ -186,7 +186,7 @@ class MultimodalLightningModule(pl.LightningModule):
                     return {"generated_ids": pipeline_generate(pipeline.engine, batch, self.generation)}
             if pipeline is None:
                 return {"generated_ids": predict_generate(self, batch, self.generation)}
-            from lightning_mm.parallel.pipeline_generation import unsharded  # FSDP: gathered once, not per step
+            from lightning_mm.parallel.pipeline_generation import unsharded  # FSDP, ep: gathered once, not per step
 
             with unsharded(pipeline.engine):
                 return {"generated_ids": predict_generate(self, batch, self.generation)}
