@@ -21,7 +21,7 @@ def test_each_refusal_message_is_one_the_test_asserts(marks):
     """The message a refuses marker shows on the page is (part of) a string in that test's code: the text it matches
     or asserts, so the page and the test cannot drift apart."""
     refusals = [m for m in marks if m.kind == "refuses"]
-    assert len(refusals) >= 10
+    assert refusals, "no refuses marker was collected"  # a floor, not a count: lifting a refusal removes one
     for m in refusals:
         assert any(m.kwargs["message"] in s for s in m.strings), (m.test, m.kwargs["message"])
 
