@@ -117,28 +117,75 @@ def test_packed_prompts_under_encoder_cp_llm_cp_and_fsdp_equal_one_process(tmp_p
     assert all(result["sharded"]), result["sharded"]  # every rank's stage is sharded
 
 
-@pytest.mark.refuses("generation", "ep", message="runs each LLM stage without expert parallelism")
-@pytest.mark.refuses("generation", "per_module_dp", message="needs one data-parallel degree for every module")
-def test_layouts_it_does_not_serve_are_refused_with_the_fix():
-    """Expert parallelism on the LLM (the replicas of an ep group would exchange tokens every step in lockstep) and
-    per-module data parallelism; every rank derives the same answer from the layout, before any message."""
-    from types import SimpleNamespace
+@pytest.mark.slow
+@pytest.mark.combines("ep", "generation", "fsdp")
+def test_moe_generation_under_ep2_over_dp2_equals_one_process(tmp_path):
+    """A Qwen3-MoE LLM with ep 2 over dp 2 and FULL_SHARD (vision + LLM stage per replica, 4 ranks): each LLM rank
+    gathers its stage's experts from the other replica once and decodes alone, though the replicas stop at
+    different steps (stop tokens end replica 0's rows early; replica 1's other images run on). Prompts with 0, 1
+    and 2 images: the greedy tokens of one-process ``model.generate``; after it every LLM rank holds its half of
+    the experts again."""
+    result = _run({"kind": "moe", "llm_pp": 1, "llm_ep": 2, "dp": 2, "sharding": "FULL_SHARD", "early_stop": True},
+                  tmp_path, "ep2_fsdp")
+    _check(result, 2)
+    assert len(result["generated"][0]) == 4 and len(result["generated"][2]) == 3, result
+    assert len(result["generated"][1][0]) != len(result["generated"][3][0]), result  # different step counts
+    assert [held for held, _ in result["experts_held"]] == [0, 24576, 0, 24576], result["experts_held"]
+    assert result["experts_held"][1][1] == 2 * 24576 and all(result["sharded"]), result
 
+
+@pytest.mark.slow
+@pytest.mark.combines("ep", "generation", "placement", note="generation only: no training step runs here")
+def test_moe_generation_of_the_whole_model_per_rank_under_ep2(tmp_path):
+    """Replicated encoders and one LLM stage (2 ranks, ep 2 over dp 2): transformers' ``generate`` on each rank
+    runs with the experts gathered for the whole generation (not the per-token all-to-all, which would hang once
+    the replicas stop at different steps): the tokens of one-process ``model.generate``."""
+    result = _run({"kind": "moe", "llm_pp": 1, "llm_ep": 2, "dp": 2, "placement": "replicated",
+                   "early_stop": True}, tmp_path, "ep2_repl")
+    _check(result, 1)
+    assert len(result["generated"][0][0]) != len(result["generated"][1][0]), result
+    assert [held for held, _ in result["experts_held"]] == [24576, 24576], result["experts_held"]
+
+
+@pytest.mark.slow
+@pytest.mark.combines("per_module_dp", "generation", "pipeline")
+def test_generation_under_per_module_dp_equals_one_process(tmp_path):
+    """Vision dp 2 + LLM dp 1 pp 2 (4 ranks): the group's four prompts (1, 2, 1 and 0 images) routed as one
+    microbatch, the tower replicas encoding rows [1] and [0, 2] and both sending their features to the LLM's first
+    stage, stop tokens ending the rows at different steps: every rank returns the greedy tokens of one-process
+    ``model.generate``."""
+    result = _run({"kind": "llava", "llm_pp": 2, "vision_dp": 2, "early_stop": True}, tmp_path, "pmdp")
+    _check(result, 4)
+    assert len(result["generated"][0]) == 4 and 1 < len(result["generated"][0][0]) < 8, result
+
+
+def test_generation_routes_the_group_batch_as_one_microbatch():
+    """Per-module data parallelism (vision dp 2, LLM dp 1): ``whole_batch`` gives the LLM every row and the tower
+    replicas the rows with images by LPT on their work (the two-image row alone, then the two one-image rows),
+    ignoring the loader's plan for two microbatches; ``prompt_index`` places each row's prompts."""
+    import torch
+
+    import lightning_mm as lmm
     from lightning_mm import ParallelSpec
-    from lightning_mm.parallel.pipeline_generation import unserved_layout
+    from lightning_mm.data.cp_plans import EncoderItems, GroupRouter
+    from lightning_mm.data.microbatch import PLAN_KEY, ROUTE_KEY
+    from lightning_mm.model import tiny_encoder, tiny_language_model
+    from lightning_mm.parallel.pipeline_generation import prompt_index
+    from lightning_mm.parallel.routed import RoutedExchange
     from lightning_mm.plan.layout import build_layout
+    from tests.helpers.pipeline_generation_case import llava_prompts
 
-    def engine(world, fsdp=False, vision=ParallelSpec(pp=1), **llm):
-        layout = build_layout({"vision": vision}, ParallelSpec(**llm), world, model_encoders=["vision"])
-        plan = SimpleNamespace(language_model=object())
-        return SimpleNamespace(layout=layout, plan=plan, fsdp_params={1} if fsdp else set())
-
-    assert unserved_layout(engine(3, pp=2)) is None
-    assert unserved_layout(engine(6, pp=2)) is None  # dp 2
-    assert unserved_layout(engine(5, pp=2, tp=2)) is None
-    assert unserved_layout(engine(5, pp=2, cp=2)) is None  # each cp rank decodes the whole prompt
-    assert unserved_layout(engine(6, fsdp=True, pp=2)) is None  # gathered once for the whole generation
-    without = unserved_layout(engine(4, ep=2))  # dp 2, the experts split over both replicas
-    assert "runs each LLM stage without expert parallelism" in without and "ep=1" in without
-    per_module = unserved_layout(engine(4, vision=ParallelSpec(dp=2), pp=2, dp=1))  # vision dp 2, LLM dp 1 pp 2
-    assert "needs one data-parallel degree for every module" in per_module
+    torch.manual_seed(0)
+    model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"), projector="mlp")},
+                                tiny_language_model("llama"))
+    batch, _ = llava_prompts(model, 0, text_only=True)  # 1, 2, 1 and 0 images
+    layout = build_layout({"vision": ParallelSpec(dp=2)}, ParallelSpec(pp=2, dp=1), 4, model_encoders=["vision"])
+    router = GroupRouter({"vision": EncoderItems.of(model.encoders["vision"], 1)}, {"vision": 2}, 1, 2)
+    batch[PLAN_KEY] = {ROUTE_KEY: router(batch)}  # the loader's routing for two microbatches
+    tokens = {"vision": [4, 8, 4, 0]}
+    rows = {r: RoutedExchange(router, layout, r, torch.device("cpu"), None).whole_batch(batch, tokens, r >= 2)
+            for r in range(4)}
+    assert rows == {0: [1], 1: [0, 2], 2: [0, 1, 2, 3], 3: [0, 1, 2, 3]}, rows
+    assert prompt_index(batch, [1, 3]).tolist() == [1, 3]
+    packed, _ = llava_prompts(model, 0, packed=True)  # rows [prompt 0, prompt 1] and [prompt 2]
+    assert prompt_index(packed, [1]).tolist() == [2] and prompt_index(packed, [0, 1]).tolist() == [0, 1, 2]

@@ -54,6 +54,16 @@ def microbatch_rows(batch: dict, num_microbatches: int) -> tuple[list[list[int]]
     return plan_rows(batch["input_ids"].shape[0], plan and plan["encoder"], plan and plan["llm"], num_microbatches)
 
 
+def as_one_microbatch(batch: dict) -> dict:
+    """``batch`` with only the parts of its loader's plan that hold for any microbatch count (each row's
+    language-model replica, its feature tokens): generation runs a batch as one piece, while the loader planned
+    rows, routing and CP shards for training's ``num_microbatches``."""
+    plan = batch.get(PLAN_KEY)
+    if not isinstance(plan, dict):
+        return batch
+    return {**batch, PLAN_KEY: {k: plan[k] for k in ("replica", "tokens") if k in plan}}
+
+
 def replica_microbatch_rows(batch: dict, num_microbatches: int, replicas: int | None = None
                             ) -> list[tuple[list[list[int]], list[list[int]]]]:
     """``microbatch_rows`` of each language-model replica of a group's batch (per-module data parallelism), as row

@@ -17,6 +17,8 @@ tp rank); every other parameter keeps its usual reduction, FSDP2's included (the
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 
 from lightning_mm.model.moe import expert_layer_plan
@@ -60,6 +62,44 @@ def apply_ep(model, plan: StagePlan, meshes: ExpertMeshes) -> list[nn.Parameter]
         apply_expert_parallelism(layer, meshes.ep, meshes.tp, here, ep_implementation="all_to_all")
         params += [layer.get_parameter(k) for k, v in here.items() if v == "grouped_gemm"]
     return params
+
+
+@contextlib.contextmanager
+def gathered_experts(model, plan: StagePlan):
+    """Inside, the routed experts of this stage's LLM layers are whole on every rank of their ep group and run
+    locally (the experts' own forward over all of them, no token all-to-all); after, the ep shards and transformers'
+    dispatch are back. One all-gather per expert weight on entry, over the ep group (every rank of it enters
+    together); then no collective runs per forward, so replicas may decode different numbers of steps. Costs the
+    stage's whole expert weights on each rank (ep times its shard) while inside. No-op without expert parallelism."""
+    from torch.distributed.tensor import DTensor
+
+    sl, lm = plan.language_model, model.language_model
+    saved: list[tuple] = []
+    if sl is not None and getattr(model.lm_family, "is_moe", False):
+        layer_plan = expert_layer_plan(lm)
+        for i in range(sl.start, sl.end):
+            layer = model.lm_family.layers(lm)[i]
+            for path, style in layer_plan.items():
+                if style == "grouped_gemm" and _has(layer, path) and isinstance(layer.get_parameter(path), DTensor):
+                    owner_path, _, name = path.rpartition(".")
+                    owner, shard = layer.get_submodule(owner_path), layer.get_parameter(path)
+                    saved.append((owner, name, shard, owner.__dict__.get("num_experts"),
+                                  owner.__dict__.get("_is_expert_parallel")))
+                    owner._parameters[name] = nn.Parameter(shard.full_tensor(), requires_grad=False)
+                    owner.num_experts, owner._is_expert_parallel = shard.shape[0], False
+                elif style == "ep_dispatch_experts" and _has(layer, path):
+                    module = layer.get_submodule(path)
+                    if "forward" in module.__dict__:  # transformers' dispatch, installed on the instance
+                        saved.append((module, None, module.__dict__.pop("forward"), None, None))
+    try:
+        yield
+    finally:
+        for owner, name, kept, count, flag in reversed(saved):
+            if name is None:
+                owner.forward = kept
+            else:
+                owner._parameters[name] = kept
+                owner.num_experts, owner._is_expert_parallel = count, flag
 
 
 def local_expert_count(params: list[nn.Parameter]) -> int:

@@ -23,6 +23,12 @@ own and generated token ``t`` ``next_positions`` + ``t`` (``lightning_mm.model.g
 engine's ``StageComm`` (one exchange per send or receive, headers first), one at a time along the chain, so no
 cycle can wait on itself. The last LLM stage broadcasts the ids to every rank of the replica.
 
+Under per-module data parallelism every rank of a group sees the group's batch; it is routed as a training step
+of one microbatch routes it (``RoutedExchange.whole_batch``): each language-model replica decodes its own rows,
+every encoder replica encodes its share of the rows with items and sends each language-model replica the features
+of that replica's rows, which its first stage assembles in its row order. Each replica's last stage fills its own
+prompts of the group's ids (summed over the group).
+
 Under tensor parallelism every tp rank of an LLM stage runs the stage's split layers (its KV cache holds its own
 heads), hidden states and tokens go between the ranks of the same tp index, and the last stage gathers the
 vocabulary-parallel logits of the last position only (``rows x vocab``) to pick the token on every tp rank.
@@ -30,12 +36,13 @@ vocabulary-parallel logits of the last position only (``rows x vocab``) to pick 
 Under context parallelism every cp rank of an LLM stage holds the stage's whole weights and decodes the whole prompt
 itself (messages between ranks of the same cp index, no cp collective). Under FSDP each rank gathers its stage's
 parameters once for the whole generation (:func:`unsharded`): replicas decode different numbers of steps, so no
-collective may run per step. Packed rows decode as one prompt per sample (``unpack_prompts``).
+collective may run per step. Under expert parallelism each rank likewise gathers its stage's routed experts from
+its ep group once (``expert_parallel.gathered_experts``) and runs them locally, without the token all-to-all.
+Packed rows decode as one prompt per sample (``unpack_prompts``).
 
 Served: greedy decoding (``do_sample=False``, one beam, one sequence per prompt), ``max_new_tokens``,
-``eos_token_id``, ``pad_token_id``; the LLM's stages with tensor and context parallelism, FSDP, packed prompts.
-Refused with the fix: expert parallelism (its token all-to-all would have to run in lockstep across replicas that
-stop at different steps), per-module data parallelism, and everything else.
+``eos_token_id``, ``pad_token_id``; the LLM's stages with tensor, context and expert parallelism, FSDP, packed
+prompts, per-module data parallelism. Refused with the fix: everything else.
 """
 
 from __future__ import annotations
@@ -50,9 +57,11 @@ from torch.distributed.tensor import DTensor
 
 from lightning_mm.attention import mask as masks
 from lightning_mm.attention.hf import check_honours_mask, generation_words
+from lightning_mm.data.microbatch import feature_tokens, split_microbatches
 from lightning_mm.model.generation import is_packed, left_align, next_positions, prompt_positions, unpack_prompts
 from lightning_mm.parallel.encoder_cp import item_shards
 from lightning_mm.parallel.engine import check_same_batch, deepstack_message, received_deepstack
+from lightning_mm.parallel.expert_parallel import gathered_experts
 from lightning_mm.plan.schedule import LANGUAGE_MODEL
 
 SERVED = ("max_new_tokens", "do_sample", "num_beams", "num_return_sequences", "eos_token_id", "pad_token_id",
@@ -91,33 +100,20 @@ def unserved_options(generation: dict) -> str | None:
     return None
 
 
-def unserved_layout(engine) -> str | None:
-    """Why this engine's layout cannot decode across stages, or None (the same answer on every rank, except the
-    FSDP check, which is per rank and agreed on by ``_agree``)."""
-    layout = engine.layout
-    llm = [s for s in layout.stages if layout.chain_of(s) == LANGUAGE_MODEL]
-    if layout.per_module_dp:
-        return ("generation across pipeline stages needs one data-parallel degree for every module (no per-module "
-                "data parallelism): predict with a strategy whose modules share dp")
-    if layout.ep > 1:
-        return ("generation across pipeline stages runs each LLM stage without expert parallelism (the replicas "
-                "of an ep group would have to exchange tokens at every decoding step in lockstep): predict with "
-                "language_model=ParallelSpec(pp=..., tp=..., ep=1) (the same checkpoint loads under any layout)")
-    return None
-
-
 @contextlib.contextmanager
 def unsharded(engine):
     """Every FSDP unit of this rank's stage all-gathered once for the whole generation (and kept so by each forward),
-    then sharded again: replicas decode different numbers of steps, so no collective may run per step. Every rank
-    of a shard group enters together (one generation per predict batch on every rank)."""
+    and the stage's routed experts gathered from their ep group (``expert_parallel.gathered_experts``), then sharded
+    again: replicas decode different numbers of steps, so no collective may run per step. Every rank of a shard or
+    ep group enters together (one generation per predict batch on every rank)."""
     root = engine.run_stage if isinstance(engine.run_stage, FSDPModule) else None
     units = [m for m in engine.model.modules() if isinstance(m, FSDPModule)] + ([root] if root is not None else [])
     for m in units:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
     try:
-        yield
+        with gathered_experts(engine.model, engine.plan):
+            yield
     finally:
         for m in units:
             m.reshard()
@@ -232,7 +228,7 @@ def pipeline_generate(engine, batch: dict, generation: dict) -> torch.Tensor:
     rows are padded with ``pad_token_id``) on every rank of this rank's replica."""
     model, plan = engine.model, engine.plan
     sl = plan.language_model
-    problem = unserved_options(generation) or unserved_layout(engine)
+    problem = unserved_options(generation)
     settings = None
     if problem is None and sl is not None:
         check_honours_mask(model.language_model)
@@ -240,12 +236,18 @@ def pipeline_generate(engine, batch: dict, generation: dict) -> torch.Tensor:
     _agree(problem, engine.groups.replica, engine.device)
     check_same_batch(batch, engine.groups.replica)
     rows, steps = prompt_count(batch), int(generation["max_new_tokens"])
+    mine, part = None, batch
+    if engine.exchange is not None:  # per-module data parallelism: this stage's rows of the group's batch
+        mine = engine.exchange.whole_batch(batch, feature_tokens(batch, model), sl is not None)
+        part = split_microbatches(batch, [mine], model)[0]
     out, produced = None, 0
     with torch.no_grad(), unsharded(engine):
-        features = _run_encoders(engine, batch)
+        features = _run_encoders(engine, part)
         if sl is not None:
-            out, produced = _decode(engine, batch, features, settings)
+            out, produced = _decode(engine, part, features, settings)
     engine.comm.wait_all()
+    if mine is not None:
+        return _share_group(engine, out, produced, prompt_index(batch, mine), rows, steps)
     return _share(engine, out, produced, rows, steps)
 
 
@@ -259,6 +261,17 @@ def prompt_count(batch: dict) -> int:
     return unpack_prompts(batch["segment_ids"], mask)["attention_mask"].shape[0]
 
 
+def prompt_index(batch: dict, rows: list[int]) -> torch.Tensor:
+    """Where the prompts of ``rows`` (ascending) sit among the batch's prompts (``prompt_count``: one per row, or
+    one per packed sample, row by row)."""
+    keys = ("input_ids", "attention_mask", "bam", "segment_ids")
+    counts = [prompt_count({k: batch[k][r:r + 1] for k in keys if batch.get(k) is not None})
+              for r in range(batch["input_ids"].shape[0])]
+    starts = [sum(counts[:r]) for r in range(len(counts))]
+    return torch.tensor([starts[r] + i for r in rows for i in range(counts[r])], dtype=torch.long,
+                        device=batch["input_ids"].device)
+
+
 def _llm_rank(engine, k: int) -> int:
     """The rank of LLM stage ``k`` in this replica with this rank's cp and tp index (every LLM stage has the same
     cp and tp): under context parallelism each cp rank decodes the whole prompt itself, the same tokens."""
@@ -266,16 +279,24 @@ def _llm_rank(engine, k: int) -> int:
 
 
 def _run_encoders(engine, batch: dict) -> dict[str, torch.Tensor]:
-    """Run this rank's encoder stage once over the whole batch (receiving from and sending to its neighbours in the
-    stage graph); at the LLM's first stage, the features of every modality (received and colocated)."""
+    """Run this rank's encoder stage once over its rows of the batch (receiving from and sending to its neighbours
+    in the stage graph; under per-module data parallelism an encoder's last stage sends each language-model replica
+    of its group the features of that replica's rows, as a training step's routed exchange does); at the LLM's
+    first stage, the features of every modality (received and colocated), in its rows' order."""
     graph, layout, me, d = engine.frozen_graph, engine.layout, engine.rank, engine.coord.dp
-    stage, plan = engine.stage, engine.plan
+    stage, plan, exchange = engine.stage, engine.plan, engine.exchange
     if plan.language_model is not None and not plan.language_model.embed:
         return {}
-    preds = graph.predecessors(stage)
-    got = engine.comm.exchange([], [(engine.forward_keys(p), layout.activation_sources(p, stage, d)[me])
-                                    for p in preds])
-    received = dict(zip(preds, got))
+    sources = [(p, i) for p in graph.predecessors(stage) for i in layout.peer_replicas(stage, p, d)]
+    got = engine.comm.exchange([], [(engine.forward_keys(p), layout.activation_sources(p, stage, d, sender_dp=i)[me])
+                                    for p, i in sources])
+    received = {}
+    for (p, i), msg in zip(sources, got):
+        if engine.routed(p):
+            exchange.receive(0, p, i, msg)
+        else:
+            received[p] = msg
+    received.update({p: exchange.assemble(0, p) for p in dict.fromkeys(p for p, _ in sources) if engine.routed(p)})
     mb = dict(batch)
     item_shards(engine.item_planners, [mb])  # encoder context parallelism: which rank encodes which item
     if plan.language_model is not None:  # the LLM's first stage: received features and colocated encoders
@@ -284,8 +305,15 @@ def _run_encoders(engine, batch: dict) -> dict[str, torch.Tensor]:
             features.update({e: engine.encoder_part(e, s, mb, {}) for e, s in plan.encoders.items()})
         return {k: v for k, v in features.items() if v.numel()}
     message = engine.run_stage(mb, received, None)
-    sends = [(message, engine.forward_keys(stage), dst) for succ in graph.successors(stage)
-             for dst, src in layout.activation_sources(stage, succ, d).items() if src == me]
+    sends = []
+    for succ in graph.successors(stage):
+        for j in layout.peer_replicas(stage, succ, d):
+            part = message
+            if engine.routed(succ):  # the features of the rows replica j decodes
+                index = exchange.feature_index(0, j)
+                part = {k: t.index_select(0, index) for k, t in message.items()}
+            sends += [(part, engine.forward_keys(stage), dst)
+                      for dst, src in layout.activation_sources(stage, succ, j, sender_dp=d).items() if src == me]
     engine.comm.exchange(sends, [])
     return {}
 
@@ -389,3 +417,19 @@ def _share(engine, out: torch.Tensor | None, produced: int, rows: int, steps: in
         last = f"{LANGUAGE_MODEL}.{engine.layout.module_stages[LANGUAGE_MODEL] - 1}"
         dist.broadcast(buffer, engine.layout.rank(last, engine.coord.dp), group=engine.groups.replica)
     return buffer[1:].view(rows, steps)[:, :int(buffer[0])]
+
+
+def _share_group(engine, out: torch.Tensor | None, produced: int, index: torch.Tensor, rows: int,
+                 steps: int) -> torch.Tensor:
+    """Per-module data parallelism: every language-model replica's last stage fills its own prompts (``index``)
+    of the group's ids, summed over the group, with the most columns any replica produced (a replica that
+    stopped sooner has only finished rows, padded)."""
+    ids = torch.zeros(rows, steps, dtype=torch.long, device=engine.device)
+    count = torch.zeros(1, dtype=torch.long, device=engine.device)
+    if out is not None and engine.coord.cp == 0 and engine.coord.tp == 0:
+        ids[index.to(engine.device)] = out.to(engine.device)
+        count[0] = produced
+    if engine.groups.replica is not None:
+        dist.all_reduce(ids, group=engine.groups.replica)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=engine.groups.replica)
+    return ids[:, :int(count)]

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_mm.data.cp_plans import GroupRouter
-from lightning_mm.data.microbatch import deferrals
+from lightning_mm.data.microbatch import as_one_microbatch, deferrals
 from lightning_mm.plan.layout import RankLayout
 from lightning_mm.plan.routing import Routing
 from lightning_mm.plan.schedule import LANGUAGE_MODEL
@@ -46,6 +46,19 @@ class RoutedExchange:
             return (*per_replica[j], deferred)
         rows = self.routing.encoder_rows[chain][j]
         return rows, rows, deferred
+
+    def whole_batch(self, batch: dict, tokens: dict[str, list[int]], language_model: bool) -> list[int]:
+        """Generation: the group's batch routed as a step of one microbatch routes it (each language-model
+        replica's rows whole, every encoder's rows shared over its replicas by the same LPT); this stage's rows of
+        it (the loader's microbatch plan and routing are dropped: ``as_one_microbatch``). Checks that every rank of
+        the group routes alike."""
+        whole = as_one_microbatch(batch)
+        router = GroupRouter(self.router.encoders, self.router.encoder_replicas, self.router.llm_replicas, 1)
+        self.routing, self.row_tokens, self.chunks = router(whole), tokens, {}
+        check_same_routing(self.routing, self.replica_group, self.device)
+        chain = self.layout.chain_of(self.stage)
+        j = self.coord.dp % self.layout.per_group(chain)
+        return self.routing.llm_rows[j][0] if language_model else self.routing.encoder_rows[chain][j][0]
 
     def feature_index(self, m: int, llm_replica: int) -> torch.Tensor:
         """Rows (feature tokens) of this encoder replica's microbatch ``m`` output that go to ``llm_replica``."""

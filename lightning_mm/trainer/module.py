@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_mm.trainer.callbacks.throughput import TrainingMetrics
+from lightning_mm.data.microbatch import as_one_microbatch
 from lightning_mm.data.validate import validate_batch
 from lightning_mm.fault_tolerance.watchdog import check_finite_loss
 from lightning_mm.model import moe
@@ -171,6 +172,8 @@ class MultimodalLightningModule(pl.LightningModule):
         ``generation=...``: ``{"generated_ids": [B, N]}``, the tokens ``MultimodalModel.generate`` decodes."""
         batch = fill_positions(self.model, batch)  # a composite's own positions (M-RoPE) when the batch has none
         cut = self.pipeline is not None and self.generation is None  # generation decodes the batch as one piece
+        if self.generation is not None:
+            batch = as_one_microbatch(batch)  # not the loader's plan of the training microbatches
         validate_batch(batch, self.model, self.pipeline.num_microbatches if cut else 1)
         if self.generation is not None:
             from lightning_mm.model.generation import predict_generate, whole_model_on_rank
@@ -183,7 +186,7 @@ class MultimodalLightningModule(pl.LightningModule):
                     return {"generated_ids": pipeline_generate(pipeline.engine, batch, self.generation)}
             if pipeline is None:
                 return {"generated_ids": predict_generate(self, batch, self.generation)}
-            from lightning_mm.parallel.pipeline_generation import unsharded  # FSDP: gathered once, not per step
+            from lightning_mm.parallel.pipeline_generation import unsharded  # FSDP, ep: gathered once, not per step
 
             with unsharded(pipeline.engine):
                 return {"generated_ids": predict_generate(self, batch, self.generation)}

@@ -3,13 +3,16 @@
 ``python pipeline_generation_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0): ``generated``
 (every rank's ids, in rank order), ``expected`` (per data-parallel replica: one-process ``model.generate``, or for
 Qwen2-VL / Qwen3-VL HF's own composite ``generate`` of the folder), ``eos`` (the stop tokens used), or ``error``.
-JSON keys: ``kind`` ("llava": a SigLIP tower + llama built from configs; "qwen2_vl" / "qwen3_vl": ``folder``, a
+JSON keys: ``kind`` ("llava": a SigLIP tower + llama built from configs; "moe": the same tower + a Qwen3-MoE LLM
+and a fourth prompt, text-only; "qwen2_vl" / "qwen3_vl": ``folder``, a
 composite written by ``tests.test_hf_composites.save_composite``), ``llm_pp``, ``dp`` (replicas, default 1),
 ``max_new_tokens``, ``early_stop`` (stop tokens picked from the reference so rows finish at different steps and
 all before ``max_new_tokens``), ``generation`` (extra options, e.g. to see a refusal), ``llm_tp``, ``vision_pp``,
 ``placement`` (``encoder_placement``), ``videos`` (Qwen prompts mixing images and videos), ``vision_cp`` (encoder
 context parallelism), ``llm_cp``, ``sharding`` (``sharding_strategy``), ``packed`` (LLaVA prompts packed two to a
-row; the reference decodes them one per row).
+row; the reference decodes them one per row), ``llm_ep`` (expert parallelism over the replicas), ``vision_dp``
+(per-module data parallelism: the tower's replicas for one LLM replica, four prompts with 1, 2, 1 and 0 images).
+``experts_held``: per rank, (expert weight elements held after generating, those of its stage's layers).
 """
 
 import json
@@ -19,31 +22,41 @@ import sys
 import lightning as L
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_mm as lmm
 from lightning_mm.model import tiny_encoder, tiny_language_model
+from lightning_mm.parallel.expert_parallel import local_expert_count
 
 
 def build(case: dict):
     torch.manual_seed(0)
-    if case["kind"] == "llava":
+    if case["kind"] in ("llava", "moe"):
         enc = lmm.ModalityEncoder(tiny_encoder("siglip"), projector="mlp")
-        return lmm.MultimodalModel({"vision": enc}, tiny_language_model("llama")).eval()
+        lm = tiny_language_model("llama" if case["kind"] == "llava" else "qwen3_moe")
+        return lmm.MultimodalModel({"vision": enc}, lm).eval()
     return lmm.MultimodalModel.from_pretrained(case["folder"]).eval()
 
 
-def llava_prompts(model, seed: int, packed: bool = False) -> tuple[dict, dict]:
-    """(ours, the one-process reference's): three prompts of different lengths with 1, 2 and 1 images, collated with
-    right padding; with ``packed`` ours packs them first-fit into two rows of 64 tokens ([0, 1] and [2], in order)
-    and the reference has one prompt per row."""
+def llava_samples(model, seed: int, text_only: bool = False) -> list[dict]:
+    """Three prompts of different lengths with 1, 2 and 1 images (and a fourth, text-only, with ``text_only``); an
+    odd ``seed`` drops the first (and draws other images)."""
     g = torch.Generator().manual_seed(seed)
     enc, pid = model.encoders["vision"], model.placeholder_ids["vision"]
     images = lambda n: enc.family.random_inputs(enc.module.config, n, generator=g)  # noqa: E731
     samples = [{"input_ids": [5, pid, 7, 9, 11], "vision": images(1)},
                {"input_ids": [3, 4, pid, 8, 12, pid, 13, 14, 20, 21, 22], "vision": images(2)},
                {"input_ids": [6, 7, 8, pid, 30, 31, 32, 33], "vision": images(1)}]
-    samples = samples[seed % 2:] if seed % 2 else samples
+    if text_only:
+        samples.append({"input_ids": [5, 6, 7, 9, 11, 15]})
+    return samples[seed % 2:] if seed % 2 else samples
+
+
+def llava_prompts(model, seed: int, packed: bool = False, text_only: bool = False) -> tuple[dict, dict]:
+    """(ours, the one-process reference's): ``llava_samples`` collated with right padding; with ``packed`` ours
+    packs them first-fit into rows of 64 tokens ([0, 1] and [2], in order) and the reference has one prompt per
+    row."""
+    samples = llava_samples(model, seed, text_only)
     plain = lmm.data.MultimodalCollator(model)(samples)
     return (lmm.data.MultimodalCollator(model, seq_len=64, pack=True)(samples) if packed else plain), plain
 
@@ -67,7 +80,7 @@ def qwen_prompts(kind: str, seed: int, videos: bool = False) -> tuple[dict, dict
 
 
 def reference(case: dict, model, batch: dict, hf_kwargs: dict | None, generation: dict) -> list:
-    if case["kind"] == "llava":
+    if case["kind"] in ("llava", "moe"):
         return model.generate(**hf_kwargs, **generation).tolist()
     from tests.test_hf_composites import load_hf
 
@@ -77,24 +90,38 @@ def reference(case: dict, model, batch: dict, hf_kwargs: dict | None, generation
     return out[:, hf_kwargs["input_ids"].shape[1]:].tolist()
 
 
+def loader(case: dict, model, batch: dict) -> DataLoader:
+    """The replica's batch; under per-module data parallelism (``vision_dp``, the LLM's dp 1) the samples through
+    a DistributedSampler, which the strategy's group loader rebuilds (it routes the rows between the replicas)."""
+    if not case.get("vision_dp"):
+        return DataLoader([batch], batch_size=None)
+    samples = llava_samples(model, 0, text_only=True)
+    sampler = DistributedSampler(samples, num_replicas=1, rank=0, shuffle=False)
+    return DataLoader(samples, batch_size=len(samples), sampler=sampler, collate_fn=lmm.data.MultimodalCollator(model))
+
+
 def main(spec: str, out: str):
     case = json.loads(spec)
     torch.set_num_threads(1)
     pp, dp, tp, cp = case.get("llm_pp", 2), case.get("dp", 1), case.get("llm_tp", 1), case.get("llm_cp", 1)
+    ep = case.get("llm_ep", 1)
     vision_pp, vision_cp = case.get("vision_pp", 1), case.get("vision_cp", 1)
-    placement = case.get("placement", "parallel")
-    strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=vision_pp, cp=vision_cp)},
-                                              language_model=lmm.ParallelSpec(pp=pp, tp=tp, cp=cp),
+    placement, vision_dp = case.get("placement", "parallel"), case.get("vision_dp")  # vision_dp: per-module dp
+    strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=vision_pp, cp=vision_cp,
+                                                                                   dp=vision_dp)},
+                                              language_model=lmm.ParallelSpec(pp=pp, tp=tp, cp=cp, ep=ep,
+                                                                              dp=dp if vision_dp else None),
                                               num_microbatches=2, encoder_placement=placement, fault_timeout=120,
                                               sharding_strategy=case.get("sharding", "NO_SHARD"), cp_block_size=8)
-    per_replica = pp * tp * cp + (0 if placement == "replicated" else vision_pp * vision_cp)
+    per_replica = pp * tp * cp + (0 if placement == "replicated" else vision_pp * vision_cp * (vision_dp or 1))
     trainer = L.Trainer(accelerator="cpu", devices=dp * per_replica, strategy=strategy, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
     model = build(case)
     generation = {"max_new_tokens": case.get("max_new_tokens", 8), "do_sample": False}
-    if case["kind"] == "llava":
-        batches = [llava_prompts(model, seed, case.get("packed", False)) for seed in range(dp)]
+    if case["kind"] in ("llava", "moe"):
+        text_only = case["kind"] == "moe" or bool(vision_dp)
+        batches = [llava_prompts(model, seed, case.get("packed", False), text_only) for seed in range(dp)]
     else:
         batches = [qwen_prompts(case["kind"], seed, case.get("videos", False)) for seed in range(dp)]
     expected = None
@@ -102,14 +129,14 @@ def main(spec: str, out: str):
         # stop tokens from a first reference: row r stops at its token r + 1 (so rows finish at different steps)
         first = reference(case, model, *batches[0], generation)
         generation["eos_token_id"] = sorted({row[min(r + 1, len(row) - 1)] for r, row in enumerate(first)})
-    if trainer.global_rank == 0 or case["kind"] == "llava":  # before the strategy cuts the model into stages
+    if trainer.global_rank == 0 or case["kind"] in ("llava", "moe"):  # before the strategy cuts the model into stages
         expected = [reference(case, model, b, hf, generation) for b, hf in batches]
     generation.update(case.get("generation", {}))
     module = lmm.MultimodalLightningModule(model, generation=generation)
     result = {"eos": generation.get("eos_token_id"), "expected": expected}
     replica = trainer.global_rank // per_replica  # ranks are numbered replica by replica
     try:
-        got = trainer.predict(module, DataLoader([batches[replica][0]], batch_size=None))[0]["generated_ids"]
+        got = trainer.predict(module, loader(case, model, batches[replica][0]))[0]["generated_ids"]
         gathered = [None] * trainer.world_size
         dist.all_gather_object(gathered, got.tolist())
         result["generated"] = gathered
@@ -117,6 +144,10 @@ def main(spec: str, out: str):
         sharded = [None] * trainer.world_size  # how many parameters FSDP manages on each rank
         dist.all_gather_object(sharded, len(trainer.strategy.engine.fsdp_params))
         result["sharded"] = sharded
+        held = [None] * trainer.world_size  # expert weight elements each rank holds after generating (its ep shard)
+        experts = trainer.strategy.engine.expert_params
+        dist.all_gather_object(held, (local_expert_count(experts), sum(p.numel() for p in experts)))
+        result["experts_held"] = held
     except RuntimeError as e:
         result["error"] = str(e)
     if trainer.global_rank == 0:
