@@ -167,6 +167,7 @@ def test_qwen3_5_moe_with_expert_parallelism_and_fsdp_trains_like_one_process(tm
 
 
 @pytest.mark.slow
+@pytest.mark.combines("pipeline", "packing")
 def test_qwen3_5_with_llm_pipeline_and_data_parallelism_trains_like_one_process(tmp_path):
     """Qwen3.5, vision pp 1 beside LLM pp 2 (cut between GDN layers) x dp 2, packed rows of samples of 0 to 5
     images: one process's losses and trained parameters."""
