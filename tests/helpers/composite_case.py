@@ -21,6 +21,11 @@ MultimodalParallelStrategy, described by a JSON argument.
 - ``ep``: the LLM's expert-parallel degree (a mixture-of-experts LLM; over ``dp`` replicas)
 - ``microbatches``: the strategy's ``num_microbatches`` (2 unless given; 1 for packed rows, whose count varies, and
   for an MoE's load-balancing loss, a mean over microbatches, to equal one process)
+- ``balancing``: the strategy's ``batch_balancing`` (its default unless given; "none" keeps the sampler's rows)
+- ``replicas``: in one process, each batch runs as this many microbatches, microbatch r the rows replica r takes
+  under ``dp`` (the token loss over the whole batch's labels, an MoE's load-balancing loss the mean of theirs):
+  the reference for an MoE under ``dp`` replicas with ``balancing`` "none", whose load-balancing loss is a mean
+  over the replicas' microbatches, not the loss of the whole batch in one forward
 - ``encoder``: the encoder the ``vision_*`` keys lay out ("vision" unless given); "audio" makes Qwen2-Audio samples
   (``audio_sample``) instead of images
 
@@ -98,7 +103,7 @@ def run_case(script: str, case: dict, tmp_path, name: str):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
     proc = subprocess.run([sys.executable, os.path.join(root, "tests", "helpers", script), json.dumps(case),
-                           str(out)], cwd=out, env=env, capture_output=True, text=True, timeout=600)
+                           str(out)], cwd=out, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-6000:]
     params = {}
     for f in out.glob("params_*.pt"):
@@ -107,6 +112,24 @@ def run_case(script: str, case: dict, tmp_path, name: str):
                 torch.testing.assert_close(p, params[n], rtol=0, atol=0, msg=n)
             params[n] = p
     return json.loads((out / "result.json").read_text())["train"], params
+
+
+def replicas_loss(model, batches: list[dict]) -> torch.Tensor:
+    """One process running ``batches`` (the replicas' rows) one after the other: the token loss over all their
+    labels plus the family's coefficient times the mean of their load-balancing losses (what the strategy's
+    replicas compute, docs/moe.md)."""
+    from lightning_mm import loss as losses
+    from lightning_mm.model.composites import fill_positions
+
+    count = sum(losses.count_label_tokens(b["labels"]) for b in batches)
+    coef = model.lm_family.aux_loss_coef(model.language_model)
+    total = 0
+    for b in batches:
+        out = model(**fill_positions(model, b))
+        total = total + losses.normalise(out.loss_sum, count)
+        if out.aux_loss is not None:
+            total = total + coef * out.aux_loss / len(batches)
+    return total
 
 
 def train(case: dict, out: str, strategy, devices: int, samples) -> None:
@@ -126,8 +149,13 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
     losses = []
 
     class Module(lmm.MultimodalLightningModule):
+        def training_step(self, batch, batch_idx):
+            return replicas_loss(self.model, batch) if isinstance(batch, list) else super().training_step(batch,
+                                                                                                          batch_idx)
+
         def on_train_batch_end(self, outputs, batch, batch_idx):
-            super().on_train_batch_end(outputs, batch, batch_idx)
+            if not isinstance(batch, list):  # the throughput metrics read one batch's labels
+                super().on_train_batch_end(outputs, batch, batch_idx)
             losses.append(float(outputs["loss"]))
 
     module = Module(model, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
@@ -135,6 +163,9 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
     replica = trainer.global_rank // (devices // dp)  # ranks are numbered replica by replica
     sampler = DistributedSampler(rows, num_replicas=dp, rank=replica, shuffle=False) if dp > 1 else None
     collate = lmm.data.MultimodalCollator(model, seq_len=case.get("pack"), pack=bool(case.get("pack")))
+    if case.get("replicas"):  # one process, a batch of 4 as the replicas' microbatches (rows r, r + n, ...)
+        n, whole = case["replicas"], collate
+        collate = lambda samples: [whole(samples[r::n]) for r in range(n)]  # noqa: E731
     data = DataLoader(rows, batch_size=4 // dp, sampler=sampler, collate_fn=collate)
     trainer.fit(module, data)
     engine = getattr(trainer.strategy, "engine", None)
@@ -159,7 +190,8 @@ def main(spec: str, out: str):
             encoders={case.get("encoder", "vision"): lmm.ParallelSpec(pp=vision_pp, cp=vision_cp, tp=vision_tp)},
             language_model=lmm.ParallelSpec(pp=pp, cp=cp, ep=case.get("ep", 1)),
             num_microbatches=case.get("microbatches", 2), cp_block_size=8, fault_timeout=120,
-            sharding_strategy=case.get("sharding", "NO_SHARD"), partition=case.get("partition", "uniform"))
+            sharding_strategy=case.get("sharding", "NO_SHARD"), partition=case.get("partition", "uniform"),
+            batch_balancing=case.get("balancing"))
         devices = (vision_pp * vision_cp * vision_tp + pp * cp) * case.get("dp", 1)
     else:
         strategy, devices = "auto", 1
