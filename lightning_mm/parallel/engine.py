@@ -186,7 +186,8 @@ class PipelineEngine:
                                             torch.tensor(mine, dtype=torch.long, device=self.device)) if mine else None
         if items is not None:
             out = encode(enc, name, sl, items, received, self.activation_checkpointing)
-            return gather_item_features(out, shards, tokens, self.groups.cp) if shards and sl.head else out
+            return gather_item_features(out, shards, tokens, self.groups.cp) if shards and sl.head else \
+                self.root_output(out, sl)
         if not self.fsdp_params:  # nothing to run; the gather of encoder CP still counts this rank
             if shards is not None and sl.head:
                 return gather_item_features(no_item_features(enc, self.device), shards, tokens, self.groups.cp)
@@ -196,7 +197,21 @@ class PipelineEngine:
             return out
         # the projector on no rows, zero times the stand-in's features: gradients 0, the units in their usual order
         out = no_item_features(enc, self.device, out[:0] + 0.0 * out.sum())
-        return gather_item_features(out, shards, tokens, self.groups.cp) if shards is not None else out
+        return gather_item_features(out, shards, tokens, self.groups.cp) if shards is not None else \
+            self.root_output(out, sl)
+
+    def root_output(self, features: torch.Tensor, sl) -> torch.Tensor:
+        """The features an encoder stage's head returns, under FSDP a copy (when not the encoder CP gather's).
+
+        The root unit's pre-backward hook is on the stage's output. When that tensor is the projector's own output,
+        the projector's hook (registered first) fires before the root's; when it is made outside every unit (the
+        gather's, a family head that packs or reshapes after projecting), the root's fires first. Backward then
+        all-gathers the units in a different order, so every rank of a shard group must take the same side whatever
+        its data (a replica without an item beside one gathering its CP ranks' items: "Received data size doesn't
+        match"). A copy puts every rank on the gather's side: the root first, then the projector."""
+        if not (self.fsdp_params and sl.head and self.plan.language_model is None and features.requires_grad):
+            return features
+        return features.clone()
 
     def _language_part(self, mb, received, num_label_tokens, owner):
         sl, model = self.plan.language_model, self.model
