@@ -128,6 +128,11 @@ class PipelineEngine:
         return self.stage == f"{LANGUAGE_MODEL}.0" and bool(self.graph.predecessors(self.stage))
 
     @property
+    def sharded_encoder_stage(self) -> bool:
+        """Whether this is an encoder stage under FSDP (its output is the root unit's: ``head_output``)."""
+        return bool(self.fsdp_params) and self.plan.language_model is None
+
+    @property
     def vocab_parallel(self) -> bool:
         return self.groups.tp_mesh is not None and self.plan.language_model is not None
 
@@ -186,7 +191,8 @@ class PipelineEngine:
                                             torch.tensor(mine, dtype=torch.long, device=self.device)) if mine else None
         if items is not None:
             out = encode(enc, name, sl, items, received, self.activation_checkpointing)
-            return gather_item_features(out, shards, tokens, self.groups.cp) if shards and sl.head else out
+            return gather_item_features(out, shards, tokens, self.groups.cp) if shards and sl.head else \
+                head_output(out, sl.head and self.sharded_encoder_stage)
         if not self.fsdp_params:  # nothing to run; the gather of encoder CP still counts this rank
             if shards is not None and sl.head:
                 return gather_item_features(no_item_features(enc, self.device), shards, tokens, self.groups.cp)
@@ -196,7 +202,8 @@ class PipelineEngine:
             return out
         # the projector on no rows, zero times the stand-in's features: gradients 0, the units in their usual order
         out = no_item_features(enc, self.device, out[:0] + 0.0 * out.sum())
-        return gather_item_features(out, shards, tokens, self.groups.cp) if shards is not None else out
+        return gather_item_features(out, shards, tokens, self.groups.cp) if shards is not None else \
+            head_output(out, self.sharded_encoder_stage)
 
     def _language_part(self, mb, received, num_label_tokens, owner):
         sl, model = self.plan.language_model, self.model
@@ -558,6 +565,19 @@ def encode(enc, name, sl, items, received, checkpointing: bool, project: bool = 
     if not sl.head:
         return enc.family.stage_output(enc.module, hidden, ctx)
     return enc.head(hidden, ctx, items) if project else enc.family.final(enc.module, hidden, ctx)
+
+
+def head_output(features: torch.Tensor, sharded_head: bool) -> torch.Tensor:
+    """The features an encoder stage's head returns: under FSDP (``sharded_head``) a copy, where not the encoder CP
+    gather's output.
+
+    The root unit's pre-backward hook is on the stage's output. When that tensor is the projector's own output, the
+    projector's hook (registered first) fires before the root's; when it is made outside every unit (the gather's, a
+    family head that packs or reshapes after projecting), the root's fires first. Backward then all-gathers the
+    units in a different order, so every rank of a shard group must take the same side whatever its data (a replica
+    without an item beside one gathering its CP ranks' items: "Received data size doesn't match"). A copy puts every
+    rank on the gather's side: the root first, then the projector."""
+    return features.clone() if sharded_head and features.requires_grad else features
 
 
 @functools.lru_cache(maxsize=8)
