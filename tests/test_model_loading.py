@@ -689,3 +689,37 @@ def test_materialise_after_fsdp2_sharding_gives_each_rank_its_shard(tmp_path):
             for n, p in reference.named_parameters():
                 assert torch.equal(params[n], p), (source, n)
             torch.testing.assert_close(logits, reference(input_ids=ids).logits)
+
+
+def _fsdp_moe_rank(rank, world, path):
+    """Build a saved Qwen3-MoE on meta, shard every layer with FSDP2 (dim 0 of the fused expert weights: experts),
+    then materialise: each rank reads only the stored pieces of its own experts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        lm = load_language_model(path)
+    for layer in lm.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(lm, mesh=mesh)
+    read = _spy_reads(lambda: materialise(lm, "cpu"))
+    gate_up = lm.model.layers[0].mlp.experts.gate_up_proj
+    assert isinstance(gate_up, DTensor) and gate_up.to_local().shape == (4, 32, 32)  # 8 experts over 2 ranks
+    experts = {int(k.split(".experts.")[1].split(".")[0]) for k in read if ".experts." in k}
+    assert experts == set(range(4 * rank, 4 * rank + 4)), experts
+    return {n: p.full_tensor() for n, p in lm.named_parameters()}
+
+
+@pytest.mark.slow
+def test_lazy_moe_folder_under_fsdp2_reads_only_each_ranks_experts(tmp_path):
+    from tests.helpers.distributed import run_distributed
+
+    torch.manual_seed(0)
+    path = _save(tiny_language_model("qwen3_moe"), tmp_path / "moe")
+    results = run_distributed(_fsdp_moe_rank, 2, path)
+    reference = load_language_model(path)
+    for params in results:
+        for n, p in reference.named_parameters():
+            assert torch.equal(params[n], p), n
