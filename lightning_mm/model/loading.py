@@ -447,21 +447,23 @@ def _read_fused(g: _Group, src: PretrainedSource, fused: FusedTensor, device) ->
     experts = range(target.shape[fused.stack_dim])
     if region is not None and fused.stack_dim != fused.concat_dim:
         experts = range(region[fused.stack_dim].start, region[fused.stack_dim].stop)
+    headers: dict[str, tuple[int, dict]] = {}
     stacks = []
     for part in fused.parts:
         pieces = []
         for file, key in (part[e] for e in experts):
             path = src.path(file)
-            if not os.path.isfile(path):
-                raise ModelFolderError(f"{path} is missing (it holds {key!r}); the folder changed after the model "
-                                       "was built")
-            start, header = _raw_header(path)
+            if path not in headers:
+                if not os.path.isfile(path):
+                    raise ModelFolderError(f"{path} is missing (it holds {key!r}); the folder changed after the "
+                                           "model was built")
+                headers[path] = _raw_header(path)
+            start, header = headers[path]
             if key not in header:
                 raise ModelFolderError(f"{path} has no tensor {key!r} (needed for {g.names[0]!r})")
-            with open(path, "rb", buffering=0) as f:
-                shape = header[key]["shape"]
-                pieces.append(_load_tensor(f, start, header, key, torch.empty(shape, dtype=target.dtype,
-                                                                                device="meta"), "cpu"))
+            with open(path, "rb", buffering=0) as f:  # the file's dtype, cast to the parameter's like transformers
+                piece = torch.empty(header[key]["shape"], dtype=target.dtype, device="meta")
+                pieces.append(_load_tensor(f, start, header, key, piece, "cpu"))
         stacks.append(torch.stack(pieces, dim=fused.stack_dim))
     value = stacks[0] if fused.concat_dim is None else torch.cat(stacks, dim=fused.concat_dim)
     with torch.no_grad():
