@@ -723,3 +723,42 @@ def test_lazy_moe_folder_under_fsdp2_reads_only_each_ranks_experts(tmp_path):
     for params in results:
         for n, p in reference.named_parameters():
             assert torch.equal(params[n], p), n
+
+
+def _ep_moe_rank(rank, world, path):
+    """Build a saved Qwen3-MoE on meta, split its experts over 2 ranks with transformers' expert parallelism (what
+    the strategy's ep applies), then materialise: each rank reads only its experts' stored pieces."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    from lightning_mm.model.moe import expert_layer_plan
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "tp"))
+    with torch.device("meta"):
+        lm = load_language_model(path)
+    plan = expert_layer_plan(lm)
+    for layer in lm.model.layers:
+        apply_expert_parallelism(layer, mesh["ep"], mesh["tp"], plan, ep_implementation="all_to_all")
+    read = _spy_reads(lambda: materialise(lm, "cpu"))
+    assert not is_meta(lm)
+    experts = {int(k.split(".experts.")[1].split(".")[0]) for k in read if ".experts." in k}
+    assert experts == set(range(4 * rank, 4 * rank + 4)), experts
+    out = {}
+    for n, p in lm.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        out[n] = local.detach().clone()
+    return out
+
+
+@pytest.mark.slow
+def test_lazy_moe_folder_under_expert_parallelism_reads_only_each_ranks_experts(tmp_path):
+    from tests.helpers.distributed import run_distributed
+
+    torch.manual_seed(0)
+    path = _save(tiny_language_model("qwen3_moe"), tmp_path / "moe")
+    results = run_distributed(_ep_moe_rank, 2, path)
+    reference = load_language_model(path)
+    for rank, params in enumerate(results):
+        for n, p in reference.named_parameters():
+            expected = p[4 * rank: 4 * rank + 4] if ".mlp.experts." in n else p
+            assert torch.equal(params[n], expected), n
