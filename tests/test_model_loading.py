@@ -751,6 +751,7 @@ def _ep_moe_rank(rank, world, path):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_lazy_moe_folder_under_expert_parallelism_reads_only_each_ranks_experts(tmp_path):
     from tests.helpers.distributed import run_distributed
 
