@@ -59,16 +59,79 @@ def test_eager_folder_load_equals_from_pretrained(kind, tmp_path):
     path = _save(_build(kind), tmp_path / kind)
     loaded = _load(kind, path)
     if kind in ("mixtral", "qwen3_moe"):
-        # experts stored per expert and fused on load: transformers converts them (eager only; lazy is refused)
+        # experts stored per expert and fused on load: transformers converts them when loading eagerly
         assert source_of(loaded) is None and not is_meta(loaded)
-        with pytest.raises(ModelFolderError, match="stored fused and need transformers' conversion"), \
-                torch.device("meta"):
-            _load(kind, path)
     else:
         assert not is_meta(loaded) and loaded.pretrained_source.folder == path
     reference = type(loaded).from_pretrained(path)
     assert type(reference) is type(loaded)
     _assert_same_tensors(loaded, reference)
+
+
+def _stored_keys(path) -> set[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    return set(load_file(os.path.join(path, "model.safetensors")))
+
+
+@pytest.mark.parametrize("shard", [None, "12KB"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_lazy_moe_folder_fuses_the_stored_experts_like_from_pretrained(kind, shard, tmp_path):
+    """A saved MoE keeps each expert's projections apart (``experts.3.gate_proj.weight`` / ``w1``); the model fuses
+    them (``experts.gate_up_proj``). A lazy build records the pieces and materialising combines them exactly as
+    transformers' conversion on load does: every tensor equals ``from_pretrained``'s bit for bit."""
+    torch.manual_seed(0)
+    path = _save(tiny_language_model(kind), tmp_path / kind, shard)
+    stored = _stored_keys(path)
+    assert any(".experts.3." in k for k in stored) and not any("gate_up_proj" in k for k in stored)
+    with torch.device("meta"):
+        lazy = load_language_model(path)
+    src = lazy.pretrained_source
+    assert is_meta(lazy) and set(src.fused) == {f"model.layers.{i}.mlp.experts.{p}" for i in range(4)
+                                                for p in ("gate_up_proj", "down_proj")}
+    gate_up = src.fused["model.layers.1.mlp.experts.gate_up_proj"]
+    assert [len(part) for part in gate_up.parts] == [8, 8]  # gate and up pieces of 8 experts
+    assert gate_up.parts[0][3][1].endswith(("experts.3.gate_proj.weight", "experts.3.w1.weight"))
+    read = _spy_reads(lambda: materialise(lazy, "cpu"))
+    assert read == stored  # every stored tensor once, nothing else
+    reference = type(lazy).from_pretrained(path)
+    _assert_same_tensors(lazy, reference)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(lazy(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_lazy_moe_stage_reads_only_its_layers_experts(tmp_path):
+    """A pipeline stage holding the last half of a lazily built Qwen3-MoE reads only its layers' stored tensors
+    (each of its experts' pieces once) and gets from_pretrained's values."""
+    from lightning_mm.parallel.pruning import prune
+
+    torch.manual_seed(0)
+    path = _save(tiny_language_model("qwen3_moe"), tmp_path / "moe", "12KB")
+    with torch.device("meta"):
+        stage = load_language_model(path)
+    mine = ("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head.")
+    owned = {n for n, _ in stage.named_parameters() if n.startswith(mine)}
+    prune(stage, owned)
+    read = _spy_reads(lambda: materialise(stage, "cpu"))
+    assert read == {k for k in _stored_keys(path) if k.startswith(mine)}
+    assert len([k for k in read if ".experts." in k]) == 2 * 8 * 3  # 2 layers x 8 experts x gate, up, down
+    reference = dict(type(stage).from_pretrained(path).named_parameters())
+    for n, p in stage.named_parameters():
+        assert n in owned and torch.equal(p, reference[n]), n
+
+
+def test_lazy_moe_folder_with_a_missing_expert_is_refused(tmp_path):
+    torch.manual_seed(0)
+    path = _save(tiny_language_model("mixtral"), tmp_path / "moe")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    (key,) = [k for k in tensors if k.startswith("model.layers.1.") and k.endswith(".experts.5.w3.weight")]
+    del tensors[key]  # Mixtral folders keep transformers' old names (block_sparse_moe.experts.5.w3)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelFolderError, match=r"experts\.gate_up_proj.*expert 5 of .*w3.*missing"), \
+            torch.device("meta"):
+        load_language_model(path)
 
 
 @pytest.mark.parametrize("shard", [None, "12KB"])
@@ -626,3 +689,77 @@ def test_materialise_after_fsdp2_sharding_gives_each_rank_its_shard(tmp_path):
             for n, p in reference.named_parameters():
                 assert torch.equal(params[n], p), (source, n)
             torch.testing.assert_close(logits, reference(input_ids=ids).logits)
+
+
+def _fsdp_moe_rank(rank, world, path):
+    """Build a saved Qwen3-MoE on meta, shard every layer with FSDP2 (dim 0 of the fused expert weights: experts),
+    then materialise: each rank reads only the stored pieces of its own experts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        lm = load_language_model(path)
+    for layer in lm.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(lm, mesh=mesh)
+    read = _spy_reads(lambda: materialise(lm, "cpu"))
+    gate_up = lm.model.layers[0].mlp.experts.gate_up_proj
+    assert isinstance(gate_up, DTensor) and gate_up.to_local().shape == (4, 32, 32)  # 8 experts over 2 ranks
+    experts = {int(k.split(".experts.")[1].split(".")[0]) for k in read if ".experts." in k}
+    assert experts == set(range(4 * rank, 4 * rank + 4)), experts
+    return {n: p.full_tensor() for n, p in lm.named_parameters()}
+
+
+@pytest.mark.slow
+def test_lazy_moe_folder_under_fsdp2_reads_only_each_ranks_experts(tmp_path):
+    from tests.helpers.distributed import run_distributed
+
+    torch.manual_seed(0)
+    path = _save(tiny_language_model("qwen3_moe"), tmp_path / "moe")
+    results = run_distributed(_fsdp_moe_rank, 2, path)
+    reference = load_language_model(path)
+    for params in results:
+        for n, p in reference.named_parameters():
+            assert torch.equal(params[n], p), n
+
+
+def _ep_moe_rank(rank, world, path):
+    """Build a saved Qwen3-MoE on meta, split its experts over 2 ranks with transformers' expert parallelism (what
+    the strategy's ep applies), then materialise: each rank reads only its experts' stored pieces."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    from lightning_mm.model.moe import expert_layer_plan
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ep", "tp"))
+    with torch.device("meta"):
+        lm = load_language_model(path)
+    plan = expert_layer_plan(lm)
+    for layer in lm.model.layers:
+        apply_expert_parallelism(layer, mesh["ep"], mesh["tp"], plan, ep_implementation="all_to_all")
+    read = _spy_reads(lambda: materialise(lm, "cpu"))
+    assert not is_meta(lm)
+    experts = {int(k.split(".experts.")[1].split(".")[0]) for k in read if ".experts." in k}
+    assert experts == set(range(4 * rank, 4 * rank + 4)), experts
+    out = {}
+    for n, p in lm.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        out[n] = local.detach().clone()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_lazy_moe_folder_under_expert_parallelism_reads_only_each_ranks_experts(tmp_path):
+    from tests.helpers.distributed import run_distributed
+
+    torch.manual_seed(0)
+    path = _save(tiny_language_model("qwen3_moe"), tmp_path / "moe")
+    results = run_distributed(_ep_moe_rank, 2, path)
+    reference = load_language_model(path)
+    for rank, params in enumerate(results):
+        for n, p in reference.named_parameters():
+            expected = p[4 * rank: 4 * rank + 4] if ".mlp.experts." in n else p
+            assert torch.equal(params[n], expected), n

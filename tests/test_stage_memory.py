@@ -125,12 +125,12 @@ def test_loading_from_folders_keeps_every_rank_near_its_stage(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- folders
-def _save_folders(tmp_path) -> tuple[str, str]:
+def _save_folders(tmp_path, kind: str = "llama") -> tuple[str, str]:
     from lightning_mm.model import tiny_encoder, tiny_language_model
 
     torch.manual_seed(123)  # any values: they come from the folders in both runs
     llm, enc = str(tmp_path / "llm"), str(tmp_path / "siglip")
-    lm = tiny_language_model("llama")
+    lm = tiny_language_model(kind)
     with torch.no_grad():  # far from the initialisation by name, so a rank that ignored the folder would show
         lm.lm_head.weight.mul_(30)
     lm.save_pretrained(llm)
@@ -139,8 +139,11 @@ def _save_folders(tmp_path) -> tuple[str, str]:
 
 
 @pytest.mark.slow
-def test_folders_loaded_under_the_strategy_validate_like_one_process(tmp_path):
-    llm, enc = _save_folders(tmp_path)
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_folders_loaded_under_the_strategy_validate_like_one_process(tmp_path, kind):
+    """Built lazily under the strategy (each LLM stage reads its layers; Qwen3-MoE: its experts' stored pieces,
+    fused on materialise) the folders validate like one process loading them eagerly (transformers' own fusing)."""
+    llm, enc = _save_folders(tmp_path, kind)
     base = {"llm": llm, "encoder": enc}
     _run("folder_case.py", {**base, "llm_pp": 2, "lazy": True}, tmp_path / "pp2")
     _run("folder_case.py", base, tmp_path / "single")

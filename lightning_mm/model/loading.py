@@ -43,19 +43,35 @@ class ModelFolderError(ValueError):
 
 
 @dataclass
+class FusedTensor:
+    """A parameter stored as per-expert pieces, combined as transformers' ``WeightConverter`` does on load
+    (``MergeModulelist(stack_dim)`` then, for several pieces per expert, ``Concatenate(concat_dim)``).
+
+    ``parts[j][e]`` is ``(file, key)`` of piece ``j`` (``gate_proj``, ``up_proj`` ...) of expert ``e``; the value
+    is ``cat([stack(parts[j] over e, stack_dim) for j], concat_dim)``, so a rank that holds only some experts (a
+    block of ``stack_dim``) reads only their pieces."""
+
+    parts: list[list[tuple[str, str]]]
+    stack_dim: int = 0
+    concat_dim: int | None = None
+
+
+@dataclass
 class PretrainedSource:
     """Where the tensors of a module built from a local HF folder live.
 
     ``tensors`` maps a parameter or persistent buffer name inside the module (as in its ``state_dict``) to
     ``(file, key)``: the safetensors file (relative to ``folder``) and the tensor's key in it. ``prefix`` is the
     part of the keys that was dropped when the folder holds a larger model (``"model.encoder."`` for the Whisper
-    encoder of a ``WhisperForConditionalGeneration`` folder).
+    encoder of a ``WhisperForConditionalGeneration`` folder). ``fused`` maps a parameter that the folder stores
+    in pieces (mixture-of-experts weights kept one expert at a time) to how the pieces combine (``FusedTensor``).
     """
 
     folder: str
     model_class: str
     tensors: dict[str, tuple[str, str]] = field(default_factory=dict)
     prefix: str = ""
+    fused: dict[str, FusedTensor] = field(default_factory=dict)
 
     def path(self, file: str) -> str:
         return os.path.join(self.folder, file)
@@ -340,6 +356,8 @@ def _sources(model: nn.Module) -> dict[str, tuple[PretrainedSource, str, str]]:
         if src is not None:
             for name, (file, key) in src.tensors.items():
                 out[_join(prefix, name)] = (src, file, key)
+            for name, fused in src.fused.items():
+                out[_join(prefix, name)] = (src, fused, None)
     return out
 
 
@@ -402,7 +420,10 @@ def _read_tensors(loads: list[tuple[_Group, PretrainedSource, str, str]], device
     differs from the file's)."""
     by_file: dict[str, list] = {}
     for g, src, file, key in loads:
-        by_file.setdefault(src.path(file), []).append((g, key))
+        if isinstance(file, FusedTensor):
+            _read_fused(g, src, file, device)
+        else:
+            by_file.setdefault(src.path(file), []).append((g, key))
     for path, items in by_file.items():
         if not os.path.isfile(path):
             raise ModelFolderError(f"{path} is missing (it holds {items[0][1]!r}); the folder changed after the model "
@@ -416,6 +437,42 @@ def _read_tensors(loads: list[tuple[_Group, PretrainedSource, str, str]], device
                 value = _load_tensor(f, start, header, key, g.tensor, device)
                 with torch.no_grad():
                     _swap_in(g, value)
+
+
+def _read_fused(g: _Group, src: PretrainedSource, fused: FusedTensor, device) -> None:
+    """Read the stored pieces of the experts this rank holds (all, or the block of ``stack_dim`` of its DTensor
+    shard) and combine them as transformers does on load (stack the experts, then concatenate the pieces)."""
+    target = g.tensor
+    region = _local_slices(target) if _is_dtensor(target) else None
+    experts = range(target.shape[fused.stack_dim])
+    if region is not None and fused.stack_dim != fused.concat_dim:
+        experts = range(region[fused.stack_dim].start, region[fused.stack_dim].stop)
+    headers: dict[str, tuple[int, dict]] = {}
+    stacks = []
+    for part in fused.parts:
+        pieces = []
+        for file, key in (part[e] for e in experts):
+            path = src.path(file)
+            if path not in headers:
+                if not os.path.isfile(path):
+                    raise ModelFolderError(f"{path} is missing (it holds {key!r}); the folder changed after the "
+                                           "model was built")
+                headers[path] = _raw_header(path)
+            start, header = headers[path]
+            if key not in header:
+                raise ModelFolderError(f"{path} has no tensor {key!r} (needed for {g.names[0]!r})")
+            with open(path, "rb", buffering=0) as f:  # the file's dtype, cast to the parameter's like transformers
+                piece = torch.empty(header[key]["shape"], dtype=target.dtype, device="meta")
+                pieces.append(_load_tensor(f, start, header, key, piece, "cpu"))
+        stacks.append(torch.stack(pieces, dim=fused.stack_dim))
+    value = stacks[0] if fused.concat_dim is None else torch.cat(stacks, dim=fused.concat_dim)
+    with torch.no_grad():
+        if region is None:
+            _swap_in(g, _shard_like(target, value, device) if _is_dtensor(target) else value.to(device))
+            return
+        block = tuple(slice(0, n) if d == fused.stack_dim and fused.stack_dim != fused.concat_dim else r
+                      for d, (r, n) in enumerate(zip(region, value.shape)))
+        _swap_in(g, _from_local(target, value[block].to(device=device, copy=True).contiguous()))
 
 
 def _load_tensor(f, start: int, header: dict, key: str, target: torch.Tensor, device) -> torch.Tensor:
@@ -581,9 +638,11 @@ def _encoder_class(folder: _Folder):
 
 
 def _hf_renamer(module: nn.Module):
-    """transformers' own checkpoint-key renaming for this class (what ``from_pretrained`` applies)."""
+    """transformers' own checkpoint-key renaming for this class (what ``from_pretrained`` applies): ``key ->
+    (our name, piece)``, where ``piece`` is None for a plain rename and ``(converter, j, expert)`` for piece ``j``
+    (of the converter's source patterns) of ``expert`` of a tensor that a ``WeightConverter`` fuses."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings, rename_source_key
 
     try:
         transforms = get_model_conversion_mapping(module)
@@ -594,18 +653,24 @@ def _hf_renamer(module: nn.Module):
     expected = dict.fromkeys(module.state_dict())
     base = getattr(module, "base_model_prefix", None) or None
 
-    def rename(key: str) -> tuple[str, bool]:
+    def piece(key: str, pattern: str):
+        conv = next(c for c in converters if pattern in c.source_patterns)
+        found = re.search(pattern.replace("*.", r"(\d+)\."), apply_renamings(key, renamings))
+        return conv, conv.source_patterns.index(pattern), int(found.group(1)) if found and found.groups() else None
+
+    def rename(key: str):
         renamed, pattern = rename_source_key(key, renamings, converters, base, expected)
         if renamed not in expected and key in expected:
-            renamed, pattern = key, None
-        return renamed, pattern is not None
+            return key, None
+        return renamed, None if pattern is None else piece(key, pattern)
 
     return rename
 
 
-def _tensor_map(module: nn.Module, folder: _Folder) -> tuple[dict[str, tuple[str, str]], str, list[str]]:
-    """Our name -> (file, key) for every persistent tensor of ``module``, the key prefix dropped, and the names
-    whose checkpoint form needs a conversion beyond a rename (splitting a fused tensor)."""
+def _tensor_map(module: nn.Module, folder: _Folder) -> tuple[dict[str, tuple[str, str]], str, dict[str, dict]]:
+    """Our name -> (file, key) for every persistent tensor of ``module``, the key prefix dropped, and for each
+    name that transformers builds from several stored tensors (experts), ``{"converter": ..., (j, expert): (file,
+    key)}``."""
     groups = _groups(module)
     expected = [n for g in groups.values() if g.persistent for n in g.names]
     expected_set = set(expected)
@@ -618,19 +683,57 @@ def _tensor_map(module: nn.Module, folder: _Folder) -> tuple[dict[str, tuple[str
     rename = _hf_renamer(module)
     best = None
     for prefix in sorted(candidates, key=len):
-        found, converted = {}, []
+        found, converted = {}, {}
         for key in keys:
             if not key.startswith(prefix):
                 continue
-            renamed, needs_conversion = rename(key[len(prefix):])
+            renamed, piece = rename(key[len(prefix):])
             if renamed in expected_set:
-                if needs_conversion:
-                    converted.append(renamed)
+                if piece is not None:
+                    conv, j, expert = piece
+                    converted.setdefault(renamed, {"converter": conv})[(j, expert)] = (folder.files[key], key)
                 else:
                     found[renamed] = (folder.files[key], key)
         if best is None or len(found) + len(converted) > len(best[0]) + len(best[2]):
             best = (found, prefix, converted)
     return best
+
+
+def _fused_tensor(name: str, pieces: dict, shape: tuple[int, ...], folder: _Folder, where: str) -> FusedTensor:
+    """The ``FusedTensor`` of parameter ``name`` (``shape``) from its stored pieces, after checking that the
+    converter is one we reproduce (``MergeModulelist``, optionally then ``Concatenate``), that every expert's
+    every piece is stored, and that the pieces combine to ``shape``."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    conv = pieces.pop("converter")
+    ops = list(conv.operations)
+    if not (ops and type(ops[0]) is MergeModulelist and all(type(o) is Concatenate for o in ops[1:2])
+            and len(ops) <= 2 and None not in {e for _, e in pieces}):
+        raise ModelFolderError(
+            f"{where}: {name!r} is stored in pieces combined by {ops} on load, which lazy (meta) loading does not "
+            "reproduce (only stacking experts and concatenating their pieces); build this part eagerly")
+    stack_dim, concat_dim = ops[0].dim, (ops[1].dim if len(ops) == 2 else None)
+    experts = shape[stack_dim] if stack_dim < len(shape) else 0
+    parts = [[pieces.get((j, e)) for e in range(experts)] for j in range(len(conv.source_patterns))]
+    absent = next(((j, e) for j, part in enumerate(parts) for e, h in enumerate(part) if h is None), None)
+    if absent is not None or len(pieces) != experts * len(parts):
+        what = (f"expert {absent[1]} of {conv.source_patterns[absent[0]]!r} is missing" if absent else
+                f"experts beyond {experts - 1} are stored")
+        raise ModelFolderError(
+            f"{where}: {name!r} of shape {list(shape)} needs pieces {conv.source_patterns} of experts 0..{experts - 1}"
+            f" and the folder holds {len(pieces)} of them ({what}); the folder's weights do not match its "
+            f"{CONFIG_FILE}")
+    pieces_shape = [torch.Size(folder.headers[f][k][1]) for part in parts for f, k in part]
+    stacked = [list(pieces_shape[0]) for _ in parts]
+    for st in stacked:
+        st.insert(stack_dim, experts)
+    if concat_dim is not None:
+        stacked[0][concat_dim] = sum(st[concat_dim] for st in stacked)
+    if len(set(pieces_shape)) != 1 or tuple(stacked[0]) != tuple(shape) or (concat_dim is None and len(parts) > 1):
+        raise ModelFolderError(f"{where}: the stored pieces of {name!r} (shapes {sorted(set(map(list, pieces_shape)))}"
+                               f") do not combine to its shape {list(shape)} in the model built from the folder's "
+                               f"{CONFIG_FILE}")
+    return FusedTensor(parts, stack_dim, concat_dim)
 
 
 def _ignorable(module: nn.Module, name: str) -> bool:
@@ -648,33 +751,27 @@ def _build_from_folder(path, kind: str) -> nn.Module:
     on_meta = building_on_meta()
     missing = []
     groups = _groups(module)
-    fused = set(converted)
     for g in groups.values():
         hit = next((mapping[n] for n in g.names if n in mapping), None)
         if hit is not None:  # tied weights: every name of the tensor reads the stored one (a stage may keep either)
             mapping.update(dict.fromkeys(g.names, hit))
-        elif g.names[0] in fused:  # stored in another layout (experts): transformers converts them, eagerly
-            continue
-        elif g.persistent and not all(_ignorable(module, n) for n in g.names):
+        elif g.names[0] not in converted and g.persistent and not all(_ignorable(module, n) for n in g.names):
             missing.append(g.names[0])
     where = os.path.join(folder.path, SAFETENSORS_INDEX if len(folder.headers) > 1 or
                          SAFETENSORS_FILE not in folder.headers else SAFETENSORS_FILE)
     if converted and not missing and not on_meta and not prefix:
-        # checkpoint tensors that transformers splits or fuses on load: let it load them (eager only)
+        # checkpoint tensors that transformers fuses on load: let it load them when loading eagerly
         return cls.from_pretrained(folder.path, config=config, dtype=dtype, local_files_only=True)
-    if converted:
-        raise ModelFolderError(
-            f"{where}: {len(converted)} tensors of {cls.__name__} (e.g. {converted[0]!r}) are stored fused and need "
-            "transformers' conversion on load, which lazy (meta) loading does not do; build this part eagerly")
     if missing:
         expected_key = prefix + missing[0]
         raise ModelFolderError(
             f"{where} has no tensor {expected_key!r} for {cls.__name__} parameter {missing[0]!r} ({len(missing)} "
             f"missing in all); the folder's weights do not match its {CONFIG_FILE}")
     shapes = {n: tuple(g.tensor.shape) for g in groups.values() for n in g.names}
+    fused = {n: _fused_tensor(n, pieces, shapes[n], folder, where) for n, pieces in converted.items()}
     for name, (file, key) in mapping.items():
         _check_tensor(os.path.join(folder.path, file), key, folder.headers[file], name, shapes[name])
-    module.pretrained_source = PretrainedSource(folder.path, cls.__name__, mapping, prefix)
+    module.pretrained_source = PretrainedSource(folder.path, cls.__name__, mapping, prefix, fused)
     if not on_meta:
         materialise(module, torch.get_default_device())
     return module
