@@ -192,3 +192,36 @@ def test_qwen3_vl_generate_with_videos_frame_by_frame_equals_hf_generate(tmp_pat
     model, ref = lmm.MultimodalModel.from_pretrained(folder).eval(), load_hf("qwen3_vl", folder).eval()
     batch, _ = mixed_batch("qwen3_vl")
     _assert_like_hf(model, ref, {k: v for k, v in batch.items() if k not in ("labels", "item_counts")})
+
+
+@pytest.mark.slow
+def test_videos_under_per_module_data_parallelism_train_like_one_process(tmp_path):
+    """Per-module data parallelism with a shared tower: vision dp 2 + LLM dp 1, samples of 0 to 2 images and 0 or 1
+    video (some text only, some video only). A row's images and video route together to one vision replica, which
+    encodes both through the one tower; losses and every parameter equal one process."""
+    from tests.helpers.composite_case import run_case
+
+    folder = save_composite("qwen2_vl", tmp_path / "src")
+    case = {"folder": folder, "videos": True, "mixed": True}
+    ref_losses, ref_params = run_case("composite_case.py", case, tmp_path, "single")
+    assert len(ref_losses) == 3 and ref_losses[-1] < ref_losses[0]
+    losses, params = run_case("composite_case.py", {**case, "vision_dp": 2, "llm_dp": 1}, tmp_path, "vdp2_dp1")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert set(params) == set(ref_params)
+    for n, p in ref_params.items():
+        torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_a_shared_towers_items_route_with_its_owners(tmp_path):
+    """The router folds a video's work into its tower's: a row holding only a video goes to a vision replica, and
+    each row's image and video go to the same one."""
+    from lightning_mm.data.cp_plans import EncoderItems, GroupRouter
+
+    model = lmm.MultimodalModel.from_pretrained(save_composite("qwen2_vl", tmp_path / "src"))
+    batch, _ = mixed_batch("qwen2_vl")
+    router = GroupRouter({e: EncoderItems.of(enc, 1) for e, enc in model.encoders.items()}, {"vision": 2}, 1, 1,
+                         model.shared_encoders)
+    routing = router(batch)
+    assert set(routing.encoder_rows) == {"vision"}
+    rows = sorted(r for replica in routing.encoder_rows["vision"] for r in replica[0])
+    assert rows == [0, 1, 2]  # row 1 holds only a video

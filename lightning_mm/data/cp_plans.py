@@ -153,13 +153,15 @@ def row_work(batch: dict, encoders: dict[str, EncoderItems]) -> dict[str, list[i
 class GroupRouter:
     """Per-module data parallelism's routing of a group's batch (``plan/routing.py``), made in the data loader
     and, for a batch that carries none, in the step: which encoder replica encodes which rows of each microbatch.
-    ``encoder_replicas``: replicas of each encoder in a group; ``llm_replicas``: language-model replicas in a group.
-    Picklable."""
+    ``encoder_replicas``: replicas of each encoder in a group; ``llm_replicas``: language-model replicas in a group;
+    ``shared``: encoder -> the encoder whose tower it runs (``MultimodalModel.shared_encoders``): its items route
+    with its owner's, whose replicas encode both, so a row's work is the sum of both modalities'. Picklable."""
 
     def __init__(self, encoders: dict[str, EncoderItems], encoder_replicas: dict[str, int], llm_replicas: int,
-                 num_microbatches: int):
+                 num_microbatches: int, shared: dict[str, str] | None = None):
         self.encoders, self.encoder_replicas = encoders, encoder_replicas
         self.llm_replicas, self.num_microbatches = llm_replicas, num_microbatches
+        self.shared = dict(shared or {})
 
     def rows(self, batch: dict) -> list[tuple[list[list[int]], list[list[int]]]]:
         """Encoder and LLM microbatch rows of each language-model replica (``replica_microbatch_rows``)."""
@@ -169,7 +171,10 @@ class GroupRouter:
         plan = batch.get(PLAN_KEY)
         if isinstance(plan, dict) and isinstance(plan.get(ROUTE_KEY), Routing):
             return plan[ROUTE_KEY]
-        return route([enc for enc, _ in self.rows(batch)], row_work(batch, self.encoders), self.encoder_replicas)
+        work = row_work(batch, self.encoders)
+        for alias, owner in self.shared.items():  # one tower: a row's items of both modalities go to one replica
+            work[owner] = [a + b for a, b in zip(work[owner], work.pop(alias))]
+        return route([enc for enc, _ in self.rows(batch)], work, self.encoder_replicas)
 
 
 def batch_plans(batch: dict) -> CPPlans | None:

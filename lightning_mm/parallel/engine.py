@@ -370,8 +370,7 @@ class PipelineEngine:
                 for j in layout.peer_replicas(self.stage, a.peer, d):
                     msg = outputs[m]
                     if routed:
-                        index = self.exchange.feature_index(m, j)
-                        msg = {k: t.index_select(0, index) for k, t in msg.items()}
+                        msg = {k: t.index_select(0, self.exchange.feature_index(m, j, k)) for k, t in msg.items()}
                     sends += [(msg, self.forward_keys(self.stage), dst) for dst, src in
                               layout.activation_sources(self.stage, a.peer, j, sender_dp=d).items() if src == me]
                 if not needs_grad:
@@ -405,8 +404,8 @@ class PipelineEngine:
                 received.setdefault(m, {})[a.peer] = msg
             else:
                 if self.routed(a.peer):  # this replica's share of the features sent there
-                    index = self.exchange.feature_index(m, peer_replica)
-                    msg = {k: torch.zeros_like(outputs[m][k]).index_add_(0, index, g) for k, g in msg.items()}
+                    msg = {k: torch.zeros_like(outputs[m][k]).index_add_(
+                        0, self.exchange.feature_index(m, peer_replica, k), g) for k, g in msg.items()}
                 prev = input_grads.get(("out", m))
                 input_grads[("out", m)] = msg if prev is None else {k: prev[k] + msg[k] for k in msg}
         for a in group:  # the features of every sender replica, in this replica's row order
@@ -630,14 +629,10 @@ def check_stage(model, layout: RankLayout, num_microbatches: int) -> GroupRouter
     a group's rows between modules (None without it)."""
     router = None
     if layout.per_module_dp:
-        if model.shared_encoders:
-            raise ValueError(f"per-module data parallelism routes each encoder's rows on its own; the encoders "
-                             f"{sorted(model.shared_encoders)} share their owners' towers "
-                             f"({model.shared_encoders}): give every module the same dp (or none)")
-        encoders = model.pipeline_encoders
-        router = GroupRouter({e: EncoderItems.of(model.encoders[e], 1) for e in encoders},
+        encoders = model.pipeline_encoders  # a shared encoder's items route with its owner's (one tower)
+        router = GroupRouter({e: EncoderItems.of(enc, 1) for e, enc in model.encoders.items()},
                              {e: layout.per_group(e) for e in encoders}, layout.per_group(LANGUAGE_MODEL),
-                             num_microbatches)
+                             num_microbatches, model.shared_encoders)
     check_expert_parallel(model, layout)
     return router
 

@@ -310,8 +310,7 @@ def _run_encoders(engine, batch: dict) -> dict[str, torch.Tensor]:
         for j in layout.peer_replicas(stage, succ, d):
             part = message
             if engine.routed(succ):  # the features of the rows replica j decodes
-                index = exchange.feature_index(0, j)
-                part = {k: t.index_select(0, index) for k, t in message.items()}
+                part = {k: t.index_select(0, exchange.feature_index(0, j, k)) for k, t in message.items()}
             sends += [(part, engine.forward_keys(stage), dst)
                       for dst, src in layout.activation_sources(stage, succ, j, sender_dp=d).items() if src == me]
     engine.comm.exchange(sends, [])

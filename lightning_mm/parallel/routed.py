@@ -53,19 +53,21 @@ class RoutedExchange:
         it (the loader's microbatch plan and routing are dropped: ``as_one_microbatch``). Checks that every rank of
         the group routes alike."""
         whole = as_one_microbatch(batch)
-        router = GroupRouter(self.router.encoders, self.router.encoder_replicas, self.router.llm_replicas, 1)
+        router = GroupRouter(self.router.encoders, self.router.encoder_replicas, self.router.llm_replicas, 1,
+                             self.router.shared)
         self.routing, self.row_tokens, self.chunks = router(whole), tokens, {}
         check_same_routing(self.routing, self.replica_group, self.device)
         chain = self.layout.chain_of(self.stage)
         j = self.coord.dp % self.layout.per_group(chain)
         return self.routing.llm_rows[j][0] if language_model else self.routing.encoder_rows[chain][j][0]
 
-    def feature_index(self, m: int, llm_replica: int) -> torch.Tensor:
-        """Rows (feature tokens) of this encoder replica's microbatch ``m`` output that go to ``llm_replica``."""
+    def feature_index(self, m: int, llm_replica: int, key: str) -> torch.Tensor:
+        """Rows (feature tokens) of this encoder replica's microbatch ``m`` output ``key`` (a modality: the chain's
+        own, or one sharing its tower) that go to ``llm_replica``."""
         name = self.layout.chain_of(self.stage)
         per_group = self.layout.per_group
         i, j = self.coord.dp % per_group(name), llm_replica % per_group(LANGUAGE_MODEL)
-        tokens = self.row_tokens[name]
+        tokens = self.row_tokens[key]
         start, at = {}, 0
         for r in self.routing.encoder_rows[name][i][m]:
             start[r] = at
@@ -78,30 +80,35 @@ class RoutedExchange:
         self.chunks.setdefault((m, peer), []).append((replica, message))
 
     def assemble(self, m: int, peer: str) -> dict:
-        """Microbatch ``m``'s features from every replica of ``peer``'s encoder, in this replica's row order (new
-        tensors: a deferring microbatch's features serve two backwards, so they are leaves like any message;
-        ``split_gradients`` takes their gradients back apart)."""
+        """Microbatch ``m``'s features from every replica of ``peer``'s encoder, each modality in this replica's
+        row order (new tensors: a deferring microbatch's features serve two backwards, so they are leaves like any
+        message; ``split_gradients`` takes their gradients back apart)."""
+        parts = self.chunks[(m, peer)]
+        orders = {k: self._order(m, peer, parts, k) for k in parts[0][1]}
+        self.chunks[(m, peer)] = (orders, [(i, {k: t.shape[0] for k, t in part.items()}) for i, part in parts])
+        return {k: torch.cat([part[k] for _, part in parts]).index_select(0, orders[k]) for k in parts[0][1]}
+
+    def _order(self, m: int, peer: str, parts: list, key: str) -> torch.Tensor:
+        """Where each feature token of modality ``key``, in this replica's row order, lies in the senders' parts
+        joined in arrival order."""
         name = self.layout.chain_of(peer)
         per_group = self.layout.per_group
         j = self.coord.dp % per_group(LANGUAGE_MODEL)
-        tokens = self.row_tokens[name]
-        parts = self.chunks[(m, peer)]
+        tokens = self.row_tokens[key]
         start, at = {}, 0
         for i, _ in parts:
             for r in self.routing.sent_rows(name, i % per_group(name), j, m):
                 start[r] = at
                 at += tokens[r]
-        order = torch.tensor([start[r] + t for r in self.routing.llm_rows[j][m] if r in start
-                              for t in range(tokens[r])], dtype=torch.long, device=self.device)
-        self.chunks[(m, peer)] = (order, [(i, {k: t.shape[0] for k, t in part.items()}) for i, part in parts])
-        return {k: torch.cat([part[k] for _, part in parts]).index_select(0, order) for k in parts[0][1]}
+        return torch.tensor([start[r] + t for r in self.routing.llm_rows[j][m] if r in start
+                             for t in range(tokens[r])], dtype=torch.long, device=self.device)
 
     def split_gradients(self, m: int, peer: str, grads: dict) -> list[tuple[int, dict]]:
         """The gradients of ``assemble``'s features as one message per sender replica."""
-        order, parts = self.chunks.pop((m, peer))
+        orders, parts = self.chunks.pop((m, peer))
         out = [(i, {}) for i, _ in parts]
         for k, g in grads.items():
-            pieces = torch.zeros_like(g).index_copy_(0, order, g).split([sizes[k] for _, sizes in parts])
+            pieces = torch.zeros_like(g).index_copy_(0, orders[k], g).split([sizes[k] for _, sizes in parts])
             for (_, msg), piece in zip(out, pieces):
                 msg[k] = piece
         return out

@@ -26,6 +26,9 @@ MultimodalParallelStrategy, described by a JSON argument.
   under ``dp`` (the token loss over the whole batch's labels, an MoE's load-balancing loss the mean of theirs):
   the reference for an MoE under ``dp`` replicas with ``balancing`` "none", whose load-balancing loss is a mean
   over the replicas' microbatches, not the loss of the whole batch in one forward
+- ``vision_dp`` / ``llm_dp``: per-module data parallelism (each module's ``ParallelSpec.dp``): one loader of
+  ``4 // llm_dp`` rows per language-model replica (the strategy's sampler arguments)
+- ``mixed``: sample ``i`` holds ``i % 3`` images and, when ``i % 4 >= 2``, a video (some samples text only)
 - ``encoder``: the encoder the ``vision_*`` keys lay out ("vision" unless given); "audio" makes Qwen2-Audio samples
   (``audio_sample``) instead of images
 
@@ -34,6 +37,7 @@ length (padding) and the M-RoPE ``position_ids`` ``[B, S, 3]`` travel with the t
 """
 
 import json
+import math
 import os
 import sys
 
@@ -63,16 +67,19 @@ def audio_sample(i: int) -> dict:
     return out
 
 
-def sample(i: int, videos: bool = False, image_size: int | None = None, images: int | None = None) -> dict:
+def sample(i: int, videos: bool = False, image_size: int | None = None, images: int | None = None,
+           mixed: bool = False) -> dict:
     """One or two images of different grids (or of ``image_size`` pixels; ``images``: ``i % (images + 1)`` of
     them); with ``videos``, every sample but every third also holds a video of 2 to 4 temporal patches (before or
-    after its images), and every third sample no image."""
+    after its images), and every third sample no image; ``mixed``: ``i % 3`` images, a video when ``i % 4 >= 2``."""
     g = torch.Generator().manual_seed(i)
     n_images = 0 if videos and i % 3 == 0 else 1 + i % 2
-    if images is not None:
-        n_images = i % (images + 1)
+    if images is not None or mixed:
+        n_images = i % ((images or 2) + 1)
     grids = [GRIDS[(i + k) % len(GRIDS)] for k in range(n_images)]
     video = VIDEO_GRIDS[i % len(VIDEO_GRIDS)] if videos and i % 3 != 1 else None
+    if mixed:
+        video = VIDEO_GRIDS[i % len(VIDEO_GRIDS)] if i % 4 >= 2 else None
     ids = torch.randint(1, 90, (3 + i % 3,), generator=g).tolist()
     items = [IMG] * len(grids)
     if video is not None:
@@ -162,6 +169,10 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
     rows = samples(model)
     replica = trainer.global_rank // (devices // dp)  # ranks are numbered replica by replica
     sampler = DistributedSampler(rows, num_replicas=dp, rank=replica, shuffle=False) if dp > 1 else None
+    if case.get("llm_dp"):  # per-module: ranks group by group; a rank loads its group's first LLM replica's share
+        dp, groups = case["llm_dp"], math.gcd(case["llm_dp"], case["vision_dp"])
+        first = trainer.global_rank // (devices // groups) * (dp // groups)
+        sampler = DistributedSampler(rows, num_replicas=dp, rank=first, shuffle=False)
     collate = lmm.data.MultimodalCollator(model, seq_len=case.get("pack"), pack=bool(case.get("pack")))
     if case.get("replicas"):  # one process, a batch of 4 as the replicas' microbatches (rows r, r + n, ...)
         n, whole = case["replicas"], collate
@@ -183,21 +194,26 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
 def main(spec: str, out: str):
     case = json.loads(spec)
     torch.set_num_threads(1)
-    if {"llm_pp", "llm_cp", "vision_pp", "vision_cp", "vision_tp", "dp", "ep"} & set(case):
+    if {"llm_pp", "llm_cp", "vision_pp", "vision_cp", "vision_tp", "dp", "ep", "llm_dp"} & set(case):
         pp, cp, vision_pp = case.get("llm_pp", 1), case.get("llm_cp", 1), case.get("vision_pp", 1)
         vision_cp, vision_tp = case.get("vision_cp", 1), case.get("vision_tp", 1)
+        vision_dp, llm_dp = case.get("vision_dp"), case.get("llm_dp")
         strategy = lmm.MultimodalParallelStrategy(
-            encoders={case.get("encoder", "vision"): lmm.ParallelSpec(pp=vision_pp, cp=vision_cp, tp=vision_tp)},
-            language_model=lmm.ParallelSpec(pp=pp, cp=cp, ep=case.get("ep", 1)),
+            encoders={case.get("encoder", "vision"): lmm.ParallelSpec(pp=vision_pp, cp=vision_cp, tp=vision_tp,
+                                                                      dp=vision_dp)},
+            language_model=lmm.ParallelSpec(pp=pp, cp=cp, ep=case.get("ep", 1), dp=llm_dp),
             num_microbatches=case.get("microbatches", 2), cp_block_size=8, fault_timeout=120,
             sharding_strategy=case.get("sharding", "NO_SHARD"), partition=case.get("partition", "uniform"),
             batch_balancing=case.get("balancing"))
         devices = (vision_pp * vision_cp * vision_tp + pp * cp) * case.get("dp", 1)
+        if llm_dp:  # per-module data parallelism: each module's replicas
+            devices = vision_pp * vision_cp * vision_tp * vision_dp + pp * cp * llm_dp
     else:
         strategy, devices = "auto", 1
     train(case, out, strategy, devices,
           lambda model: [audio_sample(i) if case.get("encoder") == "audio" else
-                         sample(i, case.get("videos", False), case.get("image_size"), case.get("images"))
+                         sample(i, case.get("videos", False), case.get("image_size"), case.get("images"),
+                                case.get("mixed", False))
                          for i in range(12)])
 
 
