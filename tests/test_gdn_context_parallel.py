@@ -168,8 +168,13 @@ def test_qwen3_5_moe_with_expert_parallelism_and_fsdp_trains_like_one_process(tm
 
 @pytest.mark.slow
 @pytest.mark.combines("pipeline", "packing")
-def test_qwen3_5_with_llm_pipeline_and_data_parallelism_trains_like_one_process(tmp_path):
-    """Qwen3.5, vision pp 1 beside LLM pp 2 (cut between GDN layers) x dp 2, packed rows of samples of 0 to 5
-    images: one process's losses and trained parameters."""
-    _trains_like_one_process("qwen3_5", {"llm_pp": 2, "dp": 2, "pack": 128, "microbatches": 1,
-                                         "partition": {"vision": [2], "language_model": [2, 6]}}, tmp_path)
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_with_llm_pipeline_and_data_parallelism_trains_like_one_process(kind, tmp_path):
+    """Qwen3.5 and Qwen3.5-MoE, vision pp 1 beside LLM pp 2 (cut between GDN layers) x dp 2, packed rows of samples
+    of 0 to 5 images: one process's losses and trained parameters. For the MoE the sampler's rows stay on their
+    replica and the reference runs each replica's rows as one microbatch (its load-balancing loss is a mean over
+    microbatches)."""
+    moe = {"balancing": "none"} if kind == "qwen3_5_moe" else {}
+    _trains_like_one_process(kind, {"llm_pp": 2, "dp": 2, "pack": 128, "microbatches": 1, **moe,
+                                    "partition": {"vision": [2], "language_model": [2, 6]}}, tmp_path,
+                             reference={"replicas": 2} if moe else None)
