@@ -178,3 +178,12 @@ def test_qwen3_5_with_llm_pipeline_and_data_parallelism_trains_like_one_process(
     _trains_like_one_process(kind, {"llm_pp": 2, "dp": 2, "pack": 128, "microbatches": 1, **moe,
                                     "partition": {"vision": [2], "language_model": [2, 6]}}, tmp_path,
                              reference={"replicas": 2} if moe else None)
+
+
+@pytest.mark.slow
+@pytest.mark.combines("tp", "packing")
+def test_qwen3_5_with_llm_tensor_parallelism_trains_like_one_process(tmp_path):
+    """Qwen3.5, vision 1 rank beside the LLM over 2 tensor-parallel ranks (transformers' plan: the attention and
+    MLP split colwise/rowwise, the GDN layers' projections colwise with gathered outputs), packed rows of samples of
+    0 to 5 images: one process's losses and trained parameters."""
+    _trains_like_one_process("qwen3_5", {"llm_tp": 2, "pack": 128, "microbatches": 1}, tmp_path)

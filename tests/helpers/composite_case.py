@@ -5,9 +5,9 @@ MultimodalParallelStrategy, described by a JSON argument.
 ``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names). Keys of the JSON:
 
 - ``folder``: the composite folder (required); ``steps``
-- ``llm_pp`` / ``llm_cp`` / ``vision_pp`` / ``vision_cp`` / ``vision_tp`` / ``dp``: the LLM's pipeline stages and
-  context-parallel ranks, the vision tower's stages, context-parallel and tensor-parallel ranks, and the replicas
-  under the strategy; without any, plain single-device Lightning. Under
+- ``llm_pp`` / ``llm_cp`` / ``llm_tp`` / ``vision_pp`` / ``vision_cp`` / ``vision_tp`` / ``dp``: the LLM's
+  pipeline stages, context-parallel and tensor-parallel ranks, the vision tower's stages, context-parallel and
+  tensor-parallel ranks, and the replicas under the strategy; without any, plain single-device Lightning. Under
   ``dp`` replica r takes rows r, r + dp, ... of every batch of 4 (an unshuffled DistributedSampler), so each step
   sees the rows one process sees
 - ``sharding``: the strategy's ``sharding_strategy`` (FSDP2 over each stage's data-parallel ranks)
@@ -194,20 +194,20 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
 def main(spec: str, out: str):
     case = json.loads(spec)
     torch.set_num_threads(1)
-    if {"llm_pp", "llm_cp", "vision_pp", "vision_cp", "vision_tp", "dp", "ep", "llm_dp"} & set(case):
+    if {"llm_pp", "llm_cp", "llm_tp", "vision_pp", "vision_cp", "vision_tp", "dp", "ep", "llm_dp"} & set(case):
         pp, cp, vision_pp = case.get("llm_pp", 1), case.get("llm_cp", 1), case.get("vision_pp", 1)
         vision_cp, vision_tp = case.get("vision_cp", 1), case.get("vision_tp", 1)
-        vision_dp, llm_dp = case.get("vision_dp"), case.get("llm_dp")
+        vision_dp, llm_dp, llm_tp = case.get("vision_dp"), case.get("llm_dp"), case.get("llm_tp", 1)
         strategy = lmm.MultimodalParallelStrategy(
             encoders={case.get("encoder", "vision"): lmm.ParallelSpec(pp=vision_pp, cp=vision_cp, tp=vision_tp,
                                                                       dp=vision_dp)},
-            language_model=lmm.ParallelSpec(pp=pp, cp=cp, ep=case.get("ep", 1), dp=llm_dp),
+            language_model=lmm.ParallelSpec(pp=pp, cp=cp, tp=llm_tp, ep=case.get("ep", 1), dp=llm_dp),
             num_microbatches=case.get("microbatches", 2), cp_block_size=8, fault_timeout=120,
             sharding_strategy=case.get("sharding", "NO_SHARD"), partition=case.get("partition", "uniform"),
             batch_balancing=case.get("balancing"))
-        devices = (vision_pp * vision_cp * vision_tp + pp * cp) * case.get("dp", 1)
+        devices = (vision_pp * vision_cp * vision_tp + pp * cp * llm_tp) * case.get("dp", 1)
         if llm_dp:  # per-module data parallelism: each module's replicas
-            devices = vision_pp * vision_cp * vision_tp * vision_dp + pp * cp * llm_dp
+            devices = vision_pp * vision_cp * vision_tp * vision_dp + pp * cp * llm_tp * llm_dp
     else:
         strategy, devices = "auto", 1
     train(case, out, strategy, devices,
