@@ -712,14 +712,19 @@ def _fsdp_moe_rank(rank, world, path):
     return {n: p.full_tensor() for n, p in lm.named_parameters()}
 
 
-@pytest.mark.slow
-def test_lazy_moe_folder_under_fsdp2_reads_only_each_ranks_experts(tmp_path):
+def _lazy_moe_on_two_ranks(rank_fn, tmp_path):
+    """A saved tiny Qwen3-MoE built lazily and materialised by ``rank_fn`` on 2 ranks: (their results, the folder
+    loaded eagerly)."""
     from tests.helpers.distributed import run_distributed
 
     torch.manual_seed(0)
     path = _save(tiny_language_model("qwen3_moe"), tmp_path / "moe")
-    results = run_distributed(_fsdp_moe_rank, 2, path)
-    reference = load_language_model(path)
+    return run_distributed(rank_fn, 2, path), load_language_model(path)
+
+
+@pytest.mark.slow
+def test_lazy_moe_folder_under_fsdp2_reads_only_each_ranks_experts(tmp_path):
+    results, reference = _lazy_moe_on_two_ranks(_fsdp_moe_rank, tmp_path)
     for params in results:
         for n, p in reference.named_parameters():
             assert torch.equal(params[n], p), n
@@ -753,12 +758,7 @@ def _ep_moe_rank(rank, world, path):
 @pytest.mark.slow
 @pytest.mark.ci
 def test_lazy_moe_folder_under_expert_parallelism_reads_only_each_ranks_experts(tmp_path):
-    from tests.helpers.distributed import run_distributed
-
-    torch.manual_seed(0)
-    path = _save(tiny_language_model("qwen3_moe"), tmp_path / "moe")
-    results = run_distributed(_ep_moe_rank, 2, path)
-    reference = load_language_model(path)
+    results, reference = _lazy_moe_on_two_ranks(_ep_moe_rank, tmp_path)
     for rank, params in enumerate(results):
         for n, p in reference.named_parameters():
             expected = p[4 * rank: 4 * rank + 4] if ".mlp.experts." in n else p
