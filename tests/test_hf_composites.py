@@ -209,13 +209,15 @@ def test_loss_logits_gradients_and_round_trip_equal_hf(kind, tmp_path):
     out_dir = tmp_path / "out"
     model.save_pretrained(out_dir)
     assert (out_dir / "preprocessor_config.json").read_text() == json.dumps({"kind": kind})
-    back = load_hf(kind, out_dir)
-    original = load_hf(kind, folder).state_dict()
-    saved = back.state_dict()
+    assert_saved_exactly(model, out_dir, load_hf(kind, folder).state_dict(), load_hf(kind, out_dir).state_dict())
+
+
+def assert_saved_exactly(model, out_dir, original: dict, saved: dict) -> None:
+    """The HF class reads back from ``out_dir`` exactly the tensors (``saved``) it was built from (``original``), and
+    our model of the written folder is ``model``."""
     assert saved.keys() == original.keys()
     for name, value in original.items():
         assert saved[name].dtype == value.dtype and torch.equal(saved[name], value), name
-    # ... and our model of the written folder is the same model
     again = lmm.MultimodalModel.from_pretrained(out_dir)
     for (n, a), (m, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert n == m and torch.equal(a, b), n

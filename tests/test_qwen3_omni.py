@@ -17,7 +17,7 @@ import lightning_mm as lmm
 from lightning_mm.model import loading
 from lightning_mm.model.families import ENCODER_FAMILIES
 from lightning_mm.model.qwen3_omni import TINY_AUDIO
-from tests.test_hf_composites import assert_like_hf, save_hf
+from tests.test_hf_composites import assert_like_hf, assert_saved_exactly, save_hf
 
 IMG, VID, VSTART, VEND, AUD, ASTART, AEND, PAD = 100, 101, 102, 103, 104, 105, 106, 0
 PER_SECOND = 13  # position_id_per_seconds: a video of 2 s per temporal patch steps 26 positions a patch
@@ -150,13 +150,7 @@ def test_audio_image_video_sample_equals_hf_thinker_and_saves_back(tmp_path):
     out_dir = tmp_path / "out"
     model.save_pretrained(out_dir)
     assert (out_dir / "preprocessor_config.json").read_text() == json.dumps({"kind": "qwen3_omni"})
-    original, saved = load_hf(folder).state_dict(), load_hf(out_dir).state_dict()
-    assert saved.keys() == original.keys()
-    for name, value in original.items():
-        assert saved[name].dtype == value.dtype and torch.equal(saved[name], value), name
-    again = lmm.MultimodalModel.from_pretrained(out_dir)
-    for (n, a), (m, b) in zip(model.state_dict().items(), again.state_dict().items()):
-        assert n == m and torch.equal(a, b), n
+    assert_saved_exactly(model, out_dir, load_hf(folder).state_dict(), load_hf(out_dir).state_dict())
 
 
 def test_generate_equals_hf_thinker_generate(tmp_path):
