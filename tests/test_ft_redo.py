@@ -41,8 +41,9 @@ def test_a_lost_group_back_before_the_quorum_makes_the_early_redo_fall_back_to_t
     is SIGKILLed inside step 3, before the cross-group reduction; torchrun restarts group 0. Group 1's reduction
     fails at once and it computes the redo with the whole batch (the quorum it expects: itself alone), then asks
     for the quorum: the lighthouse forms it only when the restarted group 0 asks too. The quorum is both groups,
-    so group 1's record shows the expectation did not hold, and its committed step 3 took 2 samples, not 4; group
-    0 heals by name to step 3. Every step is committed once and both groups equal one process."""
+    so group 1's record shows the expectation did not hold, and its committed step 3 took 2 samples, not 4 (the
+    early computation counted as lost time); group 0 heals by name to step 3. Every step is committed once and
+    both groups equal one process."""
     kill = {"group": 0, "rank": 1, "step": 3, "where": "backward"}
     patient = {"global_batch": 4, "quorum_timeout": PATIENT_HEARTBEAT_S}  # the survivor waits for the restart
     layouts = (patient, {**patient, "pp": 1, "devices": 1})
@@ -55,6 +56,8 @@ def test_a_lost_group_back_before_the_quorum_makes_the_early_redo_fall_back_to_t
     assert [e["step"] for e in redos] == [kill["step"]], r1["events"]  # one failed attempt, then one commit
     early = [e for e in r1["events"] if e["event"] == "early_redo"]
     assert [(e["step"], e["held"], e["groups"]) for e in early] == [(kill["step"], False, [0, 1])], r1["events"]
+    # the dropped early computation is lost time, beside the failed attempt (and the wait for the quorum)
+    assert early[0]["computed"] > 0 and r1["stats"]["lost_seconds"] >= redos[0]["seconds"] + early[0]["computed"]
     # the committed step took the real quorum's share (the expected quorum's would be the whole batch)
     assert r1["shares"][str(kill["step"])] == 2 and r1["shares"][str(kill["step"] - 1)] == 2
     assert r0["restart"] == 1 and r0["global_step"] == STEPS and r0["stats"]["healed_steps"] == 1

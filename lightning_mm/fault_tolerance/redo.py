@@ -17,6 +17,8 @@ bucket, and every rank of the group agrees on them (one all-reduce inside the gr
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -25,8 +27,8 @@ from lightning_mm.plan.layer_sync import buckets_of
 
 class EarlyRedo:
     """Which peer groups the last attempt saw lost (``note_lost``), the quorum expected without them
-    (``expect_quorum``), the redo's step and position from it (``expected_position``) and the check against the
-    real quorum (``expectation_held``)."""
+    (``expect_quorum``), the redo's step and position from it (``expected_position``), the check against the
+    real quorum (``expectation_held``) and the fallback when it fails (``settle_early_redo``)."""
 
     _lost: set
     _expected: dict | None
@@ -83,19 +85,34 @@ class EarlyRedo:
             return self._expected["templates"]
         return super().share_templates()
 
-    def expectation_held(self) -> bool:
+    def expectation_held(self, computed: float = 0.0) -> bool:
         """Join the real quorum and compare it with the expected one; when they differ, the next computation of
         the step takes the real quorum's share without joining again (the other groups already wait for this
-        group's reduction)."""
+        group's reduction). ``computed``: the early computation's seconds, for the record."""
         e, self._expected = self._expected, None
         step, position = self.join_quorum()
         sync = self.state.sync
         held = (step == e["step"] and position == e["index"] and sync.group_ids == e["group_ids"]
                 and sync.templates == e["templates"])
-        self._event("early_redo", step=step, held=held, groups=sync.group_ids)
+        self._event("early_redo", step=step, held=held, groups=sync.group_ids, computed=round(computed, 3))
         if not held:
             self._joined = (step, position)
         return held
+
+    def settle_early_redo(self, closure, optimizer, result, started: float) -> tuple:
+        """After an attempt's closure: an early redo joins the real quorum (``join_quorum`` counts its wait as lost
+        time). When it is not the expected one (the fallback), the early computation is dropped and counted as
+        lost time, and the step is computed again with the real quorum's share. Returns the closure's result and
+        the start of the attempt's own time (its computation and reduction, without the quorum's wait)."""
+        if self._expected is None:
+            return result, started
+        early = time.perf_counter() - started
+        if self.expectation_held(early):
+            return result, time.perf_counter() - early
+        self.stats["lost_seconds"] += early
+        optimizer.zero_grad(set_to_none=True)
+        started = time.perf_counter()
+        return closure(), started
 
     def position_for_step(self) -> tuple[int, int]:
         """The step and this group's position: the expected quorum's (early redo), the one already joined (an

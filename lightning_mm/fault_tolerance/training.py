@@ -478,9 +478,7 @@ class FaultTolerantTraining(EarlyRedo, StepShares):
             while True:
                 t0 = time.perf_counter()
                 result = closure()
-                if self._expected is not None and not self.expectation_held():  # an early redo's quorum differed
-                    optimizer.zero_grad(set_to_none=True)
-                    result = closure()
+                result, t0 = self.settle_early_redo(closure, optimizer, result, t0)  # its quorum checked (redo.py)
                 if self.reduce_and_commit():
                     self.use_microbatches(self._nominal_microbatches)
                     self.log_metrics()
