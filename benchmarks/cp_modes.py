@@ -1,17 +1,6 @@
 """LLM context-parallel modes on CPU processes: one training step per mode, up to the longest sequence that fits.
 
-Modes (``ParallelSpec`` of the language model): cp 1 (one process), allgather and ulysses at cp 2 and 4, hybrid 2x2.
-Every mode runs on its own gloo processes (one per CP rank, ``--threads`` torch threads each) through
-``PipelineEngine``, with the strategy's layout check and the LPT distribution over blocks of 128 tokens. Model: a
-frozen tiny SigLIP + trainable MLP projector + a trainable Qwen2 decoder (``--hidden``, ``--layers``, 8 query and 2
-KV heads, vocabulary 1024), encoders replicated, fp32. Data: synthetic samples (64-768 text tokens, 1-4 images)
-packed first-fit into one row of the length. A step: ``engine.run``, the gradient all-reduce and an SGD update.
-
-Per mode the lengths (``--lengths``) run in ascending order: ``--warmup`` untimed steps (before the first length),
-``--steps`` timed ones (one where a step is predicted to take over ``--long-step`` s), each
-rank's CPU seconds, peak resident set (VmHWM) and the resident set before it. The next length is skipped when its
-predicted step (``a S + b S^2``) passes ``--cap``, its linearly scaled memory passes ``--mem-fraction`` of what is
-available, or the mode's share of ``--budget`` would run out; a rank that dies ends that mode with the error kept.
+Model, data, modes and the rules that skip a length: docs/context_parallel.md, "Measured on CPU processes".
 """
 
 from __future__ import annotations

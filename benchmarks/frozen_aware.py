@@ -1,14 +1,6 @@
 """Frozen-aware vs frozen-unaware planning on the seeds' MLLM configurations (003 Table 3.2), simulated.
 
-Models: 003 Table 3.1 sizes on the seeds' data (1k text tokens + one 1280x720 image + a 2-minute audio clip per
-sample, microbatch 4, 12 microbatches); encoders and LLM frozen, projectors trainable, recomputation on. Headline
-(Table 3.2's setting): ONE pipeline of 6 stages of 4 GPUs, encoders colocated; each planner (ours `frozen-aware`,
-the seeds' baseline `forward-variance`, the strongest frozen-unaware `forward-only`) chooses the stage split and
-boundaries, and the simulator times every layout on the same costs. Cost sources, side by side: FLOP costs (first
-principles), leave-one-config-out (FLOPs rescaled to the seeds' published per-stage times, fitted on the other 8
-configurations), the seed-fitted profile (fitted on all 9: in sample) and, with `--layer-profile PATH` (a
-`benchmarks/layer_profile.py` JSON), the measured layer profile (results in `frozen_aware_measured.json`).
-Second table: each mode searches dp / stages / placement on 24 single-GPU devices, beside a grid of hand plans.
+Models, setting and cost sources: docs/planner.md, "`benchmarks/frozen_aware.py`: the seeds' Table 3.2, reproduced".
 """
 
 from __future__ import annotations

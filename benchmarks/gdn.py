@@ -1,16 +1,6 @@
 """Gated DeltaNet (Qwen3.5's linear attention) against attention: layer time by length, and CP scaling of a hybrid.
 
-(a) Measured: one Qwen3.5 decoder layer (``Qwen3_5TextModel`` of one layer, tiny-but-real config, transformers'
-torch path: its chunked delta rule and causal convolution fallbacks, SDPA attention), GDN or full attention, same
-hidden size, forward + backward of one sequence per length, median of --repeats. Beside each, the planner's cost
-model (``planner.workload``: 3 x (2 FLOPs per weight per token + the GDN layer's ``linear_attention_token_flops``
-or attention's 4 x width x tokens^2)) times one constant per layer type, fitted by least squares (labelled fitted).
-
-(b) Simulated: ``evaluate_plan`` of a Qwen3.5-9B-like LLM (``SIM``: 32 layers, GDN : attention 3 : 1) on one
-microbatch of --sim-tokens tokens at cp 1, 2, 4, 8 (allgather), each layer's CP bytes by its type, against the same
-shape charged attention's bytes at every layer (the byte model before GDN layers had their own).
-
-    python benchmarks/gdn.py [--lengths 256,512,1024,2048,4096,8192] [--repeats 3] [--hidden 256]
+Measured layers and the simulated Qwen3.5-9B-like plan: docs/context_parallel.md (the GDN section, `benchmarks/gdn.py`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Data heterogeneity: iteration time and microbatch forward-time spread of batch balancing (none / disttrain /
-entrain), simulated at the seeds' scale, measured on CPU processes, and the planning time.
+"""Data heterogeneity: batch balancing (none / disttrain / entrain) simulated at the seeds' scale, measured on CPU
+processes (``--measure``), and the planning time.
 
-a) Simulated: Qwen2.5-Vision + Llama-3.2-1B / 3B built on meta and costed by ``WorkloadModel.from_model`` (window
-   attention corrected), seconds per FLOP of the tower and of Llama-3B fitted to Entrain's published splits
-   (``calibrate``); B 512, dp 4, tp 2, 32 microbatches, 8 stages per replica (Entrain's Table 4.1 setting). Each
-   method's stage split is chosen from its profiling batch as the paper does; every split is also simulated.
-b) ``--measure``: samples/s of each method on 6 CPU processes (gloo; vision pp 1 + LLM pp 2, dp 2, tiny models) on
-   the same global batches, and the encoder's per-microbatch forward-time std.
-c) Planning time of ``plan_batch`` per 512-sample global batch (``balance_planning.planning_ms``).
-
-Also writes heterogeneity.png and heterogeneity_timeline_<method>.png (replica 0 of a simulated mixed-set batch).
+Setting, calibration and results: docs/balancing.md, "Results".
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""Wall times of the README's first commands, and the conversation data scan rate.
-
-1. ``lightning-mm fit --config examples/tiny_valm_pp.yaml`` (the main job: 4 CPU processes, 30 steps) and
-   ``python examples/make_conversation_data.py``: wall seconds of the whole command, start to exit.
-2. The scan of ``ConversationDataset(scan=True)``: the examples' records repeated to --records, one torch thread,
-   records per second = records / (construction with the scan - without it), median of --repeats.
-"""
+"""Wall times of the README's first commands, and the conversation data scan rate (README.md, docs/data.md)."""
 
 from __future__ import annotations
 
