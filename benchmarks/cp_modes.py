@@ -254,8 +254,8 @@ def main(argv=None) -> None:
         lengths=(",".join(map(str, LENGTHS)), "comma-separated sequence lengths, tried in ascending order per mode"),
         modes=(",".join(MODES), f"comma-separated, of {','.join(MODES)}"),
         steps=(2, "timed steps per length (median reported)"),
-        warmup=(1, "untimed steps before the first length"), long_step=(20.0, "seconds: a length whose step is predicted to take longer gets one timed "
-                                            "step"),
+        warmup=(1, "untimed steps before the first length"),
+        long_step=(20.0, "seconds: a length whose step is predicted to take longer gets one timed step"),
         cap=(60.0, "seconds one step may take"),
         budget=(780.0, "seconds for all modes, launches included: each mode gets what is left / modes left"),
         mem_fraction=(0.8, "share of the available memory all ranks of a mode may be predicted to use"),

@@ -121,8 +121,9 @@ def _met(ok) -> str:
 
 # ---------------------------------------- cp_balance.json
 
-_CP_NAMES = {("mp", ""): "MP (int16 segment ids, as the collator makes them)", ("ee", "256-token items"):
-             "EE with 256-token items", **{("mp", f"int{b} segment ids"): f"MP with int{b} segment ids" for b in (32, 64)},
+_CP_NAMES = {("mp", ""): "MP (int16 segment ids, as the collator makes them)",
+             ("ee", "256-token items"): "EE with 256-token items",
+             **{("mp", f"int{b} segment ids"): f"MP with int{b} segment ids" for b in (32, 64)},
              **{(x, v): f"{x.upper()}, {v}" for x in ("ep", "mp") for v in ("cold cache", "just written")}}
 
 
@@ -236,11 +237,13 @@ def het_calibration(data: dict) -> str:
     rows = []
     for i, q in enumerate(next(iter(cal.values()))["checks"]):
         t = q["target"]
-        rows.append([q["figure"], q["statistic"].replace("_", " "), f"{t:.2f}" if isinstance(t, float) else
-                     f"{t[0]:.2f}-{t[1]:.2f}", *[f"{c['checks'][i]['value']:.2f} "
-                                                 f"{'met' if c['checks'][i]['met'] else 'MISSED'}" for c in cal.values()]])
+        checks = [c["checks"][i] for c in cal.values()]
+        target = f"{t:.2f}" if isinstance(t, float) else f"{t[0]:.2f}-{t[1]:.2f}"
+        rows.append([q["figure"], q["statistic"].replace("_", " "), target,
+                     *[f"{c['value']:.2f} {'met' if c['met'] else 'MISSED'}" for c in checks]])
     for label, key in (("vision", "kappa"), ("Llama-3B", "llm_3b_factor")):
-        rows.append([f"{label} seconds per FLOP / Llama-1B's (fitted)", "", "", *[f"{c[key]:.2f}" for c in cal.values()]])
+        rows.append([f"{label} seconds per FLOP / Llama-1B's (fitted)", "", "",
+                     *[f"{c[key]:.2f}" for c in cal.values()]])
     return table(["published figure", "statistic", "published (a split: the interval it implies)",
                   *[f"calibration \"{n}\"" for n in cal]], rows, "lllrrr")
 
@@ -288,9 +291,9 @@ grid("heterogeneity.json", "ablation",
          ("with deferral (simulated)", "{iteration_s_at_entrain_split:.3f} s")])
 grid("heterogeneity.json", "planning", het_planning_rows, "lrrr", [
     ("method", "{method}"), ("median of medians ms", "{median:.2f}"), ("worst median ms", "{worst:.2f}"),
-    ("slowest single run ms", "{slowest:.2f}")], before="Measured on {on}; `plan_batch` timed with "
-                                                       "`benchmarks/balance_planning.py`'s `planning_ms` on 2 batches of "
-                                                       "each set and LLM:\n\n")
+    ("slowest single run ms", "{slowest:.2f}")],
+     before="Measured on {on}; `plan_batch` timed with `benchmarks/balance_planning.py`'s `planning_ms` on 2 batches "
+            "of each set and LLM:\n\n")
 grid("heterogeneity.json", "measured", "measured", "lrrrr", [
     ("method", "{method}"), ("samples/s", "{samples_per_s:.2f}"), ("median step s", "{step_s_median:.3f}"),
     ("measured steps s", lambda r: _range(r["step_s"][r["warmup"]:], ".2f")),
@@ -344,7 +347,8 @@ def ft_rows(data: dict) -> list[list[str]]:
         ["ckpt-restart: `fit()` -> training starts (setup + checkpoint load)",
          f"{c['fit_to_train_start_s (setup + checkpoint load)']:.2f} s"],
         [f"ckpt-restart: SIGKILL -> first step after resume (step {c['first_step_after_resume']}) / back at step "
-         f"{c['kill']['step']}", f"{c['kill_to_first_step_after_resume_s']:.1f} s / {c['kill_to_same_step_again_s']:.1f} s"]]
+         f"{c['kill']['step']}",
+         f"{c['kill_to_first_step_after_resume_s']:.1f} s / {c['kill_to_same_step_again_s']:.1f} s"]]
 
 
 def ft_compare_rows(data: dict) -> list[list[str]]:
@@ -397,8 +401,7 @@ def _sharding_runs(data: dict) -> list[dict]:
     return [{r["name"]: r for r in d["rows"]} for d in (data, repeat)]
 
 
-@renderer("pipeline_p2_cpu.json", "table")
-def pipeline_table(data: dict) -> str:
+def pipeline_rows(data: dict) -> list[list[str]]:
     rows, base = [], data["rows"][0]["samples_per_s"]
     for r in data["rows"]:
         stages = "whole model" if r["strategy"] != "multimodal" else ", ".join(
@@ -409,11 +412,28 @@ def pipeline_table(data: dict) -> str:
                      ", ".join(f"{x['peak_mb']:.0f} (+{x['peak_mb'] - x['rss_start_mb']:.0f})" for x in r["ranks"]),
                      ", ".join(f"{_short(s)} {v:.0%}" for s, v in r.get("bubble", {}).items()),
                      "" if ratio is None else f"{ratio:.2f}", ", ".join(f"{v:.2f}" for v in r["all_samples_per_s"])])
-    return measured_table(data, ["layout", "stages (dp)", "samples/s (best)", "vs DDP",
-                                 "peak RSS MB per rank (growth in training)", "bubble per rank",
-                                 "measured / simulated", "all runs"], rows, "llrrllrl")
+    return rows
 
 
+def sharding_rows(data: dict) -> list[list[str]]:
+    runs, rows = _sharding_runs(data), []
+    for name, (strategy, layout) in _SHARDING_NAMES.items():
+        r = runs[0].get(name)
+        if r is not None and "error" in r:
+            line = r["error"].strip().splitlines()[-1].split(". ")[0]
+            rows.append([strategy, layout, f"error (both runs): `` {line} ``", "", "", ""])
+        elif r is not None:
+            st = r["ranks"][0]["state_mb"]
+            ratios = [run[name]["samples_per_s"] / run["no_shard"]["samples_per_s"] for run in runs]
+            rows.append([strategy, layout, " / ".join(f"{x:.2f}" for x in ratios),
+                         f"{statistics.fmean(x['loss'] for x in r['ranks']):.4f}", _mb(r["ranks"], "peak_end_mb"),
+                         f"{st['total']:.0f} ({st['params']:.0f} + {st['grads']:.0f} + {st['optimizer']:.0f})"])
+    return rows
+
+
+grid("pipeline_p2_cpu.json", "table", pipeline_rows, "llrrllrl", _columns(
+    "layout", "stages (dp)", "samples/s (best)", "vs DDP", "peak RSS MB per rank (growth in training)",
+    "bubble per rank", "measured / simulated", "all runs"), before="Measured on {on}:\n\n")
 grid("pipeline_setup_p4_cpu.json", "table", "rows", "lrllrrrr", [
     ("build", lambda r: _SETUP_NAMES.get(r["name"], r["name"])), ("processes", lambda r: len(r["ranks"])),
     ("peak MiB per rank at the first step", lambda r: _mb(r["ranks"], "peak_first_step_mb")),
@@ -423,28 +443,10 @@ grid("pipeline_setup_p4_cpu.json", "table", "rows", "lrllrrrr", [
     ("rank 0 to 1st step s", "{ranks[0][to_first_step_s]:.1f}"),
     ("to its end s", "{ranks[0][to_first_step_end_s]:.1f}")],
      before="Measured on {on}:\n\n")
-
-
-@renderer("pipeline_sharding_p4_cpu.json", "table")
-def pipeline_sharding_table(data: dict) -> str:
-    runs = _sharding_runs(data)
-    rows = []
-    for name, (strategy, layout) in _SHARDING_NAMES.items():
-        r = runs[0].get(name)
-        if r is None:
-            continue
-        if "error" in r:
-            line = r["error"].strip().splitlines()[-1].split(". ")[0]
-            rows.append([strategy, layout, f"error (both runs): `` {line} ``", "", "", ""])
-            continue
-        ratio = " / ".join(f"{run[name]['samples_per_s'] / run['no_shard']['samples_per_s']:.2f}" for run in runs)
-        st = r["ranks"][0]["state_mb"]
-        rows.append([strategy, layout, ratio, f"{statistics.fmean(x['loss'] for x in r['ranks']):.4f}",
-                     _mb(r["ranks"], "peak_end_mb"),
-                     f"{st['total']:.0f} ({st['params']:.0f} + {st['grads']:.0f} + {st['optimizer']:.0f})"])
-    return (f"Measured on {_machine_line(data)} (run 1) and `pipeline_sharding_p4_cpu_repeat.json` (run 2):\n\n"
-            + table(["strategy", "layout", "samples/s vs NO_SHARD dp 4 (run 1 / run 2)", "loss",
-                     "peak growth MiB per rank", "state MiB per rank (params + grads + AdamW)"], rows, "llrrll"))
+grid("pipeline_sharding_p4_cpu.json", "table", sharding_rows, "llrrll", _columns(
+    "strategy", "layout", "samples/s vs NO_SHARD dp 4 (run 1 / run 2)", "loss", "peak growth MiB per rank",
+    "state MiB per rank (params + grads + AdamW)"),
+     before="Measured on {on} (run 1) and `pipeline_sharding_p4_cpu_repeat.json` (run 2):\n\n")
 
 
 def _growth(rows) -> list[float]:
