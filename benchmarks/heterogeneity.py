@@ -6,6 +6,7 @@ Setting, calibration and results: docs/balancing.md, "Results".
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -100,25 +101,18 @@ def _samples(n: int, seed: int, count, sides: tuple[int, int], text: tuple) -> l
     return out
 
 
-def llava_like(n: int, seed: int) -> list[SampleMeta]:
-    """LLaVA-150K-like: 90% one image, 5% two, 5% text-only; sides 336-672 px; text log-normal, median 150."""
-    def count(g):
-        u = float(torch.rand(1, generator=g))
-        return 1 if u < 0.90 else 2 if u < 0.95 else 0
-    return _samples(n, seed, count, (336, 673), (150, 0.7, 16, 2048))
+def _llava_count(g) -> int:
+    u = float(torch.rand(1, generator=g))
+    return 1 if u < 0.90 else 2 if u < 0.95 else 0
 
 
-def synthchart_like(n: int, seed: int) -> list[SampleMeta]:
-    """SynthChartNet-like: one large chart image (sides 672-1344 px), short text (log-normal, median 40)."""
-    return _samples(n, seed, lambda g: 1, (672, 1345), (40, 0.5, 8, 256))
-
-
-def mixed(n: int, seed: int) -> list[SampleMeta]:
-    """Mixed: 0-8 images (uniform count) of 224-896 px sides; text log-normal, median 200, heavy tail."""
-    return _samples(n, seed, lambda g: int(torch.randint(0, 9, (1,), generator=g)), (224, 897), (200, 1.0, 16, 4096))
-
-
-DATASETS = {"llava": llava_like, "synthchart": synthchart_like, "mixed": mixed}
+# ``make(n, seed)`` per set. LLaVA-150K-like: 90% one image, 5% two, 5% text-only, sides 336-672 px, text median 150;
+# SynthChartNet-like: one large chart (672-1344 px), short text (median 40); mixed: 0-8 images of 224-896 px, text
+# median 200 with a heavy tail.
+DATASETS = {"llava": functools.partial(_samples, count=_llava_count, sides=(336, 673), text=(150, 0.7, 16, 2048)),
+            "synthchart": functools.partial(_samples, count=lambda g: 1, sides=(672, 1345), text=(40, 0.5, 8, 256)),
+            "mixed": functools.partial(_samples, count=lambda g: int(torch.randint(0, 9, (1,), generator=g)),
+                                       sides=(224, 897), text=(200, 1.0, 16, 4096))}
 
 
 # ------------------------------------------------------------------------------------------------ calibration
