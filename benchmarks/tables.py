@@ -905,11 +905,11 @@ grid("gdn_cpu.json", "layers", _gdn_pairs, "rrrrrr", [
                       "constant per layer type:\n\n")
 def gdn_crossover(data: dict) -> str:
     longer = [r["tokens"] for r in _gdn_pairs(data) if r["attn"]["step_s"] > r["gdn"]["step_s"]]
-    first = min(longer) if longer else None
-    fit = max(abs(r["fitted_s"] / r["step_s"] - 1) for r in data["rows"] if r["tokens"] == max(longer or [0]))
-    return ((f"the attention layer took longer than the GDN layer from {first} tokens on (measured), and at "
-             f"{max(longer)} tokens the fitted model is within {100 * fit:.0f}% of both") if first else
-            "the attention layer never took longer than the GDN layer (measured)")
+    if not longer:  # short lengths only (a quick run): no crossover, and no length to fit at
+        return "the attention layer never took longer than the GDN layer (measured)"
+    fit = max(abs(r["fitted_s"] / r["step_s"] - 1) for r in data["rows"] if r["tokens"] == max(longer))
+    return (f"the attention layer took longer than the GDN layer from {min(longer)} tokens on (measured), and at "
+            f"{max(longer)} tokens the fitted model is within {100 * fit:.0f}% of both")
 
 
 quotes("gdn_cpu.json", {"crossover": gdn_crossover})
