@@ -6,7 +6,6 @@ Measured layers and the simulated Qwen3.5-9B-like plan: docs/context_parallel.md
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -55,11 +54,9 @@ def measure(args) -> list[dict]:
         model, cfg = text_model(kind, **shape)
         for n in map(int, args.lengths.split(",")):
             x = torch.randn(1, n, h, requires_grad=True)
-            times = []
-            for _ in range(args.repeats + 1):  # the first untimed
-                t0 = time.perf_counter()
-                model(inputs_embeds=x, use_cache=False).last_hidden_state.square().mean().backward()
-                times.append(time.perf_counter() - t0)
+            times, _, _ = harness.repeat(  # the first untimed
+                lambda: model(inputs_embeds=x, use_cache=False).last_hidden_state.square().mean().backward(),
+                args.repeats + 1)
             rows.append({"layer": kind, "tokens": n, "step_s": statistics.median(times[1:]),
                          "model_flops": layer_flops(model.layers[0], cfg, kind, n)})
             print(kind, n, f"{rows[-1]['step_s']:.3f} s", flush=True)
@@ -106,11 +103,8 @@ def main(argv=None) -> dict:
     args = harness.cli(__doc__, argv, lengths="256,512,1024,2048,4096,8192", repeats=3, hidden=256, threads=1,
                        sim_tokens=65536, sim_tflops=400.0, sim_bandwidth_gbps=50.0)
     start = harness.record()
-    rows = measure(args)
-    harness.print_rows(rows, ["layer", "tokens", "step_s", "fitted_s"], "measured (fitted: the planner's FLOPs x c)")
+    rows = measure(args)  # harness.write prints both tables (measured and simulated) as the docs quote them
     sim = simulate(args.sim_tokens, args.sim_tflops * 1e12, args.sim_bandwidth_gbps * 1e9)
-    harness.print_rows(sim, ["cp", "step_s", "speedup", "cp_comm_s", "gdn_layer_MB", "attention_layer_MB",
-                             "step_s_attention_bytes_everywhere"], "simulated")
     result = {"what": "one Qwen3.5 decoder layer (GDN or attention) forward + backward on CPU by length, measured, "
                       "beside the planner's FLOPs x one fitted constant per layer type; CP scaling of a "
                       "Qwen3.5-9B-like hybrid, simulated", "settings": vars(args), "rows": rows,
