@@ -1,16 +1,6 @@
 """Attention benchmark: our Triton bitfield kernels vs FlexAttention vs SDPA (dense mask) vs SDPA causal flash.
 
-For each sequence length, head dimension and mask layout (EP/EE/MP from ``masks.random_bam``, seeded) it measures
-forward and forward+backward time in bf16, effective TFLOP/s over the allowed (query, key) pairs (4*D flops per
-pair forward, 3.5x that for forward+backward) and peak memory. FlexAttention is compiled with the same rule as a
-``mask_mod``; SDPA gets the dense boolean mask; the causal flash row counts causal pairs (the ceiling). Goals:
-forward+backward at least 1.2x FlexAttention on every EE/MP case from 16k, and at least 70% of causal flash's
-TFLOP/s on every case. Writes ``benchmarks/results/attention_<device>.json`` after every case (an OOM is recorded
-and the rest still runs). Without a GPU it says so and exits 0.
-
-    python benchmarks/attention.py                  # S = 4k..64k, head dims 64 and 128
-    python benchmarks/attention.py --quick          # S = 16k, head dim 128, fewer repetitions
-    python benchmarks/attention.py --head-dims 64 --out benchmarks/results/attention_d64.json
+What it measures, the goals and the commands: docs/kernels.md, "Benchmark". Without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Batch balancing: planning time and load balance of plan_batch per method.
-
-A LLaVA-like synthetic global batch (``llava_like_works``) of B=512 samples, 4 replicas, 32 microbatches (Entrain's
-Table 4.1 setting): median and min wall time of ``plan_batch`` over --repeats runs, and per method (mean over
-seeds) max/mean and std of the microbatch encoder and LLM loads and the deferrals.
-"""
+"""Batch balancing: planning time and load balance of plan_batch per method (docs/balancing.md, "Results")."""
 
 from __future__ import annotations
 

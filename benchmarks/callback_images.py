@@ -1,12 +1,5 @@
-"""The ContextParallel callback's image split: one training step with every image encoded on every CP rank vs
-each rank encoding its LPT share (``shard_images``).
-
-A plain LightningModule around a random LLaVA whose vision tower is the heavy part (CLIP, ``--vision-layers`` x
-``--vision-width`` on ``--image-size`` square images, patch 8) and whose LLM is small; batches of ``--images``
-images (two per sample) packed into one row; the tower frozen and, separately, trained. Each variant is a real
-``Trainer.fit`` under Lightning's ``DDPStrategy`` on gloo: cp 1 (one process, no callback), cp 2 with the images on
-every rank (``shard_images=False``) and cp 2 with the images split. A step is rank 0's wall time from
-``on_train_batch_start`` to ``on_train_batch_end``; median after ``--warmup`` steps.
+"""The ContextParallel callback's image split: a cp 2 step with every image on every rank vs each rank its LPT
+share (``shard_images``), against cp 1 (docs/existing_project.md).
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Checkpoint size and save/load time (ours vs Lightning's FSDP2 sharded checkpoint), and fault-to-exit time.
 
-Same model, same 4 CPU processes (gloo), one training step, then ``trainer.save_checkpoint`` and the strategy's
-``load_checkpoint`` timed on rank 0 between barriers (median of ``--repeats``). Ours: vision 1 stage + LLM 1 stage,
-dp 2, trainable projector + LLM (frozen encoder not written). FSDP2: Lightning's ``ModelParallelStrategy``
-(``fully_shard`` per LLM layer and the root, DCP; FSDPStrategy refuses CPU), frozen parameters written.
-
-Faults: a 4-process run loses rank 1 after step 3 (SIGKILL, or SIGSTOP: a frozen rank whose sockets stay open,
-like a lost node); timed from the fault to every other process gone, with the watchdog (``fault_timeout`` 5 s) and
-without it (process-group timeout ``--pg-timeout``).
+Setting and results: docs/checkpoints.md, "Benchmark".
 """
 
 from __future__ import annotations

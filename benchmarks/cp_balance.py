@@ -1,17 +1,9 @@
 """CP load balance of the token distributions, planning time, and the three CP modes' work and traffic.
 
-1. EP/EE/MP masks (random placement, seeded) at 16k..128k tokens and cp 2..16: imbalance = max over ranks of the
-   summed block work (``masks.block_workload``, block 128) / the mean, for lpt, random, zigzag, contiguous.
-2. Planning time of ``distribute(..., "lpt")`` for one 1M-token row at cp 8 per layout (goal: at most 1 ms) and its
-   parts; one thread, median and minimum of repeats, the load average at each case. Variants: int32/int64 segment
-   ids, 256-token items, a cold cache (four times the L3 read before every repeat: ``evict_bytes``) and arrays just
-   written; the CPU time of the planning thread beside the wall time (under load the core is shared), the bytes of
-   the arrays and the time of one numpy read of them (``max``) under the same cache condition: the floor of any
-   planner that looks at every token. ``--only windowed``: the windowed planning (Gemma 3's pattern) of 128k-token
-   rows.
-3. Per-rank attention work of allgather (LPT), ulysses and hybrid at 64k..1M tokens, cp 2..16, over the ideal.
-4. Bytes one rank receives per layer for a 70B-shaped layer with and without GQA, each mode.
-5. With CUDA: the per-rank attention time of one 70B-shaped layer, rank by rank on the one device, lpt vs zigzag.
+Parts (docs/context_parallel.md, "Benchmark"): 1. LPT/random/zigzag/contiguous imbalance on EP/EE/MP masks;
+2. planning time of one 1M-token row at cp 8 (variants: segment-id widths, 256-token items, cold cache, arrays just
+written; ``--only windowed``: Gemma 3's windowed pattern); 3. each CP mode's per-rank work over the ideal; 4. bytes
+per rank and layer of a 70B-shaped layer; 5. with CUDA, per-rank attention time of that layer, lpt vs zigzag.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """LLM context-parallel modes on CPU processes: one training step per mode, up to the longest sequence that fits.
 
-Modes (``ParallelSpec`` of the language model): cp 1 (one process), allgather and ulysses at cp 2 and 4, hybrid 2x2.
-Every mode runs on its own gloo processes (one per CP rank, ``--threads`` torch threads each) through
-``PipelineEngine``, with the strategy's layout check and the LPT distribution over blocks of 128 tokens. Model: a
-frozen tiny SigLIP + trainable MLP projector + a trainable Qwen2 decoder (``--hidden``, ``--layers``, 8 query and 2
-KV heads, vocabulary 1024), encoders replicated, fp32. Data: synthetic samples (64-768 text tokens, 1-4 images)
-packed first-fit into one row of the length. A step: ``engine.run``, the gradient all-reduce and an SGD update.
-
-Per mode the lengths (``--lengths``) run in ascending order: ``--warmup`` untimed steps (before the first length),
-``--steps`` timed ones (one where a step is predicted to take over ``--long-step`` s), each
-rank's CPU seconds, peak resident set (VmHWM) and the resident set before it. The next length is skipped when its
-predicted step (``a S + b S^2``) passes ``--cap``, its linearly scaled memory passes ``--mem-fraction`` of what is
-available, or the mode's share of ``--budget`` would run out; a rank that dies ends that mode with the error kept.
+Model, data, modes and the rules that skip a length: docs/context_parallel.md, "Measured on CPU processes".
 """
 
 from __future__ import annotations
@@ -156,31 +145,23 @@ def _run(rank: int, world: int, name: str, args, rendezvous: str, out_path: str,
         padded = pad_for_context_parallel(batch, cp, BLOCK)  # as the step pads a sequence of fewer than cp blocks
         plan = distribute(padded["bam"], cp, "lpt", BLOCK, padded.get("segment_ids"), ulysses=layout.ulysses)
         local_tokens = [len(token_index(p, BLOCK, padded["bam"].shape[1])) for p in plan]
-        times, cpu = [], []
         before, reset = _mib("VmRSS"), harness.rss_reset()
-        warmup = args.warmup if prev is None else 0
         steps = _share(world, args.steps if not done else timed_steps(args, predict_step(done, length)))
-        for _ in range(warmup + steps):
-            if world > 1:
-                dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+
+        def step(_):
             engine.run(batch)
             engine.sync_gradients()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            cpu.append(time.process_time() - c0)  # this rank's own work (gloo waits block, they do not spin)
-            if world > 1:
-                dist.barrier()
-            times.append(time.perf_counter() - t0)
-        mem = [(before, _mib("VmHWM"), statistics.median(cpu[warmup:]))]
-        if world > 1:
-            mem = [None] * world
-            dist.all_gather_object(mem, (before, _mib("VmHWM"), statistics.median(cpu[warmup:])))
+
+        warm, _, _ = harness.timed(step, args.warmup if prev is None else 0, 0)
+        timed, cpu, _ = harness.timed(step, steps, 0)  # CPU: this rank's own work (gloo waits block, not spin)
+        mem = [None] * world
+        dist.all_gather_object(mem, (before, _mib("VmHWM"), statistics.median(cpu)))
         prev = {}
         if rank == 0:
-            timed = times[warmup:]
             prev = {"tokens": length, "step_s": statistics.median(timed), "steps_s": timed,
-                    "warmup_s": times[:warmup], "rss_before_mib": [round(b, 1) for b, _, _ in mem],
+                    "warmup_s": warm, "rss_before_mib": [round(b, 1) for b, _, _ in mem],
                     "peak_rss_mib": [round(p, 1) for _, p, _ in mem], "peak_reset": reset,
                     "cpu_s": [round(c, 3) for _, _, c in mem], "local_tokens": local_tokens,
                     "over_cap": statistics.median(timed) > args.cap, "load_1min": os.getloadavg()[0],
@@ -239,15 +220,6 @@ def run_mode(name: str, args, tmp: Path, share: float) -> dict:
             "error": error}
 
 
-def command(args) -> str:
-    parts = []
-    for k, v in vars(args).items():
-        if k != "out" and v is not False:
-            flag = "--" + k.replace("_", "-")
-            parts.append(flag if v is True else f"{flag} {','.join(map(str, v)) if isinstance(v, list) else v}")
-    return "python benchmarks/cp_modes.py " + " ".join(parts)
-
-
 def memory_projection(mode: dict, limit_mib: float) -> int | None:
     """Projected (not measured): the length at which the summed peak resident set of the mode's ranks, a straight
     line through its last two lengths, reaches ``limit_mib``."""
@@ -265,8 +237,8 @@ def main(argv=None) -> None:
         lengths=(",".join(map(str, LENGTHS)), "comma-separated sequence lengths, tried in ascending order per mode"),
         modes=(",".join(MODES), f"comma-separated, of {','.join(MODES)}"),
         steps=(2, "timed steps per length (median reported)"),
-        warmup=(1, "untimed steps before the first length"), long_step=(20.0, "seconds: a length whose step is predicted to take longer gets one timed "
-                                            "step"),
+        warmup=(1, "untimed steps before the first length"),
+        long_step=(20.0, "seconds: a length whose step is predicted to take longer gets one timed step"),
         cap=(60.0, "seconds one step may take"),
         budget=(780.0, "seconds for all modes, launches included: each mode gets what is left / modes left"),
         mem_fraction=(0.8, "share of the available memory all ranks of a mode may be predicted to use"),
@@ -295,7 +267,7 @@ def main(argv=None) -> None:
         m["projected_memory_limit_tokens"] = memory_projection(m, args.mem_fraction * _mib("MemTotal"))
     harness.write(args.out, {
         "device": f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), gloo",
-        "how": "measured", "torch": torch.__version__, "command": command(args),
+        "how": "measured", "torch": torch.__version__, "command": start["command"],
         "load_average_before": load_before, "load_average_after": os.getloadavg(), "threads_per_rank": args.threads,
         "note": "cp 4 runs 4 processes on this machine's cores; times are ratios on a shared CPU, not GPU claims",
         "model": {"llm": "Qwen2", "hidden": args.hidden, "layers": args.layers, "heads": 8, "kv_heads": 2,

@@ -1,9 +1,4 @@
-"""Encoder context parallelism: one step of a vision encoder on a microbatch of 8 images, cp 1 vs cp 2.
-
-Each step is the encoder part only: the rank's images (LPT shares of the microbatch, as the runtime plans them)
-through a Qwen2-VL vision tower and its projector, the feature all-gather, and the backward of a sum over the
-gathered features; cp 1 runs the same in one process. Median over --steps after --warmup, gloo processes.
-"""
+"""Encoder context parallelism: one vision-encoder step on 8 images, cp 1 vs cp 2 (docs/context_parallel.md)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """Fault tolerance (torchft replica groups) vs checkpoint-restart: throughput, failure and recovery times.
 
-CPU processes (gloo) through the fault-tolerance tests' launcher (``tests/helpers/ft_case.py``, each job a
-``torchrun`` on localhost via ``tests/test_fault_tolerance._launch``): the tests' tiny model (vision encoder
-frozen, LLM in 2 pipeline stages, per-replica batch 2). Four runs:
-
-- ``ft``: 2 replica groups x 2 ranks (fault tolerance on), a lighthouse in this process, no failure.
-- ``dp``: the same 4 ranks as ONE ordinary job (pp 2 x dp 2), the same global batch (4 samples) and model.
-- ``ft_fail``: as ``ft``, rank 1 of group 1 SIGKILLed after step ``--kill-step``; torchrun (``--max-restarts 1``)
-  restarts group 1, which heals from group 0 and rejoins, while group 0 goes on alone.
-- ``ckpt_fail``: as ``dp`` with a checkpoint every ``--save-every`` steps, rank 1 SIGKILLed after
-  ``--ckpt-kill-step``; torchrun restarts the job, which resumes from the latest checkpoint.
-
-Times come from each job's rank 0 (``steps_<group>.log``: step, wall time, restart count) and the kill marker.
+The four runs (ft, dp, ft_fail, ckpt_fail) and how each time is read: docs/fault_tolerance.md, "Benchmark".
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Frozen-aware vs frozen-unaware planning on the seeds' MLLM configurations (003 Table 3.2), simulated.
 
-Models: 003 Table 3.1 sizes on the seeds' data (1k text tokens + one 1280x720 image + a 2-minute audio clip per
-sample, microbatch 4, 12 microbatches); encoders and LLM frozen, projectors trainable, recomputation on. Headline
-(Table 3.2's setting): ONE pipeline of 6 stages of 4 GPUs, encoders colocated; each planner (ours `frozen-aware`,
-the seeds' baseline `forward-variance`, the strongest frozen-unaware `forward-only`) chooses the stage split and
-boundaries, and the simulator times every layout on the same costs. Cost sources, side by side: FLOP costs (first
-principles), leave-one-config-out (FLOPs rescaled to the seeds' published per-stage times, fitted on the other 8
-configurations), the seed-fitted profile (fitted on all 9: in sample) and, with `--layer-profile PATH` (a
-`benchmarks/layer_profile.py` JSON), the measured layer profile (results in `frozen_aware_measured.json`).
-Second table: each mode searches dp / stages / placement on 24 single-GPU devices, beside a grid of hand plans.
+Models, setting and cost sources: docs/planner.md, "`benchmarks/frozen_aware.py`: the seeds' Table 3.2, reproduced".
 """
 
 from __future__ import annotations
@@ -431,28 +423,19 @@ def run_config(name: str, vision, audio, llm, devices: int, microbatches: int, o
     entry = SEED_TABLE_3_2.get(name.split("-")[-1]) if name.startswith("VALM") else None
     seed = (entry[0][4], entry[1][4]) if entry else None
     return {
-        "config": name,
-        "frozen_aware_s": aware.best.iteration_time,
-        "forward_only_s": unaware.best.iteration_time,
+        "config": name, "frozen_aware_s": aware.best.iteration_time, "forward_only_s": unaware.best.iteration_time,
         "speedup": unaware.best.iteration_time / aware.best.iteration_time,
-        "pp_only_aware_s": pp_aware.best.iteration_time,
-        "pp_only_forward_only_s": pp_unaware.best.iteration_time,
+        "pp_only_aware_s": pp_aware.best.iteration_time, "pp_only_forward_only_s": pp_unaware.best.iteration_time,
         "pp_only_speedup": pp_unaware.best.iteration_time / pp_aware.best.iteration_time,
-        "pp_only_aware_plan": describe(pp_aware.best),
-        "pp_only_unaware_plan": describe(pp_unaware.best),
+        "pp_only_aware_plan": describe(pp_aware.best), "pp_only_unaware_plan": describe(pp_unaware.best),
         "boundaries_only_speedup": boundaries_only.iteration_time / aware.best.iteration_time,
-        "seed_aware_s": seed[0] if seed else None,
-        "seed_unaware_s": seed[1] if seed else None,
-        "seed_speedup": seed[1] / seed[0] if seed else None,
-        "aware_plan": describe(aware.best),
-        "unaware_plan": describe(unaware.best),
-        "aware_layers": aware.best.layers,
+        "seed_aware_s": seed[0] if seed else None, "seed_unaware_s": seed[1] if seed else None,
+        "seed_speedup": seed[1] / seed[0] if seed else None, "aware_plan": describe(aware.best),
+        "unaware_plan": describe(unaware.best), "aware_layers": aware.best.layers,
         "best_hand_s": best_hand.iteration_time if best_hand else None,
-        "best_hand_plan": describe(best_hand) if best_hand else None,
-        "hand_plans": len(hands),
+        "best_hand_plan": describe(best_hand) if best_hand else None, "hand_plans": len(hands),
         "auto_vs_best_hand": best_hand.iteration_time / aware.best.iteration_time if best_hand else None,
-        "search_candidates": len(aware.candidates),
-        "search_seconds": search_s,
+        "search_candidates": len(aware.candidates), "search_seconds": search_s,
         "aware_summary": plan_summary(aware.best),
     }
 

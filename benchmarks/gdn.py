@@ -1,22 +1,11 @@
 """Gated DeltaNet (Qwen3.5's linear attention) against attention: layer time by length, and CP scaling of a hybrid.
 
-(a) Measured: one Qwen3.5 decoder layer (``Qwen3_5TextModel`` of one layer, tiny-but-real config, transformers'
-torch path: its chunked delta rule and causal convolution fallbacks, SDPA attention), GDN or full attention, same
-hidden size, forward + backward of one sequence per length, median of --repeats. Beside each, the planner's cost
-model (``planner.workload``: 3 x (2 FLOPs per weight per token + the GDN layer's ``linear_attention_token_flops``
-or attention's 4 x width x tokens^2)) times one constant per layer type, fitted by least squares (labelled fitted).
-
-(b) Simulated: ``evaluate_plan`` of a Qwen3.5-9B-like LLM (``SIM``: 32 layers, GDN : attention 3 : 1) on one
-microbatch of --sim-tokens tokens at cp 1, 2, 4, 8 (allgather), each layer's CP bytes by its type, against the same
-shape charged attention's bytes at every layer (the byte model before GDN layers had their own).
-
-    python benchmarks/gdn.py [--lengths 256,512,1024,2048,4096,8192] [--repeats 3] [--hidden 256]
+Measured layers and the simulated Qwen3.5-9B-like plan: docs/context_parallel.md (the GDN section, `benchmarks/gdn.py`).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -65,11 +54,9 @@ def measure(args) -> list[dict]:
         model, cfg = text_model(kind, **shape)
         for n in map(int, args.lengths.split(",")):
             x = torch.randn(1, n, h, requires_grad=True)
-            times = []
-            for _ in range(args.repeats + 1):  # the first untimed
-                t0 = time.perf_counter()
-                model(inputs_embeds=x, use_cache=False).last_hidden_state.square().mean().backward()
-                times.append(time.perf_counter() - t0)
+            times, _, _ = harness.repeat(  # the first untimed
+                lambda: model(inputs_embeds=x, use_cache=False).last_hidden_state.square().mean().backward(),
+                args.repeats + 1)
             rows.append({"layer": kind, "tokens": n, "step_s": statistics.median(times[1:]),
                          "model_flops": layer_flops(model.layers[0], cfg, kind, n)})
             print(kind, n, f"{rows[-1]['step_s']:.3f} s", flush=True)
@@ -116,11 +103,8 @@ def main(argv=None) -> dict:
     args = harness.cli(__doc__, argv, lengths="256,512,1024,2048,4096,8192", repeats=3, hidden=256, threads=1,
                        sim_tokens=65536, sim_tflops=400.0, sim_bandwidth_gbps=50.0)
     start = harness.record()
-    rows = measure(args)
-    harness.print_rows(rows, ["layer", "tokens", "step_s", "fitted_s"], "measured (fitted: the planner's FLOPs x c)")
+    rows = measure(args)  # harness.write prints both tables (measured and simulated) as the docs quote them
     sim = simulate(args.sim_tokens, args.sim_tflops * 1e12, args.sim_bandwidth_gbps * 1e9)
-    harness.print_rows(sim, ["cp", "step_s", "speedup", "cp_comm_s", "gdn_layer_MB", "attention_layer_MB",
-                             "step_s_attention_bytes_everywhere"], "simulated")
     result = {"what": "one Qwen3.5 decoder layer (GDN or attention) forward + backward on CPU by length, measured, "
                       "beside the planner's FLOPs x one fitted constant per layer type; CP scaling of a "
                       "Qwen3.5-9B-like hybrid, simulated", "settings": vars(args), "rows": rows,

@@ -1,19 +1,12 @@
-"""Data heterogeneity: iteration time and microbatch forward-time spread of batch balancing (none / disttrain /
-entrain), simulated at the seeds' scale, measured on CPU processes, and the planning time.
+"""Data heterogeneity: batch balancing (none / disttrain / entrain) simulated at the seeds' scale, measured on CPU
+processes (``--measure``), and the planning time.
 
-a) Simulated: Qwen2.5-Vision + Llama-3.2-1B / 3B built on meta and costed by ``WorkloadModel.from_model`` (window
-   attention corrected), seconds per FLOP of the tower and of Llama-3B fitted to Entrain's published splits
-   (``calibrate``); B 512, dp 4, tp 2, 32 microbatches, 8 stages per replica (Entrain's Table 4.1 setting). Each
-   method's stage split is chosen from its profiling batch as the paper does; every split is also simulated.
-b) ``--measure``: samples/s of each method on 6 CPU processes (gloo; vision pp 1 + LLM pp 2, dp 2, tiny models) on
-   the same global batches, and the encoder's per-microbatch forward-time std.
-c) Planning time of ``plan_batch`` per 512-sample global batch (``balance_planning.planning_ms``).
-
-Also writes heterogeneity.png and heterogeneity_timeline_<method>.png (replica 0 of a simulated mixed-set batch).
+Setting, calibration and results: docs/balancing.md, "Results".
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -108,25 +101,18 @@ def _samples(n: int, seed: int, count, sides: tuple[int, int], text: tuple) -> l
     return out
 
 
-def llava_like(n: int, seed: int) -> list[SampleMeta]:
-    """LLaVA-150K-like: 90% one image, 5% two, 5% text-only; sides 336-672 px; text log-normal, median 150."""
-    def count(g):
-        u = float(torch.rand(1, generator=g))
-        return 1 if u < 0.90 else 2 if u < 0.95 else 0
-    return _samples(n, seed, count, (336, 673), (150, 0.7, 16, 2048))
+def _llava_count(g) -> int:
+    u = float(torch.rand(1, generator=g))
+    return 1 if u < 0.90 else 2 if u < 0.95 else 0
 
 
-def synthchart_like(n: int, seed: int) -> list[SampleMeta]:
-    """SynthChartNet-like: one large chart image (sides 672-1344 px), short text (log-normal, median 40)."""
-    return _samples(n, seed, lambda g: 1, (672, 1345), (40, 0.5, 8, 256))
-
-
-def mixed(n: int, seed: int) -> list[SampleMeta]:
-    """Mixed: 0-8 images (uniform count) of 224-896 px sides; text log-normal, median 200, heavy tail."""
-    return _samples(n, seed, lambda g: int(torch.randint(0, 9, (1,), generator=g)), (224, 897), (200, 1.0, 16, 4096))
-
-
-DATASETS = {"llava": llava_like, "synthchart": synthchart_like, "mixed": mixed}
+# ``make(n, seed)`` per set. LLaVA-150K-like: 90% one image, 5% two, 5% text-only, sides 336-672 px, text median 150;
+# SynthChartNet-like: one large chart (672-1344 px), short text (median 40); mixed: 0-8 images of 224-896 px, text
+# median 200 with a heavy tail.
+DATASETS = {"llava": functools.partial(_samples, count=_llava_count, sides=(336, 673), text=(150, 0.7, 16, 2048)),
+            "synthchart": functools.partial(_samples, count=lambda g: 1, sides=(672, 1345), text=(40, 0.5, 8, 256)),
+            "mixed": functools.partial(_samples, count=lambda g: int(torch.randint(0, 9, (1,), generator=g)),
+                                       sides=(224, 897), text=(200, 1.0, 16, 4096))}
 
 
 # ------------------------------------------------------------------------------------------------ calibration

@@ -1,19 +1,7 @@
 """One real transformers layer of each family and size of `benchmarks/frozen_aware.py`, timed on one device.
 
-For every size of the frozen-aware benchmark's model tables (LLAMA3, QWEN2_VISION, PHI4_AUDIO) it builds ONE layer
-at full size, bf16, random weights: `LlamaDecoderLayer` (sdpa, causal, GQA with 8 KV heads), `Qwen2VLVisionBlock`
-(the microbatch's images packed with `cu_seqlens`), the Phi-4 multimodal conformer layer (clips cut into chunks of
-500 frames; where transformers lacks it, a `torch.nn.TransformerEncoderLayer` stands in: `audio_layer` in the JSON),
-and the trainable MLP projector of each (encoder size, LLM size) pair. Each layer's MLP width makes its parameter
-count match the table's parameters / layers. Inputs are [SAMPLES_PER_MICROBATCH, tokens, hidden] at the benchmark's
-token counts. Timing: `profile_layer` (medians of forward, input-grad and weight-grad); activation bytes: the
-storages autograd saves in one forward, frozen and trainable (`part_activation_bytes`).
-
-    python benchmarks/layer_profile.py --device cuda          # writes benchmarks/results/layer_profile_<device>.json
-    python benchmarks/frozen_aware.py --skip-free --layer-profile benchmarks/results/layer_profile_<device>.json
-    python benchmarks/layer_profile.py --device cpu --tiny    # hidden sizes and token counts / 64: seconds, for tests
-
-Without a GPU and without `--device cpu` it says so and exits 0.
+Layers, shapes, timing and commands: docs/planner.md, "Measured layer profile". Without a GPU and without
+`--device cpu` it says so and exits 0.
 """
 
 from __future__ import annotations

@@ -1,16 +1,4 @@
-"""Expert parallelism measured on CPU processes, beside the planner's predicted ep trade-off.
-
-Measured: a tiny Qwen3-MoE VLM (SigLIP 2 layers of width 64 + MLP projector + Qwen3-MoE, ``--layers`` of width
-``--hidden``, ``--experts`` experts of width ``--expert-width``, top ``--top-k``, vocab 512) trained on ``--world``
-gloo processes (encoders replicated inside the LLM stage) under ``dp`` (every rank holds every expert) and
-``dp x ep`` (each rank half of every layer's experts, all-to-all token exchange: transformers' ``AllToAllEP``):
-rank 0's median step and tokens/s, the busiest rank's CPU seconds, the expert and all weights each rank holds, the
-expert load imbalance per layer, and the all-to-all bytes a rank sends per step (from the dispatch split sizes)
-beside the planner's byte model (``planner.moe_costs.all_to_all_bytes``, uniform routing).
-
-Simulated: the planner's ``evaluate_plan`` at Qwen3-30B-A3B shapes on dp 8 x pp 4, ep 1-8, with an assumed
-400 TFLOP/s per device and all-to-all bandwidths of 50 GB/s and 400 GB/s.
-"""
+"""Expert parallelism measured on CPU processes, beside the planner's predicted ep trade-off (docs/moe.md)."""
 
 from __future__ import annotations
 

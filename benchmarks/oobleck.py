@@ -1,21 +1,7 @@
-"""Oobleck-style re-forming (pipeline templates + Eq. 2.6's batch split) vs identical replica groups vs
-checkpoint-restart, SIMULATED at the seed's scale (003 sec. 2.7), and the time to plan one template (Table 2.3).
+"""Oobleck-style re-forming vs identical replica groups vs checkpoint-restart: simulated at the seed's scale, and
+measured on CPU processes (``--measured``, ``oobleck_measured.json``), plus the time to plan one template.
 
-Throughput (beside Table 2.2): 30 nodes x 1 GPU (40 GiB, 200 Gb/s) lose one node every 6 h / 1 h / 10 min down to
-15; the models of Table 2.1 with FLOP layer costs, each GPU's FLOP/s calibrated so that re-forming matches the
-seed's 6 h cell. Re-forming: templates (``build_templates``), groups from ``instantiate`` and the batch from
-``split_batch`` at every node count; identical groups: G groups of one template, a group that loses a node stays
-down (failures on random live nodes, ``--trials`` orders); checkpoint: one job (``search``) checkpointing every 10
-steps at ``--storage-gbps``. Planning: seconds of ``plan_template`` for a GPT-3 2.7b-wide model of 24-96 layers,
-measured on this CPU after a garbage collection (median of PLANNING_REPEATS runs, wall and CPU time, and the load).
-
-``--measured`` (``oobleck_measured.json``): the three methods as real CPU processes (gloo) through the
-fault-tolerance tests' launcher, global batch 4, one failure inside the step after ``--kill-step``: re-forming
-(group 0 on two torchrun agents loses one for good, re-forms at the 1-node template, heals by name), identical
-groups (group 0 loses a rank and stays down) and checkpoint-restart (one 4-rank job, a checkpoint every
-``--save-every`` steps, restarted once). Committed steps/s before, during and after the failure, and the recovery.
-
-    python benchmarks/oobleck.py --measured [--steps 1200] [--kill-step 8] [--save-every 5] [--only NAME ...]
+Setting and methods: docs/fault_tolerance.md, "Simulated figures" and "Measured figures".
 """
 
 from __future__ import annotations

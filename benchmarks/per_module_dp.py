@@ -1,16 +1,7 @@
 """Per-module data parallelism (DistTrain's disaggregated orchestration), simulated at the seed's scale.
 
-Every figure is simulated (the planner's simulator on a FLOP cost model) or published (DistTrain, seed 004):
-A800 bf16 peak 312 TFLOP/s at KERNEL_EFFICIENCY, 8-GPU nodes, ViT-H/16 + MLP projector + Llama-3-7B/13B/70B shapes,
-8192-token samples with IMAGES_PER_SAMPLE 512x512 images (an assumption), LLM microbatch = 1 sample, frozen-aware
-FLOP costs (``mllm_layer_costs``), LLM recomputation, ``SHARD_GRAD_OP``, 80 GiB a device. Rows per (model, GPUs,
-global batch): uniform (Megatron's rigid layout: one dp, LLM tp 8 and pp 1/2/10, the encoder one stage of 8 ranks
-splitting the images), flop-ratio (GPUs in proportion to each module's work) and per-module
-(``search_per_module_dp``, tp 1/2/4/8 per module, with its solve and replay times); then every comparison at equal
-GPU counts (``equal_gpus``: the baseline's layout on the GPUs it uses against the per-module search of exactly that
-count, and the FLOP-ratio split of the uniform layout's GPUs), whose throughput ratio is also the MFU ratio; then
-the search's time on the 72B at Table 2's GPU counts (median of --repeats runs, wall and CPU time). Measured on CPU
-processes: ``per_module_dp_cpu.py``.
+Setting, rows and comparisons: docs/per_module_dp.md, "Benchmark (simulated)"; measured on CPU processes:
+``per_module_dp_cpu.py``.
 """
 
 from __future__ import annotations

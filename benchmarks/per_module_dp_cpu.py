@@ -1,11 +1,6 @@
-"""Per-module data parallelism measured on CPU processes: one degree for every module vs a degree per module, with
-a heavy vision encoder, on the same number of gloo processes and the same global batches.
+"""Per-module data parallelism measured on CPU processes: one dp degree for every module vs a degree per module.
 
-Model: a trainable tiny SigLIP made heavy (``--encoder-layers`` x ``--encoder-hidden``, 49 tokens per 112-pixel
-image) + MLP projector + a trainable 2-layer Llama (width 64). Layouts on ``--world`` ranks: ``uniform`` (vision
-1 rank + LLM 1 rank per replica, dp = world / 2) and ``per-module`` (vision dp = world - 1 + LLM dp 1). Each runs
-``--warmup`` + ``--steps`` training steps through ``PipelineEngine``, one torch thread per process: rank 0's median
-step (barrier to barrier) and the busiest rank's CPU seconds per step (its own work, robust to shared cores).
+Model and layouts: docs/per_module_dp.md, "Measured on CPU processes".
 """
 
 from __future__ import annotations

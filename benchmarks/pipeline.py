@@ -1,28 +1,7 @@
 """Pipeline strategy throughput: modality-parallel vs colocated vs replicated encoders vs Lightning's FSDP.
 
-One run trains the same model on ``--procs`` processes with each layout through a real ``lightning.Trainer``:
-samples/s after warm-up, peak memory per rank (CPU: VmHWM reset at train start; GPU: peak allocated) and the
-bubble per rank (``PipelineTimeline``). The baseline is Lightning's ``FSDPStrategy``, on CPU (which it refuses)
-``DDPStrategy``. ``--repeats R`` runs every layout R times in rotating order and reports the best. Layouts for P
-processes (VLM = SigLIP + Llama below 4, VALM = SigLIP + Whisper + Llama from 4; R = min(P, 4) ranks a replica):
-parallel (every encoder pp 1 on its own ranks, LLM pp = R - #encoders), colocated (encoders in one stage, LLM pp =
-R - 1), replicated (encoders inside LLM stage 0, LLM pp = R). Encoders frozen, partition="frozen-aware".
-
-``--setup`` measures building and loading (``pipeline_setup_p<P>_<accelerator>.json``): SigLIP + projector + a
-Llama of ``--hidden``/``--llm-layers``/``--vocab`` on P processes (vision pp 1, LLM pp P-1), built eager, lazy
-(meta, ``init_module(empty_init=True)``), from ``save_pretrained`` folders eager or lazy, and with HF
-``from_pretrained`` in one process: per rank the peak memory at the first step and at the end, build and setup
-time, and rank 0's time to the first step.
-
-``--sharding`` compares sharded data parallelism and tensor parallelism with Lightning's own sharding strategies
-(``pipeline_sharding_p<P>_<accelerator>.json``): everything trainable, AdamW, built on meta and materialised
-sharded; NO_SHARD / SHARD_GRAD_OP / FULL_SHARD at dp P, NO_SHARD / FULL_SHARD with LLM tp 2, Lightning's
-FSDPStrategy and ModelParallelStrategy + ``fully_shard``: per rank the peak memory growth, the state bytes
-(parameters, gradients, optimiser) before the optimiser step, samples/s and the loss; a failing row keeps its error.
-
-    python benchmarks/pipeline.py --setup --procs 4 --hidden 512 --llm-layers 12 --vocab 32000 --steps 1
-    python benchmarks/pipeline.py --sharding --procs 4 --hidden 512 --llm-layers 8 --vocab 32000 --batch 1 \
-                                  --warmup 2 --steps 3 --text-tokens 64 --timeout 300
+``--setup``: eager vs lazy builds and folder loading; ``--sharding``: sharded dp and tp vs Lightning's FSDP strategies.
+Layouts, models and commands: docs/pipeline.md, "Benchmark: `benchmarks/pipeline.py`" and the sections after it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
-"""Wall times of the README's first commands, and the conversation data scan rate.
-
-1. ``lightning-mm fit --config examples/tiny_valm_pp.yaml`` (the main job: 4 CPU processes, 30 steps) and
-   ``python examples/make_conversation_data.py``: wall seconds of the whole command, start to exit.
-2. The scan of ``ConversationDataset(scan=True)``: the examples' records repeated to --records, one torch thread,
-   records per second = records / (construction with the scan - without it), median of --repeats.
-"""
+"""Wall times of the README's first commands, and the conversation data scan rate (README.md, docs/data.md)."""
 
 from __future__ import annotations
 
@@ -47,14 +41,8 @@ def scan_rate(folder: Path, records: int, repeats: int) -> dict:
                                 tiny_language_model("llama", vocab_size=128))
     processor = load_processor(folder / "processor", model)
     ConversationDataset(data, processor, media_root=folder / "images", scan=False)  # builds the records' Arrow cache
-    times = {}
-    for scan in (True, False):
-        runs = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            ConversationDataset(data, processor, media_root=folder / "images", scan=scan)
-            runs.append(time.perf_counter() - t)
-        times[scan] = statistics.median(runs)
+    times = {scan: statistics.median(harness.repeat(lambda: ConversationDataset(
+        data, processor, media_root=folder / "images", scan=scan), repeats)[0]) for scan in (True, False)}
     return dict(records=records, repeats=repeats, construct_with_scan_s=times[True],
                 construct_without_scan_s=times[False], records_per_s=records / (times[True] - times[False]))
 

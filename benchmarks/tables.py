@@ -1,15 +1,10 @@
 """Regenerate every figure README.md and docs/*.md quote from a benchmark's results JSON, or check them.
 
-A quoted figure or table sits between two markers; what is between them is generated from the JSON:
-
-    <!-- results:benchmarks/results/cp_balance.json:planning -->
-    | layout | ... |
-    <!-- /results -->
-
-Inline quotes work the same way (``... takes <!-- results:...:x -->0.41 ms<!-- /results --> ...``). Every benchmark
-rewrites the quotes after writing its JSON (``harness.write``); ``python benchmarks/tables.py --check`` (and
-tests/test_figures.py) fails when a quote disagrees with its JSON. The prose that reads a table ("Reading: ...") is
-generated the same way, so a re-run leaves no stale number in it.
+A quote sits between ``<!-- results:benchmarks/results/X.json:NAME -->`` and ``<!-- /results -->`` (a block when it
+starts on a new line, else inline); its text is rendered from the JSON by the renderer registered as (X.json, NAME):
+mostly ``grid`` specs (rows from a JSON path, columns as format strings), the rest small functions. Every benchmark
+rewrites the quotes after writing its JSON (``harness.write``); ``--check`` (and tests/test_figures.py) fails when a
+quote disagrees with its JSON.
 
     python benchmarks/tables.py [--check]
 """
@@ -75,6 +70,11 @@ def grid(json_name: str, name: str, rows, align: str, columns: list[tuple], befo
     renderer(json_name, name)(render)
 
 
+def _columns(*headers: str) -> list[tuple]:
+    """Columns of rows that are lists of cells, one per header."""
+    return [(h, lambda r, i=i: r[i]) for i, h in enumerate(headers)]
+
+
 def _machine_line(data: dict) -> str:
     m = data.get("machine")
     return f"{harness.describe(m)}; `{m['command']}`" if isinstance(m, dict) and m.get("command") else \
@@ -110,107 +110,101 @@ def _short(name: str) -> str:
     return name.replace("language_model", "llm").replace("encoders", "enc")
 
 
+def _opt(key: str, fmt: str = ".2f"):
+    """A cell of ``key`` in ``fmt``, empty where the row lacks it."""
+    return lambda r: format(r[key], fmt) if key in r else ""
+
+
+def _met(ok) -> str:
+    return "met" if ok else "missed"
+
+
 # ---------------------------------------- cp_balance.json
 
-_CP_NAMES = {("ep", ""): "EP", ("ee", ""): "EE", ("mp", ""): "MP (int16 segment ids, as the collator makes them)",
-             ("mp", "int32 segment ids"): "MP with int32 segment ids",
-             ("mp", "int64 segment ids"): "MP with int64 segment ids",
-             ("ee", "256-token items"): "EE with 256-token items", ("ep", "cold cache"): "EP, cold cache",
-             ("mp", "cold cache"): "MP, cold cache", ("ep", "just written"): "EP, just written",
-             ("mp", "just written"): "MP, just written"}
+_CP_NAMES = {("mp", ""): "MP (int16 segment ids, as the collator makes them)",
+             ("ee", "256-token items"): "EE with 256-token items",
+             **{("mp", f"int{b} segment ids"): f"MP with int{b} segment ids" for b in (32, 64)},
+             **{(x, v): f"{x.upper()}, {v}" for x in ("ep", "mp") for v in ("cold cache", "just written")}}
 
 
-def _plan_row(data: dict, layout: str, variant: str = "") -> dict:
-    return next(r for r in data["planning_1m"] if r["layout"] == layout and r.get("variant", "") == variant)
+def _plan_rows(data: dict, variant: str, layouts=("ep", "ee", "mp")) -> list[dict]:
+    return [next(r for r in data["planning_1m"] if r["layout"] == x and r.get("variant", "") == variant)
+            for x in layouts]
 
 
 def _imbalance(data: dict) -> dict:
     return {(r["layout"], r["tokens"], r["cp"], r["method"]): r["imbalance"] for r in data["balance"]}
 
 
-def _opt(key: str, fmt: str = ".2f"):
-    return lambda r: format(r[key], fmt) if key in r else ""
-
-
 grid("cp_balance.json", "planning", "planning_1m", "lrrrrrrrrrl", [
-    ("layout (1M tokens, cp 8)", lambda r: _CP_NAMES.get((r["layout"], r.get("variant", "")), r["layout"])),
+    ("layout (1M tokens, cp 8)", lambda r: _CP_NAMES.get((r["layout"], r.get("variant", "")), r["layout"].upper())),
     ("runs", "{runs}"), ("arrays MB", lambda r: f"{r['array_bytes'] / 2**20:.0f}" if "array_bytes" in r else ""),
     ("distribute median ms", "{plan_ms_median:.2f}"), ("min ms", "{plan_ms_min:.2f}"),
     ("CPU median ms", _opt("plan_cpu_ms_median")), ("read arrays ms", _opt("read_ms_median")),
     ("workload median ms", "{workload_ms_median:.2f}"), ("LPT median ms", "{lpt_ms_median:.2f}"),
     ("load avg", "{load_average:.1f}"),
-    ("goal 1 ms (wall / CPU)", lambda r: ("met" if r["met"] else "missed") + (
-        f" / {'met' if r['met_cpu'] else 'missed'}" if "met_cpu" in r else ""))],
+    ("goal 1 ms (wall / CPU)", lambda r: _met(r["met"]) + (f" / {_met(r['met_cpu'])}" if "met_cpu" in r else ""))],
      before=lambda d: (f"Measured on {_machine_line(d)} (1 thread, median and minimum of "
                        f"{d['machine'].get('repeats', 'the')} repeats of one call; load average at each case's start "
                        "in the table):\n\n"))
 
 
-@renderer("cp_balance.json", "planning-inline")
-def cp_planning_inline(data: dict) -> str:
-    ms = [_plan_row(data, layout)["plan_ms_median"] for layout in ("ep", "ee", "mp")]
-    cold = [_plan_row(data, layout, "cold cache")["plan_ms_median"] for layout in ("ep", "mp")]
-    return (f"{ms[0]:.2f} / {ms[1]:.2f} / {ms[2]:.2f} ms (EP / EE / MP medians with the arrays in the cache, "
-            f"measured by `benchmarks/cp_balance.py --only planning` on {data['machine']['cpu']}, "
-            f"{data['machine']['cores']} cores, load average {data['machine']['load_average_start'][0]:.1f}), but "
-            f"{_range(cold)} ms when the words and segment ids come from memory (EP / MP, cold cache)")
-
-
-@renderer("cp_balance.json", "planning-goal")
 def cp_planning_goal(data: dict) -> str:
-    warm = [_plan_row(data, x) for x in ("ep", "ee", "mp")]
-    cold = [_plan_row(data, x, "cold cache") for x in ("ep", "mp")]
+    warm, cold = _plan_rows(data, ""), _plan_rows(data, "cold cache", ("ep", "mp"))
     if any("plan_cpu_ms_median" not in r for r in warm + cold):
         return "not measured in CPU time"
-    cpu = lambda rows: _range([r["plan_cpu_ms_median"] for r in rows])  # noqa: E731
-    wall = lambda rows: _range([r["plan_ms_median"] for r in rows])  # noqa: E731
+    ms = lambda rows, key="plan_cpu_ms_median": _range([r[key] for r in rows])  # noqa: E731
     m = data["machine"]
-    return (f"with the arrays in the cache, {cpu(warm)} ms of CPU time ({wall(warm)} ms wall, EP / EE / MP medians); "
-            f"from memory (cold cache), {cpu(cold)} ms of CPU time ({wall(cold)} ms wall), of which one numpy read of "
-            f"the {_range([r['array_bytes'] / 2**20 for r in cold], '.0f')} MB of words and segment ids takes "
-            f"{_range([r['read_ms_median'] for r in cold])} ms (measured by `benchmarks/cp_balance.py --only planning` "
-            f"on {m['cpu']}, {m['cores']} cores, {m.get('l3', '?')} L3, load average "
+    return (f"with the arrays in the cache, {ms(warm)} ms of CPU time ({ms(warm, 'plan_ms_median')} ms wall, EP / EE "
+            f"/ MP medians); from memory (cold cache), {ms(cold)} ms of CPU time ({ms(cold, 'plan_ms_median')} ms "
+            f"wall), of which one numpy read of the {_range([r['array_bytes'] / 2**20 for r in cold], '.0f')} MB of "
+            f"words and segment ids takes {ms(cold, 'read_ms_median')} ms (measured by `benchmarks/cp_balance.py "
+            f"--only planning` on {m['cpu']}, {m['cores']} cores, {m.get('l3', '?')} L3, load average "
             f"{_range([r['load_average'] for r in warm + cold], '.1f')} during the cases)")
 
 
-@renderer("cp_balance.json", "imbalance")
-def cp_imbalance(data: dict) -> str:
-    index, methods = _imbalance(data), ["lpt", "random", "zigzag", "contiguous"]
+def cp_imbalance_rows(data: dict) -> list[dict]:
+    index = _imbalance(data)
     keys = sorted({k[:3] for k in index}, key=lambda k: (["ep", "ee", "mp"].index(k[0]), k[1], k[2]))
-    rows = [[layout.upper(), f"{tokens >> 10}k", cp, *[f"{index[(layout, tokens, cp, m)]:.4f}" for m in methods]]
-            for layout, tokens, cp in keys]
-    return table(["layout", "tokens", "cp", *methods], rows, "lrrrrrr")
+    return [dict(layout=x.upper(), tokens=f"{t >> 10}k", cp=c, **{m: index[(x, t, c, m)] for m in _CP_METHODS})
+            for x, t, c in keys]
 
 
-@renderer("cp_balance.json", "goal")
 def cp_goal(data: dict) -> str:
     index = _imbalance(data)
     lpt, zz = ([index[(x, 65536, 8, m)] for x in ("ee", "mp")] for m in ("lpt", "zigzag"))
-    met = all(v <= data["goals"]["lpt_imbalance_64k_cp8"] for v in lpt)
-    return (f"**{'met' if met else 'missed'}** (EE {lpt[0]:.4f}, MP {lpt[1]:.4f}; zigzag {zz[0]:.4f} and "
-            f"{zz[1]:.4f}; deterministic, computed by `benchmarks/cp_balance.py`)")
+    return (f"**{_met(all(v <= data['goals']['lpt_imbalance_64k_cp8'] for v in lpt))}** (EE {lpt[0]:.4f}, MP "
+            f"{lpt[1]:.4f}; zigzag {zz[0]:.4f} and {zz[1]:.4f}; deterministic, computed by `benchmarks/cp_balance.py`)")
 
 
-@renderer("cp_balance.json", "modes-bytes")
-def cp_modes_bytes(data: dict) -> str:
+def cp_modes_bytes_rows(data: dict) -> list[dict]:
     index = {(r["tokens"], r["cp"], r["kv_heads"]): r for r in data["modes_bytes"]}
-    rows = []
-    for tokens, cp, kv in [(1 << 20, cp, kv) for kv in (8, 64) for cp in (4, 8, 16)] + [(1 << 16, 8, 8)]:
-        r = index[(tokens, cp, kv)]
-        hybrid = "-" if r["hybrid_mib"] is None else f"{r['hybrid_mib']:.0f} ({r['hybrid_ulysses']})"
-        rows.append([f"{tokens >> 20}M" if tokens >= 1 << 20 else f"{tokens >> 10}k", cp, kv,
-                     f"{r['allgather_mib']:.0f}", f"{r['ulysses_mib']:.0f}", hybrid])
-    return table(["tokens", "cp", "KV heads", "allgather", "ulysses", "hybrid (K)"], rows, "rrrrrr")
+    keys = [(1 << 20, cp, kv) for kv in (8, 64) for cp in (4, 8, 16)] + [(1 << 16, 8, 8)]
+    return [dict(index[k], size=f"{k[0] >> 20}M" if k[0] >= 1 << 20 else f"{k[0] >> 10}k") for k in keys]
 
 
+_CP_METHODS = ["lpt", "random", "zigzag", "contiguous"]
+grid("cp_balance.json", "imbalance", cp_imbalance_rows, "lrrrrrr",
+     [("layout", "{layout}"), ("tokens", "{tokens}"), ("cp", "{cp}"), *[(m, f"{{{m}:.4f}}") for m in _CP_METHODS]])
+grid("cp_balance.json", "modes-bytes", cp_modes_bytes_rows, "rrrrrr", [
+    ("tokens", "{size}"), ("cp", "{cp}"), ("KV heads", "{kv_heads}"), ("allgather", "{allgather_mib:.0f}"),
+    ("ulysses", "{ulysses_mib:.0f}"),
+    ("hybrid (K)", lambda r: "-" if r["hybrid_mib"] is None else f"{r['hybrid_mib']:.0f} ({r['hybrid_ulysses']})")])
 quotes("cp_balance.json", {
+    "planning-goal": cp_planning_goal, "goal": cp_goal,
+    "planning-inline": lambda d: (
+        "{:.2f} / {:.2f} / {:.2f} ms (EP / EE / MP medians with the arrays in the cache, measured by "
+        "`benchmarks/cp_balance.py --only planning` on {}, {} cores, load average {:.1f}), but {} ms when the words "
+        "and segment ids come from memory (EP / MP, cold cache)".format(
+            *[r["plan_ms_median"] for r in _plan_rows(d, "")], d["machine"]["cpu"], d["machine"]["cores"],
+            d["machine"]["load_average_start"][0],
+            _range(r["plan_ms_median"] for r in _plan_rows(d, "cold cache", ("ep", "mp"))))),
     "evict": lambda d: (f"{d['machine']['evict_bytes'] >> 20} MB (four times the {d['machine']['l3']} L3 the "
                         f"measuring machine reports{'' if d['machine'].get('l3_bytes') else ', assumed'})"),
     "modes-work": lambda d: (
         f"at most {max(r['allgather_lpt'] for r in d['modes_work']):.4f} for allgather-LPT, exactly 1 for Ulysses, "
         f"and at most {max(r['hybrid'] for r in d['modes_work'] if r['hybrid'] is not None):.4f} for hybrid over "
         f"EP/EE/MP at 64k-1M tokens and cp 2-16 (computed by `benchmarks/cp_balance.py`)")})
-
 
 # ---------------------------------------- balance_planning.json
 
@@ -219,47 +213,62 @@ grid("balance_planning.json", "table", "rows", "lrrrrr", [
     ("encoder max/mean", "{enc_max_over_mean:.3f}"), ("LLM max/mean", "{llm_max_over_mean:.3f}"),
     ("deferrals", "{deferrals:.1f}")], before="Measured on {on}; {repeats} timed runs of one batch, loads over {seeds} "
                                               "seeds:\n\n")
-
-
-@renderer("balance_planning.json", "inline")
-def balance_planning_inline(data: dict) -> str:
-    ms, m = {r["method"]: r["plan_ms_median"] for r in data["rows"]}, data["machine"]
-    return (f"{ms['disttrain']:.1f} ms (disttrain) and {ms['entrain']:.1f} ms (entrain) per 512-sample batch, "
-            f"medians measured by `benchmarks/balance_planning.py` on {m['cpu']} "
-            f"({m['cores']} cores, load average {m['load_average_start'][0]:.1f})")
-
+quotes("balance_planning.json", {"inline": lambda d: (
+    "{disttrain:.1f} ms (disttrain) and {entrain:.1f} ms (entrain) per 512-sample batch, ".format_map(
+        {r["method"]: r["plan_ms_median"] for r in d["rows"]})
+    + "medians measured by `benchmarks/balance_planning.py` on {cpu} ({cores} cores, load average {0:.1f})".format(
+        d["machine"]["load_average_start"][0], **d["machine"]))})
 
 # ---------------------------------------- heterogeneity.json
-
-def _set(d: str, llm: str) -> list[str]:
-    return [d, llm.replace("llama-", "").upper()]
-
-
-_SET = [("set", "{dataset}"), ("LLM", lambda r: _set(r["dataset"], r["llm"])[1])]
-
 
 def _seeds(data: dict, mixed: bool = False) -> list[dict]:
     return [q for q in data["summary"] if (q["dataset"] == "mixed") == mixed]
 
 
-@renderer("heterogeneity.json", "calibration")
+def _llm(name: str) -> str:
+    return name.replace("llama-", "").upper()
+
+
+_SET = [("set", "{dataset}"), ("LLM", lambda r: _llm(r["llm"]))]
+
+
 def het_calibration(data: dict) -> str:
     cal = data["setting"]["calibration"]
-    names = list(cal)
     rows = []
-    for i, q0 in enumerate(cal[names[0]]["checks"]):
-        target = q0["target"]
-        target = f"{target:.2f}" if isinstance(target, float) else f"{target[0]:.2f}-{target[1]:.2f}"
-        rows.append([q0["figure"], q0["statistic"].replace("_", " "), target,
-                     *[f"{cal[n]['checks'][i]['value']:.2f} {'met' if cal[n]['checks'][i]['met'] else 'MISSED'}"
-                       for n in names]])
-    rows.append(["vision seconds per FLOP / Llama-1B's (fitted)", "", "", *[f"{cal[n]['kappa']:.2f}" for n in names]])
-    rows.append(["Llama-3B seconds per FLOP / Llama-1B's (fitted)", "", "",
-                 *[f"{cal[n]['llm_3b_factor']:.2f}" for n in names]])
+    for i, q in enumerate(next(iter(cal.values()))["checks"]):
+        t = q["target"]
+        checks = [c["checks"][i] for c in cal.values()]
+        target = f"{t:.2f}" if isinstance(t, float) else f"{t[0]:.2f}-{t[1]:.2f}"
+        rows.append([q["figure"], q["statistic"].replace("_", " "), target,
+                     *[f"{c['value']:.2f} {'met' if c['met'] else 'MISSED'}" for c in checks]])
+    for label, key in (("vision", "kappa"), ("Llama-3B", "llm_3b_factor")):
+        rows.append([f"{label} seconds per FLOP / Llama-1B's (fitted)", "", "",
+                     *[f"{c[key]:.2f}" for c in cal.values()]])
     return table(["published figure", "statistic", "published (a split: the interval it implies)",
-                  *[f"calibration \"{n}\"" for n in names]], rows, "lllrrr")
+                  *[f"calibration \"{n}\"" for n in cal]], rows, "lllrrr")
 
 
+def het_std_rows(data: dict) -> list[list]:
+    pub, rows = data["published"]["table_4_3"], []
+    get = {(r["dataset"], r["llm"], r["method"]): r for r in data["simulated"]}
+    for d in ("synthchart", "llava"):
+        for llm in ("llama-1b", "llama-3b"):
+            for module, key, pkey in (("vision", "vision", "vision"), ("LLM", "llm", llm)):
+                dt, en, no = (get[(d, llm, m)][f"{key}_forward_std_ms"] for m in ("disttrain", "entrain", "none"))
+                p = pub[d][pkey]
+                rows.append([d, _llm(llm), module, f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f}", f"{p[0] / p[2]:.2f}",
+                             f"{dt:.2f} / {en:.2f}", f"{no:.2f}", f"{dt / max(en, 1e-12):.2f}"])
+    return rows
+
+
+def het_planning_rows(data: dict) -> list[dict]:
+    got = {m: [r for r in data["planning"] if r["method"] == m] for m in ("none", "disttrain", "entrain")}
+    return [dict(method=m, median=statistics.median(r["plan_ms_median"] for r in g),
+                 worst=max(r["plan_ms_median"] for r in g), slowest=max(r["plan_ms_max"] for r in g))
+            for m, g in got.items()]
+
+
+renderer("heterogeneity.json", "calibration")(het_calibration)
 grid("heterogeneity.json", "vs-disttrain", _seeds, "llrllrrr", [
     *_SET, ("vision:LLM workload (simulated)", "{vision_text_workload_ratio:.2f}"),
     ("entrain split (simulated)", "{entrain_split[0]}/{entrain_split[1]}"),
@@ -268,26 +277,9 @@ grid("heterogeneity.json", "vs-disttrain", _seeds, "llrllrrr", [
      lambda q: ", ".join(f"{k} ({v:.0%})" for k, v in q["disttrain_splits"].items())),
     ("entrain over disttrain, profiled splits (simulated)", "{entrain_over_disttrain:.3f}"),
     ("entrain over disttrain, best split each (simulated)", "{entrain_over_disttrain_best:.3f}")])
-
-
-@renderer("heterogeneity.json", "std")
-def het_std(data: dict) -> str:
-    pub = data["published"]["table_4_3"]
-    get = {(r["dataset"], r["llm"], r["method"]): r for r in data["simulated"]}
-    rows = []
-    for d in ("synthchart", "llava"):
-        for llm in ("llama-1b", "llama-3b"):
-            for module, key, pkey in (("vision", "vision_forward_std_ms", "vision"),
-                                      ("LLM", "llm_forward_std_ms", llm)):
-                dt, en, no = (get[(d, llm, m)][key] for m in ("disttrain", "entrain", "none"))
-                p = pub[d][pkey]
-                rows.append([*_set(d, llm), module, f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f}", f"{p[0] / p[2]:.2f}",
-                             f"{dt:.2f} / {en:.2f}", f"{no:.2f}", f"{dt / max(en, 1e-12):.2f}"])
-    return table(["set", "LLM", "module", "published std DistTrain / DIP / Entrain (Table 4.3)",
-                  "published DistTrain / Entrain", "simulated std ms disttrain / entrain", "simulated std ms none",
-                  "simulated disttrain / entrain"], rows, "lllrrrrr")
-
-
+grid("heterogeneity.json", "std", het_std_rows, "lllrrrrr", _columns(
+    "set", "LLM", "module", "published std DistTrain / DIP / Entrain (Table 4.3)", "published DistTrain / Entrain",
+    "simulated std ms disttrain / entrain", "simulated std ms none", "simulated disttrain / entrain"))
 grid("heterogeneity.json", "iterations", "simulated", "lllrlrrrr", [
     *_SET, ("method", "{method}"), ("simulated iteration s, profiled split", "{iteration_s:.3f}"),
     ("best split", "{best_split}"), ("iteration s, best split", "{iteration_s_best:.3f}"),
@@ -297,29 +289,17 @@ grid("heterogeneity.json", "ablation",
      lambda d: [r for r in d["simulated"] if r["method"] == "entrain" and r["deferred_samples"] > 0], "llrr", [
          *_SET, ("without deferral (simulated)", "{iteration_s_without_deferral:.3f} s"),
          ("with deferral (simulated)", "{iteration_s_at_entrain_split:.3f} s")])
-
-
-@renderer("heterogeneity.json", "planning")
-def het_planning(data: dict) -> str:
-    rows = []
-    for method in ("none", "disttrain", "entrain"):
-        got = [r for r in data["planning"] if r["method"] == method]
-        med = [r["plan_ms_median"] for r in got]
-        rows.append([method, f"{statistics.median(med):.2f}", f"{max(med):.2f}",
-                     f"{max(r['plan_ms_max'] for r in got):.2f}"])
-    return (f"Measured on {_machine_line(data)}; `plan_batch` timed with `benchmarks/balance_planning.py`'s "
-            f"`planning_ms` on 2 batches of each set and LLM:\n\n"
-            + table(["method", "median of medians ms", "worst median ms", "slowest single run ms"], rows, "lrrr"))
-
-
+grid("heterogeneity.json", "planning", het_planning_rows, "lrrr", [
+    ("method", "{method}"), ("median of medians ms", "{median:.2f}"), ("worst median ms", "{worst:.2f}"),
+    ("slowest single run ms", "{slowest:.2f}")],
+     before="Measured on {on}; `plan_batch` timed with `benchmarks/balance_planning.py`'s `planning_ms` on 2 batches "
+            "of each set and LLM:\n\n")
 grid("heterogeneity.json", "measured", "measured", "lrrrr", [
     ("method", "{method}"), ("samples/s", "{samples_per_s:.2f}"), ("median step s", "{step_s_median:.3f}"),
     ("measured steps s", lambda r: _range(r["step_s"][r["warmup"]:], ".2f")),
     ("encoder microbatch forward std ms", "{encoder_forward_std_ms:.2f}")],
      before=lambda d: (f"Measured on {harness.describe(d.get('measured_machine'))} (`python "
                        "benchmarks/heterogeneity.py --measure`):\n\n"))
-
-
 quotes("heterogeneity.json", {
     "calibration-inline": lambda d: (
         f"the vision tower's seconds per FLOP are {d['setting']['vision_slowdown']:.2f} x Llama-1B's and Llama-3B's "
@@ -342,19 +322,15 @@ quotes("heterogeneity.json", {
         f"{_range([q['entrain_over_none'] for q in _seeds(d, mixed=True)], '.2f', 'x')}"
         f" (entrain) on the mixed set the paper does not have (simulated)")})
 
-
 # ---------------------------------------- fault_tolerance_cpu.json
 
-@renderer("fault_tolerance_cpu.json", "table")
-def ft_table(data: dict) -> str:
-    runs = data["runs"]
-    ft, dp, f, c = runs["ft"], runs["dp"], runs["ft_fail"], runs["ckpt_fail"]
+def ft_rows(data: dict) -> list[list[str]]:
+    ft, dp, f, c = (data["runs"][k] for k in ("ft", "dp", "ft_fail", "ckpt_fail"))
     pairs = list(zip(ft.get("earlier_samples_per_s", []) + [ft["samples_per_s"]],
                      dp.get("earlier_samples_per_s", []) + [dp["samples_per_s"]]))
-    rows = [
-        ["samples/s, no failure, FT on / FT off (paired runs)",
-         " and ".join(f"{a:.1f} / {b:.1f}" for a, b in pairs) + ": ratio "
-         + " and ".join(f"{a / b:.2f}" for a, b in pairs)],
+    return [
+        ["samples/s, no failure, FT on / FT off (paired runs)", " and ".join(f"{a:.1f} / {b:.1f}" for a, b in pairs)
+         + ": ratio " + " and ".join(f"{a / b:.2f}" for a, b in pairs)],
         ["FT: SIGKILL -> the surviving group's next committed step",
          f"{f['kill_to_next_commit_s']:.2f} s (step time {f['step_s_before']:.2f} s)"],
         ["FT: SIGKILL -> restarted group's ranks up (torchrun restart + imports)",
@@ -372,27 +348,26 @@ def ft_table(data: dict) -> str:
          f"{c['fit_to_train_start_s (setup + checkpoint load)']:.2f} s"],
         [f"ckpt-restart: SIGKILL -> first step after resume (step {c['first_step_after_resume']}) / back at step "
          f"{c['kill']['step']}",
-         f"{c['kill_to_first_step_after_resume_s']:.1f} s / {c['kill_to_same_step_again_s']:.1f} s"],
-    ]
-    return measured_table(data, ["measured, 2-core CPU, gloo", "value"], rows, "ll")
+         f"{c['kill_to_first_step_after_resume_s']:.1f} s / {c['kill_to_same_step_again_s']:.1f} s"]]
 
 
-@renderer("fault_tolerance_cpu.json", "compare")
-def ft_compare(data: dict) -> str:
+def ft_compare_rows(data: dict) -> list[list[str]]:
     ft, ck = data["runs"]["ft_fail"], data["runs"]["ckpt_fail"]
     stall_ft, stall_ck = ft["kill_to_next_commit_s"], ck["kill_to_first_step_after_resume_s"]
     degraded, groups = ft["kill_to_rejoined_s"] - stall_ft, 2
     total_ft = stall_ft + degraded / groups  # the survivor of G groups runs at (G - 1) / G with a device per rank
-    total_ck = ck["lost_s"]
-    rows = [["stall: the job makes no step (measured)", f"{stall_ft:.1f} s (kill -> next committed step)",
+    return [["stall: the job makes no step (measured)", f"{stall_ft:.1f} s (kill -> next committed step)",
              f"{stall_ck:.1f} s (kill -> first step after resume)", f"{stall_ck / stall_ft:.1f}x"],
             ["total time lost (stall + degraded steps; computed from the formula below)",
              f"{total_ft:.1f} s ({stall_ft:.1f} s stall + {degraded:.1f} s degraded at {groups - 1}/{groups} "
-             f"throughput, costing {degraded / groups:.1f} s)",
-             f"{total_ck:.1f} s (measured; no degraded phase)", f"{total_ck / total_ft:.1f}x"]]
-    return table(["like with like", "FT", "checkpoint-restart", "checkpoint-restart / FT"], rows, "lllr")
+             f"throughput, costing {degraded / groups:.1f} s)", f"{ck['lost_s']:.1f} s (measured; no degraded phase)",
+             f"{ck['lost_s'] / total_ft:.1f}x"]]
 
 
+grid("fault_tolerance_cpu.json", "table", ft_rows, "ll", _columns("measured, 2-core CPU, gloo", "value"),
+     before="Measured on {on}:\n\n")
+grid("fault_tolerance_cpu.json", "compare", ft_compare_rows, "lllr",
+     _columns("like with like", "FT", "checkpoint-restart", "checkpoint-restart / FT"))
 quotes("fault_tolerance_cpu.json", {
     "inline": lambda d: (
         f"kill to the next committed step {d['runs']['ft_fail']['kill_to_next_commit_s']:.1f} s and heal "
@@ -402,7 +377,6 @@ quotes("fault_tolerance_cpu.json", {
                        "`expected_lost_s_formula`, computed from the measured phases above"),
     "step": lambda d: (f"its measured step times are "
                        f"{_range(d['runs'][k]['step_s_before'] for k in ('ft_fail', 'ckpt_fail'))} s")})
-
 
 # ---------------------------------------- pipeline*.json (pipeline.py; --setup; --sharding)
 
@@ -427,8 +401,7 @@ def _sharding_runs(data: dict) -> list[dict]:
     return [{r["name"]: r for r in d["rows"]} for d in (data, repeat)]
 
 
-@renderer("pipeline_p2_cpu.json", "table")
-def pipeline_table(data: dict) -> str:
+def pipeline_rows(data: dict) -> list[list[str]]:
     rows, base = [], data["rows"][0]["samples_per_s"]
     for r in data["rows"]:
         stages = "whole model" if r["strategy"] != "multimodal" else ", ".join(
@@ -439,11 +412,28 @@ def pipeline_table(data: dict) -> str:
                      ", ".join(f"{x['peak_mb']:.0f} (+{x['peak_mb'] - x['rss_start_mb']:.0f})" for x in r["ranks"]),
                      ", ".join(f"{_short(s)} {v:.0%}" for s, v in r.get("bubble", {}).items()),
                      "" if ratio is None else f"{ratio:.2f}", ", ".join(f"{v:.2f}" for v in r["all_samples_per_s"])])
-    return measured_table(data, ["layout", "stages (dp)", "samples/s (best)", "vs DDP",
-                                 "peak RSS MB per rank (growth in training)", "bubble per rank",
-                                 "measured / simulated", "all runs"], rows, "llrrllrl")
+    return rows
 
 
+def sharding_rows(data: dict) -> list[list[str]]:
+    runs, rows = _sharding_runs(data), []
+    for name, (strategy, layout) in _SHARDING_NAMES.items():
+        r = runs[0].get(name)
+        if r is not None and "error" in r:
+            line = r["error"].strip().splitlines()[-1].split(". ")[0]
+            rows.append([strategy, layout, f"error (both runs): `` {line} ``", "", "", ""])
+        elif r is not None:
+            st = r["ranks"][0]["state_mb"]
+            ratios = [run[name]["samples_per_s"] / run["no_shard"]["samples_per_s"] for run in runs]
+            rows.append([strategy, layout, " / ".join(f"{x:.2f}" for x in ratios),
+                         f"{statistics.fmean(x['loss'] for x in r['ranks']):.4f}", _mb(r["ranks"], "peak_end_mb"),
+                         f"{st['total']:.0f} ({st['params']:.0f} + {st['grads']:.0f} + {st['optimizer']:.0f})"])
+    return rows
+
+
+grid("pipeline_p2_cpu.json", "table", pipeline_rows, "llrrllrl", _columns(
+    "layout", "stages (dp)", "samples/s (best)", "vs DDP", "peak RSS MB per rank (growth in training)",
+    "bubble per rank", "measured / simulated", "all runs"), before="Measured on {on}:\n\n")
 grid("pipeline_setup_p4_cpu.json", "table", "rows", "lrllrrrr", [
     ("build", lambda r: _SETUP_NAMES.get(r["name"], r["name"])), ("processes", lambda r: len(r["ranks"])),
     ("peak MiB per rank at the first step", lambda r: _mb(r["ranks"], "peak_first_step_mb")),
@@ -453,28 +443,10 @@ grid("pipeline_setup_p4_cpu.json", "table", "rows", "lrllrrrr", [
     ("rank 0 to 1st step s", "{ranks[0][to_first_step_s]:.1f}"),
     ("to its end s", "{ranks[0][to_first_step_end_s]:.1f}")],
      before="Measured on {on}:\n\n")
-
-
-@renderer("pipeline_sharding_p4_cpu.json", "table")
-def pipeline_sharding_table(data: dict) -> str:
-    runs = _sharding_runs(data)
-    rows = []
-    for name, (strategy, layout) in _SHARDING_NAMES.items():
-        r = runs[0].get(name)
-        if r is None:
-            continue
-        if "error" in r:
-            line = r["error"].strip().splitlines()[-1].split(". ")[0]
-            rows.append([strategy, layout, f"error (both runs): `` {line} ``", "", "", ""])
-            continue
-        ratio = " / ".join(f"{run[name]['samples_per_s'] / run['no_shard']['samples_per_s']:.2f}" for run in runs)
-        st = r["ranks"][0]["state_mb"]
-        rows.append([strategy, layout, ratio, f"{statistics.fmean(x['loss'] for x in r['ranks']):.4f}",
-                     _mb(r["ranks"], "peak_end_mb"),
-                     f"{st['total']:.0f} ({st['params']:.0f} + {st['grads']:.0f} + {st['optimizer']:.0f})"])
-    return (f"Measured on {_machine_line(data)} (run 1) and `pipeline_sharding_p4_cpu_repeat.json` (run 2):\n\n"
-            + table(["strategy", "layout", "samples/s vs NO_SHARD dp 4 (run 1 / run 2)", "loss",
-                     "peak growth MiB per rank", "state MiB per rank (params + grads + AdamW)"], rows, "llrrll"))
+grid("pipeline_sharding_p4_cpu.json", "table", sharding_rows, "llrrll", _columns(
+    "strategy", "layout", "samples/s vs NO_SHARD dp 4 (run 1 / run 2)", "loss", "peak growth MiB per rank",
+    "state MiB per rank (params + grads + AdamW)"),
+     before="Measured on {on} (run 1) and `pipeline_sharding_p4_cpu_repeat.json` (run 2):\n\n")
 
 
 def _growth(rows) -> list[float]:
@@ -933,11 +905,11 @@ grid("gdn_cpu.json", "layers", _gdn_pairs, "rrrrrr", [
                       "constant per layer type:\n\n")
 def gdn_crossover(data: dict) -> str:
     longer = [r["tokens"] for r in _gdn_pairs(data) if r["attn"]["step_s"] > r["gdn"]["step_s"]]
-    first = min(longer) if longer else None
-    fit = max(abs(r["fitted_s"] / r["step_s"] - 1) for r in data["rows"] if r["tokens"] == max(longer or [0]))
-    return ((f"the attention layer took longer than the GDN layer from {first} tokens on (measured), and at "
-             f"{max(longer)} tokens the fitted model is within {100 * fit:.0f}% of both") if first else
-            "the attention layer never took longer than the GDN layer (measured)")
+    if not longer:  # short lengths only (a quick run): no crossover, and no length to fit at
+        return "the attention layer never took longer than the GDN layer (measured)"
+    fit = max(abs(r["fitted_s"] / r["step_s"] - 1) for r in data["rows"] if r["tokens"] == max(longer))
+    return (f"the attention layer took longer than the GDN layer from {min(longer)} tokens on (measured), and at "
+            f"{max(longer)} tokens the fitted model is within {100 * fit:.0f}% of both")
 
 
 quotes("gdn_cpu.json", {"crossover": gdn_crossover})

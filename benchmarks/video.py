@@ -121,12 +121,8 @@ def generate_worker(cfg: dict, result: str) -> None:
     batch = lmm.data.MultimodalCollator(model)([sample(i, videos=True) for i in range(cfg["rows"])])
     generation = {"max_new_tokens": MAX_NEW_TOKENS, "do_sample": False}
     if not cfg["pp"]:
-        times, ids = [], None
         with torch.no_grad():
-            for _ in range(1 + cfg["repeats"]):
-                t0 = time.perf_counter()
-                ids = model.generate(**batch, **generation)
-                times.append(time.perf_counter() - t0)
+            times, _, ids = harness.repeat(lambda: model.generate(**batch, **generation), 1 + cfg["repeats"])
         harness.save(result, {"batch_s": times[1:], "generated": ids.tolist(), "processes": 1})
         return
     starts, times = [], []
