@@ -29,7 +29,7 @@ RECORD = ("import os, sys, time; open(os.path.join(sys.argv[1], os.environ['LMM_
 
 # the training process's part of a snapshot (lightning_mm/fault_tolerance/snapshot.py), played on the same keys: at
 # its start it records the step of the snapshot the assignment names (if recorded), and while running, once the
-# test allows it (a file "release"), it records the snapshot its group was asked for (step 7)
+# test allows it (a file "release_<epoch>"), it records the snapshot its group was asked for (step 7)
 STAND_IN = """
 import json, os, sys, time
 from datetime import timedelta
@@ -43,11 +43,12 @@ def get(key):
 snap = (get("assignment") or {}).get("snapshot")
 done = get(f"snapshot/done/{snap['epoch']}") if snap else None
 with open(os.path.join(out, f"{node}_{group}_{os.getpid()}"), "w") as f:
-    f.write(str(done["step"]) if done else "")
+    f.write(("failed" if "failed" in done else str(done["step"])) if done else "")
 while True:
     time.sleep(0.2)
     req = get(f"snapshot/request/{group}")
-    if req and get(f"snapshot/done/{req['epoch']}") is None and os.path.exists(os.path.join(out, "release")):
+    release = os.path.join(out, f"release_{req['epoch']}") if req else ""
+    if req and get(f"snapshot/done/{req['epoch']}") is None and os.path.exists(release):
         store.set(f"lmm/agent/snapshot/done/{req['epoch']}", json.dumps({"step": 7, "path": req["path"]}))
 """
 
@@ -134,7 +135,8 @@ def test_two_groups_borrow_through_the_donors_snapshot(tmp_path):
     env = {**os.environ, "LMM_AGENT_STORE": f"127.0.0.1:{port}"}
     groups = {0: ["a0", "a1"], 1: ["b0", "b1", "b2"]}
     agents = {name: Agent(_store(port), name, g, [2, 3], lambda g: [sys.executable, str(script), str(tmp_path)],
-                          node_timeout=1.5, lease=1.0, env=env, snapshot_dir=str(tmp_path / "snap"))
+                          node_timeout=1.5, lease=1.0, env=env, snapshot_dir=str(tmp_path / "snap"),
+                          snapshot_timeout=8.0)
               for g, names in groups.items() for name in names}
     alive = list(agents.values())
     try:
@@ -157,7 +159,7 @@ def test_two_groups_borrow_through_the_donors_snapshot(tmp_path):
         assert {n: agents[n].proc.pid for n in ("a1", "b0", "b1", "b2")} == {n: pids[n] for n in ("a1", "b0", "b1",
                                                                                                    "b2")}
         assert agents["b2"].running == 1 and agents["b2"].proc.poll() is None
-        (tmp_path / "release").touch()
+        (tmp_path / f"release_{a['epoch']}").touch()
         _tick_until(alive, lambda: _running(alive, tmp_path).get("b2") == 0, "the move after the snapshot",
                     timeout=300)
         assert s.get(f"snapshot/done/{a['epoch']}")["step"] == 7
@@ -165,6 +167,15 @@ def test_two_groups_borrow_through_the_donors_snapshot(tmp_path):
         assert moved != pids["b2"] and (tmp_path / f"b2_0_{moved}").read_text() == "7"  # started from it
         assert (tmp_path / f"b2_1_{pids['b2']}").read_text() == ""  # the first start had no snapshot
         assert {n: agents[n].proc.pid for n in ("a1", "b0", "b1")} == {n: pids[n] for n in ("a1", "b0", "b1")}
+        _die(agents["a1"])
+        alive.remove(agents["a1"])
+        _tick_until(alive, lambda: _running(alive, tmp_path).get("b2") == 1, "the merge after the timeout",
+                    timeout=300)
+        merged = s.get("assignment")
+        assert merged["groups"] == {"1": ["b0", "b1", "b2"]} and merged["snapshot"]["group"] == 1
+        assert merged["snapshot"]["epoch"] > a["epoch"]
+        assert "within 8 s" in s.get(f"snapshot/done/{merged['snapshot']['epoch']}")["failed"]
+        assert (tmp_path / f"b2_1_{agents['b2'].proc.pid}").read_text() == "failed"
     finally:
         for a in agents.values():
             if a.proc is not None and a.proc.poll() is None:

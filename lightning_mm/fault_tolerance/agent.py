@@ -198,12 +198,12 @@ class Agent:
         if self.proc is not None and self.proc.poll() is not None:
             self._exited(self.proc.returncode)
         pending = self.pending_snapshot()
+        waiting = pending is not None and not self._given_up(pending)
         if self.proc is not None and target != self.running:
-            donor = pending is not None and pending["group"] == self.running
-            if not donor or self._given_up(pending):
+            if not (waiting and pending["group"] == self.running):  # the donor runs until its snapshot is recorded
                 self.stop()
         elif self.proc is None and target is not None and not self.finished \
-                and self.relaunches <= self.max_relaunches and pending is None:
+                and self.relaunches <= self.max_relaunches and not waiting:
             self.start(target)
 
     def pending_snapshot(self) -> dict | None:
@@ -215,8 +215,9 @@ class Agent:
         return snap
 
     def _given_up(self, snap: dict) -> bool:
-        """Whether the donor waited ``snapshot_timeout`` seconds for its snapshot; then it is recorded as failed
-        (the groups that would load it stop with an error naming it)."""
+        """Whether this agent waited ``snapshot_timeout`` seconds for the snapshot; then it is recorded as failed
+        (the donor is stopped, the others start, and the groups that would load it stop with an error naming
+        it)."""
         now = time.monotonic()
         self.snapshot_since = self.snapshot_since or now
         if now - self.snapshot_since < self.snapshot_timeout:
