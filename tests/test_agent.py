@@ -240,3 +240,15 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"
+
+
+def test_a_snapshot_folder_that_cannot_be_created_is_named_before_anything_starts(tmp_path, capsys):
+    from lightning_mm.fault_tolerance.agent import agent_main
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        agent_main(["--store", "127.0.0.1:1", "--node", "n0", "--group", "0", "--templates", "t.yaml",
+                    "--snapshot-dir", str(tmp_path / "a_file" / "snapshots"), "--", "train.py"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--snapshot-dir" in err and "cannot be created" in err and "every node can write" in err

@@ -287,6 +287,18 @@ def torchrun_command(group: int, *, counts: Sequence[int], rdzv: str, prefix: st
             "--rdzv-conf", f"is_host=false,last_call_timeout={last_call:g}", *rest]
 
 
+def _check_snapshot_dir(parser, folder: str) -> None:
+    """``--snapshot-dir`` must be a folder this node can write (before any training starts)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--snapshot-dir {folder} cannot be created ({e}): give a folder every node can write "
+                     "(shared storage on a cluster)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        parser.error(f"--snapshot-dir {folder} is not writable by this node: give a folder every node can write "
+                     "(shared storage on a cluster)")
+
+
 def agent_main(args: list[str] | None = None) -> int:
     """``lightning-mm agent --store HOST:PORT --node NAME --group G --templates T -- <torchrun args>``."""
     args = list(sys.argv[1:] if args is None else args)
@@ -312,6 +324,8 @@ def agent_main(args: list[str] | None = None) -> int:
     if not rest:
         p.error("give torchrun's options and the training command after --, e.g. -- --nproc-per-node 8 "
                 "-m lightning_mm.trainer.cli fit --config job.yaml")
+    if a.snapshot_dir is not None:
+        _check_snapshot_dir(p, a.snapshot_dir)
     import torch.distributed as dist
 
     from lightning_mm.plan.templates import Templates
