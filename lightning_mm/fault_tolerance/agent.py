@@ -33,9 +33,9 @@ on meanwhile (the leader's own group re-forms like any group that lost a node).
 
 With ``snapshot_dir`` the table may restart every group (a borrow between two groups): the leader asks the donor
 group for a snapshot in that folder (shared storage on a cluster) before it writes the assignment; the donor's
-agents stop its torchrun only once the snapshot is recorded (or ``snapshot_timeout`` passed: then the groups fail
-with an error naming it), and no agent starts a torchrun of that assignment before; the new groups load it at their
-first step (``snapshot.py``).
+agents stop its torchrun only once the snapshot is recorded, and no agent starts a torchrun of that assignment
+before; the new groups load it at their first step (``snapshot.py``). An agent that waited ``snapshot_timeout``
+seconds records it as failed (the groups that would load it then stop with an error naming it).
 """
 
 from __future__ import annotations
