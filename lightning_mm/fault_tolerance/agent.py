@@ -319,7 +319,7 @@ def agent_main(args: list[str] | None = None) -> int:
                    help="a folder every node reaches (shared storage): lets a move restart every group (a borrow "
                         "between two groups) from a snapshot the donor writes there")
     p.add_argument("--snapshot-timeout", type=float, default=300.0,
-                   help="seconds the donor's agents wait for its snapshot")
+                   help="seconds an agent waits for a requested snapshot before it records it as failed")
     a = p.parse_args(args[:args.index("--")] if "--" in args else args)
     if not rest:
         p.error("give torchrun's options and the training command after --, e.g. -- --nproc-per-node 8 "
