@@ -98,6 +98,58 @@ def test_agents_borrow_and_merge_as_the_table_says_and_survive_their_leaders_dea
                 a.proc.kill()
 
 
+def test_two_groups_borrow_through_the_donors_snapshot(tmp_path):
+    """Two groups only (A on 2 nodes, B on 3) and a snapshot folder: A's leading node is lost, another agent leads,
+    asks B for a snapshot and assigns B's last node to A. B's processes keep running and no process of the new
+    assignment starts until the snapshot is recorded (this test records it, as B's group rank 0 would); then b2
+    moves. Then a1 is lost too: b2 would merge into B through B's snapshot, which never comes: after the timeout
+    the agents record it as failed (the training processes then raise naming it) and b2 starts in B."""
+    port = _free_port()
+    master = _store(port, master=True)
+    groups = {0: ["a0", "a1"], 1: ["b0", "b1", "b2"]}
+    agents = {name: Agent(_store(port), name, g, [2, 3], lambda g: [sys.executable, "-c", RECORD, str(tmp_path)],
+                          node_timeout=1.5, lease=1.0, env=dict(os.environ), snapshot_dir=str(tmp_path / "snap"),
+                          snapshot_timeout=8.0)
+              for g, names in groups.items() for name in names}
+    alive = list(agents.values())
+    try:
+        everyone = {n: g for g, v in groups.items() for n in v}
+        _tick_until(alive, lambda: _running(alive, tmp_path) == everyone, "the start")
+        s = AgentStore(master)
+        pids = {n: agents[n].proc.pid for n in everyone}
+        _die(agents["a0"])
+        alive.remove(agents["a0"])
+        _tick_until(alive, lambda: (s.get("assignment") or {}).get("snapshot") is not None, "the request")
+        a = s.get("assignment")
+        assert a["groups"] == {"0": ["a1", "b2"], "1": ["b0", "b1"]} and s.get("leader")["term"] == 2
+        assert a["snapshot"] == {"epoch": a["epoch"], "group": 1, "path": str(tmp_path / "snap" / f"epoch{a['epoch']}")}
+        assert s.get("snapshot/request/1") == a["snapshot"]  # what B's training processes read
+        deadline = time.time() + 3.0  # not recorded: B's processes go on, b2 does not move
+        while time.time() < deadline:
+            for agent in alive:
+                agent.tick()
+            time.sleep(0.1)
+        rest = ("a1", "b0", "b1", "b2")
+        assert {n: agents[n].proc.pid for n in rest} == {n: pids[n] for n in rest} and agents["b2"].running == 1
+        recorded = time.time()
+        s.set(f"snapshot/done/{a['epoch']}", {"step": 7, "path": a["snapshot"]["path"], "group": 1})
+        _tick_until(alive, lambda: _running(alive, tmp_path).get("b2") == 0, "the move after the snapshot")
+        moved = agents["b2"].proc.pid
+        assert moved != pids["b2"] and os.path.getmtime(tmp_path / f"b2_0_{moved}") >= recorded - 0.05
+        assert {n: agents[n].proc.pid for n in rest[:3]} == {n: pids[n] for n in rest[:3]}
+        _die(agents["a1"])
+        alive.remove(agents["a1"])
+        _tick_until(alive, lambda: _running(alive, tmp_path).get("b2") == 1, "the merge after the timeout")
+        merged = s.get("assignment")
+        assert merged["groups"] == {"1": ["b0", "b1", "b2"]} and merged["snapshot"]["group"] == 1
+        assert merged["snapshot"]["epoch"] > a["epoch"]
+        assert "within 8 s" in s.get(f"snapshot/done/{merged['snapshot']['epoch']}")["failed"]
+    finally:
+        for a in agents.values():
+            if a.proc is not None and a.proc.poll() is None:
+                a.proc.kill()
+
+
 def test_liveness_uses_the_judges_clock_and_a_new_leader_gives_every_node_the_timeout():
     now = [0.0]
     live = Liveness(2.0, clock=lambda: now[0])
@@ -156,3 +208,15 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"
+
+
+def test_a_snapshot_folder_that_cannot_be_created_is_named_before_anything_starts(tmp_path, capsys):
+    from lightning_mm.fault_tolerance.agent import agent_main
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        agent_main(["--store", "127.0.0.1:1", "--node", "n0", "--group", "0", "--templates", "t.yaml",
+                    "--snapshot-dir", str(tmp_path / "a_file" / "snapshots"), "--", "train.py"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--snapshot-dir" in err and "cannot be created" in err and "every node can write" in err

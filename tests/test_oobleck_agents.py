@@ -44,9 +44,10 @@ def _templates(path) -> str:
 
 def _agent(cfg: dict, node: str, group: int, store_port: int, templates: str) -> subprocess.Popen:
     env = {**case_env(), "PYTHONFAULTHANDLER": "1"}
+    snapshots = ["--snapshot-dir", os.path.join(cfg["out"], "snapshots")] if cfg.get("snapshots") else []
     cmd = [sys.executable, "-m", "lightning_mm.trainer.cli", "agent", "--store", f"127.0.0.1:{store_port}",
            "--node", node, "--group", str(group), "--templates", templates, "--node-timeout", "6", "--lease", "3",
-           "--last-call", "5",
+           "--last-call", "5", *snapshots,
            "--", "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.5", CASE, json.dumps(cfg)]
     log = open(os.path.join(cfg["out"], f"launch_{node}.log"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cfg["out"],
@@ -73,7 +74,7 @@ def _result(out, group) -> dict:
         return json.load(f)
 
 
-def _run(tmp_path, lighthouse, groups, kills, global_batch, keeper, rejoin):  # noqa: F811
+def _run(tmp_path, lighthouse, groups, kills, global_batch, keeper, rejoin, extra=None):  # noqa: F811
     out, (host, port) = str(tmp_path), lighthouse
     store_port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
@@ -84,6 +85,8 @@ def _run(tmp_path, lighthouse, groups, kills, global_batch, keeper, rejoin):  # 
     restarted, healed = [f"restarted_{g}" for g in rejoin], [f"healed_{g}" for g in rejoin]
 
     def cfgs(g):  # the group kept untouched waits until the others restarted, and paces its steps until healed
+        if extra is not None:  # or each group's own settings
+            return {**base, **extra.get(g, {})}
         if g != keeper:
             return base
         return {**base, "wait_for": {"step": 5, "marker": restarted, "max": 400},
@@ -93,15 +96,19 @@ def _run(tmp_path, lighthouse, groups, kills, global_batch, keeper, rejoin):  # 
     codes = dict(zip(procs, _wait(list(procs.values()), 1500)))
     assignment = AgentStore(store).get("assignment")
     leader = AgentStore(store).get("leader")
+    snapshot = assignment.get("snapshot")
+    done = AgentStore(store).get(f"snapshot/done/{snapshot['epoch']}") if snapshot else None
     del store
-    return out, codes, assignment, leader
+    return out, codes, {**assignment, "done": done}, leader
 
 
 def _check(out, codes, leader, lost, keeper, groups_after):
     assert all(codes[n] == 0 for n in codes if n not in lost), (codes, _log(out, "launch_*.log"))
     assert leader["name"] not in lost and leader["term"] >= 2  # the first leader died with its node
-    rk = _result(out, keeper)  # the untouched group never stopped: every step once, no restart
-    assert rk["restart"] == 0 and [s for s, _ in rk["steps"]] == list(range(1, STEPS + 1))
+    rk = None
+    if keeper is not None:  # the untouched group never stopped: every step once, no restart
+        rk = _result(out, keeper)
+        assert rk["restart"] == 0 and [s for s, _ in rk["steps"]] == list(range(1, STEPS + 1))
     ref = _reference(out, STEPS)
     for g in groups_after:
         r = _result(out, g)
@@ -153,3 +160,38 @@ def test_two_groups_below_their_smallest_template_merge_and_the_third_never_stop
     r0 = _result(out, 0)
     assert r0["world_size"] == 2 and r0["stats"]["healed_steps"] == 1
     assert [e for e in r0["events"] if e["event"] == "healed"][0]["by"] == "name"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2700)
+@pytest.mark.combines("ft", "pipeline", "placement", "checkpoint")  # pp 3 -> pp 2 through B's snapshot
+def test_two_groups_borrow_through_the_donors_snapshot(tmp_path, lighthouse):  # noqa: F811
+    """Two groups only, A on 2 nodes and B on 3, agents with a snapshot folder. A's leading node is lost for good
+    inside step 3: no group is left to heal from once both re-form, so the new leader asks B (healthy, training on
+    alone) for a snapshot; B writes it at a step boundary (pp 3, by parameter name) and only then stops; B's last
+    node moves to A; both groups re-form at the 2-node template (pp 2), load the snapshot before their first
+    quorum, the global batch of 6 microbatches is re-split 3 + 3, and both groups equal one process."""
+    groups = {0: ["a0", "a1"], 1: ["b0", "b1", "b2"]}
+    kills = [{"node": "a0", "step": 3, "where": "backward", "agent": True}]
+    # B paces its lone steps until it has written the snapshot; the re-formed groups start their first step once
+    # both are up (restarted by torchrun), so that they train together (one that came first would take every
+    # step alone until the other healed from it: still one process's math, but no re-split to check)
+    hold = {"if": "snapshots/epoch*", "until": ["restarted_0", "restarted_1"], "max": 900}
+    extra = {g: {"snapshots": True, "hold": hold} for g in groups}
+    extra[1]["pace"] = {"until": "snapshots/epoch*", "after": 3, "seconds": 10.0, "max": 600}
+    out, codes, assignment, leader = _run(tmp_path, lighthouse, groups, kills, 6, None, [], extra=extra)
+    a, done = assignment["groups"], assignment["done"]
+    assert a["0"][0] == "a1" and len(a["0"]) == 2 and sorted(a["1"] + a["0"][1:]) == ["b0", "b1", "b2"], a
+    assert assignment["snapshot"]["group"] == 1 and 3 <= done["step"] < STEPS, assignment
+    with open(os.path.join(done["path"], "layout.json")) as f:
+        assert json.load(f)["world_size"] == 3  # written by B's 3 stages, loaded by 2
+    _check(out, codes, leader, {"a0"}, None, [0, 1])
+    for g in (0, 1):
+        r = _result(out, g)
+        assert r["world_size"] == 2 and r["shares"][str(STEPS - 1)] == 3, r["shares"]
+        loaded = [e for e in r["events"] if e["event"] == "snapshot_loaded"]
+        assert [e["step"] for e in loaded] == [done["step"]] and loaded[0]["path"] == done["path"]
+        assert min(s for s, _ in r["steps"]) > done["step"]  # went on from the snapshot's step
+        with open(os.path.join(out, "killed_at")) as f:
+            print(f"group {g}: snapshot of step {done['step']} loaded {loaded[0]['at'] - float(f.read()):.1f} s "
+                  f"after the kill; shares {r['shares']}")

@@ -13,7 +13,9 @@ One concern per file: ``config.py`` (the settings and their checks), ``sampler.p
 micro-batches), ``layerwise.py`` (groups of different layouts), ``lighthouse.py``, ``watchdog.py`` (a dead or
 stuck rank ends the job naming it; imported by the runtime's collectives), ``links.py`` (a rank that ends ends its
 group at once), ``abandon.py`` (a cross-group wait given up when the lighthouse drops a group of the quorum),
-``redo.py`` (a step that lost a group redone while the lighthouse waits out its heartbeat timeout).
+``redo.py`` (a step that lost a group redone while the lighthouse waits out its heartbeat timeout), ``agent.py``
+(the per-node agent that moves nodes between groups), ``snapshot.py`` (the donor's snapshot when such a move
+restarts every group).
 
 Per optimiser step (``MultimodalParallelStrategy`` calls these; nothing here is spread through the engine):
 

@@ -12,7 +12,9 @@ the same one). Keys, all under ``lmm/agent/``:
 - ``leader``: JSON ``{"name", "term"}``, changed only by ``compare_set`` (one winner); ``leader_beat``: the
   leader's counter (its lease).
 - ``assignment``: JSON ``{"epoch", "groups": {group: [nodes]}, "spare": [nodes], "lost": {node: beat count},
-  "by", "term"}``, written only by the leader.
+  "snapshot", "by", "term"}``, written only by the leader; ``snapshot`` (``{"epoch", "group", "path"}``, kept in
+  later assignments until another replaces it) when the move restarts every group, and ``snapshot/...`` for it
+  (``snapshot.py``).
 
 The leader (any agent; the first to set ``leader``) adds new nodes to their declared group (a spare if it is full;
 a group still forming waits in its rendezvous for its nodes), and whenever a node's beat stops for
@@ -28,6 +30,12 @@ leader dies, its beat stops; after ``lease`` seconds another agent takes ``leade
 ``node_timeout`` seconds so that every node had a chance to beat on its clock, and plans from the assignment on
 the store: nothing the leader knew is lost, and no training process talks to the leader, so the other groups train
 on meanwhile (the leader's own group re-forms like any group that lost a node).
+
+With ``snapshot_dir`` the table may restart every group (a borrow between two groups): the leader asks the donor
+group for a snapshot in that folder (shared storage on a cluster) before it writes the assignment; the donor's
+agents stop its torchrun only once the snapshot is recorded, and no agent starts a torchrun of that assignment
+before; the new groups load it at their first step (``snapshot.py``). An agent that waited ``snapshot_timeout``
+seconds records it as failed (the groups that would load it then stop with an error naming it).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from lightning_mm.plan.reconfigure import reconfigure
 
 log = logging.getLogger(__name__)
 PREFIX = "lmm/agent/"
+AGENT_STORE_ENV = "LMM_AGENT_STORE"  # the store's address, for the training processes (snapshot.py)
 
 
 def _die_with_parent() -> None:
@@ -113,12 +122,13 @@ class Agent:
 
     def __init__(self, store, name: str, group: int, node_counts: Sequence[int], command: Callable[[int], list],
                  *, failures: int = 1, node_timeout: float = 10.0, lease: float = 5.0, env: dict | None = None,
-                 max_relaunches: int = 3):
+                 max_relaunches: int = 3, snapshot_dir: str | None = None, snapshot_timeout: float = 300.0):
         self.s, self.name, self.group, self.counts = AgentStore(store), name, group, list(node_counts)
         self.command, self.failures, self.env, self.max_relaunches = command, failures, env, max_relaunches
         self.nodes_alive, self.leader_alive = Liveness(node_timeout), Liveness(lease)
         self.term, self.proc, self.running, self.stopping = 0, None, None, None
         self.relaunches, self.finished, self.log = 0, False, []
+        self.snapshot_dir, self.snapshot_timeout, self.snapshot_since = snapshot_dir, snapshot_timeout, None
         self.s.register(name, group)
 
     # ------------------------------------------------------------------ leading
@@ -153,12 +163,20 @@ class Agent:
                 g = self.s.get(f"declared/{node}")
                 (groups.setdefault(g, []) if len(groups.get(g, [])) < self.counts[-1] else spare).append(node)
         decisions, gone = [], [n for n in [*spare, *(n for v in groups.values() for n in v)] if n not in live]
+        snapshot = old.get("snapshot")
         if gone:
-            new = reconfigure(groups, sorted(live - set(lost), key=nodes.index), self.counts, self.failures)
+            new = reconfigure(groups, sorted(live - set(lost), key=nodes.index), self.counts, self.failures,
+                              snapshot=self.snapshot_dir is not None)
             groups, spare, decisions = dict(new.groups), list(new.spare), new.describe()
             lost.update({n: beats[n] for n in gone})
-        nxt = {"groups": {str(g): list(v) for g, v in groups.items()}, "spare": spare, "lost": lost}
-        if nxt != {k: old[k] for k in nxt}:
+            if new.snapshot_from is not None:  # asked before the assignment names it
+                epoch = old["epoch"] + 1
+                snapshot = {"epoch": epoch, "group": new.snapshot_from,
+                            "path": os.path.join(self.snapshot_dir, f"epoch{epoch}")}
+                self.s.set(f"snapshot/request/{new.snapshot_from}", snapshot)
+        nxt = {"groups": {str(g): list(v) for g, v in groups.items()}, "spare": spare, "lost": lost,
+               "snapshot": snapshot}
+        if nxt != {k: old.get(k) for k in nxt}:
             self.s.set("assignment", {**nxt, "epoch": old["epoch"] + 1, "by": self.name, "term": self.term})
             self._event("assignment", epoch=old["epoch"] + 1, groups=nxt["groups"], spare=spare,
                         decisions=decisions)
@@ -172,17 +190,42 @@ class Agent:
 
     def follow(self) -> None:
         """Run the assigned group's torchrun. A torchrun being stopped is waited for across rounds (the agent keeps
-        beating and leading meanwhile) before another starts."""
+        beating and leading meanwhile) before another starts. While the assignment's snapshot is not recorded, the
+        donor group's torchrun keeps running and none starts."""
         if self.stopping is not None and not self._stopped():
             return
         target = self.my_group()
         if self.proc is not None and self.proc.poll() is not None:
             self._exited(self.proc.returncode)
+        pending = self.pending_snapshot()
+        waiting = pending is not None and not self._given_up(pending)
         if self.proc is not None and target != self.running:
-            self.stop()
+            if not (waiting and pending["group"] == self.running):  # the donor runs until its snapshot is recorded
+                self.stop()
         elif self.proc is None and target is not None and not self.finished \
-                and self.relaunches <= self.max_relaunches:
+                and self.relaunches <= self.max_relaunches and not waiting:
             self.start(target)
+
+    def pending_snapshot(self) -> dict | None:
+        """The assignment's snapshot while it is not recorded yet."""
+        snap = (self.s.get("assignment") or {}).get("snapshot")
+        if snap is None or self.s.get(f"snapshot/done/{snap['epoch']}") is not None:
+            self.snapshot_since = None
+            return None
+        return snap
+
+    def _given_up(self, snap: dict) -> bool:
+        """Whether this agent waited ``snapshot_timeout`` seconds for the snapshot; then it is recorded as failed
+        (the donor is stopped, the others start, and the groups that would load it stop with an error naming
+        it)."""
+        now = time.monotonic()
+        self.snapshot_since = self.snapshot_since or now
+        if now - self.snapshot_since < self.snapshot_timeout:
+            return False
+        self.s.set(f"snapshot/done/{snap['epoch']}", {"failed": f"group {snap['group']} did not write it within "
+                                                                f"{self.snapshot_timeout:g} s"})
+        self._event("snapshot_failed", epoch=snap["epoch"], group=snap["group"])
+        return True
 
     def _exited(self, code: int) -> None:
         self._event("exited", group=self.running, code=code)
@@ -244,6 +287,18 @@ def torchrun_command(group: int, *, counts: Sequence[int], rdzv: str, prefix: st
             "--rdzv-conf", f"is_host=false,last_call_timeout={last_call:g}", *rest]
 
 
+def _check_snapshot_dir(parser, folder: str) -> None:
+    """``--snapshot-dir`` must be a folder this node can write (before any training starts)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--snapshot-dir {folder} cannot be created ({e}): give a folder every node can write "
+                     "(shared storage on a cluster)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        parser.error(f"--snapshot-dir {folder} is not writable by this node: give a folder every node can write "
+                     "(shared storage on a cluster)")
+
+
 def agent_main(args: list[str] | None = None) -> int:
     """``lightning-mm agent --store HOST:PORT --node NAME --group G --templates T -- <torchrun args>``."""
     args = list(sys.argv[1:] if args is None else args)
@@ -260,10 +315,17 @@ def agent_main(args: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=0.5)
     p.add_argument("--node-timeout", type=float, default=10.0, help="a node whose beat stops this long is lost")
     p.add_argument("--lease", type=float, default=5.0, help="a leader whose beat stops this long is replaced")
+    p.add_argument("--snapshot-dir", default=None,
+                   help="a folder every node reaches (shared storage): lets a move restart every group (a borrow "
+                        "between two groups) from a snapshot the donor writes there")
+    p.add_argument("--snapshot-timeout", type=float, default=300.0,
+                   help="seconds an agent waits for a requested snapshot before it records it as failed")
     a = p.parse_args(args[:args.index("--")] if "--" in args else args)
     if not rest:
         p.error("give torchrun's options and the training command after --, e.g. -- --nproc-per-node 8 "
                 "-m lightning_mm.trainer.cli fit --config job.yaml")
+    if a.snapshot_dir is not None:
+        _check_snapshot_dir(p, a.snapshot_dir)
     import torch.distributed as dist
 
     from lightning_mm.plan.templates import Templates
@@ -276,7 +338,9 @@ def agent_main(args: list[str] | None = None) -> int:
                                          rest=rest, last_call=a.last_call)  # noqa: E731
     agent = Agent(store, a.node, a.group, counts, command, failures=templates.failures,
                   node_timeout=a.node_timeout, lease=a.lease,
-                  env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+                  env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", AGENT_STORE_ENV: a.store},
+                  snapshot_dir=os.path.abspath(a.snapshot_dir) if a.snapshot_dir else None,
+                  snapshot_timeout=a.snapshot_timeout)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally below stops torchrun
     try:
         return agent.run(a.interval)

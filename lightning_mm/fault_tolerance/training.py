@@ -25,6 +25,7 @@ from lightning_mm.fault_tolerance.links import GroupLinks
 from lightning_mm.fault_tolerance.redo import EarlyRedo
 from lightning_mm.fault_tolerance.sampler import StepTokens, global_batches_per_epoch
 from lightning_mm.fault_tolerance.shares import StepShares
+from lightning_mm.fault_tolerance.snapshot import AgentSnapshots
 
 log = logging.getLogger("lightning_mm.fault_tolerance")
 
@@ -177,7 +178,7 @@ class StepState:
     sync: layerwise.QuorumSync | None = None  # across layouts: this quorum's buckets and their process groups
 
 
-class FaultTolerantTraining(EarlyRedo, StepShares):
+class FaultTolerantTraining(EarlyRedo, StepShares, AgentSnapshots):
     """One rank's torchft glue, owned by ``MultimodalParallelStrategy`` (``strategy.ft``): torchft's Manager for
     the quorum, the commit and the committed step, a :class:`StepState` for the rest."""
 
@@ -289,6 +290,7 @@ class FaultTolerantTraining(EarlyRedo, StepShares):
         if self.data is None:
             raise FaultToleranceError("fault_tolerance: the training loader was not prepared by the strategy")
         if self._micro == 0:  # the first micro-batch of a step (or of its redo): the quorum, then every share
+            self.snapshot_boundary(self.strategy.lightning_module.trainer)  # the agents' snapshot (snapshot.py)
             self.load_step(*self.position_for_step())
         batch = self._next_micro_batch()
         if isinstance(token, dict):  # hooks after training_step (on_train_batch_end, callbacks) see the real batch
@@ -325,13 +327,15 @@ class FaultTolerantTraining(EarlyRedo, StepShares):
         """The first step of this process: SIGTERM (torchrun stopping a failed group, a preemption) ends the rank at
         once, even inside a blocking torchft call, so its group stops heartbeating and the other groups go on after
         the heartbeat timeout (Lightning's handler, registered after setup, would wait for the call to return); a
-        run resumed from a checkpoint starts at the step Lightning restored."""
+        run resumed from a checkpoint starts at the step Lightning restored, and one that the agents re-formed
+        from a snapshot at the snapshot's step (``snapshot.py``)."""
         self.state.started = True
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         m = self.manager
         if m.current_step() < trainer.global_step:
             m.load_state_dict({"step": trainer.global_step, "batches_committed": m.batches_committed()})
+        self.load_agent_snapshot(trainer)
 
     def _wait_for_quorum(self) -> float:
         """The step's quorum, in seconds. A fresh job waits (up to quorum_timeout) for every planned group, so that

@@ -13,11 +13,14 @@ one chosen is the best by, in order:
 5. the donor with the most nodes above n0, then the lower group id keeping its nodes (a merged group takes the
    lower id).
 
-One rule is hard: while some group lost no node, one such group is left untouched. Groups re-form by restarting
-(torchrun starts their workers again at the new size) and a restarted group heals from a group that kept training;
-a plan that restarted every group would restart the job from its first step. A group that can neither re-form,
-borrow nor merge is dissolved and its nodes wait as spares; spare nodes (also newly added ones) fill groups below
-n0 before any group donates.
+Groups re-form by restarting (torchrun starts their workers again at the new size) and a restarted group heals from
+a group that kept training, so while some group lost no node, one such group is left untouched: a plan that
+restarted every group would have no state to start from. With ``snapshot=True`` (the agents have a snapshot
+folder) that rule gives way when breaking it trains more nodes or more groups: a group that lost no node (the
+lowest id, ``snapshot_from``) writes a snapshot of its state at a step boundary before it stops, and every group
+re-forms from it. Among plans as good on 1. and 2., one that needs no snapshot is preferred. A group that can
+neither re-form, borrow nor merge is dissolved and its nodes wait as spares; spare nodes (also newly added ones)
+fill groups below n0 before any group donates.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ class Reconfiguration:
     """The next assignment: ``groups`` (group id -> its nodes, in order; its template is the one of that many
     nodes), the ``moves`` that lead there, ``spare`` nodes (live, in no group), the groups that restart (lost or
     changed nodes: they re-form at their template and heal by name) and those ``dissolved``. ``enough``: at least
-    (f + 1) n0 nodes are live (below that the job should checkpoint and stop, §2.3.4)."""
+    (f + 1) n0 nodes are live (below that the job should checkpoint and stop, §2.3.4). ``snapshot_from``: when
+    every group restarts although one lost no node, that group (it writes the snapshot all groups start from);
+    None when a group stays untouched to heal from."""
 
     groups: dict[int, tuple[str, ...]]
     moves: tuple[Move, ...]
@@ -49,6 +54,7 @@ class Reconfiguration:
     restarted: tuple[int, ...]
     dissolved: tuple[int, ...]
     enough: bool = True
+    snapshot_from: int | None = None
 
     def templates(self) -> dict[int, int]:
         """The template (node count) of every training group."""
@@ -56,7 +62,9 @@ class Reconfiguration:
 
     def describe(self) -> list[str]:
         """One line per decision, for logs and the planner's table."""
-        lines = [f"node {m.node} moves from {'the spares' if m.source is None else f'group {m.source}'} to group "
+        lines = [f"group {self.snapshot_from} writes a snapshot at its next step boundary, then every group "
+                 "re-forms from it"] if self.snapshot_from is not None else []
+        lines += [f"node {m.node} moves from {'the spares' if m.source is None else f'group {m.source}'} to group "
                  f"{m.target}" for m in self.moves]
         lines += [f"group {g} dissolves" for g in self.dissolved]
         lines += [f"group {g} re-forms at the {len(self.groups[g])}-node template" for g in self.restarted
@@ -67,11 +75,12 @@ class Reconfiguration:
 
 
 def reconfigure(assignment: Mapping[int, Sequence[str]], live: Sequence[str], node_counts: Sequence[int],
-                failures: int = 1) -> Reconfiguration:
+                failures: int = 1, snapshot: bool = False) -> Reconfiguration:
     """The next assignment of ``live`` nodes to the groups of ``assignment`` (group id -> nodes), for templates of
     ``node_counts`` (consecutive n0 .. n_max nodes). Live nodes in no group are spares. Exact: a dynamic programme
     over the groups' next sizes (the order in the module docstring), then the nodes are picked (a donor gives its
-    last nodes, receivers take givers' nodes in group order, then spares)."""
+    last nodes, receivers take givers' nodes in group order, then spares). ``snapshot``: a snapshot route exists,
+    so every group may restart (module docstring)."""
     n0, n_max = _check_counts(node_counts)
     alive, order = set(live), sorted(assignment)
     assigned = {n for g in order for n in assignment[g]}
@@ -80,7 +89,8 @@ def reconfigure(assignment: Mapping[int, Sequence[str]], live: Sequence[str], no
     kept = {g: [n for n in assignment[g] if n in alive] for g in order}
     intact = {g: len(kept[g]) == len(assignment[g]) and n0 <= len(kept[g]) <= n_max for g in order}
     spares = sorted(n for n in alive if n not in assigned)
-    sizes = _best_sizes([len(kept[g]) for g in order], [intact[g] for g in order], len(spares), n0, n_max)
+    sizes = _best_sizes([len(kept[g]) for g in order], [intact[g] for g in order], len(spares), n0, n_max,
+                        snapshot)
     pool, keep = [], {}
     for g, f in zip(order, sizes):
         keep[g] = kept[g][:f] if f else []
@@ -95,8 +105,10 @@ def reconfigure(assignment: Mapping[int, Sequence[str]], live: Sequence[str], no
     groups = {g: tuple(keep[g]) for g in order if keep[g]}
     restarted = tuple(g for g in groups if tuple(assignment[g]) != groups[g])
     dissolved = tuple(g for g in order if g not in groups)
+    untouched = any(intact[g] and groups.get(g) == tuple(assignment[g]) for g in order)
+    source = next((g for g in order if intact[g]), None) if not untouched else None
     return Reconfiguration(groups, tuple(moves), tuple(sorted(n for n, _ in pool)), restarted, dissolved,
-                           len(alive) >= (failures + 1) * n0)
+                           len(alive) >= (failures + 1) * n0, source)
 
 
 def _check_counts(node_counts: Sequence[int]) -> tuple[int, int]:
@@ -106,10 +118,12 @@ def _check_counts(node_counts: Sequence[int]) -> tuple[int, int]:
     return counts[0], counts[-1]
 
 
-def _best_sizes(have: list[int], intact: list[bool], spares: int, n0: int, n_max: int) -> list[int]:
+def _best_sizes(have: list[int], intact: list[bool], spares: int, n0: int, n_max: int,
+                snapshot: bool = False) -> list[int]:
     """Each group's next size (0: dissolved), best by the module docstring's order: a DP over the groups with
     state (nodes taken - nodes given, whether an intact group is kept); scores are tuples, added and compared in
-    lexicographic order."""
+    lexicographic order. With ``snapshot`` a plan that keeps no intact group is valid, ranked after nodes and
+    groups by whether it needs the snapshot."""
     count, need_keeper = len(have), any(intact)
     best = {(-spares, False): ((0, 0, 0, 0, 0, 0), [])}
     for i, (c, whole) in enumerate(zip(have, intact)):
@@ -124,15 +138,16 @@ def _best_sizes(have: list[int], intact: list[bool], spares: int, n0: int, n_max
                 if key not in nxt or cand[0] > nxt[key][0]:
                     nxt[key] = cand
         best = nxt
-    valid = [v for (net, kept), v in best.items() if net <= 0 and (kept or not need_keeper)]
+    valid = [((*v[0][:2], -int(need_keeper and not kept), *v[0][2:]), v[1]) for (net, kept), v in best.items()
+             if net <= 0 and (kept or not need_keeper or snapshot)]
     return max(valid, key=lambda v: v[0])[1]
 
 
-def reconfiguration_table(templates, nodes: int, microbatches: int) -> list[dict]:
+def reconfiguration_table(templates, nodes: int, microbatches: int, snapshot: bool = False) -> list[dict]:
     """The planner's table for ``nodes`` live nodes: the groups ``instantiate`` makes (Eq. 2.5), then for every way
     up to ``templates.failures`` nodes fail (which groups lose how many; a group loses its last nodes), the
     reconfiguration and the global batch's split over the resulting groups (Eq. 2.6, ``split_batch``). Nodes are
-    named ``n0``, ``n1``, ... in group order."""
+    named ``n0``, ``n1``, ... in group order. ``snapshot``: as for :func:`reconfigure`."""
     from lightning_mm.plan.templates import instantiate, split_batch
 
     sizes = instantiate(templates, nodes, microbatches)
@@ -146,10 +161,11 @@ def reconfiguration_table(templates, nodes: int, microbatches: int) -> list[dict
                 continue
             lost = {n for g in set(hit) for n in assignment[g][len(assignment[g]) - hit.count(g):]}
             r = reconfigure(assignment, [n for n in names if n not in lost], templates.node_counts,
-                            templates.failures)
+                            templates.failures, snapshot)
             groups = [templates.template_for(len(v) * templates.devices_per_node) for v in r.groups.values()]
             split = split_batch(groups, microbatches) if groups and microbatches >= len(groups) else []
             rows.append({"groups": dict(assignment), "lost": sorted(lost), "next": r.groups,
                          "moves": [(m.node, m.source, m.target) for m in r.moves], "spare": list(r.spare),
-                         "microbatches": dict(zip(r.groups, split)), "enough": r.enough})
+                         "microbatches": dict(zip(r.groups, split)), "enough": r.enough,
+                         "snapshot_from": r.snapshot_from})
     return rows

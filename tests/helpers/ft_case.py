@@ -23,7 +23,9 @@ never a blocked peer). Every group's rank 0 writes ``world_<group>_<world size>`
 fault tolerance: steps and timings only) and ``healed_<group>`` once it healed. Under ``lightning-mm agent``:
 group null (the agent's ``LMM_REPLICA_GROUP``), kill a list of kills, each of a group's rank or of a "node" (its
 LMM_AGENT_NODE; with "agent": true the lightning-mm agent dies too), wait_for ({"step": s, "marker": name or
-names, "max": s}: wait after step s until those marker files exist; pace's "until" may be a list too),
+names, "max": s}: wait after step s until those marker files exist; pace's "until" may be a list too; a marker
+may be a glob pattern), hold ({"if": marker, "until": marker(s), "max": s}: a process that starts while the "if"
+marker exists waits before its first step until the "until" markers exist),
 quorum_timeout (s). The
 reference reads the data settings a group wrote (``data.json``) and trains one process on the same global batches.
 """
@@ -73,8 +75,8 @@ def build_module(cfg=None):
 
 
 def _markers(out: str, names) -> bool:
-    """Whether the marker file ``names`` (or every one of a list) exists in ``out``."""
-    return all(os.path.exists(os.path.join(out, n)) for n in ([names] if isinstance(names, str) else names))
+    """Whether the marker file ``names`` (or every one of a list; a name may be a glob pattern) exists in ``out``."""
+    return all(glob.glob(os.path.join(out, n)) for n in ([names] if isinstance(names, str) else names))
 
 
 class Events(L.Callback):
@@ -103,6 +105,11 @@ class Events(L.Callback):
         self.train_start, self.paced = time.time(), 0.0
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             open(os.path.join(self.cfg["out"], f"restarted_{self.cfg['group']}"), "w").close()
+        hold = self.cfg.get("hold")
+        if hold and _markers(self.cfg["out"], hold["if"]):
+            deadline = time.time() + hold["max"]
+            while not _markers(self.cfg["out"], hold["until"]) and time.time() < deadline:
+                time.sleep(0.2)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps.append((trainer.global_step, time.time()))
