@@ -4,25 +4,23 @@ causal convolution start afresh at its first token, as if it were run alone.
 A GDN layer is not attention: it never sees the bitfield mask, so packed samples would otherwise leak into each
 other through its recurrent state and its convolution window. transformers keeps samples apart only through
 ``cu_seqlens`` / ``seq_idx`` with the flash-linear-attention and causal-conv1d kernels; its torch fallback refuses
-them. The route here needs neither:
+them. The route here keeps them apart on every device, with fla's kernels where they run (below):
 
 * ``SegmentedGatedDeltaNet`` is mixed into the HF GDN module's class (``segment_aware``), so a call that carries
   the mask words (``bam=``, as ``MultimodalModel`` passes them to every layer) runs :func:`gated_delta_net` and a
   call without them (the model used alone, ``generate``'s decoding with its cache) runs transformers' own forward.
   Parameter names, ``isinstance`` and FSDP's per-layer hooks are untouched.
 * Rows holding one sample each run transformers' own forward, padding zeroed through its ``attention_mask``.
-* Packed rows (``segment_ids``) run :func:`gated_delta_net`: the convolution masks every tap that reaches into an
-  earlier sample, and the chunked delta rule (the math of transformers' ``torch_chunk_gated_delta_rule``) lays
-  each sample out on chunks of its own, the state zeroed at each sample's first chunk; each sample costs at most
-  ``chunk_size - 1`` padded positions.
-
-Which kernels run the packed rows is chosen in one place, :func:`gdn_kernel`: on CUDA with flash-linear-attention
-installed (the ``[gpu]`` extra), its varlen Triton kernels (``lightning_mm.model.fla_kernels``: the convolution and
-the chunked delta rule over every sample in one call, ``cu_seqlens`` from the segment ids); elsewhere the torch
-implementation here, the reference.
+* Packed rows (``segment_ids``) run :func:`gated_delta_net`, whose convolution and delta rule restart at each
+  sample. Which kernels run them is chosen in one place, :func:`gdn_kernel`: on CUDA with flash-linear-attention
+  installed (the ``gpu`` extra), its varlen Triton kernels (``lightning_mm.model.fla_kernels``: every sample in
+  one call per kernel, ``cu_seqlens`` from the segment ids); elsewhere the torch implementation here, the
+  reference: the convolution masks every tap that reaches into an earlier sample, and the chunked delta rule (the
+  math of transformers' ``torch_chunk_gated_delta_rule``) lays each sample out on chunks of its own, the state
+  zeroed at each sample's first chunk; each sample costs at most ``chunk_size - 1`` padded positions.
 
 The layout of a microbatch's samples is computed once (``SegmentLayout``, kept in the layers' shared
-``attn_cache``) and lives on the hidden states' device.
+``attn_cache``; its one host read of the sample starts) and lives on the hidden states' device.
 
 Context parallelism (a call carrying ``cp_group``) runs headwise, as Ulysses splits attention
 (``headwise_gated_delta_net``): each rank projects its own tokens; one all-to-all gives every rank the channels of
