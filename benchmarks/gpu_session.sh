@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu_session.sh setup profile          # measured layer profiles, frozen-aware rerun on them
 #
 # `setup` installs this tree without dependencies (a GPU image has torch, triton, lightning and transformers; wheels
-# of anything else, e.g. jsonargparse, may lie in .whl/). Every part writes under benchmarks/results/gpu/ with the
+# of anything else, e.g. jsonargparse, may lie in .whl/; the fla-core and einops wheels there let
+# tests/test_gdn_fla.py's gpu tests run, else they skip). Every part writes under benchmarks/results/gpu/ with the
 # device name, torch and triton versions in its file names or contents, runs under its own time limit (a hang
 # costs that part only), and when $OUT is set packs its files into $OUT/<part>.tar.gz.
 set -uo pipefail

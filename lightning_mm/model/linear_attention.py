@@ -4,20 +4,23 @@ causal convolution start afresh at its first token, as if it were run alone.
 A GDN layer is not attention: it never sees the bitfield mask, so packed samples would otherwise leak into each
 other through its recurrent state and its convolution window. transformers keeps samples apart only through
 ``cu_seqlens`` / ``seq_idx`` with the flash-linear-attention and causal-conv1d kernels; its torch fallback refuses
-them. The route here needs neither:
+them. The route here keeps them apart on every device, with fla's kernels where they run (below):
 
 * ``SegmentedGatedDeltaNet`` is mixed into the HF GDN module's class (``segment_aware``), so a call that carries
   the mask words (``bam=``, as ``MultimodalModel`` passes them to every layer) runs :func:`gated_delta_net` and a
   call without them (the model used alone, ``generate``'s decoding with its cache) runs transformers' own forward.
   Parameter names, ``isinstance`` and FSDP's per-layer hooks are untouched.
 * Rows holding one sample each run transformers' own forward, padding zeroed through its ``attention_mask``.
-* Packed rows (``segment_ids``) run :func:`gated_delta_net`: the convolution masks every tap that reaches into an
-  earlier sample, and the chunked delta rule (the math of transformers' ``torch_chunk_gated_delta_rule``) lays
-  each sample out on chunks of its own, the state zeroed at each sample's first chunk; each sample costs at most
-  ``chunk_size - 1`` padded positions.
+* Packed rows (``segment_ids``) run :func:`gated_delta_net`, whose convolution and delta rule restart at each
+  sample. Which kernels run them is chosen in one place, :func:`gdn_kernel`: on CUDA with flash-linear-attention
+  installed (the ``gpu`` extra), its varlen Triton kernels (``lightning_mm.model.fla_kernels``: every sample in
+  one call per kernel, ``cu_seqlens`` from the segment ids); elsewhere the torch implementation here, the
+  reference: the convolution masks every tap that reaches into an earlier sample, and the chunked delta rule (the
+  math of transformers' ``torch_chunk_gated_delta_rule``) lays each sample out on chunks of its own, the state
+  zeroed at each sample's first chunk; each sample costs at most ``chunk_size - 1`` padded positions.
 
 The layout of a microbatch's samples is computed once (``SegmentLayout``, kept in the layers' shared
-``attn_cache``) and lives on the hidden states' device.
+``attn_cache``; its one host read of the sample starts) and lives on the hidden states' device.
 
 Context parallelism (a call carrying ``cp_group``) runs headwise, as Ulysses splits attention
 (``headwise_gated_delta_net``): each rank projects its own tokens; one all-to-all gives every rank the channels of
@@ -44,6 +47,7 @@ from torch import nn
 
 from lightning_mm.attention.context_parallel import _gather_metadata, _pad_seq
 from lightning_mm.attention.ulysses import _all_to_all
+from lightning_mm.model import fla_kernels
 
 CHUNK = 64  # transformers' chunk size of the chunked delta rule
 _OWN_KWARGS = ("bam", "segment_ids", "token_index", "cp_group", "attn_cache")
@@ -65,28 +69,43 @@ def has_linear_attention(lm: nn.Module) -> bool:
     return LINEAR in layer_types(getattr(lm, "config", None))
 
 
+def gdn_kernel(device: torch.device) -> str:
+    """Which kernels run the GDN layers' packed rows on ``device``: ``"fla"`` (flash-linear-attention's varlen
+    Triton kernels) on CUDA when ``fla`` is importable, else ``"torch"`` (the reference here)."""
+    return "fla" if torch.device(device).type == "cuda" and fla_kernels.available() else "torch"
+
+
 @dataclass(frozen=True)
 class SegmentLayout:
     """Where a microbatch's samples lie: ``valid`` ``[B, S]`` (non-padding, or None when every token is real),
     ``run`` ``[B, S]`` (the sample each token belongs to, numbered per row: boundaries where the segment id
-    changes), and the chunked layout of the delta rule: ``slot`` ``[B, N * chunk]`` (the row position each slot
-    reads, ``S`` for an empty slot), ``inverse`` ``[B, S]`` (each token's slot) and ``first`` ``[B, N]`` (1 where a
-    chunk starts a sample). ``packed`` is False when every row is one sample."""
+    changes) and ``packed`` (False when every row is one sample). ``kernel`` (``gdn_kernel``) says which of the
+    rest is set. ``"torch"``: the chunked layout of the delta rule, ``slot`` ``[B, N * chunk]`` (the row position
+    each slot reads, ``S`` for an empty slot), ``inverse`` ``[B, S]`` (each token's slot) and ``first`` ``[B, N]``
+    (1 where a chunk starts a sample). ``"fla"``: ``cu_seqlens`` (each sample's start in the flattened rows
+    ``[B * S]``, then ``B * S``; on the device) and ``cu_seqlens_cpu`` (the same, on the host)."""
 
     valid: torch.Tensor | None
     run: torch.Tensor
-    slot: torch.Tensor
-    inverse: torch.Tensor
-    first: torch.Tensor
+    slot: torch.Tensor | None
+    inverse: torch.Tensor | None
+    first: torch.Tensor | None
     packed: bool
     chunk: int
+    kernel: str = "torch"
+    cu_seqlens: torch.Tensor | None = None
+    cu_seqlens_cpu: torch.Tensor | None = None
 
 
-def segment_layout(bam: torch.Tensor, segment_ids: torch.Tensor | None, chunk: int = CHUNK) -> SegmentLayout:
-    """The ``SegmentLayout`` of mask words ``bam`` and ``segment_ids`` (``[B, S]``; None: one sample per row)."""
+def segment_layout(bam: torch.Tensor, segment_ids: torch.Tensor | None, chunk: int = CHUNK,
+                   kernel: str | None = None) -> SegmentLayout:
+    """The ``SegmentLayout`` of mask words ``bam`` and ``segment_ids`` (``[B, S]``; None: one sample per row) for
+    ``kernel`` (default: ``gdn_kernel`` of ``bam``'s device). Reads the sample starts to the host once: the one
+    host synchronisation of a microbatch's GDN layers (the layout is shared through ``cached_layout``)."""
     b, s = bam.shape
     valid = bam.ne(0)
     device = bam.device
+    kernel = kernel or gdn_kernel(device)
     if segment_ids is None:
         starts = torch.zeros(b, s, dtype=torch.bool, device=device)
     else:
@@ -94,8 +113,24 @@ def segment_layout(bam: torch.Tensor, segment_ids: torch.Tensor | None, chunk: i
                             segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
     starts[:, 0] = True
     run = starts.long().cumsum(1) - 1
+    host, host_valid = torch.stack([starts, valid]).cpu()  # the sync
+    valid = None if bool(host_valid.all()) else valid
+    packed = bool(host[:, 1:].any())
+    if kernel == "fla":
+        cu_cpu = torch.cat([host.flatten().nonzero().flatten(), torch.tensor([b * s])])
+        return SegmentLayout(valid, run, None, None, None, packed, chunk, "fla", cu_cpu.to(device), cu_cpu)
+    if kernel != "torch":
+        raise ValueError(f"unknown Gated DeltaNet kernel {kernel!r}: 'torch' or 'fla'")
+    slot, inverse, first = _chunk_slots(host, chunk)
+    return SegmentLayout(valid, run, slot.to(device), inverse.to(device), first.to(device), packed, chunk)
+
+
+def _chunk_slots(starts: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch delta rule's chunked layout (``slot``, ``inverse``, ``first``; see ``SegmentLayout``) of the
+    sample starts ``[B, S]`` (host): each sample on chunks of its own."""
+    b, s = starts.shape
     rows = []  # per row: (slots, inverse, first)
-    for row in starts.cpu().tolist():
+    for row in starts.tolist():
         begins = [i for i, v in enumerate(row) if v] + [s]
         slots, inverse, first = [], [0] * s, []
         for a, e in zip(begins[:-1], begins[1:]):
@@ -111,9 +146,7 @@ def segment_layout(bam: torch.Tensor, segment_ids: torch.Tensor | None, chunk: i
     for i, (slots, _, f) in enumerate(rows):
         slot[i, :len(slots)] = torch.tensor(slots)
         first[i, :len(f)] = torch.tensor(f, dtype=first.dtype)
-    inverse = torch.tensor([r[1] for r in rows], dtype=torch.long)
-    return SegmentLayout(None if bool(valid.all()) else valid, run, slot.to(device), inverse.to(device),
-                         first.to(device), bool(run[:, -1].gt(0).any()), chunk)
+    return slot, torch.tensor([r[1] for r in rows], dtype=torch.long), first
 
 
 def cached_layout(bam, segment_ids, cache: dict | None) -> SegmentLayout:
@@ -187,25 +220,45 @@ def chunked_delta_rule(query, key, value, g, beta, layout: SegmentLayout) -> tor
     return out.to(dtype)
 
 
+def conv_and_activation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                        layout: SegmentLayout) -> torch.Tensor:
+    """The GDN layer's short causal convolution (``x`` ``[B, S, C]``, ``weight`` ``[C, K]``) restarting at each
+    sample, then its activation, by ``layout.kernel``; ``[B, S, C]`` in ``x``'s dtype."""
+    from transformers.activations import ACT2FN
+
+    if layout.kernel == "fla":
+        fused = activation if activation in ("silu", "swish") else None
+        out = fla_kernels.varlen_causal_conv(x.to(weight.dtype), weight, bias, fused, layout.cu_seqlens,
+                                             layout.cu_seqlens_cpu)
+        return (out if fused else ACT2FN[activation](out)).to(x.dtype)
+    out = segmented_causal_conv(x.transpose(1, 2), weight, bias, layout.run)
+    return ACT2FN[activation](out).to(x.dtype).transpose(1, 2)
+
+
+def delta_rule(query, key, value, g, beta, layout: SegmentLayout) -> torch.Tensor:
+    """The chunked gated delta rule with the state zeroed at each sample's first token, by ``layout.kernel``
+    (arguments and result as ``chunked_delta_rule``'s)."""
+    if layout.kernel == "fla":
+        return fla_kernels.varlen_delta_rule(query, key, value, g, beta, layout.cu_seqlens, layout.cu_seqlens_cpu)
+    return chunked_delta_rule(query, key, value, g, beta, layout)
+
+
 def gated_delta_net(gdn: nn.Module, hidden: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
     """Qwen3.5's ``GatedDeltaNet.forward`` (no cache) over packed rows: projections, the segmented convolution,
     the segmented chunked delta rule, the gated norm and the output projection, with ``gdn``'s own parameters."""
-    from transformers.activations import ACT2FN
-
     if layout.valid is not None:  # padding is zeroed, as transformers' attention_mask does
         hidden = hidden * layout.valid.unsqueeze(-1).to(hidden.dtype)
     b, s, _ = hidden.shape
     conv = gdn.conv1d
-    mixed = segmented_causal_conv(gdn.in_proj_qkv(hidden).transpose(1, 2), conv.weight.squeeze(1), conv.bias,
-                                  layout.run)
-    mixed = ACT2FN[gdn.activation](mixed).to(hidden.dtype).transpose(1, 2)
+    mixed = conv_and_activation(gdn.in_proj_qkv(hidden), conv.weight.squeeze(1), conv.bias, gdn.activation,
+                                layout).to(hidden.dtype)
     query, key, value = torch.split(mixed, [gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
     query = query.reshape(b, s, -1, gdn.head_k_dim)
     key = key.reshape(b, s, -1, gdn.head_k_dim)
     value = value.reshape(b, s, -1, gdn.head_v_dim)
     beta = gdn.in_proj_b(hidden).sigmoid()
     g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(hidden).float() + gdn.dt_bias)
-    core = chunked_delta_rule(query, key, value, g, beta, layout)
+    core = delta_rule(query, key, value, g, beta, layout)
     z = gdn.in_proj_z(hidden).reshape(-1, gdn.head_v_dim)
     core = gdn.norm(core.reshape(-1, gdn.head_v_dim), z).reshape(b, s, -1)
     return gdn.out_proj(core)
@@ -298,8 +351,6 @@ class _AllToAll(torch.autograd.Function):
 def headwise_gated_delta_net(gdn, hidden, bam, segment_ids, token_index, group, cache: dict | None = None):
     """Qwen3.5's ``GatedDeltaNet.forward`` (no cache) of a CP rank's tokens ``hidden`` ``[B, S_local, H]`` (see the
     module): equal to one process's output at those tokens. ``group``: the CP process group."""
-    from transformers.activations import ACT2FN
-
     w, me = dist.get_world_size(group), dist.get_rank(group)
     check_gdn_heads(gdn.num_v_heads, w, f"layer {gdn.layer_idx}")
     hl = headwise_layout(bam, segment_ids, token_index, group, cache)
@@ -315,14 +366,13 @@ def headwise_gated_delta_net(gdn, hidden, bam, segment_ids, token_index, group, 
     conv_rows = chan[me, :n_conv]
     bias = None if gdn.conv1d.bias is None else gdn.conv1d.bias.index_select(0, conv_rows)
     weight = gdn.conv1d.weight.squeeze(1).index_select(0, conv_rows)
-    mixed = segmented_causal_conv(x[..., :n_conv].transpose(1, 2), weight, bias, hl.layout.run)
-    mixed = ACT2FN[gdn.activation](mixed).to(hidden.dtype).transpose(1, 2)
+    mixed = conv_and_activation(x[..., :n_conv], weight, bias, gdn.activation, hl.layout).to(hidden.dtype)
     query, key, value = torch.split(mixed, [nk * dk, nk * dk, nv * dv], dim=-1)
     mine = slice(me * nv, (me + 1) * nv)
     beta = x[..., n_conv:n_conv + nv].sigmoid()
     g = -gdn.A_log[mine].float().exp() * F.softplus(x[..., n_conv + nv:].float() + gdn.dt_bias[mine])
-    core = chunked_delta_rule(query.unflatten(-1, (nk, dk)), key.unflatten(-1, (nk, dk)),
-                              value.unflatten(-1, (nv, dv)), g, beta, hl.layout)  # [B, S, nv, dv]
+    core = delta_rule(query.unflatten(-1, (nk, dk)), key.unflatten(-1, (nk, dk)), value.unflatten(-1, (nv, dv)), g,
+                      beta, hl.layout)  # [B, S, nv, dv]
     send = core.flatten(2).index_select(1, hl.back).unflatten(1, (w, hl.smax)).movedim(1, 0)  # [W, B, smax, nv*dv]
     core = _AllToAll.apply(group, send.contiguous()).movedim(0, 2)[:, :s].reshape(-1, dv)  # my tokens, all heads
     z = gdn.in_proj_z(hidden).reshape(-1, dv)
@@ -366,6 +416,7 @@ def segment_aware(module: nn.Module) -> nn.Module:
 
 
 __all__ = ["LINEAR", "HeadwiseLayout", "SegmentLayout", "SegmentedGatedDeltaNet", "cached_layout",
-           "check_gdn_heads", "chunked_delta_rule", "gated_delta_net", "has_linear_attention",
+           "check_gdn_heads", "chunked_delta_rule", "conv_and_activation", "delta_rule", "gated_delta_net",
+           "gdn_kernel", "has_linear_attention",
            "headwise_gated_delta_net", "headwise_layout", "layer_types", "segment_aware", "segment_layout",
            "segmented_causal_conv"]
