@@ -221,9 +221,9 @@ def test_a_family_generates_across_llm_stages_like_hf(kind, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, layout, ranks", [
-    pytest.param("gemma3", {}, 3, marks=pytest.mark.combines("generation", "llm_cp", "fsdp")),
+    pytest.param("gemma3", {}, 3, marks=pytest.mark.combines("generation", "llm_cp", "fsdp"), id="gemma3"),
     pytest.param("qwen3_vl_moe", {"dp": 2, "llm_ep": 2}, 3,
-                 marks=pytest.mark.combines("generation", "llm_cp", "fsdp", "ep"))])
+                 marks=pytest.mark.combines("generation", "llm_cp", "fsdp", "ep"), id="qwen3_vl_moe-dp2-ep2")])
 def test_a_family_generates_in_its_training_layout_like_hf(kind, layout, ranks, tmp_path):
     """The layout of tests/test_family_layouts.py (vision one rank, LLM cp 2 under FULL_SHARD), for Qwen3-VL-MoE
     with two replicas and its experts split ep 2 over them (6 ranks, each replica its own prompts); stop tokens end
