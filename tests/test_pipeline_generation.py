@@ -1,7 +1,8 @@
 """Generation across pipeline stages (``lightning_mm.parallel.pipeline_generation``): ``trainer.predict`` with
 ``generation=`` under LLM pipeline parallelism returns the tokens of one-process references (``model.generate``
-for a LLaVA-style model; HF's own ``Qwen2VLForConditionalGeneration.generate`` for Qwen2-VL's M-RoPE), and what
-it does not serve is refused with the fix."""
+for a LLaVA-style model; HF's own composite ``generate`` for Qwen2-VL's M-RoPE and for the Qwen3-VL-MoE, Gemma 3,
+Qwen2-Audio, LLaVA-NeXT, LLaVA-OneVision and InternVL folders), and what it does not serve is refused with the
+fix."""
 
 import os
 
@@ -237,3 +238,16 @@ def test_a_family_generates_in_its_training_layout_like_hf(kind, layout, ranks, 
         held = [h for h, _ in result["experts_held"]]
         assert held[0] == held[3] == 0 and 2 * held[1] == result["experts_held"][1][1] > 0, result["experts_held"]
         assert result["expected"][0] != result["expected"][1]
+
+
+@pytest.mark.slow
+@pytest.mark.combines("generation", "placement", "fsdp")
+def test_a_tied_head_under_fsdp_generates_on_whole_model_replicas_like_hf(tmp_path):
+    """Gemma 3 (its head tied to the embedding: one FSDP unit of two modules) with replicated encoders and one LLM
+    stage, FULL_SHARD over 2 replicas, predicting before any training step: transformers' ``generate`` on each
+    rank's gathered model returns HF's composite ``generate`` of the folder for each replica's prompts."""
+    result = _run({"kind": "gemma3", "folder": _save_family("gemma3", tmp_path / "src"), "llm_pp": 1, "dp": 2,
+                   "placement": "replicated", "sharding": "FULL_SHARD", "early_stop": True}, tmp_path, "repl_fsdp",
+                  timeout=900)
+    _check(result, 1)
+    assert all(result["sharded"]) and result["expected"][0] != result["expected"][1], result
