@@ -1,7 +1,8 @@
 """Generation across pipeline stages (``lightning_mm.parallel.pipeline_generation``): ``trainer.predict`` with
 ``generation=`` under LLM pipeline parallelism returns the tokens of one-process references (``model.generate``
-for a LLaVA-style model; HF's own ``Qwen2VLForConditionalGeneration.generate`` for Qwen2-VL's M-RoPE), and what
-it does not serve is refused with the fix."""
+for a LLaVA-style model; HF's own composite ``generate`` for Qwen2-VL's M-RoPE and for the Qwen3-VL-MoE, Gemma 3,
+Qwen2-Audio, LLaVA-NeXT, LLaVA-OneVision and InternVL folders), and what it does not serve is refused with the
+fix."""
 
 import os
 
@@ -13,8 +14,8 @@ from tests.helpers.launch import run_trainer_case
 CASE = os.path.join(os.path.dirname(__file__), "helpers", "pipeline_generation_case.py")
 
 
-def _run(case: dict, tmp_path, name: str) -> dict:
-    result, _ = run_trainer_case(CASE, case, tmp_path, name)
+def _run(case: dict, tmp_path, name: str, timeout: float = 420) -> dict:
+    result, _ = run_trainer_case(CASE, case, tmp_path, name, timeout=timeout)
     return result
 
 
@@ -49,11 +50,12 @@ def test_greedy_settings_follow_the_generation_config():
 @pytest.mark.ci
 @pytest.mark.combines("generation", "pipeline")
 def test_llava_generation_under_llm_pp2_equals_one_process(tmp_path):
-    """Vision pp 1 + LLM pp 2 (3 gloo ranks), three prompts of different lengths with 1, 2 and 1 images, stop tokens
-    that end the rows at different steps (rows leave the stages' caches) and all before 8 (every stage stops): the
-    greedy tokens of one-process ``model.generate``."""
-    result = _run({"kind": "llava", "llm_pp": 2, "early_stop": True}, tmp_path, "pp2_eos")
+    """Vision pp 1 + LLM pp 2 (3 gloo ranks), four prompts of different lengths with 1, 2, 1 and 5 images, stop
+    tokens that end the rows at different steps (rows leave the stages' caches) and all before 8 (every stage
+    stops): the greedy tokens of one-process ``model.generate``."""
+    result = _run({"kind": "llava", "llm_pp": 2, "early_stop": True, "five": True}, tmp_path, "pp2_eos")
     _check(result, 3)
+    assert len(result["generated"][0]) == 4, result
     assert 1 < len(result["generated"][0][0]) < 8 and len(result["eos"]) > 1, result
 
 
@@ -189,3 +191,63 @@ def test_generation_routes_the_group_batch_as_one_microbatch():
     assert prompt_index(batch, [1, 3]).tolist() == [1, 3]
     packed, _ = llava_prompts(model, 0, packed=True)  # rows [prompt 0, prompt 1] and [prompt 2]
     assert prompt_index(packed, [1]).tolist() == [2] and prompt_index(packed, [0, 1]).tolist() == [0, 1, 2]
+
+
+def _save_family(kind: str, path) -> str:
+    """The composite folder of ``kind`` as tests/test_family_layouts.py writes it (Qwen3-VL-MoE without router
+    logits in its outputs: HF's composite adds its aux loss at every decoding step and fails at the second)."""
+    from tests.helpers.pipeline_generation_case import TILED
+    from tests.test_hf_composites import save_composite
+    from tests.test_tile_composites import save_composite as save_tiled
+
+    if kind in TILED:
+        return save_tiled(kind, path)
+    return save_composite(kind, path, **({"text": {"output_router_logits": False}} if kind == "qwen3_vl_moe" else {}))
+
+
+@pytest.mark.slow
+@pytest.mark.combines("generation", "pipeline")
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "gemma3", "qwen2_audio", "llava_next", "llava_onevision",
+                                  "internvl"])
+def test_a_family_generates_across_llm_stages_like_hf(kind, tmp_path):
+    """Vision (audio) pp 1 + LLM pp 2 (3 ranks), four prompts of 0, 5, 1 and 2 items (images of different sizes or
+    grids; Qwen2-Audio: clips), all 8 tokens: the greedy tokens of HF's own composite ``generate`` of the folder on
+    the left-padded batch (Qwen3-VL-MoE's DeepStack into LLM layer 1 on the second stage, Gemma 3's image blocks
+    and sliding window, the tiled families' processor inputs)."""
+    result = _run({"kind": kind, "folder": _save_family(kind, tmp_path / "src"), "llm_pp": 2}, tmp_path, "pp2",
+                  timeout=900)
+    _check(result, 3)
+    assert len(result["generated"][0]) == 4 and len(result["generated"][0][0]) == 8, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, layout, ranks", [
+    pytest.param("gemma3", {}, 3, marks=pytest.mark.combines("generation", "llm_cp", "fsdp"), id="gemma3"),
+    pytest.param("qwen3_vl_moe", {"dp": 2, "llm_ep": 2}, 3,
+                 marks=pytest.mark.combines("generation", "llm_cp", "fsdp", "ep"), id="qwen3_vl_moe-dp2-ep2")])
+def test_a_family_generates_in_its_training_layout_like_hf(kind, layout, ranks, tmp_path):
+    """The layout of tests/test_family_layouts.py (vision one rank, LLM cp 2 under FULL_SHARD), for Qwen3-VL-MoE
+    with two replicas and its experts split ep 2 over them (6 ranks, each replica its own prompts); stop tokens end
+    the rows at different steps: HF's own composite ``generate`` of the folder."""
+    case = {"kind": kind, "folder": _save_family(kind, tmp_path / "src"), "llm_pp": 1, "llm_cp": 2,
+            "sharding": "FULL_SHARD", "early_stop": True, **layout}
+    result = _run(case, tmp_path, "cp2_fsdp", timeout=900)
+    _check(result, ranks)
+    assert 1 < len(result["generated"][0][0]) < 8 and all(result["sharded"][1:ranks]), result
+    if layout.get("llm_ep"):  # each LLM rank holds half its stage's experts again after generating
+        held = [h for h, _ in result["experts_held"]]
+        assert held[0] == held[3] == 0 and 2 * held[1] == result["experts_held"][1][1] > 0, result["experts_held"]
+        assert result["expected"][0] != result["expected"][1]
+
+
+@pytest.mark.slow
+@pytest.mark.combines("generation", "placement", "fsdp")
+def test_a_tied_head_under_fsdp_generates_on_whole_model_replicas_like_hf(tmp_path):
+    """Gemma 3 (its head tied to the embedding: one FSDP unit of two modules) with replicated encoders and one LLM
+    stage, FULL_SHARD over 2 replicas, predicting before any training step: transformers' ``generate`` on each
+    rank's gathered model returns HF's composite ``generate`` of the folder for each replica's prompts."""
+    result = _run({"kind": "gemma3", "folder": _save_family("gemma3", tmp_path / "src"), "llm_pp": 1, "dp": 2,
+                   "placement": "replicated", "sharding": "FULL_SHARD", "early_stop": True}, tmp_path, "repl_fsdp",
+                  timeout=900)
+    _check(result, 1)
+    assert all(result["sharded"]) and result["expected"][0] != result["expected"][1], result

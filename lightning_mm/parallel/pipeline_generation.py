@@ -107,6 +107,8 @@ def unsharded(engine):
     again: replicas decode different numbers of steps, so no collective may run per step. Every rank of a shard or
     ep group enters together (one generation per predict batch on every rank)."""
     root = engine.run_stage if isinstance(engine.run_stage, FSDPModule) else None
+    if root is not None:
+        _initialise_from_root(root)
     units = [m for m in engine.model.modules() if isinstance(m, FSDPModule)] + ([root] if root is not None else [])
     for m in units:
         m.set_reshard_after_forward(False, recurse=False)
@@ -118,6 +120,18 @@ def unsharded(engine):
         for m in units:
             m.reshard()
             m.set_reshard_after_forward(engine.sharding_strategy == "FULL_SHARD" and m is not root, recurse=False)
+
+
+def _initialise_from_root(root) -> None:
+    """Run the root unit's forward once, doing nothing, so that FSDP sets its units up from the root as a training
+    step's first forward does. Generation runs the stage's units directly: without this the first unit to run
+    would make itself a root, which a tied embedding and head (one unit of two modules, Gemma 3) cannot be."""
+    run = root.run
+    root.run = lambda: None
+    try:
+        root()
+    finally:
+        root.run = run
 
 
 def greedy_settings(lm, generation: dict) -> tuple[GreedySettings | None, str | None]:

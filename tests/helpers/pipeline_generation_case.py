@@ -2,10 +2,11 @@
 
 ``python pipeline_generation_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0): ``generated``
 (every rank's ids, in rank order), ``expected`` (per data-parallel replica: one-process ``model.generate``, or for
-Qwen2-VL / Qwen3-VL HF's own composite ``generate`` of the folder), ``eos`` (the stop tokens used), or ``error``.
+the composite folders HF's own composite ``generate`` of the folder), ``eos`` (the stop tokens used), or ``error``.
 JSON keys: ``kind`` ("llava": a SigLIP tower + llama built from configs; "moe": the same tower + a Qwen3-MoE LLM
-and a fourth prompt, text-only; "qwen2_vl" / "qwen3_vl": ``folder``, a
-composite written by ``tests.test_hf_composites.save_composite``), ``llm_pp``, ``dp`` (replicas, default 1),
+and a fourth prompt, text-only; "qwen2_vl" / "qwen3_vl": ``folder``, a composite written by
+``tests.test_hf_composites.save_composite``; a kind of ``FAMILIES``: ``folder``, its composite, and
+``family_prompts``), ``five`` (LLaVA: a prompt of 5 images besides), ``llm_pp``, ``dp`` (replicas, default 1),
 ``max_new_tokens``, ``early_stop`` (stop tokens picked from the reference so rows finish at different steps and
 all before ``max_new_tokens``), ``generation`` (extra options, e.g. to see a refusal), ``llm_tp``, ``vision_pp``,
 ``placement`` (``encoder_placement``), ``videos`` (Qwen prompts mixing images and videos), ``vision_cp`` (encoder
@@ -38,9 +39,10 @@ def build(case: dict):
     return lmm.MultimodalModel.from_pretrained(case["folder"]).eval()
 
 
-def llava_samples(model, seed: int, text_only: bool = False) -> list[dict]:
-    """Three prompts of different lengths with 1, 2 and 1 images (and a fourth, text-only, with ``text_only``); an
-    odd ``seed`` drops the first (and draws other images)."""
+def llava_samples(model, seed: int, text_only: bool = False, five: bool = False) -> list[dict]:
+    """Three prompts of different lengths with 1, 2 and 1 images (and a fourth, text-only, with ``text_only``; with
+    ``five`` one of 5 images, two of them adjacent, last); an odd ``seed`` drops the first (and draws other
+    images)."""
     g = torch.Generator().manual_seed(seed)
     enc, pid = model.encoders["vision"], model.placeholder_ids["vision"]
     images = lambda n: enc.family.random_inputs(enc.module.config, n, generator=g)  # noqa: E731
@@ -49,14 +51,17 @@ def llava_samples(model, seed: int, text_only: bool = False) -> list[dict]:
                {"input_ids": [6, 7, 8, pid, 30, 31, 32, 33], "vision": images(1)}]
     if text_only:
         samples.append({"input_ids": [5, 6, 7, 9, 11, 15]})
+    if five:
+        samples.append({"input_ids": [9, pid, 4, pid, pid, 6, 7, pid, 8, pid, 10], "vision": images(5)})
     return samples[seed % 2:] if seed % 2 else samples
 
 
-def llava_prompts(model, seed: int, packed: bool = False, text_only: bool = False) -> tuple[dict, dict]:
+def llava_prompts(model, seed: int, packed: bool = False, text_only: bool = False,
+                  five: bool = False) -> tuple[dict, dict]:
     """(ours, the one-process reference's): ``llava_samples`` collated with right padding; with ``packed`` ours
     packs them first-fit into rows of 64 tokens ([0, 1] and [2], in order) and the reference has one prompt per
     row."""
-    samples = llava_samples(model, seed, text_only)
+    samples = llava_samples(model, seed, text_only, five)
     plain = lmm.data.MultimodalCollator(model)(samples)
     return (lmm.data.MultimodalCollator(model, seq_len=64, pack=True)(samples) if packed else plain), plain
 
@@ -79,12 +84,84 @@ def qwen_prompts(kind: str, seed: int, videos: bool = False) -> tuple[dict, dict
     return ours, hf
 
 
+# composite families decoded against HF's own composite ``generate`` of their folder: kind -> the modality
+FAMILIES = {"qwen3_vl_moe": "vision", "gemma3": "vision", "qwen2_audio": "audio", "llava_next": "vision",
+            "llava_onevision": "vision", "internvl": "vision"}
+TILED = ("llava_next", "llava_onevision", "internvl")
+ITEMS = [[0, 5, 1, 2], [3, 0, 1]]  # items per prompt, by seed (replica)
+GRIDS = [(1, 4, 4), (1, 4, 8), (1, 8, 4)]  # Qwen3-VL-MoE: 4, 8 and 8 tokens
+SIZES = [(16, 16), (40, 20), (20, 50), (17, 33), (30, 30)]  # tiled families' images (width, height)
+
+
+def raw_items(kind: str, n: int, g: torch.Generator):
+    """``n`` items of ``kind``'s modality: PIL images (tiled families) or the encoder's tensors, first dim per item
+    (Qwen3-VL-MoE: patches of several grids; Gemma 3: 16 x 16 images; Qwen2-Audio: clips of 10 to 16 real mel
+    frames of 16)."""
+    if kind in TILED:
+        import numpy as np
+        from PIL import Image
+
+        rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=g)))
+        return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+                for w, h in (SIZES[k % len(SIZES)] for k in range(n))]
+    if kind == "qwen3_vl_moe":
+        grids = [GRIDS[k % len(GRIDS)] for k in range(n)]
+        return {"pixel_values": torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 4 * 4, generator=g),
+                "image_grid_thw": torch.tensor(grids, dtype=torch.long).view(n, 3)}
+    if kind == "gemma3":
+        return {"pixel_values": torch.randn(n, 3, 16, 16, generator=g)}
+    mask = (torch.arange(16)[None, :] < torch.tensor([16 - 3 * (k % 3) for k in range(n)])[:, None]).long()
+    return {"input_features": torch.randn(n, 16, 16, generator=g) * mask[:, None, :], "feature_attention_mask": mask}
+
+
+def family_prompts(kind: str, model, seed: int) -> tuple[dict, dict]:
+    """(ours, HF's left-padded keyword arguments): prompts of ``ITEMS[seed % 2]`` items of the family (one placeholder
+    per item, between start / end tokens where the family's prompts frame them), collated by ``MultimodalCollator``
+    (which expands the placeholders); HF takes the same token rows padded on the left and the items' inputs as the
+    family's HF processor (tiled families) or its encoder (the others) takes them, the whole batch at once."""
+    from tests.helpers.text_lm_case import left_padded
+    from tests.test_hf_composites import IMG, PAD, VEND, VSTART
+    from tests.test_tile_composites import encode, image_processor
+
+    modality, g = FAMILIES[kind], torch.Generator().manual_seed(seed)
+    proc = image_processor(kind) if kind in TILED else None
+    text = lambda k: torch.randint(1, 90, (k,), generator=g).tolist()  # noqa: E731
+    samples, raw = [], []
+    for i, n in enumerate(ITEMS[seed % 2]):
+        ids = text(3 + i % 3)
+        for _ in range(n):
+            ids += ([IMG] if kind in TILED else [VSTART, IMG, VEND]) + text(2)
+        samples.append({"input_ids": torch.tensor(ids + text(3))})
+        if n:
+            raw.append(raw_items(kind, n, g))
+            samples[-1][modality] = encode(kind, proc, raw[-1]) if kind in TILED else raw[-1]
+    ours = lmm.data.MultimodalCollator(model)(samples)
+    if kind in TILED:  # the processor on the batch's images (OneVision: one list per prompt with images)
+        out = proc(images=raw if kind == "llava_onevision" else [im for row in raw for im in row],
+                   return_tensors="pt")
+        hf = {k: out[k] for k in ("pixel_values", "image_sizes", "batch_num_images") if k in out}
+    else:
+        hf = {k: torch.cat([r[k] for r in raw]) for k in raw[0]}
+    ids, mask = left_padded(ours["input_ids"], ours["attention_mask"], PAD)
+    hf.update(input_ids=ids, attention_mask=mask)
+    if kind == "qwen3_vl_moe":
+        hf["mm_token_type_ids"] = (ids == IMG).int()
+    if kind == "gemma3":  # HF's image blocks (bidirectional within each image)
+        hf["token_type_ids"] = (ids == IMG).long()
+    return ours, hf
+
+
+def load_reference(kind: str, folder: str):
+    """HF's own composite class of ``folder``."""
+    from tests import test_hf_composites, test_tile_composites
+
+    return (test_tile_composites if kind in TILED else test_hf_composites).load_hf(kind, folder).eval()
+
+
 def reference(case: dict, model, batch: dict, hf_kwargs: dict | None, generation: dict) -> list:
     if case["kind"] in ("llava", "moe"):
         return model.generate(**hf_kwargs, **generation).tolist()
-    from tests.test_hf_composites import load_hf
-
-    hf = load_hf(case["kind"], case["folder"]).eval()
+    hf = load_reference(case["kind"], case["folder"])
     with torch.no_grad():
         out = hf.generate(**hf_kwargs, **generation)
     return out[:, hf_kwargs["input_ids"].shape[1]:].tolist()
@@ -107,7 +184,8 @@ def main(spec: str, out: str):
     ep = case.get("llm_ep", 1)
     vision_pp, vision_cp = case.get("vision_pp", 1), case.get("vision_cp", 1)
     placement, vision_dp = case.get("placement", "parallel"), case.get("vision_dp")  # vision_dp: per-module dp
-    strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(pp=vision_pp, cp=vision_cp,
+    modality = FAMILIES.get(case["kind"], "vision")
+    strategy = lmm.MultimodalParallelStrategy(encoders={modality: lmm.ParallelSpec(pp=vision_pp, cp=vision_cp,
                                                                                    dp=vision_dp)},
                                               language_model=lmm.ParallelSpec(pp=pp, tp=tp, cp=cp, ep=ep,
                                                                               dp=dp if vision_dp else None),
@@ -121,7 +199,11 @@ def main(spec: str, out: str):
     generation = {"max_new_tokens": case.get("max_new_tokens", 8), "do_sample": False}
     if case["kind"] in ("llava", "moe"):
         text_only = case["kind"] == "moe" or bool(vision_dp)
-        batches = [llava_prompts(model, seed, case.get("packed", False), text_only) for seed in range(dp)]
+        batches = [llava_prompts(model, seed, case.get("packed", False), text_only, case.get("five", False))
+                   for seed in range(dp)]
+    elif case["kind"] in FAMILIES:
+        generation["pad_token_id"] = 0  # the folders' PAD, for HF and ours alike
+        batches = [family_prompts(case["kind"], model, seed) for seed in range(dp)]
     else:
         batches = [qwen_prompts(case["kind"], seed, case.get("videos", False)) for seed in range(dp)]
     expected = None
