@@ -274,8 +274,9 @@ def _trains_like_one_process(case: dict, tmp_path, pack: int | None = None, expe
     losses, params = run_case("composite_case.py", {**base, **case}, tmp_path, "parallel")
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert set(params) == set(ref_params)
-    for n, p in ref_params.items():
-        torch.testing.assert_close(params[n], p, rtol=1e-4, atol=1e-5, msg=n)
+    for n, p in ref_params.items():  # Gemma scales the token embeddings by sqrt(hidden), and their gradients with
+        # them: one process on packed rows already ends 6e-6 from itself on unpacked rows there
+        torch.testing.assert_close(params[n], p, rtol=1e-4, atol=2e-5 if "embed_tokens" in n else 1e-5, msg=n)
     if experts_held is not None:  # the share of the routed experts' weights rank 0 holds
         held = json.loads((tmp_path / "parallel" / "result.json").read_text())["experts_held"]
         assert held == experts_held, held
