@@ -1,8 +1,10 @@
 """Train a composite checkpoint (``MultimodalModel.from_pretrained``) with Lightning, in one process or under
 MultimodalParallelStrategy, described by a JSON argument.
 
-``python composite_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0: per-step losses) and
-``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names). Keys of the JSON:
+``python composite_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0: per-step losses),
+``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names) and
+``<out_dir>/experts_<rank>.json`` (the elements of the routed experts' weights this rank holds, and of all of
+them). Keys of the JSON:
 
 - ``folder``: the composite folder (required); ``steps``
 - ``llm_pp`` / ``llm_cp`` / ``llm_tp`` / ``vision_pp`` / ``vision_cp`` / ``vision_tp`` / ``dp``: the LLM's
@@ -210,11 +212,13 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
     torch.save({n: full(p).detach().cpu() for n, p in module.model.named_parameters()
                 if p.requires_grad and (engine is None or n in engine.owned)},
                os.path.join(out, f"params_{trainer.global_rank}.pt"))
-    if trainer.global_rank == 0:  # and the share of the routed experts' weights rank 0 holds (1 / ep when split)
-        experts = [p for n, p in module.model.named_parameters() if ".experts." in n]
-        held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in experts)
+    experts = [p for n, p in module.model.named_parameters() if ".experts." in n]  # routed experts' weights
+    with open(os.path.join(out, f"experts_{trainer.global_rank}.json"), "w") as f:  # held here, of all (1 / ep)
+        json.dump([sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in experts),
+                   sum(p.numel() for p in experts)], f)
+    if trainer.global_rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"train": losses, "experts_held": held / max(1, sum(p.numel() for p in experts))}, f)
+            json.dump({"train": losses}, f)
 
 
 def main(spec: str, out: str):
