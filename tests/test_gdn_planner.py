@@ -9,7 +9,7 @@ import torch
 from helpers.distributed import run_distributed
 
 from lightning_mm.model import linear_attention as la
-from lightning_mm.plan.cp_comm import cp_communication_bytes, gdn_communication_bytes
+from lightning_mm.plan.cp_comm import cp_communication_bytes, gdn_communication_bytes, rank_token_counts
 from lightning_mm.planner import AttentionShape, LayerCost, ModuleSpec, evaluate_plan
 
 LM = "language_model"
@@ -31,13 +31,16 @@ def test_gdn_bytes_equal_the_layers_channel_table(hk, hv, dk, dv):
     assert gdn_communication_bytes(seq, 1, hk, hv, dk, dv)["forward"] == 0
 
 
-def _counted_rank(rank, world, heads, seq):
-    """The real GDN layer (``tests/test_gdn_context_parallel.py``'s) on a zigzag plan of 2 unpadded rows, forward
-    and backward, with every all-to-all's received bytes (the parts from the other ranks) counted."""
+def _counted_rank(rank, world, heads, seq, lengths=None):
+    """The real GDN layer (``tests/test_gdn_context_parallel.py``'s) forward and backward in bf16, with every
+    all-to-all's received bytes (the parts from the other ranks) counted; returns them and the CP plan. Without
+    ``lengths``: 2 unpadded rows on a zigzag plan (an even split); with them: row 0 those samples packed, row 1 one
+    sample of 70 tokens, both padded to ``seq``, on the LPT plan the CP planner makes from their mask words and
+    segments (blocks of uneven work: uneven token counts)."""
     import torch.distributed as dist
 
     from lightning_mm.parallel.context import distribute, token_index
-    from test_gdn_context_parallel import _gdn
+    from test_gdn_context_parallel import _gdn, _inputs
 
     received, real = [], la._all_to_all
 
@@ -48,34 +51,72 @@ def _counted_rank(rank, world, heads, seq):
 
     la._all_to_all = counted
     gdn = _gdn(*heads).to(torch.bfloat16)
-    bam = torch.ones(2, seq, dtype=torch.int64)
-    index = token_index(distribute(bam, world, "zigzag", BLOCK)[rank], BLOCK, seq)
-    hidden = torch.randn(2, seq, 32, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
+    if lengths is None:
+        bam, segments = torch.ones(2, seq, dtype=torch.int64), None
+        hidden = torch.randn(2, seq, 32, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
+        plan = distribute(bam, world, "zigzag", BLOCK)
+    else:
+        hidden, bam, segments, _ = _inputs(lengths, seq)
+        hidden = hidden.to(torch.bfloat16)
+        plan = distribute(bam, world, "lpt", BLOCK, segments)
+    index = token_index(plan[rank], BLOCK, seq)
     local = hidden.index_select(1, index).requires_grad_(True)
     out = gdn(local, bam=bam.index_select(1, index), token_index=index.expand(2, -1), cp_group=dist.group.WORLD,
-              attn_cache={})
+              segment_ids=None if segments is None else segments.index_select(1, index), attn_cache={})
     out.float().sum().backward()
-    return received
+    return received, [p.tolist() for p in plan]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("heads,cp", [((2, 4), 2), ((2, 4), 4)])
-def test_gdn_bytes_equal_what_the_real_layer_exchanges(heads, cp):
-    """bf16, 2 rows of 128 tokens on cp ranks (cp 4 repeats the 2 key heads): the four all-to-alls of one forward
-    and backward receive exactly ``gdn_communication_bytes`` for the microbatch's 256 tokens on every rank."""
-    seq = 128
-    expected = gdn_communication_bytes(2 * seq, cp, *heads, 8, 6, dtype_bytes=2)
-    for received in run_distributed(_counted_rank, cp, heads, seq, timeout=800):
+@pytest.mark.parametrize("heads,cp,seq,lengths", [
+    ((2, 4), 2, 128, None), ((2, 4), 4, 128, None),
+    ((2, 4), 2, 136, [13, 40, 3, 20]), ((2, 4), 4, 136, [70, 1, 30])], ids=["cp2-even", "cp4-even", "cp2-lpt-packed",
+                                                                          "cp4-lpt-packed"])
+def test_gdn_bytes_equal_what_the_real_layer_exchanges(heads, cp, seq, lengths):
+    """bf16, 2 rows on cp ranks (cp 4 repeats the 2 key heads): the four all-to-alls of one forward and backward
+    receive exactly ``gdn_communication_bytes`` on every rank. Even: 2 x 128 tokens on a zigzag plan, the model's
+    even split. Uneven: packed and padded rows of 136 tokens (17 blocks of 8) on the LPT plan, whose per-rank token
+    counts (``rank_token_counts``) differ; every rank's tokens travel padded to the largest count, more than the
+    even split's share (which would undercount)."""
+    results = run_distributed(_counted_rank, cp, heads, seq, lengths, timeout=800)
+    plan = results[0][1]
+    counts = rank_token_counts(plan, BLOCK, seq, rows=2)
+    assert sum(counts) == 2 * seq
+    expected = gdn_communication_bytes(2 * seq, cp, *heads, 8, 6, dtype_bytes=2,
+                                       rank_tokens=None if lengths is None else counts)
+    even = gdn_communication_bytes(2 * seq, cp, *heads, 8, 6, dtype_bytes=2)
+    if lengths is None:
+        assert len(set(counts)) == 1 and expected["padded_tokens"] == 0
+    else:  # the split is uneven, and the model charges its padding
+        assert len(set(counts)) > 1 and expected["padded_tokens"] == cp * max(counts) - 2 * seq > 0, counts
+        assert expected["forward"] > even["forward"]
+    for received, _ in results:
         assert len(received) == 4
         assert sum(received[:2]) == expected["forward"] and sum(received[2:]) == expected["backward"], received
 
 
-def _llm(linear_ids, layers=8, seq_len=1 << 20):
+def test_gdn_bytes_take_the_plans_token_counts():
+    """``rank_token_counts`` counts each rank's blocks (the last one short) times the rows; the bytes follow the
+    largest count, equal the even split's when the counts are equal, and counts that do not fit the microbatch or
+    the CP degree are refused, naming the fix."""
+    assert rank_token_counts([[0, 3], [1, 2, 4]], 8, 36, rows=2) == [2 * (8 + 8), 2 * (8 + 8 + 4)]
+    args = (2, 2, 4, 8, 6)  # cp 2; 2 key heads, 4 value heads of 8 and 6
+    even = gdn_communication_bytes(96, *args)
+    assert gdn_communication_bytes(96, *args, rank_tokens=[48, 48]) == {**even, "padded_tokens": 0}
+    uneven = gdn_communication_bytes(96, *args, rank_tokens=[40, 56])
+    assert uneven["forward"] == pytest.approx(even["forward"] * 56 / 48) and uneven["padded_tokens"] == 16
+    for bad in ([48, 40], [32, 32, 32], [-8, 104]):
+        with pytest.raises(ValueError, match="rank_tokens .* rank_token_counts"):
+            gdn_communication_bytes(96, *args, rank_tokens=bad)
+
+
+def _llm(linear_ids, layers=8, seq_len=1 << 20, rank_tokens=()):
     """An LLM of ``layers`` equal layers with a Qwen3.5-9B-like shape: attention 16 query / 4 KV heads of 256,
-    GDN 16 key heads of 128 and 32 value heads of 128; ``linear_ids``: which layers are GDN."""
+    GDN 16 key heads of 128 and 32 value heads of 128; ``linear_ids``: which layers are GDN; ``rank_tokens``: the
+    CP splits of the microbatch."""
     costs = [LayerCost(1.0, 2.0, True, True) for _ in range(layers)]
     shape = AttentionShape(seq_len, 16, 4, 256, 2, linear_value_heads=32, linear_key_heads=16, linear_key_dim=128,
-                           linear_value_dim=128, linear_ids=linear_ids)
+                           linear_value_dim=128, linear_ids=linear_ids, rank_tokens=rank_tokens)
     return {LM: ModuleSpec(costs, attention=shape)}
 
 
@@ -97,6 +138,26 @@ def test_hybrid_models_cp_time_charges_each_layer_its_own_exchange(mode, ulysses
     # the direction at cp 4: a GDN layer's 12352 channels a token (q, k, v, b, a in; the output back) outweigh
     # what an attention layer moves in every mode (4 KV heads gathered; or 16 + 8 heads in, 16 back): dearer
     assert gdn > attn and hybrid.iteration_time > dense.iteration_time
+
+
+def test_planner_charges_gdn_layers_the_cp_planners_uneven_split():
+    """With the microbatch's split at cp 4 given (one rank 3072 tokens over a quarter), the GDN layers' CP seconds
+    grow by the fullest rank's share over the even one (the exchange pads to it) and the attention layers' stay;
+    the split at cp 2 is not used at cp 4; a split that does not sum to the microbatch is refused."""
+    seq, bw, quarter = 1 << 20, 100e9, (1 << 20) // 4
+    split4 = (quarter + 3072, quarter - 1024, quarter - 1024, quarter - 1024)
+    plans = {name: evaluate_plan(_llm((0, 1, 2, 4, 5, 6), rank_tokens=splits), {LM: [3, 5]}, "parallel", 4, cp=4,
+                                 cp_bandwidth=bw)
+             for name, splits in (("even", ()), ("uneven", (split4, (seq // 2 + 8, seq // 2 - 8))))}
+    gdn = gdn_communication_bytes(seq, 4, 16, 32, 128, 128)["forward"]
+    attn = cp_communication_bytes("allgather", seq, 4, 16, 4, 256)["forward"]
+    scale = (quarter + 3072) / quarter
+    assert plans["even"].cp_comm == pytest.approx({f"{LM}.0": 2 * 3 * gdn / bw,
+                                                  f"{LM}.1": 2 * (3 * gdn + 2 * attn) / bw})
+    assert plans["uneven"].cp_comm == pytest.approx({f"{LM}.0": 2 * 3 * gdn * scale / bw,
+                                                    f"{LM}.1": 2 * (3 * gdn * scale + 2 * attn) / bw})
+    with pytest.raises(ValueError, match="rank_tokens .* must each sum to seq_len=1048576"):
+        _llm((0,), rank_tokens=((quarter,) * 3 + (quarter - 8,),))
 
 
 def test_hybrid_model_moves_fewer_bytes_than_attention_at_high_cp():

@@ -4,6 +4,7 @@ what transformers' ``Gemma4ForCausalLM`` computes (fp32, tiny random models, seq
 what it cannot serve is refused with the fix."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -230,3 +231,93 @@ def test_gemma4_composite_image_blocks_on_local_layers_only_equal_hf(tmp_path, m
         assert not torch.allclose(model(**ours).logits[keep], expected, atol=1e-3)  # blocks on global layers too
         model.bidirectional_items = False
         assert not torch.allclose(model(**ours).logits[keep], expected, atol=1e-3)  # no blocks
+
+
+def test_gemma4_experts_take_expert_parallelism_from_their_plan_and_dense_gemma4_is_refused():
+    """With ``enable_moe_block`` the layout check passes ep 2 (its 4 experts) and splits only the experts of
+    transformers' ep plan (its colwise / rowwise entries for the dense MLP beside them would split that MLP over
+    ranks holding different tokens); ep 3 and a dense Gemma 4 are refused with the fix, before any group."""
+    from lightning_mm.model.moe import expert_layer_plan
+    from lightning_mm.parallel.expert_parallel import check_expert_parallel
+    from lightning_mm.plan.layout import build_layout
+
+    vision = {"vision": lmm.ParallelSpec()}
+    moe = lmm.MultimodalModel({}, _gemma4(moe=True))
+    assert "layers.*.mlp.gate_proj" in moe.language_model.config.base_model_ep_plan
+    assert expert_layer_plan(moe.language_model) == {"experts.gate_up_proj": "grouped_gemm",
+                                                     "experts.down_proj": "grouped_gemm",
+                                                     "experts": "ep_dispatch_experts"}
+    check_expert_parallel(moe, build_layout(vision, lmm.ParallelSpec(ep=2), 4, "parallel", ["vision"]))
+    with pytest.raises(ValueError, match="ep=3 does not divide the 4 experts; choose an ep dividing 4"):
+        check_expert_parallel(moe, build_layout(vision, lmm.ParallelSpec(ep=3), 6, "parallel", ["vision"]))
+    dense = lmm.MultimodalModel({}, _gemma4())
+    with pytest.raises(ValueError, match="Gemma4ForCausalLM has no routed experts; use ep=1"):
+        check_expert_parallel(dense, build_layout(vision, lmm.ParallelSpec(ep=2), 4, "parallel", ["vision"]))
+
+
+def test_gemma4_costs_read_each_layers_head_size(tmp_path):
+    """Gemma 4's config refuses one global ``head_dim`` (local layers 8, global 16): the workload model charges
+    each layer's attention its own width (4 heads x 8, 8, 16, 16; trained: 3 x 4 x width per token pair) and the
+    planner's CP shape takes the widest layer's, so the strategy's setup and ``plan`` run on it."""
+    from lightning_mm.planner.plan_cli import attention_shape
+    from lightning_mm.planner.workload import WorkloadModel
+
+    model = lmm.MultimodalModel.from_pretrained(_gemma4_folder(tmp_path / "src"))
+    assert WorkloadModel.from_model(model).language_model.a == 3 * 4.0 * 4 * (8 + 8 + 16 + 16)
+    shape = attention_shape(model, {"input_ids": torch.zeros(2, 64, dtype=torch.long)})
+    assert (shape.seq_len, shape.heads, shape.kv_heads, shape.head_dim) == (128, 4, 2, 16)
+
+
+# ---------------------------------------------------------------------------------------- across processes
+def _trains_like_one_process(case: dict, tmp_path, pack: int | None = None, experts_held: float | None = None):
+    """The Gemma 4 composite with experts (local layers 0-1 with a 7-token window, global layers 2-3) trained 3
+    steps on samples of 0 to 5 Gemma 4 images (``patch_sample``: patches with grid positions, some padded; sample
+    0 text only) in one process and under the strategy with ``case``: equal losses and trained parameters, every
+    parameter trained (experts, tower and projector included); ``experts_held``: the share of the experts' weights
+    each of the two LLM ranks holds under ``case``."""
+    from tests.helpers.composite_case import run_case
+
+    folder = _gemma4_folder(tmp_path / "src", text=dict(moe=True))
+    base = {"folder": folder, "patches": True, **({"pack": pack} if pack else {})}
+    ref_losses, ref_params = run_case("composite_case.py", base, tmp_path, "single")
+    start = dict(lmm.MultimodalModel.from_pretrained(folder).named_parameters())
+    assert len(ref_losses) == 3 and ref_losses[-1] < ref_losses[0]
+    assert set(ref_params) == set(start) and all(not torch.equal(ref_params[n], start[n]) for n in start)
+    assert any(".experts." in n for n in start)
+    losses, params = run_case("composite_case.py", {**base, **case}, tmp_path, "parallel")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert set(params) == set(ref_params)
+    for n, p in ref_params.items():  # Gemma scales the token embeddings by sqrt(hidden), and their gradients with
+        # them: one process on packed rows already ends 6e-6 from itself on unpacked rows there
+        torch.testing.assert_close(params[n], p, rtol=1e-4, atol=2e-5 if "embed_tokens" in n else 1e-5, msg=n)
+    if experts_held is not None:  # the share of the routed experts' weights each rank with LLM layers holds
+        counts = [json.loads(f.read_text()) for f in (tmp_path / "parallel").glob("experts_*.json")]
+        assert sorted(held / total for held, total in counts if total) == [experts_held] * 2, counts
+
+
+@pytest.mark.slow
+def test_gemma4_with_llm_pipeline_cut_between_local_and_global_layers_trains_like_one_process(tmp_path):
+    """Vision tower one rank beside the LLM over 2 pipeline stages cut between local layer 1 and global layer 2
+    (each stage builds its layers' masks: the window on stage 0 only), 2 microbatches."""
+    config = families.LANGUAGE_FAMILIES["gemma4_text"].tiny_config(sliding_window=7)
+    assert config.layer_types[1:3] == ["sliding_attention", "full_attention"]
+    _trains_like_one_process({"llm_pp": 2, "partition": {"vision": [2], "language_model": [2, 2]}}, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.combines("llm_cp", "fsdp", "packing")
+def test_gemma4_under_llm_cp_with_fsdp_on_packed_rows_trains_like_one_process(tmp_path):
+    """LLM cp 2 (all-gather, LPT blocks of 8 tokens) with its parameters sharded over the two cp ranks
+    (FULL_SHARD), rows of 64 tokens packing several samples: the local layers' 7-token window reaches the attention
+    through the bitfield mask at global positions, so each cp rank's queries see one process's window."""
+    _trains_like_one_process({"llm_cp": 2, "sharding": "FULL_SHARD", "microbatches": 1}, tmp_path, pack=64)
+
+
+@pytest.mark.slow
+@pytest.mark.combines("ep", "fsdp", "packing")
+def test_gemma4_with_expert_parallelism_and_fsdp_trains_like_one_process(tmp_path):
+    """The 4 experts of every layer split over ep 2 (transformers' ep plan, its experts only: the dense MLP beside
+    them stays whole) across 2 FULL_SHARD replicas, packed rows of 64 tokens. Gemma 4 adds no load-balancing loss,
+    so one process running the whole batch is the reference whatever rows each replica takes."""
+    _trains_like_one_process({"ep": 2, "dp": 2, "sharding": "FULL_SHARD", "microbatches": 1}, tmp_path, pack=64,
+                             experts_held=0.5)

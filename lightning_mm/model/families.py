@@ -57,6 +57,11 @@ class DecoderFamily:
     def final_modules(self, lm) -> dict[str, nn.Module]:
         return {"norm": lm.model.norm, "lm_head": lm.lm_head}
 
+    def has_routed_experts(self, lm) -> bool:
+        """Whether ``lm``'s layers hold routed experts expert parallelism can split (``is_moe`` families: always;
+        a family whose experts are a config option says so itself)."""
+        return bool(getattr(self, "is_moe", False))
+
     def logits(self, lm, hidden):
         logits = lm.lm_head(lm.model.norm(hidden))
         cap = getattr(lm.config, "final_logit_softcapping", None)
@@ -145,6 +150,15 @@ class Gemma3DecoderFamily(DecoderFamily):
 
     def position_embeddings(self, lm, hidden, position_ids):
         return {kind: lm.model.rotary_emb(hidden, position_ids, kind) for kind in set(lm.config.layer_types)}
+
+    def has_routed_experts(self, lm) -> bool:
+        return bool(getattr(lm.config, "enable_moe_block", False))  # no router statistics: no aux loss
+
+    def num_experts(self, lm) -> int:
+        return lm.config.num_experts
+
+    def top_k(self, lm) -> int:
+        return lm.config.top_k_experts
 
     def run_layer(self, layer, hidden, position_embeddings, position_ids, attn_kwargs):
         kind = layer.self_attn.layer_type  # "sliding_attention" or "full_attention"

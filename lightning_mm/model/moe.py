@@ -110,12 +110,16 @@ MROPE_FAMILIES["qwen3_vl_moe_text"] = MRopeMoeDecoderFamily(
 
 
 EXPERT_PLAN_LAYERS = "layers.*."
+EXPERT_STYLES = ("grouped_gemm", "ep_dispatch_experts")  # the entries of an ep plan that split the experts
 
 
 def expert_layer_plan(lm: nn.Module) -> dict[str, str]:
     """The per-layer part of the LLM's HF expert-parallel plan (``layers.*.X`` -> ``X``), or a clear error."""
     plan = dict(getattr(lm.config, "base_model_ep_plan", None) or {})
-    layer = {k[len(EXPERT_PLAN_LAYERS):]: v for k, v in plan.items() if k.startswith(EXPERT_PLAN_LAYERS)}
+    # only the experts: a plan's dense entries (Gemma 4's MLP beside its experts, colwise / rowwise) would
+    # tensor-parallelise that MLP over the ep ranks, which hold different tokens
+    layer = {k[len(EXPERT_PLAN_LAYERS):]: v for k, v in plan.items()
+             if k.startswith(EXPERT_PLAN_LAYERS) and v in EXPERT_STYLES}
     if not layer:
         raise ValueError(f"{type(lm).__name__} ships no expert-parallel plan (config.base_model_ep_plan is empty); "
                          "use language_model=ParallelSpec(ep=1)")

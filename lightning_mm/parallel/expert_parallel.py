@@ -33,10 +33,8 @@ def check_expert_parallel(model, layout: RankLayout) -> None:
     ``build_layout``). Pure: runs before any process group exists."""
     if layout.ep == 1:
         return
-    from lightning_mm.model.moe import is_moe
-
     lm = model.language_model
-    if not is_moe(model.lm_family):
+    if not model.lm_family.has_routed_experts(lm):
         raise ValueError(f"language_model ep={layout.ep}, but {type(lm).__name__} has no routed experts; use ep=1")
     expert_layer_plan(lm)
     experts = model.lm_family.num_experts(lm)
@@ -75,7 +73,7 @@ def gathered_experts(model, plan: StagePlan):
 
     sl, lm = plan.language_model, model.language_model
     saved: list[tuple] = []
-    if sl is not None and getattr(model.lm_family, "is_moe", False):
+    if sl is not None and model.lm_family.has_routed_experts(lm):
         layer_plan = expert_layer_plan(lm)
         for i in range(sl.start, sl.end):
             layer = model.lm_family.layers(lm)[i]

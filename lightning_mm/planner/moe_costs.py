@@ -45,9 +45,7 @@ def expert_parameter_names(model) -> dict[int, list[str]]:
     """Per LLM layer index, the names (inside the layer) of its routed expert weights: the ``grouped_gemm`` entries of
     the family's HF expert-parallel plan (``config.base_model_ep_plan``, what ``apply_ep`` splits), present in the
     layer (dense layers of a mixed model have none). Empty for a dense LLM."""
-    from lightning_mm.model.moe import is_moe
-
-    if not is_moe(model.lm_family):
+    if not model.lm_family.has_routed_experts(model.language_model):
         return {}
     from lightning_mm.model.moe import expert_layer_plan
 
@@ -78,10 +76,8 @@ def expert_layer_bytes(model) -> tuple[list[float], list[float]]:
 
 def expert_shape(model, batch: dict) -> ExpertShape | None:
     """The LLM's ``ExpertShape`` for ``batch`` (None for a dense LLM)."""
-    from lightning_mm.model.moe import is_moe
-
     fam, lm = model.lm_family, model.language_model
-    if not is_moe(fam):
+    if not fam.has_routed_experts(lm):
         return None
     seq = batch.get("bam") if batch.get("bam") is not None else batch["input_ids"]
     return ExpertShape(fam.num_experts(lm), fam.top_k(lm), fam.hidden_size(lm), int(seq.numel()),

@@ -105,6 +105,18 @@ def first_microbatch(module, datamodule, trainer, num_microbatches: int) -> dict
     return split_microbatches(batch, num_microbatches, module.model)[0]
 
 
+def _attention_dims(cfg, heads: int) -> tuple[int, int]:
+    """(KV heads, head size) of the LLM's attention layers; where a config gives them per layer
+    (``per_layer_config``: Gemma 4's global layers have their own) the layer moving the most K/V bytes, an upper
+    bound for the others (its config refuses one global ``head_dim``)."""
+    per_layer = [(getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None))
+                 for c in (getattr(cfg, "per_layer_config", None) or [])]
+    if per_layer and all(d for _, d in per_layer):
+        return max(per_layer, key=lambda kd: kd[0] * kd[1])
+    return (getattr(cfg, "num_key_value_heads", None) or heads,
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+
+
 def attention_shape(model, batch: dict) -> AttentionShape:
     """The LLM's attention as context parallelism moves it for ``batch``: tokens of the microbatch (rows x
     sequence; every term of the byte model is linear in them), heads, KV heads, head dim, parameter bytes, and
@@ -112,8 +124,7 @@ def attention_shape(model, batch: dict) -> AttentionShape:
     lm = model.language_model
     cfg = getattr(lm.config, "text_config", None) or lm.config
     heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads, head_dim = _attention_dims(cfg, heads)
     seq = batch.get("bam") if batch.get("bam") is not None else batch["input_ids"]
     dtype_bytes = next(lm.parameters()).element_size()
     from lightning_mm.model.linear_attention import LINEAR, layer_types

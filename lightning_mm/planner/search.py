@@ -49,10 +49,17 @@ class AttentionShape:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_ids: tuple[int, ...] = ()  # which LLM layers (0-based) are GDN layers; the others are attention
+    # per CP degree, each rank's tokens of the microbatch as the CP planner splits it (``cp_comm.rank_token_counts``
+    # of its plan: LPT blocks of packed rows are uneven); the entry of length cp is used, a cp without one is even
+    rank_tokens: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         ids = tuple(sorted(int(i) for i in self.linear_ids))
         object.__setattr__(self, "linear_ids", ids)
+        object.__setattr__(self, "rank_tokens", tuple(tuple(int(n) for n in c) for c in self.rank_tokens))
+        if any(sum(c) != self.seq_len for c in self.rank_tokens):
+            raise ValueError(f"AttentionShape: rank_tokens {self.rank_tokens} must each sum to seq_len={self.seq_len} "
+                             "(the microbatch's tokens over its CP ranks); take them from rank_token_counts")
         if ids and not self.linear_layers:
             object.__setattr__(self, "linear_layers", len(ids))
         shape = (self.linear_value_heads, self.linear_key_heads, self.linear_key_dim, self.linear_value_dim)
@@ -95,11 +102,13 @@ def cp_layer_bytes(attention: AttentionShape, cp: int, mode: str, ulysses: int |
                    linear: bool = False) -> dict:
     """CP bytes of one LLM layer of one microbatch at these degrees (heads per tp rank): an attention layer's
     ``cp_communication_bytes`` for ``mode``, a Gated DeltaNet layer's (``linear``) headwise all-to-alls
-    (``gdn_communication_bytes``, the same in every mode)."""
+    (``gdn_communication_bytes``, the same in every mode, padded to the fullest rank of ``attention.rank_tokens``
+    where it gives the split at ``cp``)."""
     if linear:
+        split = next((c for c in attention.rank_tokens if len(c) == cp), None)
         return gdn_communication_bytes(attention.seq_len, cp, attention.linear_key_heads // tp,
                                        attention.linear_value_heads // tp, attention.linear_key_dim,
-                                       attention.linear_value_dim, attention.dtype_bytes)
+                                       attention.linear_value_dim, attention.dtype_bytes, rank_tokens=split)
     return cp_communication_bytes(mode, attention.seq_len, cp, attention.heads // tp, attention.kv_heads // tp,
                                   attention.head_dim, ulysses if mode == "hybrid" else None, attention.dtype_bytes)
 

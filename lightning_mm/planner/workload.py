@@ -39,10 +39,12 @@ def _layer_weights(layer: torch.nn.Module, experts: set[int] = frozenset(), acti
     return sum(p.numel() * (active if id(p) in experts else 1.0) for p in layer.parameters() if p.dim() >= 2)
 
 
-def _attention_width(config) -> int:
+def _attention_width(config, layer: torch.nn.Module | None = None) -> int:
+    """Query heads x head size; a layer's attention module's own head size where it has one (Gemma 4's global
+    layers have their own, and its config refuses a global ``head_dim``)."""
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None) or 1
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads * head_dim
+    head_dim = getattr(getattr(layer, "self_attn", None), "head_dim", None)
+    return heads * (head_dim or getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def linear_attention_token_flops(config, chunk: int = 64) -> float:
@@ -100,10 +102,13 @@ class WorkloadModel:
         cfg = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
         from lightning_mm.model.linear_attention import LINEAR, layer_types
 
-        linear = layer_types(cfg).count(LINEAR)  # Gated DeltaNet layers: linear in length
+        types = layer_types(cfg)
+        linear = types.count(LINEAR)  # Gated DeltaNet layers: linear in length
         if linear:
             b += linear * linear_attention_token_flops(cfg)
-        return cls(encoders, Quadratic(f * 4.0 * _attention_width(cfg) * (len(layers) - linear), f * b))
+        width = sum(_attention_width(cfg, layer) for i, layer in enumerate(layers)
+                    if i >= len(types) or types[i] != LINEAR)
+        return cls(encoders, Quadratic(f * 4.0 * width, f * b))
 
     @classmethod
     def fit(cls, tokens: dict[str, list[float]], times: dict[str, list[float]]) -> "WorkloadModel":

@@ -1,8 +1,10 @@
 """Train a composite checkpoint (``MultimodalModel.from_pretrained``) with Lightning, in one process or under
 MultimodalParallelStrategy, described by a JSON argument.
 
-``python composite_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0: per-step losses) and
-``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names). Keys of the JSON:
+``python composite_case.py '<json>' <out_dir>`` writes ``<out_dir>/result.json`` (rank 0: per-step losses),
+``<out_dir>/params_<rank>.pt`` (the trainable parameters this rank owns, full names) and
+``<out_dir>/experts_<rank>.json`` (the elements of the routed experts' weights this rank holds, and of all of
+them). Keys of the JSON:
 
 - ``folder``: the composite folder (required); ``steps``
 - ``llm_pp`` / ``llm_cp`` / ``llm_tp`` / ``vision_pp`` / ``vision_cp`` / ``vision_tp`` / ``dp``: the LLM's
@@ -31,6 +33,8 @@ MultimodalParallelStrategy, described by a JSON argument.
 - ``mixed``: sample ``i`` holds ``i % 3`` images and, when ``i % 4 >= 2``, a video (some samples text only)
 - ``encoder``: the encoder the ``vision_*`` keys lay out ("vision" unless given); "audio" makes Qwen2-Audio samples
   (``audio_sample``) instead of images
+- ``patches``: Gemma 4 images (``patch_sample``: each image's patches flattened with their grid positions, some
+  with padding patches) instead of Qwen-VL grids
 
 Batches come from ``MultimodalCollator``: samples with one or two images of different grids, so rows differ in
 length (padding) and the M-RoPE ``position_ids`` ``[B, S, 3]`` travel with the tokens.
@@ -64,6 +68,28 @@ def audio_sample(i: int) -> dict:
         mask = (torch.arange(16)[None, :] < torch.tensor(frames)[:, None]).long()
         out["audio"] = {"input_features": torch.randn(len(frames), 16, 16, generator=g) * mask[:, None, :],
                         "feature_attention_mask": mask}
+    return out
+
+
+def patch_sample(i: int, images: int = 5, patch_dim: int = 48) -> dict:
+    """Gemma 4's image processor's layout: ``i % (images + 1)`` images (0 to ``images``; sample 0 text only), each
+    16 patches of ``patch_dim`` values with their ``(x, y)`` grid positions ``[n, 16, 2]``: a 4 x 4 grid (4 pooled
+    tokens), or every other image a 4 x 2 grid whose last 8 patches are padding (position ``(-1, -1)``, pixels 0:
+    2 tokens)."""
+    g = torch.Generator().manual_seed(i)
+    n = i % (images + 1)
+    ids = torch.randint(1, 90, (3 + i % 3,), generator=g).tolist()
+    for _ in range(n):
+        ids += [VSTART, IMG, VEND] + torch.randint(1, 90, (2,), generator=g).tolist()
+    out = {"input_ids": torch.tensor(ids + torch.randint(1, 90, (4,), generator=g).tolist())}
+    if n:
+        ys, xs = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
+        pos = torch.stack([xs.flatten(), ys.flatten()], -1).expand(n, -1, -1).clone()
+        pixels = torch.rand(n, 16, patch_dim, generator=g)
+        padded = (torch.arange(n) + i) % 2 == 1
+        pos[padded, 8:] = -1
+        pixels[padded, 8:] = 0
+        out["vision"] = {"pixel_values": pixels, "image_position_ids": pos}
     return out
 
 
@@ -186,6 +212,10 @@ def train(case: dict, out: str, strategy, devices: int, samples) -> None:
     torch.save({n: full(p).detach().cpu() for n, p in module.model.named_parameters()
                 if p.requires_grad and (engine is None or n in engine.owned)},
                os.path.join(out, f"params_{trainer.global_rank}.pt"))
+    experts = [p for n, p in module.model.named_parameters() if ".experts." in n]  # routed experts' weights
+    with open(os.path.join(out, f"experts_{trainer.global_rank}.json"), "w") as f:  # held here, of all (1 / ep)
+        json.dump([sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in experts),
+                   sum(p.numel() for p in experts)], f)
     if trainer.global_rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"train": losses}, f)
@@ -212,6 +242,7 @@ def main(spec: str, out: str):
         strategy, devices = "auto", 1
     train(case, out, strategy, devices,
           lambda model: [audio_sample(i) if case.get("encoder") == "audio" else
+                         patch_sample(i, case.get("images") or 5) if case.get("patches") else
                          sample(i, case.get("videos", False), case.get("image_size"), case.get("images"),
                                 case.get("mixed", False))
                          for i in range(12)])
