@@ -98,6 +98,10 @@ def test_none_is_the_contiguous_split():
     assert plan.assignment == [[list(range(r * 16 + m * 4, r * 16 + m * 4 + 4)) for m in range(4)] for r in range(3)]
     assert plan.deferred == ()
     torch.testing.assert_close(plan.llm_loads(llm), llm.view(3, 4, 4).sum(-1))
+    enc, llm = heterogeneous_batch(10, 0)  # 5 samples a replica into 2 microbatches: only without ``equal``
+    with pytest.raises(ValueError, match="equal microbatches"):
+        plan_batch(enc, llm, 2, 2)
+    assert plan_batch(enc, llm, 2, 2, equal=False).assignment == [[[0, 1], [2, 3, 4]], [[5, 6], [7, 8, 9]]]
 
 
 def test_bottleneck_matching_worked_example():

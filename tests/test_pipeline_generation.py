@@ -152,13 +152,13 @@ def test_moe_generation_of_the_whole_model_per_rank_under_ep2(tmp_path):
 @pytest.mark.slow
 @pytest.mark.combines("per_module_dp", "generation", "pipeline")
 def test_generation_under_per_module_dp_equals_one_process(tmp_path):
-    """Vision dp 2 + LLM dp 1 pp 2 (4 ranks): the group's four prompts (1, 2, 1 and 0 images) routed as one
-    microbatch, the tower replicas encoding rows [1] and [0, 2] and both sending their features to the LLM's first
-    stage, stop tokens ending the rows at different steps: every rank returns the greedy tokens of one-process
-    ``model.generate``."""
-    result = _run({"kind": "llava", "llm_pp": 2, "vision_dp": 2, "early_stop": True}, tmp_path, "pmdp")
+    """Vision dp 2 + LLM dp 1 pp 2 (4 ranks): the group's five prompts (1, 2, 1, 0 and 5 images) routed as one
+    microbatch, the tower replicas each encoding some of the rows and both sending their features to the LLM's
+    first stage, stop tokens ending the rows at different steps: every rank returns the greedy tokens of
+    one-process ``model.generate``."""
+    result = _run({"kind": "llava", "llm_pp": 2, "vision_dp": 2, "early_stop": True, "five": True}, tmp_path, "pmdp")
     _check(result, 4)
-    assert len(result["generated"][0]) == 4 and 1 < len(result["generated"][0][0]) < 8, result
+    assert len(result["generated"][0]) == 5 and 1 < len(result["generated"][0][0]) < 8, result
 
 
 def test_generation_routes_the_group_batch_as_one_microbatch():

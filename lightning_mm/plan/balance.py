@@ -144,11 +144,13 @@ def plan_batch(encoder_work: torch.Tensor, llm_work: torch.Tensor, num_replicas:
 
     ``encoder_work`` / ``llm_work``: 1-D, one non-negative cost per sample of the global batch, ordered replica by
     replica as the sampler gives it. Options: ``num_stages`` (pipeline depth p for DistTrain's ordering, default
-    2; accepted and ignored by the other methods so callers can always pass it)."""
+    2; accepted and ignored by the other methods so callers can always pass it) and ``equal`` (method 'none':
+    microbatches of equal sizes, the default, or contiguous ones differing by at most one sample)."""
     num_stages = options.pop("num_stages", 2)
+    equal = options.pop("equal", True)
     if options:
-        raise TypeError(f"plan_batch() got unknown option(s) {sorted(options)}: the only option is num_stages "
-                        f"(pipeline depth, used by method 'disttrain')")
+        raise TypeError(f"plan_batch() got unknown option(s) {sorted(options)}: the options are num_stages "
+                        f"(pipeline depth, used by method 'disttrain') and equal (method 'none')")
     if method not in METHODS:
         raise ValueError(f"unknown balancing method {method!r}: use one of {', '.join(map(repr, METHODS))}")
     for name, v in (("num_replicas", num_replicas), ("num_microbatches", num_microbatches),
@@ -165,11 +167,11 @@ def plan_batch(encoder_work: torch.Tensor, llm_work: torch.Tensor, num_replicas:
         raise ValueError(f"each replica gets {n} samples but there are {K} microbatches and every microbatch needs "
                          f"at least one sample: use at most {n} microbatches or a global batch of at least {R * K}")
     if method == "none":
-        if n % K:
+        if n % K and equal:
             raise ValueError(f"method 'none' splits each replica's {n} samples into {K} equal microbatches: make "
                              f"the per-replica batch a multiple of {K}, or use 'disttrain' or 'entrain' (they allow "
                              f"microbatches of different sizes)")
-        return BatchPlan([[list(range(r * n + m * (n // K), r * n + (m + 1) * (n // K))) for m in range(K)]
+        return BatchPlan([[list(range(r * n + m * n // K, r * n + (m + 1) * n // K)) for m in range(K)]
                           for r in range(R)])
     if method == "disttrain":
         return _disttrain(enc, R, K, num_stages)

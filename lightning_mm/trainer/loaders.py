@@ -114,7 +114,7 @@ def _group_loader(loader, *, training: bool, layout: RankLayout, rank: int, num_
     first = layout.group_of(rank) * replicas
     return _planned_loader(loader, sampler, batch_size, method=method, replica=list(range(first, first + replicas)),
                            layout=layout, num_microbatches=num_microbatches, engine=engine, workload=workload,
-                           router=engine.exchange.router)
+                           router=engine.exchange.router, equal=training)
 
 
 def _balanced_loader(loader, *, method: str, layout: RankLayout, rank: int, num_microbatches: int,
@@ -135,16 +135,17 @@ def _balanced_loader(loader, *, method: str, layout: RankLayout, rank: int, num_
 
 def _planned_loader(loader, sampler: DistributedSampler, batch_size: int, *, method: str, replica: int | list[int],
                     layout: RankLayout, num_microbatches: int, engine: PipelineEngine, workload: WorkloadModel | None,
-                    router=None) -> ResumableDataLoader:
+                    router=None, equal: bool = True) -> ResumableDataLoader:
     """``loader`` rebuilt over the global batches of its DistributedSampler (``data/balanced.py``): the samples
     of ``replica`` (an index, or the list of a group's replicas), placed by ``plan_batch(method)`` ("none":
-    contiguous), with ``router``'s routing (per-module data parallelism) in each batch."""
+    contiguous; of equal sizes with ``equal``, else differing by at most one: evaluation and generation take any
+    batch size), with ``router``'s routing (per-module data parallelism) in each batch."""
     model = engine.model
     depth = num_pipeline_stages(engine.graph)  # DistTrain orders microbatches to fill this pipeline
     work = metadata_works(sampler.dataset, workload, model) if method != "none" else no_work
     batches = BalancedBatchSampler(
         sampler.dataset, batch_size, layout.dp, replica, num_microbatches,
-        plan=lambda enc, llm, r, k: plan_batch(enc, llm, r, k, method, num_stages=depth), work=work,
+        plan=lambda enc, llm, r, k: plan_batch(enc, llm, r, k, method, num_stages=depth, equal=equal), work=work,
         shuffle=sampler.shuffle, seed=sampler.seed, drop_last=sampler.drop_last)
     collate = BalancedCollate(loader.collate_fn, model.placeholder_ids, router=router)
     return ResumableDataLoader(BalancedDataset(sampler.dataset), batch_sampler=batches,

@@ -172,7 +172,7 @@ def loader(case: dict, model, batch: dict) -> DataLoader:
     a DistributedSampler, which the strategy's group loader rebuilds (it routes the rows between the replicas)."""
     if not case.get("vision_dp"):
         return DataLoader([batch], batch_size=None)
-    samples = llava_samples(model, 0, text_only=True)
+    samples = llava_samples(model, 0, text_only=True, five=case.get("five", False))
     sampler = DistributedSampler(samples, num_replicas=1, rank=0, shuffle=False)
     return DataLoader(samples, batch_size=len(samples), sampler=sampler, collate_fn=lmm.data.MultimodalCollator(model))
 
