@@ -9,6 +9,7 @@ optimiser's buffers and the scheduler).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -150,14 +151,23 @@ def test_bad_settings_fail_before_training(setting, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- real failures
-@pytest.fixture
-def lighthouse():
+@contextlib.contextmanager
+def lighthouse_server(heartbeat_s: float):
+    """A torchft lighthouse on a free port that counts a silent group alive for ``heartbeat_s``; its address."""
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=3000, quorum_tick_ms=20,
-                              heartbeat_timeout_ms=int(HEARTBEAT_S * 1000))
-    yield parse_address(server.address())
-    server.shutdown()
+                              heartbeat_timeout_ms=int(heartbeat_s * 1000))
+    try:
+        yield parse_address(server.address())
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture
+def lighthouse():
+    with lighthouse_server(HEARTBEAT_S) as address:
+        yield address
 
 
 def _launch(cfg: dict, restarts: int, nnodes: int = 1, node_rank: int = 0, port: int | None = None,

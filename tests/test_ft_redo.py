@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_mm.fault_tolerance import parse_address
-from tests.test_fault_tolerance import STEPS, _assert_both_groups_equal_the_reference, _log, _run_two_groups
+from tests.test_fault_tolerance import (STEPS, _assert_both_groups_equal_the_reference, _log, _run_two_groups,
+                                        lighthouse_server)
 
 torchft = pytest.importorskip("torchft")
 
@@ -24,12 +24,8 @@ PATIENT_HEARTBEAT_S = 1800.0  # far longer than a group's restart, even at a loa
 @pytest.fixture
 def patient_lighthouse():
     """A lighthouse that counts a silent group alive for ``PATIENT_HEARTBEAT_S``."""
-    from torchft.coordination import LighthouseServer
-
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=3000, quorum_tick_ms=20,
-                              heartbeat_timeout_ms=int(PATIENT_HEARTBEAT_S * 1000))
-    yield parse_address(server.address())
-    server.shutdown()
+    with lighthouse_server(PATIENT_HEARTBEAT_S) as address:
+        yield address
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from lightning_mm.model import linear_attention as la
 BLOCK = 8
 
 
-def _gdn(key_heads: int, value_heads: int):
+def _gdn(key_heads: int, value_heads: int, key_dim: int = 8, value_dim: int = 6):
     """A Qwen3.5 GDN layer (HF's class, segment-aware) with random weights; ``dt_bias`` and the convolution random too,
     so every head differs."""
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
@@ -24,7 +24,7 @@ def _gdn(key_heads: int, value_heads: int):
 
     torch.manual_seed(0)
     cfg = Qwen3_5TextConfig(hidden_size=32, linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
-                            linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+                            linear_key_head_dim=key_dim, linear_value_head_dim=value_dim, linear_conv_kernel_dim=4,
                             num_hidden_layers=1, layer_types=["linear_attention"])
     gdn = la.segment_aware(Qwen3_5GatedDeltaNet(cfg, layer_idx=0))
     with torch.no_grad():

@@ -104,18 +104,10 @@ def test_fla_varlen_kernels_equal_torch_reference_on_cuda():
 
 
 def _gdn():
-    from transformers.models.qwen3_5 import Qwen3_5TextConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+    """The CP tests' random Qwen3.5 GDN layer, with 16-wide heads."""
+    from test_gdn_context_parallel import _gdn as random_gdn
 
-    torch.manual_seed(0)
-    cfg = Qwen3_5TextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
-                            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                            num_hidden_layers=1, layer_types=["linear_attention"])
-    gdn = la.segment_aware(Qwen3_5GatedDeltaNet(cfg, layer_idx=0))
-    with torch.no_grad():
-        gdn.dt_bias.normal_()
-        gdn.norm.weight.normal_()
-    return gdn
+    return random_gdn(2, 4, key_dim=16, value_dim=16)
 
 
 def _layer(device: str, kernel: str | None):
