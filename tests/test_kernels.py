@@ -380,3 +380,50 @@ def test_benchmark_baselines_get_the_same_mask():
         assert torch.equal(create_mask(bench.flex_mask_mod(bam, seg), 2, None, 150, 150, device="cpu")[:, 0], rule)
         assert torch.equal(bench.dense_mask(bam, seg, chunk=64)[:, 0], rule)
         assert bench.count_allowed_pairs(bam, seg, chunk=64) == int(rule.sum())
+
+
+# ------------------------------------------------------------------------------------------------ host syncs
+
+def test_attention_path_of_a_training_step_reads_nothing_on_the_host(monkeypatch):
+    """One forward+backward of a 2-layer Qwen2 (GQA, head dim 16) whose attention runs the kernels: no operation on
+    the attention path (validation, tile classification, work items, launches' arguments, backward) would make
+    the host wait for a GPU (``DeviceToHost``: value reads, value-sized outputs, host copies). The step's only
+    two reads are the model's, once per step: building the words checks the modality indices, and
+    ``attention_context`` validates the words, which the layers then take as checked. Loss and gradients equal
+    the same model on the reference backend. The interpreter's own argument copies are not counted."""
+    from lightning_mm.attention import dispatch
+    from lightning_mm.model import tiny_language_model
+    import lightning_mm as lmm
+    from tests.helpers.host_reads import DeviceToHost
+
+    torch.manual_seed(0)
+    lm = tiny_language_model("qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_hidden_layers=2)
+    model = lmm.MultimodalModel({}, lm)
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model.zero_grad()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = step()  # CPU tensors: the dispatcher takes the reference backend
+    mode, launch = DeviceToHost(), kernels.attention.launch
+
+    def paused_launch(*args, **meta):
+        with mode.paused():
+            launch(*args, **meta)
+
+    monkeypatch.setattr(kernels.attention, "launch", paused_launch)
+    monkeypatch.setattr(dispatch, "_triton_available", lambda q: True)
+    with mode:
+        loss, grads = step()
+    on_path = [r for r, w in zip(mode.reads, mode.where)
+               if any("attention/kernels/" in f or "attention/dispatch.py" in f or "attention/hf.py" in f for f in w)]
+    assert on_path == [], f"host reads on the attention path: {on_path}"
+    assert len(mode.reads) == 2, list(zip(mode.reads, [w[-2:] for w in mode.where]))
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=1e-4, rtol=1e-3, msg=name)
