@@ -427,3 +427,26 @@ def test_attention_path_of_a_training_step_reads_nothing_on_the_host(monkeypatch
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_launch_table_is_keyed_by_dtype_and_head_dim(tmp_path, monkeypatch):
+    """The GPU launch settings come from the table row of the dtype and the smallest head-dim bound that fits,
+    record their origin, and a JSON table (a tuning sweep's output) replaces rows by name."""
+    from lightning_mm.attention.kernels import launch_config as lc
+
+    assert lc.config_for(torch.bfloat16, 64).fwd_warps == 4 and lc.config_for(torch.bfloat16, 96).fwd_warps == 8
+    assert lc.config_for(torch.float16, 256).fwd_m == 64 and lc.config_for(torch.float32, 48).fwd_m == 64
+    assert "not tuned" in lc.config_for(torch.bfloat16, 128).source
+    assert lc.config_for(torch.bfloat16, 128, cuda=False) is lc.INTERPRETER_CONFIG
+    tuned = dict(dtype="bf16", head_dim=128, fwd_m=64, fwd_n=64, dkdv_m=64, dkdv_n=64, dq_m=64, dq_n=64,
+                 fwd_warps=4, bwd_warps=8, stages=2, min_split_tiles=8, source="sweep on some GPU")
+    path = tmp_path / "table.json"
+    path.write_text(__import__("json").dumps([tuned]))
+    monkeypatch.setenv("LIGHTNING_MM_KERNEL_TABLE", str(path))
+    cfg = lc.config_for(torch.bfloat16, 128)
+    assert (cfg.fwd_m, cfg.bwd_warps, cfg.source) == (64, 8, "sweep on some GPU")
+    assert lc.config_for(torch.bfloat16, 64).fwd_warps == 4  # rows the file lacks keep the built-in table's
+    assert lc.load_table(str(path)) == {(torch.bfloat16, 128): cfg}
+    assert lc.table_rows({(torch.bfloat16, 128): cfg}) == [tuned]
+    with pytest.raises(ValueError, match="head dim 300.*add a row"):
+        lc.config_for(torch.bfloat16, 300)
