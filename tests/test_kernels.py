@@ -450,3 +450,22 @@ def test_launch_table_is_keyed_by_dtype_and_head_dim(tmp_path, monkeypatch):
     assert lc.table_rows({(torch.bfloat16, 128): cfg}) == [tuned]
     with pytest.raises(ValueError, match="head dim 300.*add a row"):
         lc.config_for(torch.bfloat16, 300)
+
+
+def test_full_tiles_take_the_unmasked_path(monkeypatch):
+    """The kernels apply no mask on tiles classified FULL (the loop over them has no rule evaluation): with every
+    tile of a causal mask forced to FULL, output and gradients are those of unmasked attention (the reference with
+    every pair allowed), in the forward, dk/dv and dq passes alike. Forced PARTIAL everywhere, they are causal.
+    (S is a multiple of the tiles: a ragged last tile is never FULL, as the classification guarantees.)"""
+    s = 32
+    causal = masks.words_from_modalities(torch.zeros(1, s, dtype=torch.long), 0)
+    everything = torch.full((1, s), masks.text_word(0) & ~masks.CAUSAL, dtype=torch.int64)
+    q, k, v, dout = _inputs(1, 2, 1, s, s, 16, torch.float32, seed=12)
+    real = tiles.tile_classes
+    for forced, words in ((tiles.FULL, everything), (tiles.PARTIAL, causal)):
+        monkeypatch.setattr(tiles, "tile_classes", lambda *a, f=forced, **kw: torch.full_like(real(*a, **kw), f))
+        got = _run("triton", q, k, v, dout, _words(causal))
+        monkeypatch.setattr(tiles, "tile_classes", real)
+        ref = _run("reference", q, k, v, dout, _words(words))
+        for name, r, t in zip(("out", "dq", "dk", "dv"), ref, got):
+            torch.testing.assert_close(t, r, atol=2e-5, rtol=2e-5, msg=name)
