@@ -131,8 +131,7 @@ def tile_lists(classes: torch.Tensor):
     first ``partial`` entries take the masked path of the kernels, the next ``count - partial`` the unmasked one,
     and skipped tiles are never visited. Device-only: a stable sort, no host read.
     """
-    rank = torch.tensor([2, 1, 0], dtype=torch.int8, device=classes.device)[classes.long()]  # SKIP last
-    order = torch.argsort(rank, dim=-1, stable=True)
+    order = torch.argsort(PARTIAL - classes, dim=-1, stable=True)  # PARTIAL (0), FULL (1), SKIP (2)
     count = (classes != SKIP).sum(-1).to(torch.int32)
     partial = (classes == PARTIAL).sum(-1).to(torch.int32)
     return count.contiguous(), partial.contiguous(), order.to(torch.int32).contiguous()
