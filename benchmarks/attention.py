@@ -158,6 +158,7 @@ def run_case(s, layout, head_dim, args, device):
     case = dict(seq_len=s, layout=layout, head_dim=head_dim, allowed_pairs=pairs, density=pairs / (args.batch * s * s),
                 tiles=dict(skip=int((classes == SKIP).sum()) / n, full=int((classes == FULL).sum()) / n,
                            partial=int((classes == PARTIAL).sum()) / n), results={})
+    case["kernel_config"] = dict(vars(cfg))  # the launch table's entry, with its recorded origin
     del classes
     fns, setup = build_impls(args.impls, bam, seg, q, k)
     flops_fwd = 4 * args.heads * head_dim

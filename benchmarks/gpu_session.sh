@@ -2,6 +2,7 @@
 # Everything that needs a GPU, in parts that each fit one 10-minute command on a one-GPU machine (each part's
 # steps run under time limits that sum to about 6 minutes, so four parts fit in 30 minutes of machine time):
 #
+#   bash benchmarks/gpu_session.sh setup full             # all of the kernel work's checks in under 20 minutes
 #   bash benchmarks/gpu_session.sh setup quick            # the most important step of each part, in 9 minutes
 #   bash benchmarks/gpu_session.sh setup tests            # native kernel tests, then pytest -m gpu
 #   bash benchmarks/gpu_session.sh setup fit              # the ~0.6B VLM: one GPU, then 3 ranks sharing it
@@ -70,6 +71,25 @@ run_part() {
         timeout 140 python3 benchmarks/attention.py --head-dims 128 --seq-lens 16384 65536 \
           --out "$RESULTS/attention_${dev}_d128.json"; } 2>&1 | tee "$log"
       pack quick "$log" "$RESULTS"/*_"$dev".xml "$root" "$RESULTS"/attention_"${dev}"_d128.json ;;
+    full)  # most important first, each step under its own limit (sum 17.5 min), results written as they come
+      local log=$RESULTS/full_$dev.log
+      { versions; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+        echo "== 1. native kernel tests (TRITON_INTERPRET unset)";
+        env -u TRITON_INTERPRET timeout 180 python3 -m pytest -q --tb=short -p no:cacheprovider --full \
+          tests/test_kernels.py tests/test_sliding_window.py --junitxml="$RESULTS/kernels_$dev.xml";
+        echo "== 2. attention, head dim 128: 16k and 64k first, then 4k, 8k, 32k (EP/EE/MP; ours, flex, sdpa)";
+        timeout 300 python3 benchmarks/attention.py --head-dims 128 --seq-lens 16384 65536 4096 8192 32768 \
+          --out "$RESULTS/attention_${dev}_d128.json";
+        echo "== 3. the example VLM at world size 1: tokens/s, MFU, step time vs the simulator; profile of one step";
+        timeout 270 python3 benchmarks/gpu_fit.py --config examples/gpu_vlm.yaml --steps 20 --profile-step 5 \
+          --out "$RESULTS/fit_$dev";
+        echo "== 4. attention, head dim 64";
+        timeout 210 python3 benchmarks/attention.py --head-dims 64 --seq-lens 16384 65536 4096 8192 32768 \
+          --out "$RESULTS/attention_${dev}_d64.json";
+        echo "== 5. pytest -m gpu";
+        timeout 90 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests --junitxml="$RESULTS/gpu_$dev.xml";
+      } 2>&1 | tee "$log"
+      pack full "$log" "$RESULTS"/*_"$dev".xml "$RESULTS/fit_$dev" "$RESULTS"/attention_"${dev}"_d*.json ;;
     tests)
       local log=$RESULTS/tests_$dev.log
       { versions; echo "== native kernel tests (TRITON_INTERPRET unset)";
@@ -114,11 +134,11 @@ run_part() {
           --out "$RESULTS/plan_$dev"; } 2>&1 | tee "$log"
       pack profile "$log" "$RESULTS/layer_profile_$dev.json" "$RESULTS/frozen_aware_$dev" \
         "$RESULTS/plan_profile_$dev.json" "$RESULTS/plan_$dev" ;;
-    *) echo "unknown part '$part': setup, quick, tests, fit, attention, profile" >&2; return 2 ;;
+    *) echo "unknown part '$part': setup, full, quick, tests, fit, attention, profile" >&2; return 2 ;;
   esac
 }
 
-[ $# -gt 0 ] || { echo "usage: $0 setup|quick|tests|fit|attention|profile ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 setup|full|quick|tests|fit|attention|profile ..." >&2; exit 2; }
 status=0
 for part in "$@"; do
   echo "=== $part"

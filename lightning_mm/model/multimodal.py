@@ -326,7 +326,9 @@ class MultimodalModel(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if segment_ids is not None:  # the collator's are narrow (masks.segment_dtype); kernels take int64
             segment_ids = segment_ids.to(torch.int64)
-        return AttentionContext(position_ids=position_ids, bam=bam, segment_ids=segment_ids)
+        # the words were just validated: the attention layers sharing this cache need not read them again
+        return AttentionContext(position_ids=position_ids, bam=bam, segment_ids=segment_ids,
+                                attn_cache={"checked_words": [bam]})
 
     # ------------------------------------------------------------------ the whole model
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, bam: torch.Tensor | None = None,

@@ -9,7 +9,7 @@ import triton
 
 from lightning_mm.attention.mask import check_attention_inputs, check_window
 from lightning_mm.attention.kernels import split, tiles
-from lightning_mm.attention.kernels.backward import dkdv_kernel, dq_kernel
+from lightning_mm.attention.kernels.backward import delta_kernel, dkdv_kernel, dq_kernel
 from lightning_mm.attention.kernels.launch_config import KernelConfig, default_config, interpreting, num_sms
 from lightning_mm.attention.kernels.forward import forward_kernel, merge_kernel
 
@@ -58,12 +58,15 @@ def _window_arg(maps) -> int:
     return 0 if maps.window is None else min(maps.window, 2 ** 31 - 1)
 
 
-def _grid_launch(kernel, grid, *args, **meta):
+def launch(kernel, grid, *args, **meta):
+    """Every kernel launch goes through here (one place to observe them; tests count host reads around it)."""
     kernel[grid](*args, **meta)
 
 
 class TileMaps:
-    """The per-launch tile tables: forward/dq lists over key tiles and dk/dv lists over query tiles."""
+    """The tile tables of one mask, built on its device once per microbatch with no host read: forward/dq lists
+    over key tiles and dk/dv lists over query tiles (each ``(count, partial, index)``, see ``tiles.tile_lists``),
+    the backward work items, and the forward work items per split length."""
 
     def __init__(self, words, cfg: KernelConfig, window: int | None = None):
         qw, kw, qp, kp, qs, ks = words
@@ -76,6 +79,14 @@ class TileMaps:
         kv = dq if (cfg.dkdv_m, cfg.dkdv_n) == (cfg.dq_m, cfg.dq_n) else \
             tiles.tile_classes(qw, kw, qp, kp, qs, ks, cfg.dkdv_m, cfg.dkdv_n, window)
         self.dkdv = tiles.tile_lists(kv.transpose(1, 2).contiguous())
+        self.dq_items, self.dkdv_items = split.list_items(self.dq[0]), split.list_items(self.dkdv[0])
+        self._forward_items = {}
+
+    def forward_items(self, chunk: int):
+        """``split.forward_items`` of the forward lists for a split length, built once per length."""
+        if chunk not in self._forward_items:
+            self._forward_items[chunk] = split.forward_items(self.fwd[0], chunk, self.fwd[2].shape[2])
+        return self._forward_items[chunk]
 
 
 def attention_forward(q, k, v, words, maps: TileMaps, scale: float, cfg: KernelConfig, kv_split: int | None):
@@ -83,28 +94,29 @@ def attention_forward(q, k, v, words, maps: TileMaps, scale: float, cfg: KernelC
     qw, kw, qp, kp, qs, ks = words
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    counts, kv_idx, kv_cls = maps.fwd
+    _, kv_partial, kv_idx = maps.fwd
     nqt, nkt = kv_idx.shape[1], kv_idx.shape[2]
-    chunk = split.auto_chunk(counts, hq, num_sms(q.device), cfg.min_split_tiles) if kv_split is None else kv_split
-    items, merges, n_slots = split.forward_items(counts, chunk)
-    items, merges = items.to(q.device), merges.to(q.device)
+    chunk = split.auto_chunk(b * nqt, nkt, hq, num_sms(q.device), cfg.min_split_tiles) if kv_split is None \
+        else kv_split
+    items, merges, n_slots = maps.forward_items(chunk)
     block_d = max(16, triton.next_power_of_2(d))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     part_o = torch.empty((max(n_slots, 1), hq, cfg.fwd_m, block_d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((max(n_slots, 1), hq, cfg.fwd_m), dtype=torch.float32, device=q.device)
     has_seg = qs is not None
-    forward_kernel[(items.shape[0], hq)](
+    launch(
+        forward_kernel, (items.shape[0], hq),
         q, k, v, qw, kw, qp, kp, qs if has_seg else qw, ks if has_seg else kw, out, lse, part_o, part_lse,
-        items, kv_idx, kv_cls,
+        items, kv_idx, kv_partial,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         hq, hq // hkv, sq, sk, d, nqt, nkt, scale * LOG2E, _window_arg(maps),
         HAS_SEG=has_seg, HAS_WINDOW=maps.window is not None, **_dot_flags(q),
         BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, BLOCK_D=block_d, num_warps=cfg.fwd_warps, num_stages=cfg.stages)
     if merges.shape[0]:
-        merge_kernel[(merges.shape[0], hq)](
-            out, lse, part_o, part_lse, merges, out.stride(0), out.stride(1), out.stride(2), hq, sq, d,
+        launch(
+            merge_kernel, (merges.shape[0], hq), out, lse, part_o, part_lse, merges, out.stride(0), out.stride(1), out.stride(2), hq, sq, d,
             BLOCK_M=cfg.fwd_m, BLOCK_D=block_d, num_warps=4)
     return out, lse
 
@@ -115,8 +127,11 @@ def attention_backward(q, k, v, out, lse, dout, words, maps: TileMaps, scale: fl
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     dout = _rows(dout)
-    delta = (out.float() * dout.float()).sum(-1).contiguous()
     block_d = max(16, triton.next_power_of_2(d))
+    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    launch(delta_kernel, (triton.cdiv(sq, 64), b * hq), out, dout, delta, out.stride(0), out.stride(1),
+           out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), hq, sq, d, BLOCK_M=64, BLOCK_D=block_d,
+           num_warps=4)
     has_seg = qs is not None
     seg_q, seg_k = (qs, ks) if has_seg else (qw, kw)
     common = dict(HAS_SEG=has_seg, HAS_WINDOW=maps.window is not None, **_dot_flags(q), BLOCK_D=block_d,
@@ -124,10 +139,10 @@ def attention_backward(q, k, v, out, lse, dout, words, maps: TileMaps, scale: fl
 
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    counts, q_idx, q_cls = maps.dkdv
-    items = split.list_items(counts).to(q.device)
-    dkdv_kernel[(items.shape[0], hkv)](
-        q, k, v, dout, dk, dv, lse, delta, qw, kw, qp, kp, seg_q, seg_k, items, q_idx, q_cls,
+    q_count, q_partial, q_idx = maps.dkdv
+    launch(
+        dkdv_kernel, (maps.dkdv_items.shape[0], hkv),
+        q, k, v, dout, dk, dv, lse, delta, qw, kw, qp, kp, seg_q, seg_k, maps.dkdv_items, q_count, q_partial, q_idx,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
@@ -135,10 +150,10 @@ def attention_backward(q, k, v, out, lse, dout, words, maps: TileMaps, scale: fl
         BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, **common)
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    counts, kv_idx, kv_cls = maps.dq
-    items = split.list_items(counts).to(q.device)
-    dq_kernel[(items.shape[0], hq)](
-        q, k, v, dout, dq, lse, delta, qw, kw, qp, kp, seg_q, seg_k, items, kv_idx, kv_cls,
+    kv_count, kv_partial, kv_idx = maps.dq
+    launch(
+        dq_kernel, (maps.dq_items.shape[0], hq),
+        q, k, v, dout, dq, lse, delta, qw, kw, qp, kp, seg_q, seg_k, maps.dq_items, kv_count, kv_partial, kv_idx,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
@@ -151,8 +166,8 @@ def tile_maps(words, originals, cfg: KernelConfig, cache: dict | None, window: i
     """The tile maps of ``words``, reused from ``cache`` when an earlier call had the same mask tensors, kernel
     config and window (Gemma's local and global layers share a cache and keep one map each).
 
-    Classifying the tiles costs host round trips and many small launches, more than the attention itself at
-    short sequence lengths, and every layer of a microbatch has the same mask. The cache holds the tensors it
+    Classifying the tiles costs many small launches (no host read), more than the attention itself at short
+    sequence lengths, and every layer of a microbatch has the same mask. The cache holds the tensors it
     compared, so none of them can be freed and its memory reused while the entry lives.
     """
     if cache is None:

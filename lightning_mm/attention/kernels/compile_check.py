@@ -39,7 +39,7 @@ def kernel_jobs(dtype_name: str, head_dim: int):
     """(kernel, pointer types, constexprs, num_warps, num_stages) for every launch of one dtype/head dim."""
     import triton
 
-    from lightning_mm.attention.kernels.backward import dkdv_kernel, dq_kernel
+    from lightning_mm.attention.kernels.backward import delta_kernel, dkdv_kernel, dq_kernel
     from lightning_mm.attention.kernels.launch_config import config_for
     from lightning_mm.attention.kernels.forward import forward_kernel, merge_kernel
 
@@ -50,18 +50,20 @@ def kernel_jobs(dtype_name: str, head_dim: int):
     prec = "ieee" if dtype_name == "fp32" else "tf32"
     return [
         (forward_kernel, dict(Q=t, K=t, V=t, Out=t, Lse=f32, PartO=f32, PartLse=f32, Items=i32, KvIdx=i32,
-                              KvCls=i32, **words),
+                              KvPartial=i32, **words),
          dict(HAS_SEG=True, HAS_WINDOW=True, DOT_PRECISION=prec, UPCAST_DOT=False,
               BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, BLOCK_D=block_d),
          cfg.fwd_warps, cfg.stages),
         (merge_kernel, dict(Out=t, Lse=f32, PartO=f32, PartLse=f32, Merges=i32),
          dict(BLOCK_M=cfg.fwd_m, BLOCK_D=block_d), 4, cfg.stages),
-        (dkdv_kernel, dict(Q=t, K=t, V=t, DO=t, DK=t, DV=t, Lse=f32, Delta=f32, Items=i32, QIdx=i32, QCls=i32,
-                           **words),
+        (delta_kernel, dict(O=t, DO=t, Delta=f32), dict(BLOCK_M=64, BLOCK_D=block_d), 4, 1),
+        (dkdv_kernel, dict(Q=t, K=t, V=t, DO=t, DK=t, DV=t, Lse=f32, Delta=f32, Items=i32, QCount=i32,
+                           QPartial=i32, QIdx=i32, **words),
          dict(HAS_SEG=True, HAS_WINDOW=True, DOT_PRECISION=prec, UPCAST_DOT=False,
               BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, BLOCK_D=block_d),
          cfg.bwd_warps, cfg.stages),
-        (dq_kernel, dict(Q=t, K=t, V=t, DO=t, DQ=t, Lse=f32, Delta=f32, Items=i32, KvIdx=i32, KvCls=i32, **words),
+        (dq_kernel, dict(Q=t, K=t, V=t, DO=t, DQ=t, Lse=f32, Delta=f32, Items=i32, KvCount=i32,
+                         KvPartial=i32, KvIdx=i32, **words),
          dict(HAS_SEG=True, HAS_WINDOW=True, DOT_PRECISION=prec, UPCAST_DOT=False,
               BLOCK_M=cfg.dq_m, BLOCK_N=cfg.dq_n, BLOCK_D=block_d),
          cfg.bwd_warps, cfg.stages),
