@@ -116,7 +116,8 @@ def attention_forward(q, k, v, words, maps: TileMaps, scale: float, cfg: KernelC
         BLOCK_M=cfg.fwd_m, BLOCK_N=cfg.fwd_n, BLOCK_D=block_d, num_warps=cfg.fwd_warps, num_stages=cfg.stages)
     if merges.shape[0]:
         launch(
-            merge_kernel, (merges.shape[0], hq), out, lse, part_o, part_lse, merges, out.stride(0), out.stride(1), out.stride(2), hq, sq, d,
+            merge_kernel, (merges.shape[0], hq), out, lse, part_o, part_lse, merges,
+            out.stride(0), out.stride(1), out.stride(2), hq, sq, d,
             BLOCK_M=cfg.fwd_m, BLOCK_D=block_d, num_warps=4)
     return out, lse
 

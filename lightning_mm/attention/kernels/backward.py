@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from lightning_mm.attention.kernels.matmul import tile_dot
-from lightning_mm.attention.kernels.rule import allowed_tile, load_rows, load_tokens
+from lightning_mm.attention.kernels.rule import allowed_tile, load_key_tile, load_rows, load_tokens
 
 
 @triton.jit
@@ -119,12 +119,8 @@ def _key_tiles_dq(dq, q, do, lse, delta, qw, qp, qs, k_base, v_base, KW, KP, KS,
                   DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of one query tile accumulated over the key tiles ``KvIdx[lo:hi]`` (``MASKED`` as in ``_query_tiles``)."""
     for it in range(lo, hi):
-        kt = tl.load(KvIdx + list_base + it)
-        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < Sk
-        kv_mask = col_ok[:, None] & d_ok[None, :]
-        k = load_rows(k_base, offs_n, stride_ks, offs_d, kv_mask)
-        v = load_rows(v_base, offs_n, stride_vs, offs_d, kv_mask)
+        offs_n, col_ok, k, v = load_key_tile(KvIdx, list_base + it, k_base, v_base, stride_ks, stride_vs, offs_d, d_ok,
+                                             Sk, BLOCK_N)
         p = tl.math.exp2(tile_dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2 - lse[:, None])
         if MASKED:
             kw, kp, ks = load_tokens(KW, KP, KS, offs_n, col_ok, HAS_SEG)

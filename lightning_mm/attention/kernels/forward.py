@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from lightning_mm.attention.kernels.matmul import tile_dot
-from lightning_mm.attention.kernels.rule import allowed_tile, finish_softmax, load_rows, load_tokens
+from lightning_mm.attention.kernels.rule import allowed_tile, finish_softmax, load_key_tile, load_rows, load_tokens
 
 @triton.jit
 def _key_tiles(acc, m_i, l_i, q, qw, qp, qs, k_base, v_base, KW, KP, KS, KvIdx, list_base, lo, hi,
@@ -23,12 +23,8 @@ def _key_tiles(acc, m_i, l_i, q, qw, qp, qs, k_base, v_base, KW, KP, KS, KvIdx, 
     """Online softmax over the key tiles ``KvIdx[lo:hi]``: with ``MASKED`` (partial tiles) the rule is evaluated
     per element, without it (full tiles) the loop has no mask work at all."""
     for it in range(lo, hi):
-        kt = tl.load(KvIdx + list_base + it)
-        offs_n = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < Sk
-        kv_mask = col_ok[:, None] & d_ok[None, :]
-        k = load_rows(k_base, offs_n, stride_ks, offs_d, kv_mask)
-        v = load_rows(v_base, offs_n, stride_vs, offs_d, kv_mask)
+        offs_n, col_ok, k, v = load_key_tile(KvIdx, list_base + it, k_base, v_base, stride_ks, stride_vs, offs_d, d_ok,
+                                             Sk, BLOCK_N)
         s = tile_dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2
         if MASKED:
             kw, kp, ks = load_tokens(KW, KP, KS, offs_n, col_ok, HAS_SEG)

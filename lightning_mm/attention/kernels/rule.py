@@ -49,6 +49,16 @@ def load_rows(base, offs, stride, offs_d, mask):
 
 
 @triton.jit
+def load_key_tile(KvIdx, at, k_base, v_base, stride_ks, stride_vs, offs_d, d_ok, Sk, BLOCK_N: tl.constexpr):
+    """The key tile listed at ``KvIdx + at``: its token offsets, which of them lie in the sequence, its K and V."""
+    offs_n = tl.load(KvIdx + at) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < Sk
+    kv_mask = col_ok[:, None] & d_ok[None, :]
+    return (offs_n, col_ok, load_rows(k_base, offs_n, stride_ks, offs_d, kv_mask),
+            load_rows(v_base, offs_n, stride_vs, offs_d, kv_mask))
+
+
+@triton.jit
 def finish_softmax(acc, l_i, m_i):
     """Output and base-2 log-sum-exp of an online softmax; rows that saw no allowed key give 0 and -inf."""
     live = l_i > 0
