@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import itertools
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers.distributed import run_distributed
 
 from lightning_mm.attention import mask as masks
 from lightning_mm.parallel import context as cp
@@ -321,87 +319,76 @@ def _full_problem(layout, seed, s=38, heads=4, kv_heads=2, dim=8, spans=False):
     return bam, seg, q, k, v, dout
 
 
-def _cp_worker(rank, world, init_file, configs):
+def _cp_worker(rank, world, configs):
     from lightning_mm.attention import context_parallel
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        block = 4
-        for i, (layout, method, spans) in enumerate(CASES):
-            bam, seg, q, k, v, dout = _full_problem(layout, i, spans=spans)
-            s = bam.shape[1]
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref = dense_attention(*leaves, bam, seg, 8 ** -0.5)
-            ref.backward(dout)
-            plan = cp.distribute(bam, world, method, block, seg, seed=i)
-            mine = plan[rank]
-            sh = lambda t, d=2: cp.shard(t, mine, block, d)  # noqa: E731
-            idx = cp.token_index(mine, block, s).expand(2, -1)
-            for head_groups, fallback in configs:  # fallback: all_reduce + slice instead of reduce_scatter
-                context_parallel._REDUCE_SCATTER_OK["gloo"] = not fallback
-                lq, lk, lv = (sh(t).detach().requires_grad_() for t in (q, k, v))
-                out = cp.context_parallel_attention(lq, lk, lv, sh(bam, 1), None if seg is None else sh(seg, 1),
-                                                    idx, None, head_groups=head_groups)
-                out.backward(sh(dout))
-                ctx = f"rank {rank}/{world} {layout} {method} spans={spans} head_groups={head_groups} " \
-                      f"fallback={fallback}"
-                torch.testing.assert_close(out, sh(ref.detach()), rtol=1e-9, atol=1e-10, msg=ctx)
-                for name, got, full in (("dq", lq, leaves[0]), ("dk", lk, leaves[1]), ("dv", lv, leaves[2])):
-                    torch.testing.assert_close(got.grad, sh(full.grad), rtol=1e-9, atol=1e-10,
-                                               msg=f"{name} {ctx}")
-            whole = cp.gather_sequence(sh(q).transpose(1, 2), plan, block, s, None, 1)
-            assert torch.equal(whole, q.transpose(1, 2))
-    finally:
-        dist.destroy_process_group()
+    block = 4
+    for i, (layout, method, spans) in enumerate(CASES):
+        bam, seg, q, k, v, dout = _full_problem(layout, i, spans=spans)
+        s = bam.shape[1]
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = dense_attention(*leaves, bam, seg, 8 ** -0.5)
+        ref.backward(dout)
+        plan = cp.distribute(bam, world, method, block, seg, seed=i)
+        mine = plan[rank]
+        sh = lambda t, d=2: cp.shard(t, mine, block, d)  # noqa: E731
+        idx = cp.token_index(mine, block, s).expand(2, -1)
+        for head_groups, fallback in configs:  # fallback: all_reduce + slice instead of reduce_scatter
+            context_parallel._REDUCE_SCATTER_OK["gloo"] = not fallback
+            lq, lk, lv = (sh(t).detach().requires_grad_() for t in (q, k, v))
+            out = cp.context_parallel_attention(lq, lk, lv, sh(bam, 1), None if seg is None else sh(seg, 1),
+                                                idx, None, head_groups=head_groups)
+            out.backward(sh(dout))
+            ctx = f"rank {rank}/{world} {layout} {method} spans={spans} head_groups={head_groups} " \
+                  f"fallback={fallback}"
+            torch.testing.assert_close(out, sh(ref.detach()), rtol=1e-9, atol=1e-10, msg=ctx)
+            for name, got, full in (("dq", lq, leaves[0]), ("dk", lk, leaves[1]), ("dv", lv, leaves[2])):
+                torch.testing.assert_close(got.grad, sh(full.grad), rtol=1e-9, atol=1e-10,
+                                           msg=f"{name} {ctx}")
+        whole = cp.gather_sequence(sh(q).transpose(1, 2), plan, block, s, None, 1)
+        assert torch.equal(whole, q.transpose(1, 2))
 
 
 @pytest.mark.parametrize("world,configs", [(2, [(1, False), (2, False), (2, True)]),
                                            pytest.param(4, [(1, False)], marks=pytest.mark.slow)])
 def test_cp_attention_matches_single_process(world, configs):
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_cp_worker, args=(world, os.path.join(tmp, "store"), configs), nprocs=world, join=True)
+    run_distributed(_cp_worker, world, configs)
 
 
-def _ulysses_worker(rank, world, init_file, mode, degree):
+def _ulysses_worker(rank, world, mode, degree):
     from lightning_mm.attention.ulysses import ContextParallelGroups, ulysses_attention
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        if mode == "hybrid":  # every rank creates every group, in the same order
-            inner = [dist.new_group(list(range(g * degree, (g + 1) * degree))) for g in range(world // degree)]
-            outer = [dist.new_group(list(range(j, world, degree))) for j in range(degree)]
-            groups = ContextParallelGroups("hybrid", None, inner[rank // degree], outer[rank % degree])
-        else:
-            groups = ContextParallelGroups("ulysses", None, None)
-        block = 4
-        for i, (layout, method, spans) in enumerate(CASES):
-            if world > 2 and method not in ("lpt", "random"):  # uneven and scattered local lengths suffice here
-                continue
-            for kv_heads in (2, 1):  # 1 < degree: each rank gets a copy of the one KV head
-                bam, seg, q, k, v, dout = _full_problem(layout, i, kv_heads=kv_heads, spans=spans)
-                s = bam.shape[1]
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                ref = dense_attention(*leaves, bam, seg, 8 ** -0.5)
-                ref.backward(dout)
-                plan = cp.distribute(bam, world, method, block, seg, seed=i, ulysses=degree)
-                mine = plan[rank]
-                sh = lambda t, d=2: cp.shard(t, mine, block, d)  # noqa: E731
-                idx = cp.token_index(mine, block, s).expand(2, -1)
-                lq, lk, lv = (sh(t).detach().requires_grad_() for t in (q, k, v))
-                cache = {}  # a second layer reuses the gathered metadata; the gradients of both add up
-                outs = [ulysses_attention(lq, lk, lv, sh(bam, 1), None if seg is None else sh(seg, 1), idx, groups,
-                                          cache=cache) for _ in range(2)]
-                out = outs[1]
-                (outs[0] + outs[1]).backward(sh(dout))
-                ctx = f"rank {rank}/{world} {mode} K={degree} {layout} {method} kv_heads={kv_heads}"
-                torch.testing.assert_close(out, sh(ref.detach()), rtol=1e-9, atol=1e-10, msg=ctx)
-                for name, got, full in (("dq", lq, leaves[0]), ("dk", lk, leaves[1]), ("dv", lv, leaves[2])):
-                    torch.testing.assert_close(got.grad, 2 * sh(full.grad), rtol=1e-9, atol=1e-10,
-                                               msg=f"{name} {ctx}")
-    finally:
-        dist.destroy_process_group()
+    if mode == "hybrid":  # every rank creates every group, in the same order
+        inner = [dist.new_group(list(range(g * degree, (g + 1) * degree))) for g in range(world // degree)]
+        outer = [dist.new_group(list(range(j, world, degree))) for j in range(degree)]
+        groups = ContextParallelGroups("hybrid", None, inner[rank // degree], outer[rank % degree])
+    else:
+        groups = ContextParallelGroups("ulysses", None, None)
+    block = 4
+    for i, (layout, method, spans) in enumerate(CASES):
+        if world > 2 and method not in ("lpt", "random"):  # uneven and scattered local lengths suffice here
+            continue
+        for kv_heads in (2, 1):  # 1 < degree: each rank gets a copy of the one KV head
+            bam, seg, q, k, v, dout = _full_problem(layout, i, kv_heads=kv_heads, spans=spans)
+            s = bam.shape[1]
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = dense_attention(*leaves, bam, seg, 8 ** -0.5)
+            ref.backward(dout)
+            plan = cp.distribute(bam, world, method, block, seg, seed=i, ulysses=degree)
+            mine = plan[rank]
+            sh = lambda t, d=2: cp.shard(t, mine, block, d)  # noqa: E731
+            idx = cp.token_index(mine, block, s).expand(2, -1)
+            lq, lk, lv = (sh(t).detach().requires_grad_() for t in (q, k, v))
+            cache = {}  # a second layer reuses the gathered metadata; the gradients of both add up
+            outs = [ulysses_attention(lq, lk, lv, sh(bam, 1), None if seg is None else sh(seg, 1), idx, groups,
+                                      cache=cache) for _ in range(2)]
+            out = outs[1]
+            (outs[0] + outs[1]).backward(sh(dout))
+            ctx = f"rank {rank}/{world} {mode} K={degree} {layout} {method} kv_heads={kv_heads}"
+            torch.testing.assert_close(out, sh(ref.detach()), rtol=1e-9, atol=1e-10, msg=ctx)
+            for name, got, full in (("dq", lq, leaves[0]), ("dk", lk, leaves[1]), ("dv", lv, leaves[2])):
+                torch.testing.assert_close(got.grad, 2 * sh(full.grad), rtol=1e-9, atol=1e-10,
+                                           msg=f"{name} {ctx}")
 
 
 @pytest.mark.slow
@@ -411,8 +398,7 @@ def test_ulysses_and_hybrid_attention_match_single_process(world, mode, degree):
     """Output and dQ/dK/dV of Ulysses (all-to-all over cp ranks) and hybrid (Ulysses in groups of 2, all-gather
     across) equal dense attention on the whole sequence in one process, on EP/EE/MP with every distribution
     (uneven local lengths), with 4 query heads and 2 or 1 KV heads (fewer than the Ulysses ranks: repeated)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_ulysses_worker, args=(world, os.path.join(tmp, "store"), mode, degree), nprocs=world, join=True)
+    run_distributed(_ulysses_worker, world, mode, degree)
 
 
 def test_ulysses_specs_and_plans():

@@ -1,13 +1,10 @@
 """Context-parallel attention (all-gather, Ulysses, hybrid) with a sliding window equals one process: positions are
 global, so the window of the whole sequence holds on every token-to-rank plan (gloo, CPU, fp64)."""
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers.distributed import run_distributed
 from test_attention_reference import dense_attention
 
 from lightning_mm.attention import mask as masks
@@ -26,44 +23,39 @@ def _problem(layout, seed, s=38, heads=4, kv_heads=2, dim=8):
     return bam, seg, q, k, v, dout
 
 
-def _worker(rank, world, init_file, modes, degree):
+def _worker(rank, world, modes, degree):
     from lightning_mm.attention.ulysses import ContextParallelGroups, ulysses_attention
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        if "hybrid" in modes:  # every rank creates every group, in the same order
-            inner = [dist.new_group(list(range(g * degree, (g + 1) * degree))) for g in range(world // degree)]
-            outer = [dist.new_group(list(range(j, world, degree))) for j in range(degree)]
-            hybrid = ContextParallelGroups("hybrid", None, inner[rank // degree], outer[rank % degree])
-        block = 4
-        for i, layout in enumerate(masks.LAYOUTS):
-            for window in WINDOWS:
-                bam, seg, q, k, v, dout = _problem(layout, 10 * i + window)
-                s = bam.shape[1]
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                ref = dense_attention(*leaves, masks.to_dense(bam, seg, window), 8 ** -0.5)
-                ref.backward(dout)
-                for mode in modes:
-                    plan = cp.distribute(bam, world, "lpt", block, seg, seed=i,
-                                         ulysses=1 if mode == "allgather" else degree, window=window)
-                    sh = lambda t, d=2: cp.shard(t, plan[rank], block, d)  # noqa: E731
-                    idx = cp.token_index(plan[rank], block, s).expand(2, -1)
-                    lq, lk, lv = (sh(t).detach().requires_grad_() for t in (q, k, v))
-                    lseg = None if seg is None else sh(seg, 1)
-                    if mode == "allgather":
-                        out = cp.context_parallel_attention(lq, lk, lv, sh(bam, 1), lseg, idx, None, window=window)
-                    else:
-                        groups = hybrid if mode == "hybrid" else ContextParallelGroups("ulysses", None, None)
-                        out = ulysses_attention(lq, lk, lv, sh(bam, 1), lseg, idx, groups, window=window)
-                    out.backward(sh(dout))
-                    ctx = f"rank {rank}/{world} {mode} {layout} window={window}"
-                    torch.testing.assert_close(out, sh(ref.detach()), rtol=1e-9, atol=1e-10, msg=ctx)
-                    for name, got, full in (("dq", lq, leaves[0]), ("dk", lk, leaves[1]), ("dv", lv, leaves[2])):
-                        torch.testing.assert_close(got.grad, sh(full.grad), rtol=1e-9, atol=1e-10,
-                                                   msg=f"{name} {ctx}")
-    finally:
-        dist.destroy_process_group()
+    if "hybrid" in modes:  # every rank creates every group, in the same order
+        inner = [dist.new_group(list(range(g * degree, (g + 1) * degree))) for g in range(world // degree)]
+        outer = [dist.new_group(list(range(j, world, degree))) for j in range(degree)]
+        hybrid = ContextParallelGroups("hybrid", None, inner[rank // degree], outer[rank % degree])
+    block = 4
+    for i, layout in enumerate(masks.LAYOUTS):
+        for window in WINDOWS:
+            bam, seg, q, k, v, dout = _problem(layout, 10 * i + window)
+            s = bam.shape[1]
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = dense_attention(*leaves, masks.to_dense(bam, seg, window), 8 ** -0.5)
+            ref.backward(dout)
+            for mode in modes:
+                plan = cp.distribute(bam, world, "lpt", block, seg, seed=i,
+                                     ulysses=1 if mode == "allgather" else degree, window=window)
+                sh = lambda t, d=2: cp.shard(t, plan[rank], block, d)  # noqa: E731
+                idx = cp.token_index(plan[rank], block, s).expand(2, -1)
+                lq, lk, lv = (sh(t).detach().requires_grad_() for t in (q, k, v))
+                lseg = None if seg is None else sh(seg, 1)
+                if mode == "allgather":
+                    out = cp.context_parallel_attention(lq, lk, lv, sh(bam, 1), lseg, idx, None, window=window)
+                else:
+                    groups = hybrid if mode == "hybrid" else ContextParallelGroups("ulysses", None, None)
+                    out = ulysses_attention(lq, lk, lv, sh(bam, 1), lseg, idx, groups, window=window)
+                out.backward(sh(dout))
+                ctx = f"rank {rank}/{world} {mode} {layout} window={window}"
+                torch.testing.assert_close(out, sh(ref.detach()), rtol=1e-9, atol=1e-10, msg=ctx)
+                for name, got, full in (("dq", lq, leaves[0]), ("dk", lk, leaves[1]), ("dv", lv, leaves[2])):
+                    torch.testing.assert_close(got.grad, sh(full.grad), rtol=1e-9, atol=1e-10,
+                                               msg=f"{name} {ctx}")
 
 
 @pytest.mark.slow
@@ -72,8 +64,7 @@ def _worker(rank, world, init_file, modes, degree):
 def test_windowed_cp_attention_matches_single_process(world, modes, degree):
     if world == 4 and "hybrid" in modes:
         modes = ("allgather", "hybrid")  # Ulysses over 4 ranks needs 4 KV heads' worth of repeats: covered elsewhere
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), modes, degree), nprocs=world, join=True)
+    run_distributed(_worker, world, modes, degree)
 
 
 def _gemma3_model():
@@ -106,7 +97,6 @@ def _gemma3_rank(rank, world, cp_mode, ulysses):
 def test_gemma3_with_window_trains_under_cp_like_one_process(cp_mode):
     """A Gemma 3 LLM (local layers with a 6-token window, sequences of ~40 tokens) under CP 2 (LPT over the
     windowed block work) trains like one process: losses and post-step parameters (fp32, SGD, 2 steps)."""
-    from helpers.distributed import run_distributed
     from helpers.pipeline_case import global_batches, train_reference
 
     model = _gemma3_model()

@@ -29,9 +29,10 @@ def _free_port() -> int:
     raise RuntimeError("no free port in 20000-32000")
 
 
-def _worker(rank, world, port, fn, args, out_dir):
+def _worker(rank, world, port, fn, args, out_dir, environment):
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.clear()  # the test's environment now, not the one the fork server started with
+    os.environ.update(environment, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     result = None
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -45,12 +46,24 @@ def _worker(rank, world, port, fn, args, out_dir):
             dist.destroy_process_group()
 
 
+def _context():
+    """Ranks fork from a server that has imported torch, Lightning and transformers once (``forkserver`` with a
+    preload): a spawned rank spends 8-10 s of CPU importing them (Lightning pulls in torchmetrics, scipy and sympy),
+    which made up most of a 4-rank test's time on 2 cores. Each rank still starts from a fresh fork of a process that
+    has run nothing but those imports, and imports ``lightning_mm`` and the test module itself, so module state
+    and environment reads stay per test."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "lightning", "transformers"])
+    return ctx
+
+
 def run_distributed(fn, world: int, *args, timeout: float = 240):
     """``fn(rank, world, *args)`` on ``world`` processes; returns the list of results, raising any rank's error."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, out_dir)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, out_dir, dict(os.environ)))
+                 for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:
