@@ -18,8 +18,9 @@ def _free_port() -> int:
     """A free port below Linux's ephemeral range (32768-60999), from which the OS hands out the ports of every
     outgoing and gloo connection: a rendezvous port picked there (as ``bind(0)`` does) can be taken by another
     socket between the pick and the store's bind (EADDRINUSE)."""
+    pick = random.SystemRandom()  # not the global generator: a test that seeds it would repeat the ports
     for _ in range(200):
-        port = random.randrange(20000, 32000)
+        port = pick.randrange(20000, 32000)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
