@@ -174,8 +174,9 @@ def optimizer_tensors(index: int, by_name: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def rng_tensors(rank: int) -> dict[str, torch.Tensor]:
-    """This rank's torch / Python / NumPy random state as tensors."""
+def rng_tensors(rank: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """This rank's torch / Python / NumPy random state as tensors, and its accelerator's (dropout on a GPU draws
+    from the device's generator) when ``device`` is one."""
     import numpy as np
 
     version, words, gauss = random.getstate()
@@ -185,13 +186,17 @@ def rng_tensors(rank: int) -> dict[str, torch.Tensor]:
     _, keys, pos, has_gauss, cached = np.random.get_state()
     out[f"rng/{rank}/numpy"] = torch.tensor([*keys.tolist(), pos, has_gauss], dtype=torch.int64)
     out[f"rng/{rank}/numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
+    if device is not None and device.type != "cpu":
+        out[f"rng/{rank}/{device.type}"] = torch.get_device_module(device.type).get_rng_state(device)
     return out
 
 
-def set_rng_tensors(rank: int, t: dict[str, torch.Tensor]) -> None:
+def set_rng_tensors(rank: int, t: dict[str, torch.Tensor], device: torch.device | None = None) -> None:
     import numpy as np
 
     torch.set_rng_state(t[f"rng/{rank}/torch"])
+    if device is not None and f"rng/{rank}/{device.type}" in t:
+        torch.get_device_module(device.type).set_rng_state(t[f"rng/{rank}/{device.type}"], device)
     py, (has, gauss) = t[f"rng/{rank}/python"].tolist(), t[f"rng/{rank}/python_gauss"].tolist()
     random.setstate((py[0], tuple(py[1:]), gauss if has else None))
     npy = t[f"rng/{rank}/numpy"].tolist()
@@ -251,23 +256,26 @@ def save_sharded(path: str, tensors: dict[str, torch.Tensor], meta: dict, layout
     _barrier()
 
 
-def save_checkpoint(path: str, checkpoint: dict, *, rank: int, layout: dict) -> None:
+def save_checkpoint(path: str, checkpoint: dict, *, rank: int, layout: dict,
+                    device: torch.device | None = None) -> None:
     """Collective: Lightning's ``checkpoint`` as the folder ``path`` (atomically, ``save_sharded``): its
     ``state_dict`` (popped), ``optimizer_states`` (popped; by parameter name) and this rank's random state as
     tensors, the rest as plain data in meta.pt. ``layout``: the run's record for layout.json (rank layout,
-    ``world_size``, the model's ``parameters``, ``trainable`` names, ``frozen_saved``)."""
+    ``world_size``, the model's ``parameters``, ``trainable`` names, ``frozen_saved``); ``device``: the rank's device
+    (an accelerator's random state is saved too)."""
     tensors = {f"model/{k.removeprefix('model.')}": v for k, v in checkpoint.pop("state_dict").items()}
     groups = []
     for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors.update(optimizer_tensors(i, state))
         groups.append(state["param_groups"])
-    tensors.update(rng_tensors(rank))
+    tensors.update(rng_tensors(rank, device))
     meta = plain({**checkpoint, "optimizer_param_groups": groups})
     save_sharded(path, tensors, meta, layout, rank)
 
 
 # ---------------------------------------------------------------------------------------------- load
-def load_checkpoint(path: str, *, model, owned: set[str], optimizers, rank: int, layout: dict) -> dict:
+def load_checkpoint(path: str, *, model, owned: set[str], optimizers, rank: int, layout: dict,
+                    device: torch.device | None = None) -> dict:
     """Collective: the parameters of ``model`` that this rank's stage holds (``owned`` names), the
     ``optimizers``' state by parameter name and, when ``path`` was written by the same rank layout, this rank's
     random state; returns the rest of Lightning's checkpoint. ``layout``: this run's record, as
@@ -305,7 +313,7 @@ def load_checkpoint(path: str, *, model, owned: set[str], optimizers, rank: int,
     for i, opt in enumerate(optimizers):
         load_optimizer_by_name(opt, i, names, target, groups[i] if i < len(groups) else None)
     if rng:
-        set_rng_tensors(rank, rng)
+        set_rng_tensors(rank, rng, device)
     return meta
 
 

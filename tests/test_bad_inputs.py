@@ -225,7 +225,8 @@ def test_backend_refuses_what_it_cannot_run_before_any_process_group():
     with pytest.raises(ValueError, match=r"local ranks \[0, 2\] all run on cuda:0.*process_group_backend='gloo'"):
         check_backend("nccl", [cuda0, cuda1, cuda0], False, False, False)
     for flags, name in (((True, False, False), "tensor parallelism"), ((False, True, False), "context parallelism"),
-                        ((False, False, True), "sharded data parallelism")):
+                        ((False, False, True), "sharded data parallelism"),
+                        ((False, False, False, True), "expert parallelism")):
         with pytest.raises(ValueError, match=f"{name} on CUDA devices needs NCCL"):
             check_backend("gloo", [cuda0, cuda0], *flags)
     with pytest.raises(ValueError, match="NCCL refuses"):
@@ -235,7 +236,7 @@ def test_backend_refuses_what_it_cannot_run_before_any_process_group():
     check_backend("nccl", [cuda0, cuda1], True, True, True)
     check_backend("cpu:gloo,cuda:nccl", [cuda0, cuda1], True, True, True)
     check_backend("gloo", [cuda0, cuda0, cuda0], False, False, False)  # pipeline + data parallelism, staged P2P
-    check_backend("gloo", ["cpu", "cpu"], True, True, True)
+    check_backend("gloo", ["cpu", "cpu"], True, True, True, True)
     assert carries_device_tensors("nccl", "cuda") and carries_device_tensors("gloo", "cpu")
     assert carries_device_tensors("cpu:gloo,cuda:nccl", "cuda") and carries_device_tensors("gloo", "cpu")
     assert not carries_device_tensors("gloo", "cuda") and not carries_device_tensors("cuda:gloo", "cuda")

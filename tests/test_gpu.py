@@ -57,3 +57,20 @@ def test_nccl_on_a_shared_gpu_is_refused_by_name(tmp_path):
     case = {"accelerator": "cuda", "share_gpu": True, "backend": "nccl", "encoder_pp": [1, 1], "llm_pp": 1}
     proc = run_script(CASE, json.dumps(case), str(out), cwd=out, check=False)
     assert proc.returncode != 0 and "NCCL refuses a GPU shared by ranks" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_qwen2_vl_tower_trains_and_resumes_on_one_gpu_like_plain_lightning(tmp_path):
+    """Qwen2-VL's tower on CUDA (its rotary table and item rows made on the grid's device), then a resume from the
+    step-2 checkpoint, which holds the GPU's random state, continues with the uninterrupted run's losses."""
+    from lightning_mm.checkpoint import read_dcp_metadata
+
+    case = {"vision": "qwen2_vl", "modalities": ["vision"], "steps": 4}
+    single, single_params = run(case, tmp_path, "single")
+    ours, params = run({**case, "llm_pp": 1, "devices": 1, "save_every": 2}, tmp_path, "ours")
+    torch.testing.assert_close(torch.tensor(ours["train"]), torch.tensor(single["train"]), rtol=1e-4, atol=1e-5)
+    for name, value in single_params.items():
+        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    checkpoint = tmp_path / "ours" / "ckpt" / "step=2.ckpt"
+    assert "rng/0/cuda" in read_dcp_metadata(str(checkpoint)).state_dict_metadata
+    resumed, _ = run({**case, "llm_pp": 1, "devices": 1, "resume": str(checkpoint)}, tmp_path, "resumed")
+    torch.testing.assert_close(torch.tensor(resumed["train"]), torch.tensor(ours["train"][2:]), rtol=0, atol=0)

@@ -159,16 +159,26 @@ def _state_manifest(optimizer, params: list[torch.nn.Parameter]) -> list[list]:
 
 
 def _pack_state(params, optimizer, manifest, sending: bool, device) -> torch.Tensor:
-    """Parameters and their optimiser state as one float64 vector (zeros of the manifest's sizes when receiving)."""
+    """Parameters and their optimiser state as one float64 vector on the parameters' device (zeros of the
+    manifest's sizes when receiving); state the optimiser keeps on the host (AdamW's ``step``) is copied over."""
     pieces = []
     for p, entries in zip(params, manifest):
         pieces.append(p.detach().reshape(-1).to(torch.float64))
         state = optimizer.state.get(p, {})
         for entry in entries:
             if len(entry) == 3:
-                pieces.append(state[entry[0]].reshape(-1).to(torch.float64) if sending else
-                              torch.zeros(math.prod(entry[1]), dtype=torch.float64, device=device))
+                pieces.append(state[entry[0]].reshape(-1).to(p.device, torch.float64) if sending else
+                              torch.zeros(math.prod(entry[1]), dtype=torch.float64, device=p.device))
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def _state_device(optimizer, p: torch.nn.Parameter, key: str) -> torch.device:
+    """Where ``optimizer`` keeps ``p``'s state ``key``: as ``Optimizer.load_state_dict`` places it, a ``step`` on
+    the host unless the group is fused or capturable (a device ``step`` costs a host read per parameter and step)."""
+    if key != "step":
+        return p.device
+    group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), {})
+    return p.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
 
 
 def _unpack_state(flat: torch.Tensor, params, optimizer, manifest) -> None:
@@ -182,7 +192,8 @@ def _unpack_state(flat: torch.Tensor, params, optimizer, manifest) -> None:
             for entry in entries:
                 if len(entry) == 3:
                     k = math.prod(entry[1])
-                    state[entry[0]] = flat[at:at + k].view(entry[1]).to(getattr(torch, entry[2]))
+                    state[entry[0]] = flat[at:at + k].view(entry[1]).to(_state_device(optimizer, p, entry[0]),
+                                                                         getattr(torch, entry[2]))
                     at += k
                 else:
                     state[entry[0]] = entry[1]
@@ -197,7 +208,7 @@ def copy_to_stage_copies(params: dict[str, torch.nn.Parameter], holder: int, gro
     optimiser state."""
     ps = [params[n] for n in sorted(params)]
     if optimizer is None:
-        device = ps[0].device if ps else device
+        device = ps[0].device if ps else device  # a stage with nothing trainable still joins its group's broadcast
         flat = torch.cat([p.grad.reshape(-1).float() if p.grad is not None else torch.zeros(p.numel(), device=device)
                           for p in ps] + [torch.tensor([float(p.grad is not None) for p in ps], device=device)])
         dist.broadcast(flat, src=holder, group=group)

@@ -154,9 +154,9 @@ def reduce_across_groups(manager, params: list, count: torch.Tensor) -> None:
     if manager.errored() is not None:
         return
     total = torch.clamp(flat[-1], min=1.0)
-    at = 0
-    for i, (p, k) in enumerate(zip(params, sizes)):
-        if not bool(flat[n + i] > 0):
+    used, at = flat[n:n + len(params)].tolist(), 0  # one host read
+    for p, k, u in zip(params, sizes, used):
+        if not u > 0:
             p.grad = None
         else:
             if p.grad is None:
@@ -451,7 +451,7 @@ class FaultTolerantTraining(EarlyRedo, StepShares, AgentSnapshots):
         except Exception as e:  # noqa: BLE001  (torchft decides: the vote fails and the step is redone)
             m.report_error(e)
         if s.engine.groups.grad is not None:  # the stage's data- and context-parallel copies take the result
-            layerwise.copy_to_stage_copies(params, self._stage_holder(), s.engine.groups.grad)
+            layerwise.copy_to_stage_copies(params, self._stage_holder(), s.engine.groups.grad, device=s.root_device)
         return m.should_commit(timeout=timedelta(seconds=self.config.timeout))
 
     def _wait_or_abandon(self, works: list) -> None:

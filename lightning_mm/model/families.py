@@ -11,6 +11,7 @@ they are scattered into the LLM sequence.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -493,7 +494,7 @@ class Qwen2VisionFamily(EncoderFamily):
         position_ids = get_vision_position_ids(grid, enc.spatial_merge_size)
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, enc.config)
         dtype = next(p.dtype for p in enc.parameters())
-        cos, sin = enc.rotary_pos_emb(torch.empty(0, dtype=dtype), position_ids)
+        cos, sin = enc.rotary_pos_emb(torch.empty(0, dtype=dtype, device=grid.device), position_ids)
         return {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "cos": cos, "sin": sin}
 
     def embed(self, enc, inputs):
@@ -507,12 +508,12 @@ class Qwen2VisionFamily(EncoderFamily):
         return enc.merger(hidden)
 
     def select_items(self, inputs, items):
-        grid = inputs["image_grid_thw"]
-        sizes = grid.prod(-1)
-        starts = torch.cumsum(sizes, 0) - sizes
-        rows = torch.cat([torch.arange(int(starts[i]), int(starts[i] + sizes[i])) for i in items.tolist()]) \
-            if len(items) else torch.zeros(0, dtype=torch.long)
-        return {**inputs, "pixel_values": inputs["pixel_values"][rows], "image_grid_thw": grid[items]}
+        grid, pixels = inputs["image_grid_thw"], inputs["pixel_values"]
+        sizes = grid.prod(-1).tolist()  # one host read for every item's rows
+        starts = [0, *itertools.accumulate(sizes)]
+        rows = torch.cat([torch.zeros(0, dtype=torch.long, device=pixels.device), *[
+            torch.arange(starts[i], starts[i] + sizes[i], device=pixels.device) for i in items.tolist()]])
+        return {**inputs, "pixel_values": pixels[rows], "image_grid_thw": grid[items]}
 
     def reference(self, enc, inputs):
         return enc(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output

@@ -105,14 +105,15 @@ def stage_device(model, device=None) -> torch.device:
 
 def build_stage(model, holding: StageHolding, *, layout: RankLayout, rank: int, forward: Callable, device=None,
                 sharding_strategy: str = "NO_SHARD", precision: str = "32-true",
-                materialise: Callable[[nn.Module], None] | None = None) -> BuiltStage:
-    """Prune ``model`` to ``holding``'s stage, create every group (``Meshes.build``, on every rank), then apply TP,
-    EP and FSDP (``forward`` becomes the FSDP root unit's forward) and ``materialise`` the owned tensors."""
+                materialise: Callable[[nn.Module], None] | None = None, timeout=None) -> BuiltStage:
+    """Prune ``model`` to ``holding``'s stage, create every group (``Meshes.build``, on every rank, with the job's
+    ``timeout``), then apply TP, EP and FSDP (``forward`` becomes the FSDP root unit's forward) and ``materialise``
+    the owned tensors."""
     prune(model, set(holding.owned))
     device = stage_device(model, device)
     mesh_device = device.type if carries_device_tensors(dist.get_backend(), device.type) else "cpu"
     meshes = Meshes.build(layout, rank, device_type=mesh_device, sharded=sharding_strategy != "NO_SHARD",
-                          tie_stages=holding.tie_stages)
+                          tie_stages=holding.tie_stages, timeout=timeout)
     plan = holding.plan
     tp_allreduce = apply_tp(model, plan, tp_meshes(layout, plan, meshes))
     names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}

@@ -65,11 +65,11 @@ def carries_device_tensors(backend: str, device_type: str) -> bool:
 
 
 def check_backend(backend: str, devices: list[torch.device], tensor_parallel: bool, context_parallel: bool,
-                  sharded: bool) -> None:
+                  sharded: bool, expert_parallel: bool = False) -> None:
     """Refuse, before any process group exists, a layout the process-group backend cannot run: NCCL with two local
     ranks on one GPU (NCCL refuses a device twice in one communicator), and gloo between CUDA stages with tensor,
-    context or sharded data parallelism (gloo all-gathers and reduce-scatters host tensors only; its send/recv are
-    staged through host copies, its all-reduce and broadcast take CUDA tensors)."""
+    context, sharded data or expert parallelism (gloo all-gathers, reduce-scatters and all-to-alls host tensors only;
+    its send/recv are staged through host copies, its all-reduce and broadcast take CUDA tensors)."""
     devices = [torch.device(d) for d in devices]
     cuda, backend = [d for d in devices if d.type == "cuda"], device_backend(backend, "cuda")
     if backend == "nccl" and len(set(cuda)) < len(cuda):
@@ -80,10 +80,12 @@ def check_backend(backend: str, devices: list[torch.device], tensor_parallel: bo
                          "MultimodalParallelStrategy (pipeline and data parallelism only)")
     if backend == "gloo" and cuda:
         needs = [name for name, on in (("tensor parallelism", tensor_parallel), ("context parallelism",
-                 context_parallel), ("sharded data parallelism", sharded)) if on]
+                 context_parallel), ("sharded data parallelism", sharded), ("expert parallelism", expert_parallel))
+                 if on]
         if needs:
-            raise ValueError(f"{', '.join(needs)} on CUDA devices needs NCCL: gloo cannot all-gather or "
-                             "reduce-scatter CUDA tensors; use process_group_backend='nccl' (one GPU per rank)")
+            raise ValueError(f"{', '.join(needs)} on CUDA devices needs NCCL: gloo cannot all-gather, "
+                             "reduce-scatter or all-to-all CUDA tensors; use process_group_backend='nccl' (one GPU "
+                             "per rank)")
 
 
 class StageComm:

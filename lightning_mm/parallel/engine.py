@@ -84,16 +84,15 @@ class PipelineEngine:
 
     def __init__(self, model, layout: RankLayout, rank: int, num_microbatches: int,
                  partition: dict[str, list[int]] | None = None, cp_distribution: str = "lpt", cp_block_size: int = 128,
-                 activation_checkpointing: bool = False, device=None, *, bucket_mb: float = 25.0,
+                 activation_checkpointing: bool = False, device=None, *, bucket_mb: float = 25.0, timeout=None,
                  forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
                  loss_backward: Callable[[torch.Tensor], None] | None = None, precision: str = "32-true",
                  materialise: Callable[[torch.nn.Module], None] | None = None, sharding_strategy: str = "NO_SHARD"):
         self.model, self.layout, self.rank, self.num_microbatches = model, layout, rank, num_microbatches
         self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
-        self.sharding_strategy = sharding_strategy
-        self.activation_checkpointing = activation_checkpointing
-        self.forward_context = forward_context or contextlib.nullcontext
-        self.loss_backward = loss_backward or torch.autograd.backward
+        self.sharding_strategy, self.activation_checkpointing = sharding_strategy, activation_checkpointing
+        self.forward_context, self.loss_backward = forward_context or contextlib.nullcontext, \
+            loss_backward or torch.autograd.backward
         self.coord, self.holding = layout.coordinate(rank), describe_stage(model, layout, rank, partition)
         self.plans, self.stage, self.graph = self.holding.plans, self.holding.stage, self.holding.graph
         self.plan, self.owned, self.tie_stages = self.holding.plan, set(self.holding.owned), self.holding.tie_stages
@@ -102,7 +101,8 @@ class PipelineEngine:
         router = check_stage(model, layout, num_microbatches)
         self.router_metrics = StepRouterMetrics.of(model, num_microbatches, layout.dp, None, not self.coord.tp)
         built = build_stage(model, self.holding, layout=layout, rank=rank, forward=self.forward_stage, device=device,
-                            sharding_strategy=sharding_strategy, precision=precision, materialise=materialise)
+                            sharding_strategy=sharding_strategy, precision=precision, materialise=materialise,
+                            timeout=timeout)
         self.device, self.groups, self.run_stage, self.tp_allreduce = built.device, built.meshes, built.run_stage, \
             built.tp_allreduce
         self.expert_params, self.fsdp_params = built.expert_params, built.fsdp_params

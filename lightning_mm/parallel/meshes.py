@@ -8,6 +8,7 @@ over the world), and the runtime only reads them. No other module creates a grou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,19 +22,21 @@ SHARD_MESH_DIMS = ("pp", "dp_cp", "tp")  # FSDP and TP meshes must share a root
 EP_MESH_DIMS = ("edp", "ep", "pp", "cp", "tp")
 
 
-def new_groups(members: list[list[int]], rank: int, backend: str | None = None, desc: str | None = None):
+def new_groups(members: list[list[int]], rank: int, backend: str | None = None, desc: str | None = None,
+               timeout: timedelta | None = None):
     """Create one process group per rank list, in the given order (call on every rank); returns the one holding
     ``rank``, or None where that list has a single rank or no list holds it. ``desc`` names the groups in torch's
-    flight recorder and so in the watchdog's messages."""
+    flight recorder and so in the watchdog's messages; ``timeout`` (None: torch's default for the backend) is the
+    job's."""
     mine = None
     for ranks in members:
-        group = dist.new_group(ranks, backend=backend, group_desc=desc) if len(ranks) > 1 else None
+        group = dist.new_group(ranks, backend=backend, group_desc=desc, timeout=timeout) if len(ranks) > 1 else None
         if rank in ranks:
             mine = group
     return mine
 
 
-def hybrid_groups(ranks: list[int], k: int, rank: int) -> dict:
+def hybrid_groups(ranks: list[int], k: int, rank: int, timeout: timedelta | None = None) -> dict:
     """The groups of hybrid CP over one CP group (global ``ranks`` in CP-rank order): the Ulysses groups of CP ranks
     ``g*K .. g*K+K-1`` and the gather groups of CP ranks ``j, K+j, 2K+j, ...``; returns ``{"ulysses": ...,
     "gather": ...}`` for ``rank`` (empty when it is not in ``ranks``). Every rank calls it for every CP group, in the
@@ -43,13 +46,13 @@ def hybrid_groups(ranks: list[int], k: int, rank: int) -> dict:
     for name, members in [("ulysses", [ranks[g * k:(g + 1) * k] for g in range(n // k)]),
                           ("gather", [ranks[j::k] for j in range(k)])]:
         for m in members:
-            group = dist.new_group(m, group_desc=f"cp {name}")
+            group = dist.new_group(m, group_desc=f"cp {name}", timeout=timeout)
             if rank in m:
                 mine[name] = group
     return mine
 
 
-def context_parallel_groups(layout: RankLayout, rank: int, cp_group):
+def context_parallel_groups(layout: RankLayout, rank: int, cp_group, timeout: timedelta | None = None):
     """What this rank's CP attention takes as its group: the plain CP group for ``"allgather"``, else a
     ``ContextParallelGroups``; for ``"hybrid"`` the groups of every LLM stage, replica and tp rank are created here."""
     from lightning_mm.attention.ulysses import ContextParallelGroups
@@ -63,15 +66,29 @@ def context_parallel_groups(layout: RankLayout, rank: int, cp_group):
     for stage in [s for s in layout.stages if layout.cp[s] > 1]:
         for d in range(layout.dp):
             for t in range(layout.tp[stage]):
-                mine.update(hybrid_groups([layout.rank(stage, d, c, t) for c in range(layout.cp[stage])], k, rank))
+                mine.update(hybrid_groups([layout.rank(stage, d, c, t) for c in range(layout.cp[stage])], k, rank,
+                                          timeout))
     if layout.cp[layout.coordinate(rank).stage] == 1:
         return cp_group
     return ContextParallelGroups("hybrid", cp_group, ulysses=mine["ulysses"], gather=mine["gather"])
 
 
-def module_meshes(layout: RankLayout, device_type: str) -> dict[str, DeviceMesh]:
+def device_mesh(device_type: str, ranks, dims: tuple[str, ...], rank: int, timeout: timedelta | None) -> DeviceMesh:
+    """A ``DeviceMesh`` of ``ranks`` whose groups (on the ranks it holds) time out after ``timeout``. torch gives a
+    mesh's groups the backend's default (NCCL 10 min, gloo 30 min) and takes another one only inside a backend's
+    options object (``backend_override``, a private ``_timeout`` field), so it is set after the fact: the one place
+    that calls ``distributed_c10d._set_pg_timeout``."""
+    mesh = DeviceMesh(device_type, torch.as_tensor(ranks), mesh_dim_names=dims)
+    if timeout is not None and rank in mesh.mesh.flatten().tolist():
+        for dim in dims:
+            dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(dim))
+    return mesh
+
+
+def module_meshes(layout: RankLayout, device_type: str, rank: int = -1,
+                  timeout: timedelta | None = None) -> dict[str, DeviceMesh]:
     """One ``DeviceMesh`` per module chain with named dims ("dp", "pp", "cp", "tp")."""
-    return {chain: DeviceMesh(device_type, torch.tensor(layout.mesh_ranks(chain)), mesh_dim_names=MESH_DIMS)
+    return {chain: device_mesh(device_type, layout.mesh_ranks(chain), MESH_DIMS, rank, timeout)
             for chain in layout.chains()}
 
 
@@ -98,13 +115,13 @@ class ExpertMeshes:
     grad_size: int = 1
 
     @classmethod
-    def build(cls, layout: RankLayout, rank: int, device_type: str) -> "ExpertMeshes":
-        mesh = DeviceMesh(device_type, ep_mesh_ranks(layout), mesh_dim_names=EP_MESH_DIMS)
+    def build(cls, layout: RankLayout, rank: int, device_type: str, timeout: timedelta | None = None) -> "ExpertMeshes":
+        mesh = device_mesh(device_type, ep_mesh_ranks(layout), EP_MESH_DIMS, rank, timeout)
         mine = rank in mesh.mesh.flatten().tolist()
         members = expert_grad_ranks(layout)
         size = next((len(r) for r in members if rank in r), 1)
         return cls(mesh["ep"] if mine else None, mesh["tp"] if mine else None,
-                   new_groups(members, rank, desc="expert gradients"), size)
+                   new_groups(members, rank, desc="expert gradients", timeout=timeout), size)
 
 
 @dataclass
@@ -134,33 +151,35 @@ class Meshes:
 
     @classmethod
     def build(cls, layout: RankLayout, rank: int, *, device_type: str = "cpu", sharded: bool = False,
-              tie_stages: tuple[str, str] | None = None) -> "Meshes":
-        """Create every group of the layout (call on every rank, with the same arguments)."""
+              tie_stages: tuple[str, str] | None = None, timeout: timedelta | None = None) -> "Meshes":
+        """Create every group of the layout (call on every rank, with the same arguments); ``timeout``: the job's
+        process-group timeout, for every group (None: torch's default for the backend)."""
         coord = layout.coordinate(rank)
         chain = coord.stage.rsplit(".", 1)[0]
-        meshes = module_meshes(layout, device_type)
+        meshes = module_meshes(layout, device_type, rank, timeout)
         mesh, replicas = meshes[chain], layout.replicas(chain)
         cp = mesh["cp"].get_group() if layout.cp[coord.stage] > 1 else None
         out = cls(meshes, mesh, dp=mesh["dp"].get_group() if replicas > 1 else None, cp=cp,
-                  cp_attention=context_parallel_groups(layout, rank, cp))
+                  cp_attention=context_parallel_groups(layout, rank, cp, timeout))
         tp_source = mesh
         if sharded:
-            shard = {c: DeviceMesh(device_type, torch.tensor(layout.shard_mesh_ranks(c)), mesh_dim_names=SHARD_MESH_DIMS)
+            shard = {c: device_mesh(device_type, layout.shard_mesh_ranks(c), SHARD_MESH_DIMS, rank, timeout)
                      for c in layout.chains()}
             tp_source = shard[chain]
             out.shard_mesh = tp_source["dp_cp"] if replicas * layout.cp[coord.stage] > 1 else None
         out.tp_mesh = tp_source["tp"] if layout.tp[coord.stage] > 1 else None
         out.tp = out.tp_mesh.get_group() if out.tp_mesh is not None else None
         grads = [layout.grad_group_ranks(s, t) for s in layout.stages for t in range(layout.tp[s])]
-        out.grad = new_groups(grads, rank, desc="gradients")
+        out.grad = new_groups(grads, rank, desc="gradients", timeout=timeout)
         out.grad_size = len(layout.grad_group_ranks(coord.stage, coord.tp))
-        out.headers = dist.new_group(backend="gloo", group_desc="stage message headers")
-        out.replica = new_groups([layout.group_ranks(g) for g in range(layout.num_groups)], rank, desc="replica")
+        out.headers = dist.new_group(backend="gloo", group_desc="stage message headers", timeout=timeout)
+        out.replica = new_groups([layout.group_ranks(g) for g in range(layout.num_groups)], rank, desc="replica",
+                                 timeout=timeout)
         if tie_stages is not None:
             first, last = tie_stages
             out.tie = new_groups([[layout.rank(first, d, c, t), layout.rank(last, d, c, t)] for d in range(layout.dp)
                                   for c in range(layout.cp[first]) for t in range(layout.tp[first])], rank,
-                                 desc="tied weights")
+                                 desc="tied weights", timeout=timeout)
         if layout.ep > 1:
-            out.experts = ExpertMeshes.build(layout, rank, device_type)
+            out.experts = ExpertMeshes.build(layout, rank, device_type, timeout)
         return out

@@ -125,7 +125,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         if fault_timeout is not None and timeout is not None and fault_timeout >= timeout.total_seconds():
             raise ValueError(f"fault_timeout={fault_timeout} s must be shorter than the process-group timeout "
                              f"({timeout.total_seconds():g} s), or faults are only noticed when collectives time out")
-        self.save_frozen_parameters, self.fault_timeout = save_frozen_parameters, fault_timeout
+        self.save_frozen_parameters, self.fault_timeout, self.timeout = save_frozen_parameters, fault_timeout, timeout
         self.watchdog: FaultWatchdog | None = None
         self.model_fingerprint: dict[str, list[int]] = {}
         self.trainable_names: list[str] = []
@@ -160,7 +160,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         check_backend(self._get_process_group_backend(), self.parallel_devices or [self.root_device],
                       tensor_parallel=any(t > 1 for t in self.layout.tp.values()),
                       context_parallel=any(c > 1 for c in self.layout.cp.values()),
-                      sharded=self.sharding_strategy != "NO_SHARD")
+                      sharded=self.sharding_strategy != "NO_SHARD", expert_parallel=self.layout.ep > 1)
         if self.fault_timeout is not None:
             enable_flight_recorder()  # the watchdog reads which collectives a stalled run waits in
         if problem := nothing_to_shard(self.layout, self.sharding_strategy):
@@ -246,7 +246,7 @@ class MultimodalParallelStrategy(DDPStrategy):
                                      device=self.root_device, forward_context=self.precision_plugin.forward_context,
                                      loss_backward=self.loss_backward,
                                      materialise=lambda m: materialise(m, self.root_device, seed),
-                                     sharding_strategy=self.sharding_strategy,
+                                     sharding_strategy=self.sharding_strategy, timeout=self.timeout,
                                      precision=str(self.precision_plugin.precision))
         model.pipeline_stage = self.engine.stage
 
@@ -410,15 +410,15 @@ class MultimodalParallelStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("MultimodalParallelStrategy writes DCP folders itself: storage_options is not supported")
         ckpt.save_checkpoint(os.path.abspath(self.broadcast(str(filepath))), checkpoint, rank=self.global_rank,
-                             layout=self.checkpoint_layout())
+                             layout=self.checkpoint_layout(), device=self.root_device)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        """Collective: this rank's parameters, optimiser state (by name) and RNG; returns Lightning's state. A bad
-        checkpoint raises on every rank before any collective read (``lightning_mm.checkpoint``)."""
-        return ckpt.load_checkpoint(os.path.abspath(self.broadcast(str(checkpoint_path))),
-                                    model=self.lightning_module.model, owned=self.engine.owned,
-                                    optimizers=self.optimizers, rank=self.global_rank, layout=self.checkpoint_layout())
+        """Collective: this rank's parameters, optimiser state (by name) and RNG; a bad checkpoint raises everywhere."""
+        path = os.path.abspath(self.broadcast(str(checkpoint_path)))
+        return ckpt.load_checkpoint(path, model=self.lightning_module.model, owned=self.engine.owned,
+                                    optimizers=self.optimizers, rank=self.global_rank, layout=self.checkpoint_layout(),
+                                    device=self.root_device)
 
     @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

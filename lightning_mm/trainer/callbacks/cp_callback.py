@@ -86,8 +86,9 @@ def _find_hf_model(pl_module, attr: str | None):
     return top[0][1]
 
 
-def _fingerprint(batch) -> torch.Tensor:
-    """A cheap summary of a batch (per tensor: sum, sum of squares of index-weighted values, numel)."""
+def _fingerprint(batch, device: torch.device | None = None) -> torch.Tensor:
+    """A cheap summary of a batch (per tensor: sum, sum of index-weighted values, numel) where the batch is (or on
+    ``device`` when it holds no tensor): the CP group's collectives take it as it is (NCCL has no CPU backend)."""
     values = []
     items = batch.items() if hasattr(batch, "items") else enumerate(batch if isinstance(batch, (list, tuple)) else [])
     for _, t in sorted(((str(k), v) for k, v in items), key=lambda kv: kv[0]):
@@ -96,7 +97,9 @@ def _fingerprint(batch) -> torch.Tensor:
             w = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
             values += [flat.sum(), (flat * w).sum(), torch.tensor(float(flat.numel()), dtype=torch.float64,
                                                                    device=flat.device)]
-    return torch.stack(values).cpu() if values else torch.zeros(1, dtype=torch.float64)
+    if not values:
+        return torch.zeros(1, dtype=torch.float64, device=device)
+    return torch.stack([v.to(values[0].device) for v in values])
 
 
 class ContextParallel(pl.Callback):
@@ -277,8 +280,8 @@ class ContextParallel(pl.Callback):
         if self._adapter is None:
             self._install(pl_module)
         if self.group is not None and self.check_batches:
-            mine = _fingerprint(batch)
-            shape = torch.tensor([mine.numel()], dtype=torch.int64)
+            mine = _fingerprint(batch, getattr(pl_module, "device", None))
+            shape = torch.tensor([mine.numel()], dtype=torch.int64, device=mine.device)
             shapes = [torch.zeros_like(shape) for _ in range(self.cp_size)]
             dist.all_gather(shapes, shape, group=self.group)
             same = len({int(s) for s in shapes}) == 1
