@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -333,14 +335,30 @@ def _cp_worker(rank, world, configs):
         mine = plan[rank]
         sh = lambda t, d=2: cp.shard(t, mine, block, d)  # noqa: E731
         idx = cp.token_index(mine, block, s).expand(2, -1)
-        for head_groups, fallback in configs:  # fallback: all_reduce + slice instead of reduce_scatter
+        for head_groups, fallback, *recompute in configs:  # fallback: all_reduce + slice instead of reduce_scatter
             context_parallel._REDUCE_SCATTER_OK["gloo"] = not fallback
             lq, lk, lv = (sh(t).detach().requires_grad_() for t in (q, k, v))
-            out = cp.context_parallel_attention(lq, lk, lv, sh(bam, 1), None if seg is None else sh(seg, 1),
-                                                idx, None, head_groups=head_groups)
-            out.backward(sh(dout))
+            gathered = []  # the gathered keys and values, alive until backward unless recomputed there
+            attend = context_parallel._attend_groups
+
+            def recorded(*args):
+                for leaves, out in attend(*args):
+                    gathered.extend(weakref.ref(t) for t in leaves[1:])
+                    yield leaves, out
+
+            context_parallel._attend_groups = recorded
+            try:
+                with context_parallel.gathered_kv_recomputed(bool(recompute)):
+                    out = cp.context_parallel_attention(lq, lk, lv, sh(bam, 1), None if seg is None else sh(seg, 1),
+                                                        idx, None, head_groups=head_groups)
+                gc.collect()
+                alive = sum(r() is not None for r in gathered)
+                out.backward(sh(dout))
+            finally:
+                context_parallel._attend_groups = attend
             ctx = f"rank {rank}/{world} {layout} {method} spans={spans} head_groups={head_groups} " \
-                  f"fallback={fallback}"
+                  f"fallback={fallback} recompute={bool(recompute)}"
+            assert alive == (0 if recompute else 2 * head_groups), f"{alive} gathered tensors kept: {ctx}"
             torch.testing.assert_close(out, sh(ref.detach()), rtol=1e-9, atol=1e-10, msg=ctx)
             for name, got, full in (("dq", lq, leaves[0]), ("dk", lk, leaves[1]), ("dv", lv, leaves[2])):
                 torch.testing.assert_close(got.grad, sh(full.grad), rtol=1e-9, atol=1e-10,
@@ -349,7 +367,7 @@ def _cp_worker(rank, world, configs):
         assert torch.equal(whole, q.transpose(1, 2))
 
 
-@pytest.mark.parametrize("world,configs", [(2, [(1, False), (2, False), (2, True)]),
+@pytest.mark.parametrize("world,configs", [(2, [(1, False), (2, False), (2, True), (2, False, "recompute")]),
                                            pytest.param(4, [(1, False)], marks=pytest.mark.slow)])
 def test_cp_attention_matches_single_process(world, configs):
     run_distributed(_cp_worker, world, configs)

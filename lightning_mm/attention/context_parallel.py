@@ -10,14 +10,33 @@ the mask never lets anyone attend.
 Key/value heads are processed in ``head_groups`` groups; the all-gather of group g+1 is launched
 (``async_op``) before group g is computed, and the reduce-scatter of group g's gradients runs while group
 g+1's backward computes, which overlaps communication and compute on GPU (NCCL streams).
+
+What backward needs: by default the gathered keys and values and their attention graph (cp times a layer's own
+keys and values, kept until backward, but nothing computed twice). Under ``gathered_kv_recomputed()`` (the
+engine's activation checkpointing) only the local q, k, v are saved, as ordinary saved tensors that
+checkpointing frees, and backward gathers the keys and values again and recomputes the attention's forward.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import torch.distributed as dist
 
 _REDUCE_SCATTER_OK: dict[str, bool] = {}
+_RECOMPUTE_GATHERED_KV = contextvars.ContextVar("lightning_mm_recompute_gathered_kv", default=False)
+
+
+@contextlib.contextmanager
+def gathered_kv_recomputed(on: bool = True):
+    """Inside (``on``), all-gather CP attention saves only its local q, k, v and gathers again in backward."""
+    token = _RECOMPUTE_GATHERED_KV.set(on)
+    try:
+        yield
+    finally:
+        _RECOMPUTE_GATHERED_KV.reset(token)
 
 
 def _default_head_groups(q: torch.Tensor, kv_heads: int) -> int:
@@ -106,57 +125,67 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _attend_groups(q, k, v, words: tuple, head_groups: int, track: bool):
+    """Per head group: gather its keys and values (the next group's gather in flight meanwhile) and attend; yields
+    (leaves, out) with ``out`` differentiable in the leaves (q's group, gathered k, v) when ``track``."""
+    from lightning_mm.attention.dispatch import bitfield_attention
+
+    bam, segment_ids, token_index, k_bam, k_seg, k_pos, smax, group, scale, backend, cache, window = words
+    per, rep = k.shape[1] // head_groups, q.shape[1] // k.shape[1]
+    pending = _launch_kv_gather(k, v, slice(0, per), smax, group)
+    for g in range(head_groups):
+        bufs, handle = pending
+        handle.wait()
+        if g + 1 < head_groups:
+            pending = _launch_kv_gather(k, v, slice((g + 1) * per, (g + 2) * per), smax, group)
+        k_all, v_all = _assemble_kv(bufs)
+        q_g = q[:, g * per * rep:(g + 1) * per * rep]
+        # The inner graph is differentiated by a nested autograd.grad in backward. Outer saved-tensor hooks
+        # (activation checkpointing) would make that nested call recompute the whole layer once more; the
+        # leaves are held by the caller, so the inner graph keeps its tensors.
+        with torch.set_grad_enabled(track), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            leaves = [t.detach().requires_grad_(track) for t in (q_g, k_all, v_all)]
+            out = bitfield_attention(*leaves, bam, k_bam, q_segments=segment_ids, k_segments=k_seg,
+                                     q_positions=token_index, k_positions=k_pos, scale=scale, backend=backend,
+                                     cache=cache, window=window)
+        yield leaves, out
+
+
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bam, segment_ids, token_index, group, scale, head_groups, backend, cache, window):
-        from lightning_mm.attention.dispatch import bitfield_attention
-
-        b, hq, s, d = q.shape
-        hkv = k.shape[1]
-        rep, per = hq // hkv, hkv // head_groups
         if cache is None or "metadata" not in cache:  # the same for every layer of a microbatch: gathered once
             metadata = _gather_metadata(bam, segment_ids, token_index, group)
             if cache is not None:
                 cache["metadata"] = metadata
         sizes, smax, k_bam, k_seg, k_pos = metadata if cache is None else cache["metadata"]
         track = any(ctx.needs_input_grad[:3])
-        outs, graphs = [], []
-        pending = _launch_kv_gather(k, v, slice(0, per), smax, group)
-        for g in range(head_groups):
-            bufs, handle = pending
-            handle.wait()
-            if g + 1 < head_groups:
-                pending = _launch_kv_gather(k, v, slice((g + 1) * per, (g + 2) * per), smax, group)
-            k_all, v_all = _assemble_kv(bufs)
-            q_g = q[:, g * per * rep:(g + 1) * per * rep]
-            # The inner graph is differentiated by a nested autograd.grad in backward. Outer saved-tensor hooks
-            # (activation checkpointing) would make that nested call recompute the whole layer once more; the
-            # leaves are held by ctx anyway, so the inner graph keeps its tensors.
-            with torch.set_grad_enabled(track), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-                leaves = [t.detach().requires_grad_(track) for t in (q_g, k_all, v_all)]
-                out = bitfield_attention(*leaves, bam, k_bam, q_segments=segment_ids, k_segments=k_seg,
-                                         q_positions=token_index, k_positions=k_pos, scale=scale, backend=backend,
-                                         cache=cache, window=window)
-            outs.append(out.detach())
-            graphs.append((leaves, out) if track else None)
-        ctx.graphs, ctx.smax, ctx.local, ctx.group, ctx.meta = graphs, smax, s, group, (per, rep, head_groups)
-        return torch.cat(outs, 1)
+        recompute = track and _RECOMPUTE_GATHERED_KV.get()
+        words = (bam, segment_ids, token_index, k_bam, k_seg, k_pos, smax, group, scale, backend, cache, window)
+        steps = list(_attend_groups(q, k, v, words, head_groups, track and not recompute))
+        if recompute:
+            ctx.save_for_backward(q, k, v)
+        ctx.graphs = None if recompute or not track else steps
+        ctx.words, ctx.head_groups, ctx.local = words, head_groups, q.shape[2]
+        return torch.cat([out.detach() for _, out in steps], 1)
 
     @staticmethod
     def backward(ctx, dout):
-        per, rep, head_groups = ctx.meta
-        dq, dk, dv = [], [], []
-        in_flight = []
-        for g in range(head_groups):
-            (q_l, k_l, v_l), out = ctx.graphs[g]
-            grads = torch.autograd.grad(out, (q_l, k_l, v_l), dout[:, g * per * rep:(g + 1) * per * rep])
+        steps, ctx.graphs = ctx.graphs, None
+        if steps is None:  # recompute: gather the keys and values again and attend once more, with a graph
+            steps = _attend_groups(*ctx.saved_tensors, ctx.words, ctx.head_groups, True)
+        smax, group = ctx.words[6], ctx.words[7]
+        dq, dk, dv, in_flight, at = [], [], [], [], 0
+        for leaves, out in steps:  # each group's gradients leave while the next group is gathered and computed
+            width = out.shape[1]
+            grads = torch.autograd.grad(out, leaves, dout[:, at:at + width])
+            at += width
             dq.append(grads[0])
-            in_flight.append(_launch_grad_scatter(grads[1], grads[2], ctx.smax, ctx.group))
+            in_flight.append(_launch_grad_scatter(grads[1], grads[2], smax, group))
         for mine, handle in in_flight:
             handle.wait()
             dk.append(mine[0, :, :, :ctx.local])
             dv.append(mine[1, :, :, :ctx.local])
-        ctx.graphs = None
         return (torch.cat(dq, 1), torch.cat(dk, 1), torch.cat(dv, 1)) + (None,) * 9
 
 

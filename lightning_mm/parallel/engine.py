@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 from lightning_mm import loss as losses
+from lightning_mm.attention.context_parallel import gathered_kv_recomputed
 from lightning_mm.data.cp_plans import EncoderItems, GroupRouter, batch_plans
 from lightning_mm.data.microbatch import deferrals, feature_tokens, microbatch_rows, split_microbatches
 from lightning_mm.model import moe
@@ -543,11 +544,17 @@ def predict_step(engine: PipelineEngine, batch: dict) -> dict:
 
 def run_layers(run, hidden: torch.Tensor, sl, checkpointing: bool) -> torch.Tensor:
     """``run(hidden, start, end)`` over slice ``sl``, layer by layer under activation checkpointing when it is on
-    and autograd records (a no_grad stage has nothing to recompute)."""
+    and autograd records (a no_grad stage has nothing to recompute); all-gather CP attention then keeps only its
+    local keys and values for backward (``gathered_kv_recomputed``), in the forward and in its recomputation."""
     if not (checkpointing and torch.is_grad_enabled()):
         return run(hidden, sl.start, sl.end)
+
+    def recomputable(h, start, end):
+        with gathered_kv_recomputed():
+            return run(h, start, end)
+
     for i in range(sl.start, sl.end):
-        hidden = checkpoint(run, hidden, i, i + 1, use_reentrant=False)
+        hidden = checkpoint(recomputable, hidden, i, i + 1, use_reentrant=False)
     return hidden
 
 
