@@ -104,9 +104,8 @@ class PipelineEngine:
         built = build_stage(model, self.holding, layout=layout, rank=rank, forward=self.forward_stage, device=device,
                             sharding_strategy=sharding_strategy, precision=precision, materialise=materialise,
                             timeout=timeout)
-        self.device, self.groups, self.run_stage, self.tp_allreduce = built.device, built.meshes, built.run_stage, \
-            built.tp_allreduce
-        self.expert_params, self.fsdp_params = built.expert_params, built.fsdp_params
+        self.device, self.groups, self.run_stage = built.device, built.meshes, built.run_stage
+        self.tp_allreduce, self.expert_params, self.fsdp_params = built.tp_allreduce, built.expert_params, built.fsdp_params
         self.exchange = RoutedExchange(router, layout, rank, self.device, self.groups.replica) if router else None
         self.cp_size, self.encoder_cp, self.item_planners, self.block_owners = context_planners(
             model, layout, self.holding, cp_distribution, cp_block_size)
