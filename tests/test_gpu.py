@@ -73,4 +73,5 @@ def test_qwen2_vl_tower_trains_and_resumes_on_one_gpu_like_plain_lightning(tmp_p
     checkpoint = tmp_path / "ours" / "ckpt" / "step=2.ckpt"
     assert "rng/0/cuda" in read_dcp_metadata(str(checkpoint)).state_dict_metadata
     resumed, _ = run({**case, "llm_pp": 1, "devices": 1, "resume": str(checkpoint)}, tmp_path, "resumed")
-    torch.testing.assert_close(torch.tensor(resumed["train"]), torch.tensor(ours["train"][2:]), rtol=0, atol=0)
+    # the first resumed loss is a forward of the saved parameters; the next follows a backward that may add atomically
+    torch.testing.assert_close(torch.tensor(resumed["train"]), torch.tensor(ours["train"][2:]), rtol=1e-5, atol=1e-6)
