@@ -166,7 +166,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         if recompute:
             ctx.save_for_backward(q, k, v)
         ctx.graphs = None if recompute or not track else steps
-        ctx.words, ctx.head_groups, ctx.local = words, head_groups, q.shape[2]
+        ctx.words, ctx.head_groups, ctx.local, ctx.smax, ctx.group = words, head_groups, q.shape[2], smax, group
         return torch.cat([out.detach() for _, out in steps], 1)
 
     @staticmethod
@@ -174,14 +174,13 @@ class _ContextParallelAttention(torch.autograd.Function):
         steps, ctx.graphs = ctx.graphs, None
         if steps is None:  # recompute: gather the keys and values again and attend once more, with a graph
             steps = _attend_groups(*ctx.saved_tensors, ctx.words, ctx.head_groups, True)
-        smax, group = ctx.words[6], ctx.words[7]
         dq, dk, dv, in_flight, at = [], [], [], [], 0
         for leaves, out in steps:  # each group's gradients leave while the next group is gathered and computed
             width = out.shape[1]
             grads = torch.autograd.grad(out, leaves, dout[:, at:at + width])
             at += width
             dq.append(grads[0])
-            in_flight.append(_launch_grad_scatter(grads[1], grads[2], smax, group))
+            in_flight.append(_launch_grad_scatter(grads[1], grads[2], ctx.smax, ctx.group))
         for mine, handle in in_flight:
             handle.wait()
             dk.append(mine[0, :, :, :ctx.local])

@@ -85,7 +85,7 @@ def device_mesh(device_type: str, ranks, dims: tuple[str, ...], rank: int, timeo
     return mesh
 
 
-def module_meshes(layout: RankLayout, device_type: str, rank: int = -1,
+def module_meshes(layout: RankLayout, device_type: str, rank: int,
                   timeout: timedelta | None = None) -> dict[str, DeviceMesh]:
     """One ``DeviceMesh`` per module chain with named dims ("dp", "pp", "cp", "tp")."""
     return {chain: device_mesh(device_type, layout.mesh_ranks(chain), MESH_DIMS, rank, timeout)
