@@ -3,7 +3,7 @@
 # steps run under time limits that sum to about 6 minutes, so four parts fit in 30 minutes of machine time):
 #
 #   bash benchmarks/gpu_session.sh setup full             # all of the kernel work's checks in under 20 minutes
-#   bash benchmarks/gpu_session.sh setup quick            # the most important step of each part, in 9 minutes
+#   bash benchmarks/gpu_session.sh setup quick            # tests, attention 16k/64k, launch sweep, fit: 9.5 min
 #   bash benchmarks/gpu_session.sh setup tests            # native kernel tests, then pytest -m gpu
 #   bash benchmarks/gpu_session.sh setup fit              # the ~0.6B VLM: one GPU, then 3 ranks sharing it
 #   bash benchmarks/gpu_session.sh setup attention        # benchmarks/attention.py, the goal sizes first
@@ -56,21 +56,27 @@ run_part() {
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       fi
       python3 -m pip install -q --no-deps --no-build-isolation -e . && versions ;;
-    quick)  # the most important checks of every part, in one 9-minute command
+    quick)  # the most important checks of every part, in one 9.5-minute command: tests first (the kernel tests and
+            # pytest -m gpu side by side), then the timed steps alone on the GPU
       local log=$RESULTS/quick_$dev.log root=$RESULTS/fit_$dev
       rm -rf "$root"; mkdir -p "$root"
       { versions; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
-        echo "== native kernel tests (TRITON_INTERPRET unset)";
-        env -u TRITON_INTERPRET timeout 120 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_kernels.py tests/test_sliding_window.py \
-          --junitxml="$RESULTS/kernels_$dev.xml";
-        echo "== pytest -m gpu";
-        timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests --junitxml="$RESULTS/gpu_$dev.xml";
-        echo "== one GPU, NCCL, bf16-mixed";
-        timeout 110 lightning-mm fit --config examples/gpu_vlm.yaml --trainer.default_root_dir="$root/one_gpu";
+        echo "== native kernel tests (TRITON_INTERPRET unset) beside pytest -m gpu";
+        env -u TRITON_INTERPRET timeout 230 python3 -m pytest -q --tb=short -p no:cacheprovider tests/test_kernels.py \
+          tests/test_sliding_window.py --junitxml="$RESULTS/kernels_$dev.xml" > "$RESULTS/kernels_$dev.log" 2>&1 &
+        timeout 230 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gdn_fla.py \
+          --junitxml="$RESULTS/gpu_$dev.xml" > "$RESULTS/gpu_$dev.log" 2>&1;
+        wait; tail -n 40 "$RESULTS/kernels_$dev.log" "$RESULTS/gpu_$dev.log";
         echo "== attention, head dim 128, 16k and 64k";
-        timeout 140 python3 benchmarks/attention.py --head-dims 128 --seq-lens 16384 65536 \
-          --out "$RESULTS/attention_${dev}_d128.json"; } 2>&1 | tee "$log"
-      pack quick "$log" "$RESULTS"/*_"$dev".xml "$root" "$RESULTS"/attention_"${dev}"_d128.json ;;
+        timeout 130 python3 benchmarks/attention.py --head-dims 128 --seq-lens 16384 65536 \
+          --out "$RESULTS/attention_${dev}_d128.json";
+        echo "== launch-table sweep, head dim 128, 16k";
+        timeout 80 python3 benchmarks/kernel_sweep.py --out "$RESULTS/kernel_sweep_${dev}_d128.json";
+        echo "== the example VLM at world size 1 against the simulator, one step profiled";
+        timeout 100 python3 benchmarks/gpu_fit.py --config examples/gpu_vlm.yaml --steps 12 --profile-step 5 \
+          --out "$root"; } 2>&1 | tee "$log"
+      pack quick "$log" "$RESULTS"/*_"$dev".xml "$RESULTS"/*_"$dev".log "$root" "$RESULTS"/attention_"${dev}"_d128.json \
+        "$RESULTS"/kernel_sweep_"${dev}"_d128.json ;;
     full)  # most important first, each step under its own limit (sum 17.5 min), results written as they come
       local log=$RESULTS/full_$dev.log
       { versions; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
@@ -87,7 +93,7 @@ run_part() {
         timeout 210 python3 benchmarks/attention.py --head-dims 64 --seq-lens 16384 65536 4096 8192 32768 \
           --out "$RESULTS/attention_${dev}_d64.json";
         echo "== 5. pytest -m gpu";
-        timeout 90 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests --junitxml="$RESULTS/gpu_$dev.xml";
+        timeout 90 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gdn_fla.py --junitxml="$RESULTS/gpu_$dev.xml";
       } 2>&1 | tee "$log"
       pack full "$log" "$RESULTS"/*_"$dev".xml "$RESULTS/fit_$dev" "$RESULTS"/attention_"${dev}"_d*.json ;;
     tests)
@@ -96,7 +102,7 @@ run_part() {
         env -u TRITON_INTERPRET timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_sliding_window.py \
           --junitxml="$RESULTS/kernels_$dev.xml";
         echo "== pytest -m gpu";
-        timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu tests --junitxml="$RESULTS/gpu_$dev.xml"; } \
+        timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gdn_fla.py --junitxml="$RESULTS/gpu_$dev.xml"; } \
         2>&1 | tee "$log"
       pack tests "$log" "$RESULTS/kernels_$dev.xml" "$RESULTS/gpu_$dev.xml" ;;
     fit)

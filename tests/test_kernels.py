@@ -76,9 +76,9 @@ def _run(backend, q, k, v, dout, words, **kw):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _compare(q, k, v, dout, words, kv_split=None):
+def _compare(q, k, v, dout, words, kv_split=None, **kw):
     ref = _run("reference", q, k, v, dout, words)
-    got = _run("triton", q, k, v, dout, words, kv_split=kv_split)
+    got = _run("triton", q, k, v, dout, words, kv_split=kv_split, **kw)
     atol, gtol = TOL[q.dtype]
     for name, r, t in zip(("out", "dq", "dk", "dv"), ref, got):
         assert t.dtype == r.dtype and t.shape == r.shape, name
@@ -221,6 +221,18 @@ def test_real_sizes_match_reference_natively(layout, head_dim):
         _compare(q, k, v, dout, _words(bam, seg), kv_split=kv_split)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_launch_table_tile_shapes_match_reference(head_dim):
+    """The GPU table's bf16 tile shapes (forward, dk/dv and dq tiles of different sizes, measured on an H200 for
+    head dim 128) on packed rows with a split, in fp32 against the reference: run by the interpreter on CPU."""
+    from lightning_mm.attention.kernels.launch_config import config_for
+
+    cfg = config_for(torch.bfloat16, head_dim)
+    bam, seg = masks.random_bam("mp", 150, num_encoders=2, batch=1, seed=13, mean_item_tokens=20, spans=True)
+    q, k, v, dout = _inputs(1, 4, 2, 150, 150, head_dim, torch.float32, seed=6)
+    _compare(q, k, v, dout, _words(bam, seg), kv_split=1, config=cfg)
+
+
 def test_head_dim_not_a_power_of_two_and_no_gqa():
     bam, _ = masks.random_bam("ee", 40, num_encoders=1, batch=1, seed=5, mean_item_tokens=6)
     q, k, v, dout = _inputs(1, 2, 2, 40, 40, 48, torch.float32, seed=3)
@@ -292,6 +304,12 @@ def test_layers_sharing_a_cache_classify_tiles_and_read_the_words_once(monkeypat
     other = dict(bam=tuple(t.clone() for t in words["bam"]), extra=words["extra"])
     _run("triton", q, k, v, dout, other, cache=cache)
     assert len(built) == 3, "new mask tensors are classified again"
+    # positions left out (made inside each call) still hit the cache: it compares what the caller gave
+    unpositioned, cache = dict(bam=words["bam"], extra=dict(q_segments=words["extra"]["q_segments"],
+                                                            k_segments=words["extra"]["k_segments"])), {}
+    for _ in range(2):
+        _run("triton", q, k, v, dout, unpositioned, cache=cache)
+    assert len(built) == 4 and len(cache["tile_maps"]) == 1
 
 
 def test_autocast_gives_the_kernels_one_dtype():
@@ -390,7 +408,8 @@ def test_attention_path_of_a_training_step_reads_nothing_on_the_host(monkeypatch
     the host wait for a GPU (``DeviceToHost``: value reads, value-sized outputs, host copies). The step's only
     two reads are the model's, once per step: building the words checks the modality indices, and
     ``attention_context`` validates the words, which the layers then take as checked. Loss and gradients equal
-    the same model on the reference backend. The interpreter's own argument copies are not counted."""
+    the same model on the reference backend. On CPU the interpreter's own argument copies are not counted; on a GPU
+    the step runs natively and every read counts."""
     from lightning_mm.attention import dispatch
     from lightning_mm.model import tiny_language_model
     import lightning_mm as lmm
@@ -399,8 +418,8 @@ def test_attention_path_of_a_training_step_reads_nothing_on_the_host(monkeypatch
     torch.manual_seed(0)
     lm = tiny_language_model("qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                              num_hidden_layers=2)
-    model = lmm.MultimodalModel({}, lm)
-    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(1))
+    model = lmm.MultimodalModel({}, lm).to(DEVICE)
+    ids = torch.randint(0, 100, (2, 40), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     def step():
         model.zero_grad()
@@ -408,14 +427,16 @@ def test_attention_path_of_a_training_step_reads_nothing_on_the_host(monkeypatch
         out.loss.backward()
         return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    ref_loss, ref_grads = step()  # CPU tensors: the dispatcher takes the reference backend
+    monkeypatch.setattr(dispatch, "_triton_available", lambda q: False)
+    ref_loss, ref_grads = step()
     mode, launch = DeviceToHost(), kernels.attention.launch
 
     def paused_launch(*args, **meta):
         with mode.paused():
             launch(*args, **meta)
 
-    monkeypatch.setattr(kernels.attention, "launch", paused_launch)
+    if not ON_GPU:
+        monkeypatch.setattr(kernels.attention, "launch", paused_launch)
     monkeypatch.setattr(dispatch, "_triton_available", lambda q: True)
     with mode:
         loss, grads = step()
@@ -436,7 +457,8 @@ def test_launch_table_is_keyed_by_dtype_and_head_dim(tmp_path, monkeypatch):
 
     assert lc.config_for(torch.bfloat16, 64).fwd_warps == 4 and lc.config_for(torch.bfloat16, 96).fwd_warps == 8
     assert lc.config_for(torch.float16, 256).fwd_m == 64 and lc.config_for(torch.float32, 48).fwd_m == 64
-    assert "not tuned" in lc.config_for(torch.bfloat16, 128).source
+    assert "not tuned" in lc.config_for(torch.bfloat16, 64).source
+    assert "sweep on one H200" in lc.config_for(torch.bfloat16, 128).source
     assert lc.config_for(torch.bfloat16, 128, cuda=False) is lc.INTERPRETER_CONFIG
     tuned = dict(dtype="bf16", head_dim=128, fwd_m=64, fwd_n=64, dkdv_m=64, dkdv_n=64, dq_m=64, dq_n=64,
                  fwd_warps=4, bwd_warps=8, stages=2, min_split_tiles=8, source="sweep on some GPU")

@@ -478,6 +478,20 @@ def test_write_profile_times_the_model_in_the_trainers_precision(tmp_path, monke
                for f, _, _ in layer["samples"].values())
 
 
+def test_plan_on_one_device_simulates_the_whole_model_in_one_process(tmp_path, capsys):
+    """One device is the strategy's debug mode (the whole model in one process, whatever the specs say): `plan`
+    simulates that layout, as the strategy runs it, instead of refusing the specs' two-stage layout."""
+    from lightning_mm.trainer.cli import plan_main as plan
+
+    one = tmp_path / "one.yaml"
+    one.write_text("trainer:\n  devices: 1\n")
+    plan(["--config", "examples/tiny_valm_pp.yaml", "--config", str(one), "--out", str(tmp_path / "plan")])
+    out = capsys.readouterr().out
+    assert "configured: 1 devices, placement=replicated, dp=1" in out
+    assert "language_model[0:4]+vision[0:4]+audio[0:4]" in out and "on 1 devices (fits memory)" in out
+    assert "no auto search on 1 device" in out and (tmp_path / "plan" / "configured.trace.json").exists()
+
+
 # ---------------------------------------------------------------------------------- plan on the data's statistics
 def test_data_stats_scale_the_costs_to_the_datas_mean_work():
     """`plan --data-stats` scales each module's costs by (mean work per sample x samples) / (the microbatch's

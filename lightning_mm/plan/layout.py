@@ -306,6 +306,12 @@ def check_node_locality(layout: RankLayout, ranks_per_node: int) -> None:
                     "number of devices per node that a replica fills whole")
 
 
+def single_process_specs(encoders: list[str]) -> tuple[dict[str, ParallelSpec], ParallelSpec, str]:
+    """The specs and placement of one device (debug mode): the whole model in one process, whatever the
+    configured specs say (the strategy runs it so; the planner simulates it so)."""
+    return {e: ParallelSpec() for e in encoders}, ParallelSpec(), "replicated"
+
+
 def build_layout(encoders: dict[str, ParallelSpec], language_model: ParallelSpec, world_size: int,
                  placement: str = "parallel", model_encoders: list[str] | None = None) -> RankLayout:
     """Lay out ranks, or raise (with the fix) when the specs do not fit ``world_size``."""

@@ -181,16 +181,18 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
     """The strategy's own layout and partition, simulated (with the largest tp of its stages, the LLM's CP
     degree and mode, its expert-parallel degree (all-to-all over ``ep_bandwidth``) and the encoders' CP degrees; with ``dp`` on the specs, each module's own dp and tp, an
     encoder's microbatch position holding LLM dp x ``samples_per_microbatch`` samples)."""
-    from lightning_mm.plan.layout import ParallelSpec, build_layout
+    from lightning_mm.plan.layout import ParallelSpec, build_layout, single_process_specs
     from lightning_mm.planner.model_costs import resolve_partition
 
     enc_specs = strategy.encoder_specs if strategy.encoder_specs is not None else {
         e: ParallelSpec() for e in model.pipeline_encoders}
-    llm_spec = strategy.language_model_spec
+    llm_spec, placement = strategy.language_model_spec, strategy.encoder_placement
+    if devices == 1:
+        enc_specs, llm_spec, placement = single_process_specs(list(enc_specs))
     if llm_spec.dp is not None:  # per-module data parallelism: every module's own dp and tp
         return _configured_per_module(model, strategy, specs, enc_specs, memory_limit, allreduce_bandwidth,
                                       tp_bandwidth, cp_bandwidth, samples_per_microbatch)
-    layout = build_layout(enc_specs, llm_spec, devices, strategy.encoder_placement, model.pipeline_encoders)
+    layout = build_layout(enc_specs, llm_spec, devices, placement, model.pipeline_encoders)
     layers = resolve_partition(model, layout.module_stages, strategy.partition, strategy.activation_checkpointing)
     return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * layout.dp, layout.dp,
                          memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth,
@@ -387,6 +389,9 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
     budget = args.devices or devices
     if args.per_module_dp:
         return _per_module(specs, mine, budget, rows, options, out, units, files)
+    if budget == 1:  # the strategy's debug mode: the configured plan above is the only one
+        print("\nno auto search on 1 device: the whole model runs in one process (the plan above)")
+        return print("wrote " + ", ".join(str(f) for f in files))
     _auto_search(specs, mine, budget, options, out, units, files)
 
 

@@ -43,7 +43,8 @@ from lightning_mm.parallel.sharding import SHARDING_STRATEGIES, nothing_to_shard
 from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, dtensor_parameters_pinned
 from lightning_mm.parallel.context import check_context_parallel
 from lightning_mm.plan.balance import METHODS as BALANCING_METHODS
-from lightning_mm.plan.layout import ParallelSpec, RankLayout, build_layout, check_node_locality
+from lightning_mm.plan.layout import (ParallelSpec, RankLayout, build_layout, check_node_locality,
+                                      single_process_specs)
 from lightning_mm.plan.placement import LANGUAGE_MODEL
 from lightning_mm.planner.model_costs import PlannedPartition, planner_request, resolve_partition
 from lightning_mm.planner.workload import WorkloadModel
@@ -467,7 +468,8 @@ def resolve_layout(model: MultimodalModel, *, encoder_specs: dict[str, ParallelS
         if any(s.size > 1 for s in [*specs.values(), language_model_spec]):
             rank_zero_warn("MultimodalParallelStrategy on 1 device runs the whole model in one process; the "
                            "ParallelSpecs apply from 2 devices on")
-        return build_layout({e: ParallelSpec() for e in specs}, ParallelSpec(), 1, "replicated", encoders), partition
+        specs, lm_spec, placement = single_process_specs(list(specs))
+        return build_layout(specs, lm_spec, 1, placement, encoders), partition
     lm_spec = language_model_spec
     if fault_tolerance is not None and fault_tolerance.templates:
         template = fault_tolerance.template(world_size)  # re-formed groups take the layout of their size

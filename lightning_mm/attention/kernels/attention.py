@@ -214,6 +214,7 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
     ``window``: a sliding window in tokens (``masks.in_window``), None = none: tiles outside it are skipped.
     """
     b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    originals = (q_bam, k_bam, q_positions, k_positions, q_segments, k_segments)  # the cache compares what was given
     if q_positions is None:
         q_positions = torch.arange(sq, device=q.device).expand(b, sq)
     if k_positions is None:
@@ -226,7 +227,6 @@ def bitfield_attention(q, k, v, q_bam, k_bam, *, q_segments=None, k_segments=Non
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    originals = (q_bam, k_bam, q_positions, k_positions, q_segments, k_segments)
     words = (_int64(q_bam), _int64(k_bam), _int64(q_positions), _int64(k_positions), _int64(q_segments),
              _int64(k_segments))
     maps = tile_maps(words, originals, cfg, cache, window)

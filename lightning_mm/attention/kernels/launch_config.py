@@ -2,7 +2,8 @@
 
 ``TABLE`` holds one :class:`KernelConfig` per (dtype, largest head dim of the row); each says where it came from
 (``source``). The entries are FlashAttention-2-style starting points sized to the shared memory of an sm_90 GPU
-and checked to compile (``compile_check``); none is tuned by measurement yet. A JSON file of the same rows
+and checked to compile (``compile_check``); the half-precision head-dim-128 row's backward tiles come from a sweep on
+an H200 (``benchmarks/kernel_sweep.py``), the rest is not tuned by measurement yet. A JSON file of the same rows
 (``load_table``, e.g. from a tuning sweep on a GPU) named by ``LIGHTNING_MM_KERNEL_TABLE`` replaces them.
 """
 
@@ -40,7 +41,11 @@ class KernelConfig:
 
 INTERPRETER_CONFIG = KernelConfig(16, 16, 16, 16, 16, 16, 1, 1, 1, min_split_tiles=1, source="interpreter")
 _UNTUNED = "table: FlashAttention-2 starting point, compiles for sm_90, not tuned by measurement"
-_HALF = {64: KernelConfig(fwd_warps=4, source=_UNTUNED), 128: KernelConfig(fwd_warps=8, source=_UNTUNED),
+# dk/dv 32x128 -> 64x64 cut the backward 2.2x (EE) and 3.7x (MP) at S=16k; the forward kept its tiles (its
+# alternatives were within the run's noise); benchmarks/kernel_sweep.py, results/gpu/kernel_sweep_nvidia_h200_d128
+_SWEPT_H200 = "sweep on one H200 (bf16, d 128, S 16k, EE/MP masks): dk/dv and dq tiles 64x64"
+_HALF = {64: KernelConfig(fwd_warps=4, source=_UNTUNED),
+         128: KernelConfig(dkdv_m=64, dkdv_n=64, dq_m=64, dq_n=64, fwd_warps=8, source=_SWEPT_H200),
          256: KernelConfig(64, 32, 16, 64, 64, 16, 4, 4, 2, source=_UNTUNED)}  # register/shared-memory pressure
 TABLE: dict[tuple[torch.dtype, int], KernelConfig] = {
     **{(torch.bfloat16, d): c for d, c in _HALF.items()}, **{(torch.float16, d): c for d, c in _HALF.items()},
