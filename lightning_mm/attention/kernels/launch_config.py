@@ -41,8 +41,8 @@ class KernelConfig:
 
 INTERPRETER_CONFIG = KernelConfig(16, 16, 16, 16, 16, 16, 1, 1, 1, min_split_tiles=1, source="interpreter")
 _UNTUNED = "table: FlashAttention-2 starting point, compiles for sm_90, not tuned by measurement"
-# dk/dv 32x128 -> 64x64 cut the backward 2.2x (EE) and 3.7x (MP) at S=16k; the forward kept its tiles (its
-# alternatives were within the run's noise); benchmarks/kernel_sweep.py, results/gpu/kernel_sweep_nvidia_h200_d128
+# dk/dv 32x128 -> 64x64 cut the backward 2.2x (EE) and forward+backward 1.6x (MP) at S=16k; the forward kept
+# its tiles (that sweep could not rank them); benchmarks/kernel_sweep.py, results/gpu/kernel_sweep_nvidia_h200_d128
 _SWEPT_H200 = "sweep on one H200 (bf16, d 128, S 16k, EE/MP masks): dk/dv and dq tiles 64x64"
 _HALF = {64: KernelConfig(fwd_warps=4, source=_UNTUNED),
          128: KernelConfig(dkdv_m=64, dkdv_n=64, dq_m=64, dq_n=64, fwd_warps=8, source=_SWEPT_H200),
