@@ -170,20 +170,22 @@ class _Metrics:
 
 @pytest.mark.parametrize("strategy", ["auto", "multimodal"])
 def test_lightning_logs_aux_loss_and_expert_load(strategy):
-    """``train/aux_loss``, each routed layer's expert shares (summing to 1) and imbalance (max/mean >= 1) reach the
-    Lightning logger, in one process and through the pipeline engine alike."""
+    """``train/aux_loss`` on every step, and on the steps Lightning writes logs each routed layer's expert shares
+    (summing to 1) and imbalance (max/mean >= 1), in one process and through the pipeline engine alike."""
     import lightning as L
 
     model, lm = _model("qwen3_moe", output_router_logits=True)
     metrics = _Metrics()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[metrics.callback()])
+                        callbacks=[metrics.callback()], log_every_n_steps=2)
     trainer.fit(lmm.MultimodalLightningModule(model, lr=1e-3),
                 datamodule=lmm.data.SyntheticMultimodalDataModule(num_samples=8, batch_size=4, model=model))
-    assert len(metrics.steps) == 2
+    assert len(metrics.steps) == 4
+    assert not any(k.startswith("train/expert_") for k in metrics.steps[0]), "not a logging step"
     for step in metrics.steps:
         assert step["train/aux_loss"] > 0
+    for step in metrics.steps[1::2]:
         for i in range(lm.config.num_hidden_layers):
             assert step[f"train/expert_imbalance/layer_{i}"] >= 1.0
             shares = [step[f"train/expert_load/layer_{i}/expert_{e}"] for e in range(8)]
