@@ -15,6 +15,7 @@ import contextlib
 import inspect
 import os
 import shutil
+from collections import deque
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -117,7 +118,7 @@ class MultimodalParallelStrategy(DDPStrategy):
         if batch_balancing is not None and batch_balancing not in BALANCING_METHODS:
             raise ValueError(f"unknown batch_balancing {batch_balancing!r}; use one of {BALANCING_METHODS}")
         self.batch_balancing = batch_balancing
-        self.batch_plans: list[dict] = []
+        self.batch_plans: deque[dict] = deque(maxlen=100)  # the last steps' balancing, bounded over a long run
         self.layout: RankLayout | None = None
         self.engine: PipelineEngine | None = None
         self.last_step: StepResult | None = None  # the last pipeline step's loss, timings and rows (callbacks)

@@ -211,7 +211,7 @@ def main(spec: str, out: str):
         with open(os.path.join(out, f"memory_{rank}.json"), "w") as f:
             json.dump({"peak_allocated": torch.cuda.max_memory_allocated()}, f)
     if case.get("plans"):
-        result["plans"] = getattr(trainer.strategy, "batch_plans", [])
+        result["plans"] = list(getattr(trainer.strategy, "batch_plans", []))
         result["deferred_samples"] = getattr(getattr(trainer.train_dataloader, "batch_sampler", None),
                                              "deferred_samples", 0)
     if case.get("consolidate"):
