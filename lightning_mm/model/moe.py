@@ -227,7 +227,7 @@ def log_router_metrics(module, metrics: dict | None, batch_size: int) -> None:
     """``train/aux_loss`` every step; the per-layer expert load imbalance (max/mean,
     ``train/expert_imbalance/layer_<i>``) and the share of each expert in each layer's routed tokens
     (``train/expert_load/layer_<i>/expert_<e>``) on the steps Lightning writes logs (``log_every_n_steps``): they
-    are layers x experts calls (6,144 for 48 layers of 128 experts), host time no step should pay for nothing."""
+    are layers x experts calls (6,144 for 48 layers of 128 experts), host time wasted on steps that log nothing."""
     if not metrics:
         return
     module.log("train/aux_loss", metrics["aux_loss"], batch_size=batch_size)

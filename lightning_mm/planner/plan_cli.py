@@ -391,7 +391,8 @@ def run(args: argparse.Namespace, module, datamodule, trainer) -> None:
         return _per_module(specs, mine, budget, rows, options, out, units, files)
     if budget == 1:  # the strategy's debug mode: the configured plan above is the only one
         print("\nno auto search on 1 device: the whole model runs in one process (the plan above)")
-        return print("wrote " + ", ".join(str(f) for f in files))
+        print("wrote " + ", ".join(str(f) for f in files))
+        return
     _auto_search(specs, mine, budget, options, out, units, files)
 
 
