@@ -77,12 +77,13 @@ class StepClock:
         self.top = [dict(name=e.key, self_cuda_ms=getattr(e, key) / 1e3, calls=e.count) for e in ranked]
 
 
-def fit(config: str, steps: int, profile_step: int, out: Path) -> dict:
+def fit(config: str, steps: int, profile_step: int, out: Path, batch_size: int | None = None) -> dict:
     from lightning_mm.trainer.cli import load_fit_config
 
+    batch = [f"--data.init_args.batch_size={batch_size}"] if batch_size else []
     module, datamodule, trainer = load_fit_config([config], [f"--trainer.max_steps={steps}",
                                                              "--trainer.log_every_n_steps=1",
-                                                             f"--trainer.default_root_dir={out / 'fit'}"])
+                                                             f"--trainer.default_root_dir={out / 'fit'}", *batch])
     clock = StepClock(profile_step, out)
     trainer.callbacks.append(clock.callback)
     trainer.fit(module, datamodule=datamodule)
@@ -97,9 +98,12 @@ def main(argv=None) -> int:
     args = harness.cli(__doc__, argv, config=("examples/gpu_vlm.yaml", "fit YAML"), steps=(20, "training steps"),
                        profile_step=(5, "step profiled with torch.profiler"),
                        out=dict(type=Path, help="folder (default results/gpu/fit_<device>)"),
-                       no_predict=(False, "skip the simulator's prediction"), dry=(False, "print the phases, run none"))
+                       no_predict=(False, "skip the simulator's prediction"), dry=(False, "print the phases, run none"),
+                       batch_sizes=dict(type=int, nargs="+", default=[],
+                                        help="then a fit at each of these batch sizes (MFU against the batch)"))
     phases = ["simulator prediction (plan --write-profile)"] * (not args.no_predict) + \
-        [f"fit {args.steps} steps, profile step {args.profile_step}"]
+        [f"fit {args.steps} steps, profile step {args.profile_step}"] + \
+        [f"fit {args.steps} steps at batch size {b}" for b in args.batch_sizes]
     if args.dry or not torch.cuda.is_available():
         print(("dry run" if args.dry else "no GPU present: nothing was measured") + "; phases: " + "; ".join(phases))
         return 0
@@ -117,6 +121,11 @@ def main(argv=None) -> int:
         doc["simulated"]["tokens_per_s_at_simulated_step"] = \
             measured["tokens_per_s"] * measured["median_step_s"] / sim["simulated_iteration_s"]
     harness.write(out / "fit.json", doc, start)
+    for b in args.batch_sizes:  # written after each: a run stopped by its time limit keeps what it measured
+        run = fit(args.config, args.steps, -1, out, batch_size=b)
+        doc.setdefault("batch_sizes", []).append(dict(batch_size=b, **{k: run[k] for k in (
+            "median_step_s", "tokens_per_s", "mfu")}))
+        harness.write(out / "fit.json", doc, start)
     for row in measured["top_kernels"][:10]:
         print(f"{row['self_cuda_ms']:10.3f} ms  x{row['calls']:<5d} {row['name'][:100]}")
     return 0

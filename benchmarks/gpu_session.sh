@@ -87,7 +87,7 @@ run_part() {
         timeout 300 python3 benchmarks/attention.py --head-dims 128 --seq-lens 16384 65536 4096 8192 32768 \
           --out "$RESULTS/attention_${dev}_d128.json";
         echo "== 3. the example VLM at world size 1: tokens/s, MFU, step time vs the simulator; profile of one step";
-        timeout 270 python3 benchmarks/gpu_fit.py --config examples/gpu_vlm.yaml --steps 20 --profile-step 5 \
+        timeout 270 python3 benchmarks/gpu_fit.py --config examples/gpu_vlm.yaml --steps 20 --profile-step 5 --batch-sizes 32 64 \
           --out "$RESULTS/fit_$dev";
         echo "== 4. attention, head dim 64";
         timeout 210 python3 benchmarks/attention.py --head-dims 64 --seq-lens 16384 65536 4096 8192 32768 \
