@@ -229,7 +229,7 @@ def test_launch_table_tile_shapes_match_reference(head_dim):
 
     cfg = config_for(torch.bfloat16, head_dim)
     bam, seg = masks.random_bam("mp", 150, num_encoders=2, batch=1, seed=13, mean_item_tokens=20, spans=True)
-    q, k, v, dout = _inputs(1, 4, 2, 150, 150, head_dim, torch.float32, seed=6)
+    q, k, v, dout = _inputs(1, 2, 1, 150, 150, head_dim, torch.float32, seed=6)
     _compare(q, k, v, dout, _words(bam, seg), kv_split=1, config=cfg)
 
 
