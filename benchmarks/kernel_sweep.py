@@ -19,11 +19,11 @@ import harness  # noqa: E402
 from attention import measure  # noqa: E402
 
 # one factor at a time around the table's entry (first of each list): forward (and its tile lists), dk/dv (whose
-# warps the dq pass shares), dq
+# warps the dq pass shares), dq (a second pass, or atomic adds in the dk/dv pass)
 FWD = [dict(fwd_m=m, fwd_n=n, fwd_warps=w, stages=s) for m, n, w, s in
        [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)]]
 DKDV = [dict(dkdv_m=m, dkdv_n=n, bwd_warps=w) for m, n, w in [(64, 64, 4), (64, 128, 8), (32, 64, 4), (128, 64, 8)]]
-DQ = [dict(dq_m=m, dq_n=n) for m, n in [(64, 64), (128, 32), (128, 64)]]
+DQ = [dict(dq_m=m, dq_n=n) for m, n in [(64, 64), (128, 32), (128, 64)]] + [dict(dq_atomic=True)]  # no dq pass
 
 
 def main(argv=None) -> int:
@@ -54,6 +54,11 @@ def main(argv=None) -> int:
                                 triton=triton.__version__, dtype="bfloat16", seq_len=args.seq_len,
                                 head_dim=args.head_dim, heads=args.heads, kv_heads=args.kv_heads,
                                 table_entry=dataclasses.asdict(base), rows=rows, best=best), start)
+    def grads(fn):  # dq, dk, dv of one backward
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        fn(*leaves).backward(dout)
+        return [t.grad.float() for t in leaves]
+
     for layout in args.layouts:
         bam, seg = masks.random_bam(layout, args.seq_len, num_encoders=args.encoders, batch=1, seed=args.seed)
         bam, seg = bam.to(device), None if seg is None else seg.to(device)
@@ -62,8 +67,10 @@ def main(argv=None) -> int:
             cache = {}
             return lambda q, k, v: bitfield_attention(q, k, v, bam, bam, q_segments=seg, k_segments=seg,
                                                       config=cfg, cache=cache)
+
         with torch.no_grad():
             reference = attend(base)(q, k, v).float()
+        reference_grads = grads(attend(base))
         for part, change in settings:
             cfg = dataclasses.replace(base, **change, source="sweep")
             row = dict(layout=layout, part=part, **change)
@@ -71,6 +78,8 @@ def main(argv=None) -> int:
                 fn = attend(cfg)
                 with torch.no_grad():
                     row["max_abs_diff_vs_table"] = float((fn(q, k, v).float() - reference).abs().max())
+                row["max_abs_grad_diff_vs_table"] = max(float((g - r).abs().max())
+                                                        for g, r in zip(grads(fn), reference_grads))
                 fwd_ms, both_ms, _ = measure(fn, q, k, v, dout, args.rep_ms)
                 row.update(status="ok", fwd_ms=fwd_ms, bwd_ms=both_ms - fwd_ms, fwd_bwd_ms=both_ms)
             except Exception as e:  # a setting that does not fit (shared memory, registers) is recorded
@@ -93,7 +102,8 @@ def main(argv=None) -> int:
                     "source": f"sweep on {name}, S={args.seq_len}, layouts {'/'.join(args.layouts)}"})
     report(best_row)
     harness.print_rows(rows, ["layout", "part", "fwd_m", "fwd_n", "fwd_warps", "stages", "dkdv_m", "dkdv_n",
-                              "bwd_warps", "dq_m", "dq_n", "status", "fwd_ms", "bwd_ms", "max_abs_diff_vs_table"])
+                              "bwd_warps", "dq_m", "dq_n", "dq_atomic", "status", "fwd_ms", "bwd_ms",
+                              "max_abs_diff_vs_table"])
     print("best:", best_row)
     return 0
 

@@ -233,6 +233,24 @@ def test_launch_table_tile_shapes_match_reference(head_dim):
     _compare(q, k, v, dout, _words(bam, seg), kv_split=1, config=cfg)
 
 
+@pytest.mark.parametrize("layout,window", [("ee", None), ("mp", None), ("mp", 9)])
+def test_atomic_dq_matches_reference(layout, window):
+    """dq added by the dk/dv pass with atomic adds (``KernelConfig.dq_atomic``) on padded rows, GQA and several
+    tiles per row (partial and full), with and without a window: every gradient equals the reference's."""
+    from dataclasses import replace
+
+    from lightning_mm.attention.kernels.launch_config import INTERPRETER_CONFIG
+
+    bam, seg = masks.random_bam(layout, 61, num_encoders=2, batch=2, seed=3, mean_item_tokens=9)
+    bam[0, -5:] = 0
+    q, k, v, dout = _inputs(2, 4, 2, 61, 61, 32, torch.float32, seed=1)
+    words = _words(bam, seg)
+    ref = _run("reference", q, k, v, dout, words, window=window)
+    got = _run("triton", q, k, v, dout, words, window=window, config=replace(INTERPRETER_CONFIG, dq_atomic=True))
+    for name, r, t in zip(("out", "dq", "dk", "dv"), ref, got):
+        torch.testing.assert_close(t, r, atol=2e-5, rtol=2e-5, msg=name)
+
+
 def test_head_dim_not_a_power_of_two_and_no_gqa():
     bam, _ = masks.random_bam("ee", 40, num_encoders=1, batch=1, seed=5, mean_item_tokens=6)
     q, k, v, dout = _inputs(1, 2, 2, 40, 40, 48, torch.float32, seed=3)
@@ -369,7 +387,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
                         "--head-dims", "128", "--arch", "90"], capture_output=True, text=True, env=_clean_env(),
                        cwd=ROOT, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count(" ok") == 5, r.stdout
+    assert r.stdout.count(" ok") == 6, r.stdout
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the no-GPU path of the benchmark")
@@ -461,12 +479,12 @@ def test_launch_table_is_keyed_by_dtype_and_head_dim(tmp_path, monkeypatch):
     assert "sweep on one H200" in lc.config_for(torch.bfloat16, 128).source
     assert lc.config_for(torch.bfloat16, 128, cuda=False) is lc.INTERPRETER_CONFIG
     tuned = dict(dtype="bf16", head_dim=128, fwd_m=64, fwd_n=64, dkdv_m=64, dkdv_n=64, dq_m=64, dq_n=64,
-                 fwd_warps=4, bwd_warps=8, stages=2, min_split_tiles=8, source="sweep on some GPU")
+                 fwd_warps=4, bwd_warps=8, stages=2, min_split_tiles=8, dq_atomic=True, source="sweep on some GPU")
     path = tmp_path / "table.json"
     path.write_text(__import__("json").dumps([tuned]))
     monkeypatch.setenv("LIGHTNING_MM_KERNEL_TABLE", str(path))
     cfg = lc.config_for(torch.bfloat16, 128)
-    assert (cfg.fwd_m, cfg.bwd_warps, cfg.source) == (64, 8, "sweep on some GPU")
+    assert (cfg.fwd_m, cfg.bwd_warps, cfg.dq_atomic, cfg.source) == (64, 8, True, "sweep on some GPU")
     assert lc.config_for(torch.bfloat16, 64).fwd_warps == 4  # rows the file lacks keep the built-in table's
     assert lc.load_table(str(path)) == {(torch.bfloat16, 128): cfg}
     assert lc.table_rows({(torch.bfloat16, 128): cfg}) == [tuned]

@@ -140,15 +140,19 @@ def attention_backward(q, k, v, out, lse, dout, words, maps: TileMaps, scale: fl
 
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq32 = torch.zeros((b, hq, sq, d), dtype=torch.float32, device=q.device) if cfg.dq_atomic else delta
     q_count, q_partial, q_idx = maps.dkdv
     launch(
         dkdv_kernel, (maps.dkdv_items.shape[0], hkv),
-        q, k, v, dout, dk, dv, lse, delta, qw, kw, qp, kp, seg_q, seg_k, maps.dkdv_items, q_count, q_partial, q_idx,
+        q, k, v, dout, dk, dv, dq32, lse, delta, qw, kw, qp, kp, seg_q, seg_k, maps.dkdv_items, q_count, q_partial,
+        q_idx,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         hq, hq // hkv, sq, sk, d, q_idx.shape[2], q_idx.shape[1], scale, scale * LOG2E, _window_arg(maps),
-        BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, **common)
+        BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, ATOMIC_DQ=cfg.dq_atomic, **common)
+    if cfg.dq_atomic:
+        return (dq32 * scale).to(q.dtype), dk, dv
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     kv_count, kv_partial, kv_idx = maps.dq

@@ -1,4 +1,4 @@
-"""Backward kernels (FlashAttention-2 / FlexAttention style, no atomics): delta, dk/dv per key tile, dq per query tile.
+"""Backward kernels (FlashAttention-2 / FlexAttention style): delta, dk/dv per key tile, dq per query tile.
 
 ``delta_kernel`` computes ``Delta = rowsum(dO * O)`` once, before the two passes. Both passes recompute
 probabilities from the saved base-2 log-sum-exp, ``p = 2^(s*log2e*scale - lse)``, and walk the sparse tile lists:
@@ -7,6 +7,9 @@ over the query heads of its KV head group (GQA), so dk/dv need no atomics; the d
 only the key tiles i attends. Each list holds the partial tiles first, then the full ones, so each pass runs a
 masked loop (the rule evaluated per element) and an unmasked one (no mask work). Rows with no allowed key have
 lse ``-inf``; it is replaced by ``+inf`` so their p is 0. Work items are ``(batch row, tile)`` pairs, heaviest first.
+With ``ATOMIC_DQ`` the dk/dv pass also adds each tile's ``ds @ k`` into an fp32 dq buffer with atomic adds
+(FlashAttention-2's CUDA backward: five products per tile instead of four plus the dq pass's three; the order of
+the adds, so dq's last bits, vary from run to run), and the dq pass does not run.
 """
 
 import triton
@@ -39,12 +42,13 @@ def load_lse_delta(Lse, Delta, offs, ok):
 
 
 @triton.jit
-def _query_tiles(dk, dv, k, v, kw, kp, ks, q_base, do_base, QW, QP, QS, Lse, Delta, row_base, QIdx, list_base,
-                 lo, hi, stride_qs, stride_dos, offs_d, d_ok, Sq, scale_log2, window,
-                 MASKED: tl.constexpr, HAS_SEG: tl.constexpr, HAS_WINDOW: tl.constexpr,
+def _query_tiles(dk, dv, k, v, kw, kp, ks, q_base, do_base, dq_base, QW, QP, QS, Lse, Delta, row_base, QIdx,
+                 list_base, lo, hi, stride_qs, stride_dos, offs_d, d_ok, Sq, D, scale_log2, window,
+                 MASKED: tl.constexpr, HAS_SEG: tl.constexpr, HAS_WINDOW: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr):
     """dk, dv of one key tile accumulated over the query tiles ``QIdx[lo:hi]`` of one head (``MASKED``: partial
-    tiles, the rule per element; otherwise full tiles, no mask work)."""
+    tiles, the rule per element; otherwise full tiles, no mask work); with ``ATOMIC_DQ`` each tile's share of dq
+    (unscaled, fp32) is added at ``dq_base``."""
     for it in range(lo, hi):
         qt = tl.load(QIdx + list_base + it)
         offs_m = qt * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -63,19 +67,22 @@ def _query_tiles(dk, dv, k, v, kw, kp, ks, q_base, do_base, QW, QP, QS, Lse, Del
         dp_t = tile_dot(v, tl.trans(do), DOT_PRECISION, UPCAST_DOT)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tile_dot(ds_t.to(q.dtype), q, DOT_PRECISION, UPCAST_DOT)
+        if ATOMIC_DQ:
+            dq = tile_dot(tl.trans(ds_t).to(k.dtype), k, DOT_PRECISION, UPCAST_DOT)
+            tl.atomic_add(dq_base + offs_m[:, None] * D + offs_d[None, :], dq, mask=q_mask)
     return dk, dv
 
 
 @triton.jit
 def dkdv_kernel(
-    Q, K, V, DO, DK, DV, Lse, Delta, QW, KW, QP, KP, QS, KS,
+    Q, K, V, DO, DK, DV, DQ32, Lse, Delta, QW, KW, QP, KP, QS, KS,
     Items, QCount, QPartial, QIdx,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
     stride_dkb, stride_dkh, stride_dks,
     Hq, GROUPS, Sq, Sk, D, NQT, NKT, scale, scale_log2, window,
     HAS_SEG: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     item = tl.program_id(0)
     hk = tl.program_id(1)
@@ -99,14 +106,15 @@ def dkdv_kernel(
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         row_base = (b * Hq + h) * Sq
-        dk, dv = _query_tiles(dk, dv, k, v, kw, kp, ks, q_base, do_base, QW + b * Sq, QP + b * Sq, QS + b * Sq,
-                              Lse, Delta, row_base, QIdx, list_base, 0, n_partial, stride_qs, stride_dos, offs_d,
-                              d_ok, Sq, scale_log2, window, True, HAS_SEG, HAS_WINDOW, DOT_PRECISION, UPCAST_DOT,
-                              BLOCK_M)
-        dk, dv = _query_tiles(dk, dv, k, v, kw, kp, ks, q_base, do_base, QW + b * Sq, QP + b * Sq, QS + b * Sq,
-                              Lse, Delta, row_base, QIdx, list_base, n_partial, count, stride_qs, stride_dos,
-                              offs_d, d_ok, Sq, scale_log2, window, False, HAS_SEG, HAS_WINDOW, DOT_PRECISION,
-                              UPCAST_DOT, BLOCK_M)
+        dq_base = DQ32 + row_base * D  # [B, Hq, Sq, D] fp32, contiguous
+        dk, dv = _query_tiles(dk, dv, k, v, kw, kp, ks, q_base, do_base, dq_base, QW + b * Sq, QP + b * Sq,
+                              QS + b * Sq, Lse, Delta, row_base, QIdx, list_base, 0, n_partial, stride_qs,
+                              stride_dos, offs_d, d_ok, Sq, D, scale_log2, window, True, HAS_SEG, HAS_WINDOW,
+                              ATOMIC_DQ, DOT_PRECISION, UPCAST_DOT, BLOCK_M)
+        dk, dv = _query_tiles(dk, dv, k, v, kw, kp, ks, q_base, do_base, dq_base, QW + b * Sq, QP + b * Sq,
+                              QS + b * Sq, Lse, Delta, row_base, QIdx, list_base, n_partial, count, stride_qs,
+                              stride_dos, offs_d, d_ok, Sq, D, scale_log2, window, False, HAS_SEG, HAS_WINDOW,
+                              ATOMIC_DQ, DOT_PRECISION, UPCAST_DOT, BLOCK_M)
     out_off = b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :]
     tl.store(DK + out_off, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)

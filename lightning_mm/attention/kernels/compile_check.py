@@ -36,7 +36,8 @@ def _signature(fn, pointers: dict, constexprs: dict) -> dict:
 
 
 def kernel_jobs(dtype_name: str, head_dim: int):
-    """(kernel, pointer types, constexprs, num_warps, num_stages) for every launch of one dtype/head dim."""
+    """(kernel, pointer types, constexprs, num_warps, num_stages) for every launch of one dtype/head dim (dk/dv
+    with and without the atomic dq)."""
     import triton
 
     from lightning_mm.attention.kernels.backward import delta_kernel, dkdv_kernel, dq_kernel
@@ -57,11 +58,11 @@ def kernel_jobs(dtype_name: str, head_dim: int):
         (merge_kernel, dict(Out=t, Lse=f32, PartO=f32, PartLse=f32, Merges=i32),
          dict(BLOCK_M=cfg.fwd_m, BLOCK_D=block_d), 4, cfg.stages),
         (delta_kernel, dict(O=t, DO=t, Delta=f32), dict(BLOCK_M=64, BLOCK_D=block_d), 4, 1),
-        (dkdv_kernel, dict(Q=t, K=t, V=t, DO=t, DK=t, DV=t, Lse=f32, Delta=f32, Items=i32, QCount=i32,
-                           QPartial=i32, QIdx=i32, **words),
-         dict(HAS_SEG=True, HAS_WINDOW=True, DOT_PRECISION=prec, UPCAST_DOT=False,
-              BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, BLOCK_D=block_d),
-         cfg.bwd_warps, cfg.stages),
+        *[(dkdv_kernel, dict(Q=t, K=t, V=t, DO=t, DK=t, DV=t, DQ32=f32, Lse=f32, Delta=f32, Items=i32,
+                             QCount=i32, QPartial=i32, QIdx=i32, **words),
+           dict(HAS_SEG=True, HAS_WINDOW=True, DOT_PRECISION=prec, UPCAST_DOT=False,
+                BLOCK_M=cfg.dkdv_m, BLOCK_N=cfg.dkdv_n, BLOCK_D=block_d, ATOMIC_DQ=atomic),
+           cfg.bwd_warps, cfg.stages) for atomic in (False, True)],
         (dq_kernel, dict(Q=t, K=t, V=t, DO=t, DQ=t, Lse=f32, Delta=f32, Items=i32, KvCount=i32,
                          KvPartial=i32, KvIdx=i32, **words),
          dict(HAS_SEG=True, HAS_WINDOW=True, DOT_PRECISION=prec, UPCAST_DOT=False,

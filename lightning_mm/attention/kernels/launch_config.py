@@ -30,6 +30,7 @@ class KernelConfig:
     bwd_warps: int = 4
     stages: int = 3
     min_split_tiles: int = 8  # a split-KV piece walks at least this many key tiles (amortises the merge)
+    dq_atomic: bool = False  # dq added by the dk/dv pass with atomic adds, no dq pass (backward.py)
     source: str = field(default="default", compare=False)  # where the choice came from (recorded, not a key)
 
     def __post_init__(self):
