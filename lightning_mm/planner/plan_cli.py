@@ -186,13 +186,14 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
 
     enc_specs = strategy.encoder_specs if strategy.encoder_specs is not None else {
         e: ParallelSpec() for e in model.pipeline_encoders}
-    llm_spec, placement = strategy.language_model_spec, strategy.encoder_placement
+    llm_spec, placement = strategy.language_model_spec, None
     if devices == 1:
         enc_specs, llm_spec, placement = single_process_specs(list(enc_specs))
     if llm_spec.dp is not None:  # per-module data parallelism: every module's own dp and tp
         return _configured_per_module(model, strategy, specs, enc_specs, memory_limit, allreduce_bandwidth,
                                       tp_bandwidth, cp_bandwidth, samples_per_microbatch)
-    layout = build_layout(enc_specs, llm_spec, devices, placement, model.pipeline_encoders)
+    layout = build_layout(enc_specs, llm_spec, devices, placement or strategy.encoder_placement,
+                          model.pipeline_encoders)
     layers = resolve_partition(model, layout.module_stages, strategy.partition, strategy.activation_checkpointing)
     return evaluate_plan(specs, layers, layout.placement, strategy.num_microbatches * layout.dp, layout.dp,
                          memory_limit=memory_limit, allreduce_bandwidth=allreduce_bandwidth,
