@@ -214,11 +214,14 @@ def test_half_precision_matches_reference(dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_real_sizes_match_reference_natively(layout, head_dim):
     """S = 4096 in bf16 with GQA: the default tile sizes, tile skipping and the split-KV path of the compiled
-    kernels (not reached at the interpreter's sizes) against the reference."""
+    kernels (not reached at the interpreter's sizes) against the reference, and dq by atomic adds."""
+    from dataclasses import replace
+
     bam, seg = masks.random_bam(layout, 4096, num_encoders=2, batch=1, seed=17)
     q, k, v, dout = _inputs(1, 8, 2, 4096, 4096, head_dim, torch.bfloat16, seed=5)
     for kv_split in (None, 0, 4):  # automatic, never split, split every 4 key tiles
         _compare(q, k, v, dout, _words(bam, seg), kv_split=kv_split)
+    _compare(q, k, v, dout, _words(bam, seg), config=replace(kernels.default_config(q), dq_atomic=True))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
