@@ -5,7 +5,6 @@ What it measures, the goals and the commands: docs/kernels.md, "Benchmark". With
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 import traceback
@@ -246,7 +245,7 @@ def main(argv=None) -> int:
 
     start, device = harness.record(), torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    out = args.out or harness.RESULTS / f"attention_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.json"
+    out = args.out or harness.RESULTS / f"attention_{harness.slug(name)}.json"
     cases = []
     for s in args.seq_lens:
         for head_dim in args.head_dims:

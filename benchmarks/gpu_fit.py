@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         print(("dry run" if args.dry else "no GPU present: nothing was measured") + "; phases: " + "; ".join(phases))
         return 0
     start, name = harness.record(), torch.cuda.get_device_name(0)
-    out = args.out or harness.RESULTS / "gpu" / f"fit_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}"
+    out = args.out or harness.RESULTS / "gpu" / f"fit_{harness.slug(name)}"
     out.mkdir(parents=True, exist_ok=True)
     doc = dict(benchmark=f"benchmarks/gpu_fit.py --config {args.config}", device=name, torch=torch.__version__,
                world_size=1, config=args.config)

@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -119,6 +120,11 @@ def finish(start: dict) -> dict:
     out["load_average_end"], out["runnable_end"] = load(), runnable()
     out["duration_s"] = round(time.time() - start.get("_t0", time.time()), 1)
     return out
+
+
+def slug(name: str) -> str:
+    """A device name as a file-name part: "NVIDIA H200" -> "nvidia_h200"."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
 
 
 def describe(machine: dict | str | None) -> str:

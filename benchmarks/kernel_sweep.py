@@ -8,7 +8,6 @@ Writes every measured setting and the best row, in ``LIGHTNING_MM_KERNEL_TABLE``
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 from pathlib import Path
 
@@ -39,8 +38,7 @@ def main(argv=None) -> int:
 
     start, device = harness.record(), torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
-    out = args.out or harness.RESULTS / "gpu" / f"kernel_sweep_{slug}_d{args.head_dim}.json"
+    out = args.out or harness.RESULTS / "gpu" / f"kernel_sweep_{harness.slug(name)}_d{args.head_dim}.json"
     g = torch.Generator(device=device).manual_seed(args.seed)
     shape_q, shape_kv = (1, args.heads, args.seq_len, args.head_dim), (1, args.kv_heads, args.seq_len, args.head_dim)
     q, dout = (torch.randn(shape_q, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
@@ -54,6 +52,7 @@ def main(argv=None) -> int:
                                 triton=triton.__version__, dtype="bfloat16", seq_len=args.seq_len,
                                 head_dim=args.head_dim, heads=args.heads, kv_heads=args.kv_heads,
                                 table_entry=dataclasses.asdict(base), rows=rows, best=best), start)
+
     def grads(fn):  # dq, dk, dv of one backward
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         fn(*leaves).backward(dout)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -258,10 +257,6 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
-def slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
-
-
 def profile_all(device: torch.device, dtype: torch.dtype, tiny: bool, warmup: int, repeats: int,
                 log=print) -> dict:
     shrink = TINY_SHRINK if tiny else 1
@@ -337,7 +332,7 @@ def main(argv=None) -> int:
     print(f"profiling one layer per family and size on {device_name(device)}{' (tiny)' if args.tiny else ''}")
     doc = profile_all(device, torch.bfloat16, args.tiny, args.warmup, args.repeats)  # bf16, as trained
     doc["seconds"] = time.perf_counter() - started
-    out = args.out or harness.RESULTS / f"layer_profile_{slug(doc['device'])}{'_tiny' if args.tiny else ''}.json"
+    out = args.out or harness.RESULTS / f"layer_profile_{harness.slug(doc['device'])}{'_tiny' if args.tiny else ''}.json"
     harness.write(out, doc, start)
     harness.print_rows([dict(family=f, size=s, layer=i["class"], params=i["params_per_layer"] / 1e6, tokens=int(t),
                              fwd_ms=1e3 * x["forward_s"], in_grad_ms=1e3 * x["input_grad_s"],
