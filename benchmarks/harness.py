@@ -3,8 +3,6 @@
     start = harness.record()                 # at the start (machine, command, load average before the run)
     args = harness.cli(__doc__, argv, steps=5, warmup=(2, "untimed steps"))
     harness.write(RESULTS / "x.json", doc, start)   # JSON + machine record, its doc quotes printed and rewritten
-
-``l3_bytes()`` sizes cache-dependent benchmarks from the machine (the cold-cache eviction of cp_balance.py).
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 L3_FALLBACK = 32 << 20  # bytes assumed when the machine does not say
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+SOURCES = ("measured", "simulated", "computed", "published", "setting")
 
 
 # ---------------------------------------------------------------------------------------------- the machine record
@@ -46,7 +45,8 @@ def _size(text: str) -> int:
 
 
 def l3_bytes() -> int | None:
-    """Size of the L3 (last-level) cache cpu0 sees, from sysfs, else lscpu; None when neither says."""
+    """Size of the L3 (last-level) cache cpu0 sees, from sysfs, else lscpu; None when neither says (sizes the
+    cold-cache eviction of cp_balance.py)."""
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
             if (index / "level").read_text().strip() == "3":
@@ -73,43 +73,38 @@ def command() -> str:
 
 def commit() -> str:
     """The checked-out commit, with "+changes" when the code (the package or the benchmarks) differs from it."""
+    git = {"cwd": ROOT, "capture_output": True, "text": True}
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True, **git).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "lightning_mm",
-                                "benchmarks", ":!benchmarks/results"], cwd=ROOT, capture_output=True,
-                               text=True).stdout.strip()
+                                "benchmarks", ":!benchmarks/results"], **git).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+changes" if dirty else "")
 
 
-def runnable() -> dict[str, int]:
-    """Processes running or ready to run now, by priority against this one: work at a lower priority (a larger
-    nice value) counts in the load average but yields the CPU to the benchmark."""
-    mine, out = os.nice(0), {"same_or_higher_priority": 0, "lower_priority": 0}
+def _load() -> tuple[list[float], dict[str, int]]:
+    """The load average, and the processes running or ready to run now by priority against this one: work at a
+    lower priority (a larger nice value) counts in the load average but yields the CPU to the benchmark."""
+    mine, runnable = os.nice(0), {"same_or_higher_priority": 0, "lower_priority": 0}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if fields[0] == "R":
-            out["lower_priority" if int(fields[16]) > mine else "same_or_higher_priority"] += 1
-    return out
-
-
-def load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
+            runnable["lower_priority" if int(fields[16]) > mine else "same_or_higher_priority"] += 1
+    return [round(x, 2) for x in os.getloadavg()], runnable
 
 
 def record() -> dict:
     """Machine, software and command at the start of a run."""
     import torch
 
-    l3 = l3_bytes()
+    l3, (load, runnable) = l3_bytes(), _load()
     return dict(cpu=cpu_model(), cores=os.cpu_count(), l3_bytes=l3, l3=f"{l3 >> 20} MB" if l3 else "unknown",
-                torch=torch.__version__, python=platform.python_version(), load_average_start=load(),
-                runnable_start=runnable(),
+                torch=torch.__version__, python=platform.python_version(), load_average_start=load,
+                runnable_start=runnable,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command=command(), commit=commit(), _t0=time.time())
 
@@ -117,7 +112,7 @@ def record() -> dict:
 def finish(start: dict) -> dict:
     """``start`` with the load average at the end and the run's duration added."""
     out = {k: v for k, v in start.items() if k != "_t0"}
-    out["load_average_end"], out["runnable_end"] = load(), runnable()
+    out["load_average_end"], out["runnable_end"] = _load()
     out["duration_s"] = round(time.time() - start.get("_t0", time.time()), 1)
     return out
 
@@ -131,13 +126,12 @@ def describe(machine: dict | str | None) -> str:
     """One phrase naming the machine of a results JSON, for the text beside its figures."""
     if not isinstance(machine, dict):
         return "an unrecorded machine"
-    load_start = machine.get("load_average_start")
-    where = f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {machine.get('l3', '?')} L3"
-    when = f", {machine['date'][:10]}" if machine.get("date") else ""
-    commit_ = f", commit {machine['commit']}" if machine.get("commit") else ""
-    lower = (machine.get("runnable_start") or {}).get("lower_priority")
+    m, load = machine, machine.get("load_average_start")
+    lower = (m.get("runnable_start") or {}).get("lower_priority")
     yielded = f" ({lower} runnable processes at a lower priority)" if lower else ""
-    return where + when + commit_ + (f", load average {load_start[0]:.1f} at start{yielded}" if load_start else "")
+    return (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('l3', '?')} L3"
+            + (f", {m['date'][:10]}" if m.get("date") else "") + (f", commit {m['commit']}" if m.get("commit") else "")
+            + (f", load average {load[0]:.1f} at start{yielded}" if load else ""))
 
 
 # ---------------------------------------------------------------------------------------------- command line, JSON
@@ -161,9 +155,6 @@ def cli(doc: str, argv=None, worker: bool = False, **options) -> argparse.Namesp
     return parser.parse_args(argv)
 
 
-SOURCES = ("measured", "simulated", "computed", "published", "setting")
-
-
 def obtained(doc: dict, given: dict | None = None) -> dict[str, str]:
     """How each top-level entry of a results JSON was obtained (one of ``SOURCES``; a setting is an input of the
     run): ``given`` where a benchmark says, else by its name (``simulated*`` simulated; ``published*``/``paper*``/
@@ -174,18 +165,16 @@ def obtained(doc: dict, given: dict | None = None) -> dict[str, str]:
     unknown = {k: v for k, v in given.items() if v not in SOURCES}
     if unknown:
         raise ValueError(f"obtained: {unknown} are not among {SOURCES}")
+    recorded = isinstance(doc.get("machine"), dict) or isinstance(doc.get("measured_machine"), dict)
     out = {}
-    for key in doc:
-        if key in ("machine", "measured_machine", "obtained"):
-            continue
+    for key in [k for k in doc if k not in ("machine", "measured_machine", "obtained")]:
         low = key.lower()
         out[key] = given.get(key) or (
             "simulated" if low.startswith("simulat") else
             "published" if low.startswith(("published", "paper", "seed")) else
             "computed" if low.startswith("expected") or "formula" in low else
             "setting" if low.startswith(("setting", "config")) or low in ("goals", "what", "how") else
-            "measured" if isinstance(doc.get("machine"), dict) or isinstance(doc.get("measured_machine"), dict)
-            else "computed")
+            "measured" if recorded else "computed")
     return out
 
 
@@ -386,8 +375,7 @@ def timed(step, steps: int, warmup: int) -> tuple[list[float], list[float], list
 def rss_reset() -> bool:
     """Reset this process's peak-RSS mark (Linux clear_refs 5); False where not allowed."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        Path("/proc/self/clear_refs").write_text("5")
         return True
     except OSError:
         return False

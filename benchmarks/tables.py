@@ -1,8 +1,8 @@
 """Regenerate every figure README.md and docs/*.md quote from a benchmark's results JSON, or check them.
 
 A quote sits between ``<!-- results:benchmarks/results/X.json:NAME -->`` and ``<!-- /results -->`` (a block when it
-starts on a new line, else inline); its text is rendered from the JSON by the renderer registered as (X.json, NAME):
-mostly ``grid`` specs (rows from a JSON path, columns as format strings), the rest small functions. Every benchmark
+starts on a new line, else inline); its text is rendered from the JSON by the function registered as (X.json, NAME):
+mostly ``grid`` specs (rows from the JSON, columns as format strings), the rest short functions. Every benchmark
 rewrites the quotes after writing its JSON (``harness.write``); ``--check`` (and tests/test_figures.py) fails when a
 quote disagrees with its JSON.
 
@@ -11,14 +11,11 @@ quote disagrees with its JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import re
 import statistics
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
 
 import harness
@@ -26,53 +23,47 @@ import harness
 ROOT = harness.ROOT
 DOCUMENTS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"<!-- results:(?P<json>[^:\s]+):(?P<name>[\w.-]+) -->(?P<body>.*?)<!-- /results -->", re.S)
+RENDERERS: dict = {}  # (json path, quote name) -> fn(data) -> text
+MIB = 2 ** 20
 
-RENDERERS: dict[tuple[str, str], Callable[[dict], str]] = {}
+
+def quotes(json_name: str, fns: dict) -> None:
+    """Register each ``fn(data) -> text`` of ``fns`` as the quote NAME of ``benchmarks/results/<json_name>``."""
+    RENDERERS.update({(f"benchmarks/results/{json_name}", name): fn for name, fn in fns.items()})
 
 
 def renderer(json_name: str, name: str):
-    """Register ``fn(data) -> text`` as the quote ``name`` of ``benchmarks/results/<json_name>``."""
+    """``quotes`` as a decorator, for one function."""
     def register(fn):
-        RENDERERS[(f"benchmarks/results/{json_name}", name)] = fn
+        quotes(json_name, {name: fn})
         return fn
     return register
 
 
-def quotes(json_name: str, fns: dict[str, Callable[[dict], str]]) -> None:
-    """Register several short quotes of one JSON at once."""
-    for name, fn in fns.items():
-        renderer(json_name, name)(fn)
-
-
-def table(header: list[str], rows: list[list], align: str | None = None) -> str:
+def table(header: list[str], rows: list[list], align: str) -> str:
     """A markdown table; ``align`` is one letter per column ('l' or 'r')."""
-    rule = ["---:" if a == "r" else "---" for a in align or "l" * len(header)]
+    rule = ["---:" if a == "r" else "---" for a in align]
     return "\n".join("| " + " | ".join(line) + " |" for line in [header, rule, *[[str(c) for c in r] for r in rows]])
 
 
-def measured_table(data: dict, header: list[str], rows: list[list], align: str) -> str:
-    return f"Measured on {_machine_line(data)}:\n\n" + table(header, rows, align)
+def grid(json_name: str, name: str, rows, align: str, columns: list, before="", after="") -> None:
+    """Register a table quote: one row per item of ``rows`` (a key of the JSON or a function of it); each column a
+    (header, cell) pair, the cell a format string over the item or a function of it, or a bare header where the
+    items are lists of cells; ``before`` and ``after`` around the table: format strings over the JSON (``{on}``: the
+    machine line) or functions of it."""
+    def text(spec, data: dict) -> str:
+        return spec.format_map({**data, "on": _machine_line(data)}) if isinstance(spec, str) else spec(data)
 
+    def cell(spec, item, i: int) -> str:
+        return item[i] if spec is None else spec.format_map(item) if isinstance(spec, str) else spec(item)
 
-def _text(spec, data: dict) -> str:
-    """A caption: a format string over the JSON (``on``: the machine line) or a function of it."""
-    return spec.format_map({**data, "on": _machine_line(data)}) if isinstance(spec, str) else spec(data)
+    columns = [(c, None) if isinstance(c, str) else c for c in columns]
 
-
-def grid(json_name: str, name: str, rows, align: str, columns: list[tuple], before="", after="") -> None:
-    """Register a table quote of ``benchmarks/results/<json_name>``, one row per item of ``rows`` (a key of the JSON
-    or a function of it); each column a (header, cell) pair, the cell a format string over the item or a function
-    of it; ``before`` and ``after`` (``_text``) around the table."""
     def render(data: dict) -> str:
         items = data[rows] if isinstance(rows, str) else rows(data)
-        cells = [[c.format_map(r) if isinstance(c, str) else c(r) for _, c in columns] for r in items]
-        return _text(before, data) + table([h for h, _ in columns], cells, align) + _text(after, data)
-    renderer(json_name, name)(render)
-
-
-def _columns(*headers: str) -> list[tuple]:
-    """Columns of rows that are lists of cells, one per header."""
-    return [(h, lambda r, i=i: r[i]) for i, h in enumerate(headers)]
+        cells = [[cell(c, r, i) for i, (_, c) in enumerate(columns)] for r in items]
+        return text(before, data) + table([h for h, _ in columns], cells, align) + text(after, data)
+    quotes(json_name, {name: render})
 
 
 def _machine_line(data: dict) -> str:
@@ -106,25 +97,22 @@ def _wrap(text: str) -> str:
                                    break_long_words=False, break_on_hyphens=False) for p in text.split("\n"))
 
 
-def _short(name: str) -> str:
-    return name.replace("language_model", "llm").replace("encoders", "enc")
-
-
-def _opt(key: str, fmt: str = ".2f"):
-    """A cell of ``key`` in ``fmt``, empty where the row lacks it."""
-    return lambda r: format(r[key], fmt) if key in r else ""
+def _opt(key: str, fmt: str = ".2f", missing: str = ""):
+    """A cell of ``key`` in ``fmt``, ``missing`` where the row lacks it."""
+    return lambda r: format(r[key], fmt) if key in r else missing
 
 
 def _met(ok) -> str:
     return "met" if ok else "missed"
 
 
-# ---------------------------------------- cp_balance.json
+# ---------------------------------------- cp_balance.json, balance_planning.json
 
 _CP_NAMES = {("mp", ""): "MP (int16 segment ids, as the collator makes them)",
              ("ee", "256-token items"): "EE with 256-token items",
              **{("mp", f"int{b} segment ids"): f"MP with int{b} segment ids" for b in (32, 64)},
              **{(x, v): f"{x.upper()}, {v}" for x in ("ep", "mp") for v in ("cold cache", "just written")}}
+_CP_METHODS = ["lpt", "random", "zigzag", "contiguous"]
 
 
 def _plan_rows(data: dict, variant: str, layouts=("ep", "ee", "mp")) -> list[dict]:
@@ -136,19 +124,6 @@ def _imbalance(data: dict) -> dict:
     return {(r["layout"], r["tokens"], r["cp"], r["method"]): r["imbalance"] for r in data["balance"]}
 
 
-grid("cp_balance.json", "planning", "planning_1m", "lrrrrrrrrrl", [
-    ("layout (1M tokens, cp 8)", lambda r: _CP_NAMES.get((r["layout"], r.get("variant", "")), r["layout"].upper())),
-    ("runs", "{runs}"), ("arrays MB", lambda r: f"{r['array_bytes'] / 2**20:.0f}" if "array_bytes" in r else ""),
-    ("distribute median ms", "{plan_ms_median:.2f}"), ("min ms", "{plan_ms_min:.2f}"),
-    ("CPU median ms", _opt("plan_cpu_ms_median")), ("read arrays ms", _opt("read_ms_median")),
-    ("workload median ms", "{workload_ms_median:.2f}"), ("LPT median ms", "{lpt_ms_median:.2f}"),
-    ("load avg", "{load_average:.1f}"),
-    ("goal 1 ms (wall / CPU)", lambda r: _met(r["met"]) + (f" / {_met(r['met_cpu'])}" if "met_cpu" in r else ""))],
-     before=lambda d: (f"Measured on {_machine_line(d)} (1 thread, median and minimum of "
-                       f"{d['machine'].get('repeats', 'the')} repeats of one call; load average at each case's start "
-                       "in the table):\n\n"))
-
-
 def cp_planning_goal(data: dict) -> str:
     warm, cold = _plan_rows(data, ""), _plan_rows(data, "cold cache", ("ep", "mp"))
     if any("plan_cpu_ms_median" not in r for r in warm + cold):
@@ -157,7 +132,7 @@ def cp_planning_goal(data: dict) -> str:
     m = data["machine"]
     return (f"with the arrays in the cache, {ms(warm)} ms of CPU time ({ms(warm, 'plan_ms_median')} ms wall, EP / EE "
             f"/ MP medians); from memory (cold cache), {ms(cold)} ms of CPU time ({ms(cold, 'plan_ms_median')} ms "
-            f"wall), of which one numpy read of the {_range([r['array_bytes'] / 2**20 for r in cold], '.0f')} MB of "
+            f"wall), of which one numpy read of the {_range([r['array_bytes'] / MIB for r in cold], '.0f')} MB of "
             f"words and segment ids takes {ms(cold, 'read_ms_median')} ms (measured by `benchmarks/cp_balance.py "
             f"--only planning` on {m['cpu']}, {m['cores']} cores, {m.get('l3', '?')} L3, load average "
             f"{_range([r['load_average'] for r in warm + cold], '.1f')} during the cases)")
@@ -183,7 +158,17 @@ def cp_modes_bytes_rows(data: dict) -> list[dict]:
     return [dict(index[k], size=f"{k[0] >> 20}M" if k[0] >= 1 << 20 else f"{k[0] >> 10}k") for k in keys]
 
 
-_CP_METHODS = ["lpt", "random", "zigzag", "contiguous"]
+grid("cp_balance.json", "planning", "planning_1m", "lrrrrrrrrrl", [
+    ("layout (1M tokens, cp 8)", lambda r: _CP_NAMES.get((r["layout"], r.get("variant", "")), r["layout"].upper())),
+    ("runs", "{runs}"), ("arrays MB", lambda r: f"{r['array_bytes'] / MIB:.0f}" if "array_bytes" in r else ""),
+    ("distribute median ms", "{plan_ms_median:.2f}"), ("min ms", "{plan_ms_min:.2f}"),
+    ("CPU median ms", _opt("plan_cpu_ms_median")), ("read arrays ms", _opt("read_ms_median")),
+    ("workload median ms", "{workload_ms_median:.2f}"), ("LPT median ms", "{lpt_ms_median:.2f}"),
+    ("load avg", "{load_average:.1f}"),
+    ("goal 1 ms (wall / CPU)", lambda r: _met(r["met"]) + (f" / {_met(r['met_cpu'])}" if "met_cpu" in r else ""))],
+     before=lambda d: (f"Measured on {_machine_line(d)} (1 thread, median and minimum of "
+                       f"{d['machine'].get('repeats', 'the')} repeats of one call; load average at each case's start "
+                       "in the table):\n\n"))
 grid("cp_balance.json", "imbalance", cp_imbalance_rows, "lrrrrrr",
      [("layout", "{layout}"), ("tokens", "{tokens}"), ("cp", "{cp}"), *[(m, f"{{{m}:.4f}}") for m in _CP_METHODS]])
 grid("cp_balance.json", "modes-bytes", cp_modes_bytes_rows, "rrrrrr", [
@@ -205,19 +190,17 @@ quotes("cp_balance.json", {
         f"at most {max(r['allgather_lpt'] for r in d['modes_work']):.4f} for allgather-LPT, exactly 1 for Ulysses, "
         f"and at most {max(r['hybrid'] for r in d['modes_work'] if r['hybrid'] is not None):.4f} for hybrid over "
         f"EP/EE/MP at 64k-1M tokens and cp 2-16 (computed by `benchmarks/cp_balance.py`)")})
-
-# ---------------------------------------- balance_planning.json
-
 grid("balance_planning.json", "table", "rows", "lrrrrr", [
     ("method", "{method}"), ("plan median ms", "{plan_ms_median:.2f}"), ("plan min ms", "{plan_ms_min:.2f}"),
     ("encoder max/mean", "{enc_max_over_mean:.3f}"), ("LLM max/mean", "{llm_max_over_mean:.3f}"),
-    ("deferrals", "{deferrals:.1f}")], before="Measured on {on}; {repeats} timed runs of one batch, loads over {seeds} "
-                                              "seeds:\n\n")
+    ("deferrals", "{deferrals:.1f}")],
+     before="Measured on {on}; {repeats} timed runs of one batch, loads over {seeds} seeds:\n\n")
 quotes("balance_planning.json", {"inline": lambda d: (
     "{disttrain:.1f} ms (disttrain) and {entrain:.1f} ms (entrain) per 512-sample batch, ".format_map(
         {r["method"]: r["plan_ms_median"] for r in d["rows"]})
     + "medians measured by `benchmarks/balance_planning.py` on {cpu} ({cores} cores, load average {0:.1f})".format(
         d["machine"]["load_average_start"][0], **d["machine"]))})
+
 
 # ---------------------------------------- heterogeneity.json
 
@@ -229,17 +212,14 @@ def _llm(name: str) -> str:
     return name.replace("llama-", "").upper()
 
 
-_SET = [("set", "{dataset}"), ("LLM", lambda r: _llm(r["llm"]))]
-
-
+@renderer("heterogeneity.json", "calibration")
 def het_calibration(data: dict) -> str:
     cal = data["setting"]["calibration"]
     rows = []
     for i, q in enumerate(next(iter(cal.values()))["checks"]):
-        t = q["target"]
-        checks = [c["checks"][i] for c in cal.values()]
-        target = f"{t:.2f}" if isinstance(t, float) else f"{t[0]:.2f}-{t[1]:.2f}"
-        rows.append([q["figure"], q["statistic"].replace("_", " "), target,
+        t, checks = q["target"], [c["checks"][i] for c in cal.values()]
+        rows.append([q["figure"], q["statistic"].replace("_", " "),
+                     f"{t:.2f}" if isinstance(t, float) else f"{t[0]:.2f}-{t[1]:.2f}",
                      *[f"{c['value']:.2f} {'met' if c['met'] else 'MISSED'}" for c in checks]])
     for label, key in (("vision", "kappa"), ("Llama-3B", "llm_3b_factor")):
         rows.append([f"{label} seconds per FLOP / Llama-1B's (fitted)", "", "",
@@ -251,13 +231,12 @@ def het_calibration(data: dict) -> str:
 def het_std_rows(data: dict) -> list[list]:
     pub, rows = data["published"]["table_4_3"], []
     get = {(r["dataset"], r["llm"], r["method"]): r for r in data["simulated"]}
-    for d in ("synthchart", "llava"):
-        for llm in ("llama-1b", "llama-3b"):
-            for module, key, pkey in (("vision", "vision", "vision"), ("LLM", "llm", llm)):
-                dt, en, no = (get[(d, llm, m)][f"{key}_forward_std_ms"] for m in ("disttrain", "entrain", "none"))
-                p = pub[d][pkey]
-                rows.append([d, _llm(llm), module, f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f}", f"{p[0] / p[2]:.2f}",
-                             f"{dt:.2f} / {en:.2f}", f"{no:.2f}", f"{dt / max(en, 1e-12):.2f}"])
+    for d, llm in [(d, llm) for d in ("synthchart", "llava") for llm in ("llama-1b", "llama-3b")]:
+        for module, key, pkey in (("vision", "vision", "vision"), ("LLM", "llm", llm)):
+            dt, en, no = (get[(d, llm, m)][f"{key}_forward_std_ms"] for m in ("disttrain", "entrain", "none"))
+            p = pub[d][pkey]
+            rows.append([d, _llm(llm), module, f"{p[0]:.2f} / {p[1]:.2f} / {p[2]:.2f}", f"{p[0] / p[2]:.2f}",
+                         f"{dt:.2f} / {en:.2f}", f"{no:.2f}", f"{dt / max(en, 1e-12):.2f}"])
     return rows
 
 
@@ -268,7 +247,7 @@ def het_planning_rows(data: dict) -> list[dict]:
             for m, g in got.items()]
 
 
-renderer("heterogeneity.json", "calibration")(het_calibration)
+_SET = [("set", "{dataset}"), ("LLM", lambda r: _llm(r["llm"]))]
 grid("heterogeneity.json", "vs-disttrain", _seeds, "llrllrrr", [
     *_SET, ("vision:LLM workload (simulated)", "{vision_text_workload_ratio:.2f}"),
     ("entrain split (simulated)", "{entrain_split[0]}/{entrain_split[1]}"),
@@ -277,9 +256,9 @@ grid("heterogeneity.json", "vs-disttrain", _seeds, "llrllrrr", [
      lambda q: ", ".join(f"{k} ({v:.0%})" for k, v in q["disttrain_splits"].items())),
     ("entrain over disttrain, profiled splits (simulated)", "{entrain_over_disttrain:.3f}"),
     ("entrain over disttrain, best split each (simulated)", "{entrain_over_disttrain_best:.3f}")])
-grid("heterogeneity.json", "std", het_std_rows, "lllrrrrr", _columns(
+grid("heterogeneity.json", "std", het_std_rows, "lllrrrrr", [
     "set", "LLM", "module", "published std DistTrain / DIP / Entrain (Table 4.3)", "published DistTrain / Entrain",
-    "simulated std ms disttrain / entrain", "simulated std ms none", "simulated disttrain / entrain"))
+    "simulated std ms disttrain / entrain", "simulated std ms none", "simulated disttrain / entrain"])
 grid("heterogeneity.json", "iterations", "simulated", "lllrlrrrr", [
     *_SET, ("method", "{method}"), ("simulated iteration s, profiled split", "{iteration_s:.3f}"),
     ("best split", "{best_split}"), ("iteration s, best split", "{iteration_s_best:.3f}"),
@@ -321,6 +300,7 @@ quotes("heterogeneity.json", {
         f"which the paper does not run) on the seeds' sets, "
         f"{_range([q['entrain_over_none'] for q in _seeds(d, mixed=True)], '.2f', 'x')}"
         f" (entrain) on the mixed set the paper does not have (simulated)")})
+
 
 # ---------------------------------------- fault_tolerance_cpu.json
 
@@ -364,10 +344,10 @@ def ft_compare_rows(data: dict) -> list[list[str]]:
              f"{ck['lost_s'] / total_ft:.1f}x"]]
 
 
-grid("fault_tolerance_cpu.json", "table", ft_rows, "ll", _columns("measured, 2-core CPU, gloo", "value"),
+grid("fault_tolerance_cpu.json", "table", ft_rows, "ll", ["measured, 2-core CPU, gloo", "value"],
      before="Measured on {on}:\n\n")
 grid("fault_tolerance_cpu.json", "compare", ft_compare_rows, "lllr",
-     _columns("like with like", "FT", "checkpoint-restart", "checkpoint-restart / FT"))
+     ["like with like", "FT", "checkpoint-restart", "checkpoint-restart / FT"])
 quotes("fault_tolerance_cpu.json", {
     "inline": lambda d: (
         f"kill to the next committed step {d['runs']['ft_fail']['kill_to_next_commit_s']:.1f} s and heal "
@@ -403,14 +383,18 @@ def _sharding_runs(data: dict) -> list[dict]:
 
 def pipeline_rows(data: dict) -> list[list[str]]:
     rows, base = [], data["rows"][0]["samples_per_s"]
+
+    def short(name: str) -> str:
+        return name.replace("language_model", "llm").replace("encoders", "enc")
+
     for r in data["rows"]:
         stages = "whole model" if r["strategy"] != "multimodal" else ", ".join(
-            f"{_short(m)}{v}" for m, v in r.get("partition", {}).items())
+            f"{short(m)}{v}" for m, v in r.get("partition", {}).items())
         ratio = r["iteration_s"] / r["predicted_iteration_s"] if r.get("predicted_iteration_s") else None
         rows.append([r["name"] + (" (baseline)" if r is data["rows"][0] else ""), f"{stages} ({r['dp']})",
                      f"{r['samples_per_s']:.2f}", f"{r['samples_per_s'] / base:.2f}x",
                      ", ".join(f"{x['peak_mb']:.0f} (+{x['peak_mb'] - x['rss_start_mb']:.0f})" for x in r["ranks"]),
-                     ", ".join(f"{_short(s)} {v:.0%}" for s, v in r.get("bubble", {}).items()),
+                     ", ".join(f"{short(s)} {v:.0%}" for s, v in r.get("bubble", {}).items()),
                      "" if ratio is None else f"{ratio:.2f}", ", ".join(f"{v:.2f}" for v in r["all_samples_per_s"])])
     return rows
 
@@ -431,9 +415,9 @@ def sharding_rows(data: dict) -> list[list[str]]:
     return rows
 
 
-grid("pipeline_p2_cpu.json", "table", pipeline_rows, "llrrllrl", _columns(
+grid("pipeline_p2_cpu.json", "table", pipeline_rows, "llrrllrl", [
     "layout", "stages (dp)", "samples/s (best)", "vs DDP", "peak RSS MB per rank (growth in training)",
-    "bubble per rank", "measured / simulated", "all runs"), before="Measured on {on}:\n\n")
+    "bubble per rank", "measured / simulated", "all runs"], before="Measured on {on}:\n\n")
 grid("pipeline_setup_p4_cpu.json", "table", "rows", "lrllrrrr", [
     ("build", lambda r: _SETUP_NAMES.get(r["name"], r["name"])), ("processes", lambda r: len(r["ranks"])),
     ("peak MiB per rank at the first step", lambda r: _mb(r["ranks"], "peak_first_step_mb")),
@@ -443,9 +427,9 @@ grid("pipeline_setup_p4_cpu.json", "table", "rows", "lrllrrrr", [
     ("rank 0 to 1st step s", "{ranks[0][to_first_step_s]:.1f}"),
     ("to its end s", "{ranks[0][to_first_step_end_s]:.1f}")],
      before="Measured on {on}:\n\n")
-grid("pipeline_sharding_p4_cpu.json", "table", sharding_rows, "llrrll", _columns(
+grid("pipeline_sharding_p4_cpu.json", "table", sharding_rows, "llrrll", [
     "strategy", "layout", "samples/s vs NO_SHARD dp 4 (run 1 / run 2)", "loss", "peak growth MiB per rank",
-    "state MiB per rank (params + grads + AdamW)"),
+    "state MiB per rank (params + grads + AdamW)"],
      before="Measured on {on} (run 1) and `pipeline_sharding_p4_cpu_repeat.json` (run 2):\n\n")
 
 
@@ -551,24 +535,26 @@ for _json in ("pipeline_setup_p4_cpu.json", "pipeline_sharding_p4_cpu.json"):
 
 # ---------------------------------------- checkpoint.json
 
-@renderer("checkpoint.json", "table")
-def checkpoint_table(data: dict) -> str:
+def checkpoint_rows(data: dict) -> list[list[str]]:
     o, f = data["checkpoint"]["ours"], data["checkpoint"]["fsdp"]
-    rows = [["size (MB)", f"{o['bytes'] / 1e6:.2f}", f"{f['bytes'] / 1e6:.2f}", f"{o['bytes'] / f['bytes']:.2f}"]]
-    rows += [[f"{k} (s)", f"{o[k + '_s']:.3f}", f"{f[k + '_s']:.3f}", f"{o[k + '_s'] / f[k + '_s']:.2f}"]
-             for k in ("save", "load")]
-    return measured_table(data, ["", "ours", "FSDP2 (Lightning)", "ours/FSDP2"], rows, "lrrr")
+    return [["size (MB)", f"{o['bytes'] / 1e6:.2f}", f"{f['bytes'] / 1e6:.2f}", f"{o['bytes'] / f['bytes']:.2f}"],
+            *[[f"{k} (s)", f"{o[k + '_s']:.3f}", f"{f[k + '_s']:.3f}", f"{o[k + '_s'] / f[k + '_s']:.2f}"]
+              for k in ("save", "load")]]
 
 
-@renderer("checkpoint.json", "faults")
-def checkpoint_faults(data: dict) -> str:
+def checkpoint_faults(data: dict) -> list[list[str]]:
     t = data["fault_to_exit_s"]
-    rows = [["SIGKILL rank 1", f"{t['kill rank 1, watchdog 5 s']:.2f} s",
+    return [["SIGKILL rank 1", f"{t['kill rank 1, watchdog 5 s']:.2f} s",
              f"{t['kill rank 1, no watchdog']:.2f} s (gloo sees the closed socket; Lightning's child observer)"],
             ["SIGSTOP rank 1 (frozen, sockets open: a lost node / hung device)",
              f"{t['freeze rank 1, watchdog 5 s']:.2f} s",
              f"{t['freeze rank 1, no watchdog']:.2f} s (the process-group timeout)"]]
-    return table(["fault (measured, same run)", "watchdog (fault_timeout 5 s)", "no watchdog"], rows, "lrr")
+
+
+grid("checkpoint.json", "table", checkpoint_rows, "lrrr", ["", "ours", "FSDP2 (Lightning)", "ours/FSDP2"],
+     before="Measured on {on}:\n\n")
+grid("checkpoint.json", "faults", checkpoint_faults, "lrr",
+     ["fault (measured, same run)", "watchdog (fault_timeout 5 s)", "no watchdog"])
 
 
 # ---------------------------------------- cp_modes_cpu.json
@@ -595,8 +581,9 @@ def cp_modes_table(data: dict) -> str:
              f"{x['step_s']:.1f}" + ("" if k == "cp1" else f" ({one['step_s'] / x['step_s']:.2f})"),
              f"{max(x['cpu_s']):.1f}" + ("" if k == "cp1" else f" ({max(one['cpu_s']) / max(x['cpu_s']):.2f})"),
              f"{sum(x['cpu_s']):.1f}", f"{max(x['peak_rss_mib']):.0f}", f"{x['load_1min']:.1f}"] for k, x in at.items()]
-    return measured_table(data, [f"mode ({tokens >> 10}k tokens)", "step s (x cp 1)", "busiest rank CPU s (x cp 1)",
-                                 "CPU s, all ranks", "peak RSS MiB / rank", "load average"], rows, "lrrrrr")
+    return f"Measured on {_machine_line(data)}:\n\n" + table([
+        f"mode ({tokens >> 10}k tokens)", "step s (x cp 1)", "busiest rank CPU s (x cp 1)", "CPU s, all ranks",
+        "peak RSS MiB / rank", "load average"], rows, "lrrrrr")
 
 
 @renderer("cp_modes_cpu.json", "stopped")
@@ -655,27 +642,20 @@ def _fa_sources(data: dict) -> list[str]:
 
 @renderer("frozen_aware.json", "table")
 def frozen_aware_table(data: dict) -> str:
-    sources, rows = _fa_sources(data), []
-    for r in data["seed_setting_rows"]:
-        cells = []
-        for s in sources:
-            x = r[s]
-            cells += [f"{x['aware_split']}/{x['forward-variance']['split']}", f"{x['forward-variance']['ratio']:.2f}x",
-                      "yes" if r["meets_seed"][s] else "NO"]
-        rows.append([r["config"], f"{r['seed_ratio']:.2f}x", *cells])
+    sources = _fa_sources(data)
+    rows = [[r["config"], f"{r['seed_ratio']:.2f}x", *[c for s, x in ((s, r[s]) for s in sources) for c in (
+        f"{x['aware_split']}/{x['forward-variance']['split']}", f"{x['forward-variance']['ratio']:.2f}x",
+        "yes" if r["meets_seed"][s] else "NO")]] for r in data["seed_setting_rows"]]
     rows.append(["meets", "", *[c for s in sources for c in ("", "", data["meets_seed_speedup"][s])]])
-    header = ["config", "seeds' speedup (published)"]
-    for s in sources:
-        header += [f"{_SOURCES[s]}: a/u", "speedup (simulated)", "meets"]
-    return table(header, rows, "lr" + "lrl" * len(sources))
+    header = [h for s in sources for h in (f"{_SOURCES[s]}: a/u", "speedup (simulated)", "meets")]
+    return table(["config", "seeds' speedup (published)", *header], rows, "lr" + "lrl" * len(sources))
 
 
 @renderer("frozen_aware.json", "ratios")
 def frozen_aware_ratios(data: dict) -> str:
     flops = [r["flops"]["aware_stages_ms"]["llm_bwd_ms"] / r["flops"]["aware_stages_ms"]["llm_fwd_ms"]
              for r in data["seed_setting_rows"]]
-    p = data["seed_fitted_profile"]
-    back = p["llm_backward_ratio"]
+    p, back = data["seed_fitted_profile"], data["seed_fitted_profile"]["llm_backward_ratio"]
     return (f"FLOPs give a frozen LLM backward of {_range(flops, '.1f')}x its forward (computed; B_d ~ F plus one "
             f"recomputed F); the seeds' published times give {back['S']:.1f}x (LLM-S) and "
             f"{_range([back['M'], back['L']], '.1f')}x (LLM-M/L), and their encoders run at "
@@ -780,8 +760,7 @@ grid("per_module_dp.json", "cases",
          ("setting", "{case[setting]}"), ("row", "{row}"), ("GPUs", "{gpus}"), ("dp x tp x pp", "{layout}"),
          ("iteration (s)", "{iteration_s:.2f}"), ("samples/s", "{samples_per_s:.1f}"), ("MFU", "{mfu:.1%}"),
          ("bubble", "{bubble:.1%}"), ("MFU x", "{mfu_vs_uniform:.2f}"), ("throughput x", "{throughput_vs_uniform:.2f}"),
-         ("Eq. 1-2 (s)", lambda r: f"{r['estimate_s']:.2f}" if "estimate_s" in r else ""),
-         ("planning (ms)", lambda r: f"{r['planning_ms']:.0f}" if "planning_ms" in r else "")],
+         ("Eq. 1-2 (s)", _opt("estimate_s")), ("planning (ms)", _opt("planning_ms", ".0f"))],
      after="\n\nSimulated by {on} (planning: this CPU's wall time).")
 
 
@@ -854,27 +833,26 @@ grid("per_module_dp_cpu.json", "table", "rows", "lrrrrl", [
     ("step vs uniform", "{step_speedup:.2f}x"), ("busiest CPU vs uniform", "{busiest_cpu_speedup:.2f}x"),
     ("CPU s per rank", lambda r: ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s_per_rank"].items()))],
      after="\n\nMeasured on {on}.")
-_MIB = 2 ** 20
 grid("moe_cpu.json", "table", "rows", "lrrrrrrl", [
     ("layout", "{layout}"), ("step (s)", "{step_s:.3f}"),
-    ("tokens/s", lambda r: f"{r.get('tokens_per_s', math.nan):.0f}"),
+    ("tokens/s", _opt("tokens_per_s", ".0f", "nan")),
     ("busiest rank CPU (s)", "{busiest_cpu_s:.3f}"), ("step vs dp", "{step_vs_ep1:.2f}x"),
-    ("expert weights per rank (MiB)", lambda r: f"{r['expert_bytes_per_rank'] / _MIB:.2f}"),
-    ("all weights per rank (MiB)", lambda r: f"{r['param_bytes_per_rank'] / _MIB:.2f}"),
+    ("expert weights per rank (MiB)", lambda r: f"{r['expert_bytes_per_rank'] / MIB:.2f}"),
+    ("all weights per rank (MiB)", lambda r: f"{r['param_bytes_per_rank'] / MIB:.2f}"),
     ("expert load max/mean per layer", lambda r: ", ".join(f"{v:.2f}" for v in r["expert_imbalance_per_layer"] or []))],
      after=lambda d: (
          f"\n\nMeasured on {d['settings']['world']} gloo processes (one thread each; {d['settings']['steps']} timed "
          f"steps of {d['settings']['batch']} samples) on {_machine_line(d)}. The machine is shared and loaded: wall "
          "times include waiting for the other rank and other jobs; the busiest rank's CPU seconds are its own work."
-         + "".join(f" {r['layout']}: {r['all_to_all_bytes_measured'] / _MIB:.3f} MiB sent to other ranks by the "
+         + "".join(f" {r['layout']}: {r['all_to_all_bytes_measured'] / MIB:.3f} MiB sent to other ranks by the "
                    f"expert all-to-alls per rank and step, measured from the dispatch split sizes, against "
-                   f"{r['all_to_all_bytes_model'] / _MIB:.3f} MiB from the planner's byte model on the same "
+                   f"{r['all_to_all_bytes_model'] / MIB:.3f} MiB from the planner's byte model on the same "
                    f"tokens (uniform routing)." for r in d["rows"] if r.get("all_to_all_bytes_model"))))
 grid("moe_cpu.json", "simulated", lambda d: d["simulated"]["rows"], "rrrrrrr", [
     ("ep", "{ep}"), ("all-to-all GB/s (assumed)", "{ep_bandwidth_GBps:.0f}"),
     ("GiB per rank", "{memory_GiB_per_rank:.1f}"),
-    ("iteration (s)", "{iteration_s:.3f}"), ("all-to-all MB per rank, routed layer and microbatch",
-                                             lambda r: f"{r.get('all_to_all_MB_per_layer_microbatch', math.nan):.1f}"),
+    ("iteration (s)", "{iteration_s:.3f}"),
+    ("all-to-all MB per rank, routed layer and microbatch", _opt("all_to_all_MB_per_layer_microbatch", ".1f", "nan")),
     ("all-to-all per microbatch and stage (ms)", lambda r: f"{r['all_to_all_s_per_microbatch_stage'] * 1e3:.1f}"),
     ("forward + backward per microbatch and stage (ms)",
      lambda r: f"{r['forward_backward_s_per_microbatch_stage'] * 1e3:.1f}")],
@@ -893,6 +871,16 @@ def _gdn_pairs(data: dict) -> list[dict]:
             for n in sorted({r["tokens"] for r in data["rows"]})]
 
 
+@renderer("gdn_cpu.json", "crossover")
+def gdn_crossover(data: dict) -> str:
+    longer = [r["tokens"] for r in _gdn_pairs(data) if r["attn"]["step_s"] > r["gdn"]["step_s"]]
+    if not longer:  # short lengths only (a quick run): no crossover, and no length to fit at
+        return "the attention layer never took longer than the GDN layer (measured)"
+    fit = max(abs(r["fitted_s"] / r["step_s"] - 1) for r in data["rows"] if r["tokens"] == max(longer))
+    return (f"the attention layer took longer than the GDN layer from {min(longer)} tokens on (measured), and at "
+            f"{max(longer)} tokens the fitted model is within {100 * fit:.0f}% of both")
+
+
 grid("gdn_cpu.json", "layers", _gdn_pairs, "rrrrrr", [
     ("tokens", "{tokens}"), ("GDN layer (s)", lambda r: f"{r['gdn']['step_s']:.3f}"),
     ("GDN fitted (s)", lambda r: f"{r['gdn']['fitted_s']:.3f}"),
@@ -903,16 +891,6 @@ grid("gdn_cpu.json", "layers", _gdn_pairs, "rrrrrr", [
                       f"{d['settings']['repeats']}, hidden {d['settings']['hidden']}, "
                       f"{d['settings']['threads']} thread); fitted: the planner's FLOPs x one least-squares "
                       "constant per layer type:\n\n")
-def gdn_crossover(data: dict) -> str:
-    longer = [r["tokens"] for r in _gdn_pairs(data) if r["attn"]["step_s"] > r["gdn"]["step_s"]]
-    if not longer:  # short lengths only (a quick run): no crossover, and no length to fit at
-        return "the attention layer never took longer than the GDN layer (measured)"
-    fit = max(abs(r["fitted_s"] / r["step_s"] - 1) for r in data["rows"] if r["tokens"] == max(longer))
-    return (f"the attention layer took longer than the GDN layer from {min(longer)} tokens on (measured), and at "
-            f"{max(longer)} tokens the fitted model is within {100 * fit:.0f}% of both")
-
-
-quotes("gdn_cpu.json", {"crossover": gdn_crossover})
 grid("gdn_cpu.json", "simulated", lambda d: d["simulated"]["rows"], "rrrrrrr", [
     ("cp", "{cp}"), ("step (s)", "{step_s:.3f}"), ("speedup", "{speedup:.2f}x"),
     ("CP comm (s)", "{cp_comm_s:.3f}"), ("GDN layer MB", "{gdn_layer_MB:.0f}"),
@@ -1019,38 +997,29 @@ def show(json_name: str, data: dict) -> str:
     return "\n\n".join(out)
 
 
-def regenerate(text: str, cache: dict | None = None, only: str | None = None) -> tuple[str, list[str]]:
-    """``text`` with every quote regenerated (or only those of the JSON ``only``), and the quotes that changed."""
-    cache = {} if cache is None else cache
-    changed = []
+def regenerate(text: str, cache: dict | None = None) -> tuple[str, list[str]]:
+    """``text`` with every quote regenerated, and the quotes that changed."""
+    cache, changed = {} if cache is None else cache, []
 
-    def sub(match):
-        if only is not None and match["json"] != only:
-            return match[0]
+    def sub(match) -> str:
         body = render(match["json"], match["name"], cache)
-        old = match["body"]
-        if old.startswith("\n"):  # a block: keep the blank-line layout around it
+        if match["body"].startswith("\n"):  # a block: keep the blank-line layout around it
             body = "\n" + body + "\n"
-        if body != old:
+        if body != match["body"]:
             changed.append(f"{match['json']}:{match['name']}")
-        start, end = match.start("body") - match.start(), match.end("body") - match.start()
-        return match[0][:start] + body + match[0][end:]
+        return f"<!-- results:{match['json']}:{match['name']} -->{body}<!-- /results -->"
 
     return MARKER.sub(sub, text), changed
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="fail when a quoted figure disagrees with its JSON")
-    ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
+    args = harness.cli(__doc__, argv, check=(False, "fail when a quoted figure disagrees with its JSON"), quiet=False)
     cache, stale = {}, []
     for doc in DOCUMENTS:
-        path = ROOT / doc
-        new, changed = regenerate(path.read_text(), cache)
+        new, changed = regenerate((ROOT / doc).read_text(), cache)
         stale += [f"{doc}: {c}" for c in changed]
         if changed and not args.check:
-            path.write_text(new)
+            (ROOT / doc).write_text(new)
     if args.check and stale:
         print("quoted figures that disagree with their results JSON (run python benchmarks/tables.py):")
         print("\n".join("  " + s for s in stale))
