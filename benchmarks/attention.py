@@ -5,6 +5,8 @@ What it measures, the goals and the commands: docs/kernels.md, "Benchmark". With
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import sys
 import time
 import traceback
@@ -20,30 +22,26 @@ FWD_BWD_FACTOR = 3.5  # forward + backward = 2 + 5 matmuls of the forward's 2
 GOAL_VS_FLEX, GOAL_VS_CAUSAL, GOAL_FROM_SEQ = 1.2, 0.70, 16384
 
 
-def count_allowed_pairs(bam, seg, chunk=2048) -> int:
-    """Allowed (query, key) pairs of a [B, S] mask, in query chunks (never an [S, S] tensor at once)."""
+def _allowed(bam, seg, chunk):
+    """(query slice, its rows of the allowed [B, S, S] mask) in query chunks: never an [S, S] tensor at once."""
     from lightning_mm.attention import mask as masks
 
     b, s = bam.shape
     pos = torch.arange(s, device=bam.device).expand(b, s)
-    total = 0
     for a in range(0, s, chunk):
         sl = slice(a, a + chunk)
-        ok = masks.allowed(bam[:, sl], bam, pos[:, sl], pos, None if seg is None else seg[:, sl], seg)
-        total += int(ok.sum())
-    return total
+        yield sl, masks.allowed(bam[:, sl], bam, pos[:, sl], pos, None if seg is None else seg[:, sl], seg)
+
+
+def count_allowed_pairs(bam, seg, chunk=2048) -> int:
+    return sum(int(ok.sum()) for _, ok in _allowed(bam, seg, chunk))
 
 
 def dense_mask(bam, seg, chunk=2048):
-    """Bool [B, 1, S, S] for SDPA, filled in query chunks."""
-    from lightning_mm.attention import mask as masks
-
-    b, s = bam.shape
-    pos = torch.arange(s, device=bam.device).expand(b, s)
-    out = torch.empty(b, 1, s, s, dtype=torch.bool, device=bam.device)
-    for a in range(0, s, chunk):
-        sl = slice(a, a + chunk)
-        out[:, 0, sl] = masks.allowed(bam[:, sl], bam, pos[:, sl], pos, None if seg is None else seg[:, sl], seg)
+    """Bool [B, 1, S, S] for SDPA."""
+    out = torch.empty(bam.shape[0], 1, bam.shape[1], bam.shape[1], dtype=torch.bool, device=bam.device)
+    for sl, ok in _allowed(bam, seg, chunk):
+        out[:, 0, sl] = ok
     return out
 
 
@@ -64,55 +62,50 @@ def flex_mask_mod(bam, seg):
     return mask_mod
 
 
-def build_impls(names, bam, seg, q, k):
-    """Callables ``f(q, k, v) -> out`` for each implementation, plus setup time (ms) of each (mask building)."""
+def failure(e: Exception) -> str:
+    return "OOM" if isinstance(e, torch.cuda.OutOfMemoryError) else f"error: {type(e).__name__}: {e}"[:300]
+
+
+def build(name, bam, seg, q, k):
+    """``f(q, k, v) -> out`` of implementation ``name``, its mask built (our tile maps too, as FlexAttention's block
+    mask is, and as a microbatch's layers share them through their attention cache)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     from lightning_mm.attention.kernels import bitfield_attention
 
     b, s = bam.shape
-    hq, hkv = q.shape[1], k.shape[1]
-    pos = torch.arange(s, device=bam.device).expand(b, s)
-    fns, setup = {}, {}
-    groups = hq // hkv
+    if name == "ours":
+        pos, cache = torch.arange(s, device=bam.device).expand(b, s), {}
 
-    def expand(x):
-        return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+        def ours(q, k, v):
+            return bitfield_attention(q, k, v, bam, bam, q_segments=seg, k_segments=seg, q_positions=pos,
+                                      k_positions=pos, cache=cache)
+        with torch.no_grad():
+            ours(q, k, k)
+        return ours
+    if name == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    for name in names:
-        t0 = time.perf_counter()
-        try:
-            if name == "ours":  # tile maps built once here, as FlexAttention's block mask is (and as the layers
-                cache = {}      # of a microbatch share them through their attention cache)
-                fns[name] = lambda q, k, v, c=cache: bitfield_attention(
-                    q, k, v, bam, bam, q_segments=seg, k_segments=seg, q_positions=pos, k_positions=pos, cache=c)
-                with torch.no_grad():
-                    fns[name](q, k, k)
-            elif name == "flex":
-                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        block_mask = create_block_mask(flex_mask_mod(bam, seg), b, None, s, s, device=bam.device)
+        flex = torch.compile(flex_attention, dynamic=False)
+        return lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    mask = dense_mask(bam, seg) if name == "sdpa_dense" else None
 
-                block_mask = create_block_mask(flex_mask_mod(bam, seg), b, None, s, s, device=bam.device)
-                flex = torch.compile(flex_attention, dynamic=False)
-                fns[name] = lambda q, k, v, bm=block_mask: flex(q, k, v, block_mask=bm, enable_gqa=True)
-            elif name == "sdpa_dense":
-                mask = dense_mask(bam, seg)
+    def sdpa_dense_or_causal(q, k, v):  # causal: no mask, on the flash kernel
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if mask is None else contextlib.nullcontext():
+            return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None)
+    return sdpa_dense_or_causal
 
-                def sdpa_dense(q, k, v, mask=mask):
-                    return torch.nn.functional.scaled_dot_product_attention(q, expand(k), expand(v), attn_mask=mask)
-                fns[name] = sdpa_dense
-            elif name == "sdpa_causal":
-                def sdpa_causal(q, k, v):
-                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                        return torch.nn.functional.scaled_dot_product_attention(q, expand(k), expand(v),
-                                                                                is_causal=True)
-                fns[name] = sdpa_causal
-            torch.cuda.synchronize()
-            setup[name] = (time.perf_counter() - t0) * 1e3
-        except torch.cuda.OutOfMemoryError:
-            setup[name] = "OOM"
-        except Exception as e:  # recorded, the other implementations still run
-            setup[name] = f"error: {type(e).__name__}: {e}"[:300]
-    return fns, setup
+
+def inputs(batch, heads, kv_heads, s, head_dim, seed, device) -> list:
+    """Seeded random bf16 q, k, v and output gradient."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn((batch, h, s, head_dim), generator=g, device=device, dtype=torch.bfloat16)
+            for h in (heads, kv_heads, kv_heads, heads)]
 
 
 def measure(fn, q, k, v, dout, reps_ms):
@@ -120,18 +113,17 @@ def measure(fn, q, k, v, dout, reps_ms):
     from triton.testing import do_bench
 
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    fwd_ms = do_bench(lambda: fn(q, k, v), warmup=25, rep=reps_ms)
 
     def step():
         fn(q, k, v).backward(dout)
+    fwd_ms = do_bench(lambda: fn(q, k, v), warmup=25, rep=reps_ms)
     both_ms = do_bench(step, warmup=25, rep=reps_ms, grad_to_none=[q, k, v])
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return fwd_ms, both_ms, peak
+    return fwd_ms, both_ms, (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def run_case(s, layout, head_dim, args, device):
@@ -139,90 +131,73 @@ def run_case(s, layout, head_dim, args, device):
     from lightning_mm.attention.kernels import FULL, PARTIAL, SKIP, default_config, tile_classes
 
     bam, seg = masks.random_bam(layout, s, num_encoders=args.encoders, batch=args.batch, seed=args.seed)
-    bam = bam.to(device)
-    seg = None if seg is None else seg.to(device)
-    pairs = count_allowed_pairs(bam, seg)
-    causal_pairs = args.batch * s * (s + 1) // 2
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    shape_q, shape_kv = (args.batch, args.heads, s, head_dim), (args.batch, args.kv_heads, s, head_dim)
-    q = torch.randn(shape_q, generator=g, device=device, dtype=torch.bfloat16)
-    k = torch.randn(shape_kv, generator=g, device=device, dtype=torch.bfloat16)
-    v = torch.randn(shape_kv, generator=g, device=device, dtype=torch.bfloat16)
-    dout = torch.randn(shape_q, generator=g, device=device, dtype=torch.bfloat16)
-
+    bam, seg = bam.to(device), None if seg is None else seg.to(device)
+    pairs, causal_pairs = count_allowed_pairs(bam, seg), args.batch * s * (s + 1) // 2
+    q, k, v, dout = inputs(args.batch, args.heads, args.kv_heads, s, head_dim, args.seed, device)
     cfg = default_config(q)
     pos = torch.arange(s, device=device).expand(args.batch, s)
     classes = tile_classes(bam, bam, pos, pos, seg, seg, cfg.fwd_m, cfg.fwd_n)
-    n = classes.numel()
-    case = dict(seq_len=s, layout=layout, head_dim=head_dim, allowed_pairs=pairs, density=pairs / (args.batch * s * s),
-                tiles=dict(skip=int((classes == SKIP).sum()) / n, full=int((classes == FULL).sum()) / n,
-                           partial=int((classes == PARTIAL).sum()) / n), results={})
-    case["kernel_config"] = dict(vars(cfg))  # the launch table's entry, with its recorded origin
+    tiles = {name: int((classes == c).sum()) / classes.numel()
+             for name, c in (("skip", SKIP), ("full", FULL), ("partial", PARTIAL))}
     del classes
-    fns, setup = build_impls(args.impls, bam, seg, q, k)
-    flops_fwd = 4 * args.heads * head_dim
-    ref_out = None
+    case = dict(seq_len=s, layout=layout, head_dim=head_dim, allowed_pairs=pairs, density=pairs / (args.batch * s * s),
+                tiles=tiles, results={}, kernel_config=dict(vars(cfg)))  # the launch table's entry, with its origin
+    flops_fwd, ref_out = 4 * args.heads * head_dim, None
     for name in args.impls:
-        row = dict(setup_ms=setup.get(name))
-        if name not in fns:
-            row["status"] = setup.get(name)
-            case["results"][name] = row
-            continue
+        row = case["results"][name] = {}
         try:
+            t0 = time.perf_counter()
+            fn = build(name, bam, seg, q, k)
+            torch.cuda.synchronize()
+            row["setup_ms"] = (time.perf_counter() - t0) * 1e3
             with torch.no_grad():
-                out = fns[name](q, k, v)
-            if name in ("ours", "flex"):
-                if ref_out is None:
-                    ref_out = out
-                else:
-                    row["max_abs_diff_vs_" + ("ours" if name == "flex" else "flex")] = \
-                        float((out.float() - ref_out.float()).abs().max())
+                out = fn(q, k, v)
+            if name in ("ours", "flex") and ref_out is None:
+                ref_out = out
+            elif name in ("ours", "flex"):
+                row["max_abs_diff_vs_" + ("ours" if name == "flex" else "flex")] = \
+                    float((out.float() - ref_out.float()).abs().max())
             del out
-            fwd_ms, both_ms, peak = measure(fns[name], q, k, v, dout, args.rep_ms)
+            fwd_ms, both_ms, peak = measure(fn, q, k, v, dout, args.rep_ms)
             used_pairs = causal_pairs if name == "sdpa_causal" else pairs
             row.update(status="ok", fwd_ms=fwd_ms, fwd_bwd_ms=both_ms, peak_mib=peak,
                        fwd_tflops=flops_fwd * used_pairs / fwd_ms / 1e9,
                        fwd_bwd_tflops=FWD_BWD_FACTOR * flops_fwd * used_pairs / both_ms / 1e9)
-        except torch.cuda.OutOfMemoryError:
-            row["status"] = "OOM"
-        except Exception as e:
-            row["status"] = f"error: {type(e).__name__}: {e}"[:300]
-            row["traceback"] = traceback.format_exc()[-2000:]
-        case["results"][name] = row
+        except Exception as e:  # recorded (a failed setup in setup_ms too), the other implementations still run
+            row["status"] = failure(e)
+            if "setup_ms" not in row:
+                row["setup_ms"] = row["status"]
+            elif not isinstance(e, torch.cuda.OutOfMemoryError):
+                row["traceback"] = traceback.format_exc()[-2000:]
+        fn = None
         torch.cuda.empty_cache()
-    fns.clear()
-    torch.cuda.empty_cache()
     return case
 
 
 def summarise(case):
-    """Speed-up of ours over FlexAttention (fwd+bwd) and our share of causal flash's effective TFLOP/s."""
-    r = case["results"]
-    ok = {k: v for k, v in r.items() if v.get("status") == "ok"}
-    out = {}
-    if "ours" in ok and "flex" in ok:
-        out["fwd_bwd_speedup_vs_flex"] = ok["flex"]["fwd_bwd_ms"] / ok["ours"]["fwd_bwd_ms"]
-        out["fwd_speedup_vs_flex"] = ok["flex"]["fwd_ms"] / ok["ours"]["fwd_ms"]
-    if "ours" in ok and "sdpa_causal" in ok:
-        out["fwd_bwd_tflops_vs_causal_flash"] = ok["ours"]["fwd_bwd_tflops"] / ok["sdpa_causal"]["fwd_bwd_tflops"]
-        out["fwd_tflops_vs_causal_flash"] = ok["ours"]["fwd_tflops"] / ok["sdpa_causal"]["fwd_tflops"]
+    """Speed-up of ours over FlexAttention and our share of causal flash's effective TFLOP/s."""
+    ok = {k: v for k, v in case["results"].items() if v.get("status") == "ok"}
+    ours, flex, causal, out = ok.get("ours"), ok.get("flex"), ok.get("sdpa_causal"), {}
+    for p in ("fwd_bwd", "fwd") if ours else ():
+        if flex:
+            out[f"{p}_speedup_vs_flex"] = flex[f"{p}_ms"] / ours[f"{p}_ms"]
+        if causal:
+            out[f"{p}_tflops_vs_causal_flash"] = ours[f"{p}_tflops"] / causal[f"{p}_tflops"]
     return out
 
 
 def goals(cases) -> dict:
     """The benchmark's goals over every case that measured both sides: met or not, with the worst ratio."""
-    def check(ratios, bound):
+    def check(key, bound, where=lambda c: True):
+        ratios = {f"S={c['seq_len']} d={c.get('head_dim')} {c['layout']}": c["summary"][key] for c in cases
+                  if key in c.get("summary", {}) and where(c)}
         worst = min(ratios.values(), default=None)
         return dict(met=worst is not None and worst >= bound, bound=bound, worst=worst, cases=ratios)
 
-    label = lambda c: f"S={c['seq_len']} d={c.get('head_dim')} {c['layout']}"  # noqa: E731
-    vs_flex = {label(c): c["summary"]["fwd_bwd_speedup_vs_flex"] for c in cases
-               if c["layout"] in ("ee", "mp") and c["seq_len"] >= GOAL_FROM_SEQ
-               and "fwd_bwd_speedup_vs_flex" in c.get("summary", {})}
-    vs_causal = {label(c): c["summary"]["fwd_bwd_tflops_vs_causal_flash"] for c in cases
-                 if "fwd_bwd_tflops_vs_causal_flash" in c.get("summary", {})}
-    return {"fwd_bwd_vs_flex_on_ee_mp_from_16k": check(vs_flex, GOAL_VS_FLEX),
-            "fwd_bwd_tflops_vs_causal_flash": check(vs_causal, GOAL_VS_CAUSAL)}
+    return {"fwd_bwd_vs_flex_on_ee_mp_from_16k": check(
+                "fwd_bwd_speedup_vs_flex", GOAL_VS_FLEX,
+                lambda c: c["layout"] in ("ee", "mp") and c["seq_len"] >= GOAL_FROM_SEQ),
+            "fwd_bwd_tflops_vs_causal_flash": check("fwd_bwd_tflops_vs_causal_flash", GOAL_VS_CAUSAL)}
 
 
 def main(argv=None) -> int:
@@ -246,28 +221,22 @@ def main(argv=None) -> int:
     start, device = harness.record(), torch.device("cuda")
     name = torch.cuda.get_device_name(device)
     out = args.out or harness.RESULTS / f"attention_{harness.slug(name)}.json"
-    cases = []
-    for s in args.seq_lens:
-        for head_dim in args.head_dims:
-            for layout in args.layouts:
-                try:
-                    case = run_case(s, layout, head_dim, args, device)
-                except torch.cuda.OutOfMemoryError:
-                    case = dict(seq_len=s, layout=layout, head_dim=head_dim, results={},
-                                status="OOM while building inputs")
-                except Exception as e:
-                    case = dict(seq_len=s, layout=layout, head_dim=head_dim, results={},
-                                status=f"error: {type(e).__name__}: {e}"[:300])
-                case["summary"] = summarise(case)
-                cases.append(case)
-                report = dict(  # after every case: a run stopped by a time limit keeps what it measured
-                    benchmark="attention", device=name, torch=torch.__version__, triton=triton.__version__,
-                    python=start["python"], dtype="bfloat16", batch=args.batch, heads=args.heads,
-                    kv_heads=args.kv_heads, head_dims=args.head_dims, encoders=args.encoders, seed=args.seed,
-                    flops="allowed pairs x 4 x D x heads (fwd), x3.5 (fwd+bwd); causal flash counts causal pairs",
-                    complete=len(cases) == len(args.seq_lens) * len(args.head_dims) * len(args.layouts),
-                    cases=cases, goals=goals(cases))
-                harness.write(out, report, start)
+    todo, cases = list(itertools.product(args.seq_lens, args.head_dims, args.layouts)), []
+    report = dict(benchmark="attention", device=name, torch=torch.__version__, triton=triton.__version__,
+                  python=start["python"], dtype="bfloat16", batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+                  head_dims=args.head_dims, encoders=args.encoders, seed=args.seed,
+                  flops="allowed pairs x 4 x D x heads (fwd), x3.5 (fwd+bwd); causal flash counts causal pairs",
+                  complete=False, cases=cases)
+    for s, head_dim, layout in todo:
+        try:
+            case = run_case(s, layout, head_dim, args, device)
+        except Exception as e:
+            status = "OOM while building inputs" if isinstance(e, torch.cuda.OutOfMemoryError) else failure(e)
+            case = dict(seq_len=s, layout=layout, head_dim=head_dim, results={}, status=status)
+        case["summary"] = summarise(case)
+        cases.append(case)
+        report.update(complete=len(cases) == len(todo), goals=goals(cases))
+        harness.write(out, report, start)  # after every case: a run stopped by a time limit keeps what it measured
     harness.print_rows([dict(S=c["seq_len"], d=c.get("head_dim"), layout=c["layout"], impl=k, **r, **c["summary"])
                         for c in cases for k, r in c["results"].items()],
                        ["S", "d", "layout", "impl", "status", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops",

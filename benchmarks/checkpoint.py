@@ -27,15 +27,11 @@ def build(hidden: int, layers: int, fsdp: bool = False):
     from lightning_mm.model import tiny_encoder, tiny_language_model
 
     class FSDPModule(lmm.MultimodalLightningModule):
-        """The same module, each LLM layer and then the whole model wrapped by FSDP2 ``fully_shard``."""
-
-        def configure_model(self):
+        def configure_model(self):  # each LLM layer, then the whole model, wrapped by FSDP2's fully_shard
             from torch.distributed.fsdp import fully_shard
 
-            mesh = self.device_mesh["data_parallel"]
-            for layer in self.model.llm_layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
+            for module in [*self.model.llm_layers, self.model]:
+                fully_shard(module, mesh=self.device_mesh["data_parallel"])
 
     torch.manual_seed(0)
     llm = tiny_language_model("llama", hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -46,61 +42,17 @@ def build(hidden: int, layers: int, fsdp: bool = False):
     return cls(model, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
 
 
-def dir_bytes(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
-
-
-def _strategy(cfg: dict, **kw):
-    import lightning_mm as lmm
-
-    return lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec()}, language_model=lmm.ParallelSpec(),
-                                          num_microbatches=1, **kw)
-
-
-def worker_checkpoint(cfg: dict, result: str) -> None:
+def worker(cfg: dict, result: str | None) -> None:
+    """4 CPU ranks: ``part`` "checkpoint" trains one step, then times save and load; "fault" trains until rank
+    ``cfg["rank"]`` kills or freezes itself after step 3."""
     import lightning as L
     import torch
-    import torch.distributed as dist
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
     import lightning_mm as lmm
 
     torch.set_num_threads(1)
-    if cfg["mode"] == "ours":
-        strategy, per_rank = _strategy(cfg), 2
-    else:  # Lightning's ModelParallelStrategy: torch's FSDP2 (fully_shard) on a CPU mesh, checkpoints through DCP
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        strategy, per_rank = ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1), 1
-    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=1, **harness.QUIET)
-    module = build(cfg["hidden"], cfg["layers"], fsdp=cfg["mode"] == "fsdp")
-    trainer.fit(module, lmm.data.SyntheticMultimodalDataModule(num_samples=16, batch_size=per_rank))
-    saves, loads = [], []
-    for i in range(cfg["repeats"]):
-        path = os.path.join(cfg["dir"], f"{cfg['mode']}-{i}.ckpt")
-        dist.barrier()
-        t0 = time.perf_counter()
-        trainer.save_checkpoint(path)
-        dist.barrier()
-        saves.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        trainer.strategy.load_checkpoint(path)
-        dist.barrier()
-        loads.append(time.perf_counter() - t0)
-    harness.save(result, {"save_s": statistics.median(saves), "load_s": statistics.median(loads),
-                          "bytes": dir_bytes(os.path.join(cfg["dir"], f"{cfg['mode']}-0.ckpt")),
-                          "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad)},
-                 trainer)
-
-
-def worker_fault(cfg: dict) -> None:
-    import lightning as L
-    import torch
-
-    import lightning_mm as lmm
-
-    torch.set_num_threads(1)
+    fault, fsdp = cfg["part"] == "fault", cfg.get("mode") == "fsdp"
 
     class Fault(L.Callback):
         def on_train_batch_end(self, trainer, *a):
@@ -109,11 +61,32 @@ def worker_fault(cfg: dict) -> None:
                 Path(cfg["dir"], "fault_at").write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL if cfg["fault"] == "kill" else signal.SIGSTOP)
 
-    strategy = _strategy(cfg, fault_timeout=cfg["fault_timeout"], timeout=timedelta(seconds=cfg["pg_timeout"]))
-    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=8, callbacks=[Fault()],
-                        **harness.QUIET)
-    trainer.fit(build(cfg["hidden"], cfg["layers"]), lmm.data.SyntheticMultimodalDataModule(num_samples=32,
-                                                                                              batch_size=2))
+    if fsdp:  # Lightning's ModelParallelStrategy: torch's FSDP2 (fully_shard) on a CPU mesh, checkpoints through DCP
+        strategy = ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)
+    else:
+        watchdog = {}
+        if fault:
+            watchdog = dict(fault_timeout=cfg["fault_timeout"], timeout=timedelta(seconds=cfg["pg_timeout"]))
+        strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec()},
+                                                  language_model=lmm.ParallelSpec(), num_microbatches=1, **watchdog)
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=8 if fault else 1,
+                        callbacks=[Fault()] if fault else None, **harness.QUIET)
+    module = build(cfg["hidden"], cfg["layers"], fsdp)
+    trainer.fit(module, lmm.data.SyntheticMultimodalDataModule(num_samples=32 if fault else 16,
+                                                               batch_size=1 if fsdp else 2))
+    if fault:
+        return
+
+    def path(i: int) -> str:
+        return os.path.join(cfg["dir"], f"{cfg['mode']}-{i}.ckpt")
+
+    saves, _, _ = harness.timed(lambda i: trainer.save_checkpoint(path(i)), cfg["repeats"], 0)
+    loads, _, _ = harness.timed(lambda i: trainer.strategy.load_checkpoint(path(i)), cfg["repeats"], 0)
+    ckpt = Path(path(0))  # a file (ours) or a folder of shards (DCP)
+    size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) if ckpt.is_dir() else ckpt.stat().st_size
+    harness.save(result, {"save_s": statistics.median(saves), "load_s": statistics.median(loads), "bytes": size,
+                          "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad)},
+                 trainer)
 
 
 def alive(pid: int) -> bool:
@@ -124,6 +97,8 @@ def alive(pid: int) -> bool:
 
 
 def time_fault(args, fault: str, rank: int, fault_timeout) -> float | None:
+    """Seconds from the fault of ``rank`` until every other rank has exited (None: not within the pg timeout
+    + 120 s)."""
     d = tempfile.mkdtemp(prefix="lmm-fault-")
     cfg = dict(part="fault", dir=d, fault=fault, rank=rank, hidden=args.hidden, layers=args.layers,
                pg_timeout=args.pg_timeout, fault_timeout=fault_timeout)
@@ -146,11 +121,9 @@ def time_fault(args, fault: str, rank: int, fault_timeout) -> float | None:
 
 
 def main(argv=None) -> None:
-    args = harness.cli(__doc__, argv, hidden=256, layers=4, repeats=3, pg_timeout=60.0,
-                       worker=True)
+    args = harness.cli(__doc__, argv, hidden=256, layers=4, repeats=3, pg_timeout=60.0, worker=True)
     if args.worker:
-        cfg = args.worker
-        return worker_fault(cfg) if cfg["part"] == "fault" else worker_checkpoint(cfg, args.result)
+        return worker(args.worker, args.result)
     start = harness.record()
     rows = {mode: harness.launch(__file__, dict(part="checkpoint", mode=mode, hidden=args.hidden, layers=args.layers,
                                                 dir=tempfile.mkdtemp(prefix=f"lmm-ckpt-{mode}-"),

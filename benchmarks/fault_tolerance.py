@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import platform
-import signal
 import sys
 import tempfile
 import time
@@ -16,48 +15,60 @@ import harness
 
 sys.path.insert(0, str(harness.ROOT))  # tests.* (the launcher and the tiny case)
 
-LABEL = "measured, 2-core CPU, gloo (shared, noisy machine)"
 GLOBAL_BATCH = 4  # per-replica batch 2 (tests/helpers/ft_case.py) x 2 replicas
 RUNS = ["ft", "dp", "ft_fail", "ckpt_fail"]
 
 
-def _lighthouse(min_replicas: int, heartbeat_ms: int, join_ms: int):
-    from torchft.coordination import LighthouseServer
+def jobs(a, base: str) -> dict:
+    """Each run's lighthouse (its min replicas; 0: none) and torchrun jobs ((cfg, max restarts, processes))."""
+    common = {"mode": "group", "timeout": 10.0, "wait_rejoin": False}
+    groups = [{**common, "groups": 2, "group": g} for g in (0, 1)]
+    one_job = {**common, "ft": False, "group": 0, "devices": 4}
+    kill = {"group": 1, "rank": 1, "step": a.kill_step, "where": "batch_end"}
+    ckpt_kill = {"group": 0, "rank": 1, "step": a.ckpt_kill_step, "where": "batch_end"}
+    return {"ft": (2, [({**g, "steps": a.steps}, 0, 2) for g in groups]),  # both groups in every quorum
+            "dp": (0, [({**one_job, "steps": a.steps}, 0, 4)]),
+            "ft_fail": (1, [({**g, "steps": a.fail_steps, "kill": kill}, g["group"], 2) for g in groups]),
+            "ckpt_fail": (0, [({**one_job, "steps": a.fail_steps, "kill": ckpt_kill, "save_every": a.save_every,
+                                "ckpt_dir": os.path.join(base, "ckpt_fail", "ckpt"), "resume": "last"}, 1, 4)])}
 
-    from lightning_mm.fault_tolerance import parse_address
 
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=join_ms,
-                              heartbeat_timeout_ms=heartbeat_ms)
-    host, port = parse_address(server.address())
-    return server, f"{host}:{port}"
+def run(name: str, base: str, a) -> tuple[str, dict]:
+    """Run ``name``'s jobs into ``base/name`` (beside a lighthouse of this process, shut down after): the folder
+    and the run's settings, exit codes, wall time and kill."""
+    from tests.test_fault_tolerance import _launch, _wait
 
+    min_replicas, cfgs = jobs(a, base)[name]
+    server = None
+    if min_replicas:
+        from torchft.coordination import LighthouseServer
 
-def _wait(procs, timeout: float) -> list[int]:
-    deadline = time.time() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.time()))
-        except Exception:
-            for q in procs:
-                if q.poll() is None:
-                    os.killpg(q.pid, signal.SIGKILL)
-            raise RuntimeError(f"the run did not finish in {timeout:g} s")
-    return [p.returncode for p in procs]
+        from lightning_mm.fault_tolerance import parse_address
+
+        server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas, join_timeout_ms=a.join_ms,
+                                  heartbeat_timeout_ms=a.heartbeat_ms)
+        host, port = parse_address(server.address())
+        cfgs = [({**cfg, "lighthouse": f"{host}:{port}"}, r, n) for cfg, r, n in cfgs]
+    out = os.path.join(base, name)
+    os.makedirs(out)
+    t0 = time.time()
+    try:
+        codes = _wait([_launch({**cfg, "out": out}, restarts=r, nproc=n) for cfg, r, n in cfgs], a.timeout)
+    finally:
+        if server is not None:
+            server.shutdown()
+    row = {"settings": vars(a).copy(), "codes": codes, "wall_s": time.time() - t0}
+    print(f"{name}: exit codes {codes}, {row['wall_s']:.1f} s", flush=True)
+    if "kill" in cfgs[-1][0]:
+        row["kill"] = cfgs[-1][0]["kill"]
+    return out, row
 
 
 def _steps(out: str, group: int) -> list[tuple[int, float, int]]:
+    """(step, end time, restart count) of each committed step of ``group``."""
     path = os.path.join(out, f"steps_{group}.log")
     rows = [line.split() for line in open(path).read().splitlines() if line.strip()] if os.path.exists(path) else []
     return [(int(s), float(t), int(r)) for s, t, r in rows]
-
-
-def _json(out: str, name: str) -> dict:
-    return harness.read(os.path.join(out, name))
-
-
-def _killed_at(out: str) -> float:
-    """When the run's kill came (the time its victim wrote before dying)."""
-    return float(open(os.path.join(out, "killed_at")).read())
 
 
 def _rate(rows, t0=None, t1=None) -> float | None:
@@ -69,76 +80,42 @@ def _rate(rows, t0=None, t1=None) -> float | None:
     return GLOBAL_BATCH * (s1 - s0) / (b - a)
 
 
-def run(name: str, base: str, cfgs: list[tuple[dict, int, int]], timeout: float) -> tuple[str, list[int], float]:
-    """Launch the torchrun jobs ``cfgs`` ((cfg, max_restarts, nproc)) into ``base/name``; returns the folder, the
-    exit codes and the wall time."""
-    from tests.test_fault_tolerance import _launch
-
-    out = os.path.join(base, name)
-    os.makedirs(out)
-    t0 = time.time()
-    codes = _wait([_launch({**cfg, "out": out}, restarts=restarts, nproc=nproc) for cfg, restarts, nproc in cfgs],
-                  timeout)
-    print(f"{name}: exit codes {codes}, {time.time() - t0:.1f} s", flush=True)
-    return out, codes, time.time() - t0
-
-
-def with_lighthouse(min_replicas: int, name: str, base: str, cfgs, timeout: float, heartbeat_ms: int = 2000,
-                    join_ms: int = 3000) -> tuple[str, list[int], float]:
-    """``run`` beside a lighthouse of this process (each cfg gets its address), shut down after."""
-    server, lh = _lighthouse(min_replicas, heartbeat_ms, join_ms)
-    try:
-        return run(name, base, [({**cfg, "lighthouse": lh}, r, n) for cfg, r, n in cfgs], timeout)
-    finally:
-        server.shutdown()
-
-
-def ft_fail(a, base: str, common: dict) -> dict:
-    kill = {"group": 1, "rank": 1, "step": a.kill_step, "where": "batch_end"}
-    out, codes, wall = with_lighthouse(1, "ft_fail", base, [
-        ({**common, "groups": 2, "group": g, "steps": a.fail_steps, "kill": kill}, 1 if g else 0, 2) for g in (0, 1)],
-        a.timeout, a.heartbeat_ms, a.join_ms)
-    killed = _killed_at(out)
-    g0, g1, r1 = _steps(out, 0), _steps(out, 1), _json(out, "result_1.json")
-    rejoin = [t for s, t, r in g1 if r == 1]
-    t_rejoin = rejoin[0] if rejoin else None
-    nxt = [(s, t) for s, t, _ in g0 if s > a.kill_step]  # the kill comes after step kill_step's commit
-    healed = [e for e in r1.get("events", []) if e.get("event") == "healed"]
-    before = _rate([x for x in g0 if x[1] < killed][2:])
-    return {
-        "settings": vars(a).copy(), "codes": codes, "wall_s": wall, "kill": kill,
-        "kill_to_next_commit_s": nxt[0][1] - killed if nxt else None, "next_commit_step": nxt[0][0] if nxt else None,
-        "step_s_before": 1 / (before or float("nan")) * GLOBAL_BATCH,
-        "kill_to_restarted_process_start_s": r1["started"] - killed if r1.get("started") else None,
-        "rejoined_before_survivor_ended": bool(rejoin) and rejoin[0] < g0[-1][1],
-        "restarted_start_to_first_commit_s": t_rejoin - r1["started"] if t_rejoin and r1.get("started") else None,
-        "heal_s": healed[0].get("seconds") if healed else None, "healed_at_step": healed[0]["step"] if healed else None,
-        "kill_to_rejoined_s": t_rejoin - killed if t_rejoin else None, "samples_per_s_before": before,
-        "samples_per_s_during": _rate(g0, killed, t_rejoin),
-        "samples_per_s_after": _rate(g0, t_rejoin) if t_rejoin else None,
-        "survivor_stats": _json(out, "result_0.json").get("stats"),
-        "survivor_steps": [s for s, _, _ in g0] == list(range(1, a.fail_steps + 1))}
-
-
-def ckpt_fail(a, base: str, common: dict) -> dict:
-    kill = {"group": 0, "rank": 1, "step": a.ckpt_kill_step, "where": "batch_end"}
-    out, codes, wall = run("ckpt_fail", base, [({**common, "ft": False, "group": 0, "devices": 4,
-                                                 "steps": a.fail_steps, "kill": kill, "save_every": a.save_every,
-                                                 "ckpt_dir": os.path.join(base, "ckpt_fail", "ckpt"),
-                                                 "resume": "last"}, 1, 4)], a.timeout)
-    killed = _killed_at(out)
-    rows, r = _steps(out, 0), _json(out, "result_0.json")
-    first, second = [x for x in rows if x[2] == 0], [x for x in rows if x[2] == 1]
+def read(name: str, a, out: str) -> dict:
+    """The figures of run ``name`` from its folder (docs/fault_tolerance.md says how each is read)."""
+    g0, r0 = _steps(out, 0), harness.read(os.path.join(out, "result_0.json"))
+    if name in ("ft", "dp"):
+        return {"samples_per_s": _rate(g0[2:]), **({"stats": r0.get("stats")} if name == "ft" else {})}
+    killed = float(open(os.path.join(out, "killed_at")).read())  # the time its victim wrote before dying
+    if name == "ft_fail":
+        g1, r1 = _steps(out, 1), harness.read(os.path.join(out, "result_1.json"))
+        rejoin = [t for s, t, r in g1 if r == 1]
+        t_rejoin, started = rejoin[0] if rejoin else None, r1.get("started")
+        next_step, next_t = next(((s, t) for s, t, _ in g0 if s > a.kill_step), (None, None))  # kill: after a commit
+        healed = [e for e in r1.get("events", []) if e.get("event") == "healed"]
+        before = _rate([x for x in g0 if x[1] < killed][2:])
+        return {
+            "kill_to_next_commit_s": next_t - killed if next_t else None, "next_commit_step": next_step,
+            "step_s_before": 1 / (before or float("nan")) * GLOBAL_BATCH,
+            "kill_to_restarted_process_start_s": started - killed if started else None,
+            "rejoined_before_survivor_ended": bool(rejoin) and rejoin[0] < g0[-1][1],
+            "restarted_start_to_first_commit_s": t_rejoin - started if t_rejoin and started else None,
+            "heal_s": healed[0].get("seconds") if healed else None,
+            "healed_at_step": healed[0]["step"] if healed else None,
+            "kill_to_rejoined_s": t_rejoin - killed if t_rejoin else None, "samples_per_s_before": before,
+            "samples_per_s_during": _rate(g0, killed, t_rejoin),
+            "samples_per_s_after": _rate(g0, t_rejoin) if t_rejoin else None, "survivor_stats": r0.get("stats"),
+            "survivor_steps": [s for s, _, _ in g0] == list(range(1, a.fail_steps + 1))}
+    first, second = [x for x in g0 if x[2] == 0], [x for x in g0 if x[2] == 1]  # ckpt_fail: before, after restart
     last_ckpt = (a.ckpt_kill_step // a.save_every) * a.save_every
     again = [t for s, t, _ in second if s == a.ckpt_kill_step]
+    started = r0.get("started")
     return {
-        "settings": vars(a).copy(), "codes": codes, "wall_s": wall, "kill": kill, "save_every": a.save_every,
-        "last_checkpoint_step": last_ckpt, "resumed_from": r.get("resumed_from"),
+        "save_every": a.save_every, "last_checkpoint_step": last_ckpt, "resumed_from": r0.get("resumed_from"),
         "lost_steps": a.ckpt_kill_step - last_ckpt, "step_s_before": GLOBAL_BATCH / (_rate(first[2:]) or float("nan")),
-        "kill_to_restarted_process_start_s": r["started"] - killed if r.get("started") else None,
-        "restarted_start_to_fit_s": r["fit_start"] - r["started"] if r.get("started") else None,
-        "fit_to_train_start_s (setup + checkpoint load)": r["train_start"] - r["fit_start"]
-        if r.get("train_start") else None,
+        "kill_to_restarted_process_start_s": started - killed if started else None,
+        "restarted_start_to_fit_s": r0["fit_start"] - started if started else None,
+        "fit_to_train_start_s (setup + checkpoint load)": r0["train_start"] - r0["fit_start"]
+        if r0.get("train_start") else None,
         "kill_to_first_step_after_resume_s": second[0][1] - killed if second else None,
         "first_step_after_resume": second[0][0] if second else None,
         "kill_to_same_step_again_s": again[0] - killed if again else None,
@@ -154,44 +131,27 @@ def main(argv=None) -> None:
                     only=dict(nargs="*", default=RUNS, help="runs to make (the others' figures are kept from --out); "
                                                             "none: print --out's table"),
                     out=str(harness.RESULTS / "fault_tolerance_cpu.json"), timeout=540.0)
-    if not a.only:  # --only with nothing: print the table of the results file
+    if not a.only:
         print(harness.tables.show(os.path.basename(a.out), harness.read(a.out)))
         return
-    start = harness.record()
-    base = tempfile.mkdtemp(prefix="lmm-ft-bench-")
-    common = {"mode": "group", "timeout": 10.0, "wait_rejoin": False}
+    start, base = harness.record(), tempfile.mkdtemp(prefix="lmm-ft-bench-")
     previous = harness.read(a.out).get("runs", {}) if set(a.only) != set(RUNS) else {}  # keep the others' figures
-    res: dict = {"label": LABEL, "device": f"CPU ({os.cpu_count()} cores, shared), gloo, {platform.machine()}",
-                 "settings": vars(a), "model": "tests/helpers/ft_case.py: tiny siglip (frozen) + tiny llama, LLM pp 2",
-                 "global_batch": GLOBAL_BATCH, "runs": dict(previous)}
-    if "ft" in a.only:  # min_replicas 2: both groups in every quorum from step 1
-        out, codes, wall = with_lighthouse(2, "ft", base, [
-            ({**common, "groups": 2, "group": g, "steps": a.steps}, 0, 2) for g in (0, 1)], a.timeout, a.heartbeat_ms,
-            a.join_ms)
-        res["runs"]["ft"] = {"settings": vars(a).copy(), "codes": codes, "wall_s": wall,
-                             "samples_per_s": _rate(_steps(out, 0)[2:]),
-                             "stats": _json(out, "result_0.json").get("stats")}
-    if "dp" in a.only:
-        out, codes, wall = run("dp", base, [({**common, "ft": False, "group": 0, "devices": 4, "steps": a.steps}, 0,
-                                             4)], a.timeout)
-        res["runs"]["dp"] = {"settings": vars(a).copy(), "codes": codes, "wall_s": wall,
-                             "samples_per_s": _rate(_steps(out, 0)[2:])}
-    if "ft_fail" in a.only:
-        res["runs"]["ft_fail"] = ft_fail(a, base, common)
-    if "ckpt_fail" in a.only:
-        res["runs"]["ckpt_fail"] = ckpt_fail(a, base, common)
-    runs = res["runs"]
-    for name in ("ft", "dp"):  # a repeated failure-free run keeps the earlier ones' figures
-        if name in a.only and name in previous:
+    runs = dict(previous)
+    res = {"label": "measured, 2-core CPU, gloo (shared, noisy machine)",
+           "device": f"CPU ({os.cpu_count()} cores, shared), gloo, {platform.machine()}", "settings": vars(a),
+           "model": "tests/helpers/ft_case.py: tiny siglip (frozen) + tiny llama, LLM pp 2",
+           "global_batch": GLOBAL_BATCH, "runs": runs}
+    for name in (n for n in RUNS if n in a.only):
+        out, row = run(name, base, a)
+        runs[name] = {**row, **read(name, a, out)}
+        if name in ("ft", "dp") and name in previous:  # a repeated failure-free run keeps the earlier figures
             runs[name]["earlier_samples_per_s"] = (previous[name].get("earlier_samples_per_s", [])
                                                    + [previous[name]["samples_per_s"]])
     if "ft" in runs and "dp" in runs:
-        ft, dp = runs["ft"]["samples_per_s"], runs["dp"]["samples_per_s"]
-        res["ratio_ft_over_dp_throughput"] = ft / dp if ft and dp else None
-        ft_all = runs["ft"].get("earlier_samples_per_s", []) + [ft]
-        dp_all = runs["dp"].get("earlier_samples_per_s", []) + [dp]
-        if len(ft_all) == len(dp_all) > 1:  # the runs were made in pairs
-            res["ratio_ft_over_dp_throughput_each_pair"] = [x / y for x, y in zip(ft_all, dp_all)]
+        ft, dp = (runs[k].get("earlier_samples_per_s", []) + [runs[k]["samples_per_s"]] for k in ("ft", "dp"))
+        res["ratio_ft_over_dp_throughput"] = ft[-1] / dp[-1] if ft[-1] and dp[-1] else None
+        if len(ft) == len(dp) > 1:  # the runs were made in pairs
+            res["ratio_ft_over_dp_throughput_each_pair"] = [x / y for x, y in zip(ft, dp)]
     if "ft_fail" in runs and "ckpt_fail" in runs:
         f, c = runs["ft_fail"], runs["ckpt_fail"]
         # time the job loses to the failure: FT: the stall to the next commit, then the degraded phase's missing

@@ -34,64 +34,54 @@ def predict(config: str, out: Path) -> dict:
         plan_cli.run(args, *load_fit_config([config]))
     (out / "plan.log").write_text(text.getvalue())
     found = PREDICTED.search(text.getvalue())
-    if not found:
-        return dict(status="no 'predicted iteration time' line in plan.log")
-    if found.group(2) not in TO_SECONDS:
-        return dict(status=f"unknown unit {found.group(2)!r} in plan.log")
+    if not found or found.group(2) not in TO_SECONDS:
+        return dict(status=f"unknown unit {found.group(2)!r} in plan.log" if found
+                    else "no 'predicted iteration time' line in plan.log")
     return dict(status="ok", simulated_iteration_s=float(found.group(1)) * TO_SECONDS[found.group(2)])
 
 
-class StepClock:
-    """Synchronised wall time of every training step, and a torch.profiler trace of step ``profile_step``."""
-
-    def __init__(self, profile_step: int, out: Path):
-        from lightning.pytorch.callbacks import Callback
-
-        clock = self
-
-        class _Callback(Callback):
-            def on_train_batch_start(self, trainer, module, batch, batch_idx):
-                torch.cuda.synchronize()
-                if batch_idx == profile_step:
-                    clock.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                                    torch.profiler.ProfilerActivity.CUDA])
-                    clock.prof.__enter__()
-                clock.t0 = time.perf_counter()
-
-            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-                torch.cuda.synchronize()
-                clock.steps.append(time.perf_counter() - clock.t0)
-                if batch_idx == profile_step:
-                    clock.prof.__exit__(None, None, None)
-                    clock.summarise(out)
-
-        self.callback, self.steps, self.prof, self.top = _Callback(), [], None, []
-
-    def summarise(self, out: Path, rows: int = 25) -> None:
-        """Top kernels by self CUDA time into ``profile_step.txt``, the trace into ``profile_step.trace.json``."""
-        events = self.prof.key_averages()
-        (out / "profile_step.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=rows))
-        self.prof.export_chrome_trace(str(out / "profile_step.trace.json"))
-        key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-        ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:rows]
-        self.top = [dict(name=e.key, self_cuda_ms=getattr(e, key) / 1e3, calls=e.count) for e in ranked]
-
-
 def fit(config: str, steps: int, profile_step: int, out: Path, batch_size: int | None = None) -> dict:
+    """``steps`` training steps, each timed (synchronised), step ``profile_step`` under torch.profiler: its top
+    kernels by self CUDA time in ``profile_step.txt``, its trace in ``profile_step.trace.json``."""
+    from lightning.pytorch.callbacks import Callback
+
     from lightning_mm.trainer.cli import load_fit_config
+
+    steps_s, top = [], []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA])
+
+    class StepClock(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            torch.cuda.synchronize()
+            if batch_idx == profile_step:
+                profiler.__enter__()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            torch.cuda.synchronize()
+            steps_s.append(time.perf_counter() - self.t0)
+            if batch_idx != profile_step:
+                return
+            profiler.__exit__(None, None, None)
+            events = profiler.key_averages()
+            (out / "profile_step.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=25))
+            profiler.export_chrome_trace(str(out / "profile_step.trace.json"))
+            key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+            top.extend(dict(name=e.key, self_cuda_ms=getattr(e, key) / 1e3, calls=e.count)
+                       for e in sorted(events, key=lambda e: getattr(e, key), reverse=True)[:25])
 
     batch = [f"--data.init_args.batch_size={batch_size}"] if batch_size else []
     module, datamodule, trainer = load_fit_config([config], [f"--trainer.max_steps={steps}",
                                                              "--trainer.log_every_n_steps=1",
                                                              f"--trainer.default_root_dir={out / 'fit'}", *batch])
-    clock = StepClock(profile_step, out)
-    trainer.callbacks.append(clock.callback)
+    trainer.callbacks.append(StepClock())
     trainer.fit(module, datamodule=datamodule)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
-    warm = sorted(clock.steps[2:]) or sorted(clock.steps)
-    return dict(steps=len(clock.steps), step_s=clock.steps, median_step_s=warm[len(warm) // 2] if warm else None,
+    warm = sorted(steps_s[2:]) or sorted(steps_s)
+    return dict(steps=len(steps_s), step_s=steps_s, median_step_s=warm[len(warm) // 2] if warm else None,
                 tokens_per_s=metrics.get("train/tokens_per_s"), mfu=metrics.get("train/mfu"), logged=metrics,
-                profiled_step=profile_step, top_kernels=clock.top)
+                profiled_step=profile_step, top_kernels=top)
 
 
 def main(argv=None) -> int:
@@ -115,10 +105,10 @@ def main(argv=None) -> int:
     if not args.no_predict:
         doc["simulated"] = predict(args.config, out)
         harness.write(out / "fit.json", doc, start)
-    doc["fit"] = fit(args.config, args.steps, args.profile_step, out)
-    sim, measured = doc.get("simulated", {}), doc["fit"]
+    doc["fit"] = measured = fit(args.config, args.steps, args.profile_step, out)
+    sim = doc.get("simulated", {})
     if sim.get("simulated_iteration_s") and measured["median_step_s"] and measured["tokens_per_s"]:
-        doc["simulated"]["tokens_per_s_at_simulated_step"] = \
+        sim["tokens_per_s_at_simulated_step"] = \
             measured["tokens_per_s"] * measured["median_step_s"] / sim["simulated_iteration_s"]
     harness.write(out / "fit.json", doc, start)
     for b in args.batch_sizes:  # written after each: a run stopped by its time limit keeps what it measured

@@ -15,14 +15,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
-from attention import measure  # noqa: E402
+from attention import inputs, measure  # noqa: E402
 
-# one factor at a time around the table's entry (first of each list): forward (and its tile lists), dk/dv (whose
-# warps the dq pass shares), dq (a second pass, or atomic adds in the dk/dv pass)
-FWD = [dict(fwd_m=m, fwd_n=n, fwd_warps=w, stages=s) for m, n, w, s in
-       [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)]]
-DKDV = [dict(dkdv_m=m, dkdv_n=n, bwd_warps=w) for m, n, w in [(64, 64, 4), (64, 128, 8), (32, 64, 4), (128, 64, 8)]]
-DQ = [dict(dq_m=m, dq_n=n) for m, n in [(64, 64), (128, 32), (128, 64)]] + [dict(dq_atomic=True)]  # no dq pass
+# one factor at a time around the table's entry (first of each part): forward (and its tile lists), dk/dv (whose
+# warps the dq pass shares), dq (a second pass, or atomic adds in the dk/dv pass); each part's best is the least
+# time summed over the layouts (forward: fwd_ms, the others: bwd_ms)
+SETTINGS = ([("fwd", dict(fwd_m=m, fwd_n=n, fwd_warps=w, stages=s))
+             for m, n, w, s in [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)]]
+            + [("dkdv", dict(dkdv_m=m, dkdv_n=n, bwd_warps=w))
+               for m, n, w in [(64, 64, 4), (64, 128, 8), (32, 64, 4), (128, 64, 8)]]
+            + [("dq", dict(dq_m=m, dq_n=n)) for m, n in [(64, 64), (128, 32), (128, 64)]]
+            + [("dq", dict(dq_atomic=True))])
+BEST_BY = {"fwd": "fwd_ms", "dkdv": "bwd_ms", "dq": "bwd_ms"}
+
+
+def best_changes(rows: list[dict], layouts: list[str], fields: set[str]) -> dict:
+    best = {}
+    for part, key in BEST_BY.items():
+        total = {}
+        for r in rows:
+            if r["part"] == part and r["status"] == "ok":
+                total.setdefault(tuple((k, r[k]) for k in r if k in fields), []).append(r[key])
+        full = [c for c, t in total.items() if len(t) == len(layouts)]
+        if full:
+            best.update(min(full, key=lambda c: sum(total[c])))
+    return best
 
 
 def main(argv=None) -> int:
@@ -39,19 +56,11 @@ def main(argv=None) -> int:
     start, device = harness.record(), torch.device("cuda")
     name = torch.cuda.get_device_name(device)
     out = args.out or harness.RESULTS / "gpu" / f"kernel_sweep_{harness.slug(name)}_d{args.head_dim}.json"
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    shape_q, shape_kv = (1, args.heads, args.seq_len, args.head_dim), (1, args.kv_heads, args.seq_len, args.head_dim)
-    q, dout = (torch.randn(shape_q, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(shape_kv, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
-    base = default_config(q)
-    settings = [("fwd", s) for s in FWD] + [("dkdv", s) for s in DKDV] + [("dq", s) for s in DQ]
-    rows = []
-
-    def report(best: dict):  # after every setting: a run stopped by its time limit keeps what it measured
-        harness.write(out, dict(benchmark="kernel_sweep", device=name, torch=torch.__version__,
-                                triton=triton.__version__, dtype="bfloat16", seq_len=args.seq_len,
-                                head_dim=args.head_dim, heads=args.heads, kv_heads=args.kv_heads,
-                                table_entry=dataclasses.asdict(base), rows=rows, best=best), start)
+    q, k, v, dout = inputs(1, args.heads, args.kv_heads, args.seq_len, args.head_dim, args.seed, device)
+    base, rows = default_config(q), []
+    doc = dict(benchmark="kernel_sweep", device=name, torch=torch.__version__, triton=triton.__version__,
+               dtype="bfloat16", seq_len=args.seq_len, head_dim=args.head_dim, heads=args.heads, kv_heads=args.kv_heads,
+               table_entry=dataclasses.asdict(base), rows=rows, best={})
 
     def grads(fn):  # dq, dk, dv of one backward
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
@@ -70,11 +79,10 @@ def main(argv=None) -> int:
         with torch.no_grad():
             reference = attend(base)(q, k, v).float()
         reference_grads = grads(attend(base))
-        for part, change in settings:
-            cfg = dataclasses.replace(base, **change, source="sweep")
+        for part, change in SETTINGS:
             row = dict(layout=layout, part=part, **change)
             try:
-                fn = attend(cfg)
+                fn = attend(dataclasses.replace(base, **change, source="sweep"))
                 with torch.no_grad():
                     row["max_abs_diff_vs_table"] = float((fn(q, k, v).float() - reference).abs().max())
                 row["max_abs_grad_diff_vs_table"] = max(float((g - r).abs().max())
@@ -85,25 +93,15 @@ def main(argv=None) -> int:
                 row["status"] = f"error: {type(e).__name__}: {e}"[:200]
             rows.append(row)
             torch.cuda.empty_cache()
-            report({})
-    # the best setting of each part over the layouts' summed time: forward by fwd_ms, dk/dv and dq by bwd_ms
-    best = {}
-    for part, key in (("fwd", "fwd_ms"), ("dkdv", "bwd_ms"), ("dq", "bwd_ms")):
-        total = {}
-        for r in rows:
-            if r["part"] == part and r["status"] == "ok":
-                change = tuple((k, r[k]) for k in r if k in {f.name for f in dataclasses.fields(base)})
-                total.setdefault(change, []).append(r[key])
-        full = [c for c, t in total.items() if len(t) == len(args.layouts)]
-        if full:
-            best.update(dict(min(full, key=lambda c: sum(total[c]))))
-    best_row = dict(dtype="bf16", head_dim=args.head_dim, **{**dataclasses.asdict(base), **best,
-                    "source": f"sweep on {name}, S={args.seq_len}, layouts {'/'.join(args.layouts)}"})
-    report(best_row)
+            harness.write(out, doc, start)  # after every setting: a run stopped by its time limit keeps them
+    best = best_changes(rows, args.layouts, {f.name for f in dataclasses.fields(base)})
+    doc["best"] = dict(dtype="bf16", head_dim=args.head_dim, **{**dataclasses.asdict(base), **best,
+                       "source": f"sweep on {name}, S={args.seq_len}, layouts {'/'.join(args.layouts)}"})
+    harness.write(out, doc, start)
     harness.print_rows(rows, ["layout", "part", "fwd_m", "fwd_n", "fwd_warps", "stages", "dkdv_m", "dkdv_n",
                               "bwd_warps", "dq_m", "dq_n", "dq_atomic", "status", "fwd_ms", "bwd_ms",
                               "max_abs_diff_vs_table"])
-    print("best:", best_row)
+    print("best:", doc["best"])
     return 0
 
 

@@ -8,9 +8,9 @@ import torch
 
 import harness
 
-LM = "language_model"
 QWEN3_30B_A3B = dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
                      expert_width=768, vocab=151936)
+SIMULATED = dict(dp=8, pp=4, microbatches=16, tokens_per_microbatch=4096, assumed_flops_per_device=400e12)
 
 
 def build_model(args: dict):
@@ -26,22 +26,20 @@ def build_model(args: dict):
     return lmm.MultimodalModel({"vision": lmm.ModalityEncoder(vision, projector="mlp")}, llm)
 
 
-def _local_bytes(p) -> int:
+def local_bytes(params) -> int:
     from torch.distributed.tensor import DTensor
 
-    t = p.to_local() if isinstance(p, DTensor) else p
-    return t.numel() * t.element_size()
+    return sum(t.numel() * t.element_size() for t in (p.to_local() if isinstance(p, DTensor) else p for p in params))
 
 
-class _AllToAllCounter:
-    """Counts the rows each expert dispatch of this rank sends to and receives from other ranks (the split sizes
-    of transformers' ``AllToAllEP``), and the (token, expert) pairs the model predicts from."""
+class AllToAllCounter:
+    """The rows each expert dispatch of this rank sends to and receives from other ranks (the split sizes of
+    transformers' ``AllToAllEP``), and the (token, expert) pairs the byte model predicts from."""
 
     def __init__(self):
         from transformers.distributed.expert_parallel import AllToAllEP
 
-        self.reset()
-        self.hidden = self.bytes = 0
+        self.pairs = self.sent = self.received = self.hidden = self.bytes = 0
         original = AllToAllEP._dispatch_tokens
 
         def counted(ep_self, hidden_states, top_k_index, top_k_weights):
@@ -55,16 +53,15 @@ class _AllToAllCounter:
 
         AllToAllEP._dispatch_tokens = counted
 
-    def reset(self) -> None:
-        self.pairs = self.sent = self.received = 0
-
     def step_bytes(self, ep: int) -> tuple[float, float]:
-        """(measured, modelled) bytes this rank sent to other ranks: each off-rank row crosses twice (dispatch and
-        its gradient back, combine and its gradient); the model: ``all_to_all_bytes`` of the same pairs."""
+        """(measured, modelled) bytes this rank sent to other ranks since the last call: each off-rank row crosses
+        twice (dispatch and its gradient back, combine and its gradient); the model: ``all_to_all_bytes``."""
         from lightning_mm.planner.moe_costs import all_to_all_bytes
 
         model = all_to_all_bytes(self.pairs, 1, self.hidden, self.bytes, ep)
-        return 2 * (self.sent + self.received) * self.hidden * self.bytes, model["forward"] + model["backward"]
+        measured = 2 * (self.sent + self.received) * self.hidden * self.bytes
+        self.pairs = self.sent = self.received = 0
+        return measured, model["forward"] + model["backward"]
 
 
 def worker(rank: int, world: int, ep: int, args: dict) -> dict:
@@ -77,20 +74,17 @@ def worker(rank: int, world: int, ep: int, args: dict) -> dict:
     engine, batches, train = harness.engine_steps(model, layout, rank, args, text_tokens=(args["text_tokens"],) * 2,
                                                   items_per_sample=(1, 2))
     experts = [model.llm_layers[i].get_parameter(n) for i, ns in expert_parameter_names(model).items() for n in ns]
-    counter = _AllToAllCounter() if ep > 1 else None
+    counter = AllToAllCounter() if ep > 1 else None
 
     def step(i):
-        if counter is not None:
-            counter.reset()
         train(i)
         return int(batches[i]["attention_mask"].sum()), counter.step_bytes(ep) if counter is not None else None
 
     walls, cpus, outs = harness.timed(step, args["steps"], args["warmup"])
     metrics = engine.router_metrics.metrics if engine.router_metrics is not None else None
     return {"wall": walls, "cpu": cpus, "tokens": [t for t, _ in outs],
-            "all_to_all": [b for _, b in outs if b is not None],
-            "expert_bytes": sum(_local_bytes(p) for p in experts),
-            "param_bytes": sum(_local_bytes(p) for p in model.parameters()),
+            "all_to_all": [b for _, b in outs if b is not None], "expert_bytes": local_bytes(experts),
+            "param_bytes": local_bytes(model.parameters()),
             "imbalance": [round(float(v), 3) for v in load_imbalance(metrics["expert_load"])] if metrics else None}
 
 
@@ -108,8 +102,7 @@ def run_layout(ep: int, args: dict) -> dict:
             "all_to_all_bytes_model": statistics.fmean(b[1] for b in a2a) if a2a else 0.0}
 
 
-def simulated(dp: int = 8, pp: int = 4, microbatches: int = 16, tokens: int = 4096, flops: float = 400e12,
-              bandwidths=(50e9, 400e9), eps=(1, 2, 4, 8)) -> list[dict]:
+def simulated(bandwidths=(50e9, 400e9), eps=(1, 2, 4, 8)) -> list[dict]:
     """The planner's prediction at Qwen3-30B-A3B shapes (no model is built): per layer the active parameters'
     work (6 x tokens x active weights, plus the attention's 12 x tokens^2 x width / 2 causal), the experts' state
     (16 bytes per trainable parameter) and the all-to-all of ``all_to_all_bytes``; ``evaluate_plan`` at each ep."""
@@ -117,21 +110,21 @@ def simulated(dp: int = 8, pp: int = 4, microbatches: int = 16, tokens: int = 40
     from lightning_mm.planner.moe_costs import ExpertShape, all_to_all_bytes
     from lightning_mm.planner.search import ModuleSpec, evaluate_plan
 
-    s = QWEN3_30B_A3B
+    s, sim = QWEN3_30B_A3B, SIMULATED
+    tokens, dp, pp = sim["tokens_per_microbatch"], sim["dp"], sim["pp"]
     attention = s["hidden"] * s["head_dim"] * (2 * s["heads"] + 2 * s["kv_heads"])
-    router = s["experts"] * s["hidden"]
-    one_expert = 3 * s["hidden"] * s["expert_width"]
+    router, one_expert = s["experts"] * s["hidden"], 3 * s["hidden"] * s["expert_width"]
     active = attention + router + s["top_k"] * one_expert
     total = attention + router + s["experts"] * one_expert
-    forward = (2 * tokens * active + 2 * tokens * tokens * s["heads"] * s["head_dim"]) / flops
+    forward = (2 * tokens * active + 2 * tokens * tokens * s["heads"] * s["head_dim"]) / sim["assumed_flops_per_device"]
     spec = ModuleSpec([LayerCost(forward, 2 * forward, True, True)] * s["layers"], 16.0 * total, 0.0, 4.0 * total,
                       expert_bytes=16.0 * s["experts"] * one_expert, expert_grad_bytes=4.0 * s["experts"] * one_expert,
                       experts=ExpertShape(s["experts"], s["top_k"], s["hidden"], tokens, 2))
     rows = []
     for bw in bandwidths:
         for ep in eps:
-            plan = evaluate_plan({LM: spec}, {LM: [s["layers"] // pp] * pp}, "parallel", microbatches * dp, dp, ep=ep,
-                                 ep_bandwidth=bw)
+            plan = evaluate_plan({"language_model": spec}, {"language_model": [s["layers"] // pp] * pp}, "parallel",
+                                 sim["microbatches"] * dp, dp, ep=ep, ep_bandwidth=bw)
             a2a = all_to_all_bytes(tokens, s["top_k"], s["hidden"], 2, ep)
             rows.append({"ep": ep, "ep_bandwidth_GBps": bw / 1e9,
                          "all_to_all_MB_per_layer_microbatch": (a2a["forward"] + a2a["backward"]) / 1e6,
@@ -152,8 +145,7 @@ def main(argv=None) -> dict:
         row["expert_bytes_vs_ep1"] = row["expert_bytes_per_rank"] / rows[0]["expert_bytes_per_rank"]
     result = {"what": "dp vs dp x ep on CPU processes (gloo), measured; the planner's ep trade-off at Qwen3-30B-A3B "
                       "shapes, simulated", "settings": vars(args), "rows": rows,
-              "simulated": {"model": QWEN3_30B_A3B, "dp": 8, "pp": 4, "microbatches": 16, "tokens_per_microbatch": 4096,
-                            "assumed_flops_per_device": 400e12, "rows": simulated()}}
+              "simulated": {"model": QWEN3_30B_A3B, **SIMULATED, "rows": simulated()}}
     harness.write(harness.RESULTS / "moe_cpu.json", result, start)
     return result
 

@@ -19,7 +19,6 @@ MAIN_JOB = ["lightning-mm", "fit", "--config", "examples/tiny_valm_pp.yaml"]
 
 
 def wall(cmd: list[str], cwd: Path) -> float:
-    """Seconds from start to exit of ``cmd`` (which must succeed)."""
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if proc.returncode:
@@ -40,17 +39,20 @@ def scan_rate(folder: Path, records: int, repeats: int) -> dict:
     model = lmm.MultimodalModel({"vision": lmm.ModalityEncoder(tiny_encoder("siglip"), projector="mlp")},
                                 tiny_language_model("llama", vocab_size=128))
     processor = load_processor(folder / "processor", model)
-    ConversationDataset(data, processor, media_root=folder / "images", scan=False)  # builds the records' Arrow cache
-    times = {scan: statistics.median(harness.repeat(lambda: ConversationDataset(
-        data, processor, media_root=folder / "images", scan=scan), repeats)[0]) for scan in (True, False)}
-    return dict(records=records, repeats=repeats, construct_with_scan_s=times[True],
-                construct_without_scan_s=times[False], records_per_s=records / (times[True] - times[False]))
+
+    def dataset(scan: bool):
+        return ConversationDataset(data, processor, media_root=folder / "images", scan=scan)
+
+    dataset(False)  # builds the records' Arrow cache
+    with_scan, without = (statistics.median(harness.repeat(lambda: dataset(scan), repeats)[0])
+                          for scan in (True, False))
+    return dict(records=records, repeats=repeats, construct_with_scan_s=with_scan, construct_without_scan_s=without,
+                records_per_s=records / (with_scan - without))
 
 
 def main(argv=None) -> None:
     args = harness.cli(__doc__, argv, records=20000, repeats=3)
-    start = harness.record()
-    out = harness.RESULTS / "quickstart_cpu.json"
+    start, out = harness.record(), harness.RESULTS / "quickstart_cpu.json"
     doc = harness.read(out)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "conversation_data"
