@@ -2,24 +2,27 @@
 share (``shard_images``), against cp 1 (docs/existing_project.md).
 """
 
-from __future__ import annotations
-
 import os
-import platform
 import statistics
 import time
 
+import lightning as L
 import torch
+import transformers as tf
+from lightning.pytorch.callbacks import LambdaCallback
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader
 
 import harness
+from lightning_mm.attention import use_bitfield_attention
+from lightning_mm.data import PackingCollator
+from lightning_mm.trainer.callbacks import ContextParallel
 
 IMAGE = 100  # the image placeholder id of the config
 VARIANTS = [("cp 1", 1, True), ("cp 2, images on every rank", 2, False), ("cp 2, images split", 2, True)]
 
 
 def build_model(spec: dict):
-    import transformers as tf
-
     torch.manual_seed(0)
     text = dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
@@ -46,42 +49,28 @@ def samples(n: int, size: int) -> list[dict]:
     return out
 
 
+class VLM(L.LightningModule):
+    def __init__(self, spec: dict):
+        super().__init__()
+        self.model = build_model(spec)
+        self.model.model.vision_tower.requires_grad_(not spec["frozen_vision"])
+        if spec["cp"] == 1:  # packed rows need it (the callback puts it on under CP)
+            use_bitfield_attention(self.model)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
 def worker(spec: dict, result: str) -> None:
     """One Trainer.fit of a variant; rank 0 writes its step times."""
-    import lightning as L
-    from lightning.pytorch.strategies import DDPStrategy
-    from torch.utils.data import DataLoader
-
-    from lightning_mm.attention import use_bitfield_attention
-    from lightning_mm.data import PackingCollator
-    from lightning_mm.trainer.callbacks import ContextParallel
-
     torch.set_num_threads(1)
-    cp, times = spec["cp"], []
-
-    class StepTimer(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            times.append(time.perf_counter() - self.start)
-
-    class VLM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = build_model(spec)
-            self.model.model.vision_tower.requires_grad_(not spec["frozen_vision"])
-            if cp == 1:  # packed rows need it (the callback puts it on under CP)
-                use_bitfield_attention(self.model)
-
-        def training_step(self, batch, batch_idx):
-            return self.model(**batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=1e-3)
-
-    callbacks = [StepTimer()] + ([ContextParallel(cp, block_size=32, shard_images=spec["shard_images"])]
-                                 if cp > 1 else [])
+    cp, starts, times = spec["cp"], [], []
+    timer = LambdaCallback(on_train_batch_start=lambda *_: starts.append(time.perf_counter()),
+                           on_train_batch_end=lambda *_: times.append(time.perf_counter() - starts[-1]))
+    callbacks = [timer] + ([ContextParallel(cp, block_size=32, shard_images=spec["shard_images"])] if cp > 1 else [])
     per_batch = spec["images"] // 2
     data = samples(per_batch * (spec["steps"] + spec["warmup"]), spec["image_size"])
     row = per_batch * data[0]["input_ids"].shape[1]  # one row holds the batch, no padding
@@ -89,7 +78,7 @@ def worker(spec: dict, result: str) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=cp, max_steps=spec["steps"] + spec["warmup"], callbacks=callbacks,
                         strategy=DDPStrategy(process_group_backend="gloo", find_unused_parameters=True),
                         **harness.QUIET)
-    trainer.fit(VLM(), loader)
+    trainer.fit(VLM(spec), loader)
     harness.save(result, {"step_s": times}, trainer)
 
 
@@ -106,12 +95,12 @@ def main(argv=None) -> None:
     for frozen in (True, False):
         for name, cp, shard in VARIANTS:
             spec = dict(cp=cp, shard_images=shard, frozen_vision=frozen, **settings)
-            times = harness.launch(__file__, spec, 3600, name)["step_s"]
+            times = harness.launch(__file__, spec, 3600, name)["step_s"][args.warmup:]
             rows.append(dict(variant=name, vision="frozen" if frozen else "trained", cp=cp, shard_images=shard,
-                             step_s_median=statistics.median(times[args.warmup:]), step_s=times[args.warmup:]))
+                             step_s_median=statistics.median(times), step_s=times))
     harness.write(harness.RESULTS / "callback_images_cpu.json", dict(
-        device=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores), gloo",
-        load_average=os.getloadavg()[0], args=settings, rows=rows), start)
+        device=f"CPU ({start['cpu']}, {start['cores']} cores), gloo", load_average=os.getloadavg()[0],
+        args=settings, rows=rows), start)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,9 @@ written; ``--only windowed``: Gemma 3's windowed pattern); 3. each CP mode's per
 per rank and layer of a 70B-shaped layer; 5. with CUDA, per-rank attention time of that layer, lpt vs zigzag.
 """
 
-from __future__ import annotations
-
 import os
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -20,18 +17,25 @@ import harness
 from lightning_mm.attention import mask as masks
 from lightning_mm.parallel import context as cp
 
-RESULTS = harness.RESULTS
 LENGTHS = (16384, 32768, 65536, 131072)
 CP_SIZES = (2, 4, 8, 16)
 BLOCK = 128
 GOAL_IMBALANCE, GOAL_PLAN_MS = 1.02, 1.0
 MODE_LENGTHS = (65536, 262144, 1048576)
 LAYER_70B = dict(heads=64, kv_heads=8, head_dim=128)
-
-
-def imbalance(plan, work) -> float:
-    loads = cp.plan_workload(plan, work).double()
-    return float(loads.max() / loads.mean())
+HYBRID_K = {2: None, 4: 2, 8: 4, 16: 4}  # the Ulysses degree of hybrid at each cp size (it needs 1 < K < cp)
+WINDOW_TOKENS, GEMMA3_LAYERS = 131072, 62
+PLANNING_CASES = [(layout, "", None) for layout in masks.LAYOUTS] + [
+    ("mp", "int32 segment ids", None),  # wider ids than the collator's (int16, masks.segment_dtype)
+    ("mp", "int64 segment ids", None),
+    ("ee", "256-token items", 256),  # ~4k runs: images interleaved with text
+    ("ep", "cold cache", None),  # the words read from memory, not from the L3 cache (a batch from elsewhere)
+    ("mp", "cold cache", None),
+    ("ep", "just written", None),  # the cache emptied, then the arrays copied: what the collator plans on
+    ("mp", "just written", None),
+]
+CP_SOURCES = dict(balance="computed", modes_work="computed", modes_bytes="computed", chart="computed", seeds="setting",
+                  block_size="setting", layer_70b="setting")  # planning_* and gpu: measured
 
 
 def balance_table(seeds: int) -> list[dict]:
@@ -42,48 +46,34 @@ def balance_table(seeds: int) -> list[dict]:
             works = [masks.block_workload(bam, BLOCK, seg).sum(0) for bam, seg in problems]
             for size in CP_SIZES:
                 for method in cp.METHODS:
-                    vals = [imbalance(cp.distribute(bam, size, method, BLOCK, seg, seed=s), w)
-                            for s, ((bam, seg), w) in enumerate(zip(problems, works))]
+                    loads = [cp.plan_workload(cp.distribute(bam, size, method, BLOCK, seg, seed=s), w).double()
+                             for s, ((bam, seg), w) in enumerate(zip(problems, works))]
+                    vals = [float(x.max() / x.mean()) for x in loads]
                     rows.append(dict(layout=layout, tokens=seq, cp=size, method=method,
                                      imbalance=statistics.mean(vals), imbalance_max=max(vals)))
     return rows
 
 
-def _time_ms(fn, repeats: int, before=None, cpu: bool = False):
-    """Median and minimum wall time of ``fn`` in ms (``cpu``: and the median of this thread's CPU time, which leaves
-    out the time other processes hold the core); ``before`` runs untimed ahead of every repeat."""
+def _time_ms(fn, repeats: int, before=None) -> tuple[float, float, float]:
+    """Median and minimum wall time of ``fn`` in ms and the median of this thread's CPU time (which leaves out the
+    time other processes hold the core); ``before`` runs untimed ahead of every repeat."""
     fn()
     ts, cs, _ = harness.repeat(fn, repeats, before, time.thread_time)
-    ts, cs = [t * 1e3 for t in ts], [c * 1e3 for c in cs]
-    return (statistics.median(ts), min(ts)) + ((statistics.median(cs),) if cpu else ())
+    return statistics.median(ts) * 1e3, min(ts) * 1e3, statistics.median(cs) * 1e3
 
 
-PLANNING_CASES = [(layout, "", None) for layout in masks.LAYOUTS] + [
-    ("mp", "int32 segment ids", None),  # wider ids than the collator's (int16, masks.segment_dtype)
-    ("mp", "int64 segment ids", None),
-    ("ee", "256-token items", 256),  # ~4k runs: images interleaved with text
-    ("ep", "cold cache", None),  # the words read from memory, not from the L3 cache (a batch from elsewhere)
-    ("mp", "cold cache", None),
-    ("ep", "just written", None),  # the cache emptied, then the arrays copied: what the collator plans on
-    ("mp", "just written", None),
-]
+def _runs(bam, seg) -> int:
+    return int(masks._runs(*masks._as_batch(bam, seg)[:2], BLOCK)[0].size)
 
 
-def evict_bytes() -> int:
-    """Bytes read before each cold-cache repeat: four times the machine's L3 (32 MB assumed when it does not say)."""
-    return 4 * (harness.l3_bytes() or harness.L3_FALLBACK)
-
-
-def planning_times(repeats: int, tokens: int = 1 << 20, size: int = 8) -> list[dict]:
+def planning_times(repeats: int, evict_bytes: int, tokens: int = 1 << 20, size: int = 8) -> list[dict]:
     rows = []
-    evict = np.ones(evict_bytes() // 8, dtype=np.int64)
+    evict = np.ones(evict_bytes // 8, dtype=np.int64)
     for layout, variant, item in PLANNING_CASES:
         bam, seg = masks.random_bam(layout, tokens, 2, 1, 0, mean_item_tokens=item)
         if seg is not None and variant.startswith("int"):
             seg = seg.to(getattr(torch, variant.split()[0]))
-        work = masks.block_workload(bam, BLOCK, seg)[0]
-        load = os.getloadavg()[0]
-        arrays = [bam, seg]
+        work, load, arrays = masks.block_workload(bam, BLOCK, seg)[0], os.getloadavg()[0], [bam, seg]
 
         def before():
             evict.sum()
@@ -91,39 +81,17 @@ def planning_times(repeats: int, tokens: int = 1 << 20, size: int = 8) -> list[d
                 arrays[:] = [bam.clone(), None if seg is None else seg.clone()]
 
         before = before if variant in ("cold cache", "just written") else None
-        total = _time_ms(lambda: cp.distribute(arrays[0], size, "lpt", BLOCK, arrays[1]), repeats, before, cpu=True)
+        total = _time_ms(lambda: cp.distribute(arrays[0], size, "lpt", BLOCK, arrays[1]), repeats, before)
         wl = _time_ms(lambda: masks.block_workload(arrays[0], BLOCK, arrays[1]), repeats, before)
         lpt = _time_ms(lambda: cp.lpt_assign(work, size), repeats)
         read = _time_ms(lambda: [a.numpy().max() for a in arrays if a is not None], repeats, before)
-        runs = int(masks._runs(*masks._as_batch(bam, seg)[:2], BLOCK)[0].size)
-        rows.append(dict(layout=layout, variant=variant, tokens=tokens, cp=size, runs=runs, plan_ms_median=total[0],
-                         plan_ms_min=total[1], plan_cpu_ms_median=total[2],
+        rows.append(dict(layout=layout, variant=variant, tokens=tokens, cp=size, runs=_runs(bam, seg),
+                         plan_ms_median=total[0], plan_ms_min=total[1], plan_cpu_ms_median=total[2],
                          array_bytes=sum(a.numel() * a.element_size() for a in arrays if a is not None),
                          read_ms_median=read[0], read_ms_min=read[1],
                          workload_ms_median=wl[0], workload_ms_min=wl[1], lpt_ms_median=lpt[0], lpt_ms_min=lpt[1],
                          load_average=load, met=total[0] <= GOAL_PLAN_MS, met_cpu=total[2] <= GOAL_PLAN_MS))
     return rows
-
-
-WINDOW_TOKENS = 131072
-GEMMA3_LAYERS = 62
-
-
-def _windowed_rows() -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
-    """The rows the windowed planning is timed on: 4 images (576..4096 tokens) in text, packed samples (MP), and
-    512 images of about 128 tokens in text."""
-    g = torch.Generator().manual_seed(0)
-    items = [(1, 2880), (1, 1728), (2, 4096), (1, 576)]
-    mods = masks.layout_ee(items, WINDOW_TOKENS - sum(n for _, n in items), g)
-    rows = [("4 images in text", masks.words_from_modalities(mods[None], 2), None)]
-    rows.append(("packed samples", *masks.random_bam("mp", WINDOW_TOKENS, 2, 1, 0)))
-    rows.append(("512 small images", *masks.random_bam("ee", WINDOW_TOKENS, 2, 1, 0, mean_item_tokens=256)))
-    return rows
-
-
-def _windows(window: int) -> list:
-    """Gemma 3's layer pattern: ``window`` on 5 of every 6 layers, full attention on the 6th."""
-    return [None if (i + 1) % 6 == 0 else window for i in range(GEMMA3_LAYERS)]
 
 
 def _band_workload(bam, seg, window) -> torch.Tensor:
@@ -133,29 +101,29 @@ def _band_workload(bam, seg, window) -> torch.Tensor:
 
 
 def planning_windowed(repeats: int, size: int = 8) -> list[dict]:
-    """Time of the block workload and of LPT's plan per window setting, and the former band computation."""
-    settings = [("none", None), ("1024", 1024), ("4096", 4096), ("gemma3 1024", _windows(1024)),
-                ("gemma3 4096", _windows(4096))]
+    """Time of the block workload and of LPT's plan per window setting (Gemma 3: the window on 5 of every 6
+    layers), and of the former band computation, on 4 images (576..4096 tokens) in text, packed samples (MP) and
+    512 images of about 128 tokens in text."""
+    gemma3 = lambda w: [None if (i + 1) % 6 == 0 else w for i in range(GEMMA3_LAYERS)]  # noqa: E731
+    settings = [("none", None), ("1024", 1024), ("4096", 4096), ("gemma3 1024", gemma3(1024)),
+                ("gemma3 4096", gemma3(4096))]
+    items = [(1, 2880), (1, 1728), (2, 4096), (1, 576)]
+    mods = masks.layout_ee(items, WINDOW_TOKENS - sum(n for _, n in items), torch.Generator().manual_seed(0))
+    problems = [("4 images in text", masks.words_from_modalities(mods[None], 2), None),
+                ("packed samples", *masks.random_bam("mp", WINDOW_TOKENS, 2, 1, 0)),
+                ("512 small images", *masks.random_bam("ee", WINDOW_TOKENS, 2, 1, 0, mean_item_tokens=256))]
     rows = []
-    for name, bam, seg in _windowed_rows():
-        runs = int(masks._runs(*masks._as_batch(bam, seg)[:2], BLOCK)[0].size)
+    for name, bam, seg in problems:
         for label, window in settings:
-            work = masks.block_workload(bam, BLOCK, seg, window)
-            assert torch.equal(work, _band_workload(bam, seg, window))
+            assert torch.equal(masks.block_workload(bam, BLOCK, seg, window), _band_workload(bam, seg, window))
             load = os.getloadavg()[0]
             wl = _time_ms(lambda: masks.block_workload(bam, BLOCK, seg, window), repeats)
             plan = _time_ms(lambda: cp.distribute(bam, size, "lpt", BLOCK, seg, window=window), repeats)
-            band = None if window is None else _time_ms(lambda: _band_workload(bam, seg, window),
-                                                        max(3, repeats // 20))
-            rows.append(dict(row=name, tokens=WINDOW_TOKENS, runs=runs, window=label, cp=size,
+            band = None if window is None else _time_ms(lambda: _band_workload(bam, seg, window), max(3, repeats // 20))
+            rows.append(dict(row=name, tokens=WINDOW_TOKENS, runs=_runs(bam, seg), window=label, cp=size,
                              workload_ms_median=wl[0], workload_ms_min=wl[1], plan_ms_median=plan[0],
                              plan_ms_min=plan[1], band_ms_median=band and band[0], load_average=load))
     return rows
-
-
-def _hybrid_degree(size: int) -> int | None:
-    """The hybrid Ulysses degree benchmarked at ``size`` CP ranks (none at 2: hybrid needs 1 < K < cp)."""
-    return {2: None, 4: 2}.get(size, 4)
 
 
 def mode_work(lengths=MODE_LENGTHS) -> list[dict]:
@@ -168,8 +136,7 @@ def mode_work(lengths=MODE_LENGTHS) -> list[dict]:
             total = float(work.sum())
             for size in CP_SIZES:
                 allgather = float(cp.plan_workload(cp.distribute(bam, size, "lpt", BLOCK, seg), work).max())
-                k, ideal = _hybrid_degree(size), total / size
-                hybrid = None
+                k, ideal, hybrid = HYBRID_K[size], total / size, None
                 if k:
                     plan = cp.distribute(bam, size, "lpt", BLOCK, seg, ulysses=k)
                     groups = [float(sum(work[p].sum() for p in plan[g * k:(g + 1) * k])) for g in range(size // k)]
@@ -181,25 +148,18 @@ def mode_work(lengths=MODE_LENGTHS) -> list[dict]:
 
 def mode_bytes(lengths=MODE_LENGTHS) -> list[dict]:
     """Bytes per rank per layer (forward) of each mode, 70B-shaped layer with and without GQA."""
+    heads, dim = LAYER_70B["heads"], LAYER_70B["head_dim"]
     rows = []
-    for kv in (LAYER_70B["kv_heads"], LAYER_70B["heads"]):
+    for kv in (LAYER_70B["kv_heads"], heads):
         for seq in lengths:
             for size in CP_SIZES:
-                row = dict(tokens=seq, cp=size, heads=LAYER_70B["heads"], kv_heads=kv, head_dim=LAYER_70B["head_dim"],
-                           hybrid_ulysses=_hybrid_degree(size))
-                for mode in ("allgather", "ulysses", "hybrid"):
-                    if mode == "hybrid" and not _hybrid_degree(size):
-                        row["hybrid_mib"] = None
-                        continue
-                    b = cp.cp_communication_bytes(mode, seq, size, LAYER_70B["heads"], kv, LAYER_70B["head_dim"],
-                                                  _hybrid_degree(size) if mode == "hybrid" else None)
-                    row[f"{mode}_mib"] = b["forward"] / 2 ** 20
-                rows.append(row)
+                k = HYBRID_K[size]
+                mib = {m: cp.cp_communication_bytes(m, seq, size, heads, kv, dim, u)["forward"] / 2 ** 20
+                       for m, u in (("allgather", None), ("ulysses", None), ("hybrid", k)) if m != "hybrid" or k}
+                rows.append(dict(tokens=seq, cp=size, heads=heads, kv_heads=kv, head_dim=dim, hybrid_ulysses=k,
+                                 allgather_mib=mib["allgather"], ulysses_mib=mib["ulysses"],
+                                 hybrid_mib=mib.get("hybrid")))
     return rows
-
-
-CP_SOURCES = dict(balance="computed", modes_work="computed", modes_bytes="computed", chart="computed", seeds="setting",
-                  block_size="setting", layer_70b="setting")  # planning_* and gpu: measured
 
 
 def gpu_rank_times(tokens: int, repeats: int = 5) -> list[dict] | str:
@@ -208,21 +168,19 @@ def gpu_rank_times(tokens: int, repeats: int = 5) -> list[dict] | str:
         return "no CUDA device: per-rank 70B attention timing skipped"
     from lightning_mm.attention import bitfield_attention
 
-    heads, kv_heads, dim, size = 64, 8, 128, 8
-    rows = []
+    size, dev, rows = 8, torch.device("cuda"), []
     for layout in masks.LAYOUTS:
         bam, seg = masks.random_bam(layout, tokens, 2, 1, 0)
-        dev = torch.device("cuda")
-        k = torch.randn(1, kv_heads, tokens, dim, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(1, LAYER_70B["kv_heads"], tokens, LAYER_70B["head_dim"], device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         bam_d, seg_d = bam.to(dev), None if seg is None else seg.to(dev)
         pos = torch.arange(tokens, device=dev)[None]
         for method in ("lpt", "zigzag"):
-            plan = cp.distribute(bam, size, method, BLOCK, seg)
             times = []
-            for blocks in plan:
+            for blocks in cp.distribute(bam, size, method, BLOCK, seg):
                 idx = cp.token_index(blocks, BLOCK, tokens).to(dev)
-                q = torch.randn(1, heads, idx.numel(), dim, device=dev, dtype=torch.bfloat16)
+                q = torch.randn(1, LAYER_70B["heads"], idx.numel(), LAYER_70B["head_dim"], device=dev,
+                                dtype=torch.bfloat16)
                 run = lambda: bitfield_attention(q, k, v, bam_d[:, idx], bam_d, q_positions=idx[None],  # noqa: E731
                                                  k_positions=pos, q_segments=None if seg_d is None else seg_d[:, idx],
                                                  k_segments=seg_d)
@@ -240,7 +198,7 @@ def gpu_rank_times(tokens: int, repeats: int = 5) -> list[dict] | str:
     return rows
 
 
-def plot(balance, path: Path) -> str | None:
+def plot(balance, path) -> str | None:
     plt = harness.pyplot()
     if plt is None:
         return None
@@ -252,8 +210,7 @@ def plot(balance, path: Path) -> str | None:
             ax.plot(*zip(*pts), marker="o", label=method)
         ax.axhline(GOAL_IMBALANCE, color="grey", ls="--", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{layout.upper()}, 64k tokens")
-        ax.set_xlabel("cp ranks")
+        ax.set(title=f"{layout.upper()}, 64k tokens", xlabel="cp ranks")
     axes[0].set_ylabel("max / mean rank work")
     axes[0].legend()
     fig.tight_layout()
@@ -267,7 +224,7 @@ def main(argv=None) -> None:
         help="time the planning only, or the windowed planning only (keeps the other results)"))
     start = harness.record()
     torch.set_num_threads(1)
-    path = RESULTS / "cp_balance.json"
+    path = harness.RESULTS / "cp_balance.json"
     out = harness.read(path) if args.only else {}
     machine = dict(numpy=np.__version__, threads=1, repeats=args.repeats)
     if args.only != "planning":
@@ -278,15 +235,16 @@ def main(argv=None) -> None:
         if args.only == "windowed":  # the other results and the tables they render stay as they are
             harness.write(path, out, sources=CP_SOURCES)
             return
-    out["planning_1m"] = planning_times(args.repeats)
+    evict_bytes = 4 * (harness.l3_bytes() or harness.L3_FALLBACK)  # read before each cold-cache repeat
+    out["planning_1m"] = planning_times(args.repeats, evict_bytes)
     if not args.only:
         out["balance"] = balance_table(args.seeds)
         out["modes_work"], out["modes_bytes"] = mode_work(), mode_bytes()
         out["gpu"] = gpu_rank_times(args.gpu_tokens)
-        out["chart"] = plot(out["balance"], RESULTS / "cp_balance.png")
+        out["chart"] = plot(out["balance"], harness.RESULTS / "cp_balance.png")
         out["seeds"] = args.seeds
     out.update(block_size=BLOCK, goals=dict(lpt_imbalance_64k_cp8=GOAL_IMBALANCE, plan_1m_ms=GOAL_PLAN_MS),
-               machine=dict(harness.finish(start), **machine, evict_bytes=evict_bytes()), layer_70b=LAYER_70B)
+               machine=dict(harness.finish(start), **machine, evict_bytes=evict_bytes), layer_70b=LAYER_70B)
     harness.write(path, out, sources=CP_SOURCES)
 
 

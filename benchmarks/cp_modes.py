@@ -3,22 +3,20 @@
 Model, data, modes and the rules that skip a length: docs/context_parallel.md, "Measured on CPU processes".
 """
 
-from __future__ import annotations
-
-import datetime
-import json
 import os
-import platform
 import statistics
+import sys
 import time
-import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import harness
+import lightning_mm as lmm
+from lightning_mm.model import tiny_encoder, tiny_language_model
+from lightning_mm.parallel.context import check_context_parallel, distribute, pad_for_context_parallel, token_index
+from lightning_mm.parallel.engine import PipelineEngine
+from lightning_mm.plan.layout import ParallelSpec, build_layout
 
 # name -> (cp, cp_mode, ulysses)
 MODES = {"cp1": (1, "allgather", None), "allgather2": (2, "allgather", None), "ulysses2": (2, "ulysses", None),
@@ -32,9 +30,6 @@ def _mib(key: str) -> float:
 
 
 def build_model(hidden: int, layers: int, max_len: int):
-    import lightning_mm as lmm
-    from lightning_mm.model import tiny_encoder, tiny_language_model
-
     torch.manual_seed(0)
     vision = lmm.ModalityEncoder(tiny_encoder("siglip", image_size=64, patch_size=8), projector="mlp")
     llm = tiny_language_model("qwen2", vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 4,
@@ -45,8 +40,6 @@ def build_model(hidden: int, layers: int, max_len: int):
 
 def packed_row(model, length: int, seed: int = 0) -> dict:
     """One MP row of ``length`` tokens: synthetic EE samples packed first-fit, the rest padding."""
-    import lightning_mm as lmm
-
     data = lmm.data.SyntheticMultimodalDataset(model, num_samples=10 ** 6, text_tokens=(64, 768),
                                                items_per_sample=(1, 4), layout="ee", seed=seed)
     picked, used, misses = [], 0, 0
@@ -64,11 +57,6 @@ def packed_row(model, length: int, seed: int = 0) -> dict:
     return batch
 
 
-def timed_steps(args, predicted_s: float) -> int:
-    """``--steps``, or one where a step is predicted to take over ``--long-step`` seconds."""
-    return 1 if predicted_s > args.long_step else args.steps
-
-
 def predict_step(done: list[tuple[int, float]], length: int) -> float:
     """A step's seconds at ``length`` from the lengths already run: ``t = a S + b S^2`` through the last two (the
     linear layers and the dense attention), or quadratic from one; never below the last time."""
@@ -82,22 +70,13 @@ def predict_step(done: list[tuple[int, float]], length: int) -> float:
     return quad if a < 0 or b < 0 else max(a * length + b * length ** 2, t2)
 
 
-def _worker(rank: int, world: int, name: str, args, rendezvous: str, out_path: str, deadline: float) -> None:
-    torch.set_num_threads(args.threads)
-    try:
-        _run(rank, world, name, args, rendezvous, out_path, deadline)
-    except BaseException:  # noqa: BLE001  (kept in the results, the parent ends the others)
-        Path(f"{out_path}.err{rank}").write_text(traceback.format_exc())
-        raise
-
-
 def _skip(args, prev: dict, done: list, length: int, deadline: float) -> str | None:
     """Why rank 0 skips ``length`` (time cap, memory, budget), or None."""
     step_next = predict_step(done, length)
     mem_next = sum(b + (p - b) * length / prev["tokens"] for b, p in zip(prev["rss_before_mib"], prev["peak_rss_mib"]))
     room = args.mem_fraction * (_mib("MemAvailable") + sum(prev["rss_before_mib"]))
     left = deadline - time.time()
-    steps_next = timed_steps(args, step_next)
+    steps_next = 1 if step_next > args.long_step else args.steps
     if step_next > args.cap:
         return f"time cap: a step would take ~{step_next:.0f} s > {args.cap:.0f} s"
     if mem_next > room:
@@ -109,44 +88,38 @@ def _skip(args, prev: dict, done: list, length: int, deadline: float) -> str | N
     return None
 
 
-def _share(world: int, value, src: int = 0):
-    """``value`` of rank ``src`` on every rank."""
+def _share(world: int, value):
+    """Rank 0's ``value`` on every rank."""
     box = [value]
     if world > 1:
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _run(rank: int, world: int, name: str, args, rendezvous: str, out_path: str, deadline: float) -> None:
-    from lightning_mm.parallel.context import (check_context_parallel, distribute, pad_for_context_parallel,
-                                               token_index)
-    from lightning_mm.parallel.engine import PipelineEngine
-    from lightning_mm.plan.layout import ParallelSpec, build_layout
-
+def run_lengths(rank: int, world: int, name: str, args, deadline: float, result: str) -> None:
+    """One mode's ranks: the lengths in ascending order until one is skipped; rank 0 rewrites ``result`` after each."""
     cp, mode, ulysses = MODES[name]
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.cap * 10))
-    lengths = sorted(args.lengths)
-    model = build_model(args.hidden, args.layers, max(lengths))
+    torch.set_num_threads(args.threads)
+    model = build_model(args.hidden, args.layers, max(args.lengths))
     spec = ParallelSpec(cp=cp, cp_mode=mode, ulysses=ulysses)
     check_context_parallel(model, spec)  # what the strategy checks before any process group
     layout = build_layout({"vision": ParallelSpec()}, spec, world, "replicated", ["vision"])
     engine = PipelineEngine(model, layout, rank, 1, cp_distribution="lpt", cp_block_size=BLOCK)
     opt = torch.optim.SGD(engine.trainable_parameters(), lr=1e-4)
-    prev, done = None, []
-    for length in lengths:
+    prev, done, rows = None, [], []
+    for length in sorted(args.lengths):
         if prev is not None:  # decided on rank 0, the same answer everywhere
             reason = _share(world, _skip(args, prev, done, length, deadline) if rank == 0 else None)
             if reason is not None:
                 if rank == 0:
-                    _append(out_path, {"tokens": length, "skipped": reason})
-                break
+                    harness.save(result, {"lengths": rows, "stopped": {"tokens": length, "skipped": reason}})
+                return
         batch = packed_row(model, length)
         padded = pad_for_context_parallel(batch, cp, BLOCK)  # as the step pads a sequence of fewer than cp blocks
         plan = distribute(padded["bam"], cp, "lpt", BLOCK, padded.get("segment_ids"), ulysses=layout.ulysses)
         local_tokens = [len(token_index(p, BLOCK, padded["bam"].shape[1])) for p in plan]
         before, reset = _mib("VmRSS"), harness.rss_reset()
-        steps = _share(world, args.steps if not done else timed_steps(args, predict_step(done, length)))
+        steps = _share(world, 1 if done and predict_step(done, length) > args.long_step else args.steps)
 
         def step(_):
             engine.run(batch)
@@ -168,56 +141,28 @@ def _run(rank: int, world: int, name: str, args, rendezvous: str, out_path: str,
                     "segments": int(batch["segment_ids"].max()), "images": int(batch["item_counts"]["vision"].sum()),
                     "image_tokens": int((batch["input_ids"] == model.placeholder_ids["vision"]).sum()),
                     "padding": int((batch["attention_mask"] == 0).sum())}
-            _append(out_path, prev)
+            rows.append(prev)
             done.append((length, prev["step_s"]))
-            print(f"  {name:>10} {length:>6} tokens: {prev['step_s']:7.2f} s/step, CPU s per rank {prev['cpu_s']}, "
-                  f"peak RSS {max(prev['peak_rss_mib']):.0f} MiB/rank (load {os.getloadavg()[0]:.2f})", flush=True)
+            harness.save(result, {"lengths": rows, "stopped": None})
         prev = _share(world, prev)
-    dist.destroy_process_group()
 
 
-def _append(path: str, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def run_mode(name: str, args, tmp: Path, share: float) -> dict:
-    """Run one mode on its processes; ``share``: the seconds it may take (launch included)."""
+def run_mode(name: str, args, argv, share: float) -> dict:
+    """One mode in a process of its own that spawns its ranks; ``share``: the seconds it may take (launch included),
+    ended after that plus the last length's overrun."""
     cp, mode, ulysses = MODES[name]
-    out_path, rendezvous = tmp / f"{name}.jsonl", tmp / f"{name}.rendezvous"  # a file rendezvous: no port to pick
-    out_path.unlink(missing_ok=True)
-    rendezvous.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    procs = [mp.get_context("spawn").Process(target=_worker, args=(r, cp, name, args, str(rendezvous), str(out_path),
-                                                                   time.time() + share)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    deadline = t0 + share + 2 * args.cap * (args.steps + args.warmup) + 60  # the last length's overrun
-    error = None
-    while any(p.is_alive() for p in procs):
-        dead = [(r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive() and p.exitcode]
-        if dead or time.perf_counter() > deadline:
-            error = f"rank {dead[0][0]} exited with code {dead[0][1]}" if dead else f"overran {deadline - t0:.0f} s"
-            break
-        time.sleep(0.5)
-    for p in procs:  # only the processes this run started
-        if p.is_alive():
-            p.kill()
-        p.join()
-    if error is None:
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
-        error = f"rank {bad[0][0]} exited with code {bad[0][1]}" if bad else None
-    rows = [json.loads(line) for line in out_path.read_text().splitlines()] if out_path.exists() else []
-    errs = sorted(tmp.glob(f"{name}.jsonl.err*"))
-    if errs:
-        error = (error or "") + "\n" + errs[0].read_text().strip().splitlines()[-1]
-        for e in errs:
-            e.unlink()
-    if error and "code -9" in error:  # not ours: this run kills only after an overrun, and says so
+    out = harness.run_worker(__file__, {"mode": name, "deadline": time.time() + share},
+                             share + 2 * args.cap * (args.steps + args.warmup) + 60, argv)
+    why = out.get("error") or out.get("exit")
+    error = why and f"{why.splitlines()[0][:100]} {harness.error_line(why)}"
+    if why and "SIGKILL" in why and "killed after" not in why:  # not ours: this run kills only after an overrun
         error += " (SIGKILL from outside, e.g. the kernel's out-of-memory killer)"
+    for r in out.get("lengths", []):
+        print(f"  {name:>10} {r['tokens']:>6} tokens: {r['step_s']:7.2f} s/step, CPU s per rank {r['cpu_s']}, "
+              f"peak RSS {max(r['peak_rss_mib']):.0f} MiB/rank (load {r['load_1min']:.2f})", flush=True)
     return {"cp": cp, "cp_mode": mode, "ulysses": ulysses, "processes": cp, "wall_s": time.perf_counter() - t0,
-            "lengths": [r for r in rows if "step_s" in r], "stopped": next((r for r in rows if "skipped" in r), None),
-            "error": error}
+            "lengths": out.get("lengths", []), "stopped": out.get("stopped"), "error": error}
 
 
 def memory_projection(mode: dict, limit_mib: float) -> int | None:
@@ -232,6 +177,7 @@ def memory_projection(mode: dict, limit_mib: float) -> int | None:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = harness.cli(
         __doc__, argv,
         lengths=(",".join(map(str, LENGTHS)), "comma-separated sequence lengths, tried in ascending order per mode"),
@@ -242,31 +188,30 @@ def main(argv=None) -> None:
         cap=(60.0, "seconds one step may take"),
         budget=(780.0, "seconds for all modes, launches included: each mode gets what is left / modes left"),
         mem_fraction=(0.8, "share of the available memory all ranks of a mode may be predicted to use"),
-        threads=(1, "torch threads per rank"), hidden=256, layers=2, out=str(harness.RESULTS / "cp_modes_cpu.json"))
-    start = harness.record()
+        threads=(1, "torch threads per rank"), hidden=256, layers=2, out=str(harness.RESULTS / "cp_modes_cpu.json"),
+        worker=True)
     args.lengths, args.modes = [int(x) for x in args.lengths.split(",")], args.modes.split(",")
     if [m for m in args.modes if m not in MODES]:
         raise SystemExit(f"unknown modes {[m for m in args.modes if m not in MODES]}; choose from {list(MODES)}")
+    if args.worker:
+        name = args.worker["mode"]
+        return harness.spawn(run_lengths, MODES[name][0], name, args, args.worker["deadline"], args.result)
+    start = harness.record()
     load_before = os.getloadavg()
     print(f"load average before: {load_before[0]:.2f}; {os.cpu_count()} cores, "
           f"{_mib('MemAvailable') / 1024:.1f} GiB available", flush=True)
-    tmp = harness.RESULTS / ".cp_modes_tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     modes = {}
     for i, name in enumerate(args.modes):
         share = (args.budget - (time.perf_counter() - t0)) / (len(args.modes) - i)  # what earlier modes left over
         print(f"{name}: {MODES[name][0]} process(es), up to {share:.0f} s", flush=True)
-        modes[name] = m = run_mode(name, args, tmp, share)
+        modes[name] = m = run_mode(name, args, argv, share)
         if m["stopped"] or m["error"]:
             print(f"  {name:>10} stopped: {m['stopped'] and m['stopped']['skipped']}; error: {m['error']}")
-    for f in tmp.glob("*"):
-        f.unlink()
-    tmp.rmdir()
     for m in modes.values():
         m["projected_memory_limit_tokens"] = memory_projection(m, args.mem_fraction * _mib("MemTotal"))
     harness.write(args.out, {
-        "device": f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), gloo",
+        "device": f"CPU, {os.cpu_count()} cores ({start['cpu']}), gloo",
         "how": "measured", "torch": torch.__version__, "command": start["command"],
         "load_average_before": load_before, "load_average_after": os.getloadavg(), "threads_per_rank": args.threads,
         "note": "cp 4 runs 4 processes on this machine's cores; times are ratios on a shared CPU, not GPU claims",

@@ -1,17 +1,11 @@
 """Video: encoder context parallelism on one long video (frames/s) and decoding under LLM pp 2 (tokens/s), on CPU.
 
-CPU processes (gloo), one torch thread each, a tiny Qwen2-VL composite written with ``save_pretrained`` (the text
-model of tests/test_hf_composites.py, a vision tower of ``--depth`` blocks of width ``--embed-dim``):
-
-1. Encoder context parallelism: every batch holds one video of ``--frames`` temporal patches of ``--side`` x
-   ``--side`` patches, trained with ``encoders={"vision": ParallelSpec(cp=N)}`` for N in ``--cps`` (N encoder ranks
-   + 1 LLM rank): frames per second (median over ``--steps`` after ``--warmup``) and the ratio to cp 1.
-2. Decoding: ``trainer.predict`` with greedy generation of 32 tokens under LLM pp 2 (3 ranks) against
-   one-process ``model.generate`` on the same prompts with images and videos: tokens per second (median over
-   ``--repeats`` batches after a warm-up one), and whether the tokens agree.
+A tiny Qwen2-VL composite (the text model of tests/test_hf_composites.py, a tower of ``--depth`` blocks of width
+``--embed-dim``) on gloo processes of one thread: 1. one video of ``--frames`` temporal patches of ``--side`` x
+``--side`` patches per batch, trained under ``encoders={"vision": ParallelSpec(cp=N)}`` for N in ``--cps`` (N encoder
+ranks + 1 LLM rank), against cp 1; 2. greedy generation of 32 tokens with ``trainer.predict`` under LLM pp 2 (3 ranks)
+against one-process ``model.generate`` on the same prompts with images and videos, and whether the tokens agree.
 """
-
-from __future__ import annotations
 
 import statistics
 import sys
@@ -19,21 +13,26 @@ import tempfile
 import time
 from pathlib import Path
 
+import lightning as L
+import torch
+import torch.distributed as dist
+import transformers as tf
+from lightning.pytorch.callbacks import LambdaCallback
+from torch.utils.data import DataLoader
+
 import harness
+import lightning_mm as lmm
 
 sys.path.insert(1, str(harness.ROOT))  # tests.* (the composite's configs and samples)
+from tests.helpers.composite_case import VID, sample  # noqa: E402
+from tests.test_hf_composites import IMG, MROPE, TEXT, VEND, VSTART, save_hf  # noqa: E402
+
 PATCH, TEMPORAL, CHANNELS = 4, 2, 3  # the tower's patch, temporal patch and channels (a patch row of 96 values)
 MAX_NEW_TOKENS = 32
 
 
 def save_model(folder: Path, depth: int, embed_dim: int) -> str:
     """A Qwen2-VL composite like ``tests.test_hf_composites.save_composite("qwen2_vl", ...)`` with a larger tower."""
-    import torch
-    import transformers as tf
-
-    from tests.helpers.composite_case import VID
-    from tests.test_hf_composites import IMG, MROPE, TEXT, VEND, VSTART, save_hf
-
     vision = dict(depth=depth, embed_dim=embed_dim, hidden_size=TEXT["hidden_size"], num_heads=max(1, embed_dim // 32),
                   patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=TEMPORAL, in_channels=CHANNELS)
     cfg = tf.Qwen2VLConfig(text_config=dict(TEXT, rope_parameters=MROPE), vision_config=vision, image_token_id=IMG,
@@ -44,60 +43,38 @@ def save_model(folder: Path, depth: int, embed_dim: int) -> str:
 
 def video_sample(i: int, frames: int, side: int) -> dict:
     """Text, one long video (``frames`` temporal patches of side x side patches, one placeholder), text."""
-    import torch
-
-    from tests.helpers.composite_case import VID
-    from tests.test_hf_composites import VEND, VSTART
-
     g = torch.Generator().manual_seed(1000 + i)
     ids = torch.randint(1, 90, (6,), generator=g).tolist() + [VSTART, VID, VEND] + \
         torch.randint(1, 90, (10,), generator=g).tolist()
+    rows = torch.randn(frames * side * side, CHANNELS * TEMPORAL * PATCH * PATCH, generator=g)
     return {"input_ids": torch.tensor(ids),
-            "video": {"pixel_values_videos": torch.randn(frames * side * side, CHANNELS * TEMPORAL * PATCH * PATCH,
-                                                         generator=g),
-                      "video_grid_thw": torch.tensor([[frames, side, side]])}}
+            "video": {"pixel_values_videos": rows, "video_grid_thw": torch.tensor([[frames, side, side]])}}
 
 
 def _load(folder: str):
-    import torch
-
-    import lightning_mm as lmm
-
     torch.set_num_threads(1)
     torch.manual_seed(0)
     return lmm.MultimodalModel.from_pretrained(folder)
 
 
-def _trainer(strategy, devices: int, callbacks: list, **kw):
-    import lightning as L
-
-    return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, use_distributed_sampler=False,
+def _trainer(vision, pp: int, callbacks: list, **kw):
+    """A Trainer of ``vision.cp + pp`` CPU processes: the vision encoder under ``vision``, the LLM in ``pp`` stages."""
+    strategy = lmm.MultimodalParallelStrategy(encoders={"vision": vision}, language_model=lmm.ParallelSpec(pp=pp))
+    return L.Trainer(accelerator="cpu", devices=vision.cp + pp, strategy=strategy, use_distributed_sampler=False,
                      num_sanity_val_steps=0, callbacks=callbacks, **harness.QUIET, **kw)
 
 
 def cp_worker(cfg: dict, result: str) -> None:
     """Train ``warmup + steps`` steps on one-video batches under encoder cp ``cfg["cp"]``; rank 0 writes its times."""
-    import lightning as L
-    import torch
-    from torch.utils.data import DataLoader
-
-    import lightning_mm as lmm
-
     model = _load(cfg["folder"]).freeze(encoders=False, projectors=False, language_model=False)
     total, ends, losses = cfg["warmup"] + cfg["steps"], [], []
 
-    class Clock(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == 0:
-                ends.append(time.perf_counter())
+    def step_end(trainer, module, outputs, batch, batch_idx):
+        ends.append(time.perf_counter())
+        losses.append(float(outputs["loss"]))
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            ends.append(time.perf_counter())
-            losses.append(float(outputs["loss"]))
-
-    strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec(cp=cfg["cp"])},
-                                              language_model=lmm.ParallelSpec())
-    trainer = _trainer(strategy, cfg["cp"] + 1, [Clock()], max_steps=total)
+    clock = LambdaCallback(on_train_start=lambda *_: ends.append(time.perf_counter()), on_train_batch_end=step_end)
+    trainer = _trainer(lmm.ParallelSpec(cp=cfg["cp"]), 1, [clock], max_steps=total)
     module = lmm.MultimodalLightningModule(model, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3))
     trainer.fit(module, DataLoader([video_sample(i, cfg["frames"], cfg["side"]) for i in range(total)], batch_size=1,
                                    collate_fn=lmm.data.MultimodalCollator(model)))
@@ -109,80 +86,35 @@ def cp_worker(cfg: dict, result: str) -> None:
 def generate_worker(cfg: dict, result: str) -> None:
     """One-process ``model.generate`` (``cfg["pp"]`` 0) or ``trainer.predict`` with generation under LLM pp
     ``cfg["pp"]``: one warm-up batch, then ``repeats`` timed batches of the same prompts."""
-    import lightning as L
-    import torch
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader
-
-    import lightning_mm as lmm
-    from tests.helpers.composite_case import sample
-
     model = _load(cfg["folder"]).eval()
     batch = lmm.data.MultimodalCollator(model)([sample(i, videos=True) for i in range(cfg["rows"])])
     generation = {"max_new_tokens": MAX_NEW_TOKENS, "do_sample": False}
     if not cfg["pp"]:
         with torch.no_grad():
             times, _, ids = harness.repeat(lambda: model.generate(**batch, **generation), 1 + cfg["repeats"])
-        harness.save(result, {"batch_s": times[1:], "generated": ids.tolist(), "processes": 1})
-        return
-    starts, times = [], []
+        return harness.save(result, {"batch_s": times[1:], "generated": ids.tolist(), "processes": 1})
+    marks = []
 
-    class Clock(L.Callback):
-        def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-            dist.barrier()
-            starts.append(time.perf_counter())
+    def mark(*_):
+        dist.barrier()
+        marks.append(time.perf_counter())
 
-        def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
-            dist.barrier()
-            times.append(time.perf_counter() - starts[-1])
-
-    strategy = lmm.MultimodalParallelStrategy(encoders={"vision": lmm.ParallelSpec()},
-                                              language_model=lmm.ParallelSpec(pp=cfg["pp"]))
-    trainer = _trainer(strategy, cfg["pp"] + 1, [Clock()])
+    trainer = _trainer(lmm.ParallelSpec(), cfg["pp"], [LambdaCallback(on_predict_batch_start=mark,
+                                                                      on_predict_batch_end=mark)])
     out = trainer.predict(lmm.MultimodalLightningModule(model, generation=generation),
                           DataLoader([batch] * (1 + cfg["repeats"]), batch_size=None))
+    times = [end - begin for begin, end in zip(marks[::2], marks[1::2])]
     harness.save(result, {"batch_s": times[1:], "generated": out[0]["generated_ids"].tolist(),
                           "processes": trainer.world_size}, trainer)
 
 
-def launch(cfg: dict, timeout: float, what: str) -> dict:
-    doc = harness.launch(__file__, cfg, timeout, what, fail=False)
-    return {"error": harness.error_line(doc["error"])} if "error" in doc else doc
-
-
-def encoder_cp(args, folder: str, where: str) -> list[dict]:
+def measure(cases: list[tuple[dict, dict]], args, where: str) -> list[dict]:
+    """Each (row, worker config) run in processes of its own: the row, the worker's JSON or its error."""
     rows = []
-    for cp in args.cps:
-        cfg = {"part": "cp", "folder": folder, "cp": cp, "frames": args.frames, "side": args.side,
-               "steps": args.steps, "warmup": args.warmup}
-        row = {"cp": cp, "encoder_ranks": cp, "llm_ranks": 1, "measured_on": where,
-               **launch(cfg, args.timeout, f"cp {cp}")}
-        if "error" not in row:
-            row["step_s"] = statistics.median(row["steps_s"])
-            row["frames_per_s"] = args.frames * TEMPORAL / row["step_s"]
-        rows.append(row)
-    base = next((r for r in rows if r["cp"] == 1 and "error" not in r), None)
-    for r in rows:
-        if base is not None and "error" not in r:
-            r["vs_cp1"] = r["frames_per_s"] / base["frames_per_s"]
-    return rows
-
-
-def decoding(args, folder: str, where: str) -> list[dict]:
-    rows = []
-    for name, pp in (("one process, model.generate", 0), ("trainer.predict, vision pp 1 + LLM pp 2", 2)):
-        cfg = {"part": "generate", "folder": folder, "pp": pp, "rows": args.rows, "repeats": args.repeats}
-        row = {"name": name, "llm_pp": pp or None, "measured_on": where, **launch(cfg, args.timeout, name)}
-        if "error" not in row:
-            row["new_tokens"] = len(row["generated"]) * len(row["generated"][0])  # rows x decode steps
-            row["batch_s_median"] = statistics.median(row["batch_s"])
-            row["tokens_per_s"] = row["new_tokens"] / row["batch_s_median"]
-        rows.append(row)
-    base = rows[0]
-    for r in rows:
-        if "error" not in r and "error" not in base:
-            r["vs_one_process"] = r["tokens_per_s"] / base["tokens_per_s"]
-            r["same_tokens_as_one_process"] = r["generated"] == base["generated"]
+    for row, cfg in cases:
+        doc = harness.launch(__file__, cfg, args.timeout, row.get("name", f"cp {row.get('cp')}"), fail=False)
+        rows.append({**row, "measured_on": where, **({"error": harness.error_line(doc["error"])} if "error" in doc
+                                                      else doc)})
     return rows
 
 
@@ -203,7 +135,28 @@ def main(argv=None) -> None:
     where = f"this machine ({start['cpu']}, {start['cores']} cores; CPU processes, gloo)"
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_model(Path(tmp) / "qwen2_vl", args.depth, args.embed_dim)
-        cp_rows, dec_rows = encoder_cp(args, folder, where), decoding(args, folder, where)
+        cp_rows = measure([({"cp": cp, "encoder_ranks": cp, "llm_ranks": 1},
+                            {"part": "cp", "folder": folder, "cp": cp, "frames": args.frames, "side": args.side,
+                             "steps": args.steps, "warmup": args.warmup}) for cp in args.cps], args, where)
+        dec_rows = measure([({"name": name, "llm_pp": pp or None},
+                             {"part": "generate", "folder": folder, "pp": pp, "rows": args.rows,
+                              "repeats": args.repeats})
+                            for name, pp in (("one process, model.generate", 0),
+                                             ("trainer.predict, vision pp 1 + LLM pp 2", 2))], args, where)
+    cp_ok, dec_ok = ([r for r in rows if "error" not in r] for rows in (cp_rows, dec_rows))
+    for r in cp_ok:
+        r["step_s"] = statistics.median(r["steps_s"])
+        r["frames_per_s"] = args.frames * TEMPORAL / r["step_s"]
+    for r in dec_ok:
+        r["new_tokens"] = len(r["generated"]) * len(r["generated"][0])  # rows x decode steps
+        r["batch_s_median"] = statistics.median(r["batch_s"])
+        r["tokens_per_s"] = r["new_tokens"] / r["batch_s_median"]
+    base = next((r for r in cp_ok if r["cp"] == 1), None)
+    for r in cp_ok if base is not None else []:
+        r["vs_cp1"] = r["frames_per_s"] / base["frames_per_s"]
+    for r in dec_ok if dec_rows[0] in dec_ok else []:
+        r["vs_one_process"] = r["tokens_per_s"] / dec_rows[0]["tokens_per_s"]
+        r["same_tokens_as_one_process"] = r["generated"] == dec_rows[0]["generated"]
     settings = {k: v for k, v in vars(args).items() if k not in ("worker", "result", "out")}
     harness.write(args.out, {"how": "measured", "measured_on": where, "backend": "gloo", "threads_per_process": 1,
                              "settings": {**settings, "temporal_patch_size": TEMPORAL}, "encoder_cp": cp_rows,
