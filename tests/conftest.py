@@ -41,9 +41,9 @@ def _check_capability_markers(items):
 
 
 def _skip_slow_outside_ci(config, items):
-    """By default, slow multi-process cases run only when also marked ``ci``: a representative subset (every
-    placement, dp, pp, cp, the Lightning contracts, faults, memory) that keeps the suite within 20 minutes on 2
-    cores. ``--full`` (or ``LMM_FULL_TESTS=1``) runs every test."""
+    """By default, slow cases (multi-process, or long in one process) run only when also marked ``ci``: a
+    representative case per capability (every placement, dp, pp, cp, the Lightning contracts, faults, memory) that
+    keeps the suite within 20 minutes on a slow 2-core CPU. ``--full`` (or ``LMM_FULL_TESTS=1``) runs every test."""
     if config.getoption("--full") or os.environ.get("LMM_FULL_TESTS", "") not in ("", "0"):
         return
     skip = pytest.mark.skip(reason="slow case outside the representative subset; `--full` runs it")

@@ -98,6 +98,7 @@ def test_block_workload_equals_dense_with_more_words_than_a_mask_holds():
         assert torch.equal(masks.block_pairs(bam, block, seg), ref), trial
 
 
+@pytest.mark.slow
 def test_block_workload_equals_dense_with_many_runs():
     """Hundreds of items per row (images interleaved with text, packed samples): the per-group coverage counts."""
     for layout, seed in itertools.product(masks.LAYOUTS, range(2)):

@@ -191,8 +191,10 @@ def test_auto_chunk_splits_only_heavy_tiles():
 
 # ------------------------------------------------------------------------------------------------ fwd + bwd
 
-@pytest.mark.parametrize("layout,kv_split,spans", [("ep", 0, False), ("ee", 1, False), ("mp", None, False),
-                                                    ("mp", 2, False), ("ee", None, True), ("mp", 2, True)])
+@pytest.mark.parametrize("layout,kv_split,spans", [
+    ("ep", 0, False), ("ee", 1, False), ("mp", 2, True),
+    *(pytest.param(*case, marks=pytest.mark.slow)
+      for case in [("mp", None, False), ("mp", 2, False), ("ee", None, True)])])
 def test_matches_reference_on_layouts(layout, kv_split, spans):
     b, s = 2, 61
     bam, seg = masks.random_bam(layout, s, num_encoders=2, batch=b, seed=3, mean_item_tokens=9, spans=spans)
@@ -236,7 +238,8 @@ def test_launch_table_tile_shapes_match_reference(head_dim):
     _compare(q, k, v, dout, _words(bam, seg), kv_split=1, config=cfg)
 
 
-@pytest.mark.parametrize("layout,window", [("ee", None), ("mp", None), ("mp", 9)])
+@pytest.mark.parametrize("layout,window", [("ee", None),
+                                           *(pytest.param("mp", w, marks=pytest.mark.slow) for w in (None, 9))])
 def test_atomic_dq_matches_reference(layout, window):
     """dq added by the dk/dv pass with atomic adds (``KernelConfig.dq_atomic``) on padded rows, GQA and several
     tiles per row (partial and full), with and without a window: every gradient equals the reference's."""
@@ -296,6 +299,7 @@ def test_dispatcher_uses_the_kernels():
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_layers_sharing_a_cache_classify_tiles_and_read_the_words_once(monkeypatch):
     """The layers of a microbatch pass the same mask tensors and one cache: the tile maps are built by the first
     layer only, the words are read on the host by it only, and the results and gradients are unchanged. A new
@@ -383,6 +387,7 @@ def _clean_env():
     return env
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The interpreter is lenient; the real compiler (down to a cubin) must accept the kernels too."""
     pytest.importorskip("triton.backends.nvidia")
@@ -423,6 +428,7 @@ def test_benchmark_baselines_get_the_same_mask():
 
 # ------------------------------------------------------------------------------------------------ host syncs
 
+@pytest.mark.slow
 def test_attention_path_of_a_training_step_reads_nothing_on_the_host(monkeypatch):
     """One forward+backward of a 2-layer Qwen2 (GQA, head dim 16) whose attention runs the kernels: no operation on
     the attention path (validation, tile classification, work items, launches' arguments, backward) would make

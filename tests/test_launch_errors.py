@@ -68,6 +68,7 @@ def wait_gone(pid: int, seconds: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_children_ended_when_the_launching_process_raises(tmp_path):
     proc = run_case("raise", tmp_path)
     assert proc.returncode != 0 and "the launching rank failed" in proc.stderr, proc.stderr[-3000:]
@@ -81,6 +82,7 @@ def test_children_die_with_their_launcher(tmp_path):
     assert wait_gone(int((tmp_path / "child.pid").read_text()), 5)
 
 
+@pytest.mark.slow
 def test_a_rank_started_after_its_launcher_died_stops():
     code = "from lightning_mm.trainer.launch import end_with_launcher; end_with_launcher(); print('waited')"
     env = {**ENV, "LMM_LAUNCHER_PID": "1", "LOCAL_RANK": "1"}  # pid 1 is never this process's parent here
@@ -89,7 +91,8 @@ def test_a_rank_started_after_its_launcher_died_stops():
     assert "the launching process (pid 1) has exited" in proc.stderr
 
 
-@pytest.mark.parametrize("failed", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow
+@pytest.mark.parametrize("failed", [False, True])
 def test_process_groups_destroyed_at_a_normal_exit_only(failed):
     """The strategy registers one exit handler that destroys the process groups, except after the rank's job
     raised."""
@@ -131,7 +134,8 @@ while time.monotonic() < end:
 """
 
 
-@pytest.mark.parametrize("handler", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow
+@pytest.mark.parametrize("handler", [False, True])
 def test_a_collective_finished_just_before_exit_does_not_abort_the_rank(handler):
     """A gloo worker that releases a finished collective's tensor needs the GIL; if the interpreter is finalising
     by then, the rank aborts ("terminate called without an active exception") after its job succeeded. Made

@@ -78,6 +78,7 @@ def test_without_cuda_it_says_so_and_exits_zero(bench, tmp_path, capsys):
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.slow
 def test_frozen_aware_runs_on_the_tiny_profile(bench, tiny_profile, tmp_path):
     fa, _ = bench
     path, _ = tiny_profile

@@ -153,6 +153,7 @@ trainer.fit(lmm.MultimodalLightningModule(model), lmm.data.SyntheticMultimodalDa
 """
 
 
+@pytest.mark.slow
 def test_a_stale_local_rank_is_an_error_not_a_wait_for_ranks_nobody_starts(tmp_path):
     """LOCAL_RANK left in the environment (Lightning's launcher writes it into the process that ran a Trainer)
     makes Lightning start no other rank; rank 0 must say so instead of waiting in the rendezvous forever."""

@@ -117,6 +117,7 @@ def test_a_batch_the_step_refuses_gets_no_plan_and_the_wrapper_pickles():
     assert all(torch.equal(x, y) for x, y in zip(batch_plans(a).owners, batch_plans(b).owners))
 
 
+@pytest.mark.slow
 def test_plans_come_back_from_a_spawned_loader_worker():
     """num_workers=1 under spawn: the wrapper and the collator are pickled into the worker, the plans come back
     with the batch, equal to planning in this process."""

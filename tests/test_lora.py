@@ -150,6 +150,7 @@ def test_a_peft_wrapped_language_model_is_accepted():
         lmm.MultimodalModel({}, prefix)
 
 
+@pytest.mark.slow
 def test_planner_costs_adapters_as_small_trainable_weights():
     """FLOP costs: every LLM layer with adapters is trainable and its weight-gradient work is exactly the
     adapters' (2 x tokens x r x (in + out) per adapted linear map); a profile's is scaled to the trainable share."""

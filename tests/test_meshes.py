@@ -3,6 +3,7 @@ torch's default for its backend (NCCL 10 min, gloo 30 min), which would otherwis
 
 from datetime import timedelta
 
+import pytest
 import torch
 
 from lightning_mm import ParallelSpec
@@ -34,6 +35,7 @@ def _timeouts(rank, world):
             for k, g in groups.items() if g is not None and dist.get_rank(g) >= 0}
 
 
+@pytest.mark.slow
 def test_every_group_of_a_rank_takes_the_jobs_timeout():
     found = run_distributed(_timeouts, 10)
     llm = found[-1]  # an LLM rank: its meshes, the shard mesh, cp (hybrid), ep, replica and gradient groups

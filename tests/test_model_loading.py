@@ -336,6 +336,7 @@ def test_same_seed_same_values_different_seed_different_values():
     assert "language_model.model.norm.weight" not in differ
 
 
+@pytest.mark.slow
 def test_same_seed_same_values_in_another_process(tmp_path):
     out = tmp_path / "values.pt"
     script = textwrap.dedent(f"""
@@ -756,7 +757,6 @@ def _ep_moe_rank(rank, world, path):
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_lazy_moe_folder_under_expert_parallelism_reads_only_each_ranks_experts(tmp_path):
     results, reference = _lazy_moe_on_two_ranks(_ep_moe_rank, tmp_path)
     for rank, params in enumerate(results):

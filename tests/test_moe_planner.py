@@ -38,6 +38,7 @@ def test_workload_counts_top_k_experts_per_token():
     assert WorkloadModel.from_model(top4).language_model.b == 3.0 * 2.0 * (4 * (3072 + 256 + 4 * 1536) + head)
 
 
+@pytest.mark.slow
 def test_flop_times_count_the_routed_computation():
     """torch's FlopCounterMode counts the ops the layer runs: transformers' experts run each expert on its routed
     tokens only (one ``aten._grouped_mm``, which torch does not count: ``model_costs`` counts it), so top-4 routing
@@ -170,6 +171,7 @@ model:
 """
 
 
+@pytest.mark.slow
 def test_plan_cli_simulates_the_yamls_ep(tmp_path, capsys):
     """`lightning-mm plan` on a YAML with `language_model: {ep: 2}`: the configured plan is simulated at ep 2 (its
     table shows the ep column and the all-to-all), and the search tries --ep 1,2."""

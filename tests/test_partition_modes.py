@@ -13,6 +13,7 @@ from lightning_mm.planner.model_costs import PlannedPartition, flop_times, model
 STAGES = {"vision": 2, "language_model": 2}
 
 
+@pytest.mark.slow
 def test_projector_flops_match_hand_count():
     """The planner's FLOPs of the real parts equal a hand count: SigLIP layer dense 2t(4*32*32 + 2*32*64),
     projector 2t(2*32*192), where t = image tokens of the sample batch."""
@@ -36,6 +37,7 @@ def test_frozen_aware_differs_from_uniform_and_forward_only():
     assert resolve_partition(model, STAGES, "auto") == resolve_partition(model, STAGES, "frozen-aware")
 
 
+@pytest.mark.slow
 def test_upstream_trainable_crosses_into_the_llm():
     """Only the LLM's last layer trainable: layers 0-2 run no backward, the last one does -> [3, 1]. A trainable
     projector upstream makes every LLM layer compute input gradients -> balanced [2, 2]."""
@@ -50,6 +52,7 @@ def test_upstream_trainable_crosses_into_the_llm():
     assert resolve_partition(model, STAGES, "frozen-aware")["language_model"] == [2, 2]
 
 
+@pytest.mark.slow
 def test_model_memory_counts_state_and_what_backward_keeps():
     """State bytes = 4 per frozen weight, 16 per trainable one (weight, grad, two Adam moments), embed and head
     folded into the first and last layer; gradient bytes = the trainable weights'; activation bytes = the storages autograd saves in each part. The
@@ -76,6 +79,7 @@ def test_model_memory_counts_state_and_what_backward_keeps():
     assert all(b > a for a, b in zip(frozen_llm[1:-1], trainable_llm[1:-1]))
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_is_costed_per_layer():
     """With recompute, a layer that takes part in backward costs one more forward of its own (not of the
     embedding or head folded into it) and keeps only its input; layers outside backward are unchanged."""

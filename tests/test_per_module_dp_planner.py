@@ -227,6 +227,7 @@ def test_yaml_carries_dp_on_every_spec_and_parses_back():
     assert args["encoder_placement"] == "parallel" and args["num_microbatches"] == 16 // plan.dp
 
 
+@pytest.mark.slow
 def test_plan_cli_per_module_dp_writes_a_yaml_with_dp(tmp_path, capsys):
     from lightning_mm.trainer.cli import main
 
@@ -421,6 +422,7 @@ def test_chosen_layouts_are_those_recorded_on_the_benchmark_and_random_cases():
             CHOSEN[key][0], pytest.approx(CHOSEN[key][1], rel=1e-9), pytest.approx(CHOSEN[key][2], rel=1e-9)), key
 
 
+@pytest.mark.slow
 def test_plan_cli_times_a_yaml_whose_specs_carry_dp_with_each_modules_own_dp(tmp_path, capsys):
     """`lightning-mm plan` on the example with dp on every ParallelSpec (the "configured" plan): vision's 2 replicas
     each encode half of a microbatch position's samples, the devices are sum of dp x ranks; dp on the LLM alone is

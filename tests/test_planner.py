@@ -448,6 +448,7 @@ def test_gradient_allreduce_is_timed_and_can_favour_pipelining():
     assert (slow.dp, slow.pp()) == (1, {LM: 2})
 
 
+@pytest.mark.slow
 def test_write_profile_times_the_model_in_the_trainers_precision(tmp_path, monkeypatch):
     """`lightning-mm plan --write-profile` times every part of the YAML's model under the precision plugin's
     forward context (here bf16 autocast on CPU; on a GPU machine the strategy's CUDA device) and records both."""
@@ -478,6 +479,7 @@ def test_write_profile_times_the_model_in_the_trainers_precision(tmp_path, monke
                for f, _, _ in layer["samples"].values())
 
 
+@pytest.mark.slow
 def test_plan_on_one_device_simulates_the_whole_model_in_one_process(tmp_path, capsys):
     """One device is the strategy's debug mode (the whole model in one process, whatever the specs say): `plan`
     simulates that layout, as the strategy runs it, instead of refusing the specs' two-stage layout."""
@@ -493,6 +495,7 @@ def test_plan_on_one_device_simulates_the_whole_model_in_one_process(tmp_path, c
 
 
 # ---------------------------------------------------------------------------------- plan on the data's statistics
+@pytest.mark.slow
 def test_data_stats_scale_the_costs_to_the_datas_mean_work():
     """`plan --data-stats` scales each module's costs by (mean work per sample x samples) / (the microbatch's
     work as counted): data whose samples all equal the microbatch's leave them unchanged."""
@@ -532,6 +535,7 @@ def test_data_stats_scale_the_costs_to_the_datas_mean_work():
                 assert (s.trainable, s.in_backward) == (c.trainable, c.in_backward)
 
 
+@pytest.mark.slow
 def test_plan_cli_data_stats_on_conversation_data(tmp_path, capsys):
     """`lightning-mm plan --data-stats` on a conversation YAML: the metadata of every record (no pixels), the
     vision:text workload ratio with its spread, b_min, and both plans costed on the data."""
@@ -636,6 +640,7 @@ def test_cp_llm_stages_take_cp_devices_and_the_table_and_yaml_show_the_mode():
     assert ParallelSpec(**llm).ulysses_degree == 2
 
 
+@pytest.mark.slow
 def test_plan_cli_searches_cp_modes_and_prints_the_mode_column(tmp_path, capsys):
     from lightning_mm.trainer.cli import main
 

@@ -160,6 +160,7 @@ def test_default_search_is_unchanged_and_more_degrees_only_add_candidates():
     assert more.best.iteration_time <= ones.best.iteration_time
 
 
+@pytest.mark.slow
 def test_data_stats_microbatches_give_the_split_and_the_feature_bytes():
     """``plan --data-stats`` draws 64 microbatches of the planned microbatch's samples from the metadata; the
     encoder's ModuleSpec gets their items (encoder tokens, work) and the features of their mean emitted tokens."""

@@ -107,7 +107,7 @@ def test_tile_classes_with_window_are_sound_and_skip_outside(layout, window):
 
 @pytest.mark.parametrize("layout,spans", [("ee", False), *(pytest.param(layout, False, marks=pytest.mark.slow)
                                                             for layout in masks.LAYOUTS if layout != "ee"),
-                                          ("ee", True)])
+                                          pytest.param("ee", True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("window", [3, pytest.param(24, marks=pytest.mark.slow)])
 def test_kernels_match_dense_with_window(layout, window, spans):
     """With span words too (Gemma 3's local layers: the window cuts an image's bidirectional block as HF does)."""

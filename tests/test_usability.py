@@ -32,6 +32,7 @@ def test_help_lists_plan_and_export_without_warnings():
     assert "args parameter is intended" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_plan_headers_carry_units_and_files_go_to_a_plan_folder(tmp_path, monkeypatch, capsys):
     from lightning_mm.trainer.cli import main
     from lightning_mm.planner import plan_cli
@@ -152,6 +153,7 @@ def test_tokens_per_s_sums_every_replica():
     assert float(metrics[0].tokens) == 100  # local state is restored after the synced compute
 
 
+@pytest.mark.slow
 def test_flop_model_scales_with_tokens_and_skips_frozen_backward():
     from lightning_mm.trainer.callbacks.throughput import FlopModel, rank_bubble
     from lightning_mm.planner.model_costs import sample_batch

@@ -61,7 +61,7 @@ def mixed_batch(kind: str):
     return ours, hf
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)])
 def test_images_and_videos_equal_hf_and_share_one_tower(kind, tmp_path):
     folder = save_composite(kind, tmp_path / "src")
     ref = load_hf(kind, folder).train()
@@ -166,6 +166,7 @@ def test_generation_with_videos_equals_hf_generate(tmp_path):
                 "pp2_dp2"), 3)
 
 
+@pytest.mark.slow
 def test_the_planner_costs_a_shared_tower_once_with_both_modalities_work(tmp_path):
     """The planner sees one vision module (the layout's), whose layer costs hold the images' and the videos' work;
     synthetic batches never put a composite's in-vocabulary placeholder ids in their text."""
