@@ -1,11 +1,13 @@
 """Oobleck-style re-forming vs identical replica groups vs checkpoint-restart: simulated at the seed's scale, and
 measured on CPU processes (``--measured``, ``oobleck_measured.json``), plus the time to plan one template.
 
-Setting and methods: docs/fault_tolerance.md, "Simulated figures" and "Measured figures".
+Setting and methods: docs/fault_tolerance.md, "Simulated figures" and "Measured figures"; run ``python
+benchmarks/oobleck.py [--measured]``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -26,12 +28,13 @@ from lightning_mm.planner.costs import LayerCost  # noqa: E402
 from lightning_mm.planner.plan_cli import build_templates, plan_template  # noqa: E402
 from lightning_mm.planner.search import ModuleSpec, search  # noqa: E402
 
-OUT = harness.RESULTS / "oobleck.json"
-MEASURED_OUT = harness.RESULTS / "oobleck_measured.json"
+OUT, MEASURED_OUT = harness.RESULTS / "oobleck.json", harness.RESULTS / "oobleck_measured.json"
 MEASURED_BATCH = 4  # samples per step in all three measured runs
 RUNS = ("reforming", "identical", "checkpoint_restart")
 GIB = 2 ** 30
 SEQ, VOCAB, STATE_BYTES = 1024, 50257, 16
+NODES, FLOOR, MEMORY, LINK = 30, 15, 40 * GIB, 200e9 / 8
+PLANNING_REPEATS = 5  # timed runs of each template (median): one run on a shared machine is one scheduler draw
 # name: (layers, hidden, global batch, microbatch) -- Table 2.1
 MODELS = {"BERT-Large": (24, 1024, 8192, 32), "GPT-2": (24, 1024, 8192, 32), "GPT-3 Medium": (24, 1024, 8192, 16),
           "GPT-3 2.7b": (32, 2560, 1024, 2), "GPT-3 6.7b": (32, 4096, 1024, 2)}
@@ -43,18 +46,15 @@ SEED = {"6h": {"BERT-Large": (260.11, 287.10), "GPT-2": (86.51, 85.59), "GPT-3 M
         "10m": {"BERT-Large": (173.52, 282.11), "GPT-2": (76.39, 84.80), "GPT-3 Medium": (20.19, 28.70),
                 "GPT-3 2.7b": (1.76, 6.89), "GPT-3 6.7b": (0.26, 3.55)}}
 INTERVALS = {"6h": 6 * 3600.0, "1h": 3600.0, "10m": 600.0}
-# Table 2.3 (seconds): (nodes, GPUs per node) -> {layers: seconds}
-SEED_PLANNING = {(8, 1): {24: 0.28, 32: 0.71, 64: 9.65, 96: 68.50}, (8, 4): {24: 0.41, 32: 1.15, 64: 11.58, 96: 74.56},
-                 (8, 8): {24: 0.54, 32: 1.50, 64: 20.98, 96: 109.76},
-                 (16, 1): {24: 3.37, 32: 7.45, 64: 66.35, 96: 540.36},
-                 (16, 4): {24: 4.56, 32: 10.41, 64: 108.10, 96: 649.67},
-                 (16, 8): {24: 4.90, 32: 11.78, 64: 176.04, 96: 1213.63},
-                 (24, 1): {24: 11.35, 32: 30.11, 64: 262.47, 96: 1477.54},
-                 (24, 4): {24: 14.78, 32: 45.80, 64: 472.53, 96: 2153.84},
-                 (24, 8): {24: 15.59, 32: 49.25, 64: 520.08, 96: 3297.92}}
-NODES, FLOOR, MEMORY, LINK = 30, 15, 40 * GIB, 200e9 / 8
+# Table 2.3 (seconds): (nodes, GPUs per node) -> seconds at 24, 32, 64 and 96 layers
+SEED_PLANNING = {(8, 1): (0.28, 0.71, 9.65, 68.50), (8, 4): (0.41, 1.15, 11.58, 74.56),
+                 (8, 8): (0.54, 1.50, 20.98, 109.76), (16, 1): (3.37, 7.45, 66.35, 540.36),
+                 (16, 4): (4.56, 10.41, 108.10, 649.67), (16, 8): (4.90, 11.78, 176.04, 1213.63),
+                 (24, 1): (11.35, 30.11, 262.47, 1477.54), (24, 4): (14.78, 45.80, 472.53, 2153.84),
+                 (24, 8): (15.59, 49.25, 520.08, 3297.92)}
 
 
+# ---------------------------------------------------------------------------------------------- simulated
 def gpt_specs(layers: int, hidden: int, microbatch: int) -> dict[str, ModuleSpec]:
     """One microbatch's FLOPs per transformer layer, 16 bytes of state a parameter (the embedding on layer 0)."""
     f = 24 * microbatch * SEQ * hidden ** 2 + 4 * microbatch * SEQ ** 2 * hidden
@@ -63,10 +63,6 @@ def gpt_specs(layers: int, hidden: int, microbatch: int) -> dict[str, ModuleSpec
                                          param_bytes=[STATE_BYTES * p for p in params],
                                          activation_bytes=4.0 * microbatch * SEQ * hidden,
                                          grad_bytes=[4.0 * p for p in params])}
-
-
-def state_bytes(layers: int, hidden: int) -> float:
-    return STATE_BYTES * (layers * 12 * hidden ** 2 + VOCAB * hidden)
 
 
 def failure_times(interval: float) -> tuple[list[float], float]:
@@ -93,8 +89,7 @@ def run_oobleck(rates, flops, interval, restart_s, state, samples_per_step) -> t
         t = when
         if when < end:
             group = min(rates[nodes][1])  # the lost node's group: its state share copied, half a step redone
-            lost = restart_s + state / group / LINK + 0.5 * samples_per_step / rate
-            done -= rate * lost
+            done -= rate * (restart_s + state / group / LINK + 0.5 * samples_per_step / rate)
             nodes -= 1
     return done / end, timeline
 
@@ -113,8 +108,7 @@ def run_identical(template, groups: int, microbatches: int, flops, interval, sam
             done += len(alive) * rate * (when - t)
             t = when
             alive.discard(node)
-        done += len(alive) * rate * (end - t)
-        total += done / end
+        total += (done + len(alive) * rate * (end - t)) / end
     return total / trials
 
 
@@ -131,9 +125,9 @@ def run_checkpoint(plans, flops, interval, restart_s, state, storage, samples) -
     return done / end
 
 
-def throughput(args, progress) -> dict:
+def throughput(args) -> dict:
     out = {}
-    for name, (layers, hidden, batch, mb) in MODELS.items():
+    for name, (layers, hidden, batch, mb) in tqdm(MODELS.items(), desc="throughput (simulated)", disable=None):
         specs, microbatches = gpt_specs(layers, hidden, mb), batch // mb
         start = time.perf_counter()
         templates = build_templates(specs, NODES, 1, 1, microbatches, MEMORY)
@@ -144,7 +138,7 @@ def throughput(args, progress) -> dict:
                    key=lambda t: (NODES // t.nodes) * (microbatches // (NODES // t.nodes))
                    / t.step_time(microbatches // (NODES // t.nodes)))
         groups = NODES // best.nodes
-        state = state_bytes(layers, hidden)
+        state = STATE_BYTES * (layers * 12 * hidden ** 2 + VOCAB * hidden)
         flops = SEED["6h"][name][1] / rates[NODES][0]
         for _ in range(6):  # the GPU's FLOP/s: Oobleck's 6 h cell equals the seed's
             flops *= SEED["6h"][name][1] / run_oobleck(rates, flops, INTERVALS["6h"], args.restart_s, state, batch)[0]
@@ -161,30 +155,24 @@ def throughput(args, progress) -> dict:
                      "planning_s": planning, "calibrated_tflops": flops / 1e12,
                      "identical_groups": f"{groups} x {best.nodes} nodes",
                      "groups_at": {str(n): rates[n][1] for n in (NODES, 20, FLOOR)}, "cells": cells}
-        progress()
     return out
 
 
-PLANNING_REPEATS = 5  # timed runs of each template (median): one run on a shared machine is one scheduler draw
-
-
-def planning(args, progress) -> list[dict]:
+def planning() -> list[dict]:
     """Seconds of ``plan_template`` per Table 2.3 cell: median and minimum wall time of ``PLANNING_REPEATS`` runs,
     the median CPU time of this process (what load does not stretch) and the load average at the cell."""
     rows = []
-    for (nodes, per_node), seed in SEED_PLANNING.items():
-        for layers, seed_s in seed.items():
-            specs = gpt_specs(layers, 2560, 2)
-            tp = tuple(t for t in (1, 2, 4, 8) if t <= per_node)
-            # gc first: a full collection owed by earlier allocations (imports, throughput) is not this cell's
-            walls, cpus, t = harness.repeat(lambda: plan_template(specs, nodes, per_node, 4 * nodes, MEMORY,
-                                                                  tp_degrees=tp), PLANNING_REPEATS, gc.collect)
-            seconds, cpu = statistics.median(walls), statistics.median(cpus)
-            rows.append({"nodes": nodes, "gpus_per_node": per_node, "layers": layers, "seconds": seconds,
-                         "seconds_min": min(walls), "cpu_seconds": cpu, "load_average": os.getloadavg()[0],
-                         "repeats": PLANNING_REPEATS, "seed_seconds": seed_s, "speedup": seed_s / seconds,
-                         "speedup_cpu": seed_s / cpu, "found": t is not None})
-            progress()
+    cells = [(*cell, layers, s) for cell, seed in SEED_PLANNING.items() for layers, s in zip((24, 32, 64, 96), seed)]
+    for nodes, per_node, layers, seed_s in tqdm(cells, desc="planning (measured)", disable=None):
+        specs, tp = gpt_specs(layers, 2560, 2), tuple(t for t in (1, 2, 4, 8) if t <= per_node)
+        # gc first: a full collection owed by earlier allocations (imports, throughput) is not this cell's
+        walls, cpus, t = harness.repeat(lambda: plan_template(specs, nodes, per_node, 4 * nodes, MEMORY,
+                                                              tp_degrees=tp), PLANNING_REPEATS, gc.collect)
+        seconds, cpu = statistics.median(walls), statistics.median(cpus)
+        rows.append({"nodes": nodes, "gpus_per_node": per_node, "layers": layers, "seconds": seconds,
+                     "seconds_min": min(walls), "cpu_seconds": cpu, "load_average": os.getloadavg()[0],
+                     "repeats": PLANNING_REPEATS, "seed_seconds": seed_s, "speedup": seed_s / seconds,
+                     "speedup_cpu": seed_s / cpu, "found": t is not None})
     return rows
 
 
@@ -228,84 +216,118 @@ def recovery_phases(result: dict, killed: float, first_commit: float | None) -> 
     return {n: b - a for n, a, b in zip(names, points, points[1:])}
 
 
+@contextlib.contextmanager
+def lighthouse():
+    """A torchft lighthouse of this process for the replica groups (min 1, heartbeat 2 s, join 3 s): its address."""
+    from torchft.coordination import LighthouseServer
+
+    from lightning_mm.fault_tolerance import parse_address
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=2000)
+    try:
+        host, port = parse_address(server.address())
+        yield f"{host}:{port}"
+    finally:
+        server.shutdown()
+
+
+def _steps(out: str, group: int) -> list[tuple[int, float, int]]:
+    """(step, end time, restart count) of each committed step of ``group``."""
+    path = Path(out, f"steps_{group}.log")
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(s), float(t), int(r)) for s, t, r in (line.split() for line in lines if line.strip())]
+
+
+def _run(name: str, base: str, args, launch, layout: str, kill: dict, steps_from: str,
+         ft: bool = True) -> tuple[str, float, dict]:
+    """``launch(out, lighthouse address)``'s processes into ``base/name`` (beside a lighthouse when ``ft``), waited
+    for: the folder, the kill's time and the row's first entries."""
+    from tests.test_fault_tolerance import _wait
+
+    out = os.path.join(base, name)
+    os.makedirs(out)
+    t0 = time.time()
+    with lighthouse() if ft else contextlib.nullcontext() as lh:
+        codes = _wait(launch(out, lh), args.timeout)
+    wall = time.time() - t0
+    print(f"{name}: exit codes {codes}, {wall:.1f} s", flush=True)
+    killed = float(Path(out, "killed_at").read_text())  # the time the victim wrote before dying
+    return out, killed, {"layout": layout, "kill": kill, "codes": codes, "wall_s": wall, "steps_from": steps_from}
+
+
 def _reforming(args, base: str, common: dict) -> dict:
     import torch
 
-    import fault_tolerance as ftb
     from tests.helpers.distributed import _free_port
     from tests.test_fault_tolerance import _launch, _launch_elastic, _templates
 
-    server, lh = ftb._lighthouse(1, 2000, 3000)
-    out = os.path.join(base, "reforming")
-    os.makedirs(out)
-    store_port = _free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
-    cfg = {**common, "lighthouse": lh, "groups": 2, "out": out, "global_batch": MEASURED_BATCH,
-           "templates": _templates(Path(out) / "templates.yaml"),
-           "kill": {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward", "agent": True}}
-    t0 = time.time()
-    try:
-        procs = [_launch_elastic({**cfg, "group": 0, "devices": 1, "elastic": True}, r, store_port) for r in (0, 1)]
-        codes = ftb._wait(procs + [_launch({**cfg, "group": 1, "devices": 1}, restarts=0, nproc=1)], args.timeout)
-    finally:
-        server.shutdown()
-        del store
-    wall = time.time() - t0
-    print(f"reforming: exit codes {codes}, {wall:.1f} s", flush=True)
-    killed, g0, g1, r0 = ftb._killed_at(out), ftb._steps(out, 0), ftb._steps(out, 1), ftb._json(out, "result_0.json")
-    back = [t for s, t, r in g0 if r >= 1]
+    kill = {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward", "agent": True}
+    port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # outlives nodes
+
+    def launch(out, lh):
+        cfg = {**common, "lighthouse": lh, "groups": 2, "out": out, "global_batch": MEASURED_BATCH,
+               "templates": _templates(Path(out) / "templates.yaml"), "kill": kill}
+        return ([_launch_elastic({**cfg, "group": 0, "devices": 1, "elastic": True}, r, port) for r in (0, 1)]
+                + [_launch({**cfg, "group": 1, "devices": 1}, restarts=0, nproc=1)])
+
+    out, killed, row = _run("reforming", base, args, launch, (
+        "group 0: 2 torchrun agents x 1 rank (--nnodes 1:2, 2-node template: LLM pp 2) -> 1 rank (1-node "
+        "template); group 1: 1 rank (1-node template); global_batch 4 split by planned speed"), kill,
+        "steps_1.log (group 1, never stops)")
+    del store
+    g0, g1, r0 = _steps(out, 0), _steps(out, 1), harness.read(Path(out, "result_0.json"))
+    back = next((t for s, t, r in g0 if r >= 1), None)
     healed = [e for e in r0.get("events", []) if e.get("event") == "healed"]
-    return {"layout": "group 0: 2 torchrun agents x 1 rank (--nnodes 1:2, 2-node template: LLM pp 2) -> 1 rank "
-                      "(1-node template); group 1: 1 rank (1-node template); global_batch 4 split by planned speed",
-            "kill": cfg["kill"], "codes": codes, "wall_s": wall, "steps_from": "steps_1.log (group 1, never stops)",
-            **phases(g1, killed, back[0] if back else None), "kill_to_recovered_s": back[0] - killed if back else None,
+    return {**row, **phases(g1, killed, back), "kill_to_recovered_s": back - killed if back else None,
             "kill_to_reformed_process_start_s": r0["started"] - killed if r0.get("started") else None,
-            "recovery_phases_s": recovery_phases(r0, killed, back[0] if back else None),
+            "recovery_phases_s": recovery_phases(r0, killed, back),
             "heal_s": healed[0].get("seconds") if healed else None,
             "healed_at_step": healed[0].get("step") if healed else None, "restart": r0.get("restart"),
             "reformed_world_size": r0.get("world_size"),
-            "shares_before_after": [ftb._json(out, "result_1.json").get("shares", {}).get(k)
+            "shares_before_after": [harness.read(Path(out, "result_1.json")).get("shares", {}).get(k)
                                     for k in ("0", str(args.steps - 1))],
-            "completed": codes[0] == 0 and codes[2] == 0 and bool(g1) and g1[-1][0] == args.steps}
+            "completed": row["codes"][0] == 0 and row["codes"][2] == 0 and bool(g1) and g1[-1][0] == args.steps}
 
 
 def _identical(args, base: str, common: dict) -> dict:
-    import fault_tolerance as ftb
+    from tests.test_fault_tolerance import _launch
 
     kill = {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward"}
-    out, codes, wall = ftb.with_lighthouse(1, "identical", base, [
-        ({**common, "groups": 2, "group": g, "kill": kill}, 0, 2) for g in (0, 1)], args.timeout)
-    g1 = ftb._steps(out, 1)
-    return {"layout": "2 groups x 2 ranks (LLM pp 2), no global_batch (per-group batch 2, the survivor takes all 4)",
-            "kill": kill, "codes": codes, "wall_s": wall,
-            "steps_from": "steps_1.log (group 1, never stops)",
-            **phases(g1, ftb._killed_at(out), None), "kill_to_recovered_s": None,
+
+    def launch(out, lh):
+        return [_launch({**common, "groups": 2, "group": g, "kill": kill, "lighthouse": lh, "out": out}, 0, nproc=2)
+                for g in (0, 1)]
+
+    out, killed, row = _run("identical", base, args, launch, "2 groups x 2 ranks (LLM pp 2), no global_batch "
+                            "(per-group batch 2, the survivor takes all 4)", kill, "steps_1.log (group 1, never stops)")
+    g1 = _steps(out, 1)
+    return {**row, **phases(g1, killed, None), "kill_to_recovered_s": None,
             "note": "group 0 never returns: 'during' runs from the kill to the end of the run",
-            "completed": codes[1] == 0 and bool(g1) and g1[-1][0] == args.steps}
+            "completed": row["codes"][1] == 0 and bool(g1) and g1[-1][0] == args.steps}
 
 
 def _checkpoint_restart(args, base: str, common: dict) -> dict:
-    import fault_tolerance as ftb
+    from tests.test_fault_tolerance import _launch
 
     kill = {"group": 0, "rank": 1, "step": args.kill_step, "where": "backward"}
-    out, codes, wall = ftb.run("checkpoint_restart", base, [(
-        {**common, "ft": False, "group": 0, "devices": 4, "kill": kill, "save_every": args.save_every,
-         "ckpt_dir": os.path.join(base, "checkpoint_restart", "ckpt"), "resume": "last"}, 1, 4)], args.timeout)
-    killed = ftb._killed_at(out)
+    cfg = {**common, "ft": False, "group": 0, "devices": 4, "kill": kill, "save_every": args.save_every,
+           "ckpt_dir": os.path.join(base, "checkpoint_restart", "ckpt"), "resume": "last"}
+    out, killed, row = _run("checkpoint_restart", base, args, lambda out, _: [_launch({**cfg, "out": out}, 1, nproc=4)],
+                            "one job of 4 ranks (pp 2 x dp 2, no fault tolerance), batch 2 per dp rank", kill,
+                            "steps_0.log (the job)", ft=False)
     # rank 0 may finish the killed step in its first launch (its pipeline peer died after the backward): that
     # step is in no checkpoint and on no other rank, so only the restarted job's steps count after the kill
-    rows = [x for x in ftb._steps(out, 0) if x[1] < killed or x[2] >= 1]
-    r = ftb._json(out, "result_0.json")
+    rows = [x for x in _steps(out, 0) if x[1] < killed or x[2] >= 1]
     second = [x for x in rows if x[2] >= 1]
     again = [t for s, t, _ in second if s == args.kill_step + 1]
-    return {"layout": "one job of 4 ranks (pp 2 x dp 2, no fault tolerance), batch 2 per dp rank",
-            "kill": kill, "codes": codes, "wall_s": wall, "steps_from": "steps_0.log (the job)",
-            **phases(rows, killed, second[0][1] if second else None),
+    resumed = harness.read(Path(out, "result_0.json")).get("resumed_from")
+    return {**row, **phases(rows, killed, second[0][1] if second else None),
             "kill_to_recovered_s": second[0][1] - killed if second else None,
-            "resumed_from": os.path.basename(r.get("resumed_from") or "") or None,
+            "resumed_from": os.path.basename(resumed or "") or None,
             "first_step_after_resume": second[0][0] if second else None,
             "kill_to_killed_step_committed_s": again[0] - killed if again else None,
-            "completed": codes[0] == 0 and bool(rows) and rows[-1][0] == args.steps}
+            "completed": row["codes"][0] == 0 and bool(rows) and rows[-1][0] == args.steps}
 
 
 def measured(args) -> None:
@@ -319,8 +341,7 @@ def measured(args) -> None:
            "model": "tests/helpers/ft_case.py: tiny siglip (frozen) + tiny llama, SGD momentum, StepLR",
            "runs": harness.read(MEASURED_OUT).get("runs", {}) if set(args.only) != set(RUNS) else {}}
     common = {"mode": "group", "steps": args.steps, "timeout": 10.0, "wait_rejoin": False}
-    for name, run in (("reforming", _reforming), ("identical", _identical),
-                      ("checkpoint_restart", _checkpoint_restart)):
+    for name, run in zip(RUNS, (_reforming, _identical, _checkpoint_restart)):
         if name in args.only:
             res["runs"][name] = run(args, base, common)
     harness.write(MEASURED_OUT, res, start)
@@ -338,27 +359,17 @@ def main(argv=None) -> None:
         save_every=(5, "--measured: checkpoint-restart's checkpoint interval"),
         only=dict(nargs="+", choices=RUNS, default=list(RUNS),
                   help="--measured: runs to make (the others are kept from the results file)"),
-        timeout=(480.0, "--measured: seconds a run may take"),
-        planning_only=(False, "re-time the template planning only (keeps the simulated throughput)"))
+        timeout=(480.0, "--measured: seconds a run may take"))
     if args.measured:
         return measured(args)
     start = harness.record()
-    if args.planning_only:  # the simulated throughput stays as it is
-        with tqdm(total=sum(len(v) for v in SEED_PLANNING.values()), desc="planning", disable=None) as bar:
-            rows = planning(args, bar.update)
-        harness.write(OUT, {**{k: v for k, v in harness.read(OUT).items() if k != "machine"}, "planning": rows}, start,
-                      sources={"throughput": "simulated"})
-        return
-    with tqdm(total=len(MODELS), desc="throughput (simulated)", disable=None) as bar:
-        thr = throughput(args, bar.update)
-    with tqdm(total=sum(len(v) for v in SEED_PLANNING.values()), desc="planning (measured)", disable=None) as bar:
-        plan_rows = planning(args, bar.update)
     harness.write(OUT, {"what": "simulated throughput (samples/s) beside the seed's Table 2.2; planning seconds per "
                                 "template measured on this CPU beside Table 2.3",
                         "settings": {"nodes": NODES, "floor": FLOOR, "memory_gib": MEMORY / GIB, "link_gbps": 200,
                                      "restart_s": args.restart_s, "storage_gbps": args.storage_gbps,
                                      "trials": args.trials, "sequence": SEQ, "failures_tolerated": 1},
-                        "throughput": thr, "planning": plan_rows}, start, sources={"throughput": "simulated"})
+                        "throughput": throughput(args), "planning": planning()}, start,
+                  sources={"throughput": "simulated"})
 
 
 if __name__ == "__main__":
