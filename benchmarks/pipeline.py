@@ -241,7 +241,7 @@ def _worker(cfg: dict, args, result: str, mode: str) -> None:
     if mode == "pipeline" and cfg["strategy"] == "multimodal":
         tag = f"pipeline_p{args.procs}_{args.accelerator}_{cfg['name']}"
         timeline = PipelineTimeline(steps=(args.warmup,), dirpath=str(Path(args.out) / tag))
-        callbacks.append(timeline)
+        callbacks.insert(0, timeline)  # its end-of-step gather inside the meter's step time
     steps = args.steps if mode == "setup" else args.warmup + args.steps
     trainer = L.Trainer(accelerator=args.accelerator, devices=1 if cfg.get("single") else args.procs,
                         strategy=strategy(cfg, args, mode), max_steps=steps, num_sanity_val_steps=0,
