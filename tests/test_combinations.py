@@ -106,12 +106,15 @@ def test_per_module_dp_packing_recompute_accumulation_lora_bf16_like_one_process
 
 @pytest.mark.slow
 @pytest.mark.combines("llm_cp", "fsdp", "packing", "accumulation", "lora", "mixed_precision")
-def test_context_parallel_full_shard_packing_accumulation_lora_bf16_like_one_process(tmp_path):
+@pytest.mark.parametrize("fsdp_reduce", ["microbatch", "step"])
+def test_context_parallel_full_shard_packing_accumulation_lora_bf16_like_one_process(tmp_path, fsdp_reduce):
     """LLM cp 2 (blocks of 8 tokens) sharded by FULL_SHARD over its 2 CP ranks (3 processes), packed rows,
-    accumulate 2, LoRA, bf16-mixed: one process within bf16 tolerance."""
+    accumulate 2, LoRA, bf16-mixed, reduce-scattering after every microbatch or once per optimiser step (the
+    unsharded gradients accumulated in fp32 across microbatches and batches): one process within bf16 tolerance."""
     case = dict(BASE, steps=2, accumulate=2, pack=128, lora=LORA, precision="bf16-mixed")
     ref = run(case, tmp_path, "single")
-    got = run({**case, "llm_cp": 2, "sharding": "FULL_SHARD", "microbatches": 2}, tmp_path, "cp2")
+    got = run({**case, "llm_cp": 2, "sharding": "FULL_SHARD", "microbatches": 2, "fsdp_reduce": fsdp_reduce},
+              tmp_path, "cp2")
     assert_packed(got[0])
     same_training(got, ref, BF16)
 

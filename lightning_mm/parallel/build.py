@@ -105,7 +105,8 @@ def stage_device(model, device=None) -> torch.device:
 
 def build_stage(model, holding: StageHolding, *, layout: RankLayout, rank: int, forward: Callable, device=None,
                 sharding_strategy: str = "NO_SHARD", precision: str = "32-true",
-                materialise: Callable[[nn.Module], None] | None = None, timeout=None) -> BuiltStage:
+                materialise: Callable[[nn.Module], None] | None = None, timeout=None,
+                fsdp_reduce: str = "microbatch") -> BuiltStage:
     """Prune ``model`` to ``holding``'s stage, create every group (``Meshes.build``, on every rank, with the job's
     ``timeout``), then apply TP, EP and FSDP (``forward`` becomes the FSDP root unit's forward) and ``materialise``
     the owned tensors."""
@@ -121,7 +122,8 @@ def build_stage(model, holding: StageHolding, *, layout: RankLayout, rank: int, 
     expert_params = apply_ep(model, plan, meshes.experts) if meshes.experts is not None else []
     run_stage, fsdp_params = forward, set()
     if meshes.shard_mesh is not None and layout.fsdp_ranks(holding.stage) > 1:
-        run_stage = apply_fsdp(model, plan, meshes.shard_mesh, sharding_strategy, forward, precision, expert_params)
+        run_stage = apply_fsdp(model, plan, meshes.shard_mesh, sharding_strategy, forward, precision, expert_params,
+                               fsdp_reduce)
         fsdp_params = {id(p) for p in model.parameters()} - {id(p) for p in expert_params}
     if materialise is not None:
         materialise(model)

@@ -13,7 +13,8 @@ forward again in backward (the planner costs this as B += F, memory as the layer
 Communication (``comm.py``) is grouped per run of consecutive send/receive actions; gradient reduction over
 replicas (``grads.py``) overlaps the step's last backward. A stage with tp > 1 is split with DTensor
 (``tensor_parallel.py``), one with ``sharding_strategy`` other than NO_SHARD is sharded over its dp x cp ranks
-with FSDP2 (``sharding.py``, which then reduces its gradients). Every tensor the engine makes lives on ``device``.
+with FSDP2 (``sharding.py``, which then reduces its gradients: after every microbatch's backward, or with
+``fsdp_reduce="step"`` in the step's last). Every tensor the engine makes lives on ``device``.
 
 The stage itself is built by ``build.py`` (what the rank holds, then TP, EP, FSDP over ``meshes.py``'s groups); a
 rank with nothing to encode under FSDP still runs every collective (``encoder_part``). ``run`` returns a
@@ -51,6 +52,7 @@ from lightning_mm.parallel.encoder_cp import ITEMS_KEY, gather_item_features, it
 from lightning_mm.parallel.expert_parallel import check_expert_parallel
 from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
 from lightning_mm.parallel.routed import RoutedExchange
+from lightning_mm.parallel.sharding import gradient_sync
 from lightning_mm.parallel.router_metrics import ROUTER_KEY, StepRouterMetrics
 from lightning_mm.parallel.tensor_parallel import keep_grads_like_parameters
 from lightning_mm.plan.layout import RankLayout
@@ -81,13 +83,14 @@ class PipelineEngine:
     ``forward_context``: a context manager factory entered around each stage forward (the precision plugin's
     autocast). ``loss_backward(loss)``: runs backward of the last stage's loss (default ``loss.backward()``;
     the strategy routes it through Lightning's precision plugin and hooks). ``materialise(model)`` runs right
-    after the model is pruned and sharded (a meta-built model gets real tensors for this stage only)."""
+    after the model is pruned and sharded (a meta-built model gets real tensors for this stage only).
+    ``fsdp_reduce``: when a sharded stage reduce-scatters its gradients ("microbatch" or "step", ``sharding.py``)."""
 
     def __init__(self, model, layout: RankLayout, rank: int, num_microbatches: int,
                  partition: dict[str, list[int]] | None = None, cp_distribution: str = "lpt", cp_block_size: int = 128,
                  activation_checkpointing: bool = False, device=None, *, bucket_mb: float = 25.0, timeout=None,
                  forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
-                 loss_backward: Callable[[torch.Tensor], None] | None = None, precision: str = "32-true",
+                 loss_backward: Callable | None = None, precision: str = "32-true", fsdp_reduce: str = "microbatch",
                  materialise: Callable[[torch.nn.Module], None] | None = None, sharding_strategy: str = "NO_SHARD"):
         self.model, self.layout, self.rank, self.num_microbatches = model, layout, rank, num_microbatches
         self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
@@ -103,7 +106,7 @@ class PipelineEngine:
         self.router_metrics = StepRouterMetrics.of(model, num_microbatches, layout.dp, None, not self.coord.tp)
         built = build_stage(model, self.holding, layout=layout, rank=rank, forward=self.forward_stage, device=device,
                             sharding_strategy=sharding_strategy, precision=precision, materialise=materialise,
-                            timeout=timeout)
+                            timeout=timeout, fsdp_reduce=fsdp_reduce)
         self.device, self.groups, self.run_stage = built.device, built.meshes, built.run_stage
         self.tp_allreduce, self.expert_params, self.fsdp_params = built.tp_allreduce, built.expert_params, built.fsdp_params
         self.exchange = RoutedExchange(router, layout, rank, self.device, self.groups.replica) if router else None
@@ -329,6 +332,7 @@ class PipelineEngine:
             elif act.kind == "backward":
                 if sync and at == last_backward:
                     self.reducer.arm()
+                gradient_sync(self.run_stage, sync and at == last_backward)  # fsdp_reduce="step": FSDP reduces here
                 self._backward(outputs.pop(m), input_grads.pop(("out", m), None), loss_scale)
                 # a deferring microbatch's inputs get the rest of their gradients in the next one's backward
                 for done in ([m - 1] if m - 1 in held else []) + ([] if m in held else [m]):

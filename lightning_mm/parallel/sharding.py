@@ -9,6 +9,12 @@ units shard the already tp-split DTensors again over dp_cp (2-D), as torchtitan 
 summed, not averaged: each replica's loss is already divided by the global label count. Under expert parallelism
 the routed experts stay out of FSDP (``ignored``): they are already split over the ep ranks and their gradients are
 summed over the ranks holding the same experts; FSDP shards everything else of the stage over dp_cp.
+
+When the reduce-scatter runs (``fsdp_reduce``): "microbatch" after every microbatch's backward (each unit's
+gradients sharded at once: least memory, the traffic of one reduction per microbatch), or "step" once per optimiser
+step, in its last backward (the units accumulate unsharded gradients until then, as ``torch.distributed.pipelining``
+and torchtitan do under a pipeline, and as Lightning's ``ModelParallelStrategy`` does while accumulating batches:
+one reduction's traffic per step, a whole stage's gradients held unsharded through it).
 """
 
 from __future__ import annotations
@@ -21,6 +27,17 @@ from lightning_mm.plan.layout import RankLayout
 from lightning_mm.plan.stages import StagePlan
 
 SHARDING_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+FSDP_REDUCE = ("microbatch", "step")
+
+
+def check_sharding(sharding_strategy: str, fsdp_reduce: str) -> None:
+    """Raise (with the choices) for an unknown sharding strategy or reduce-scatter timing."""
+    if sharding_strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}; use one of {SHARDING_STRATEGIES} "
+                         "(the names of Lightning's FSDPStrategy)")
+    if fsdp_reduce not in FSDP_REDUCE:
+        raise ValueError(f"unknown fsdp_reduce {fsdp_reduce!r}; use 'microbatch' (FSDP reduce-scatters after every "
+                         "microbatch's backward) or 'step' (once per optimiser step)")
 
 
 def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
@@ -66,14 +83,22 @@ def sharding_units(model, plan: StagePlan) -> list[nn.Module | list[nn.Module]]:
 
 
 class StageModule(nn.Module):
-    """A pipeline stage as one module: ``forward`` runs ``run`` (one microbatch of the stage) over ``model``."""
+    """A pipeline stage as one module: ``forward`` runs ``run`` (one microbatch of the stage) over ``model``;
+    ``fsdp_reduce``: when its units reduce-scatter their gradients (``gradient_sync``)."""
 
-    def __init__(self, model: nn.Module, run):
+    def __init__(self, model: nn.Module, run, fsdp_reduce: str = "microbatch"):
         super().__init__()
-        self.model, self.run = model, run
+        self.model, self.run, self.fsdp_reduce = model, run, fsdp_reduce
 
     def forward(self, *args):
         return self.run(*args)
+
+
+def gradient_sync(run_stage, last: bool) -> None:
+    """Before a backward: under ``fsdp_reduce="step"`` the sharded stage reduce-scatters in it only when it is the
+    ``last`` of the optimiser step (every rank of a shard group runs the same schedule, so all agree)."""
+    if isinstance(run_stage, StageModule) and run_stage.fsdp_reduce == "step":
+        run_stage.set_requires_gradient_sync(last)
 
 
 def _sum_gradients(module) -> None:
@@ -82,7 +107,7 @@ def _sum_gradients(module) -> None:
 
 
 def apply_fsdp(model, plan: StagePlan, mesh, sharding_strategy: str, run, precision: str = "32-true",
-               ignored: list[nn.Parameter] = ()) -> StageModule:
+               ignored: list[nn.Parameter] = (), fsdp_reduce: str = "microbatch") -> StageModule:
     """Shard this stage over ``mesh`` (1-D, the stage's dp_cp ranks), leaving the ``ignored`` parameters (the
     expert-parallel experts) as they are; returns the root ``StageModule`` whose forward runs ``run``.
     ``SHARD_GRAD_OP`` keeps gathered parameters from forward to backward."""
@@ -96,7 +121,7 @@ def apply_fsdp(model, plan: StagePlan, mesh, sharding_strategy: str, run, precis
                     ignored_params=set(ignored) or None)
         for m in modules:
             _sum_gradients(m)
-    root = StageModule(model, run)  # inputs keep their dtype: label counts and positions must stay exact
+    root = StageModule(model, run, fsdp_reduce)  # inputs keep their dtype: label counts and positions must stay exact
     fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=set(ignored) or None,
                 mp_policy=MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, cast_forward_inputs=False))
     _sum_gradients(root)

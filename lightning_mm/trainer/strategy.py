@@ -40,7 +40,7 @@ from lightning_mm.model.loading import materialise
 from lightning_mm.model.multimodal import MultimodalModel
 from lightning_mm.parallel.comm import check_backend
 from lightning_mm.parallel.engine import PipelineEngine, StepResult, check_same_batch
-from lightning_mm.parallel.sharding import SHARDING_STRATEGIES, nothing_to_shard
+from lightning_mm.parallel.sharding import check_sharding, nothing_to_shard
 from lightning_mm.parallel.tensor_parallel import check_tensor_parallel, dtensor_parameters_pinned
 from lightning_mm.parallel.context import check_context_parallel
 from lightning_mm.plan.balance import METHODS as BALANCING_METHODS
@@ -69,14 +69,15 @@ class MultimodalParallelStrategy(DDPStrategy):
     ("lpt", "zigzag", "random", "contiguous"); shorter sequences pad themselves to N blocks.
     ``activation_checkpointing=True`` recomputes each encoder/LLM layer's forward in backward from its input.
     ``ParallelSpec(tp=N)`` splits a module's layers over N ranks (DTensor; docs/parallelism.md), and
-    ``sharding_strategy`` ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") shards each stage's state over its
-    data-parallel ranks with FSDP2. ``parallel_devices`` may repeat a GPU (``["cuda:0"] * 4`` with
-    ``Trainer(devices=1)``: 4 ranks on one GPU, with ``process_group_backend="gloo"``, since NCCL refuses it).
-    ``batch_balancing`` places each global batch's samples over replicas and microbatches by their encoder and LLM
-    work ("none": contiguous slices; "disttrain"; "entrain", which also defers LLM work of an overloaded
-    microbatch to the next one; docs/balancing.md). The default (None) is "entrain" where the training loader
-    allows it (a map-style data set with ``sample_metadata``, a DistributedSampler and a batch size) and "none"
-    otherwise; a method given by name raises when the loader cannot serve it.
+    ``sharding_strategy`` ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") shards each stage's state over its data-parallel
+    ranks with FSDP2, reduce-scattering gradients after every microbatch's backward, or with ``fsdp_reduce="step"`` once
+    per optimiser step (less traffic, unsharded gradients held through the step). ``parallel_devices`` may repeat a GPU
+    (``["cuda:0"] * 4`` with ``Trainer(devices=1)``: 4 ranks on one GPU, with ``process_group_backend="gloo"``, since
+    NCCL refuses it). ``batch_balancing`` places each global batch's samples over replicas and microbatches by their
+    encoder and LLM work ("none": contiguous slices; "disttrain"; "entrain", which also defers LLM work of an overloaded
+    microbatch to the next one; docs/balancing.md). The default (None) is "entrain" where the training loader allows it
+    (a map-style data set with ``sample_metadata``, a DistributedSampler and a batch size) and "none" otherwise; a
+    method given by name raises when the loader cannot serve it.
     """
 
     strategy_name = "multimodal"
@@ -88,7 +89,8 @@ class MultimodalParallelStrategy(DDPStrategy):
                  timeout: timedelta | None = DEFAULT_TIMEOUT, start_method: str = "popen",
                  save_frozen_parameters: bool = False, fault_timeout: float | None = DEFAULT_FAULT_TIMEOUT,
                  activation_checkpointing: bool = False, sharding_strategy: str = "NO_SHARD",
-                 batch_balancing: str | None = None, fault_tolerance: FaultTolerance | None = None, accelerator=None,
+                 fsdp_reduce: str = "microbatch", batch_balancing: str | None = None,
+                 fault_tolerance: FaultTolerance | None = None, accelerator=None,
                  parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None, **unknown):
         if unknown:
             known = [p for p in inspect.signature(MultimodalParallelStrategy.__init__).parameters
@@ -111,10 +113,8 @@ class MultimodalParallelStrategy(DDPStrategy):
             self.partition = planner_request(partition, profile)
         self.cp_distribution, self.cp_block_size = cp_distribution, cp_block_size
         self.activation_checkpointing = bool(activation_checkpointing)
-        if sharding_strategy not in SHARDING_STRATEGIES:
-            raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}; use one of {SHARDING_STRATEGIES} "
-                             "(the names of Lightning's FSDPStrategy)")
-        self.sharding_strategy = sharding_strategy
+        check_sharding(sharding_strategy, fsdp_reduce)
+        self.sharding_strategy, self.fsdp_reduce = sharding_strategy, fsdp_reduce
         if batch_balancing is not None and batch_balancing not in BALANCING_METHODS:
             raise ValueError(f"unknown batch_balancing {batch_balancing!r}; use one of {BALANCING_METHODS}")
         self.batch_balancing = batch_balancing
@@ -249,7 +249,7 @@ class MultimodalParallelStrategy(DDPStrategy):
                                      loss_backward=self.loss_backward,
                                      materialise=lambda m: materialise(m, self.root_device, seed),
                                      sharding_strategy=self.sharding_strategy, timeout=self.timeout,
-                                     precision=str(self.precision_plugin.precision))
+                                     precision=str(self.precision_plugin.precision), fsdp_reduce=self.fsdp_reduce)
         model.pipeline_stage = self.engine.stage
 
     @override

@@ -7,7 +7,7 @@ names), so a test can compare any layout with one process; under the strategy al
 
 - ``devices`` (1 and none of ``STRATEGY_KEYS``: plain single-device Lightning, no strategy), ``encoder_pp`` / ``encoder_tp`` /
   ``encoder_cp`` ([vision, audio]), ``llm_pp``, ``llm_cp`` (blocks of 8 tokens), ``cp_mode``, ``ulysses``, ``llm_tp``, ``sharding``
-  (sharding_strategy),
+  (sharding_strategy), ``fsdp_reduce``,
   ``placement`` (encoder_placement), ``recompute`` (activation_checkpointing), ``microbatches``, ``accumulate``,
   ``precision``, ``steps``, ``batch_size`` (per replica), ``freeze``, ``state_bytes`` (write
   ``state_<rank>.json``: bytes held before the second step),
@@ -149,7 +149,8 @@ def main(spec: str, out: str):
             encoders=specs,
             batch_balancing=case.get("balancing"),
             language_model=llm, num_microbatches=case.get("microbatches", 1), cp_block_size=8,
-            sharding_strategy=case.get("sharding", "NO_SHARD"), encoder_placement=case.get("placement", "parallel"),
+            sharding_strategy=case.get("sharding", "NO_SHARD"), fsdp_reduce=case.get("fsdp_reduce", "microbatch"),
+            encoder_placement=case.get("placement", "parallel"),
             activation_checkpointing=case.get("recompute", False), fault_timeout=60,
             process_group_backend=case.get("backend"))
         encoder_ranks = {"replicated": 0, "colocated": enc[0] * enc_tp[0]}.get(  # colocated: one fused chain
