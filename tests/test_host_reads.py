@@ -8,7 +8,8 @@ import torch
 
 import lightning_mm as lmm
 from lightning_mm.model import tiny_encoder, tiny_language_model
-from tests.helpers.host_reads import HostReads
+from tests.helpers.distributed import run_distributed
+from tests.helpers.host_reads import HostReads, pipeline_step_reads
 
 
 def _reads(layers: int) -> int:
@@ -24,3 +25,12 @@ def _reads(layers: int) -> int:
 
 def test_host_reads_do_not_grow_with_the_layers():
     assert _reads(2) == _reads(5)
+
+
+def test_pipeline_step_reads_do_not_grow_with_the_microbatches():
+    """A pipeline step validates the batch's placeholders and words once (``MultimodalModel.check_batch``), not
+    every microbatch's words on every LLM stage: each rank's host waits are the same with 2 and 4 microbatches."""
+    two, four = (run_distributed(pipeline_step_reads, 3, m) for m in (2, 4))
+    for (stage, reads2), (_, reads4) in zip(two, four):
+        assert reads4 == reads2, (stage, reads2, reads4)
+        assert len(reads2) <= 4, (stage, reads2)

@@ -245,6 +245,13 @@ class MultimodalModel(nn.Module):
         return masks.words_from_modalities(self.modality_of_tokens(input_ids, attention_mask), len(self.encoders),
                                            causal, spans=self.bidirectional_items)
 
+    def check_batch(self, batch: dict) -> None:
+        """A whole batch's placeholders (``check_placeholders``) and words (``masks.validate``), once: the pipeline
+        then takes its microbatches' words as checked (one host read per step, not one per microbatch)."""
+        self.check_placeholders(batch["input_ids"], {e: batch[e] for e in self.encoders if e in batch})
+        if batch.get("bam") is not None:
+            masks.validate(batch["bam"], batch.get("segment_ids"))
+
     def check_placeholders(self, input_ids: torch.Tensor, modality_inputs: dict[str, dict]) -> None:
         """Raise if a modality's placeholder count differs from what its encoder will emit (before it runs)."""
         for name, enc in self.encoders.items():
@@ -318,10 +325,12 @@ class MultimodalModel(nn.Module):
         return self.lm_family.logits(self.language_model, hidden)
 
     def attention_context(self, input_ids, bam=None, segment_ids=None, position_ids=None,
-                          attention_mask=None) -> AttentionContext:
+                          attention_mask=None, checked: bool = False) -> AttentionContext:
+        """The attention layers' inputs; ``checked``: the caller validated the words (``check_batch``)."""
         if bam is None:
             bam = self.build_bam(input_ids, attention_mask)
-        masks.validate(bam, segment_ids)
+        if not checked:
+            masks.validate(bam, segment_ids)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if segment_ids is not None:  # the collator's are narrow (masks.segment_dtype); kernels take int64

@@ -213,7 +213,7 @@ class PipelineEngine:
         if owner is None and self.cp_size > 1:  # a later stage without the loader's plan: the first stage's
             owner = received[self.graph.predecessors(self.stage)[0]]["cp_owner"]
         ctx = model.attention_context(mb["input_ids"], mb.get("bam"), mb.get("segment_ids"), mb.get("position_ids"),
-                                      mb.get("attention_mask"))
+                                      mb.get("attention_mask"), checked=True)  # the step's or the prompts' words
         targets = losses.shift_labels(mb["labels"])  # shifted on the whole sequence, before any sharding
         index = None if owner is None else self._token_index(owner, mb["input_ids"].shape[1])
         local = (lambda t: t) if index is None else (lambda t: t.index_select(1, index))
@@ -282,7 +282,7 @@ class PipelineEngine:
         ``sync``: this step's gradients are reduced over replicas during its last backward (False while
         Lightning accumulates). ``keep_logits``: the last stage keeps each microbatch's (logits, global token
         indices or None) in the result (predict)."""
-        self.model.check_placeholders(batch["input_ids"], {e: batch[e] for e in self.model.encoders if e in batch})
+        self.model.check_batch(batch)
         if self.exchange is not None:
             encoder_rows, llm_rows, deferred = self.exchange.rows(batch, feature_tokens(batch, self.model),
                                                                   self.plan.language_model is not None)

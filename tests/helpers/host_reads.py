@@ -1,6 +1,7 @@
 """Counts the operations that read a tensor's value on the host (each one waits for a GPU): ``.item()``, ``int(t)``,
 ``bool(t)``, ``.tolist()``. A dispatch mode sees on CPU the same operations a CUDA run would issue."""
 
+import contextlib
 import traceback
 
 import torch
@@ -86,3 +87,23 @@ class DeviceToHost(TorchDispatchMode):
             def __exit__(self, *exc):
                 mode._paused -= 1
         return _Paused()
+
+
+def pipeline_step_reads(rank, world, microbatches: int) -> tuple[str, list[str]]:
+    """(stage, what made the host wait) in one training step of a vision + LLM pp 2 pipeline (3 ranks), after a
+    first step; the stage headers' reads are left out: they travel over the gloo header group as host tensors."""
+    from helpers.pipeline_case import build_model, global_batches, replica_batch
+    from lightning_mm.parallel.engine import PipelineEngine
+    from lightning_mm.plan.layout import ParallelSpec, build_layout
+
+    model = build_model(("vision",), "encoder")
+    batches = global_batches(model, 2, 8)
+    layout = build_layout({"vision": ParallelSpec()}, ParallelSpec(pp=2), world, "parallel", ["vision"])
+    engine = PipelineEngine(model, layout, rank, microbatches)
+    mode = DeviceToHost()
+    for i, batch in enumerate(batches):
+        with mode if i else contextlib.nullcontext():
+            engine.run(replica_batch(batch, model, layout.dp, engine.coord.dp))
+            engine.sync_gradients()
+    return engine.stage, [f"{r} in {w[-1]}" for r, w in zip(mode.reads, mode.where)
+                          if not any("parallel/comm.py" in f for f in w)]
