@@ -1,10 +1,11 @@
 """``fsdp_reduce``: FSDP reduce-scatters a sharded stage's gradients after every microbatch's backward
 ("microbatch") or once per optimiser step, in its last backward ("step"). Both train like one process; "step"
-launches exactly 1 / (microbatches x accumulated batches) of the reduce-scatters (counted on every rank)."""
+launches exactly 1 / (microbatches x accumulated batches) of the reduce-scatters (counted on every rank) and holds
+the stage's gradients unsharded until its last backward (the peak bytes a step allocates, measured)."""
 
 import pytest
 from helpers.distributed import run_distributed
-from helpers.fsdp_reduce_case import ACCUMULATE, MICROBATCHES, run_rank, run_reference
+from helpers.fsdp_reduce_case import ACCUMULATE, MICROBATCHES, run_rank, run_reference, step_memory
 from helpers.pipeline_case import check_like_reference
 
 import lightning_mm as lmm
@@ -28,6 +29,18 @@ def test_once_per_step_reduces_once_and_trains_like_one_process(placement, llm_p
         assert once == [once[0]] * len(once)
         assert every == [n * MICROBATCHES * ACCUMULATE for n in once]
     assert sum(sum(once) for once in counts["step"]) > 0  # some rank reduce-scattered at all
+
+
+@pytest.mark.slow
+def test_once_per_step_holds_the_unsharded_gradients_until_the_last_backward():
+    """A trainable 42M-parameter Llama sharded over 2 replicas, 4 microbatches: a "step" step allocates about the
+    stage's unsharded fp32 gradients less the sharded ones "microbatch" keeps (1/2 of them) more at its peak."""
+    every, once = (run_distributed(step_memory, 2, mode) for mode in ("microbatch", "step"))
+    for a, b in zip(every, once):
+        extra, expected = b["peak"] - a["peak"], b["trainable_bytes"] / 2
+        print(f"peak MiB: microbatch {a['peak'] / 2**20:.0f}, step {b['peak'] / 2**20:.0f}; "
+              f"expected extra {expected / 2**20:.0f}")
+        assert 0.75 * expected < extra < 1.5 * expected, (a, b)
 
 
 def test_unknown_fsdp_reduce_names_the_choices():
