@@ -52,8 +52,8 @@ from lightning_mm.parallel.encoder_cp import ITEMS_KEY, gather_item_features, it
 from lightning_mm.parallel.expert_parallel import check_expert_parallel
 from lightning_mm.parallel.grads import GradientReducer, all_reduce_grads, clip_, global_grad_norm
 from lightning_mm.parallel.routed import RoutedExchange
-from lightning_mm.parallel.sharding import gradient_sync
 from lightning_mm.parallel.router_metrics import ROUTER_KEY, StepRouterMetrics
+from lightning_mm.parallel.sharding import gradient_sync
 from lightning_mm.parallel.tensor_parallel import keep_grads_like_parameters
 from lightning_mm.plan.layout import RankLayout
 from lightning_mm.plan.routing import expand_replicas
