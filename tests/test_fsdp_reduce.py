@@ -34,13 +34,19 @@ def test_once_per_step_reduces_once_and_trains_like_one_process(placement, llm_p
 @pytest.mark.slow
 def test_once_per_step_holds_the_unsharded_gradients_until_the_last_backward():
     """A trainable 42M-parameter Llama sharded over 2 replicas, 4 microbatches: a "step" step allocates about the
-    stage's unsharded fp32 gradients less the sharded ones "microbatch" keeps (1/2 of them) more at its peak."""
+    stage's unsharded fp32 gradients less the sharded ones "microbatch" keeps (1/2 of them) more at its peak, the
+    difference the planner's memory model (``state_bytes_per_device``) counts for fp32 AdamW state."""
+    from lightning_mm.planner.search import state_bytes_per_device
+
     every, once = (run_distributed(step_memory, 2, mode) for mode in ("microbatch", "step"))
     for a, b in zip(every, once):
-        extra, expected = b["peak"] - a["peak"], b["trainable_bytes"] / 2
+        state = 4 * b["trainable_bytes"]  # weights, gradients and AdamW's two moments, fp32
+        expected = state_bytes_per_device(state, True, 2, 1, "FULL_SHARD", "step") - \
+            state_bytes_per_device(state, True, 2, 1, "FULL_SHARD")
+        extra = b["peak"] - a["peak"]
         print(f"peak MiB: microbatch {a['peak'] / 2**20:.0f}, step {b['peak'] / 2**20:.0f}; "
               f"expected extra {expected / 2**20:.0f}")
-        assert 0.75 * expected < extra < 1.5 * expected, (a, b)
+        assert 0.6 * expected < extra < 1.5 * expected, (a, b)  # 72-92 MiB of 80 in 12 runs
 
 
 def test_unknown_fsdp_reduce_names_the_choices():

@@ -274,6 +274,12 @@ def test_state_bytes_per_device_under_tensor_parallelism_and_sharding():
     assert state_bytes_per_device(160.0, True, dp=4, tp=2, sharding="FULL_SHARD") == 20.0
     assert state_bytes_per_device(160.0, True, dp=4, tp=1, sharding="SHARD_GRAD_OP") == 40.0 + 120.0 / 4
     assert state_bytes_per_device(160.0, False, dp=4, tp=1, sharding="SHARD_GRAD_OP") == 160.0  # weights only
+    # fsdp_reduce="step": the gradients (a quarter) whole until the step's last backward, not a 1/dp shard of them
+    assert state_bytes_per_device(160.0, True, dp=4, tp=2, sharding="FULL_SHARD", fsdp_reduce="step") == 20.0 + 15.0
+    assert state_bytes_per_device(160.0, True, dp=4, tp=1, sharding="SHARD_GRAD_OP", fsdp_reduce="step") == \
+        40.0 + 120.0 / 4 + 30.0
+    assert state_bytes_per_device(160.0, False, dp=4, tp=1, sharding="FULL_SHARD", fsdp_reduce="step") == 40.0
+    assert state_bytes_per_device(160.0, True, dp=4, tp=1, sharding="NO_SHARD", fsdp_reduce="step") == 160.0
 
 
 def test_search_shards_or_splits_state_that_does_not_fit_and_times_their_traffic():
@@ -296,6 +302,11 @@ def test_search_shards_or_splits_state_that_does_not_fit_and_times_their_traffic
     plain = evaluate_plan(heavy, layers, "parallel", 4, dp=2, allreduce_bandwidth=1.0)
     full = evaluate_plan(heavy, layers, "parallel", 4, dp=2, allreduce_bandwidth=1.0, sharding="FULL_SHARD")
     assert full.iteration_time > plain.iteration_time
+    # fsdp_reduce="step" holds a trainable stage's gradients whole (the encoder stages' projectors; the LLM is frozen)
+    once = evaluate_plan(heavy, layers, "parallel", 4, dp=2, allreduce_bandwidth=1.0, sharding="FULL_SHARD",
+                         fsdp_reduce="step")
+    assert once.iteration_time == full.iteration_time and once.memory.keys() == full.memory.keys()
+    assert [once.memory[s] > m for s, m in full.memory.items()] == ["language_model" not in s for s in full.memory]
     with_tp = {m: ModuleSpec(s.costs, s.param_bytes, s.activation_bytes, s.grad_bytes, tp_bytes=0.5)
                for m, s in modules.items()}
     fast = evaluate_plan(with_tp, layers, "parallel", 4, tp=2)

@@ -200,7 +200,7 @@ def configured_plan(model, strategy, specs: dict[str, ModuleSpec], devices: int,
                          tp=max(layout.tp.values()), sharding=strategy.sharding_strategy, tp_bandwidth=tp_bandwidth,
                          cp=llm_spec.cp, cp_mode=layout.cp_mode, ulysses=layout.ulysses,
                          cp_bandwidth=cp_bandwidth, encoder_cp={e: s.cp for e, s in enc_specs.items()},
-                         ep=layout.ep, ep_bandwidth=ep_bandwidth)
+                         ep=layout.ep, ep_bandwidth=ep_bandwidth, fsdp_reduce=strategy.fsdp_reduce)
 
 
 def _configured_per_module(model, strategy, specs, enc_specs, memory_limit, allreduce_bandwidth, tp_bandwidth,
@@ -225,7 +225,8 @@ def _configured_per_module(model, strategy, specs, enc_specs, memory_limit, allr
                          tp={**{e: s.tp for e, s in enc_specs.items()}, LANGUAGE_MODEL: llm_spec.tp},
                          sharding=strategy.sharding_strategy, tp_bandwidth=tp_bandwidth, cp=llm_spec.cp,
                          cp_mode=layout.cp_mode, ulysses=layout.ulysses, cp_bandwidth=cp_bandwidth,
-                         encoder_cp={e: s.cp for e, s in enc_specs.items()}, samples_per_microbatch=samples)
+                         encoder_cp={e: s.cp for e, s in enc_specs.items()}, samples_per_microbatch=samples,
+                         fsdp_reduce=strategy.fsdp_reduce)
 
 
 def strategy_yaml(plan: Plan) -> str:

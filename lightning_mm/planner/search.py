@@ -363,16 +363,19 @@ def allreduce_seconds(num_bytes: float, dp: int, bandwidth: float) -> float:
 SHARDING_TRAFFIC = {"NO_SHARD": 1.0, "SHARD_GRAD_OP": 1.0, "FULL_SHARD": 1.5}  # x one all-reduce of the gradients
 
 
-def state_bytes_per_device(param_bytes: float, trainable: bool, dp: int, tp: int, sharding: str) -> float:
-    """Model-state bytes of one stage on one device: tensor parallelism splits weights, gradients and optimiser
-    state tp ways; FULL_SHARD shards all of it over dp, SHARD_GRAD_OP all but the weights (a quarter of a
-    trainable fp32 AdamW stage's state, all of a frozen one's)."""
+def state_bytes_per_device(param_bytes: float, trainable: bool, dp: int, tp: int, sharding: str,
+                           fsdp_reduce: str = "microbatch") -> float:
+    """Model-state bytes of one stage on one device at its peak: tensor parallelism splits weights, gradients and
+    optimiser state tp ways; FULL_SHARD shards all of it over dp, SHARD_GRAD_OP all but the weights (a quarter of a
+    trainable fp32 AdamW stage's state, all of a frozen one's). With ``fsdp_reduce="step"`` a trainable sharded
+    stage holds its gradients (another quarter) whole until the step's last backward instead of its shard of them."""
     per_tp = param_bytes / tp
+    held = per_tp / 4 * (1 - 1 / dp) if trainable and fsdp_reduce == "step" else 0.0
     if sharding == "FULL_SHARD":
-        return per_tp / dp
+        return per_tp / dp + held
     if sharding == "SHARD_GRAD_OP":
         weights = per_tp / 4 if trainable else per_tp
-        return weights + (per_tp - weights) / dp
+        return weights + (per_tp - weights) / dp + held
     return per_tp
 
 
@@ -381,11 +384,13 @@ def evaluate_plan(modules: dict[str, ModuleSpec], layers: dict[str, list[int]], 
                   allreduce_bandwidth: float = math.inf, tp: int | dict[str, int] = 1, sharding: str = "NO_SHARD",
                   tp_bandwidth: float = math.inf, cp: int = 1, cp_mode: str = "allgather", ulysses: int | None = None,
                   cp_bandwidth: float = math.inf, encoder_cp: dict[str, int] | None = None,
-                  samples_per_microbatch: int = 1, ep: int = 1, ep_bandwidth: float = math.inf) -> Plan:
+                  samples_per_microbatch: int = 1, ep: int = 1, ep_bandwidth: float = math.inf,
+                  fsdp_reduce: str = "microbatch") -> Plan:
     """Simulate one layout on one DP replica (num_microbatches / dp microbatches) with the true costs. With
     dp > 1 each stage then all-reduces its gradients over its dp replicas: a ring moves 2 (dp-1)/dp of the
     bytes through each device's link of ``allreduce_bandwidth`` bytes/s (FSDP's FULL_SHARD moves 1.5 times that:
-    two all-gathers and a reduce-scatter). With ``tp`` > 1 every stage's compute is split tp ways and each layer
+    two all-gathers and a reduce-scatter, timed once per step for either ``fsdp_reduce``, whose "step" memory
+    ``state_bytes_per_device`` counts). With ``tp`` > 1 every stage's compute is split tp ways and each layer
     all-reduces its output twice in forward and twice in backward over ``tp_bandwidth`` bytes/s.
 
     With ``cp`` > 1 every LLM stage spans cp x tp ranks: its LLM layers' compute and kept activations are split
@@ -439,7 +444,8 @@ def evaluate_plan(modules: dict[str, ModuleSpec], layers: dict[str, list[int]], 
     sync, state, experts_held = _sync_and_state(stages, moe, degrees, sharding, allreduce_bandwidth)
     per_replica = num_microbatches // degrees.dp
     result = simulate_1f1b(stages.graph, per_replica, fwd, bwd, p2p_latency, sync, comm_f, comm_b)
-    memory = {s: state_bytes_per_device(state[s], r[5], stages.dp[s] * stages.ranks[s], stages.tp[s], sharding)
+    memory = {s: state_bytes_per_device(state[s], r[5], stages.dp[s] * stages.ranks[s], stages.tp[s], sharding,
+                                        fsdp_reduce)
               + experts_held[s] + kept[s] * result.peak_inflight[s] for s, r in stages.table.items()}
     d = degrees
     return Plan(placement, {m: list(v) for m, v in layers.items()}, d.dp, per_replica, fwd, bwd, memory, result,
