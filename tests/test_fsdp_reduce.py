@@ -32,6 +32,19 @@ def test_once_per_step_reduces_once_and_trains_like_one_process(placement, llm_p
 
 
 @pytest.mark.slow
+@pytest.mark.combines("fsdp", "per_module_dp", "pipeline")
+def test_once_per_step_with_per_module_dp_and_a_replica_without_items():
+    """Vision dp 2 (the tower sharded over its two replicas) + LLM dp 1 in 2 stages, reducing once per step, on
+    batches where one vision replica gets no item in a microbatch and another microbatch has no image: like one
+    process."""
+    from helpers.empty_ranks_case import run_per_module_rank, run_per_module_reference
+
+    ref_losses, ref_params = run_per_module_reference()
+    results = run_distributed(run_per_module_rank, 4, {"vision": dict(dp=2)}, dict(dp=1, pp=2), 3, 4, 2, "step")
+    check_like_reference(results, ref_losses, ref_params)
+
+
+@pytest.mark.slow
 def test_once_per_step_holds_the_unsharded_gradients_until_the_last_backward():
     """A trainable 42M-parameter Llama sharded over 2 replicas, 4 microbatches: a "step" step allocates about the
     stage's unsharded fp32 gradients less the sharded ones "microbatch" keeps (1/2 of them) more at its peak, the

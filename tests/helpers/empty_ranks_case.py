@@ -77,7 +77,8 @@ def sparse_global_batches(model, steps: int, rows: int) -> list[dict]:
     return out
 
 
-def run_per_module_rank(rank, world, encoder_specs, llm_spec, steps=3, rows=4, microbatches=2):
+def run_per_module_rank(rank, world, encoder_specs, llm_spec, steps=3, rows=4, microbatches=2,
+                        fsdp_reduce="microbatch"):
     """(losses, owned trainable parameters, (local, full) element counts of this rank's encoder parameters) of one
     rank of ``encoder_specs`` / ``llm_spec`` (per-module dp, encoder cp) under FULL_SHARD, on
     ``sparse_global_batches``."""
@@ -86,7 +87,8 @@ def run_per_module_rank(rank, world, encoder_specs, llm_spec, steps=3, rows=4, m
     model = build(("vision",), "encoder")
     batches = sparse_global_batches(model, steps, rows)
     layout = layout_of(("vision",), encoder_specs, llm_spec, world)
-    engine = PipelineEngine(model, layout, rank, microbatches, sharding_strategy="FULL_SHARD")
+    engine = PipelineEngine(model, layout, rank, microbatches, sharding_strategy="FULL_SHARD",
+                            fsdp_reduce=fsdp_reduce)
     params = engine.trainable_parameters()
     opt = torch.optim.SGD(params, lr=0.5) if params else None
     losses = []
